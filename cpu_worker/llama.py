@@ -1,0 +1,285 @@
+"""A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2) with an explicit KV cache.
+
+Module names mirror Hugging Face's (``embed_tokens``, ``layers.N.self_attn.q_proj``, ...)
+so checkpoints load by name. The draft head in ``gpu_worker`` reuses ``DecoderLayer``.
+
+Every forward works on one sequence (batch 1) of S new tokens that sit at cache slots
+``[start, start + S)``; their positions are given explicitly so a draft tree can put
+several nodes at the same position, and the attention mask is explicit whenever the
+new tokens are not a plain causal continuation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """A model config that this decoder cannot run faithfully."""
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The architecture facts the decoder needs, parsed from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "LlamaSpec":
+        """Parse a transformers PretrainedConfig (either rope field style)."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        legacy_scaling = getattr(config, "rope_scaling", None)
+        if not rope:
+            rope = dict(legacy_scaling or {})
+            rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelConfigError(
+                f"RoPE scaling type {rope_type!r} is not implemented; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0) or 10000.0))
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+        scaling["rope_type"] = rope_type
+        num_heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+        sliding_window = None
+        if model_type == "mistral" or getattr(config, "use_sliding_window", False):
+            sliding_window = getattr(config, "sliding_window", None)
+        return cls(
+            vocab_size=int(config.vocab_size),
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(config.max_position_embeddings),
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            model_type=model_type,
+        )
+
+
+def rope_inverse_frequencies(spec: LlamaSpec) -> torch.Tensor:
+    """inv_freq [head_dim/2] in fp64-then-fp32, with linear or llama3 scaling applied."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).double() / dim))
+    scaling = spec.rope_scaling
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_context / low
+        high_wavelen = old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+class RotaryTable:
+    """cos/sin rows for every position up to ``max_len``, looked up by explicit positions."""
+
+    def __init__(self, spec: LlamaSpec, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        inv_freq = rope_inverse_frequencies(spec).to(device)
+        angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = angles.cos().to(dtype)
+        self.sin = angles.sin().to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, heads, S, head_dim]; cos/sin [S, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementations, then cast back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class KVCache:
+    """Preallocated keys and values of every layer for one sequence.
+
+    ``keys[layer]`` is [1, kv_heads, max_len, head_dim]. Slots past the committed length
+    may hold stale rows (a rejected tree); the attention length and mask never read them.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    def gather_rows(self, source: torch.Tensor, destination_start: int) -> None:
+        """Copy slots ``source`` (1-D index tensor) to ``destination_start...`` in every layer."""
+        count = source.numel()
+        end = destination_start + count
+        self.keys[:, :, :, destination_start:end] = self.keys.index_select(3, source)
+        self.values[:, :, :, destination_start:end] = self.values.index_select(3, source)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, start: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x [1, S, d]; keys/values: this layer's cache views [1, kv, max_len, hd].
+
+        ``mask``: bool [S, start + S] (True = may attend) or None for a causal continuation.
+        """
+        length = x.shape[1]
+        q = self.q_proj(x).view(1, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(1, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(1, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        end = start + length
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        all_k = keys[:, :, :end]
+        all_v = values[:, :, :end]
+        gqa = self.num_heads != self.num_kv_heads
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, enable_gqa=gqa)
+        elif length == 1 or start == 0:
+            # One new token sees everything; a prefill from slot 0 is plain causal.
+            out = F.scaled_dot_product_attention(q, all_k, all_v, is_causal=length > 1, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, all_k, all_v, attn_mask=causal_mask(start, length, x.device), enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(1, length, -1))
+
+
+def causal_mask(start: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool [length, start + length] for ``length`` new tokens continuing ``start`` cached ones."""
+    rows = torch.arange(length, device=device).unsqueeze(1) + start
+    cols = torch.arange(start + length, device=device).unsqueeze(0)
+    return cols <= rows
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama block. ``input_norm=False`` drops the attention input norm
+    (the first layer of an EAGLE/DGF draft head has none)."""
+
+    def __init__(self, spec: LlamaSpec, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm: nn.Module = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, start: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaDecoder(nn.Module):
+    """The whole causal LM: embeddings, decoder layers, final norm, lm_head."""
+
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rotary: RotaryTable, start: int, mask: torch.Tensor | None,
+                logits_rows: slice | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [S]. Returns (features [S, d] after the final norm,
+        logits [R, vocab] for the rows ``logits_rows`` selects, all rows by default)."""
+        cos, sin = rotary.lookup(positions)
+        x = self.embed_tokens(tokens).unsqueeze(0)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask)
+        features = self.norm(x)[0]
+        head_input = features if logits_rows is None else features[logits_rows]
+        return features, self.lm_head(head_input)
