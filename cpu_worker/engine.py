@@ -1,0 +1,136 @@
+"""The target engine: prefill, one-token decode and tree verification over one sequence.
+
+State is the KV cache plus ``committed``, the number of tokens whose keys and values are
+in it. The last emitted token is never cached yet: it is the next decode input, or the
+root of the next draft tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ipc.tree import tree_ancestor_mask, tree_depths, validate_parents
+
+from .acceptance import accept_greedy
+from .llama import KVCache, LlamaDecoder, RotaryTable
+
+
+class ContextOverflowError(ValueError):
+    """The sequence would not fit in the engine's context (KV cache)."""
+
+
+@dataclass
+class StepOutput:
+    features: torch.Tensor  # [n, hidden] last-layer states after the final norm, one per input token
+    logits: torch.Tensor  # [vocab] at the last input token
+
+
+@dataclass
+class VerifyOutcome:
+    accepted_nodes: list[int]  # tree node indices on the accepted path, root (0) first
+    tokens: list[int]  # the k accepted draft tokens, then the bonus token
+    features: torch.Tensor  # [k + 1, hidden] at the root and the k accepted nodes
+    logits: torch.Tensor  # [T, vocab] target logits at every tree node
+
+
+class TargetEngine:
+    def __init__(self, model: LlamaDecoder, max_len: int | None = None, activation_dtype: torch.dtype = torch.float32):
+        spec = model.spec
+        limit = spec.max_position_embeddings
+        if spec.sliding_window is not None:
+            # Sliding-window attention is not implemented: refuse contexts that would need it.
+            limit = min(limit, spec.sliding_window)
+        max_len = limit if max_len is None else max_len
+        if not 1 <= max_len <= limit:
+            raise ValueError(f"max_len must be in 1..{limit} for this model, got {max_len}")
+        self.model = model
+        self.spec = spec
+        self.max_len = max_len
+        self.dtype = activation_dtype
+        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_len, activation_dtype)
+        self.rotary = RotaryTable(spec, max_len, activation_dtype)
+        self.committed = 0
+
+    def reset(self) -> None:
+        self.committed = 0
+
+    def _check_room(self, extra: int) -> None:
+        if self.committed + extra > self.max_len:
+            raise ContextOverflowError(
+                f"sequence of {self.committed + extra} tokens exceeds the context of {self.max_len} tokens"
+            )
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int]) -> StepOutput:
+        """Run the prompt from an empty cache; features for every prompt position."""
+        if len(token_ids) == 0:
+            raise ValueError("prefill needs at least one token")
+        self.reset()
+        return self.extend(token_ids)
+
+    @torch.inference_mode()
+    def extend(self, token_ids: Sequence[int]) -> StepOutput:
+        """Append tokens to the cached sequence (one token = a plain decode step)."""
+        count = len(token_ids)
+        self._check_room(count)
+        start = self.committed
+        tokens = torch.as_tensor(token_ids, dtype=torch.long)
+        positions = torch.arange(start, start + count)
+        features, logits = self.model(tokens, positions, self.cache, self.rotary, start, None,
+                                      logits_rows=slice(count - 1, count))
+        self.committed += count
+        return StepOutput(features=features, logits=logits[0].float())
+
+    def decode(self, token: int) -> StepOutput:
+        return self.extend([token])
+
+    @torch.inference_mode()
+    def tree_logits(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the tree; node i at position committed + depth(i), attending to the
+        cached prefix, its ancestors and itself. Leaves the tree's KV in the scratch slots."""
+        validate_parents(parents)
+        size = len(tokens)
+        if len(parents) != size:
+            raise ValueError(f"tree has {size} tokens but {len(parents)} parents")
+        depths = tree_depths(parents)
+        self._check_room(size)
+        prefix = self.committed
+        positions = torch.as_tensor(depths, dtype=torch.long) + prefix
+        mask = torch.cat([torch.ones(size, prefix, dtype=torch.bool), tree_ancestor_mask(parents)], dim=1)
+        features, logits = self.model(torch.as_tensor(tokens, dtype=torch.long), positions, self.cache,
+                                      self.rotary, prefix, mask)
+        return features, logits.float()
+
+    def commit_path(self, accepted_nodes: Sequence[int]) -> None:
+        """Keep the KV rows of the accepted path (root first) as the next committed tokens."""
+        prefix = self.committed
+        if list(accepted_nodes) != list(range(len(accepted_nodes))):
+            source = torch.as_tensor(accepted_nodes, dtype=torch.long) + prefix
+            self.cache.gather_rows(source, prefix)
+        self.committed = prefix + len(accepted_nodes)
+
+    def verify(self, tokens: Sequence[int], parents: Sequence[int]) -> VerifyOutcome:
+        """Greedy verification: the longest path whose every token is the target's argmax at
+        its parent, plus the bonus token; the cache then holds exactly the accepted sequence."""
+        features, logits = self.tree_logits(tokens, parents)
+        nodes, bonus = accept_greedy(tokens, parents, logits)
+        self.commit_path(nodes)
+        accepted = [int(tokens[node]) for node in nodes[1:]] + [bonus]
+        return VerifyOutcome(accepted_nodes=nodes, tokens=accepted,
+                             features=features[torch.as_tensor(nodes)], logits=logits)
+
+
+def greedy_decode(engine: TargetEngine, prompt_ids: Sequence[int], max_new_tokens: int,
+                  eos_token_id: int | None = None) -> list[int]:
+    """Plain autoregressive greedy decoding: the reference the speculative path must equal."""
+    step = engine.prefill(prompt_ids)
+    generated: list[int] = []
+    while True:
+        token = int(step.logits.argmax())
+        generated.append(token)
+        if len(generated) >= max_new_tokens or token == eos_token_id:
+            return generated
+        step = engine.decode(token)

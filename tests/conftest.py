@@ -1,0 +1,80 @@
+"""Shared test fixtures: tiny random checkpoints of each supported family, and the testbed model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
+
+# Small enough to build in milliseconds, shaped to exercise every code path.
+TINY_FAMILIES: dict[str, dict] = {
+    "llama-mha": dict(model_type="llama"),
+    "llama-gqa-tied": dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=True),
+    "llama3-rope": dict(
+        model_type="llama", num_key_value_heads=1, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "llama-linear-rope": dict(model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=4096),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def make_hf_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    fields = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def save_tiny_model(directory: Path, model_type: str, seed: int = 0, weight_format: str = "safetensors",
+                    **overrides) -> Path:
+    """Build a random transformers model and save it; ``weight_format`` is
+    'safetensors', 'sharded' (several safetensors files with an index) or 'bin'."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = make_hf_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        # Random-init biases are zero; make them count so qkv-bias handling is tested.
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    directory.mkdir(parents=True, exist_ok=True)
+    if weight_format == "bin":
+        config.save_pretrained(directory)
+        torch.save(model.state_dict(), directory / "pytorch_model.bin")
+    elif weight_format == "sharded":
+        model.save_pretrained(directory, max_shard_size="40KB")
+    else:
+        model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {name: save_tiny_model(root / name, **spec) for name, spec in TINY_FAMILIES.items()}
+
+
+@pytest.fixture(scope="session")
+def testbed_path() -> Path:
+    assert (TESTBED / "config.json").exists(), f"testbed model missing at {TESTBED}"
+    return TESTBED
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _few_threads():
+    # Two cores on CI: keep torch from oversubscribing when tests spawn processes.
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
