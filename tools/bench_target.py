@@ -1,0 +1,120 @@
+"""Target engine speed, side by side in one run: decode tokens/s of this engine vs
+transformers ``generate``, tree-verification latency against T, and the memory-bandwidth
+ceiling of a decode step on this machine.
+
+    python -m tools.bench_target [--threads 2] [--tokens 64] [--models testbed,random-110m]
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from cpu_worker import TargetEngine, greedy_decode, load_target_model
+
+TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
+TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def random_llama_110m(directory: Path) -> Path:
+    """A Llama config of about 110M parameters with random weights, saved as a checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth from summing a buffer far larger than the caches (bytes read / time)."""
+    buffer = torch.ones(megabytes * 1024 * 1024 // 4, dtype=torch.float32)
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / min(times) / 1e9
+
+
+def engine_decode_tps(engine: TargetEngine, prompt: list[int], tokens: int) -> float:
+    greedy_decode(engine, prompt, 4)
+    start = time.perf_counter()
+    greedy_decode(engine, prompt, tokens)
+    return tokens / (time.perf_counter() - start)
+
+
+def hf_decode_tps(path: Path, prompt: list[int], tokens: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    return tokens / (time.perf_counter() - start)
+
+
+def verify_latency_ms(engine: TargetEngine, prefix: list[int], size: int, repeats: int) -> float:
+    rng = random.Random(size)
+    parents = [-1] + [rng.randrange(index) for index in range(1, size)]
+    tokens = [rng.randrange(3, engine.spec.vocab_size) for _ in range(size)]
+    engine.prefill(prefix)
+    engine.tree_logits(tokens, parents)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.tree_logits(tokens, parents)  # leaves `committed` unchanged: same work each time
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@click.command()
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="intra-op threads (default: torch's)")
+@click.option("--tokens", type=click.IntRange(min=8), default=64, show_default=True, help="new tokens per decode run")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="verify repeats per T")
+@click.option("--models", default="testbed,random-110m", show_default=True, help="comma list: testbed, random-110m")
+def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    bandwidth = memory_bandwidth_gbs()
+    print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth:.1f} GB/s")
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = {"testbed": TESTBED, "random-110m": None}
+        for name in models.split(","):
+            path = paths[name] if name == "testbed" else random_llama_110m(Path(scratch) / name)
+            model = load_target_model(path)
+            engine = TargetEngine(model, max_len=512)
+            model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            prompt = [1] + [random.Random(0).randrange(3, engine.spec.vocab_size) for _ in range(127)]
+            ours = engine_decode_tps(engine, prompt, tokens)
+            theirs = hf_decode_tps(path, prompt, tokens)
+            floor_ms = model_bytes / (bandwidth * 1e9) * 1e3
+            print(f"\n## {name}: {model_bytes / 1e6:.0f} MB fp32, prompt 128 tokens, {tokens} new tokens")
+            print("| decode | tokens/s | ms/step |")
+            print("|---|---|---|")
+            print(f"| dovetail engine | {ours:.1f} | {1e3 / ours:.2f} |")
+            print(f"| transformers generate | {theirs:.1f} | {1e3 / theirs:.2f} |")
+            print(f"| bandwidth ceiling (bytes / {bandwidth:.1f} GB/s) | {1e3 / floor_ms:.1f} | {floor_ms:.2f} |")
+            print(f"engine / transformers: {ours / theirs:.2f}x")
+            print("\n| T | verify ms | vs T=1 |")
+            print("|---|---|---|")
+            base = None
+            for size in TREE_SIZES:
+                latency = verify_latency_ms(engine, prompt, size, repeats)
+                base = base or latency
+                print(f"| {size} | {latency:.2f} | {latency / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
