@@ -1,0 +1,264 @@
+"""Draft head checkpoints: Dovetail's own (dgf or fc) and published EAGLE-1/2 folders.
+
+A folder holds ``config.json`` (Llama-style fields; ``num_hidden_layers`` counts the
+draft's layers; ``dovetail_fusion`` names the fusion) and the weights (``model.safetensors``
+or ``pytorch_model.bin``, optionally sharded with an index). EAGLE-1/2 folders name no
+fusion: ``fc.weight`` among the keys means ``fc``. The frozen embedding and lm_head come
+from the draft folder where present, else from the target's folder (only those tensors
+are read; a tied target head reuses the embedding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cpu_worker.llama import LlamaSpec
+
+from .head import FUSIONS, DraftHead
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FUSION_FIELD = "dovetail_fusion"
+# Buffers some published checkpoints carry that the head recomputes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
+_TARGET_HEAD_NAMES = ("lm_head.weight",)
+_FROZEN = ("embed_tokens.weight", "lm_head.weight")
+
+
+class DraftCheckpointError(ValueError):
+    """A draft (or target) folder that cannot be loaded as asked, with what was found."""
+
+
+# ---------------------------------------------------------------- reading weights
+
+def _weight_files(folder: Path) -> dict[str, Path] | list[Path]:
+    """A {tensor name: file} map when the folder has an index, else the list of weight files."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: folder / file for name, file in weight_map.items()}
+    for pattern in ("model.safetensors", "model-*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin"):
+        found = sorted(folder.glob(pattern))
+        if found:
+            return found
+    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    raise DraftCheckpointError(
+        f"no weights in {folder}: expected model.safetensors or pytorch_model.bin "
+        f"(optionally sharded with an index); found {present or 'nothing'}")
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    try:  # mmap avoids reading a multi-GB target shard to fetch two tensors
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _file_keys(file: Path) -> list[str]:
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as handle:
+            return list(handle.keys())
+    return list(_load_bin(file).keys())
+
+
+def _read_from(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as handle:
+            present = set(handle.keys())
+            return {name: handle.get_tensor(name) for name in names if name in present}
+    state = _load_bin(file)
+    return {name: state[name] for name in names if name in state}
+
+
+def read_tensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The named tensors (all when ``names`` is None) found in the folder's weight files;
+    names not present are simply absent from the result."""
+    files = _weight_files(folder)
+    if isinstance(files, dict):
+        wanted = list(files) if names is None else [name for name in names if name in files]
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(files[name], []).append(name)
+        found: dict[str, torch.Tensor] = {}
+        for file, file_names in by_file.items():
+            found.update(_read_from(file, file_names))
+        return found
+    found = {}
+    for file in files:
+        found.update(_read_from(file, _file_keys(file) if names is None else names))
+    return found
+
+
+# ---------------------------------------------------------------- configs
+
+def _hf_config(folder: Path) -> Any:
+    """A transformers config for a Llama-style folder (AutoConfig; plain LlamaConfig when the
+    file names no model_type, as some exported draft configs do)."""
+    path = folder / CONFIG_NAME
+    if not path.exists():
+        raise DraftCheckpointError(f"{folder} has no {CONFIG_NAME}")
+    raw = json.loads(path.read_text())
+    if "model_type" in raw:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(folder))
+    from transformers import LlamaConfig
+
+    return LlamaConfig.from_dict(raw)
+
+
+def detect_fusion(raw_config: dict[str, Any], keys: list[str] | set[str]) -> str:
+    """The config's ``dovetail_fusion`` if it names one, else guessed from the weight keys."""
+    named = raw_config.get(FUSION_FIELD)
+    if named is not None:
+        if named not in FUSIONS:
+            raise DraftCheckpointError(f"unknown draft fusion {named!r} in config; supported: {', '.join(FUSIONS)}")
+        return named
+    keys = set(keys)
+    if "fc.weight" in keys:
+        return "fc"
+    if {"W_1", "W_2", "W_z"} <= keys:
+        return "dgf"
+    raise DraftCheckpointError(
+        f"cannot tell the draft's fusion: config names no {FUSION_FIELD!r} and the weights have "
+        "neither fc.weight (EAGLE fc) nor W_1/W_2/W_z (dgf)")
+
+
+def _check_match(what: str, draft: int, target: int) -> None:
+    if draft != target:
+        raise DraftCheckpointError(f"draft head {what} {draft} does not match the target's {what} {target}")
+
+
+# ---------------------------------------------------------------- load / save
+
+def load_target_frozen(target_dir: Path | str) -> dict[str, torch.Tensor]:
+    """The target's embedding and lm_head, reading only those tensors (tied head -> embedding)."""
+    target_dir = Path(target_dir)
+    config = _hf_config(target_dir)
+    found = read_tensors(target_dir, list(_TARGET_EMBED_NAMES + _TARGET_HEAD_NAMES))
+    embed = next((found[name] for name in _TARGET_EMBED_NAMES if name in found), None)
+    head = next((found[name] for name in _TARGET_HEAD_NAMES if name in found), None)
+    if embed is None:
+        raise DraftCheckpointError(f"target folder {target_dir} has no model.embed_tokens.weight")
+    if head is None:
+        if not getattr(config, "tie_word_embeddings", False):
+            raise DraftCheckpointError(
+                f"target folder {target_dir} has no lm_head.weight and does not tie it to the embedding")
+        head = embed
+    return {"embed_tokens.weight": embed, "lm_head.weight": head}
+
+
+def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DraftHead:
+    """Build a ``DraftHead`` from a draft folder (Dovetail or published EAGLE-1/2 layout).
+
+    ``target_dir`` supplies the embedding/lm_head the draft folder lacks and is checked for
+    matching hidden size and vocabulary.
+    """
+    draft_dir = Path(draft_dir)
+    config = _hf_config(draft_dir)
+    raw = json.loads((draft_dir / CONFIG_NAME).read_text())
+    state = {name: tensor for name, tensor in read_tensors(draft_dir).items()
+             if not name.endswith(_IGNORED_SUFFIXES)}
+    fusion = detect_fusion(raw, state.keys())
+    spec = LlamaSpec.from_hf_config(config)
+    # Bias flags come from the weights: published heads differ (qwen-style qkv bias, no fc bias).
+    spec = dataclasses.replace(
+        spec,
+        qkv_bias="layers.0.self_attn.q_proj.bias" in state,
+        o_bias="layers.0.self_attn.o_proj.bias" in state,
+        mlp_bias="layers.0.mlp.gate_proj.bias" in state,
+        sliding_window=None,
+    )
+    fc_bias = "fc.bias" in state  # the weights decide; a config's "bias": false agrees with them
+
+    if target_dir is not None:
+        target_config = _hf_config(Path(target_dir))
+        _check_match("hidden size", spec.hidden_size, int(target_config.hidden_size))
+        _check_match("vocab size", spec.vocab_size, int(target_config.vocab_size))
+        missing_frozen = [name for name in _FROZEN if name not in state]
+        if missing_frozen:
+            frozen = load_target_frozen(target_dir)
+            for name in missing_frozen:
+                state[name] = frozen[name]
+    elif "lm_head.weight" not in state and "embed_tokens.weight" not in state:
+        raise DraftCheckpointError(
+            f"draft folder {draft_dir} has no embed_tokens/lm_head: pass the target's folder to take them from")
+    elif "lm_head.weight" not in state:
+        raise DraftCheckpointError(
+            f"draft folder {draft_dir} has no lm_head.weight: pass the target's folder to take it from")
+
+    for name, rows in (("embed_tokens.weight", "vocab size"), ("lm_head.weight", "vocab size")):
+        if name in state:
+            _check_match(rows, spec.vocab_size, int(state[name].shape[0]))
+            _check_match("hidden size", spec.hidden_size, int(state[name].shape[1]))
+
+    with torch.device("meta"):  # no wasted random init: every tensor comes from the files
+        head = DraftHead(spec, fusion=fusion, fc_bias=fc_bias)
+    expected = set(head.state_dict().keys())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise DraftCheckpointError(
+            f"draft weights in {draft_dir} do not fit a {spec.num_layers}-layer {fusion} head: "
+            f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
+    state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in state.items()}
+    head.load_state_dict(state, assign=True, strict=True)
+    head.embed_tokens.weight.requires_grad_(False)
+    head.lm_head.weight.requires_grad_(False)
+    return head.eval()
+
+
+def head_config(head: DraftHead) -> dict[str, Any]:
+    """config.json fields describing ``head`` (readable by transformers and by EAGLE tools)."""
+    spec = head.spec
+    scaling = {k: v for k, v in spec.rope_scaling.items()}
+    rope_scaling = None if scaling.get("rope_type", "default") == "default" else scaling
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": spec.model_type,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "attention_bias": spec.qkv_bias,
+        "mlp_bias": spec.mlp_bias,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        FUSION_FIELD: head.fusion,
+    }
+    if head.fusion == "fc":
+        config["bias"] = head.fc_bias
+    return config
+
+
+def save_head(head: DraftHead, folder: Path | str, include_frozen: bool = True) -> Path:
+    """Write ``config.json`` + ``model.safetensors``. ``include_frozen=False`` leaves out the
+    embedding and lm_head (large at 13B size); loading then needs the target's folder."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()
+             if include_frozen or name not in _FROZEN}
+    (folder / CONFIG_NAME).write_text(json.dumps(head_config(head), indent=2) + "\n")
+    save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    return folder

@@ -1,0 +1,147 @@
+"""The drafter: a draft head, its KV cache over the accepted sequence, and the tree builder.
+
+Draft-position convention (DESIGN.md sections 3 and 5). The pair (f_i, x_{i+1}) sits at
+draft position i, one less than the target's position of x_{i+1}, in cache slot i.
+``length`` = committed pairs L; with the coordinator feeding as below, L always equals
+the target's ``prefix_len`` (tokens in the target's KV cache).
+
+- Prefill of prompt x_0..x_{n-1}, first emitted token x_n: ``extend(f_0..f_{n-1},
+  x_1..x_n)`` -> positions 0..n-1, L = n.
+- After a verify that accepted k drafts and emitted a bonus token: ``extend(f_root, f_1..f_k;
+  x_1..x_k, x_bonus)`` -> k+1 more pairs.
+- The root of the next tree is the last token passed to ``extend`` (x_n, x_bonus); the
+  head's output at the last committed position (draft position L-1) is its predicted
+  feature of the root, and its log-probabilities score the root's children.
+- A tree node at depth d >= 1 (target position L + d) is fed, when expanded, as the pair
+  (its parent's predicted feature, its token) at draft position L - 1 + d. Its KV goes to a
+  scratch slot past L (see ``gpu_worker.tree``), attending to the committed prefix, its
+  non-root ancestors and itself; the root's own pair is the committed slot L-1.
+  Scratch slots are overwritten by the next ``extend`` and never read as committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from cpu_worker.llama import KVCache, RotaryTable
+
+from .checkpoint import load_head
+from .device import resolve_device, resolve_dtype
+from .head import DraftHead
+from .tree import DraftTree, build_tree, check_tree_args, scratch_slots
+
+
+class DraftContextError(ValueError):
+    """The sequence (or a tree's scratch) does not fit the draft cache."""
+
+
+class Drafter:
+    """Holds a ``DraftHead`` and its cache; the coordinator calls ``reset``, ``extend`` and
+    ``propose`` only.
+
+    ``max_len``: most committed pairs (match the target's context length). ``scratch_len``:
+    slots past the committed length for tree expansion; a tree needs
+    (min(depth, T-1) - 1) * top_k of them.
+    """
+
+    def __init__(self, head: DraftHead, max_len: int, scratch_len: int = 256):
+        if max_len < 1 or scratch_len < 0:
+            raise ValueError(f"max_len must be >= 1 and scratch_len >= 0, got {max_len}, {scratch_len}")
+        parameter = head.lm_head.weight
+        self.head = head.eval()
+        self.device = parameter.device
+        self.dtype = parameter.dtype
+        self.max_len = max_len
+        self.scratch_len = scratch_len
+        spec = head.spec
+        total = max_len + scratch_len
+        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, total, self.dtype, self.device)
+        self.rotary = RotaryTable(spec, total, self.dtype, self.device)
+        self.reset()
+
+    @classmethod
+    def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path | None = None, max_len: int = 2048,
+                        device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
+                        scratch_len: int = 256) -> "Drafter":
+        """Load a draft folder (Dovetail or EAGLE-1/2 layout) onto ``device`` (auto: CUDA if any)."""
+        resolved = resolve_device(device)
+        head = load_head(draft_dir, target_dir, device=resolved, dtype=resolve_dtype(resolved, dtype))
+        return cls(head, max_len=max_len, scratch_len=scratch_len)
+
+    @property
+    def length(self) -> int:
+        """Committed pairs (= the target's prefix_len when fed as documented above)."""
+        return self._length
+
+    def reset(self) -> None:
+        """Forget the sequence (the cache rows are simply overwritten later)."""
+        self._length = 0
+        self._root_token: int | None = None
+        self._root_feature: torch.Tensor | None = None
+        self._root_log_probs: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> None:
+        """Commit n pairs (f_i, x_{i+1}) at the next draft positions.
+
+        features: [n, d] target features (any device/dtype; converted here);
+        tokens: [n] the tokens that follow each feature's position.
+        """
+        tokens_cpu = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
+        count = int(tokens_cpu.shape[0])
+        if count == 0:
+            raise ValueError("extend needs at least one (feature, token) pair")
+        hidden = self.head.spec.hidden_size
+        if tuple(features.shape) != (count, hidden):
+            raise ValueError(f"features must be [{count}, {hidden}] to pair with {count} tokens, "
+                             f"got {list(features.shape)}")
+        start = self._length
+        if start + count > self.max_len:
+            raise DraftContextError(f"draft cache full: {start} + {count} pairs exceed max_len {self.max_len}")
+        features = features.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        token_ids = tokens_cpu.to(self.device, non_blocking=True)
+        cos = self.rotary.cos[start:start + count]
+        sin = self.rotary.sin[start:start + count]
+        # mask None: a plain causal continuation of the committed prefix.
+        out = self.head(features, token_ids, cos, sin, self.cache, start, None)
+        self._root_feature = out[-1]
+        self._root_log_probs = self.head.log_probs(out[-1:])[0]
+        self._root_token = int(tokens_cpu[-1])
+        self._length = start + count
+
+    @torch.inference_mode()
+    def propose(self, tree_tokens: int, depth: int, top_k: int,
+                keep_child_log_probs: bool = False) -> DraftTree:
+        """An EAGLE-2 tree of ``tree_tokens`` nodes (root included; fewer only when the
+        expansion yields fewer candidates) at most ``depth`` draft tokens deep, beam ``top_k``.
+        The root is the last token passed to ``extend``. Leaves the committed cache as is,
+        so calling it twice gives the same tree."""
+        if self._root_token is None:
+            raise RuntimeError("propose() before extend(): the drafter has no sequence")
+        check_tree_args(tree_tokens, depth, top_k, self.head.spec.vocab_size)
+        needed = scratch_slots(tree_tokens, depth, top_k)
+        if needed > self.scratch_len:
+            raise DraftContextError(
+                f"tree T={tree_tokens} depth={depth} top_k={top_k} needs {needed} scratch slots, "
+                f"scratch_len is {self.scratch_len}")
+        committed = self._length
+        rotary, cache, head = self.rotary, self.cache, self.head
+
+        def expand(tokens: torch.Tensor, parent_features: torch.Tensor, node_depth: int,
+                   ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            count, scratch = ancestors.shape
+            start = committed + scratch - count  # this beam's scratch slots
+            mask = torch.empty(count, committed + scratch, dtype=torch.bool, device=ancestors.device)
+            mask[:, :committed] = True
+            mask[:, committed:] = ancestors
+            position = committed - 1 + node_depth
+            cos = rotary.cos[position].expand(count, -1)
+            sin = rotary.sin[position].expand(count, -1)
+            out = head(parent_features, tokens, cos, sin, cache, start, mask)
+            return out, head.log_probs(out)
+
+        return build_tree(self._root_token, self._root_feature, self._root_log_probs, expand,
+                          tree_tokens, depth, top_k, keep_child_log_probs)

@@ -1,0 +1,87 @@
+"""The feature-level draft head (DESIGN.md section 5).
+
+At draft position i the head sees the target's feature ``f_i`` (last hidden state after
+the final norm) and the token ``x_{i+1}``; it fuses them, runs N Llama decoder layers
+(the first without its input norm, no final norm) and scores with a frozen copy of the
+target's lm_head. Its output feature predicts ``f_{i+1}`` and feeds the next draft step.
+
+Parameter names follow the published layouts so checkpoints load by name:
+``embed_tokens``, ``fc`` (EAGLE-1/2), ``W_1``/``W_2``/``W_z``/``input_layernorm`` (DGF),
+``layers.N.*``, ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu_worker.llama import DecoderLayer, KVCache, LlamaSpec, RMSNorm
+
+FUSIONS = ("dgf", "fc")
+
+
+class DraftHead(nn.Module):
+    """Fusion + ``spec.num_layers`` decoder layers + frozen lm_head.
+
+    ``spec`` describes the head (its ``num_layers`` is the number of draft layers); hidden
+    size and vocabulary are the target's.
+    """
+
+    def __init__(self, spec: LlamaSpec, fusion: str = "dgf", fc_bias: bool = True):
+        super().__init__()
+        if fusion not in FUSIONS:
+            raise ValueError(f"unknown draft fusion {fusion!r}; supported: {', '.join(FUSIONS)}")
+        if spec.num_layers < 1:
+            raise ValueError("a draft head needs at least one decoder layer")
+        self.spec = spec
+        self.fusion = fusion
+        d = spec.hidden_size
+        # Frozen copies of the target's embedding and head: trained heads never update them.
+        self.embed_tokens = nn.Embedding(spec.vocab_size, d)
+        self.embed_tokens.weight.requires_grad_(False)
+        if fusion == "dgf":
+            self.input_layernorm = RMSNorm(d, spec.rms_norm_eps)
+            # Used as x @ W (Dovetail's layout), hence [in, out].
+            self.W_1 = nn.Parameter(torch.empty(d, d))
+            self.W_2 = nn.Parameter(torch.empty(d, d))
+            self.W_z = nn.Parameter(torch.empty(2 * d, d))
+            for weight in (self.W_1, self.W_2, self.W_z):
+                nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
+        else:
+            self.fc = nn.Linear(2 * d, d, bias=fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(spec, input_norm=index > 0) for index in range(spec.num_layers))
+        self.lm_head = nn.Linear(d, spec.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+
+    @property
+    def fc_bias(self) -> bool:
+        return self.fusion == "fc" and self.fc.bias is not None
+
+    def fuse(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """features [S, d], tokens [S] -> fused input [S, d] of the first decoder layer."""
+        embedded = self.embed_tokens(tokens)
+        if self.fusion == "fc":
+            # EAGLE order: raw embedding first, then the feature; no activation.
+            return self.fc(torch.cat([embedded, features], dim=-1))
+        h1 = features @ self.W_1
+        h2 = F.silu(self.input_layernorm(embedded) @ self.W_2)
+        gate = torch.sigmoid(torch.cat([h1, h2], dim=-1) @ self.W_z)
+        return gate * h1 + (1 - gate) * h2
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """S pairs (f_i, x_{i+1}) written to cache slots [start, start + S).
+
+        cos/sin: rotary rows [S, head_dim] for the pairs' draft positions; ``mask``: bool
+        [S, start + S] (True = may attend) or None for a causal continuation.
+        Returns the output features [S, d] (predictions of the next target features).
+        """
+        x = self.fuse(features, tokens).unsqueeze(0)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask)
+        return x[0]
+
+    def log_probs(self, output_features: torch.Tensor) -> torch.Tensor:
+        """Draft log-probabilities [S, vocab] in fp32 (half-precision log_softmax loses ranks)."""
+        return torch.log_softmax(self.lm_head(output_features).float(), dim=-1)
