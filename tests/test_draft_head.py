@@ -1,0 +1,213 @@
+"""Draft head forward against a plain reference, checkpoints (Dovetail and EAGLE layouts),
+target embedding/lm_head fetching, mismatch errors, device and dtype choice."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from cpu_worker.llama import KVCache, RotaryTable
+from gpu_worker import DraftCheckpointError, Drafter, load_head, resolve_device, resolve_dtype, save_head
+from gpu_worker.head import DraftHead
+from test_draft_support import (HIDDEN, VOCAB, reference_head, save_tiny_target, spec_config, target_frozen,
+                                tiny_head, tiny_spec, write_eagle_checkpoint)
+
+TOL = 1e-5
+
+
+def run_head(head: DraftHead, features: torch.Tensor, tokens: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Outputs of every pair, fed through the KV cache in chunks (exercises start > 0)."""
+    spec = head.spec
+    cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, 64, torch.float32)
+    rotary = RotaryTable(spec, 64, torch.float32)
+    outs, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            end = start + size
+            cos, sin = rotary.lookup(torch.arange(start, end))
+            outs.append(head(features[start:end], tokens[start:end], cos, sin, cache, start, None))
+            start = end
+    return torch.cat(outs)
+
+
+def random_pairs(count: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(count, HIDDEN, generator=generator), torch.randint(0, VOCAB, (count,), generator=generator)
+
+
+@pytest.mark.parametrize("fusion", ["dgf", "fc"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_head_matches_reference(fusion, kv_heads):
+    head = tiny_head(fusion, layers=2, kv_heads=kv_heads)
+    features, tokens = random_pairs(12)
+    expected = reference_head(head.state_dict(), spec_config(head.spec), fusion, features, tokens)
+    for chunks in ([12], [5, 1, 6], [1] * 12):
+        got = run_head(head, features, tokens, chunks)
+        assert (got - expected).abs().max() < TOL, chunks
+    logits = head.lm_head(got)
+    assert (logits - expected @ head.lm_head.weight.T).abs().max() < TOL
+
+
+def test_fc_without_bias_and_frozen_parts():
+    head = tiny_head("fc", fc_bias=False)
+    assert head.fc.bias is None and not head.fc_bias
+    assert not head.embed_tokens.weight.requires_grad and not head.lm_head.weight.requires_grad
+    assert head.layers[0].input_layernorm.__class__.__name__ == "Identity"
+    features, tokens = random_pairs(6)
+    expected = reference_head(head.state_dict(), spec_config(head.spec), "fc", features, tokens)
+    assert (run_head(head, features, tokens, [6]) - expected).abs().max() < TOL
+
+
+def test_unknown_fusion_is_an_error():
+    with pytest.raises(ValueError, match="unknown draft fusion 'gated'"):
+        DraftHead(tiny_spec(), fusion="gated")
+
+
+@pytest.mark.parametrize("fusion", ["dgf", "fc"])
+def test_save_load_round_trip(tmp_path, fusion):
+    head = tiny_head(fusion, layers=3)
+    save_head(head, tmp_path / "draft")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["dovetail_fusion"] == fusion and config["num_hidden_layers"] == 3
+    loaded = load_head(tmp_path / "draft")
+    assert loaded.fusion == fusion and loaded.spec.num_layers == 3 and loaded.spec.num_kv_heads == 2
+    assert not loaded.lm_head.weight.requires_grad
+    features, tokens = random_pairs(9)
+    assert (run_head(loaded, features, tokens, [4, 5]) - run_head(head, features, tokens, [9])).abs().max() < TOL
+
+
+def test_round_trip_without_frozen_needs_the_target(tmp_path):
+    target = save_tiny_target(tmp_path / "target")
+    embed, lm_head = target_frozen(target)
+    head = tiny_head("dgf")
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(embed)
+        head.lm_head.weight.copy_(lm_head)
+    save_head(head, tmp_path / "draft", include_frozen=False)
+    with pytest.raises(DraftCheckpointError, match="target"):
+        load_head(tmp_path / "draft")
+    loaded = load_head(tmp_path / "draft", tmp_path / "target")
+    features, tokens = random_pairs(7)
+    assert (run_head(loaded, features, tokens, [7]) - run_head(head, features, tokens, [7])).abs().max() < TOL
+
+
+def eagle_weights(layers: int = 1, kv_heads: int = 2, bias: bool = True, seed: int = 3,
+                  with_embed: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Weights in the published EAGLE key layout (with rotary_emb.inv_freq buffers)."""
+    head = tiny_head("fc", layers=layers, kv_heads=kv_heads, fc_bias=bias, seed=seed)
+    weights = {k: v for k, v in head.state_dict().items() if k != "lm_head.weight"}
+    if not with_embed:
+        del weights["embed_tokens.weight"]
+    for layer in range(layers):
+        weights[f"layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.rand(HIDDEN // 8)
+    config = dict(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=kv_heads,
+                  num_hidden_layers=layers, rms_norm_eps=1e-6, rope_theta=10000.0)
+    return weights, config
+
+
+@pytest.mark.parametrize("weight_format", ["bin", "safetensors"])
+@pytest.mark.parametrize("with_embed", [True, False])
+def test_eagle_checkpoint_loads_unchanged(tmp_path, weight_format, with_embed):
+    target = save_tiny_target(tmp_path / "target")
+    target_embed, target_head = target_frozen(target)
+    weights, config = eagle_weights(with_embed=with_embed)
+    draft = write_eagle_checkpoint(tmp_path / "eagle", weights, config, weight_format)
+    head = load_head(draft, target)
+    assert head.fusion == "fc" and head.fc_bias and head.spec.num_kv_heads == 2
+    # Reference: the fp16 published weights + the target's head (and embedding if absent).
+    reference = {k: v.half().float() for k, v in weights.items()}
+    reference["lm_head.weight"] = target_head
+    reference.setdefault("embed_tokens.weight", target_embed)
+    assert torch.equal(head.embed_tokens.weight, reference["embed_tokens.weight"])
+    assert torch.equal(head.lm_head.weight, target_head)
+    features, tokens = random_pairs(10)
+    expected = reference_head(reference, config, "fc", features, tokens)
+    assert (run_head(head, features, tokens, [6, 4]) - expected).abs().max() < TOL
+
+
+def test_eagle_checkpoint_without_fc_bias(tmp_path):
+    target = save_tiny_target(tmp_path / "target")
+    weights, config = eagle_weights(bias=False)
+    draft = write_eagle_checkpoint(tmp_path / "eagle", dict(weights), dict(config, bias=False), "safetensors")
+    head = load_head(draft, target)
+    assert head.fusion == "fc" and head.fc.bias is None
+
+
+@pytest.mark.parametrize("weight_format,tied", [("safetensors", True), ("sharded", False), ("bin", False),
+                                                 ("bin", True)])
+def test_frozen_tensors_from_target_layouts(tmp_path, weight_format, tied):
+    target = save_tiny_target(tmp_path / "target", weight_format=weight_format, tied=tied)
+    if weight_format == "sharded":
+        assert (target / "model.safetensors.index.json").exists()
+    target_embed, target_head = target_frozen(target)
+    if tied:
+        assert torch.equal(target_embed, target_head)
+    weights, config = eagle_weights(with_embed=False)
+    head = load_head(write_eagle_checkpoint(tmp_path / "eagle", weights, config), target)
+    assert torch.equal(head.embed_tokens.weight, target_embed)
+    assert torch.equal(head.lm_head.weight, target_head)
+
+
+@pytest.mark.parametrize("what,target_kwargs,numbers", [
+    ("hidden size", dict(hidden=32), ("64", "32")),
+    ("vocab size", dict(vocab=120), (str(VOCAB), "120")),
+])
+def test_mismatched_target_is_a_clear_error(tmp_path, what, target_kwargs, numbers):
+    target = save_tiny_target(tmp_path / "target", **target_kwargs)
+    weights, config = eagle_weights()
+    draft = write_eagle_checkpoint(tmp_path / "eagle", weights, config)
+    with pytest.raises(DraftCheckpointError) as error:
+        load_head(draft, target)
+    message = str(error.value)
+    assert what in message and all(number in message for number in numbers), message
+
+
+def test_unknown_or_undetectable_fusion(tmp_path):
+    head = tiny_head("dgf")
+    save_head(head, tmp_path / "draft")
+    path = tmp_path / "draft" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(config, dovetail_fusion="medusa")))
+    with pytest.raises(DraftCheckpointError, match="unknown draft fusion 'medusa'"):
+        load_head(tmp_path / "draft")
+    del config["dovetail_fusion"]
+    path.write_text(json.dumps(config))
+    assert load_head(tmp_path / "draft").fusion == "dgf"  # W_1/W_2/W_z keys
+    weights, eagle_config = eagle_weights()
+    weights["fc2.weight"] = weights.pop("fc.weight")
+    write_eagle_checkpoint(tmp_path / "odd", weights, eagle_config)
+    with pytest.raises(DraftCheckpointError, match="cannot tell the draft's fusion"):
+        load_head(tmp_path / "odd", tmp_path / "draft")
+
+
+def test_device_and_dtype_choice(caplog):
+    with caplog.at_level(logging.INFO, logger="gpu_worker.device"):
+        device = resolve_device("auto")
+    assert "draft device" in caplog.text
+    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = torch.device("cpu")
+    assert resolve_dtype(cpu) == torch.float32
+    with pytest.raises(ValueError, match="only supported on CUDA"):
+        resolve_dtype(cpu, "fp16")
+    with pytest.raises(ValueError, match="unknown draft dtype"):
+        resolve_dtype(cpu, "fp8")
+    assert resolve_dtype(torch.device("cuda"), "bf16") == torch.bfloat16
+    assert resolve_dtype(torch.device("cuda")) == torch.float16
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_drafter_from_pretrained_on_cpu(tmp_path):
+    target = save_tiny_target(tmp_path / "target")
+    weights, config = eagle_weights()
+    draft = write_eagle_checkpoint(tmp_path / "eagle", weights, config)
+    drafter = Drafter.from_pretrained(draft, target, max_len=32, device="cpu")
+    assert drafter.device.type == "cpu" and drafter.dtype == torch.float32
+    features, tokens = random_pairs(5)
+    drafter.extend(features, tokens)
+    tree = drafter.propose(6, 3, 2)
+    assert len(tree) == 6 and tree.tokens[0] == tokens[-1]
