@@ -1,0 +1,315 @@
+"""ZeroMQ helpers: sockets that carry ipc.messages between processes.
+
+- :class:`RuntimeDir`: a private directory (mode 0700) for ``ipc://`` endpoints,
+  removed on close.
+- :class:`Channel`: one peer to one peer (PAIR by default; DEALER for clients): send and
+  receive whole messages with timeouts. Coordinator<->worker control channels are
+  PAIR sockets over ``ipc://`` in a RuntimeDir (the coordinator binds, the worker
+  connects).
+- :class:`RouterServer`: the client-facing ROUTER socket. Many DEALER clients, each
+  known by its routing id; a receive returns ``(peer, message)``; bad bytes raise
+  ProtocolError with ``.peer`` set so the caller can answer with an ErrorReply.
+- :func:`poll_channels`: wait on several channels/servers at once.
+
+Every socket gets LINGER 0 (closing never waits for unsent messages). Client-facing
+sockets get ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer that sends a bigger
+message before buffering it, so a huge message cannot exhaust memory; the socket keeps
+serving everyone else.
+
+Timeouts are in milliseconds: None waits forever, 0 polls once. A receive that times out
+returns None; a send that times out raises :class:`ChannelTimeout`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+import zmq
+
+from ipc import messages
+from ipc.messages import ProtocolError
+
+DEFAULT_CLIENT_MAX_MSG = 32 * 1024 * 1024  # a 16 MiB prompt plus room
+# Unix socket paths are at most 107 bytes on Linux (108 with the NUL).
+MAX_IPC_PATH = 107
+
+
+class ChannelTimeout(TimeoutError):
+    """A send could not complete within its timeout (no peer, or the peer is not reading)."""
+
+
+class ChannelClosed(RuntimeError):
+    """The channel was used after close()."""
+
+
+# --- endpoints ------------------------------------------------------------------------
+
+
+def _private_base() -> str:
+    """$XDG_RUNTIME_DIR when it is ours and private, else the temp directory."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        try:
+            st = os.stat(xdg)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 and os.access(xdg, os.W_OK):
+                return xdg
+        except OSError:
+            pass
+    return tempfile.gettempdir()
+
+
+class RuntimeDir:
+    """A private directory (0700) for ipc:// socket files; removed on close()."""
+
+    def __init__(self, prefix: str = "dovetail", base: str | None = None):
+        base = base or _private_base()
+        if len(base) > 60:  # leave room for socket names under the 107-byte limit
+            base = "/tmp"
+        self.path = tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=base)  # mode 0700
+        os.chmod(self.path, 0o700)
+        self._closed = False
+
+    def endpoint(self, name: str) -> str:
+        """``ipc://<dir>/<name>.sock``."""
+        if "/" in name or not name:
+            raise ValueError(f"endpoint name must be a plain file name, got {name!r}")
+        path = os.path.join(self.path, f"{name}.sock")
+        if len(path.encode()) > MAX_IPC_PATH:
+            raise ValueError(f"ipc path {path!r} is longer than the {MAX_IPC_PATH}-byte socket path limit")
+        return "ipc://" + path
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def check_local_endpoint(endpoint: str) -> None:
+    """Refuse a bind endpoint that would listen beyond this machine: only ipc://,
+    inproc:// and tcp:// on a loopback address are allowed."""
+    scheme = endpoint.split("://", 1)[0]
+    if scheme in ("ipc", "inproc"):
+        return
+    if scheme != "tcp":
+        raise ValueError(f"unsupported endpoint {endpoint!r}: use ipc:// or tcp://127.0.0.1:PORT")
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"refusing to listen on {endpoint!r}: only loopback (127.0.0.1, ::1) or ipc:// endpoints")
+
+
+def configure_socket(sock: zmq.Socket, *, max_msg_size: int | None = None, hwm: int | None = None) -> zmq.Socket:
+    """LINGER 0 always; MAXMSGSIZE and send/receive high-water marks when given."""
+    sock.setsockopt(zmq.LINGER, 0)
+    if max_msg_size is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, int(max_msg_size))
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+    return sock
+
+
+def _bind(sock: zmq.Socket, endpoint: str, allow_remote: bool) -> str:
+    if not allow_remote:
+        check_local_endpoint(endpoint)
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port for tcp://...:*
+
+
+def _poll_ms(timeout_ms: float | None) -> int | None:
+    return None if timeout_ms is None else max(0, int(timeout_ms))
+
+
+def _decode_frames(frames, allowed, peer=None):
+    if len(frames) != 1:
+        raise ProtocolError(f"expected one frame per message, got {len(frames)}", peer=peer)
+    try:
+        return messages.decode(frames[0].buffer, allowed)
+    except ProtocolError as exc:
+        exc.peer = peer
+        raise
+
+
+def _send_frames(sock: zmq.Socket, frames: list, timeout_ms: float | None, what: str) -> None:
+    if sock.poll(_poll_ms(timeout_ms), zmq.POLLOUT) == 0:
+        raise ChannelTimeout(f"{what}: could not send within {timeout_ms} ms")
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        raise ChannelTimeout(f"{what}: send would block") from None
+
+
+# --- one to one -----------------------------------------------------------------------
+
+
+class Channel:
+    """A PAIR (or DEALER) socket that sends and receives whole messages."""
+
+    def __init__(self, sock: zmq.Socket, *, allowed: Iterable[type] | None = None, endpoint: str | None = None):
+        self.socket = sock
+        self.allowed = None if allowed is None else frozenset(allowed)
+        self.endpoint = endpoint
+
+    @classmethod
+    def bind(cls, endpoint: str, *, allowed: Iterable[type] | None = None, kind: int = zmq.PAIR,
+             ctx: zmq.Context | None = None, max_msg_size: int | None = None,
+             allow_remote: bool = False) -> Channel:
+        sock = configure_socket((ctx or zmq.Context.instance()).socket(kind), max_msg_size=max_msg_size)
+        try:
+            real = _bind(sock, endpoint, allow_remote)
+        except BaseException:
+            sock.close(0)
+            raise
+        return cls(sock, allowed=allowed, endpoint=real)
+
+    @classmethod
+    def connect(cls, endpoint: str, *, allowed: Iterable[type] | None = None, kind: int = zmq.PAIR,
+                ctx: zmq.Context | None = None, max_msg_size: int | None = None) -> Channel:
+        sock = configure_socket((ctx or zmq.Context.instance()).socket(kind), max_msg_size=max_msg_size)
+        sock.connect(endpoint)
+        return cls(sock, allowed=allowed, endpoint=endpoint)
+
+    def _sock(self) -> zmq.Socket:
+        if self.socket is None:
+            raise ChannelClosed("channel is closed")
+        return self.socket
+
+    def send(self, msg, timeout_ms: float | None = None) -> None:
+        """Encode and send one message; ChannelTimeout if it cannot leave in time."""
+        self.send_bytes(messages.encode(msg), timeout_ms)
+
+    def send_bytes(self, data: bytes, timeout_ms: float | None = None) -> None:
+        _send_frames(self._sock(), [data], timeout_ms, "channel")
+
+    def recv(self, timeout_ms: float | None = None):
+        """The next message, or None after ``timeout_ms``; ProtocolError on bad bytes."""
+        sock = self._sock()
+        if sock.poll(_poll_ms(timeout_ms), zmq.POLLIN) == 0:
+            return None
+        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        return _decode_frames(frames, self.allowed)
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(0)
+            self.socket = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def connect_client(endpoint: str, *, ctx: zmq.Context | None = None) -> Channel:
+    """A client's DEALER channel to a coordinator's RouterServer."""
+    return Channel.connect(endpoint, allowed=messages.COORDINATOR_TO_CLIENT, kind=zmq.DEALER, ctx=ctx)
+
+
+# --- client-facing server -------------------------------------------------------------
+
+
+class RouterServer:
+    """The coordinator's client socket: a ROUTER bound to ipc:// or loopback tcp://.
+
+    recv() -> (peer, message) or None on timeout; raises ProtocolError with ``.peer``.
+    send(peer, message) -> True, or False when that peer is gone.
+    """
+
+    def __init__(self, endpoint: str, *, allowed: Iterable[type] | None = messages.CLIENT_TO_COORDINATOR,
+                 ctx: zmq.Context | None = None, max_msg_size: int = DEFAULT_CLIENT_MAX_MSG,
+                 allow_remote: bool = False):
+        sock = configure_socket((ctx or zmq.Context.instance()).socket(zmq.ROUTER), max_msg_size=max_msg_size)
+        try:
+            # Sends to an unknown/departed peer fail loudly instead of vanishing.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.endpoint = _bind(sock, endpoint, allow_remote)
+        except BaseException:
+            sock.close(0)
+            raise
+        self.socket = sock
+        self.allowed = None if allowed is None else frozenset(allowed)
+
+    def recv(self, timeout_ms: float | None = None):
+        if self.socket is None:
+            raise ChannelClosed("server is closed")
+        if self.socket.poll(_poll_ms(timeout_ms), zmq.POLLIN) == 0:
+            return None
+        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        peer = frames[0].bytes
+        return peer, _decode_frames(frames[1:], self.allowed, peer)
+
+    def send(self, peer: bytes, msg, timeout_ms: float | None = 1000) -> bool:
+        return self.send_bytes(peer, messages.encode(msg), timeout_ms)
+
+    def send_bytes(self, peer: bytes, data: bytes, timeout_ms: float | None = 1000) -> bool:
+        if self.socket is None:
+            raise ChannelClosed("server is closed")
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while True:
+            try:
+                self.socket.send_multipart([peer, data], zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:  # that client's queue is full: it is not reading
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ChannelTimeout(f"client {peer!r} is not reading") from None
+                time.sleep(0.001)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    return False
+                raise
+
+    def send_error(self, peer: bytes, request_id: str | None, code: str, message: str) -> bool:
+        """Answer with an ErrorReply (message truncated to the schema's limit)."""
+        return self.send(peer, messages.ErrorReply(request_id=request_id, code=code, message=message[:8000]))
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(0)
+            self.socket = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def poll_channels(channels: Iterable[Channel | RouterServer], timeout_ms: float | None = None) -> list:
+    """The subset of ``channels`` with a message waiting (empty after the timeout)."""
+    poller = zmq.Poller()
+    by_socket = {}
+    for ch in channels:
+        poller.register(ch.socket, zmq.POLLIN)
+        by_socket[ch.socket] = ch
+    return [by_socket[s] for s, _ in poller.poll(_poll_ms(timeout_ms))]
+
+
+__all__ = [
+    "RuntimeDir", "Channel", "RouterServer", "ChannelTimeout", "ChannelClosed", "connect_client",
+    "poll_channels", "configure_socket", "check_local_endpoint", "DEFAULT_CLIENT_MAX_MSG",
+]

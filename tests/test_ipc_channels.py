@@ -1,0 +1,194 @@
+"""ipc.channels: private runtime dirs, ROUTER serving several clients over ipc:// and
+loopback tcp://, worker PAIR channels, timeouts, and MAXMSGSIZE."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from ipc import messages as M
+from ipc.channels import (
+    Channel, ChannelClosed, ChannelTimeout, RouterServer, RuntimeDir, check_local_endpoint, connect_client,
+    poll_channels,
+)
+from ipc.messages import ProtocolError
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    t0 = time.monotonic()
+    context.term()  # LINGER 0 everywhere: never hangs on unsent messages
+    assert time.monotonic() - t0 < 2
+
+
+@pytest.fixture
+def rundir():
+    with RuntimeDir() as d:
+        yield d
+
+
+def test_runtime_dir_is_private_and_removed():
+    d = RuntimeDir()
+    mode = os.stat(d.path).st_mode
+    assert stat.S_ISDIR(mode) and stat.S_IMODE(mode) == 0o700
+    assert os.path.basename(d.path).startswith(f"dovetail-{os.getpid()}-")
+    ep = d.endpoint("cpu")
+    assert ep == f"ipc://{d.path}/cpu.sock"
+    with pytest.raises(ValueError):
+        d.endpoint("../evil")
+    with pytest.raises(ValueError, match="socket path limit"):
+        d.endpoint("x" * 200)
+    open(os.path.join(d.path, "cpu.sock"), "w").close()
+    d.close()
+    d.close()
+    assert not os.path.exists(d.path)
+
+
+def test_only_local_endpoints_are_bound(ctx):
+    for ok in ("ipc:///tmp/x.sock", "tcp://127.0.0.1:5555", "tcp://127.0.0.2:1", "tcp://[::1]:5555", "tcp://localhost:1"):
+        check_local_endpoint(ok)
+    for bad in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555", "udp://127.0.0.1:1", "tcp://eth0:5555"):
+        with pytest.raises(ValueError):
+            check_local_endpoint(bad)
+    with pytest.raises(ValueError, match="refusing"):
+        RouterServer("tcp://*:0", ctx=ctx)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_router_serves_two_dealer_clients(ctx, rundir, transport):
+    endpoint = rundir.endpoint("client") if transport == "ipc" else "tcp://127.0.0.1:*"
+    with RouterServer(endpoint, ctx=ctx) as server:
+        if transport == "tcp":
+            assert server.endpoint.startswith("tcp://127.0.0.1:") and not server.endpoint.endswith("*")
+        a = connect_client(server.endpoint, ctx=ctx)
+        b = connect_client(server.endpoint, ctx=ctx)
+        a.send(M.GenerateRequest(request_id="A", prompt="alpha", stream=True))
+        b.send(M.GenerateRequest(request_id="B", prompt="beta"))
+        peers = {}
+        for _ in range(2):
+            peer, msg = server.recv(timeout_ms=2000)
+            peers[msg.request_id] = peer
+        assert peers["A"] != peers["B"]
+        # Replies go to the right client, interleaved.
+        assert server.send(peers["B"], M.TokenChunk(request_id="B", token_ids=[2], text="b"))
+        assert server.send(peers["A"], M.TokenChunk(request_id="A", token_ids=[1], text="a"))
+        assert server.send(peers["A"], M.GenerateDone(request_id="A", token_ids=[1], text="a", finish_reason="stop"))
+        assert a.recv(2000) == M.TokenChunk(request_id="A", token_ids=[1], text="a")
+        assert a.recv(2000).finish_reason == "stop"
+        assert b.recv(2000) == M.TokenChunk(request_id="B", token_ids=[2], text="b")
+        assert a.recv(0) is None and b.recv(0) is None
+        a.close()
+        b.close()
+
+
+def test_timeouts(ctx, rundir):
+    with RouterServer(rundir.endpoint("client"), ctx=ctx) as server:
+        t0 = time.monotonic()
+        assert server.recv(timeout_ms=50) is None
+        assert 0.04 <= time.monotonic() - t0 < 1.0
+        assert server.recv(timeout_ms=0) is None
+    lonely = Channel.bind(rundir.endpoint("cpu"), ctx=ctx)  # no worker connected
+    t0 = time.monotonic()
+    with pytest.raises(ChannelTimeout):
+        lonely.send(M.Ping(nonce=1), timeout_ms=50)
+    assert time.monotonic() - t0 < 1.0
+    assert lonely.recv(timeout_ms=20) is None
+    lonely.close()
+    with pytest.raises(ChannelClosed):
+        lonely.recv(0)
+
+
+def test_bad_client_bytes_get_an_error_reply_and_the_server_survives(ctx, rundir):
+    with RouterServer(rundir.endpoint("client"), ctx=ctx) as server:
+        bad = Channel.connect(server.endpoint, kind=zmq.DEALER, ctx=ctx)
+        good = connect_client(server.endpoint, ctx=ctx)
+        for raw in (b"\x80\x04garbage", msgpack.packb({"v": 1, "type": "Shutdown"}),
+                    msgpack.packb({"v": 9, "type": "Cancel", "request_id": "x"})):
+            bad.send_bytes(raw)
+            with pytest.raises(ProtocolError) as info:
+                server.recv(timeout_ms=2000)
+            assert info.value.peer is not None
+            assert server.send_error(info.value.peer, None, "protocol", str(info.value))
+            reply = bad.recv(2000)
+            assert isinstance(reply, M.ErrorReply) and reply.code == "protocol" and reply.request_id is None
+        bad.socket.send_multipart([b"two", b"frames"])
+        with pytest.raises(ProtocolError, match="one frame"):
+            server.recv(timeout_ms=2000)
+        good.send(M.Cancel(request_id="r"))
+        peer, msg = server.recv(timeout_ms=2000)
+        assert msg == M.Cancel(request_id="r")
+        bad.close()
+        good.close()
+
+
+def test_send_to_departed_client_returns_false(ctx, rundir):
+    with RouterServer(rundir.endpoint("client"), ctx=ctx) as server:
+        client = connect_client(server.endpoint, ctx=ctx)
+        client.send(M.Ping(nonce=1))
+        peer, _ = server.recv(2000)
+        client.close()
+        deadline = time.monotonic() + 5
+        while server.send(peer, M.Pong(nonce=1)):  # until the server notices the disconnect
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert server.send(b"never-connected", M.Pong(nonce=1)) is False
+
+
+def test_oversize_message_is_dropped_without_killing_the_socket(ctx, rundir):
+    with RouterServer(rundir.endpoint("client"), ctx=ctx, max_msg_size=64 * 1024) as server:
+        assert server.socket.getsockopt(zmq.MAXMSGSIZE) == 64 * 1024
+        assert server.socket.getsockopt(zmq.LINGER) == 0
+        big = connect_client(server.endpoint, ctx=ctx)
+        small = connect_client(server.endpoint, ctx=ctx)
+        small.send(M.Ping(nonce=1))
+        peer_small, _ = server.recv(2000)
+        big.send(M.GenerateRequest(request_id="big", prompt="x" * (1 << 20)))
+        assert server.recv(timeout_ms=300) is None  # refused before it was buffered
+        # The other client is still served on the same socket.
+        small.send(M.Ping(nonce=2))
+        peer, msg = server.recv(2000)
+        assert peer == peer_small and msg == M.Ping(nonce=2)
+        assert server.send(peer, M.Pong(nonce=2)) and small.recv(2000) == M.Pong(nonce=2)
+        # The offender's connection was dropped; its DEALER reconnects and may go on.
+        big.send(M.Ping(nonce=3))
+        peer, msg = server.recv(3000)
+        assert msg == M.Ping(nonce=3)
+        big.close()
+        small.close()
+
+
+def test_worker_pair_channel_round_trip(ctx, rundir):
+    endpoint = rundir.endpoint("cpu")
+    coordinator = Channel.bind(endpoint, allowed=M.FROM_CPU_WORKER, ctx=ctx)
+    worker = Channel.connect(endpoint, allowed=M.TO_CPU_WORKER, ctx=ctx)
+    assert coordinator.socket.getsockopt(zmq.LINGER) == 0 and worker.socket.getsockopt(zmq.LINGER) == 0
+    worker.send(M.Ready(worker="cpu", pid=os.getpid(), info={"hidden": 64}), timeout_ms=2000)
+    assert coordinator.recv(2000) == M.Ready(worker="cpu", pid=os.getpid(), info={"hidden": 64})
+    coordinator.send(M.VerifyRequest(seq_id=1, tokens=[5, 6], parents=[-1, 0]), timeout_ms=2000)
+    assert worker.recv(2000) == M.VerifyRequest(seq_id=1, tokens=[5, 6], parents=[-1, 0])
+    ring_ref = M.RingRef(ring="dovetail-1-x", slot=0, seq=1, rows=2, cols=64, dtype="float16")
+    worker.send(M.VerifyResult(seq_id=1, accepted_tokens=[6, 9], accepted_nodes=[0, 1], features=ring_ref))
+    assert coordinator.recv(2000).features == ring_ref
+    # Direction is enforced: a worker does not accept a worker's own messages.
+    coordinator.send(M.Ready(worker="x", pid=1))
+    with pytest.raises(ProtocolError, match="not accepted here"):
+        worker.recv(2000)
+    assert poll_channels([coordinator, worker], 0) == []
+    worker.send(M.Pong(nonce=7))
+    assert poll_channels([coordinator, worker], 2000) == [coordinator]
+    coordinator.close()
+    worker.close()
+
+
+def test_close_with_unsent_messages_does_not_hang(ctx, rundir):
+    client = connect_client(rundir.endpoint("nobody-listens"), ctx=ctx)
+    for i in range(10):
+        client.send(M.Ping(nonce=i), timeout_ms=100)  # queued, never delivered
+    client.close()  # ctx fixture asserts term() returns promptly
