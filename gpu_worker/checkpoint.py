@@ -61,42 +61,34 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
         return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def _file_keys(file: Path) -> list[str]:
+def _read_from(file: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
+    """The named tensors present in one file (all of them when ``names`` is None)."""
     if file.suffix == ".safetensors":
         from safetensors import safe_open
 
         with safe_open(str(file), framework="pt") as handle:
-            return list(handle.keys())
-    return list(_load_bin(file).keys())
-
-
-def _read_from(file: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as handle:
-            present = set(handle.keys())
-            return {name: handle.get_tensor(name) for name in names if name in present}
+            present = list(handle.keys())
+            wanted = present if names is None else [name for name in names if name in set(present)]
+            return {name: handle.get_tensor(name) for name in wanted}
     state = _load_bin(file)
-    return {name: state[name] for name in names if name in state}
+    return dict(state) if names is None else {name: state[name] for name in names if name in state}
 
 
 def read_tensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The named tensors (all when ``names`` is None) found in the folder's weight files;
     names not present are simply absent from the result."""
     files = _weight_files(folder)
-    if isinstance(files, dict):
+    found: dict[str, torch.Tensor] = {}
+    if isinstance(files, dict):  # indexed shards: open only the files holding wanted names
         wanted = list(files) if names is None else [name for name in names if name in files]
         by_file: dict[Path, list[str]] = {}
         for name in wanted:
             by_file.setdefault(files[name], []).append(name)
-        found: dict[str, torch.Tensor] = {}
         for file, file_names in by_file.items():
             found.update(_read_from(file, file_names))
         return found
-    found = {}
     for file in files:
-        found.update(_read_from(file, _file_keys(file) if names is None else names))
+        found.update(_read_from(file, names))
     return found
 
 
