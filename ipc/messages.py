@@ -44,7 +44,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Union
+from typing import Annotated, Union
 
 import msgpack
 
