@@ -78,3 +78,21 @@ def testbed_path() -> Path:
 def _few_threads():
     # Two cores on CI: keep torch from oversubscribing when tests spawn processes.
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def save_random_head(directory: Path, target_dir: Path, layers: int = 1, fusion: str = "dgf", seed: int = 0) -> Path:
+    """An untrained draft head for ``target_dir`` (embedding and lm_head come from the target)."""
+    import dataclasses
+
+    from cpu_worker.loading import load_spec
+    from gpu_worker.checkpoint import save_head
+    from gpu_worker.head import DraftHead
+
+    torch.manual_seed(seed)
+    spec = dataclasses.replace(load_spec(Path(target_dir)), num_layers=layers)
+    return save_head(DraftHead(spec, fusion=fusion), directory, include_frozen=False)
+
+
+@pytest.fixture(scope="session")
+def testbed_random_head(tmp_path_factory, testbed_path) -> Path:
+    return save_random_head(tmp_path_factory.mktemp("heads") / "random-dgf-1", testbed_path)

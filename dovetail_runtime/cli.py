@@ -1,0 +1,199 @@
+"""``dovetail-run`` (coordinator + workers) and ``dovetail-client``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+import click
+
+from cpu_worker.precision import TARGET_DTYPES
+from cpu_worker.threads import CoreSpecError, parse_core_list
+from ipc import messages as m
+
+from .generation import TreeSettings
+
+log = logging.getLogger("dovetail")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """One prompt per line, or JSONL objects with a "prompt" field."""
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise click.BadParameter(f"{path}:{number}: invalid JSON: {error}", param_hint="--prompt-file")
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise click.BadParameter(f"{path}:{number}: a JSON line needs a string \"prompt\" field",
+                                         param_hint="--prompt-file")
+            prompts.append(record["prompt"])
+        else:
+            prompts.append(line)
+    return prompts
+
+
+def cores_option(_ctx, _param, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return parse_core_list(value)
+    except CoreSpecError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+def default_bind() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return f"ipc://{base}/dovetail-{os.getuid()}.sock"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--target", required=True, help="Target model: a local Hugging Face folder, or a hub id already "
+              "in the local cache (never downloaded).")
+@click.option("--draft", default=None, help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). "
+              "Required unless --mode ar.")
+@click.option("--bind", "binds", multiple=True, help="Client endpoint to serve on (repeatable): ipc://PATH or "
+              "tcp://127.0.0.1:PORT. [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
+@click.option("--allow-remote", is_flag=True, help="Allow a tcp:// bind on an address other than loopback.")
+@click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
+@click.option("--cpu-cores", callback=cores_option, default=None,
+              help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
+@click.option("--target-dtype", type=click.Choice(TARGET_DTYPES), default="fp32", help="Target precision on the CPU.")
+@click.option("--draft-device", default="auto", help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
+@click.option("--tree-tokens", type=click.IntRange(min=1, max=1024), default=16,
+              help="Tree size T: tokens verified per cycle, root included.")
+@click.option("--depth", type=click.IntRange(min=1, max=64), default=6, help="Most draft tokens on one tree path.")
+@click.option("--top-k", type=click.IntRange(min=1, max=64), default=8, help="Beam width / children per node.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="New tokens per one-shot prompt.")
+@click.option("--max-len", type=click.IntRange(min=2), default=None,
+              help="Context length (KV cache) in tokens. [default: the model's]")
+@click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail",
+              help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline).")
+@click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="One-shot: prompts from a file, one per line or JSONL with a \"prompt\" field.")
+@click.option("--stop", "stops", multiple=True, help="One-shot: stop string (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object per prompt on stdout.")
+@click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
+def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, tree_tokens,
+             depth, top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, startup_timeout,
+             log_level) -> None:
+    """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
+
+    With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
+    (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
+    """
+    from cpu_worker.loading import ModelLoadError
+
+    from .coordinator import Coordinator, RuntimeSettings, TooManyRestarts
+    from .workers import WorkerFailed
+
+    logging.basicConfig(level=getattr(logging, log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
+    if mode == "dovetail" and not draft:
+        raise click.UsageError("--draft is required in dovetail mode (or use --mode ar)")
+    all_prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
+    settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
+                               cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
+                               tree=TreeSettings(tree_tokens, min(depth, tree_tokens - 1) or 1, top_k), mode=mode,
+                               max_len=max_len, log_level=log_level, startup_timeout_s=startup_timeout)
+    stopping = {"now": False}
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: shutting down", signum)
+        stopping["now"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    coordinator = Coordinator(settings)
+    try:
+        coordinator.start()
+        if all_prompts:
+            failures = run_prompts(coordinator, all_prompts, max_new_tokens, list(stops), mode, as_json)
+            sys.exit(1 if failures else 0)
+        coordinator.serve(list(binds) or [default_bind()], allow_remote=allow_remote,
+                          ready=lambda bound: print(f"dovetail serving on {' '.join(bound)}", file=sys.stderr,
+                                                    flush=True),
+                          should_stop=lambda: stopping["now"])
+    except KeyboardInterrupt:
+        pass
+    except (ModelLoadError, WorkerFailed, TooManyRestarts, ValueError, OSError) as error:
+        log.error("%s", error)
+        sys.exit(2)
+    finally:
+        coordinator.close()
+
+
+def run_prompts(coordinator, prompts: list[str], max_new_tokens: int, stops: list[str], mode: str,
+                as_json: bool) -> int:
+    failures = 0
+    for prompt in prompts:
+        request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_new_tokens,
+                                    stop=stops, mode=mode)
+        if not as_json:
+            sys.stdout.write(prompt)
+
+        def show(_ids, text):
+            if not as_json:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            return False
+
+        reply = coordinator.generate(request, show)
+        if isinstance(reply, m.ErrorReply):
+            failures += 1
+            log.error("prompt failed (%s): %s", reply.code, reply.message)
+            if as_json:
+                print(json.dumps({"prompt": prompt, "error": {"code": reply.code, "message": reply.message}}))
+            continue
+        if as_json:
+            print(json.dumps({"prompt": prompt, "text": reply.text, "token_ids": reply.token_ids,
+                              "finish_reason": reply.finish_reason, "stats": reply.stats}), flush=True)
+        else:
+            s = reply.stats
+            print(f"\n\n[{mode}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, tau {s['tau']:.2f}, "
+                  f"draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms, ipc {s['ipc_ms']:.0f} ms]")
+    return failures
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--connect", "endpoint", default=None, help="Server endpoint (ipc://PATH or tcp://HOST:PORT). "
+              "[default: dovetail-run's default ipc endpoint]")
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128)
+@click.option("--stop", "stops", multiple=True, help="Stop string (repeatable).")
+@click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
+def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout) -> None:
+    """Send a prompt to a running dovetail-run server and stream the completion to stdout."""
+    from .client import DovetailClient, GenerationError
+
+    with DovetailClient(endpoint or default_bind(), timeout_s=timeout) as client:
+        try:
+            params = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode)
+            if as_json:
+                done = client.generate(prompt, **params)
+                print(json.dumps({"prompt": prompt, "text": done.text, "token_ids": done.token_ids,
+                                  "finish_reason": done.finish_reason, "stats": done.stats}))
+                return
+            for event in client.events(prompt, **params):
+                if isinstance(event, m.TokenChunk):
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+            sys.stdout.write("\n")
+        except (GenerationError, TimeoutError) as error:
+            click.echo(f"error: {error}", err=True)
+            sys.exit(1)

@@ -1,0 +1,79 @@
+"""Python client for a running ``dovetail-run`` server.
+
+    with DovetailClient("ipc:///run/user/1000/dovetail.sock") as client:
+        result = client.generate("def fibonacci(n):", max_new_tokens=64)
+        for chunk in client.stream("class Stack:"):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from ipc import messages as m
+from ipc.channels import connect_client
+
+
+class GenerationError(RuntimeError):
+    """The server answered a request with an error."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class DovetailClient:
+    def __init__(self, endpoint: str, timeout_s: float = 600.0):
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_s * 1000
+        self.channel = connect_client(endpoint)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "DovetailClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, prompt: str, stream: bool, **params: Any) -> str:
+        request_id = params.pop("request_id", None) or uuid.uuid4().hex
+        self.channel.send(m.GenerateRequest(request_id=request_id, prompt=prompt, stream=stream, **params),
+                          timeout_ms=self.timeout_ms)
+        return request_id
+
+    def _next(self, request_id: str) -> Any:
+        while True:
+            reply = self.channel.recv(timeout_ms=self.timeout_ms)
+            if reply is None:
+                raise TimeoutError(f"no answer from {self.endpoint} within {self.timeout_ms / 1000:.0f} s")
+            if isinstance(reply, m.ErrorReply) and reply.request_id in (request_id, None):
+                raise GenerationError(reply.code, reply.message)
+            if getattr(reply, "request_id", None) == request_id:
+                return reply
+
+    def events(self, prompt: str, **params: Any) -> Iterator[m.TokenChunk | m.GenerateDone]:
+        """Stream: every TokenChunk as it arrives, then the GenerateDone."""
+        request_id = self._request(prompt, stream=True, **params)
+        while True:
+            reply = self._next(request_id)
+            yield reply
+            if isinstance(reply, m.GenerateDone):
+                return
+
+    def stream(self, prompt: str, **params: Any) -> Iterator[m.TokenChunk]:
+        """Only the streamed chunks (text and token ids)."""
+        for event in self.events(prompt, **params):
+            if isinstance(event, m.TokenChunk):
+                yield event
+
+    def generate(self, prompt: str, **params: Any) -> m.GenerateDone:
+        """Wait for the whole result: token_ids, text, finish_reason and stats."""
+        request_id = self._request(prompt, stream=False, **params)
+        return self._next(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self.channel.send(m.Cancel(request_id=request_id), timeout_ms=self.timeout_ms)

@@ -1,0 +1,258 @@
+"""The coordinator: owns the workers, the tokenizer, the request queue and the client socket.
+
+Requests are served one at a time in arrival order. While one runs, the client socket is
+still read between cycles, so new requests queue up, cancels take effect, and malformed
+messages get an ErrorReply at once.
+
+A worker that dies fails the request in flight with ``worker_failed``; the coordinator
+then restarts that worker and keeps serving. More than ``max_restarts`` restarts in ten
+minutes means something is persistently wrong: the coordinator stops with an error
+(non-zero exit) rather than crash-looping.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ipc import messages as m
+import zmq
+
+from ipc.channels import RouterServer, RuntimeDir, check_local_endpoint
+from ipc.messages import ProtocolError
+from ipc.shm_ring import ShmRing, slot_bytes_for
+
+from .generation import PromptTooLong, TreeSettings, generate_ar, generate_dovetail
+from .text import TextStream
+from .workers import WorkerFailed, WorkerHandle, WorkerRequestError
+
+log = logging.getLogger(__name__)
+
+RESTART_WINDOW_S = 600.0
+# Feature rows per ring slot: a verify result has at most depth + 1 rows; bigger blocks
+# (a prompt's prefill) travel inline instead.
+RING_ROWS = 64
+RING_SLOTS = 4
+
+
+@dataclass
+class RuntimeSettings:
+    target: str
+    draft: str | None
+    target_dtype: str = "fp32"
+    cpu_threads: int | None = None
+    cpu_cores: list[int] | None = None
+    draft_device: str = "auto"
+    tree: TreeSettings = field(default_factory=TreeSettings)
+    mode: str = "dovetail"
+    max_len: int | None = None
+    log_level: str = "info"
+    startup_timeout_s: float = 300.0
+    max_restarts: int = 3
+
+
+class TooManyRestarts(RuntimeError):
+    pass
+
+
+class Coordinator:
+    def __init__(self, settings: RuntimeSettings):
+        self.settings = settings
+        self.runtime_dir: RuntimeDir | None = None
+        self.ring: ShmRing | None = None
+        self.cpu: WorkerHandle | None = None
+        self.gpu: WorkerHandle | None = None
+        self.tokenizer = None
+        self.max_len = 0
+        self.eos_token_id: int | None = None
+        self._seq_ids = itertools.count(1)
+        self._restarts: collections.deque[float] = collections.deque()
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from cpu_worker.loading import load_spec, resolve_model_dir
+
+        settings = self.settings
+        target_dir = resolve_model_dir(settings.target)
+        spec = load_spec(target_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.runtime_dir = RuntimeDir()
+        if settings.mode == "dovetail" or settings.draft:
+            if not settings.draft:
+                raise ValueError("dovetail mode needs a draft head (--draft)")
+            self.ring = ShmRing.create(slot_bytes_for(RING_ROWS, spec.hidden_size, "float32"), RING_SLOTS)
+        common = {"log_level": settings.log_level, "ring": self.ring.name if self.ring else None}
+        self.cpu = WorkerHandle("cpu_worker", "cpu_worker.server", {
+            **common, "target": str(target_dir), "threads": settings.cpu_threads, "cores": settings.cpu_cores,
+            "dtype": settings.target_dtype, "max_len": settings.max_len}, self.runtime_dir, m.FROM_CPU_WORKER)
+        if settings.draft:
+            self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
+                **common, "draft": settings.draft, "target": str(target_dir), "device": settings.draft_device,
+                "max_len": settings.max_len or spec.max_position_embeddings}, self.runtime_dir, m.FROM_GPU_WORKER)
+        for worker in self.workers():
+            worker.spawn()
+        for worker in self.workers():
+            worker.wait_ready(settings.startup_timeout_s)
+        self.max_len = int(self.cpu.info["max_len"])
+
+    def workers(self) -> list[WorkerHandle]:
+        return [w for w in (self.cpu, self.gpu) if w is not None]
+
+    def close(self) -> None:
+        for worker in self.workers():
+            worker.stop()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if self.runtime_dir is not None:
+            self.runtime_dir.close()
+            self.runtime_dir = None
+
+    def __enter__(self) -> "Coordinator":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _recover(self) -> None:
+        """Restart dead workers (within the restart budget) and reset the live ones."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        for worker in self.workers():
+            if worker.alive():
+                continue
+            if len(self._restarts) >= self.settings.max_restarts:
+                raise TooManyRestarts(f"{worker.name} died {len(self._restarts) + 1} times in "
+                                      f"{RESTART_WINDOW_S / 60:.0f} minutes; giving up")
+            self._restarts.append(now)
+            log.warning("restarting %s", worker.name)
+            worker.stop()
+            worker.spawn()
+            worker.wait_ready(self.settings.startup_timeout_s)
+
+    # --- one request -----------------------------------------------------------------
+
+    def generate(self, request: m.GenerateRequest,
+                 on_text: Callable[[list[int], str], bool] | None = None) -> m.GenerateDone | m.ErrorReply:
+        """Run one request to the end. ``on_text(new_ids, new_text)`` sees each accepted
+        chunk and returns True to cancel."""
+        self._recover()
+        if request.temperature > 0:
+            return m.ErrorReply(request_id=request.request_id, code="unsupported",
+                                message="sampling (temperature > 0) is not supported yet; use temperature 0")
+        if request.mode == "dovetail" and self.gpu is None:
+            return m.ErrorReply(request_id=request.request_id, code="unsupported",
+                                message="this server runs without a draft head: use mode 'ar'")
+        stream = TextStream(self.tokenizer, request.stop)
+        cancelled = False
+
+        def emit(token_ids: list[int]) -> bool:
+            nonlocal cancelled
+            text = stream.push(token_ids)
+            if on_text is not None and on_text(token_ids, text):
+                cancelled = True
+            return cancelled or stream.stopped
+
+        prompt_ids = self.tokenizer(request.prompt)["input_ids"]
+        seq_id = next(self._seq_ids)
+        try:
+            if request.mode == "ar":
+                finish, stats = generate_ar(self.cpu, seq_id, prompt_ids, request.max_new_tokens,
+                                            self.eos_token_id, self.max_len, emit)
+            else:
+                finish, stats = generate_dovetail(self.cpu, self.gpu, seq_id, prompt_ids, request.max_new_tokens,
+                                                  self.eos_token_id, self.max_len, self.settings.tree, emit)
+        except PromptTooLong as error:
+            return m.ErrorReply(request_id=request.request_id, code="prompt_too_long", message=str(error))
+        except WorkerRequestError as error:
+            return m.ErrorReply(request_id=request.request_id, code="worker_error", message=str(error))
+        except WorkerFailed as error:
+            # Answer first (within a second of the death); the restart happens before the next request.
+            log.error("request %s failed: %s", request.request_id, error)
+            return m.ErrorReply(request_id=request.request_id, code="worker_failed", message=str(error))
+        tail = stream.finish()
+        if tail and on_text is not None:
+            on_text([], tail)
+        return m.GenerateDone(request_id=request.request_id, token_ids=stream.token_ids, text=stream.text,
+                              finish_reason="cancelled" if cancelled else finish, stats=stats.as_dict())
+
+    # --- serving -----------------------------------------------------------------------
+
+    def serve(self, endpoints: list[str], allow_remote: bool = False,
+              ready: Callable[[list[str]], None] | None = None,
+              should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Serve clients on every endpoint (one socket bound to all) until ``should_stop()``."""
+        with RouterServer(endpoints[0], allow_remote=allow_remote) as server:
+            bound = [server.endpoint]
+            for endpoint in endpoints[1:]:
+                if not allow_remote:
+                    check_local_endpoint(endpoint)
+                server.socket.bind(endpoint)
+                bound.append(server.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+            log.info("serving on %s", ", ".join(bound))
+            if ready is not None:
+                ready(bound)
+            queue: collections.deque[tuple[bytes, m.GenerateRequest]] = collections.deque()
+            cancelled: set[tuple[bytes, str]] = set()
+            while not should_stop():
+                self._read_clients(server, queue, cancelled, timeout_ms=200 if not queue else 0)
+                if not queue:
+                    continue
+                peer, request = queue.popleft()
+                if (peer, request.request_id) in cancelled:
+                    cancelled.discard((peer, request.request_id))
+                    continue
+                self._serve_one(server, peer, request, queue, cancelled)
+
+    def _serve_one(self, server: RouterServer, peer: bytes, request: m.GenerateRequest,
+                   queue: collections.deque, cancelled: set) -> None:
+        key = (peer, request.request_id)
+
+        def on_text(token_ids: list[int], text: str) -> bool:
+            if request.stream and not server.send(peer, m.TokenChunk(request_id=request.request_id,
+                                                                     token_ids=token_ids, text=text)):
+                log.info("client of %s went away; cancelling", request.request_id)
+                return True
+            self._read_clients(server, queue, cancelled, timeout_ms=0)
+            return key in cancelled
+
+        reply = self.generate(request, on_text)
+        cancelled.discard(key)
+        server.send(peer, reply)
+        self._recover()
+
+    def _read_clients(self, server: RouterServer, queue: collections.deque, cancelled: set,
+                      timeout_ms: int) -> None:
+        """Take every waiting client message: queue requests, note cancels, answer errors."""
+        while True:
+            try:
+                received = server.recv(timeout_ms=timeout_ms)
+            except ProtocolError as error:
+                if error.peer is not None:
+                    server.send_error(error.peer, None, "bad_message", str(error))
+                timeout_ms = 0
+                continue
+            if received is None:
+                return
+            timeout_ms = 0
+            peer, message = received
+            if isinstance(message, m.GenerateRequest):
+                queue.append((peer, message))
+            elif isinstance(message, m.Cancel):
+                cancelled.add((peer, message.request_id))
+            elif isinstance(message, m.Ping):
+                server.send(peer, m.Pong(nonce=message.nonce))

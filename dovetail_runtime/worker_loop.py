@@ -1,0 +1,90 @@
+"""The loop both worker processes run: handshake, serve requests, exit with the coordinator.
+
+A worker connects to the coordinator's control endpoint, loads its model, says ``Ready``
+(or ``WorkerError(fatal=True)`` with the load error), then answers one request at a time.
+It exits on ``Shutdown``, and by itself when the coordinator is gone, even after SIGKILL:
+the kernel sends SIGKILL to the worker when its parent dies (PR_SET_PDEATHSIG on Linux),
+and the loop also checks its parent pid every receive timeout as a portable fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from ipc.channels import Channel
+from ipc.messages import Ping, Pong, ProtocolError, Ready, Shutdown, WorkerError
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 250
+Handler = Callable[[Any], Any]
+
+
+class SequenceError(ValueError):
+    """A request that fails for its own reasons (bad tree, context full): the worker replies
+    with a non-fatal WorkerError and keeps serving."""
+
+
+def die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def configure_logging(level: str, worker: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format=f"%(asctime)s {worker}[%(process)d] %(levelname)s %(name)s: %(message)s")
+
+
+def serve(worker: str, endpoint: str, parent_pid: int, allowed: frozenset[type],
+          load: Callable[[], tuple[dict[str, Any], dict[type, Handler]]]) -> int:
+    """Run a worker: ``load()`` returns (ready info, handler per request type)."""
+    die_with_parent()
+    channel = Channel.connect(endpoint, allowed=allowed)
+    try:
+        try:
+            info, handlers = load()
+        except Exception as error:  # noqa: BLE001 - every load failure goes back to the coordinator
+            log.error("%s failed to start: %s", worker, error)
+            channel.send(WorkerError(worker=worker, message=f"{type(error).__name__}: {error}", fatal=True),
+                         timeout_ms=5000)
+            return 1
+        channel.send(Ready(worker=worker, pid=os.getpid(), info=info), timeout_ms=5000)
+        while True:
+            try:
+                request = channel.recv(timeout_ms=POLL_MS)
+            except ProtocolError as error:
+                channel.send(WorkerError(worker=worker, message=f"bad message: {error}"))
+                continue
+            if request is None:
+                if os.getppid() != parent_pid:
+                    log.warning("coordinator %d is gone; exiting", parent_pid)
+                    return 1
+                continue
+            if isinstance(request, Shutdown):
+                return 0
+            if isinstance(request, Ping):
+                channel.send(Pong(nonce=request.nonce))
+                continue
+            try:
+                reply = handlers[type(request)](request)
+            except SequenceError as error:
+                reply = WorkerError(worker=worker, message=str(error), seq_id=getattr(request, "seq_id", None))
+            except Exception as error:  # noqa: BLE001 - report, keep serving
+                log.error("%s failed on %s:\n%s", worker, type(request).__name__, traceback.format_exc())
+                reply = WorkerError(worker=worker, message=f"{type(error).__name__}: {error}",
+                                    seq_id=getattr(request, "seq_id", None))
+            if reply is not None:
+                channel.send(reply)
+    finally:
+        channel.close()

@@ -1,0 +1,81 @@
+"""Starting a real ``dovetail-run`` for tests and watching its processes."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+BIN = Path(sys.executable).parent
+TEST_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os", "for i in range(10):", "def __init__(self):",
+                "if __name__ == '__main__':", "with open(path) as f:", "try:", "return", "@property"]
+
+
+def dovetail_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "dovetail-run"), *args], capture_output=True, text=True, timeout=timeout)
+
+
+class Server:
+    """``dovetail-run`` serving in the background; ``endpoints`` are what it bound."""
+
+    def __init__(self, *args: str, startup_s: float = 300):
+        self.process = subprocess.Popen([str(BIN / "dovetail-run"), "--log-level", "info", *args],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self.endpoints: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._ready.wait(startup_s):
+            self.stop()
+            raise RuntimeError("dovetail-run did not start:\n" + "".join(self.log[-40:]))
+
+    def _drain(self) -> None:
+        for line in self.process.stderr:
+            self.log.append(line)
+            if line.startswith("dovetail serving on "):
+                self.endpoints = line.removeprefix("dovetail serving on ").split()
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def workers(self) -> dict[str, psutil.Process]:
+        found = {}
+        for child in psutil.Process(self.pid).children(recursive=True):
+            command = " ".join(child.cmdline())
+            for name in ("cpu_worker", "gpu_worker"):
+                if f"{name}.server" in command:
+                    found[name] = child
+        return found
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def our_segments(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/dovetail-{pid}-*")
+
+
+def descendants_gone(pids: list[int], within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def thread_affinities(process: psutil.Process) -> set[tuple[int, ...]]:
+    return {tuple(sorted(os.sched_getaffinity(thread.id))) for thread in process.threads()}

@@ -1,0 +1,203 @@
+"""The two-process runtime end to end: real dovetail-run processes, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import msgpack
+import psutil
+import pytest
+import torch
+import zmq
+
+from dovetail_runtime.client import DovetailClient, GenerationError
+from ipc import messages as m
+from runtime_harness import TEST_PROMPTS, Server, descendants_gone, dovetail_run, our_segments, thread_affinities
+
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def reference_ids(testbed_path) -> dict[str, list[int]]:
+    """transformers' own greedy continuation of each test prompt (stops after </s> like we do)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(testbed_path))
+    model = AutoModelForCausalLM.from_pretrained(str(testbed_path), dtype=torch.float32).eval()
+    expected = {}
+    for prompt in TEST_PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        expected[prompt] = out[0, len(ids):].tolist()
+    return expected
+
+
+def test_one_shot_json_is_lossless_in_both_modes(tmp_path, testbed_path, testbed_random_head, reference_ids):
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("\n".join(json.dumps({"prompt": p}) for p in TEST_PROMPTS) + "\n")
+    results = {}
+    for mode in ("dovetail", "ar"):
+        done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--mode", mode,
+                            "--prompt-file", str(prompt_file), "--max-new-tokens", str(NEW_TOKENS), "--json",
+                            "--log-level", "warning")
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [line["prompt"] for line in lines] == TEST_PROMPTS
+        results[mode] = lines
+    for dovetail, ar in zip(results["dovetail"], results["ar"]):
+        assert dovetail["token_ids"] == reference_ids[dovetail["prompt"]]
+        assert ar["token_ids"] == dovetail["token_ids"]
+        assert ar["text"] == dovetail["text"]
+        stats = dovetail["stats"]
+        assert stats["new_tokens"] == len(dovetail["token_ids"])
+        assert stats["cycles"] >= 1 and stats["tau"] >= 1.0
+        assert sum(stats["accept_per_depth"]) == stats["cycles"]
+        for key in ("tokens_per_s", "prefill_ms", "draft_ms", "verify_ms", "ipc_ms"):
+            assert stats[key] >= 0
+        assert ar["stats"]["tau"] == 1.0
+
+
+def test_bad_flags_and_inputs_are_refused_clearly(tmp_path, testbed_path, testbed_random_head):
+    done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--cpu-cores", "3-1",
+                        "--prompt", "x")
+    assert done.returncode == 2 and "bad range" in done.stderr
+    done = dovetail_run("--target", str(testbed_path), "--prompt", "x")
+    assert done.returncode == 2 and "--draft is required" in done.stderr
+    done = dovetail_run("--target", str(tmp_path / "missing"), "--draft", str(testbed_random_head), "--prompt", "x")
+    assert done.returncode == 2 and "does not exist" in done.stderr
+    done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--max-len", "8",
+                        "--prompt", "def " * 20, "--json", "--log-level", "error")
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["error"]["code"] == "prompt_too_long"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, testbed_path, testbed_random_head):
+    socket_dir = tmp_path_factory.mktemp("sock")
+    running = Server("--target", str(testbed_path), "--draft", str(testbed_random_head), "--cpu-cores", "0",
+                     "--bind", f"ipc://{socket_dir}/dovetail.sock", "--bind", "tcp://127.0.0.1:*")
+    yield running
+    pids = [running.pid] + [worker.pid for worker in running.workers().values()]
+    assert running.stop() == 0
+    assert descendants_gone(pids)
+    assert our_segments(running.pid) == []
+
+
+def test_server_runs_exactly_our_three_processes(server):
+    workers = server.workers()
+    assert sorted(workers) == ["cpu_worker", "gpu_worker"]
+    ours = [p for p in psutil.Process(server.pid).children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(ours) == 2
+
+
+def test_cpu_cores_confine_every_target_thread(server):
+    cpu = server.workers()["cpu_worker"]
+    assert len(cpu.threads()) > 1
+    assert thread_affinities(cpu) == {(0,)}
+
+
+def test_ipc_and_tcp_clients_stream_correct_output_at_once(server, reference_ids):
+    ipc_endpoint, tcp_endpoint = server.endpoints
+    assert ipc_endpoint.startswith("ipc://") and tcp_endpoint.startswith("tcp://127.0.0.1:")
+    outcomes: dict[str, tuple[list[int], m.GenerateDone]] = {}
+
+    def run(endpoint: str, prompt: str) -> None:
+        with DovetailClient(endpoint, timeout_s=120) as client:
+            streamed: list[int] = []
+            for event in client.events(prompt, max_new_tokens=NEW_TOKENS):
+                if isinstance(event, m.TokenChunk):
+                    streamed += event.token_ids
+                else:
+                    outcomes[endpoint] = (streamed, event)
+
+    threads = [threading.Thread(target=run, args=(ipc_endpoint, TEST_PROMPTS[0])),
+               threading.Thread(target=run, args=(tcp_endpoint, TEST_PROMPTS[1]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    for endpoint, prompt in ((ipc_endpoint, TEST_PROMPTS[0]), (tcp_endpoint, TEST_PROMPTS[1])):
+        streamed, done = outcomes[endpoint]
+        assert done.token_ids == reference_ids[prompt]
+        assert streamed == done.token_ids
+
+
+def test_client_that_leaves_mid_stream_does_not_disturb_others(server, reference_ids):
+    leaver = DovetailClient(server.endpoints[0], timeout_s=60)
+    events = leaver.events(TEST_PROMPTS[2], max_new_tokens=500)
+    assert isinstance(next(events), m.TokenChunk)
+    leaver.close()
+    with DovetailClient(server.endpoints[1], timeout_s=120) as client:
+        done = client.generate(TEST_PROMPTS[3], max_new_tokens=NEW_TOKENS)
+    assert done.token_ids == reference_ids[TEST_PROMPTS[3]]
+
+
+def raw_exchange(endpoint: str, frames: list[bytes], timeout_ms: int = 10000) -> list:
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    replies = []
+    try:
+        for frame in frames:
+            sock.send(frame)
+            if sock.poll(timeout_ms):
+                replies.append(m.decode(sock.recv()))
+            else:
+                replies.append(None)
+    finally:
+        sock.close()
+    return replies
+
+
+def test_malformed_messages_get_error_replies_and_serving_goes_on(server, reference_ids):
+    endpoint = server.endpoints[1]
+    wrong_types = msgpack.packb({"v": m.PROTOCOL_VERSION, "type": "GenerateRequest", "request_id": 5,
+                                 "prompt": ["x"], "max_new_tokens": "many", "stop": [], "temperature": 0.0,
+                                 "top_k": 0, "top_p": 1.0, "seed": None, "mode": "dovetail", "stream": False})
+    unknown = msgpack.packb({"v": m.PROTOCOL_VERSION, "type": "LaunchMissiles"})
+    old_version = msgpack.packb({"v": 0, "type": "Ping", "nonce": 1})
+    pickled = b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00K\x01."
+    replies = raw_exchange(endpoint, [b"\xff\x00garbage", wrong_types, unknown, old_version, pickled])
+    assert all(isinstance(r, m.ErrorReply) and r.code == "bad_message" for r in replies), replies
+    # A message over the socket's size limit: that connection is dropped, the server lives on.
+    huge = raw_exchange(endpoint, [b"\x00" * (40 * 1024 * 1024)], timeout_ms=2000)
+    assert huge == [None]
+    with DovetailClient(endpoint, timeout_s=120) as client:
+        done = client.generate(TEST_PROMPTS[4], max_new_tokens=NEW_TOKENS)
+        assert done.token_ids == reference_ids[TEST_PROMPTS[4]]
+        with pytest.raises(GenerationError, match="prompt_too_long"):
+            client.generate("a = 1\n" * 1500, max_new_tokens=4)
+
+
+def test_killed_cpu_worker_fails_request_fast_then_server_recovers(testbed_path, testbed_random_head,
+                                                                   reference_ids, tmp_path):
+    running = Server("--target", str(testbed_path), "--draft", str(testbed_random_head),
+                     "--bind", f"ipc://{tmp_path}/kill.sock")
+    try:
+        victim = running.workers()["cpu_worker"]
+        with DovetailClient(running.endpoints[0], timeout_s=120) as client:
+            events = client.events(TEST_PROMPTS[5], max_new_tokens=2000)
+            assert isinstance(next(events), m.TokenChunk)
+            os.kill(victim.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            with pytest.raises(GenerationError, match="worker_failed"):
+                for _ in events:
+                    pass
+            assert time.monotonic() - killed_at < 2.0
+            # The coordinator restarted the worker and serves correctly again.
+            done = client.generate(TEST_PROMPTS[6], max_new_tokens=NEW_TOKENS)
+            assert done.token_ids == reference_ids[TEST_PROMPTS[6]]
+        assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+        pids = [running.pid] + [worker.pid for worker in running.workers().values()]
+    finally:
+        code = running.stop()
+    assert code == 0
+    assert descendants_gone(pids)
+    assert our_segments(running.pid) == []
