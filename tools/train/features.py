@@ -1,0 +1,153 @@
+"""Run the target over a corpus and store token ids + last hidden states in shards.
+
+Documents are cut into windows of ``window`` tokens; each window is prefilled from an empty
+cache (position 0), as the testbed was trained on 512-token windows. The whole corpus is
+tokenized first (cheap next to the target), so the shard plan, the progress total and the
+resume check are all known before the target runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .corpus import Document
+from .shards import (DTYPES, FORMAT_VERSION, MANIFEST, read_manifest, shard_name, tokens_digest,
+                     write_json_atomic, write_shard)
+
+
+@dataclass
+class Window:
+    tokens: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # bool [n]
+
+
+@dataclass
+class ShardPlan:
+    index: int
+    windows: list[Window] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.tokens) for w in self.windows)
+
+    def digest(self) -> str:
+        return tokens_digest([w.tokens for w in self.windows])
+
+
+def cut_windows(documents: Iterable[Document], window: int, max_tokens: int | None = None) -> list[Window]:
+    """Consecutive windows of ``window`` tokens per document (the last one shorter); windows
+    under 2 tokens hold no (feature, next feature) pair and are dropped. ``max_tokens`` cuts
+    the stream (the last window shortened to fit)."""
+    windows: list[Window] = []
+    total = 0
+    for document in documents:
+        ids = np.asarray(document.token_ids, dtype=np.int32)
+        mask = np.asarray(document.loss_mask, dtype=bool)
+        for begin in range(0, len(ids), window):
+            piece = ids[begin:begin + window]
+            if max_tokens is not None:
+                piece = piece[:max_tokens - total]
+            if len(piece) < 2:
+                continue
+            windows.append(Window(piece, mask[begin:begin + len(piece)]))
+            total += len(piece)
+            if max_tokens is not None and total >= max_tokens:
+                return windows
+    return windows
+
+
+def plan_shards(windows: list[Window], shard_tokens: int) -> list[ShardPlan]:
+    """Group whole windows into shards of about ``shard_tokens`` tokens."""
+    shards = [ShardPlan(0)]
+    for window in windows:
+        if shards[-1].windows and shards[-1].num_tokens + len(window.tokens) > shard_tokens:
+            shards.append(ShardPlan(len(shards)))
+        shards[-1].windows.append(window)
+    return [shard for shard in shards if shard.windows]
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def extract_features(target: Any, windows: list[Window], out_dir: Path, config: dict[str, Any],
+                     dtype: str = "fp16", shard_tokens: int = 131072, overwrite: bool = False,
+                     on_shard: Callable[[int], None] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Write (or finish writing) the shards for ``windows`` under ``out_dir``.
+
+    ``target``: a loaded ``LlamaDecoder``. ``config``: what produced the windows (inputs,
+    window size, split, ...); a rerun must pass the same config to resume. ``on_shard`` is
+    called with each shard index after it is stored (tests use it to interrupt a run).
+    Returns the manifest.
+    """
+    from cpu_worker.engine import TargetEngine
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plans = plan_shards(windows, shard_tokens)
+    full_config = dict(config, dtype=dtype, shard_tokens=shard_tokens, version=FORMAT_VERSION)
+    manifest = read_manifest(out_dir)
+    if manifest is not None and manifest["config"] != full_config:
+        if not overwrite:
+            raise ValueError(f"{out_dir / MANIFEST} was written with different settings; use another folder "
+                             "or --overwrite.\n  stored: " + str(manifest["config"]) + "\n  now:    " + str(full_config))
+        manifest = None
+    if manifest is None:
+        for stale in out_dir.glob("shard-*.safetensors"):
+            stale.unlink()
+        manifest = {"config": full_config, "hidden_size": int(target.spec.hidden_size), "shards": [],
+                    "complete": False}
+    done = {entry["index"]: entry for entry in manifest["shards"]}
+    # Keep only finished shards whose file is there and whose planned content is unchanged.
+    todo = []
+    kept = []
+    for plan in plans:
+        entry = done.get(plan.index)
+        if entry and entry["digest"] == plan.digest() and (out_dir / entry["file"]).exists():
+            kept.append(entry)
+        else:
+            todo.append(plan)
+    manifest["shards"] = kept
+    manifest["complete"] = False
+    write_json_atomic(out_dir / MANIFEST, manifest)
+
+    total_tokens = sum(p.num_tokens for p in plans)
+    skipped = sum(entry["tokens"] for entry in kept)
+    max_window = max((len(w.tokens) for w in windows), default=1)
+    engine = TargetEngine(target, max_len=max_window)
+    store_dtype = DTYPES[dtype]
+    started = time.perf_counter()
+    bar = tqdm(total=total_tokens, initial=skipped, unit="tok", unit_scale=True, desc="features",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        for plan in todo:
+            features = []
+            for window in plan.windows:
+                step = engine.prefill(window.tokens.tolist())
+                features.append(step.features.to(store_dtype))
+                bar.update(len(window.tokens))
+            lengths = [len(w.tokens) for w in plan.windows]
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            write_shard(out_dir / shard_name(plan.index), np.concatenate([w.tokens for w in plan.windows]),
+                        torch.cat(features), np.concatenate([w.loss_mask for w in plan.windows]), offsets)
+            manifest["shards"].append({"index": plan.index, "file": shard_name(plan.index),
+                                       "windows": len(plan.windows), "tokens": plan.num_tokens,
+                                       "digest": plan.digest()})
+            manifest["shards"].sort(key=lambda entry: entry["index"])
+            write_json_atomic(out_dir / MANIFEST, manifest)
+            if on_shard is not None:
+                on_shard(plan.index)
+    finally:
+        bar.close()
+    manifest.update(complete=True, tokens=total_tokens, windows=len(windows),
+                    loss_tokens=int(sum(w.loss_mask.sum() for w in windows)),
+                    seconds_this_run=round(time.perf_counter() - started, 1))
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,125 @@
+"""Feature shards on disk: safetensors files plus a JSON manifest.
+
+Each shard holds whole windows: ``tokens`` int32 [N], ``features`` fp16/fp32 [N, d] (the
+target's last hidden states after the final norm), ``loss_mask`` uint8 [N] and
+``window_offsets`` int64 [W + 1] (window w is rows offsets[w]:offsets[w + 1]). The
+manifest lists the finished shards with a digest of their tokens, so an interrupted run
+resumes by skipping shards whose digest still matches the planned one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def tokens_digest(windows: list[np.ndarray]) -> str:
+    """sha1 over the shard's windows (lengths and ids): identifies the planned content."""
+    digest = hashlib.sha1()
+    for window in windows:
+        digest.update(np.int64(len(window)).tobytes())
+        digest.update(np.ascontiguousarray(window, dtype=np.int32).tobytes())
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write to a temporary name then rename: a kill never leaves a half-written manifest."""
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def write_shard(path: Path, tokens: np.ndarray, features: torch.Tensor, loss_mask: np.ndarray,
+                offsets: np.ndarray) -> None:
+    from safetensors.torch import save_file
+
+    temporary = path.with_suffix(".tmp")
+    save_file({
+        "tokens": torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)),
+        "features": features.contiguous(),
+        "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
+        "window_offsets": torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64)),
+    }, str(temporary))
+    os.replace(temporary, path)
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    path = folder / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@dataclass
+class FeatureSet:
+    """All windows of a feature folder in memory (features stay in their stored dtype)."""
+
+    tokens: torch.Tensor  # int64 [N]
+    features: torch.Tensor  # [N, d]
+    loss_mask: torch.Tensor  # bool [N]
+    offsets: torch.Tensor  # int64 [W + 1]
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.offsets.numel() - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        begin, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.tokens[begin:end], self.features[begin:end], self.loss_mask[begin:end]
+
+    def feature_rms(self, sample: int = 65536) -> float:
+        """RMS of the stored features over (up to) the first ``sample`` rows."""
+        rows = self.features[:sample].float()
+        return float(rows.pow(2).mean().sqrt())
+
+
+def load_features(folder: Path | str, max_tokens: int | None = None) -> FeatureSet:
+    """Load the finished shards of a complete feature folder (in shard order), optionally
+    only the first windows that fit ``max_tokens``."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise FileNotFoundError(f"{folder} has no {MANIFEST}: run `dovetail-train features` first")
+    if not manifest.get("complete"):
+        raise ValueError(f"{folder}: feature extraction did not finish; rerun the same features command to resume")
+    tokens, features, masks, offsets = [], [], [], [np.zeros(1, dtype=np.int64)]
+    total = 0
+    for entry in manifest["shards"]:
+        shard = load_file(str(folder / entry["file"]))
+        shard_offsets = shard["window_offsets"].numpy()
+        if max_tokens is not None:
+            keep = int(np.searchsorted(shard_offsets, max_tokens - total, side="right")) - 1
+            shard_offsets = shard_offsets[:keep + 1]
+        end = int(shard_offsets[-1])
+        if end == 0:
+            break
+        tokens.append(shard["tokens"][:end].long())
+        features.append(shard["features"][:end])
+        masks.append(shard["loss_mask"][:end].bool())
+        offsets.append(shard_offsets[1:] + total)
+        total += end
+        if max_tokens is not None and total >= max_tokens - 1:
+            break
+    if not tokens:
+        raise ValueError(f"{folder}: no windows (max_tokens {max_tokens})")
+    return FeatureSet(torch.cat(tokens), torch.cat(features), torch.cat(masks),
+                      torch.from_numpy(np.concatenate(offsets)))
