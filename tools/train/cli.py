@@ -1,0 +1,216 @@
+"""``dovetail-train``: features -> train -> eval for a draft head (DESIGN.md sections 7, 10)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GB"
+
+
+@click.group(context_settings=CONTEXT)
+def main() -> None:
+    """Train a draft head for a target model: extract features, train, measure tau."""
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Feature folder (shards + manifest.json); rerun the same command to resume.")
+@click.option("--input", "inputs", multiple=True, help="Text file, folder, glob, .jsonl (text field or "
+              "ShareGPT conversations) or .json list; repeatable.")
+@click.option("--stdlib", is_flag=True, help="Use this Python's standard library (.py files outside "
+              "site-packages: the testbed's corpus) as the input.")
+@click.option("--pattern", default="*.txt", help="File-name glob for folders given with --input "
+              "(--stdlib uses *.py).")
+@click.option("--exclude", multiple=True, help="Glob on paths relative to an input folder to leave out.")
+@click.option("--split", type=click.Choice(["train", "heldout", "all"]), default="all",
+              help="For folders: keep one side of the testbed rule int(sha1(relative path)) % 20 == 0 -> heldout.")
+@click.option("--text-field", default="text", help="JSONL field holding plain text.")
+@click.option("--chat-template/--no-chat-template", default=True,
+              help="Render conversations with the tokenizer's chat template when it has one "
+              "(else plain 'role: content' lines).")
+@click.option("--window", type=click.IntRange(min=2), default=512, help="Tokens per window (each prefilled from "
+              "position 0; the testbed was trained on 512).")
+@click.option("--dtype", type=click.Choice(["fp16", "fp32"]), default="fp16", help="Stored feature precision.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Stop after this many tokens.")
+@click.option("--shuffle-seed", type=int, default=0, help="Shuffle the file order with this seed (so --max-tokens "
+              "samples the whole corpus); -1 keeps the sorted order.")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=131072, help="Tokens per shard (resume unit).")
+@click.option("--overwrite", is_flag=True, help="Start over if the folder holds features made with other settings.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
+def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_field, chat_template, window, dtype,
+             max_tokens, shuffle_seed, shard_tokens, overwrite, threads) -> None:
+    """Run the target over a corpus and store token ids + last hidden states (after the final norm)."""
+    from transformers import AutoTokenizer
+
+    from cpu_worker.loading import load_target_model, resolve_model_dir
+
+    from .corpus import STDLIB_EXCLUDE, STDLIB_PATTERN, expand_inputs, read_documents, shuffled, stdlib_root
+    from .features import cut_windows, extract_features, folder_bytes
+
+    set_threads(threads)
+    if stdlib:
+        inputs = (str(stdlib_root()),) + tuple(inputs)
+        pattern, exclude = STDLIB_PATTERN, tuple(exclude) + STDLIB_EXCLUDE
+    if not inputs:
+        raise click.UsageError("give --input (repeatable) or --stdlib")
+    target_dir = resolve_model_dir(target)
+    files = expand_inputs(inputs, pattern, exclude, None if split == "all" else split)
+    if not files:
+        raise click.UsageError("the inputs name no files")
+    files = shuffled(files, None if shuffle_seed < 0 else shuffle_seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    from tqdm import tqdm
+
+    documents = read_documents(tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True), tokenizer,
+                               text_field=text_field, chat_template=chat_template)
+    windows = cut_windows(documents, window, max_tokens)
+    if not windows:
+        raise click.UsageError("the inputs hold no window of 2 or more tokens")
+    config = {"target": str(target_dir.resolve()), "inputs": [str(Path(i).resolve()) for i in inputs],
+              "pattern": pattern, "exclude": list(exclude), "split": split, "text_field": text_field,
+              "chat_template": chat_template, "window": window, "max_tokens": max_tokens,
+              "shuffle_seed": shuffle_seed, "files": len(files)}
+    model = load_target_model(target_dir).eval()
+    manifest = extract_features(model, windows, out_dir, config, dtype=dtype, shard_tokens=shard_tokens,
+                                overwrite=overwrite)
+    click.echo(f"{manifest['tokens']:,} tokens in {manifest['windows']:,} windows from {len(files):,} files "
+               f"({manifest['loss_tokens']:,} with loss), {len(manifest['shards'])} shards; "
+               f"disk use {human_bytes(folder_bytes(out_dir))} in {out_dir}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--features", "train_dir", required=True, type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Training feature folder (from `dovetail-train features`).")
+@click.option("--heldout", "heldout_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Held-out feature folder for periodic evaluation (loss, top-1 agreement).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Head folder: config.json + model.safetensors (use as dovetail-run --draft), plus "
+              "train_state.pt (resume) and train_log.jsonl.")
+@click.option("--fusion", type=click.Choice(["dgf", "fc"]), default="dgf", help="dgf (Dovetail) or fc (EAGLE-1/2).")
+@click.option("--layers", type=click.IntRange(min=1), default=1, help="Decoder layers in the head.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Windows per step.")
+@click.option("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, betas 0.9/0.95).")
+@click.option("--warmup", type=click.IntRange(min=0), default=100, help="Linear warmup steps.")
+@click.option("--min-lr-ratio", type=float, default=0.1, help="Cosine decays to this fraction of --lr.")
+@click.option("--weight-decay", type=float, default=0.0)
+@click.option("--clip", type=float, default=0.5, help="Gradient-norm clipping.")
+@click.option("--noise", type=float, default=0.1, help="Input-feature noise U(-a, a), a = NOISE x feature RMS.")
+@click.option("--epochs", type=float, default=1.0, help="Passes over the (capped) training windows.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Train exactly this many steps "
+              "(overrides --epochs).")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None,
+              help="Use only the first N tokens of the training features (a fixed budget for ablations).")
+@click.option("--eval-every", type=click.IntRange(min=1), default=200, help="Steps between held-out evaluations.")
+@click.option("--eval-tokens", type=click.IntRange(min=2), default=65536, help="Held-out tokens per evaluation.")
+@click.option("--save-every", type=click.IntRange(min=1), default=200, help="Steps between resumable checkpoints.")
+@click.option("--seed", type=int, default=0)
+@click.option("--bf16/--fp32", "bf16", default=False, help="bf16 autocast for the matmuls (CPUs with avx512_bf16/AMX: "
+              "~30% faster); weights and optimizer stay fp32.")
+@click.option("--save-dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", help="Precision of the saved head.")
+@click.option("--include-frozen", is_flag=True, help="Also store the embedding and lm_head (else they load from "
+              "the target folder).")
+@click.option("--restart", is_flag=True, help="Ignore an existing train_state.pt in --out.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
+def train(target, train_dir, heldout_dir, out_dir, fusion, layers, batch_size, lr, warmup, min_lr_ratio,
+          weight_decay, clip, noise, epochs, steps, max_tokens, eval_every, eval_tokens, save_every, seed, bf16,
+          save_dtype, include_frozen, restart, threads) -> None:
+    """Train a draft head on stored features; the result loads with dovetail-run --draft OUT."""
+    from .trainer import TrainConfig, train as run_training
+
+    set_threads(threads)
+    config = TrainConfig(fusion=fusion, layers=layers, batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio,
+                         warmup=warmup, weight_decay=weight_decay, clip=clip, noise=noise, epochs=epochs,
+                         steps=steps, max_tokens=max_tokens, eval_every=eval_every, eval_tokens=eval_tokens,
+                         save_every=save_every, seed=seed, bf16=bf16, save_dtype=save_dtype,
+                         include_frozen=include_frozen)
+    summary = run_training(target, train_dir, out_dir, config, heldout_dir=heldout_dir, resume=not restart)
+    click.echo(f"{summary['steps']} steps in {summary['seconds']:.0f} s on {summary['train_tokens']:,} tokens; "
+               f"head written to {out_dir}")
+
+
+def parse_tree(value: str) -> tuple[int, int, int]:
+    try:
+        tree_tokens, depth, top_k = (int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected T,DEPTH,TOP_K such as 16,6,8; got {value!r}") from None
+    return tree_tokens, depth, top_k
+
+
+@main.command("eval", context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--draft", required=True, help="Draft head folder.")
+@click.option("--input", "inputs", multiple=True, help="Files/folders/globs of plain text to take prompts from "
+              "[default: the stdlib held-out split, the testbed protocol].")
+@click.option("--pattern", default="*.py", help="File-name glob for folders given with --input.")
+@click.option("--split", type=click.Choice(["train", "heldout", "all"]), default="heldout",
+              help="For folders: one side of the sha1 % 20 rule.")
+@click.option("--files", type=click.IntRange(min=1), default=None, help="Use the first N eligible files (sorted).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, help="Prompt = the first N tokens.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, help="Greedy tokens to generate.")
+@click.option("--tree-tokens", type=click.IntRange(min=1), default=16, help="Tree size T (root included).")
+@click.option("--depth", type=click.IntRange(min=1), default=6, help="Most draft tokens on one path.")
+@click.option("--top-k", type=click.IntRange(min=1), default=8, help="Beam width / children per node.")
+@click.option("--tree", "trees", multiple=True, help="Extra tree settings T,DEPTH,TOP_K (repeatable), e.g. 7,4,4.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
+def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_tokens, tree_tokens, depth, top_k,
+             trees, as_json, threads) -> None:
+    """Greedy tau of a head (testbed protocol by default), checked lossless against the target."""
+    from transformers import AutoTokenizer
+
+    from cpu_worker.engine import TargetEngine
+    from cpu_worker.loading import load_target_model, resolve_model_dir
+    from gpu_worker.drafter import Drafter
+
+    from .corpus import expand_inputs, stdlib_files, stdlib_root
+    from .evaluate import file_prompts, format_table, measure_tau
+
+    set_threads(threads)
+    target_dir = resolve_model_dir(target)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    if inputs:
+        paths, root = expand_inputs(inputs, pattern, (), None if split == "all" else split), None
+    else:
+        root = stdlib_root()
+        paths = stdlib_files(None if split == "all" else split, root)
+    prompts = file_prompts(paths, tokenizer, prompt_tokens, files, root)
+    if not prompts:
+        raise click.UsageError(f"no file has more than {prompt_tokens} tokens")
+    settings = [(tree_tokens, depth, top_k)] + [parse_tree(value) for value in trees]
+    model = load_target_model(target_dir).eval()
+    room = prompt_tokens + new_tokens + max(t for t, _, _ in settings) + 1
+    engine = TargetEngine(model, max_len=room)
+    drafter = Drafter.from_pretrained(draft, target_dir, max_len=room, device="cpu")
+    results = measure_tau(engine, drafter, prompts, new_tokens, tokenizer.eos_token_id, settings)
+    if as_json:
+        click.echo(json.dumps({"target": str(target_dir), "draft": str(draft), "prompt_tokens": prompt_tokens,
+                               "new_tokens": new_tokens, "results": [r.as_dict() for r in results]}, indent=1))
+        return
+    click.echo(format_table(results))
+    ties = sum(len(r.near_ties) for r in results)
+    click.echo(f"lossless: every output equals the target's greedy decode"
+               + (f" ({ties} near-tie divergences, top-2 gap < 1e-4)" if ties else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
