@@ -14,8 +14,9 @@ import torch
 
 from ipc.tree import tree_ancestor_mask, tree_depths, validate_parents
 
-from .acceptance import accept_greedy
+from .acceptance import accept_greedy, accept_sampled
 from .llama import KVCache, LlamaDecoder, RotaryTable
+from .sampling import Sampler, processed_probs
 
 
 class ContextOverflowError(ValueError):
@@ -112,11 +113,17 @@ class TargetEngine:
             self.cache.gather_rows(source, prefix)
         self.committed = prefix + len(accepted_nodes)
 
-    def verify(self, tokens: Sequence[int], parents: Sequence[int]) -> VerifyOutcome:
-        """Greedy verification: the longest path whose every token is the target's argmax at
-        its parent, plus the bonus token; the cache then holds exactly the accepted sequence."""
+    def verify(self, tokens: Sequence[int], parents: Sequence[int], sampler: Sampler | None = None) -> VerifyOutcome:
+        """Verify a draft tree and keep the accepted path; the cache then holds exactly the
+        accepted sequence. Greedy (no sampler, or temperature 0): the longest path whose every
+        token is the target's argmax at its parent, plus the bonus token. Sampling: the
+        lossless rule of ``accept_sampled``."""
         features, logits = self.tree_logits(tokens, parents)
-        nodes, bonus = accept_greedy(tokens, parents, logits)
+        if sampler is None or sampler.params.greedy:
+            nodes, bonus = accept_greedy(tokens, parents, logits)
+        else:
+            nodes, bonus = accept_sampled(tokens, parents, lambda node: processed_probs(logits[node], sampler.params),
+                                          sampler)
         self.commit_path(nodes)
         accepted = [int(tokens[node]) for node in nodes[1:]] + [bonus]
         return VerifyOutcome(accepted_nodes=nodes, tokens=accepted,

@@ -20,6 +20,7 @@ from ipc.shm_ring import ShmRing, put_block
 from .engine import ContextOverflowError, TargetEngine
 from .loading import load_target_model
 from .precision import apply_precision
+from .sampling import Sampler, SamplingParams
 from .threads import apply_placement
 
 
@@ -30,30 +31,32 @@ class TargetService:
         self.engine = engine
         self.ring = ring
         self.seq_id: int | None = None
+        self.sampler: Sampler | None = None
 
     def _check_sequence(self, seq_id: int) -> None:
         if seq_id != self.seq_id:
             raise SequenceError(f"sequence {seq_id} is not active (active: {self.seq_id})")
 
     def prefill(self, request: m.PrefillRequest) -> m.PrefillResult:
-        if request.sampling.temperature > 0:
-            raise SequenceError("sampling (temperature > 0) is not supported yet; use temperature 0 (greedy)")
         started = time.perf_counter()
         self.seq_id = None
+        sampling = request.sampling
         try:
+            sampler = Sampler(SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed))
             step = self.engine.prefill(request.token_ids)
         except (ContextOverflowError, ValueError) as error:
             raise SequenceError(str(error)) from None
         self.seq_id = request.seq_id
+        self.sampler = sampler
         features = put_block(self.ring, step.features) if request.return_features else None
-        return m.PrefillResult(seq_id=request.seq_id, token=int(step.logits.argmax()), features=features,
+        return m.PrefillResult(seq_id=request.seq_id, token=sampler.pick(step.logits), features=features,
                                n_features=len(request.token_ids), compute_ms=(time.perf_counter() - started) * 1e3)
 
     def verify(self, request: m.VerifyRequest) -> m.VerifyResult:
         self._check_sequence(request.seq_id)
         started = time.perf_counter()
         try:
-            outcome = self.engine.verify(request.tokens, request.parents)
+            outcome = self.engine.verify(request.tokens, request.parents, self.sampler)
         except (ContextOverflowError, ValueError) as error:
             raise SequenceError(str(error)) from None
         return m.VerifyResult(seq_id=request.seq_id, accepted_tokens=outcome.tokens,
@@ -67,7 +70,7 @@ class TargetService:
             step = self.engine.decode(request.token)
         except ContextOverflowError as error:
             raise SequenceError(str(error)) from None
-        return m.DecodeResult(seq_id=request.seq_id, token=int(step.logits.argmax()),
+        return m.DecodeResult(seq_id=request.seq_id, token=self.sampler.pick(step.logits),
                               compute_ms=(time.perf_counter() - started) * 1e3)
 
     def release(self, request: m.ReleaseSequence) -> None:

@@ -57,6 +57,23 @@ def default_bind() -> str:
     return f"ipc://{base}/dovetail-{os.getuid()}.sock"
 
 
+def sampling_options(command):
+    """--temperature/--sample-top-k/--top-p/--seed, shared by dovetail-run and dovetail-client."""
+    options = [
+        click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0,
+                     help="Sampling temperature; 0 = greedy (exactly the target's greedy decode)."),
+        click.option("--sample-top-k", type=click.IntRange(min=0), default=0,
+                     help="Sample only among the k most likely tokens (0 = off). Not the tree's --top-k."),
+        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0,
+                     help="Nucleus sampling: the smallest set of tokens with this much mass (1 = off)."),
+        click.option("--seed", type=click.IntRange(min=0, max=2**63 - 1), default=None,
+                     help="Random seed: the same seed and settings repeat the output (per mode)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--target", required=True, help="Target model: a local Hugging Face folder, or a hub id already "
               "in the local cache (never downloaded).")
@@ -87,9 +104,10 @@ def default_bind() -> str:
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object per prompt on stdout.")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
+@sampling_options
 def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, tree_tokens,
              depth, top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, startup_timeout,
-             log_level) -> None:
+             log_level, temperature, sample_top_k, top_p, seed) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
 
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
@@ -121,7 +139,9 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
     try:
         coordinator.start()
         if all_prompts:
-            failures = run_prompts(coordinator, all_prompts, max_new_tokens, list(stops), mode, as_json)
+            sampling = dict(temperature=temperature, top_k=sample_top_k, top_p=top_p, seed=seed)
+            failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
+                                                                  mode=mode, **sampling), as_json)
             sys.exit(1 if failures else 0)
         coordinator.serve(list(binds) or [default_bind()], allow_remote=allow_remote,
                           ready=lambda bound: print(f"dovetail serving on {' '.join(bound)}", file=sys.stderr,
@@ -136,12 +156,10 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
         coordinator.close()
 
 
-def run_prompts(coordinator, prompts: list[str], max_new_tokens: int, stops: list[str], mode: str,
-                as_json: bool) -> int:
+def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool) -> int:
     failures = 0
     for prompt in prompts:
-        request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_new_tokens,
-                                    stop=stops, mode=mode)
+        request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, **params)
         if not as_json:
             sys.stdout.write(prompt)
 
@@ -163,7 +181,7 @@ def run_prompts(coordinator, prompts: list[str], max_new_tokens: int, stops: lis
                               "finish_reason": reply.finish_reason, "stats": reply.stats}), flush=True)
         else:
             s = reply.stats
-            print(f"\n\n[{mode}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, tau {s['tau']:.2f}, "
+            print(f"\n\n[{request.mode}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, tau {s['tau']:.2f}, "
                   f"draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms, ipc {s['ipc_ms']:.0f} ms]")
     return failures
 
@@ -177,13 +195,16 @@ def run_prompts(coordinator, prompts: list[str], max_new_tokens: int, stops: lis
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
-def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout) -> None:
+@sampling_options
+def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout, temperature, sample_top_k, top_p,
+                seed) -> None:
     """Send a prompt to a running dovetail-run server and stream the completion to stdout."""
     from .client import DovetailClient, GenerationError
 
     with DovetailClient(endpoint or default_bind(), timeout_s=timeout) as client:
         try:
-            params = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode)
+            params = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode, temperature=temperature,
+                          top_k=sample_top_k, top_p=top_p, seed=seed)
             if as_json:
                 done = client.generate(prompt, **params)
                 print(json.dumps({"prompt": prompt, "text": done.text, "token_ids": done.token_ids,

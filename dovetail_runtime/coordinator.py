@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cpu_worker.sampling import SamplingParams
 from ipc import messages as m
 import zmq
 
@@ -26,7 +27,7 @@ from ipc.channels import RouterServer, RuntimeDir, check_local_endpoint
 from ipc.messages import ProtocolError
 from ipc.shm_ring import ShmRing, slot_bytes_for
 
-from .generation import PromptTooLong, TreeSettings, generate_ar, generate_dovetail
+from .generation import Job, PromptTooLong, TreeSettings, generate_ar, generate_dovetail
 from .text import TextStream
 from .workers import WorkerFailed, WorkerHandle, WorkerRequestError
 
@@ -151,12 +152,13 @@ class Coordinator:
         """Run one request to the end. ``on_text(new_ids, new_text)`` sees each accepted
         chunk and returns True to cancel."""
         self._recover()
-        if request.temperature > 0:
-            return m.ErrorReply(request_id=request.request_id, code="unsupported",
-                                message="sampling (temperature > 0) is not supported yet; use temperature 0")
         if request.mode == "dovetail" and self.gpu is None:
             return m.ErrorReply(request_id=request.request_id, code="unsupported",
                                 message="this server runs without a draft head: use mode 'ar'")
+        try:
+            SamplingParams(request.temperature, request.top_k, request.top_p, request.seed).validate()
+        except ValueError as error:
+            return m.ErrorReply(request_id=request.request_id, code="bad_request", message=str(error))
         stream = TextStream(self.tokenizer, request.stop)
         cancelled = False
 
@@ -168,14 +170,14 @@ class Coordinator:
             return cancelled or stream.stopped
 
         prompt_ids = self.tokenizer(request.prompt)["input_ids"]
-        seq_id = next(self._seq_ids)
+        sampling = m.Sampling(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                              seed=request.seed)
+        job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, sampling, self.eos_token_id, self.max_len)
         try:
             if request.mode == "ar":
-                finish, stats = generate_ar(self.cpu, seq_id, prompt_ids, request.max_new_tokens,
-                                            self.eos_token_id, self.max_len, emit)
+                finish, stats = generate_ar(self.cpu, job, emit)
             else:
-                finish, stats = generate_dovetail(self.cpu, self.gpu, seq_id, prompt_ids, request.max_new_tokens,
-                                                  self.eos_token_id, self.max_len, self.settings.tree, emit)
+                finish, stats = generate_dovetail(self.cpu, self.gpu, job, self.settings.tree, emit)
         except PromptTooLong as error:
             return m.ErrorReply(request_id=request.request_id, code="prompt_too_long", message=str(error))
         except WorkerRequestError as error:

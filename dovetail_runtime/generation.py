@@ -23,6 +23,18 @@ class PromptTooLong(ValueError):
 
 
 @dataclass(frozen=True)
+class Job:
+    """What one request asks of the workers."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: m.Sampling
+    eos_token_id: int | None
+    max_len: int
+
+
+@dataclass(frozen=True)
 class TreeSettings:
     tree_tokens: int = 16
     depth: int = 6
@@ -94,18 +106,18 @@ def check_prompt(prompt_ids: Sequence[int], max_len: int) -> None:
         raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of {max_len} tokens")
 
 
-def generate_ar(cpu: WorkerHandle, seq_id: int, prompt_ids: list[int], max_new_tokens: int,
-                eos_token_id: int | None, max_len: int, emit: Emit) -> tuple[str, Stats]:
+def generate_ar(cpu: WorkerHandle, job: Job, emit: Emit) -> tuple[str, Stats]:
+    seq_id, max_len = job.seq_id, job.max_len
     stats = Stats()
-    budget = Budget(max_new_tokens, eos_token_id, emit, stats)
+    budget = Budget(job.max_new_tokens, job.eos_token_id, emit, stats)
     started = time.perf_counter()
     try:
-        check_prompt(prompt_ids, max_len)
-        result = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids, return_features=False),
-                             m.PrefillResult)
+        check_prompt(job.prompt_ids, max_len)
+        result = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=job.prompt_ids, sampling=job.sampling,
+                                              return_features=False), m.PrefillResult)
         stats.prefill_ms = result.compute_ms
         token = result.token
-        length = len(prompt_ids) + 1
+        length = len(job.prompt_ids) + 1
         while not budget.push([token]):
             if length >= max_len:
                 budget.finish_reason = "length"
@@ -122,15 +134,16 @@ def generate_ar(cpu: WorkerHandle, seq_id: int, prompt_ids: list[int], max_new_t
     return budget.finish_reason or "stop", stats
 
 
-def generate_dovetail(cpu: WorkerHandle, gpu: WorkerHandle, seq_id: int, prompt_ids: list[int],
-                      max_new_tokens: int, eos_token_id: int | None, max_len: int, tree: TreeSettings,
+def generate_dovetail(cpu: WorkerHandle, gpu: WorkerHandle, job: Job, tree: TreeSettings,
                       emit: Emit) -> tuple[str, Stats]:
+    seq_id, prompt_ids, max_len = job.seq_id, job.prompt_ids, job.max_len
     stats = Stats(accept_per_depth=[0] * (tree.depth + 1))
-    budget = Budget(max_new_tokens, eos_token_id, emit, stats)
+    budget = Budget(job.max_new_tokens, job.eos_token_id, emit, stats)
     started = time.perf_counter()
     try:
         check_prompt(prompt_ids, max_len)
-        prefill = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids), m.PrefillResult)
+        prefill = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids, sampling=job.sampling),
+                              m.PrefillResult)
         stats.prefill_ms = prefill.compute_ms
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
         pair_tokens = prompt_ids[1:] + [prefill.token]

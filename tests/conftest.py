@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch loads OpenMP: idle pool threads must sleep, not spin. On a 2-core machine a
+# spinning pool in one process (a test, a worker) slows every other one by 100x.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
 
@@ -75,9 +79,10 @@ def testbed_path() -> Path:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _few_threads():
-    # Two cores on CI: keep torch from oversubscribing when tests spawn processes.
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+def _one_thread():
+    # Test models are tiny: one intra-op thread is fastest and leaves the other core to the
+    # worker processes that the runtime tests start.
+    torch.set_num_threads(1)
 
 
 def save_random_head(directory: Path, target_dir: Path, layers: int = 1, fusion: str = "dgf", seed: int = 0) -> Path:

@@ -201,3 +201,17 @@ def test_killed_cpu_worker_fails_request_fast_then_server_recovers(testbed_path,
     assert code == 0
     assert descendants_gone(pids)
     assert our_segments(running.pid) == []
+
+
+def test_sampling_through_the_server(server, reference_ids):
+    prompt = TEST_PROMPTS[7]
+    with DovetailClient(server.endpoints[0], timeout_s=120) as client:
+        for mode in ("dovetail", "ar"):
+            first = client.generate(prompt, max_new_tokens=32, temperature=0.8, seed=5, mode=mode)
+            again = client.generate(prompt, max_new_tokens=32, temperature=0.8, seed=5, mode=mode)
+            assert first.token_ids == again.token_ids, mode
+            # top-k 1 leaves one allowed token per step: sampling must then be the greedy decode.
+            only_best = client.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=1, mode=mode)
+            assert only_best.token_ids == reference_ids[prompt], mode
+        with pytest.raises(GenerationError, match="bad_request.*top_p"):
+            client.generate(prompt, max_new_tokens=4, temperature=1.0, top_p=0.0)

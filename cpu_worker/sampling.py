@@ -1,0 +1,77 @@
+"""Sampling from the target: temperature, top-k, top-p, and a seeded source of randomness.
+
+The same ``processed_probs`` serves plain decoding (``--mode ar``) and tree verification,
+so both sample from exactly the same distribution.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] after temperature, then top-k, then top-p (the order
+    transformers uses). Tokens filtered out have probability exactly 0."""
+    # fp32 at least (bf16 logits would round the distribution); fp64 stays fp64.
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32)) / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = scores.topk(params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+class Sampler:
+    """A sequence's sampling settings and its random stream (seeded: reproducible)."""
+
+    def __init__(self, params: SamplingParams):
+        params.validate()
+        self.params = params
+        self.generator = torch.Generator()
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator.manual_seed(seed)
+
+    def bernoulli(self, probability: float) -> bool:
+        """True with ``probability`` (a uniform draw strictly below it)."""
+        return float(torch.rand((), generator=self.generator)) < probability
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from one row of logits (argmax when greedy)."""
+        if self.params.greedy:
+            return int(logits.argmax())
+        return self.categorical(processed_probs(logits, self.params))

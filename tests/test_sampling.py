@@ -1,0 +1,415 @@
+"""Lossless sampling: the acceptance rule by exact enumeration and by sampled tests.
+
+The tree's children are chosen deterministically (top-k by draft score), so the rule under
+test is DESIGN.md section 6's: try children in order, accept c with p(c), zero and
+renormalise on rejection, sample the residual when all fail. Two deliberately wrong rules
+ride along to show that every check here can fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from cpu_worker.acceptance import accept_sampled, children_lists
+from cpu_worker.sampling import Sampler, SamplingParams, processed_probs
+
+VOCAB = 5
+# The 0.999 quantile of chi-square with VOCAB - 1 = 4 degrees of freedom.
+CHI2_4DF_999 = 18.467
+
+
+# --- two wrong rules, for showing the checks have teeth ---------------------------------
+
+
+def accept_textbook(tokens, parents, probs_at, chooser, draft_probs_at):
+    """The p/q rule with a max(p - q, 0) residual: right when children are sampled from the
+    draft, biased when they are chosen deterministically as here."""
+    children = children_lists(parents)
+    node, path = 0, [0]
+    while True:
+        p = probs_at(node).double()
+        q = draft_probs_at(node).double()
+        accepted = None
+        for child in children[node]:
+            token = int(tokens[child])
+            if chooser.bernoulli(min(1.0, float(p[token] / max(q[token], 1e-30)))):
+                accepted = child
+                break
+            residual = (p - q).clamp(min=0)
+            p = residual / residual.sum() if residual.sum() > 0 else p
+        if accepted is None:
+            return path, chooser.categorical(p / p.sum())
+        path.append(accepted)
+        node = accepted
+
+
+def accept_without_renormalising(tokens, parents, probs_at, chooser, _draft_probs_at=None):
+    """Tries children with p(c) but samples a full rejection from the untouched p."""
+    children = children_lists(parents)
+    node, path = 0, [0]
+    while True:
+        p = probs_at(node).double()
+        accepted = next((c for c in children[node] if chooser.bernoulli(float(p[int(tokens[c])]))), None)
+        if accepted is None:
+            return path, chooser.categorical(p / p.sum())
+        path.append(accepted)
+        node = accepted
+
+
+def correct_rule(tokens, parents, probs_at, chooser, _draft_probs_at=None):
+    return accept_sampled(tokens, parents, probs_at, chooser)
+
+
+RULES = {"lossless": correct_rule, "textbook-p/q": accept_textbook, "no-renormalise": accept_without_renormalising}
+
+
+# --- a small synthetic world: target and draft distributions for every prefix ----------
+
+
+def table_distribution(prefix: tuple[int, ...], salt: int, params: SamplingParams) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(hash((salt,) + prefix) % (2**31))
+    logits = torch.randn(VOCAB, generator=generator, dtype=torch.float64) * 1.5
+    return processed_probs(logits, params).double()
+
+
+def draft_tree(prefix: tuple[int, ...], shape: list[int], params: SamplingParams) -> tuple[list[int], list[int]]:
+    """A tree whose shape is fixed and whose children are the draft's top tokens (deterministic)."""
+    tokens, parents = [prefix[-1]], [-1]
+    paths = {0: prefix}
+    for parent in shape:
+        siblings = [tokens[i] for i in range(1, len(tokens)) if parents[i] == parent]
+        ranked = table_distribution(paths[parent], 2, params).argsort(descending=True).tolist()
+        token = next(t for t in ranked if t not in siblings)
+        tokens.append(token)
+        parents.append(parent)
+        paths[len(tokens) - 1] = paths[parent] + (token,)
+    return tokens, parents
+
+
+SHAPES = [[0, 0, 1, 1, 2, 3], [0, 1, 2, 3], [0, 0, 0, 0], [0]]
+
+
+def one_cycle(prefix, shape, params, rule, chooser) -> list[int]:
+    tokens, parents = draft_tree(prefix, shape, params)
+
+    def path_prefix(node):
+        path = []
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        return prefix + tuple(reversed(path))
+
+    nodes, last = rule(tokens, parents, lambda node: table_distribution(path_prefix(node), 1, params), chooser,
+                       lambda node: table_distribution(path_prefix(node), 2, params))
+    return [tokens[n] for n in nodes[1:]] + [last]
+
+
+def generate(prefix, shape, params, rule, chooser, count: int) -> tuple[int, ...]:
+    emitted: list[int] = []
+    while len(emitted) < count:
+        new = one_cycle(prefix + tuple(emitted), shape, params, rule, chooser)
+        emitted += new
+    return tuple(emitted[:count])
+
+
+# --- exact enumeration of every random choice ---------------------------------------------
+
+
+class Branch(Exception):
+    def __init__(self, options: list[tuple[object, float]]):
+        self.options = options
+
+
+class ScriptedChooser:
+    """Replays a list of decisions; at the first undecided choice, raises Branch with
+    every outcome and its probability."""
+
+    def __init__(self, script: list):
+        self.script = script
+        self.position = 0
+
+    def _next(self, options):
+        if self.position < len(self.script):
+            value = self.script[self.position]
+            self.position += 1
+            return value
+        raise Branch(options)
+
+    def bernoulli(self, probability: float) -> bool:
+        return self._next([(True, probability), (False, 1.0 - probability)])
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return self._next([(i, float(p)) for i, p in enumerate(probs.tolist()) if p > 0])
+
+
+def enumerate_outcomes(run: Callable[[ScriptedChooser], tuple]) -> dict[tuple, float]:
+    """The exact distribution of run()'s result over all random decisions."""
+    result: dict[tuple, float] = Counter()
+    stack: list[tuple[list, float]] = [([], 1.0)]
+    while stack:
+        script, probability = stack.pop()
+        if probability == 0.0:
+            continue
+        try:
+            outcome = run(ScriptedChooser(script))
+        except Branch as branch:
+            stack.extend((script + [value], probability * p) for value, p in branch.options)
+            continue
+        result[outcome] += probability
+    return result
+
+
+def exact_target(prefix, params, count) -> dict[tuple, float]:
+    out = {}
+    for tokens in itertools.product(range(VOCAB), repeat=count):
+        probability = 1.0
+        for i in range(count):
+            probability *= float(table_distribution(prefix + tokens[:i], 1, params)[tokens[i]])
+        if probability > 0:
+            out[tokens] = probability
+    return out
+
+
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+          SamplingParams(temperature=1.3, top_p=0.8)]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("params", PARAMS)
+def test_exact_enumeration_equals_target_distribution(shape, params, count):
+    prefix = (3, 1)
+    got = enumerate_outcomes(lambda chooser: generate(prefix, shape, params, correct_rule, chooser, count))
+    expected = exact_target(prefix, params, count)
+    assert set(got) <= set(expected)
+    assert max(abs(got.get(key, 0.0) - value) for key, value in expected.items()) < 1e-9
+    assert abs(sum(got.values()) - 1.0) < 1e-9
+
+
+@pytest.mark.parametrize("rule", ["textbook-p/q", "no-renormalise"])
+def test_exact_enumeration_exposes_wrong_rules(rule):
+    prefix, params = (3, 1), PARAMS[0]
+    worst = 0.0
+    for shape in SHAPES[:3]:
+        got = enumerate_outcomes(lambda chooser: generate(prefix, shape, params, RULES[rule], chooser, 1))
+        expected = exact_target(prefix, params, 1)
+        worst = max(worst, max(abs(got.get(key, 0.0) - value) for key, value in expected.items()))
+    assert worst > 0.02
+
+
+def chi_square(counts: Counter, expected: dict[tuple, float], samples: int) -> float:
+    return sum((counts.get(key, 0) - samples * p) ** 2 / (samples * p) for key, p in expected.items())
+
+
+# Power: with 20,000 samples, shifting 0.05 of probability between two tokens gives a
+# noncentrality of at least 20000 * (0.05**2 / p1 + 0.05**2 / p2) >= 100, so the test at
+# the 0.999 quantile (18.5, 4 df) misses it with probability below 1e-9.
+SAMPLES = 20_000
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_sampled_first_token_chi_square(rule):
+    prefix, params, shape = (2, 4), SamplingParams(temperature=1.0, seed=11), SHAPES[0]
+    sampler = Sampler(params)
+    counts = Counter(generate(prefix, shape, params, RULES[rule], sampler, 1) for _ in range(SAMPLES))
+    statistic = chi_square(counts, exact_target(prefix, params, 1), SAMPLES)
+    if rule == "lossless":
+        assert statistic < CHI2_4DF_999, statistic
+    else:
+        assert statistic > 5 * CHI2_4DF_999, statistic
+
+
+def test_sampler_is_reproducible_and_filters_hold():
+    params = SamplingParams(temperature=0.9, top_k=2, seed=123)
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    first = [Sampler(params).pick(logits) for _ in range(3)]
+    assert len(set(first)) == 1  # same seed, same first draw
+    sampler = Sampler(params)
+    allowed = set(logits.topk(2).indices.tolist())
+    assert {sampler.pick(logits) for _ in range(500)} == allowed
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.6, top_k=5),
+                                    SamplingParams(temperature=1.2, top_p=0.7),
+                                    SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
+def test_processed_probs_match_transformers_warpers(params):
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    expected = torch.softmax(scores, dim=-1)
+    got = processed_probs(logits, params)
+    assert torch.equal(got > 0, expected > 0)
+    assert (got - expected).abs().max() < 1e-6
+
+
+def test_invalid_sampling_params_are_refused():
+    for bad in (SamplingParams(temperature=-1.0), SamplingParams(temperature=1.0, top_p=0.0),
+                SamplingParams(temperature=1.0, top_k=-2)):
+        with pytest.raises(ValueError):
+            Sampler(bad)
+
+
+def test_last_child_holding_all_remaining_mass_is_always_accepted():
+    # A chooser that rejects everything short of certainty: after the first two children
+    # are rejected, the third holds all that is left and must be accepted, even though
+    # float rounding makes its renormalised probability 0.99999... rather than 1.
+    class RejectUnlessCertain:
+        def bernoulli(self, probability):
+            return probability >= 1.0
+
+        def categorical(self, probs):
+            assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-9
+            return int(probs.argmax())
+
+    probs = torch.tensor([0.1, 0.2, 0.7, 0.0, 0.0], dtype=torch.float32)
+    nodes, bonus = accept_sampled([4, 0, 1, 2, 3], [-1, 0, 0, 0, 3],
+                                  lambda node: probs.clone() if node == 0 else torch.eye(VOCAB)[1], RejectUnlessCertain())
+    assert (nodes, bonus) == ([0, 3], 1)
+
+
+# --- end to end on a real (tiny) model: the engine and the drafter the workers run ---------
+
+
+def chi_square_threshold(df: int, z: float = 3.09) -> float:
+    """The 0.999 quantile of chi-square (Wilson-Hilferty; z = 3.09 is the normal's 0.999)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def sample_dovetail(engine, drafter, prompt: list[int], count: int, sampler, tree=(7, 3, 2)) -> tuple[int, ...]:
+    """The coordinator's cycle in one process: prefill, then draft -> verify until ``count``."""
+    step = engine.prefill(prompt)
+    emitted = [sampler.pick(step.logits)]
+    drafter.reset()
+    drafter.extend(step.features, prompt[1:] + emitted)
+    while len(emitted) < count:
+        proposal = drafter.propose(*tree)
+        outcome = engine.verify(proposal.tokens.tolist(), proposal.parents.tolist(), sampler)
+        emitted += outcome.tokens
+        drafter.extend(outcome.features, outcome.tokens)
+    return tuple(emitted[:count])
+
+
+def sample_ar(engine, prompt: list[int], count: int, sampler) -> tuple[int, ...]:
+    step = engine.prefill(prompt)
+    emitted = [sampler.pick(step.logits)]
+    while len(emitted) < count:
+        emitted.append(sampler.pick(engine.decode(emitted[-1]).logits))
+    return tuple(emitted)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A target with an 8-token vocabulary (lm_head sharpened so few continuations carry the
+    mass) and an untrained 1-layer draft head for it."""
+    from conftest import save_random_head, save_tiny_model
+    from cpu_worker import TargetEngine, load_target_model
+    from gpu_worker.drafter import Drafter
+
+    root = tmp_path_factory.mktemp("tiny-sampling")
+    target_dir = save_tiny_model(root / "target", "llama", seed=3, vocab_size=8)
+    model = load_target_model(target_dir)
+    model.lm_head.weight.mul_(6.0)
+    engine = TargetEngine(model, max_len=64)
+    head_dir = save_random_head(root / "head", target_dir, layers=1, seed=4)
+    drafter = Drafter.from_pretrained(head_dir, target_dir, max_len=64, device="cpu")
+    return engine, drafter
+
+
+def exact_continuations(engine, prompt: list[int], count: int, params: SamplingParams) -> dict[tuple, float]:
+    table: dict[tuple, float] = {(): 1.0}
+    for _ in range(count):
+        grown = {}
+        for prefix, probability in table.items():
+            probs = processed_probs(engine.prefill(prompt + list(prefix)).logits.double(), params)
+            for token, p in enumerate(probs.tolist()):
+                if p > 0:
+                    grown[prefix + (token,)] = probability * p
+        table = grown
+    return table
+
+
+def pooled_chi_square(counts: Counter, expected: dict[tuple, float], samples: int) -> tuple[float, int]:
+    """Chi-square over outcomes expected at least 5 times, the rest pooled into one cell."""
+    statistic, cells, rest_expected, rest_seen = 0.0, 0, 0.0, samples
+    for key, p in expected.items():
+        if samples * p >= 5:
+            statistic += (counts.get(key, 0) - samples * p) ** 2 / (samples * p)
+            rest_seen -= counts.get(key, 0)
+            cells += 1
+        else:
+            rest_expected += samples * p
+    if rest_expected >= 5:
+        statistic += (rest_seen - rest_expected) ** 2 / rest_expected
+        cells += 1
+    return statistic, cells - 1
+
+
+E2E_SAMPLES = 1500  # power: the wrong rule's statistic is ~2x the threshold at this size
+
+
+@pytest.mark.parametrize("rule", ["lossless", "no-renormalise"])
+def test_dovetail_continuations_follow_the_target(tiny_pair, monkeypatch, rule):
+    """3-token continuations sampled through tree verification against the exact
+    distribution of the target (the distribution --mode ar samples from)."""
+    import cpu_worker.engine as engine_module
+
+    engine, drafter = tiny_pair
+    if rule != "lossless":
+        monkeypatch.setattr(engine_module, "accept_sampled", accept_without_renormalising)
+    params = SamplingParams(temperature=1.0, seed=2024)
+    prompt = [1, 5, 2, 7]
+    expected = exact_continuations(engine, prompt, 3, params)
+    sampler = Sampler(params)
+    counts = Counter(sample_dovetail(engine, drafter, prompt, 3, sampler) for _ in range(E2E_SAMPLES))
+    statistic, df = pooled_chi_square(counts, expected, E2E_SAMPLES)
+    print(f"{rule}: chi-square {statistic:.1f} with {df} df, threshold {chi_square_threshold(df):.1f}")
+    # One check for both: the lossless rule passes it, the wrong rule fails it.
+    if rule == "lossless":
+        assert statistic < chi_square_threshold(df), (statistic, df)
+    else:
+        assert statistic > chi_square_threshold(df), (statistic, df)
+
+
+def test_ar_continuations_follow_the_target(tiny_pair):
+    engine, _ = tiny_pair
+    params = SamplingParams(temperature=1.0, seed=7)
+    prompt = [1, 5, 2, 7]
+    expected = exact_continuations(engine, prompt, 3, params)
+    sampler = Sampler(params)
+    counts = Counter(sample_ar(engine, prompt, 3, sampler) for _ in range(E2E_SAMPLES))
+    statistic, df = pooled_chi_square(counts, expected, E2E_SAMPLES)
+    assert statistic < chi_square_threshold(df), (statistic, df)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.5, top_k=2, seed=1),
+                                    SamplingParams(temperature=1.5, top_p=0.6, seed=2)])
+def test_filtered_tokens_never_appear(tiny_pair, params):
+    engine, drafter = tiny_pair
+    prompt = [1, 5, 2, 7]
+    sampler = Sampler(params)
+    for _ in range(200):
+        continuation = sample_dovetail(engine, drafter, prompt, 3, sampler)
+        for index, token in enumerate(continuation):
+            allowed = processed_probs(engine.prefill(prompt + list(continuation[:index])).logits, params) > 0
+            assert allowed[token], (continuation, index)
+
+
+def test_fixed_seed_repeats_in_each_mode(tiny_pair):
+    engine, drafter = tiny_pair
+    params = SamplingParams(temperature=1.0, seed=99)
+    prompt = [1, 5, 2, 7]
+    for run in (lambda s: sample_dovetail(engine, drafter, prompt, 12, s), lambda s: sample_ar(engine, prompt, 12, s)):
+        assert run(Sampler(params)) == run(Sampler(params))
+    different = {sample_ar(engine, prompt, 12, Sampler(SamplingParams(temperature=1.0, seed=s))) for s in range(6)}
+    assert len(different) > 1
