@@ -1,0 +1,97 @@
+"""End-to-end speed of the two-process runtime: dovetail vs --mode ar, measured side by side
+(requests alternate between the modes, so machine noise hits both alike).
+
+    python -m tools.bench_e2e --target PATH --draft PATH [--temperatures 0,0.7,1.0] [--prompts N]
+
+Prompts default to the start of held-out CPython stdlib files (the testbed's split) when
+the stdlib is found, else to a few built-in code prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import sysconfig
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import click
+
+from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+from dovetail_runtime.generation import TreeSettings
+from ipc import messages as m
+
+FALLBACK_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):",
+                    "for i in range(10):", "def parse_args(argv=None):", "class Config(dict):"]
+
+
+def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
+    """Beginnings of held-out stdlib files (sha1 of the relative path is 0 mod 20)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
+                   and "tests" not in p.parts)
+    chosen = [p for p in files if int(hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest(), 16) % 20 == 0]
+    prompts = []
+    for path in chosen:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(text) > chars:
+            # End at the end of a line, without its newline: BPE merges a newline with the next
+            # line's indentation, so a prompt ending in a bare newline is out of distribution.
+            prompts.append(text[:chars].rsplit("\n", 1)[0])
+        if len(prompts) == count:
+            break
+    return prompts or FALLBACK_PROMPTS[:count]
+
+
+@click.command()
+@click.option("--target", required=True, help="target model folder")
+@click.option("--draft", required=True, help="draft head folder")
+@click.option("--temperatures", default="0", show_default=True, help="comma list of temperatures")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=6, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--tree-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--depth", type=click.IntRange(min=1), default=6, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--cpu-threads", type=click.IntRange(min=1), default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens, depth, top_k, cpu_threads,
+         seed) -> None:
+    prompts = heldout_prompts(prompt_count)
+    settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning",
+                               tree=TreeSettings(tree_tokens, min(depth, tree_tokens - 1), top_k))
+    rows = []
+    with Coordinator(settings) as coordinator:
+        coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
+        for temperature in (float(t) for t in temperatures.split(",")):
+            totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+            for index, prompt in enumerate(prompts):
+                for mode in ("dovetail", "ar"):
+                    reply = coordinator.generate(m.GenerateRequest(
+                        request_id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_new_tokens, mode=mode,
+                        temperature=temperature, seed=seed + index))
+                    if isinstance(reply, m.ErrorReply):
+                        raise click.ClickException(f"{mode}: {reply.code}: {reply.message}")
+                    for key, value in reply.stats.items():
+                        if not isinstance(value, list):
+                            totals[mode][key].append(value)
+            rows.append((temperature, totals))
+    print(f"target {target}, draft {draft}, T={tree_tokens} depth={depth} top_k={top_k}, "
+          f"{len(prompts)} prompts x {max_new_tokens} new tokens")
+    print("| temperature | mode | tokens/s | tau | draft ms/cycle | verify ms/cycle | ipc ms/cycle |")
+    print("|---|---|---|---|---|---|---|")
+    for temperature, totals in rows:
+        rates = {}
+        for mode in ("dovetail", "ar"):
+            t = totals[mode]
+            tokens, wall = sum(t["new_tokens"]), sum(t["wall_ms"]) / 1e3
+            cycles = sum(t["cycles"]) or 1
+            rates[mode] = tokens / wall
+            tau = statistics.fmean(t["tau"])
+            print(f"| {temperature:g} | {mode} | {rates[mode]:.1f} | {tau:.2f} | {sum(t['draft_ms']) / cycles:.2f} | "
+                  f"{sum(t['verify_ms']) / cycles:.2f} | {sum(t['ipc_ms']) / cycles:.2f} |")
+        print(f"| {temperature:g} | speedup dovetail / ar | {rates['dovetail'] / rates['ar']:.2f}x | | | | |")
+
+
+if __name__ == "__main__":
+    main()
