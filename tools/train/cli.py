@@ -80,9 +80,9 @@ def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_fiel
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     from tqdm import tqdm
 
-    documents = read_documents(tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True), tokenizer,
-                               text_field=text_field, chat_template=chat_template)
-    windows = cut_windows(documents, window, max_tokens)
+    with tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True) as bar:  # closed even when capped early
+        documents = read_documents(bar, tokenizer, text_field=text_field, chat_template=chat_template)
+        windows = cut_windows(documents, window, max_tokens)
     if not windows:
         raise click.UsageError("the inputs hold no window of 2 or more tokens")
     config = {"target": str(target_dir.resolve()), "inputs": [str(Path(i).resolve()) for i in inputs],
@@ -210,6 +210,30 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
     ties = sum(len(r.near_ties) for r in results)
     click.echo(f"lossless: every output equals the target's greedy decode"
                + (f" ({ties} near-tie divergences, top-2 gap < 1e-4)" if ties else ""))
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder.")
+@click.option("--draft", default=None, help="Head folder to export instead of the target (its embedding and "
+              "lm_head are left out: they load from --target).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", help="Stored precision.")
+def export(target, draft, out_dir, dtype) -> None:
+    """Write a small copy of a target (weights in --dtype + config + tokenizer) or of a head."""
+    import torch
+
+    from cpu_worker.loading import resolve_model_dir
+
+    from .export import export_head, export_target
+
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    target_dir = resolve_model_dir(target)
+    if draft:
+        export_head(Path(draft), target_dir, out_dir, torch_dtype)
+    else:
+        export_target(target_dir, out_dir, torch_dtype)
+    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
+    click.echo(f"wrote {out_dir} ({human_bytes(size)})")
 
 
 if __name__ == "__main__":
