@@ -232,7 +232,13 @@ class Coordinator:
             self._read_clients(server, queue, cancelled, timeout_ms=0)
             return key in cancelled
 
-        reply = self.generate(request, on_text)
+        try:
+            reply = self.generate(request, on_text)
+        except TooManyRestarts:
+            raise
+        except Exception as error:  # noqa: BLE001 - one request's bug must not take the server down
+            log.exception("request %s failed unexpectedly", request.request_id)
+            reply = m.ErrorReply(request_id=request.request_id, code="internal", message=f"{type(error).__name__}: {error}")
         cancelled.discard(key)
         server.send(peer, reply)
         self._recover()

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from ipc.channels import Channel, RuntimeDir
+from ipc.channels import Channel, ChannelTimeout, RuntimeDir
 from ipc.messages import Ready, Shutdown, WorkerError
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,18 @@ class WorkerHandle:
         """Send one request and wait for its reply, noticing a dead worker within LIVENESS_MS."""
         if not self.alive() or self.channel is None:
             raise WorkerFailed(f"{self.name} is not running")
-        self.channel.send(message, timeout_ms=5000)
+        # A PAIR send blocks while the peer is gone: retry in short slices, checking liveness.
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                self.channel.send(message, timeout_ms=LIVENESS_MS)
+                break
+            except ChannelTimeout:
+                if not self.alive():
+                    raise WorkerFailed(f"{self.name} (pid {self.pid}) died with exit code "
+                                       f"{self.process.returncode}") from None
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"{self.name} (pid {self.pid}) stopped taking requests") from None
         while True:
             reply = self.channel.recv(timeout_ms=LIVENESS_MS)
             if reply is None:
@@ -99,7 +110,10 @@ class WorkerHandle:
     def send(self, message: Any) -> None:
         """Fire-and-forget (no reply expected), skipped when the worker is gone."""
         if self.alive() and self.channel is not None:
-            self.channel.send(message, timeout_ms=1000)
+            try:
+                self.channel.send(message, timeout_ms=1000)
+            except ChannelTimeout:
+                log.warning("%s did not take %s", self.name, type(message).__name__)
 
     def stop(self, grace_s: float = 3.0) -> None:
         """Ask the worker to exit, then terminate and kill it if it does not."""

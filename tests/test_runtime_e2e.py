@@ -196,6 +196,9 @@ def test_killed_cpu_worker_fails_request_fast_then_server_recovers(testbed_path,
             assert done.token_ids == reference_ids[TEST_PROMPTS[6]]
         assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
         pids = [running.pid] + [worker.pid for worker in running.workers().values()]
+    except BaseException:
+        print("".join(running.log[-60:]))  # the server's side of the story, shown on failure
+        raise
     finally:
         code = running.stop()
     assert code == 0
