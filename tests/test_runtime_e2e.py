@@ -218,3 +218,16 @@ def test_sampling_through_the_server(server, reference_ids):
             assert only_best.token_ids == reference_ids[prompt], mode
         with pytest.raises(GenerationError, match="bad_request.*top_p"):
             client.generate(prompt, max_new_tokens=4, temperature=1.0, top_p=0.0)
+
+
+def test_workers_and_memory_go_when_the_coordinator_is_killed(testbed_path, testbed_random_head, tmp_path):
+    running = Server("--target", str(testbed_path), "--draft", str(testbed_random_head),
+                     "--bind", f"ipc://{tmp_path}/orphan.sock")
+    workers = running.workers()
+    assert sorted(workers) == ["cpu_worker", "gpu_worker"] and our_segments(running.pid)
+    assert running.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert descendants_gone([worker.pid for worker in workers.values()], within_s=5)
+    deadline = time.monotonic() + 5
+    while our_segments(running.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert our_segments(running.pid) == []
