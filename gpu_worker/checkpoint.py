@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from cpu_worker.llama import LlamaSpec
+from cpu_worker.loading import ModelLoadError
+from cpu_worker.loading import read_tensors as read_checkpoint_tensors
 
 from .head import FUSIONS, DraftHead
 
@@ -37,59 +39,12 @@ class DraftCheckpointError(ValueError):
 
 # ---------------------------------------------------------------- reading weights
 
-def _weight_files(folder: Path) -> dict[str, Path] | list[Path]:
-    """A {tensor name: file} map when the folder has an index, else the list of weight files."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = folder / index_name
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: folder / file for name, file in weight_map.items()}
-    for pattern in ("model.safetensors", "model-*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin"):
-        found = sorted(folder.glob(pattern))
-        if found:
-            return found
-    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-    raise DraftCheckpointError(
-        f"no weights in {folder}: expected model.safetensors or pytorch_model.bin "
-        f"(optionally sharded with an index); found {present or 'nothing'}")
-
-
-def _load_bin(file: Path) -> dict[str, torch.Tensor]:
-    try:  # mmap avoids reading a multi-GB target shard to fetch two tensors
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
-        return torch.load(file, map_location="cpu", weights_only=True)
-
-
-def _read_from(file: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
-    """The named tensors present in one file (all of them when ``names`` is None)."""
-    if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as handle:
-            present = list(handle.keys())
-            wanted = present if names is None else [name for name in names if name in set(present)]
-            return {name: handle.get_tensor(name) for name in wanted}
-    state = _load_bin(file)
-    return dict(state) if names is None else {name: state[name] for name in names if name in state}
-
-
 def read_tensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """The named tensors (all when ``names`` is None) found in the folder's weight files;
-    names not present are simply absent from the result."""
-    files = _weight_files(folder)
-    found: dict[str, torch.Tensor] = {}
-    if isinstance(files, dict):  # indexed shards: open only the files holding wanted names
-        wanted = list(files) if names is None else [name for name in names if name in files]
-        by_file: dict[Path, list[str]] = {}
-        for name in wanted:
-            by_file.setdefault(files[name], []).append(name)
-        for file, file_names in by_file.items():
-            found.update(_read_from(file, file_names))
-        return found
-    for file in files:
-        found.update(_read_from(file, names))
-    return found
+    """The shared checkpoint reader, with its errors reported as draft checkpoint errors."""
+    try:
+        return read_checkpoint_tensors(folder, names)
+    except ModelLoadError as error:
+        raise DraftCheckpointError(str(error)) from None
 
 
 # ---------------------------------------------------------------- configs

@@ -19,10 +19,10 @@ def export_target(target_dir: Path, out_dir: Path, dtype: torch.dtype = torch.fl
     (with torch_dtype/dtype updated) and tokenizer files."""
     from safetensors.torch import save_file
 
-    from cpu_worker.loading import iter_tensors, weight_files
+    from cpu_worker.loading import read_tensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.to(dtype).contiguous() for name, tensor in iter_tensors(weight_files(target_dir))}
+    state = {name: tensor.to(dtype).contiguous() for name, tensor in read_tensors(target_dir).items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((target_dir / "config.json").read_text())
     name = str(dtype).removeprefix("torch.")
