@@ -8,12 +8,10 @@ back to inline blocks for ones that do not fit, e.g. a long prompt's prefill).
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from typing import Any
 
-from dovetail_runtime.worker_loop import SequenceError, configure_logging, serve
+from dovetail_runtime.worker_loop import SequenceError, worker_main
 from ipc import messages as m
 from ipc.shm_ring import ShmRing, put_block
 
@@ -94,14 +92,7 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[type, A
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Dovetail target worker (started by dovetail-run)")
-    parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--settings", required=True, help="JSON object")
-    args = parser.parse_args()
-    settings = json.loads(args.settings)
-    configure_logging(settings.get("log_level", "info"), "cpu_worker")
-    return serve("cpu_worker", args.endpoint, args.parent_pid, m.TO_CPU_WORKER, lambda: load_service(settings))
+    return worker_main("cpu_worker", m.TO_CPU_WORKER, load_service)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ and the loop also checks its parent pid every receive timeout as a portable fall
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -39,6 +41,20 @@ def die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+
+
+def worker_main(worker: str, allowed: frozenset[type],
+                load: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[type, Handler]]]) -> int:
+    """A worker process's entry point: ``--endpoint``, ``--parent-pid`` and ``--settings`` (JSON)
+    from the coordinator, then ``serve``."""
+    parser = argparse.ArgumentParser(description=f"Dovetail {worker} (started by dovetail-run)")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--settings", required=True, help="JSON object")
+    args = parser.parse_args()
+    settings = json.loads(args.settings)
+    configure_logging(settings.get("log_level", "info"), worker)
+    return serve(worker, args.endpoint, args.parent_pid, allowed, lambda: load(settings))
 
 
 def configure_logging(level: str, worker: str) -> None:

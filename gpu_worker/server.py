@@ -8,13 +8,11 @@ is registered as page-locked memory so the copy to the GPU is DMA.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import time
 from typing import Any
 
-from dovetail_runtime.worker_loop import SequenceError, configure_logging, serve
+from dovetail_runtime.worker_loop import SequenceError, worker_main
 from ipc import messages as m
 from ipc.shm_ring import ShmRing, get_block
 
@@ -42,8 +40,8 @@ class DraftService:
             tree = self.drafter.propose(request.tree_tokens, request.depth, request.top_k)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
-        return m.DraftResult(seq_id=request.seq_id, tokens=[int(t) for t in tree.tokens],
-                             parents=[int(p) for p in tree.parents], scores=[float(s) for s in tree.scores],
+        return m.DraftResult(seq_id=request.seq_id, tokens=tree.tokens.tolist(),
+                             parents=tree.parents.tolist(), scores=tree.scores.tolist(),
                              compute_ms=(time.perf_counter() - started) * 1e3)
 
     def release(self, request: m.ReleaseSequence) -> None:
@@ -65,14 +63,7 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[type, A
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Dovetail draft worker (started by dovetail-run)")
-    parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--settings", required=True, help="JSON object")
-    args = parser.parse_args()
-    settings = json.loads(args.settings)
-    configure_logging(settings.get("log_level", "info"), "gpu_worker")
-    return serve("gpu_worker", args.endpoint, args.parent_pid, m.TO_GPU_WORKER, lambda: load_service(settings))
+    return worker_main("gpu_worker", m.TO_GPU_WORKER, load_service)
 
 
 if __name__ == "__main__":
