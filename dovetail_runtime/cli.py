@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,10 @@ from .generation import TreeSettings
 log = logging.getLogger("dovetail")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# The bundled demo pair (a checkout or editable install): used when --target is not given.
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
+DEMO_TARGET = DEMO_DIR / "target-code-9m"
+DEMO_DRAFT = DEMO_DIR / "draft-dgf"
 
 
 def read_prompt_file(path: Path) -> list[str]:
@@ -41,6 +46,19 @@ def read_prompt_file(path: Path) -> list[str]:
         else:
             prompts.append(line)
     return prompts
+
+
+def resolve_models(target: str | None, draft: str | None, mode: str) -> tuple[str, str | None]:
+    """The demo pair stands in for a missing --target (and then for a missing --draft)."""
+    if target is None:
+        if not DEMO_TARGET.is_dir():
+            raise click.UsageError(f"--target is required: no bundled demo model at {DEMO_TARGET}")
+        target = str(DEMO_TARGET)
+        if draft is None and mode == "dovetail" and DEMO_DRAFT.is_dir():
+            draft = str(DEMO_DRAFT)
+    if mode == "dovetail" and not draft:
+        raise click.UsageError("--draft is required in dovetail mode (or use --mode ar)")
+    return target, draft
 
 
 def cores_option(_ctx, _param, value: str | None) -> list[int] | None:
@@ -75,10 +93,10 @@ def sampling_options(command):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--target", required=True, help="Target model: a local Hugging Face folder, or a hub id already "
-              "in the local cache (never downloaded).")
-@click.option("--draft", default=None, help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). "
-              "Required unless --mode ar.")
+@click.option("--target", default=None, help="Target model: a local Hugging Face folder, or a hub id already "
+              "in the local cache (never downloaded).  [default: the bundled demo model, demo/target-code-9m]")
+@click.option("--draft", default=None, help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). Required "
+              "with your own --target unless --mode ar.  [default with the demo target: demo/draft-dgf]")
 @click.option("--bind", "binds", multiple=True, help="Client endpoint to serve on (repeatable): ipc://PATH or "
               "tcp://127.0.0.1:PORT. [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
 @click.option("--allow-remote", is_flag=True, help="Allow a tcp:// bind on an address other than loopback.")
@@ -102,12 +120,14 @@ def sampling_options(command):
               help="One-shot: prompts from a file, one per line or JSONL with a \"prompt\" field.")
 @click.option("--stop", "stops", multiple=True, help="One-shot: stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object per prompt on stdout.")
+@click.option("--compare-ar", is_flag=True, help="One-shot: also run each prompt in --mode ar and print both speeds "
+              "(and whether the tokens are the same).")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
 def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, tree_tokens,
-             depth, top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, startup_timeout,
-             log_level, temperature, sample_top_k, top_p, seed) -> None:
+             depth, top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
+             startup_timeout, log_level, temperature, sample_top_k, top_p, seed) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
 
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
@@ -120,8 +140,7 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
 
     logging.basicConfig(level=getattr(logging, log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
-    if mode == "dovetail" and not draft:
-        raise click.UsageError("--draft is required in dovetail mode (or use --mode ar)")
+    target, draft = resolve_models(target, draft, mode)
     all_prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
     settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
                                cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
@@ -141,7 +160,8 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
         if all_prompts:
             sampling = dict(temperature=temperature, top_k=sample_top_k, top_p=top_p, seed=seed)
             failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
-                                                                  mode=mode, **sampling), as_json)
+                                                                  mode=mode, **sampling), as_json,
+                                   compare_ar=compare_ar and mode == "dovetail")
             sys.exit(1 if failures else 0)
         coordinator.serve(list(binds) or [default_bind()], allow_remote=allow_remote,
                           ready=lambda bound: print(f"dovetail serving on {' '.join(bound)}", file=sys.stderr,
@@ -156,7 +176,14 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
         coordinator.close()
 
 
-def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool) -> int:
+def stats_line(mode: str, stats: dict) -> str:
+    return (f"[{mode}: {stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s, tau {stats['tau']:.2f}, "
+            f"draft {stats['draft_ms']:.0f} ms, verify {stats['verify_ms']:.0f} ms, ipc {stats['ipc_ms']:.0f} ms]")
+
+
+def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, compare_ar: bool = False) -> int:
+    """One-shot generation; with ``compare_ar`` each prompt runs again in --mode ar (same
+    workers, same seed) and the two speeds are printed side by side."""
     failures = 0
     for prompt in prompts:
         request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, **params)
@@ -170,19 +197,28 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool) ->
             return False
 
         reply = coordinator.generate(request, show)
+        baseline = None
+        if compare_ar and not isinstance(reply, m.ErrorReply):
+            baseline = coordinator.generate(dataclasses.replace(request, request_id=uuid.uuid4().hex, mode="ar"))
+            reply = baseline if isinstance(baseline, m.ErrorReply) else reply
         if isinstance(reply, m.ErrorReply):
             failures += 1
             log.error("prompt failed (%s): %s", reply.code, reply.message)
             if as_json:
                 print(json.dumps({"prompt": prompt, "error": {"code": reply.code, "message": reply.message}}))
             continue
+        record = {"prompt": prompt, "text": reply.text, "token_ids": reply.token_ids,
+                  "finish_reason": reply.finish_reason, "stats": reply.stats}
+        if baseline is not None:
+            record["ar"] = {"stats": baseline.stats, "same_tokens": baseline.token_ids == reply.token_ids}
         if as_json:
-            print(json.dumps({"prompt": prompt, "text": reply.text, "token_ids": reply.token_ids,
-                              "finish_reason": reply.finish_reason, "stats": reply.stats}), flush=True)
-        else:
-            s = reply.stats
-            print(f"\n\n[{request.mode}: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, tau {s['tau']:.2f}, "
-                  f"draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms, ipc {s['ipc_ms']:.0f} ms]")
+            print(json.dumps(record), flush=True)
+            continue
+        print("\n\n" + stats_line(request.mode, reply.stats))
+        if baseline is not None:
+            print(stats_line("ar", baseline.stats))
+            speedup = reply.stats["tokens_per_s"] / max(baseline.stats["tokens_per_s"], 1e-9)
+            print(f"[dovetail / ar: {speedup:.2f}x; same tokens: {'yes' if record['ar']['same_tokens'] else 'no'}]")
     return failures
 
 

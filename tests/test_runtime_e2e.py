@@ -40,26 +40,32 @@ def reference_ids(testbed_path) -> dict[str, list[int]]:
 def test_one_shot_json_is_lossless_in_both_modes(tmp_path, testbed_path, testbed_random_head, reference_ids):
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("\n".join(json.dumps({"prompt": p}) for p in TEST_PROMPTS) + "\n")
-    results = {}
-    for mode in ("dovetail", "ar"):
-        done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--mode", mode,
-                            "--prompt-file", str(prompt_file), "--max-new-tokens", str(NEW_TOKENS), "--json",
-                            "--log-level", "warning")
-        assert done.returncode == 0, done.stderr[-3000:]
-        lines = [json.loads(line) for line in done.stdout.splitlines()]
-        assert [line["prompt"] for line in lines] == TEST_PROMPTS
-        results[mode] = lines
-    for dovetail, ar in zip(results["dovetail"], results["ar"]):
-        assert dovetail["token_ids"] == reference_ids[dovetail["prompt"]]
-        assert ar["token_ids"] == dovetail["token_ids"]
-        assert ar["text"] == dovetail["text"]
-        stats = dovetail["stats"]
-        assert stats["new_tokens"] == len(dovetail["token_ids"])
+    # --compare-ar runs every prompt again in --mode ar on the same workers.
+    done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--compare-ar",
+                        "--prompt-file", str(prompt_file), "--max-new-tokens", str(NEW_TOKENS), "--json",
+                        "--log-level", "warning")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == TEST_PROMPTS
+    for line in lines:
+        assert line["token_ids"] == reference_ids[line["prompt"]]
+        assert line["ar"]["same_tokens"] is True
+        stats = line["stats"]
+        assert stats["new_tokens"] == len(line["token_ids"])
         assert stats["cycles"] >= 1 and stats["tau"] >= 1.0
         assert sum(stats["accept_per_depth"]) == stats["cycles"]
         for key in ("tokens_per_s", "prefill_ms", "draft_ms", "verify_ms", "ipc_ms"):
             assert stats[key] >= 0
-        assert ar["stats"]["tau"] == 1.0
+        assert line["ar"]["stats"]["tau"] == 1.0 and line["ar"]["stats"]["draft_ms"] == 0
+
+
+def test_mode_ar_runs_without_a_draft(testbed_path, reference_ids):
+    done = dovetail_run("--target", str(testbed_path), "--mode", "ar", "--prompt", TEST_PROMPTS[0],
+                        "--prompt", TEST_PROMPTS[1], "--max-new-tokens", str(NEW_TOKENS), "--json",
+                        "--log-level", "warning")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in map(json.loads, done.stdout.splitlines()):
+        assert line["token_ids"] == reference_ids[line["prompt"]]
 
 
 def test_bad_flags_and_inputs_are_refused_clearly(tmp_path, testbed_path, testbed_random_head):
