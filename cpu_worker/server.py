@@ -76,6 +76,10 @@ class TargetService:
             self.seq_id = None
             self.engine.reset()
 
+    def handlers(self) -> dict[type, Any]:
+        return {m.PrefillRequest: self.prefill, m.VerifyRequest: self.verify,
+                m.DecodeRequest: self.decode, m.ReleaseSequence: self.release}
+
 
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[type, Any]]:
     placement = apply_placement(settings.get("threads"), settings.get("cores"))
@@ -86,9 +90,7 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[type, A
     info = {"threads": placement.intra_op_threads, "cores": placement.cores, "max_len": engine.max_len,
             "hidden_size": engine.spec.hidden_size, "vocab_size": engine.spec.vocab_size,
             "dtype": settings.get("dtype", "fp32")}
-    handlers = {m.PrefillRequest: service.prefill, m.VerifyRequest: service.verify,
-                m.DecodeRequest: service.decode, m.ReleaseSequence: service.release}
-    return info, handlers
+    return info, service.handlers()
 
 
 def main() -> int:

@@ -10,12 +10,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ipc import messages as m
 
-from .workers import WorkerHandle
-
 Emit = Callable[[list[int]], bool]
+
+
+class Worker(Protocol):
+    """What the cycle needs of a worker: a WorkerHandle (a process) or a LocalWorker."""
+
+    def request(self, message: Any, expect: type) -> Any: ...
+
+    def send(self, message: Any) -> None: ...
 
 
 class PromptTooLong(ValueError):
@@ -106,7 +113,7 @@ def check_prompt(prompt_ids: Sequence[int], max_len: int) -> None:
         raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of {max_len} tokens")
 
 
-def generate_ar(cpu: WorkerHandle, job: Job, emit: Emit) -> tuple[str, Stats]:
+def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[str, Stats]:
     seq_id, max_len = job.seq_id, job.max_len
     stats = Stats()
     budget = Budget(job.max_new_tokens, job.eos_token_id, emit, stats)
@@ -134,7 +141,7 @@ def generate_ar(cpu: WorkerHandle, job: Job, emit: Emit) -> tuple[str, Stats]:
     return budget.finish_reason or "stop", stats
 
 
-def generate_dovetail(cpu: WorkerHandle, gpu: WorkerHandle, job: Job, tree: TreeSettings,
+def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeSettings,
                       emit: Emit) -> tuple[str, Stats]:
     seq_id, prompt_ids, max_len = job.seq_id, job.prompt_ids, job.max_len
     stats = Stats(accept_per_depth=[0] * (tree.depth + 1))

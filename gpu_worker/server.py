@@ -49,6 +49,9 @@ class DraftService:
             self.seq_id = None
             self.drafter.reset()
 
+    def handlers(self) -> dict[type, Any]:
+        return {m.DraftRequest: self.draft, m.ReleaseSequence: self.release}
+
 
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[type, Any]]:
     drafter = Drafter.from_pretrained(settings["draft"], settings.get("target"), max_len=settings["max_len"],
@@ -59,7 +62,7 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[type, A
     service = DraftService(drafter, ring)
     info = {"device": str(drafter.device), "dtype": str(drafter.dtype).removeprefix("torch."),
             "layers": drafter.head.spec.num_layers, "ring_pinned": pinned}
-    return info, {m.DraftRequest: service.draft, m.ReleaseSequence: service.release}
+    return info, service.handlers()
 
 
 def main() -> int:

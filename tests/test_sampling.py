@@ -18,6 +18,7 @@ import torch
 
 from cpu_worker.acceptance import accept_sampled, children_lists
 from cpu_worker.sampling import Sampler, SamplingParams, processed_probs
+from dovetail_runtime.generation import TreeSettings
 
 VOCAB = 5
 # The 0.999 quantile of chi-square with VOCAB - 1 = 4 degrees of freedom.
@@ -286,26 +287,37 @@ def chi_square_threshold(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def sample_dovetail(engine, drafter, prompt: list[int], count: int, sampler, tree=(7, 3, 2)) -> tuple[int, ...]:
-    """The coordinator's cycle in one process: prefill, then draft -> verify until ``count``."""
-    step = engine.prefill(prompt)
-    emitted = [sampler.pick(step.logits)]
-    drafter.reset()
-    drafter.extend(step.features, prompt[1:] + emitted)
-    while len(emitted) < count:
-        proposal = drafter.propose(*tree)
-        outcome = engine.verify(proposal.tokens.tolist(), proposal.parents.tolist(), sampler)
-        emitted += outcome.tokens
-        drafter.extend(outcome.features, outcome.tokens)
-    return tuple(emitted[:count])
+def run_cycle(engine, drafter, prompt: list[int], count: int, params: SamplingParams, seed: int,
+              tree=TreeSettings(7, 3, 2)) -> tuple[int, ...]:
+    """``count`` tokens from the coordinator's own cycle (generation.py) over in-process
+    workers: dovetail mode with a drafter, ar mode without."""
+    from dovetail_runtime.generation import Job, generate_ar, generate_dovetail
+    from dovetail_runtime.local import local_workers
+    from ipc import messages as m
 
+    cpu, gpu = local_workers(engine, drafter)
+    sampling = m.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=sampling, eos_token_id=None,
+              max_len=engine.max_len)
+    emitted: list[int] = []
 
-def sample_ar(engine, prompt: list[int], count: int, sampler) -> tuple[int, ...]:
-    step = engine.prefill(prompt)
-    emitted = [sampler.pick(step.logits)]
-    while len(emitted) < count:
-        emitted.append(sampler.pick(engine.decode(emitted[-1]).logits))
+    def emit(tokens: list[int]) -> bool:
+        emitted.extend(tokens)
+        return False
+
+    if gpu is None:
+        generate_ar(cpu, job, emit)
+    else:
+        generate_dovetail(cpu, gpu, job, tree, emit)
     return tuple(emitted)
+
+
+def sample_dovetail(engine, drafter, prompt, count, params, seed):
+    return run_cycle(engine, drafter, prompt, count, params, seed)
+
+
+def sample_ar(engine, prompt, count, params, seed):
+    return run_cycle(engine, None, prompt, count, params, seed)
 
 
 @pytest.fixture(scope="module")
@@ -360,18 +372,17 @@ E2E_SAMPLES = 1500  # power: the wrong rule's statistic is ~2x the threshold at 
 
 @pytest.mark.parametrize("rule", ["lossless", "no-renormalise"])
 def test_dovetail_continuations_follow_the_target(tiny_pair, monkeypatch, rule):
-    """3-token continuations sampled through tree verification against the exact
-    distribution of the target (the distribution --mode ar samples from)."""
+    """3-token continuations sampled by the runtime's dovetail cycle (in-process workers)
+    against the exact distribution of the target (the distribution --mode ar samples from)."""
     import cpu_worker.engine as engine_module
 
     engine, drafter = tiny_pair
     if rule != "lossless":
         monkeypatch.setattr(engine_module, "accept_sampled", accept_without_renormalising)
-    params = SamplingParams(temperature=1.0, seed=2024)
+    params = SamplingParams(temperature=1.0)
     prompt = [1, 5, 2, 7]
     expected = exact_continuations(engine, prompt, 3, params)
-    sampler = Sampler(params)
-    counts = Counter(sample_dovetail(engine, drafter, prompt, 3, sampler) for _ in range(E2E_SAMPLES))
+    counts = Counter(sample_dovetail(engine, drafter, prompt, 3, params, seed) for seed in range(E2E_SAMPLES))
     statistic, df = pooled_chi_square(counts, expected, E2E_SAMPLES)
     print(f"{rule}: chi-square {statistic:.1f} with {df} df, threshold {chi_square_threshold(df):.1f}")
     # One check for both: the lossless rule passes it, the wrong rule fails it.
@@ -383,11 +394,10 @@ def test_dovetail_continuations_follow_the_target(tiny_pair, monkeypatch, rule):
 
 def test_ar_continuations_follow_the_target(tiny_pair):
     engine, _ = tiny_pair
-    params = SamplingParams(temperature=1.0, seed=7)
+    params = SamplingParams(temperature=1.0)
     prompt = [1, 5, 2, 7]
     expected = exact_continuations(engine, prompt, 3, params)
-    sampler = Sampler(params)
-    counts = Counter(sample_ar(engine, prompt, 3, sampler) for _ in range(E2E_SAMPLES))
+    counts = Counter(sample_ar(engine, prompt, 3, params, seed) for seed in range(E2E_SAMPLES))
     statistic, df = pooled_chi_square(counts, expected, E2E_SAMPLES)
     assert statistic < chi_square_threshold(df), (statistic, df)
 
@@ -397,9 +407,8 @@ def test_ar_continuations_follow_the_target(tiny_pair):
 def test_filtered_tokens_never_appear(tiny_pair, params):
     engine, drafter = tiny_pair
     prompt = [1, 5, 2, 7]
-    sampler = Sampler(params)
-    for _ in range(200):
-        continuation = sample_dovetail(engine, drafter, prompt, 3, sampler)
+    for seed in range(200):
+        continuation = sample_dovetail(engine, drafter, prompt, 3, params, seed)
         for index, token in enumerate(continuation):
             allowed = processed_probs(engine.prefill(prompt + list(continuation[:index])).logits, params) > 0
             assert allowed[token], (continuation, index)
@@ -407,9 +416,9 @@ def test_filtered_tokens_never_appear(tiny_pair, params):
 
 def test_fixed_seed_repeats_in_each_mode(tiny_pair):
     engine, drafter = tiny_pair
-    params = SamplingParams(temperature=1.0, seed=99)
+    params = SamplingParams(temperature=1.0)
     prompt = [1, 5, 2, 7]
-    for run in (lambda s: sample_dovetail(engine, drafter, prompt, 12, s), lambda s: sample_ar(engine, prompt, 12, s)):
-        assert run(Sampler(params)) == run(Sampler(params))
-    different = {sample_ar(engine, prompt, 12, Sampler(SamplingParams(temperature=1.0, seed=s))) for s in range(6)}
-    assert len(different) > 1
+    for run in (lambda seed: sample_dovetail(engine, drafter, prompt, 12, params, seed),
+                lambda seed: sample_ar(engine, prompt, 12, params, seed)):
+        assert run(99) == run(99)
+        assert len({run(seed) for seed in range(6)}) > 1
