@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,9 +96,16 @@ class Coordinator:
             **common, "target": str(target_dir), "threads": settings.cpu_threads, "cores": settings.cpu_cores,
             "dtype": settings.target_dtype, "max_len": settings.max_len}, self.runtime_dir, m.FROM_CPU_WORKER)
         if settings.draft:
+            # The draft worker's OpenMP threads must sleep when idle, or they spin on the
+            # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
+            # 16.4 ms/cycle with both workers at the default policy, 8.2 ms with a passive draft
+            # worker, 12.6 ms with both passive (passive wake-ups slow the target's own ops).
+            # So only the draft worker is passive; an OMP_WAIT_POLICY the user set wins.
+            draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
             self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
                 **common, "draft": settings.draft, "target": str(target_dir), "device": settings.draft_device,
-                "max_len": settings.max_len or spec.max_position_embeddings}, self.runtime_dir, m.FROM_GPU_WORKER)
+                "max_len": settings.max_len or spec.max_position_embeddings}, self.runtime_dir, m.FROM_GPU_WORKER,
+                env=draft_env)
         for worker in self.workers():
             worker.spawn()
         for worker in self.workers():

@@ -31,8 +31,9 @@ class WorkerHandle:
     """A worker process (``python -m <module>``) and the PAIR channel to it."""
 
     def __init__(self, name: str, module: str, settings: dict[str, Any], runtime_dir: RuntimeDir,
-                 allowed_replies: frozenset[type]):
+                 allowed_replies: frozenset[type], env: dict[str, str] | None = None):
         self.name = name
+        self.env = env or {}
         self.module = module
         self.settings = settings
         self.endpoint = runtime_dir.endpoint(name)
@@ -53,10 +54,7 @@ class WorkerHandle:
         self.channel = Channel.bind(self.endpoint, allowed=self.allowed_replies)
         command = [sys.executable, "-m", self.module, "--endpoint", self.endpoint,
                    "--parent-pid", str(os.getpid()), "--settings", json.dumps(self.settings)]
-        # Passive OpenMP waits: the two workers take turns, and a pool spinning in one
-        # process while the other computes steals its cores (40x slower on 2 cores).
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **self.env})
 
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         """Wait for the Ready handshake; WorkerFailed with the worker's own error otherwise."""

@@ -81,16 +81,22 @@ def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens,
     print("| temperature | mode | tokens/s | tau | draft ms/cycle | verify ms/cycle | ipc ms/cycle |")
     print("|---|---|---|---|---|---|---|")
     for temperature, totals in rows:
-        rates = {}
+        rates, per_cycle = {}, {}
         for mode in ("dovetail", "ar"):
             t = totals[mode]
             tokens, wall = sum(t["new_tokens"]), sum(t["wall_ms"]) / 1e3
             cycles = sum(t["cycles"]) or 1
             rates[mode] = tokens / wall
             tau = statistics.fmean(t["tau"])
+            per_cycle[mode] = (tau, sum(t["verify_ms"]) / cycles, sum(t["ipc_ms"]) / cycles)
             print(f"| {temperature:g} | {mode} | {rates[mode]:.1f} | {tau:.2f} | {sum(t['draft_ms']) / cycles:.2f} | "
                   f"{sum(t['verify_ms']) / cycles:.2f} | {sum(t['ipc_ms']) / cycles:.2f} |")
         print(f"| {temperature:g} | speedup dovetail / ar | {rates['dovetail'] / rates['ar']:.2f}x | | | | |")
+        # DESIGN.md 9: speedup = tau * t_ar / t_cycle; with a draft that costs ~0 (a GPU), t_cycle = verify + ipc.
+        tau, verify, ipc = per_cycle["dovetail"]
+        t_ar = per_cycle["ar"][1] + per_cycle["ar"][2]
+        print(f"| {temperature:g} | model, draft time 0 (tau x t_ar / (verify + ipc)) | "
+              f"{tau * t_ar / (verify + ipc):.2f}x | | | | |")
 
 
 if __name__ == "__main__":
