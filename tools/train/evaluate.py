@@ -20,7 +20,10 @@ import torch
 from tqdm import tqdm
 
 from cpu_worker.engine import TargetEngine
+from dovetail_runtime.generation import Job, TreeSettings, generate_dovetail
+from dovetail_runtime.local import local_workers
 from gpu_worker.drafter import Drafter
+from ipc.messages import Sampling
 
 NEAR_TIE = 1e-4
 
@@ -82,24 +85,18 @@ def reference_greedy(engine: TargetEngine, prompt: Sequence[int], new_tokens: in
 def speculative_greedy(engine: TargetEngine, drafter: Drafter, prompt: Sequence[int], new_tokens: int,
                        eos: int | None, tree_tokens: int, depth: int, top_k: int,
                        result: TauResult) -> list[int]:
-    """Draft/verify cycles as the runtime runs them; adds cycles and emitted tokens to ``result``."""
-    prompt = list(prompt)
-    step = engine.prefill(prompt)
-    first = int(step.logits.argmax())
-    out = [first]
-    drafter.reset()
-    drafter.extend(step.features, prompt[1:] + [first])
-    while len(out) < new_tokens and out[-1] != eos:
-        tree = drafter.propose(tree_tokens, depth, top_k)
-        outcome = engine.verify(tree.tokens.tolist(), tree.parents.tolist())
-        result.cycles += 1
-        result.accepted_hist[len(outcome.tokens) - 1] += 1
-        kept = outcome.tokens[: new_tokens - len(out)]
-        if eos is not None and eos in kept:
-            kept = kept[: kept.index(eos) + 1]
-        result.cycle_tokens += len(kept)
-        out.extend(kept)
-        drafter.extend(outcome.features, outcome.tokens)
+    """The runtime's own draft/verify cycle (generation.generate_dovetail over in-process
+    workers); adds its cycles and the tokens they emitted to ``result``."""
+    cpu, gpu = local_workers(engine, drafter)
+    job = Job(seq_id=1, prompt_ids=list(prompt), max_new_tokens=new_tokens, sampling=Sampling(),
+              eos_token_id=eos, max_len=engine.max_len)
+    out: list[int] = []
+    _, stats = generate_dovetail(cpu, gpu, job, TreeSettings(tree_tokens, depth, top_k),
+                                 lambda tokens: out.extend(tokens) or False)
+    result.cycles += stats.cycles
+    result.cycle_tokens += len(out) - 1  # every kept token but the prefill's
+    for accepted, count in enumerate(stats.accept_per_depth):
+        result.accepted_hist[accepted] += count
     return out
 
 
