@@ -166,7 +166,24 @@ def _send_frames(sock: zmq.Socket, frames: list, timeout_ms: float | None, what:
 # --- one to one -----------------------------------------------------------------------
 
 
-class Channel:
+class _OwnsSocket:
+    """close() (idempotent, LINGER 0) and the context manager, for the socket wrappers."""
+
+    socket: zmq.Socket | None
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(0)
+            self.socket = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Channel(_OwnsSocket):
     """A PAIR (or DEALER) socket that sends and receives whole messages."""
 
     def __init__(self, sock: zmq.Socket, *, allowed: Iterable[type] | None = None, endpoint: str | None = None):
@@ -213,16 +230,6 @@ class Channel:
         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         return _decode_frames(frames, self.allowed)
 
-    def close(self) -> None:
-        if self.socket is not None:
-            self.socket.close(0)
-            self.socket = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def connect_client(endpoint: str, *, ctx: zmq.Context | None = None) -> Channel:
@@ -233,7 +240,7 @@ def connect_client(endpoint: str, *, ctx: zmq.Context | None = None) -> Channel:
 # --- client-facing server -------------------------------------------------------------
 
 
-class RouterServer:
+class RouterServer(_OwnsSocket):
     """The coordinator's client socket: a ROUTER bound to ipc:// or loopback tcp://.
 
     recv() -> (peer, message) or None on timeout; raises ProtocolError with ``.peer``.
@@ -287,16 +294,6 @@ class RouterServer:
         """Answer with an ErrorReply (message truncated to the schema's limit)."""
         return self.send(peer, messages.ErrorReply(request_id=request_id, code=code, message=message[:8000]))
 
-    def close(self) -> None:
-        if self.socket is not None:
-            self.socket.close(0)
-            self.socket = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def poll_channels(channels: Iterable[Channel | RouterServer], timeout_ms: float | None = None) -> list:
