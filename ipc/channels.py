@@ -9,7 +9,6 @@
 - :class:`RouterServer`: the client-facing ROUTER socket. Many DEALER clients, each
   known by its routing id; a receive returns ``(peer, message)``; bad bytes raise
   ProtocolError with ``.peer`` set so the caller can answer with an ErrorReply.
-- :func:`poll_channels`: wait on several channels/servers at once.
 
 Every socket gets LINGER 0 (closing never waits for unsent messages). Client-facing
 sockets get ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer that sends a bigger
@@ -28,13 +27,13 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import zmq
 
 from ipc import messages
-from ipc.messages import ProtocolError
+from ipc.codec import ProtocolError, decode, encode
+from ipc.messages import Message
 
 DEFAULT_CLIENT_MAX_MSG = 32 * 1024 * 1024  # a 16 MiB prompt plus room
 # Unix socket paths are at most 107 bytes on Linux (108 with the NUL).
@@ -58,7 +57,8 @@ def _private_base() -> str:
     if xdg:
         try:
             st = os.stat(xdg)
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 and os.access(xdg, os.W_OK):
+            private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+            if private and os.access(xdg, os.W_OK):
                 return xdg
         except OSError:
             pass
@@ -99,7 +99,7 @@ class RuntimeDir:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -122,14 +122,11 @@ def check_local_endpoint(endpoint: str) -> None:
     raise ValueError(f"refusing to listen on {endpoint!r}: only loopback (127.0.0.1, ::1) or ipc:// endpoints")
 
 
-def configure_socket(sock: zmq.Socket, *, max_msg_size: int | None = None, hwm: int | None = None) -> zmq.Socket:
-    """LINGER 0 always; MAXMSGSIZE and send/receive high-water marks when given."""
+def configure_socket(sock: zmq.Socket, *, max_msg_size: int | None = None) -> zmq.Socket:
+    """LINGER 0 always; MAXMSGSIZE when given."""
     sock.setsockopt(zmq.LINGER, 0)
     if max_msg_size is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, int(max_msg_size))
-    if hwm is not None:
-        sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
     return sock
 
 
@@ -144,11 +141,11 @@ def _poll_ms(timeout_ms: float | None) -> int | None:
     return None if timeout_ms is None else max(0, int(timeout_ms))
 
 
-def _decode_frames(frames, allowed, peer=None):
+def _decode_frames(frames: list, allowed: tuple[type[Message], ...], peer: bytes | None = None) -> Message:
     if len(frames) != 1:
         raise ProtocolError(f"expected one frame per message, got {len(frames)}", peer=peer)
     try:
-        return messages.decode(frames[0].buffer, allowed)
+        return decode(frames[0].buffer, allowed)
     except ProtocolError as exc:
         exc.peer = peer
         raise
@@ -186,13 +183,14 @@ class _OwnsSocket:
 class Channel(_OwnsSocket):
     """A PAIR (or DEALER) socket that sends and receives whole messages."""
 
-    def __init__(self, sock: zmq.Socket, *, allowed: Iterable[type] | None = None, endpoint: str | None = None):
-        self.socket = sock
-        self.allowed = None if allowed is None else frozenset(allowed)
+    def __init__(self, sock: zmq.Socket, *, allowed: tuple[type[Message], ...] = messages.ALL_MESSAGES,
+                 endpoint: str | None = None):
+        self.socket: zmq.Socket | None = sock
+        self.allowed = allowed
         self.endpoint = endpoint
 
     @classmethod
-    def bind(cls, endpoint: str, *, allowed: Iterable[type] | None = None, kind: int = zmq.PAIR,
+    def bind(cls, endpoint: str, *, allowed: tuple[type[Message], ...] = messages.ALL_MESSAGES, kind: int = zmq.PAIR,
              ctx: zmq.Context | None = None, max_msg_size: int | None = None,
              allow_remote: bool = False) -> Channel:
         sock = configure_socket((ctx or zmq.Context.instance()).socket(kind), max_msg_size=max_msg_size)
@@ -204,7 +202,7 @@ class Channel(_OwnsSocket):
         return cls(sock, allowed=allowed, endpoint=real)
 
     @classmethod
-    def connect(cls, endpoint: str, *, allowed: Iterable[type] | None = None, kind: int = zmq.PAIR,
+    def connect(cls, endpoint: str, *, allowed: tuple[type[Message], ...] = messages.ALL_MESSAGES, kind: int = zmq.PAIR,
                 ctx: zmq.Context | None = None, max_msg_size: int | None = None) -> Channel:
         sock = configure_socket((ctx or zmq.Context.instance()).socket(kind), max_msg_size=max_msg_size)
         sock.connect(endpoint)
@@ -215,14 +213,11 @@ class Channel(_OwnsSocket):
             raise ChannelClosed("channel is closed")
         return self.socket
 
-    def send(self, msg, timeout_ms: float | None = None) -> None:
+    def send(self, msg: Message, timeout_ms: float | None = None) -> None:
         """Encode and send one message; ChannelTimeout if it cannot leave in time."""
-        self.send_bytes(messages.encode(msg), timeout_ms)
+        _send_frames(self._sock(), [encode(msg)], timeout_ms, "channel")
 
-    def send_bytes(self, data: bytes, timeout_ms: float | None = None) -> None:
-        _send_frames(self._sock(), [data], timeout_ms, "channel")
-
-    def recv(self, timeout_ms: float | None = None):
+    def recv(self, timeout_ms: float | None = None) -> Message | None:
         """The next message, or None after ``timeout_ms``; ProtocolError on bad bytes."""
         sock = self._sock()
         if sock.poll(_poll_ms(timeout_ms), zmq.POLLIN) == 0:
@@ -247,7 +242,7 @@ class RouterServer(_OwnsSocket):
     send(peer, message) -> True, or False when that peer is gone.
     """
 
-    def __init__(self, endpoint: str, *, allowed: Iterable[type] | None = messages.CLIENT_TO_COORDINATOR,
+    def __init__(self, endpoint: str, *, allowed: tuple[type[Message], ...] = messages.CLIENT_TO_COORDINATOR,
                  ctx: zmq.Context | None = None, max_msg_size: int = DEFAULT_CLIENT_MAX_MSG,
                  allow_remote: bool = False):
         sock = configure_socket((ctx or zmq.Context.instance()).socket(zmq.ROUTER), max_msg_size=max_msg_size)
@@ -258,10 +253,10 @@ class RouterServer(_OwnsSocket):
         except BaseException:
             sock.close(0)
             raise
-        self.socket = sock
-        self.allowed = None if allowed is None else frozenset(allowed)
+        self.socket: zmq.Socket | None = sock
+        self.allowed = allowed
 
-    def recv(self, timeout_ms: float | None = None):
+    def recv(self, timeout_ms: float | None = None) -> tuple[bytes, Message] | None:
         if self.socket is None:
             raise ChannelClosed("server is closed")
         if self.socket.poll(_poll_ms(timeout_ms), zmq.POLLIN) == 0:
@@ -270,10 +265,8 @@ class RouterServer(_OwnsSocket):
         peer = frames[0].bytes
         return peer, _decode_frames(frames[1:], self.allowed, peer)
 
-    def send(self, peer: bytes, msg, timeout_ms: float | None = 1000) -> bool:
-        return self.send_bytes(peer, messages.encode(msg), timeout_ms)
-
-    def send_bytes(self, peer: bytes, data: bytes, timeout_ms: float | None = 1000) -> bool:
+    def send(self, peer: bytes, msg: Message, timeout_ms: float | None = 1000) -> bool:
+        data = encode(msg)
         if self.socket is None:
             raise ChannelClosed("server is closed")
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
@@ -296,17 +289,7 @@ class RouterServer(_OwnsSocket):
 
 
 
-def poll_channels(channels: Iterable[Channel | RouterServer], timeout_ms: float | None = None) -> list:
-    """The subset of ``channels`` with a message waiting (empty after the timeout)."""
-    poller = zmq.Poller()
-    by_socket = {}
-    for ch in channels:
-        poller.register(ch.socket, zmq.POLLIN)
-        by_socket[ch.socket] = ch
-    return [by_socket[s] for s, _ in poller.poll(_poll_ms(timeout_ms))]
-
-
 __all__ = [
     "RuntimeDir", "Channel", "RouterServer", "ChannelTimeout", "ChannelClosed", "connect_client",
-    "poll_channels", "configure_socket", "check_local_endpoint", "DEFAULT_CLIENT_MAX_MSG",
+    "configure_socket", "check_local_endpoint", "DEFAULT_CLIENT_MAX_MSG",
 ]

@@ -25,14 +25,12 @@ Rules:
   copying, so a half-written or overwritten slot is never returned silently. The
   ZMQ message that carries the RingRef orders the writer's stores before the reader's
   loads (socket system calls are full barriers).
-- **Too big:** a block larger than ``slot_bytes`` raises :class:`BlockTooLarge`. Use
-  :func:`put_block` / :func:`get_block` to fall back to an inline block
-  (:func:`pack_block` / :func:`unpack_block`) transparently: one path for callers.
+- **Too big:** a block larger than ``slot_bytes`` raises :class:`BlockTooLarge`. Hidden
+  states never travel inline: size the ring for the largest block it must carry (the
+  coordinator keeps one ring for the cycle's few rows and one for a whole prompt's).
 - **Reads:** :meth:`ShmRing.read` returns a torch tensor, a private copy by default;
   ``copy=False`` returns a zero-copy view of the slot that is valid only until the
   writer reuses the slot (``nslots`` writes later) and keeps the mapping alive.
-  :meth:`ShmRing.read_numpy` does the same with numpy (bfloat16 comes back as raw
-  uint16 bits, numpy has no bfloat16).
 - **Pinned memory:** :meth:`ShmRing.pin_for_cuda` registers the whole segment as
   page-locked with ``cudaHostRegister`` so host-to-device copies are DMA; a no-op
   returning False without CUDA. The registration is undone before the mapping closes.
@@ -50,10 +48,12 @@ import struct
 import sys
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from ipc.messages import InlineBlock, RingRef
+from ipc.dtypes import dtype_name, torch_dtype
+from ipc.messages import RingRef
 
 try:  # POSIX only, like multiprocessing.shared_memory itself
     import _posixshmem
@@ -70,7 +70,7 @@ _SLOT_HEADER_BYTES = 64
 _U64 = struct.Struct("<Q")
 
 # name -> (code, itemsize, numpy dtype for the raw payload)
-DTYPES = {
+DTYPES: dict[str, tuple[int, int, np.dtype[Any]]] = {
     "float16": (1, 2, np.dtype("<f2")),
     "bfloat16": (2, 2, np.dtype("<u2")),  # raw bits in numpy
     "float32": (3, 4, np.dtype("<f4")),
@@ -83,10 +83,7 @@ class RingError(RuntimeError):
 
 
 class BlockTooLarge(RingError):
-    """The block does not fit in one slot (see put_block for the inline fallback)."""
-
-
-RingFull = BlockTooLarge  # the name used in the design brief
+    """The block does not fit in one slot."""
 
 
 class StaleSlot(RingError):
@@ -97,11 +94,6 @@ def _torch():
     import torch
 
     return torch
-
-
-def _torch_dtype(name: str):
-    torch = _torch()
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
 def _align(n: int, to: int) -> int:
@@ -124,9 +116,10 @@ def _describe_block(block):
         torch = _torch()
         if not isinstance(block, torch.Tensor):
             raise TypeError(f"a block is a torch tensor or a numpy array, got {type(block).__name__}")
-        name = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(block.dtype)
-        if name is None:
-            raise TypeError(f"tensor block dtype must be float16, bfloat16 or float32, got {block.dtype}")
+        try:
+            name = dtype_name(block.dtype)
+        except ValueError as error:
+            raise TypeError(f"tensor block dtype: {error}") from None
         kind = "torch"
     if block.ndim != 2:
         raise ValueError(f"a block is a 2-D [rows, cols] matrix, got shape {tuple(block.shape)}")
@@ -150,7 +143,7 @@ class _State:
         self.name = name
         self.owner = owner
         self.mm = mm
-        self.pinned = None  # (cudart, ptr) while registered with CUDA
+        self.pinned: tuple[Any, int] | None = None  # (cudart, ptr) while registered with CUDA
         self.closed = False
 
 
@@ -163,7 +156,7 @@ def _release(state: _State) -> None:
         state.pinned = None
         try:
             cudart.cudaHostUnregister(ptr)
-        except Exception:  # noqa: BLE001 - never fail a close over this
+        except Exception:
             pass
     try:
         state.mm.close()
@@ -180,7 +173,7 @@ def _release(state: _State) -> None:
 
         try:
             resource_tracker.unregister("/" + state.name, "shared_memory")
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -281,9 +274,6 @@ class ShmRing:
 
     # --- writing ----------------------------------------------------------------------
 
-    def fits(self, rows: int, cols: int, dtype: str) -> bool:
-        return slot_bytes_for(rows, cols, dtype) <= self.slot_bytes
-
     def write(self, block) -> RingRef:
         """Copy a 2-D block (torch tensor on any device, or numpy array) into the next
         slot; return its RingRef. BlockTooLarge if it does not fit in a slot."""
@@ -293,7 +283,7 @@ class ShmRing:
         if nbytes > self.slot_bytes:
             raise BlockTooLarge(
                 f"block [{rows}, {cols}] {dtype} is {nbytes} bytes; ring {self.name!r} slots hold "
-                f"{self.slot_bytes} bytes (send it inline: ipc.shm_ring.put_block does)"
+                f"{self.slot_bytes} bytes"
             )
         mm = self._mm()
         (last,) = _U64.unpack_from(mm, _WRITE_SEQ_OFFSET)
@@ -323,7 +313,8 @@ class ShmRing:
         if ref.dtype not in DTYPES:
             raise RingError(f"RingRef dtype {ref.dtype!r} unknown")
         if not 0 <= ref.slot < self.nslots or ref.seq < 1 or (ref.seq - 1) % self.nslots != ref.slot:
-            raise RingError(f"RingRef slot {ref.slot} / seq {ref.seq} is inconsistent with a ring of {self.nslots} slots")
+            raise RingError(f"RingRef slot {ref.slot} / seq {ref.seq} is inconsistent "
+                            f"with a ring of {self.nslots} slots")
         code, itemsize, _ = DTYPES[ref.dtype]
         nbytes = ref.rows * ref.cols * itemsize
         if nbytes > self.slot_bytes:
@@ -346,18 +337,13 @@ class ShmRing:
             return
         where = f"slot {ref.slot} of ring {self.name!r}"
         if seq == 0:
-            raise StaleSlot(f"{where} is being overwritten (wanted seq {ref.seq}): the reader fell {self.nslots} blocks behind")
+            raise StaleSlot(f"{where} is being overwritten (wanted seq {ref.seq}): "
+                            f"the reader fell {self.nslots} blocks behind")
         if seq > ref.seq:
-            raise StaleSlot(f"{where} was overwritten: holds seq {seq}, wanted {ref.seq} (more than {self.nslots} blocks in flight)")
-        raise StaleSlot(f"{where} holds seq {seq}, older than the wanted {ref.seq}: stale RingRef from another ring instance?")
-
-    def is_valid(self, ref: RingRef) -> bool:
-        """Whether ``ref``'s block is still in its slot."""
-        try:
-            self._locate(ref)
-        except RingError:
-            return False
-        return True
+            raise StaleSlot(f"{where} was overwritten: holds seq {seq}, wanted {ref.seq} "
+                            f"(more than {self.nslots} blocks in flight)")
+        raise StaleSlot(f"{where} holds seq {seq}, older than the wanted {ref.seq}: "
+                        "stale RingRef from another ring instance?")
 
     def read(self, ref: RingRef, *, copy: bool = True, device=None):
         """The block as a [rows, cols] torch tensor.
@@ -369,7 +355,7 @@ class ShmRing:
         """
         torch = _torch()
         offset, nbytes = self._locate(ref)
-        tdtype = _torch_dtype(ref.dtype)
+        tdtype = torch_dtype(ref.dtype)
         if nbytes == 0:
             return torch.empty((ref.rows, ref.cols), dtype=tdtype, device=device)
         # Through numpy, not torch.frombuffer: a numpy array holds a buffer export on the
@@ -385,20 +371,6 @@ class ShmRing:
         else:
             out = torch.empty((ref.rows, ref.cols), dtype=tdtype)
             out.copy_(view)
-        del view
-        self._check_seq(ref)
-        return out
-
-    def read_numpy(self, ref: RingRef, *, copy: bool = True) -> np.ndarray:
-        """The block as a numpy array (bfloat16 as raw uint16 bits); copy semantics as
-        in :meth:`read`."""
-        offset, nbytes = self._locate(ref)
-        dtype = DTYPES[ref.dtype][2]
-        count = ref.rows * ref.cols
-        view = np.frombuffer(self._mm(), dtype=dtype, count=count, offset=offset).reshape(ref.rows, ref.cols)
-        if not copy:
-            return view
-        out = view.copy()
         del view
         self._check_seq(ref)
         return out
@@ -436,55 +408,11 @@ class ShmRing:
     def pinned(self) -> bool:
         return self._state.pinned is not None
 
-    def unpin(self) -> None:
-        if self._state.pinned is not None:
-            cudart, ptr = self._state.pinned
-            self._state.pinned = None
-            cudart.cudaHostUnregister(ptr)
 
-
-# --- one path for callers: ring when it fits, inline otherwise --------------------------
-
-
-def pack_block(block) -> InlineBlock:
-    """The inline form of a 2-D block: its raw bytes in the message itself."""
-    rows, cols, dtype, kind = _describe_block(block)
-    src = _raw_bytes_source(block, kind)
-    data = src.tobytes() if kind == "numpy" else src.cpu().numpy().tobytes()
-    return InlineBlock(rows=rows, cols=cols, dtype=dtype, data=data)
-
-
-def unpack_block(block: InlineBlock):
-    """A new [rows, cols] torch tensor from an InlineBlock (one copy)."""
-    torch = _torch()
-    if block.dtype not in DTYPES:
-        raise RingError(f"InlineBlock dtype {block.dtype!r} unknown")
-    nbytes = slot_bytes_for(block.rows, block.cols, block.dtype)
-    if len(block.data) != nbytes:
-        raise RingError(f"InlineBlock [{block.rows}, {block.cols}] {block.dtype} needs {nbytes} bytes, has {len(block.data)}")
-    out = torch.empty((block.rows, block.cols), dtype=_torch_dtype(block.dtype))
-    if nbytes:
-        out.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(block.data, dtype=np.uint8)
-    return out
-
-
-def put_block(ring: ShmRing | None, block) -> RingRef | InlineBlock:
-    """Write ``block`` into ``ring`` when there is one and it fits; else inline."""
-    if ring is not None:
-        rows, cols, dtype, _ = _describe_block(block)
-        if ring.fits(rows, cols, dtype):
-            return ring.write(block)
-    return pack_block(block)
-
-
-def get_block(ref: RingRef | InlineBlock, rings: ShmRing | Mapping[str, ShmRing] | None = None, *, device=None):
-    """Resolve what put_block produced to a private torch tensor (on ``device``)."""
-    if isinstance(ref, InlineBlock):
-        out = unpack_block(ref)
-        return out if device is None else out.to(device)
-    if not isinstance(ref, RingRef):
-        raise TypeError(f"expected RingRef or InlineBlock, got {type(ref).__name__}")
-    ring = rings if isinstance(rings, ShmRing) else (rings or {}).get(ref.ring)
+def get_block(ref: RingRef, rings: ShmRing | Mapping[str, ShmRing], *, device=None):
+    """The block ``ref`` points at, as a private torch tensor (on ``device``), from the ring
+    it names (``rings``: one ring, or attached rings by name)."""
+    ring = rings if isinstance(rings, ShmRing) else rings.get(ref.ring)
     if ring is None or ring.name != ref.ring:
         raise RingError(f"no attached ring named {ref.ring!r}")
     return ring.read(ref, copy=True, device=device)
@@ -493,7 +421,4 @@ def get_block(ref: RingRef | InlineBlock, rings: ShmRing | Mapping[str, ShmRing]
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("ipc.shm_ring assumes a little-endian host")
 
-__all__ = [
-    "ShmRing", "RingError", "BlockTooLarge", "RingFull", "StaleSlot", "SEGMENT_PREFIX",
-    "slot_bytes_for", "pack_block", "unpack_block", "put_block", "get_block",
-]
+__all__ = ["ShmRing", "RingError", "BlockTooLarge", "StaleSlot", "SEGMENT_PREFIX", "slot_bytes_for", "get_block"]

@@ -13,19 +13,30 @@ import zmq
 
 from ipc import messages as M
 from ipc.channels import (
-    Channel, ChannelClosed, ChannelTimeout, RouterServer, RuntimeDir, check_local_endpoint, connect_client,
-    poll_channels,
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    RouterServer,
+    RuntimeDir,
+    check_local_endpoint,
+    connect_client,
 )
-from ipc.messages import ProtocolError
+from ipc.codec import ProtocolError
 
 
 @pytest.fixture
 def ctx():
     context = zmq.Context()
     yield context
+    # A failed test leaves its sockets open, and term() would then wait for them forever:
+    # close them here so the failure is reported instead of a hang.
+    left_open = [sock for sock in list(getattr(context, "_sockets", ())) if not sock.closed]
+    for sock in left_open:
+        sock.close(0)
     t0 = time.monotonic()
     context.term()  # LINGER 0 everywhere: never hangs on unsent messages
     assert time.monotonic() - t0 < 2
+    assert not left_open, f"{len(left_open)} socket(s) left open"
 
 
 @pytest.fixture
@@ -69,19 +80,26 @@ def test_router_serves_two_dealer_clients(ctx, rundir, transport):
             assert server.endpoint.startswith("tcp://127.0.0.1:") and not server.endpoint.endswith("*")
         a = connect_client(server.endpoint, ctx=ctx)
         b = connect_client(server.endpoint, ctx=ctx)
-        a.send(M.GenerateRequest(request_id="A", prompt="alpha", stream=True))
+        request = M.GenerateRequest(request_id="A", prompt="alpha", stream=True, max_new_tokens=8, stop=["\n"],
+                                    sampling=M.Sampling(temperature=0.7, top_k=40, top_p=0.9, seed=3))
+        a.send(request)
         b.send(M.GenerateRequest(request_id="B", prompt="beta"))
         peers = {}
         for _ in range(2):
             peer, msg = server.recv(timeout_ms=2000)
             peers[msg.request_id] = peer
+            if msg.request_id == "A":
+                assert msg == request
         assert peers["A"] != peers["B"]
         # Replies go to the right client, interleaved.
         assert server.send(peers["B"], M.TokenChunk(request_id="B", token_ids=[2], text="b"))
         assert server.send(peers["A"], M.TokenChunk(request_id="A", token_ids=[1], text="a"))
-        assert server.send(peers["A"], M.GenerateDone(request_id="A", token_ids=[1], text="a", finish_reason="stop"))
+        stats = M.RequestStats(new_tokens=1, cycles=0, wall_ms=5.0)
+        assert server.send(peers["A"], M.GenerateDone(request_id="A", token_ids=[1], text="a", finish_reason="stop",
+                                                      stats=stats))
         assert a.recv(2000) == M.TokenChunk(request_id="A", token_ids=[1], text="a")
-        assert a.recv(2000).finish_reason == "stop"
+        done = a.recv(2000)
+        assert done.finish_reason == "stop" and done.stats == stats
         assert b.recv(2000) == M.TokenChunk(request_id="B", token_ids=[2], text="b")
         assert a.recv(0) is None and b.recv(0) is None
         a.close()
@@ -109,15 +127,22 @@ def test_bad_client_bytes_get_an_error_reply_and_the_server_survives(ctx, rundir
     with RouterServer(rundir.endpoint("client"), ctx=ctx) as server:
         bad = Channel.connect(server.endpoint, kind=zmq.DEALER, ctx=ctx)
         good = connect_client(server.endpoint, ctx=ctx)
-        for raw in (b"\x80\x04garbage", msgpack.packb({"v": 1, "type": "Shutdown"}),
-                    msgpack.packb({"v": 9, "type": "Cancel", "request_id": "x"})):
-            bad.send_bytes(raw)
-            with pytest.raises(ProtocolError) as info:
+        for raw, pattern in (
+            (b"\xc1garbage", "not a valid msgpack message"),
+            (b"\x80\x04garbage", "missing required field `type`"),
+            (msgpack.packb({"type": "Shutdown"}), "'Shutdown'.*accepted here: GenerateRequest, Cancel, Ping"),
+            (msgpack.packb({"v": 9, "type": "Cancel", "request_id": "x"}), "protocol version 9"),
+            (msgpack.packb({"type": "GenerateRequest", "request_id": "x", "prompt": "p", "max_new_tokens": 0}),
+             r"at `\$\.max_new_tokens`"),
+            (b"\x82\xa1x" + b"\x91" * 100_000 + b"\x00\xa4type\xa4Ping", "msgpack"),  # deeper than the stack
+        ):
+            bad.socket.send(raw)
+            with pytest.raises(ProtocolError, match=pattern) as info:
                 server.recv(timeout_ms=2000)
             assert info.value.peer is not None
-            assert server.send_error(info.value.peer, None, "protocol", str(info.value))
+            assert server.send_error(info.value.peer, None, "bad_message", str(info.value))
             reply = bad.recv(2000)
-            assert isinstance(reply, M.ErrorReply) and reply.code == "protocol" and reply.request_id is None
+            assert isinstance(reply, M.ErrorReply) and reply.code == "bad_message" and reply.request_id is None
         bad.socket.send_multipart([b"two", b"frames"])
         with pytest.raises(ProtocolError, match="one frame"):
             server.recv(timeout_ms=2000)
@@ -174,17 +199,66 @@ def test_worker_pair_channel_round_trip(ctx, rundir):
     coordinator.send(M.VerifyRequest(seq_id=1, tokens=[5, 6], parents=[-1, 0]), timeout_ms=2000)
     assert worker.recv(2000) == M.VerifyRequest(seq_id=1, tokens=[5, 6], parents=[-1, 0])
     ring_ref = M.RingRef(ring="dovetail-1-x", slot=0, seq=1, rows=2, cols=64, dtype="float16")
-    worker.send(M.VerifyResult(seq_id=1, accepted_tokens=[6, 9], accepted_nodes=[0, 1], features=ring_ref))
+    worker.send(M.VerifyResult(seq_id=1, accepted_tokens=[6, 9], features=ring_ref))
     assert coordinator.recv(2000).features == ring_ref
     # Direction is enforced: a worker does not accept a worker's own messages.
     coordinator.send(M.Ready(worker="x", pid=1))
-    with pytest.raises(ProtocolError, match="not accepted here"):
+    with pytest.raises(ProtocolError, match=r"'Ready'.*accepted here: PrefillRequest") as info:
         worker.recv(2000)
-    assert poll_channels([coordinator, worker], 0) == []
+    assert info.value.peer is None  # a PAIR has one peer
+    # ...and the channel keeps working after a refused message (the worker loop relies on it).
+    coordinator.send(M.Ping(nonce=7))
+    assert worker.recv(2000) == M.Ping(nonce=7)
     worker.send(M.Pong(nonce=7))
-    assert poll_channels([coordinator, worker], 2000) == [coordinator]
+    assert coordinator.recv(2000) == M.Pong(nonce=7)
     coordinator.close()
     worker.close()
+
+
+def test_invalid_message_is_refused_before_it_is_sent(ctx, rundir):
+    endpoint = rundir.endpoint("gpu")
+    coordinator = Channel.bind(endpoint, allowed=M.FROM_GPU_WORKER, ctx=ctx)
+    worker = Channel.connect(endpoint, allowed=M.TO_GPU_WORKER, ctx=ctx)
+    with pytest.raises(ProtocolError, match=r"DraftResult would be refused: .* - at `\$\.tokens\[0\]`"):
+        worker.send(M.DraftResult(seq_id=1, tokens=[-1], parents=[-1]), timeout_ms=2000)
+    with pytest.raises(ProtocolError, match="is not a message type"):
+        worker.send(M.RingRef(ring="r", slot=0, seq=1, rows=1, cols=1, dtype="float16"), timeout_ms=2000)
+    assert coordinator.recv(100) is None  # nothing left
+    worker.send(M.DraftResult(seq_id=1, tokens=[4], parents=[-1]), timeout_ms=2000)
+    assert coordinator.recv(2000) == M.DraftResult(seq_id=1, tokens=[4], parents=[-1])
+    coordinator.close()
+    worker.close()
+
+
+def test_one_router_bound_to_ipc_and_tcp(ctx, rundir):
+    """The coordinator binds its one client socket to every --listen endpoint."""
+    with RouterServer(rundir.endpoint("client"), ctx=ctx) as server:
+        server.socket.bind("tcp://127.0.0.1:*")
+        tcp = server.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        over_ipc = connect_client(server.endpoint, ctx=ctx)
+        over_tcp = connect_client(tcp, ctx=ctx)
+        over_ipc.send(M.Ping(nonce=1))
+        over_tcp.send(M.Ping(nonce=2))
+        got = {}
+        for _ in range(2):
+            peer, msg = server.recv(2000)
+            got[msg.nonce] = peer
+        for nonce, peer in got.items():
+            assert server.send(peer, M.Pong(nonce=nonce))
+        assert over_ipc.recv(2000) == M.Pong(nonce=1) and over_tcp.recv(2000) == M.Pong(nonce=2)
+        over_ipc.close()
+        over_tcp.close()
+
+
+def test_client_channel_accepts_only_server_messages(ctx, rundir):
+    with RouterServer(rundir.endpoint("client"), ctx=ctx) as server:
+        client = connect_client(server.endpoint, ctx=ctx)
+        client.send(M.Ping(nonce=1))
+        peer, _ = server.recv(2000)
+        server.socket.send_multipart([peer, msgpack.packb({"type": "Shutdown"})])
+        with pytest.raises(ProtocolError, match="accepted here: TokenChunk, GenerateDone, ErrorReply, Pong"):
+            client.recv(2000)
+        client.close()
 
 
 def test_close_with_unsent_messages_does_not_hang(ctx, rundir):

@@ -1,5 +1,5 @@
-"""ipc.shm_ring: slots, wraparound, stale detection, inline fallback, cross-process use,
-and no leaked or prematurely unlinked /dev/shm segments."""
+"""ipc.shm_ring: slots, wraparound, stale detection, RingRefs carried in messages,
+cross-process use, and no leaked or prematurely unlinked /dev/shm segments."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 
 from ipc import messages as M
-from ipc.shm_ring import (
-    BlockTooLarge, RingError, ShmRing, StaleSlot, get_block, pack_block, put_block, slot_bytes_for,
-    unpack_block,
-)
+from ipc.codec import decode, encode
+from ipc.shm_ring import BlockTooLarge, RingError, ShmRing, StaleSlot, get_block, slot_bytes_for
 
 # Spawned children import this module: keep torch out of module level so they start fast.
 
@@ -43,6 +41,22 @@ def _no_leaks():
 
 def _exists(name: str) -> bool:
     return (SHM / name).exists()
+
+
+def _carry(ref: M.RingRef) -> bytes:
+    """A RingRef the way it travels: inside a message."""
+    return encode(M.VerifyResult(seq_id=1, accepted_tokens=[1], features=ref))
+
+
+def _uncarry(data: bytes) -> M.RingRef:
+    return decode(data, M.FROM_CPU_WORKER).features
+
+
+def _sha(tensor) -> str:
+    """Digest of a tensor's raw bytes (any float dtype, bfloat16 included)."""
+    import torch
+
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def test_create_names_and_unlinks():
@@ -88,36 +102,45 @@ def test_wraparound_many_blocks_all_dtypes():
             history.append((ref, block))
         for ref, block in history[-3:]:  # the last nslots blocks are all still readable
             assert torch.equal(reader.read(ref), block)
-            assert reader.is_valid(ref)
-        # Every older one is detected as overwritten, never returned.
+            assert torch.equal(get_block(ref, {reader.name: reader}), block)
+        # Every older one is detected as overwritten, never returned, whichever way it is read.
         for ref, _ in history[:-3]:
-            assert not reader.is_valid(ref)
             with pytest.raises(StaleSlot, match="overwritten"):
                 reader.read(ref)
-            with pytest.raises(StaleSlot):
-                reader.read_numpy(ref)
+            with pytest.raises(StaleSlot, match="overwritten"):
+                reader.read(ref, copy=False)
+            with pytest.raises(StaleSlot, match="overwritten"):
+                get_block(ref, reader)
 
 
-def test_numpy_in_and_out_and_bfloat16_bits():
+def test_numpy_in_torch_out_and_bfloat16_bits():
     import torch
 
     with ShmRing.create(4096, 2) as ring:
         a = np.arange(12, dtype=np.float32).reshape(3, 4)
         ref = ring.write(a)
-        assert ref.dtype == "float32"
-        assert np.array_equal(ring.read_numpy(ref), a)
-        assert torch.equal(ring.read(ref), torch.from_numpy(a))
+        assert ref == M.RingRef(ring=ring.name, slot=0, seq=1, rows=3, cols=4, dtype="float32")
+        got = ring.read(ref)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(a))
         b = np.linspace(-2, 2, 10, dtype=np.float16).reshape(2, 5)
-        assert np.array_equal(ring.read_numpy(ring.write(b)), b)
+        ref = ring.write(b)
+        assert ref.dtype == "float16"
+        got = ring.read(ref)
+        assert got.dtype == torch.float16 and np.array_equal(got.numpy(), b)
+        # bfloat16 travels bit for bit (compare the raw bits: NaN payloads and -0.0 included).
         t = torch.randn(2, 3).to(torch.bfloat16)
-        raw = ring.read_numpy(ring.write(t))
-        assert raw.dtype == np.uint16 and np.array_equal(raw, t.view(torch.int16).numpy().view(np.uint16))
+        t[0, 0], t[0, 1] = -0.0, float("nan")
+        ref = ring.write(t)
+        assert ref.dtype == "bfloat16"
+        got = ring.read(ref)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), t.view(torch.int16))
+        assert torch.equal(got[1].float(), t[1].float())
         # Non-contiguous input is written in row-major order.
         wide = torch.randn(4, 3)
         assert torch.equal(ring.read(ring.write(wide.t())), wide.t())
         # An empty block is fine.
         ref = ring.write(np.zeros((0, 7), np.float16))
-        assert ring.read(ref).shape == (0, 7)
+        assert ring.read(ref).shape == (0, 7) and ring.read(ref).dtype == torch.float16
 
 
 def test_bad_blocks_are_refused():
@@ -134,46 +157,52 @@ def test_bad_blocks_are_refused():
             ring.write([[1.0]])
 
 
-def test_oversize_block_raises_and_put_block_falls_back_inline():
+def test_oversize_block_raises_and_leaves_the_ring_alone():
     import torch
 
     with ShmRing.create(slot_bytes_for(4, 8, "float16"), 2) as ring:
+        small = torch.randn(4, 8).half()
+        ref = ring.write(small)
         big = torch.randn(5, 8).half()
         with pytest.raises(BlockTooLarge, match="slots hold 64 bytes"):
             ring.write(big)
-        small = torch.randn(4, 8).half()
-        ref = put_block(ring, small)
-        assert isinstance(ref, M.RingRef)
-        inline = put_block(ring, big)
-        assert isinstance(inline, M.InlineBlock) and len(inline.data) == 80
-        assert isinstance(put_block(None, small), M.InlineBlock)
-        # Both travel in the same message field and resolve the same way.
-        for features, expect in ((ref, small), (inline, big)):
-            msg = M.decode(M.encode(M.VerifyResult(seq_id=1, accepted_tokens=[3], accepted_nodes=[0], features=features)))
-            assert torch.equal(get_block(msg.features, {ring.name: ring}), expect)
-            assert torch.equal(get_block(msg.features, ring), expect)
-        with pytest.raises(RingError, match="no attached ring"):
-            get_block(ref, {})
+        with pytest.raises(BlockTooLarge):
+            ring.write(torch.randn(4, 8))  # the same shape in float32 is twice the bytes
+        # Nothing was written: the earlier block is intact and the next write takes seq 2.
+        assert torch.equal(ring.read(ref), small)
+        assert ring.write(small).seq == 2
 
 
-def test_pack_unpack_block():
+def test_get_block_resolves_a_ref_from_a_message():
     import torch
 
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        t = torch.randn(3, 5).to(dtype)
-        back = unpack_block(pack_block(t))
-        assert back.dtype == dtype and torch.equal(back, t)
-    a = np.ones((2, 2), np.float32)
-    assert torch.equal(unpack_block(pack_block(a)), torch.ones(2, 2))
-    with pytest.raises(RingError, match="needs 16 bytes, has 3"):
-        unpack_block(M.InlineBlock(rows=2, cols=2, dtype="float32", data=b"abc"))
+    with ShmRing.create(slot_bytes_for(4, 8, "float32"), 2) as ring, ShmRing.create(64, 1) as other:
+        block = torch.randn(4, 8)
+        ref = _uncarry(_carry(ring.write(block)))
+        assert isinstance(ref, M.RingRef)
+        assert torch.equal(get_block(ref, {ring.name: ring, other.name: other}), block)
+        assert torch.equal(get_block(ref, ring), block)
+        assert torch.equal(get_block(ref, ring, device="cpu"), block)
+        # get_block returns a private copy: later writes to the slot do not show through.
+        copy = get_block(ref, ring)
+        ring.write(torch.zeros(4, 8))
+        ring.write(torch.zeros(4, 8))  # slot of ref reused
+        assert torch.equal(copy, block)
+        with pytest.raises(StaleSlot):
+            get_block(ref, ring)
+        with pytest.raises(RingError, match="no attached ring"):
+            get_block(ref, {})
+        with pytest.raises(RingError, match="no attached ring"):
+            get_block(ref, other)  # the wrong ring
+        with pytest.raises(RingError, match="no attached ring"):
+            get_block(ref, {ref.ring: other})  # filed under the wrong name
 
 
 def test_refs_are_checked_against_the_slot():
+    from msgspec.structs import replace
+
     with ShmRing.create(256, 4) as ring:
         ref = ring.write(np.ones((2, 8), np.float16))
-        from dataclasses import replace
-
         with pytest.raises(RingError, match="given to ring"):
             ring.read(replace(ref, ring="dovetail-0-other"))
         with pytest.raises(RingError, match="inconsistent"):
@@ -214,13 +243,19 @@ def test_zero_copy_view_and_close_with_live_view():
     ring.write(torch.full((2, 4), 4.0))
     ring.write(torch.full((2, 4), 5.0))  # slot reused: the view now shows the new block
     assert torch.equal(view, torch.full((2, 4), 5.0))
-    npview = reader.read_numpy(ring.write(np.zeros((2, 4), np.float32)), copy=False)
+    copy = reader.read(ring.write(torch.zeros(2, 4)))  # slot 1
+    ring.write(torch.ones(2, 4))  # slot 0: the view shows it
+    zeros = reader.read(ring.write(torch.zeros(2, 4)), copy=False)  # slot 1 again
+    assert float(copy.sum()) == 0.0 and float(view.sum()) == 8.0
+    ring.write(torch.full((2, 4), 7.0))  # slot 0
+    ring.write(torch.full((2, 4), 9.0))  # slot 1: `copy` is private, `zeros` is a view
+    assert float(copy.sum()) == 0.0 and float(view.sum()) == 56.0 and float(zeros.sum()) == 72.0
     # Closing while views are alive neither crashes nor unmaps under them.
     reader.close()
     ring.close()
     assert not _exists(ring.name)
-    assert float(view.sum()) == 40.0 and float(npview.sum()) == 0.0
-    del view, npview
+    assert float(view.sum()) == 56.0 and float(zeros.sum()) == 72.0
+    del view, zeros
 
 
 def test_attach_missing_or_foreign_segment():
@@ -301,17 +336,14 @@ def _child(parent_ring: str, refs: list[bytes], conn) -> None:
     """Spawned child: read the parent's blocks, then own a ring and write blocks into it."""
     try:
         reader = ShmRing.attach(parent_ring)
-        digests = []
-        for data in refs:
-            ref = M.decode(data, {M.RingRef})
-            digests.append(hashlib.sha256(reader.read_numpy(ref).tobytes()).hexdigest())
+        digests = [_sha(get_block(_uncarry(data), {reader.name: reader})) for data in refs]
         reader.close()
         own = ShmRing.create(slot_bytes_for(16, 256, "float16"), 4)
         rng = np.random.default_rng(1)
         sent = []
-        for i in range(4):
+        for _ in range(4):
             block = rng.standard_normal((16, 256)).astype(np.float16)
-            sent.append((M.encode(own.write(block)), hashlib.sha256(block.tobytes()).hexdigest()))
+            sent.append((_carry(own.write(block)), hashlib.sha256(block.tobytes()).hexdigest()))
         conn.send(("ok", digests, own.name, sent))
         conn.recv()  # wait until the parent has read them
         own.close()
@@ -326,7 +358,7 @@ def test_cross_process_spawn_byte_exact():
     rng = np.random.default_rng(0)
     with ShmRing.create(slot_bytes_for(16, 5120, "float16"), 4) as ring:
         blocks = [rng.standard_normal((16, 5120)).astype(np.float16) for _ in range(4)]
-        refs = [M.encode(ring.write(b)) for b in blocks]
+        refs = [_carry(ring.write(b)) for b in blocks]
         parent_end, child_end = ctx.Pipe()
         proc = ctx.Process(target=_child, args=(ring.name, refs, child_end), daemon=True)
         proc.start()
@@ -337,8 +369,7 @@ def test_cross_process_spawn_byte_exact():
             assert digests == [hashlib.sha256(b.tobytes()).hexdigest() for b in blocks]
             with ShmRing.attach(child_ring) as reader:
                 for data, digest in sent:
-                    got = reader.read_numpy(M.decode(data))
-                    assert hashlib.sha256(got.tobytes()).hexdigest() == digest
+                    assert _sha(reader.read(_uncarry(data))) == digest
             parent_end.send("done")
             assert parent_end.poll(30)
             assert parent_end.recv() == ("closed", child_ring)
@@ -347,7 +378,7 @@ def test_cross_process_spawn_byte_exact():
             # The child unlinked its own ring; the child exiting left ours alone.
             assert not _exists(child_ring)
             assert _exists(ring.name)
-            assert np.array_equal(ring.read_numpy(M.decode(refs[-1])), blocks[-1])
+            assert np.array_equal(ring.read(_uncarry(refs[-1])).numpy(), blocks[-1])
         finally:
             if proc.is_alive():
                 proc.kill()
@@ -357,11 +388,10 @@ def test_cross_process_spawn_byte_exact():
 _ATTACH_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
-import numpy as np
-from ipc import messages as M
-from ipc.shm_ring import ShmRing
+from ipc.codec import decode
+from ipc.shm_ring import ShmRing, get_block
 ring = ShmRing.attach({name!r})
-print(float(ring.read_numpy(M.decode(bytes.fromhex({ref!r}))).sum()))
+print(float(get_block(decode(bytes.fromhex({ref!r})).features, ring).sum()))
 """
 
 _NAIVE_SCRIPT = """
@@ -380,12 +410,12 @@ def test_unrelated_attaching_process_exit_does_not_unlink():
     closing: the owner's segment must survive."""
     with ShmRing.create(64, 2) as ring:
         ref = ring.write(np.full((2, 4), 0.5, np.float32))
-        done = _run_python(_ATTACH_SCRIPT.format(repo=str(REPO), name=ring.name, ref=M.encode(ref).hex()))
+        done = _run_python(_ATTACH_SCRIPT.format(repo=str(REPO), name=ring.name, ref=_carry(ref).hex()))
         assert done.returncode == 0, done.stderr
         assert float(done.stdout) == 4.0
         assert "leaked" not in done.stderr
         assert _exists(ring.name)
-        assert np.array_equal(ring.read_numpy(ref), np.full((2, 4), 0.5, np.float32))
+        assert np.array_equal(ring.read(ref).numpy(), np.full((2, 4), 0.5, np.float32))
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 13), reason="3.13+ can attach with track=False")

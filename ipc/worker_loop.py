@@ -21,12 +21,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ipc.channels import Channel
-from ipc.messages import Ping, Pong, ProtocolError, Ready, Shutdown, WorkerError
+from ipc.codec import ProtocolError
+from ipc.messages import Message, Ping, Pong, Ready, Shutdown, WorkerError
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 250
-Handler = Callable[[Any], Any]
+# A request handler returns its reply, or None for fire-and-forget messages (ReleaseSequence).
+Handler = Callable[[Any], Message | None]
+Handlers = dict[type[Message], Handler]
+Loader = Callable[[dict[str, Any]], tuple[dict[str, Any], Handlers]]
 
 
 class SequenceError(ValueError):
@@ -43,8 +47,7 @@ def die_with_parent() -> None:
             pass
 
 
-def worker_main(worker: str, allowed: frozenset[type],
-                load: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[type, Handler]]]) -> int:
+def worker_main(worker: str, allowed: tuple[type[Message], ...], load: Loader) -> int:
     """A worker process's entry point: ``--endpoint``, ``--parent-pid`` and ``--settings`` (JSON)
     from the coordinator, then ``serve``."""
     parser = argparse.ArgumentParser(description=f"Dovetail {worker} (started by dovetail-run)")
@@ -62,17 +65,17 @@ def configure_logging(level: str, worker: str) -> None:
                         format=f"%(asctime)s {worker}[%(process)d] %(levelname)s %(name)s: %(message)s")
 
 
-def serve(worker: str, endpoint: str, parent_pid: int, allowed: frozenset[type],
-          load: Callable[[], tuple[dict[str, Any], dict[type, Handler]]]) -> int:
+def serve(worker: str, endpoint: str, parent_pid: int, allowed: tuple[type[Message], ...],
+          load: Callable[[], tuple[dict[str, Any], Handlers]]) -> int:
     """Run a worker: ``load()`` returns (ready info, handler per request type)."""
     die_with_parent()
     channel = Channel.connect(endpoint, allowed=allowed)
     try:
         try:
             info, handlers = load()
-        except Exception as error:  # noqa: BLE001 - every load failure goes back to the coordinator
+        except Exception as error:  # every load failure goes back to the coordinator
             log.error("%s failed to start: %s", worker, error)
-            channel.send(WorkerError(worker=worker, message=f"{type(error).__name__}: {error}", fatal=True),
+            channel.send(WorkerError(worker=worker, message=f"{type(error).__name__}: {error}"[:60000], fatal=True),
                          timeout_ms=5000)
             return 1
         channel.send(Ready(worker=worker, pid=os.getpid(), info=info), timeout_ms=5000)
@@ -92,15 +95,25 @@ def serve(worker: str, endpoint: str, parent_pid: int, allowed: frozenset[type],
             if isinstance(request, Ping):
                 channel.send(Pong(nonce=request.nonce))
                 continue
-            try:
-                reply = handlers[type(request)](request)
-            except SequenceError as error:
-                reply = WorkerError(worker=worker, message=str(error), seq_id=getattr(request, "seq_id", None))
-            except Exception as error:  # noqa: BLE001 - report, keep serving
-                log.error("%s failed on %s:\n%s", worker, type(request).__name__, traceback.format_exc())
-                reply = WorkerError(worker=worker, message=f"{type(error).__name__}: {error}",
-                                    seq_id=getattr(request, "seq_id", None))
+            reply = handle(worker, handlers, request)
             if reply is not None:
-                channel.send(reply)
+                try:
+                    channel.send(reply)
+                except ProtocolError as error:  # a reply the protocol refuses: say so, keep serving
+                    log.error("%s made an invalid %s: %s", worker, type(reply).__name__, error)
+                    channel.send(WorkerError(worker=worker, message=f"invalid reply: {error}"[:60000],
+                                             seq_id=getattr(request, "seq_id", None)))
     finally:
         channel.close()
+
+
+def handle(worker: str, handlers: Handlers, request: Message) -> Message | None:
+    """One request's reply; a failure becomes a WorkerError (the worker keeps serving)."""
+    try:
+        return handlers[type(request)](request)
+    except SequenceError as error:
+        return WorkerError(worker=worker, message=str(error), seq_id=getattr(request, "seq_id", None))
+    except Exception as error:  # a bug in one request must not take the worker down
+        log.error("%s failed on %s:\n%s", worker, type(request).__name__, traceback.format_exc())
+        return WorkerError(worker=worker, message=f"{type(error).__name__}: {error}"[:60000],
+                           seq_id=getattr(request, "seq_id", None))

@@ -1,0 +1,42 @@
+"""Dtype names, one map for every layer: user flags, ring blocks, checkpoints.
+
+Canonical float names are torch's (``float16``, ``bfloat16``, ``float32``); the short forms
+users type (``fp16``, ``bf16``, ``fp32``, ``half``) map onto them. No torch import at module
+level: the coordinator uses the names without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+_ALIASES = {
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp32": "float32", "float32": "float32", "float": "float32",
+}
+# Precisions of the CPU target (a target precision is more than a dtype: int8 is W8A8).
+TARGET_PRECISIONS = ("fp32", "bf16", "int8")
+
+
+def canonical(name: str) -> str:
+    """``fp16`` -> ``float16`` etc.; ValueError naming the accepted spellings otherwise."""
+    try:
+        return _ALIASES[name.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"unknown float dtype {name!r}: use one of {', '.join(sorted(_ALIASES))}") from None
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype for a name in any accepted spelling."""
+    import torch
+
+    return getattr(torch, canonical(name))
+
+
+def dtype_name(dtype: Any) -> str:
+    """The canonical name of a torch float dtype (ValueError for any other dtype)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"expected one of {', '.join(FLOAT_DTYPES)}, got {dtype}")
+    return name
