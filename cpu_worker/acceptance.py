@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Callable, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 

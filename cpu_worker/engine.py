@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ipc.tree import tree_ancestor_mask, tree_depths, validate_parents
+from ipc.tree import tree_depths, validate_parents
 
 from .acceptance import accept_greedy, accept_sampled
 from .llama import KVCache, LlamaDecoder, RotaryTable
@@ -21,6 +21,18 @@ from .sampling import Sampler, processed_probs
 
 class ContextOverflowError(ValueError):
     """The sequence would not fit in the engine's context (KV cache)."""
+
+
+def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """Bool [T, T]: mask[i, j] is True when j is i itself or one of its ancestors."""
+    size = len(parents)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for index in range(size):
+        mask[index, index] = True
+        parent = int(parents[index])
+        if parent >= 0:
+            mask[index] |= mask[parent]
+    return mask
 
 
 @dataclass

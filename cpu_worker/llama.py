@@ -1,12 +1,15 @@
 """A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2) with an explicit KV cache.
 
 Module names mirror Hugging Face's (``embed_tokens``, ``layers.N.self_attn.q_proj``, ...)
-so checkpoints load by name. The draft head in ``gpu_worker`` reuses ``DecoderLayer``.
+so checkpoints load by name. The draft head in ``gpu_worker`` reuses these decoder layers,
+both for inference and for training (``tools.train.forward``).
 
-Every forward works on one sequence (batch 1) of S new tokens that sit at cache slots
+Inference works on one sequence (batch 1) of S new tokens that sit at cache slots
 ``[start, start + S)``; their positions are given explicitly so a draft tree can put
 several nodes at the same position, and the attention mask is explicit whenever the
-new tokens are not a plain causal continuation.
+new tokens are not a plain causal continuation. Without a cache, ``Attention`` and
+``DecoderLayer`` take [B, S] windows instead: causal attention within each row, positions
+0..S-1 (the draft head's training forward).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class LlamaSpec:
     model_type: str = "llama"
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "LlamaSpec":
+    def from_hf_config(cls, config: Any) -> LlamaSpec:
         """Parse a transformers PretrainedConfig (either rope field style)."""
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -144,7 +147,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [1, heads, S, head_dim]; cos/sin [S, head_dim]."""
+    """x [B, heads, S, head_dim]; cos/sin [S, head_dim] (shared by every row)."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -195,33 +198,42 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                keys: torch.Tensor, values: torch.Tensor, start: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """x [1, S, d]; keys/values: this layer's cache views [1, kv, max_len, hd].
+                keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, d]; cos/sin [S, head_dim] for the S tokens' positions.
 
-        ``mask``: bool [S, start + S] (True = may attend) or None for a causal continuation.
+        With a cache, ``keys``/``values`` are this layer's views [B, kv, max_len, hd] (B = 1
+        in the engine and drafter): the new rows go to slots [start, start + S) and attend to
+        every slot before them. ``keys=None``: no cache, the S tokens are the whole sequence
+        (``start`` must be 0). ``mask``: bool [S, start + S] (True = may attend) or None for
+        a causal continuation.
         """
-        length = x.shape[1]
-        q = self.q_proj(x).view(1, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(1, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(1, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        end = start + length
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        all_k = keys[:, :, :end]
-        all_v = values[:, :, :end]
+        if keys is None or values is None:
+            if start != 0:
+                raise ValueError("attention without a KV cache starts at slot 0")
+            all_k, all_v = k, v
+        else:
+            end = start + length
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
+            all_k = keys[:, :, :end]
+            all_v = values[:, :, :end]
         gqa = self.num_heads != self.num_kv_heads
         if mask is not None:
             out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, enable_gqa=gqa)
         elif length == 1 or start == 0:
-            # One new token sees everything; a prefill from slot 0 is plain causal.
+            # One new token sees everything; a prefill from slot 0 (or a cache-free window) is plain causal.
             out = F.scaled_dot_product_attention(q, all_k, all_v, is_causal=length > 1, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(
                 q, all_k, all_v, attn_mask=causal_mask(start, length, x.device), enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(1, length, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 def causal_mask(start: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -254,8 +266,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                keys: torch.Tensor, values: torch.Tensor, start: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S, d] -> [B, S, d]; cache arguments as in ``Attention.forward`` (None: no cache)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -9,35 +9,11 @@ from pathlib import Path
 import torch
 
 from .llama import LlamaDecoder, LlamaSpec, ModelConfigError
+from .model_dir import ModelLoadError, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 _PREFIXES = ("model.",)
-
-
-class ModelLoadError(ValueError):
-    """A model folder that cannot be loaded, with what was found there."""
-
-
-def resolve_model_dir(path_or_id: str | Path) -> Path:
-    """A local folder, or a hub id resolved from the local Hugging Face cache only (offline)."""
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ModelLoadError(f"{path} is a file; expected a model folder with config.json")
-    text = str(path_or_id)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(text, local_files_only=True))
-        except Exception as error:  # noqa: BLE001 - any failure means "not in the local cache"
-            raise ModelLoadError(
-                f"model {text!r} is neither a local folder nor in the local Hugging Face cache "
-                f"(nothing is downloaded): {type(error).__name__}"
-            ) from None
-    raise ModelLoadError(f"model folder {path} does not exist")
 
 
 def _index(model_dir: Path) -> dict[str, Path] | None:
@@ -76,7 +52,11 @@ def _read_file(file: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         with safe_open(str(file), framework="pt") as handle:
-            return {name: handle.get_tensor(name) for name in handle.keys() if names is None or name in names}
+            return {
+                name: handle.get_tensor(name)
+                for name in handle.keys()  # noqa: SIM118 - safe_open has keys() but is not iterable
+                if names is None or name in names
+            }
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from ipc.dtypes import TARGET_PRECISIONS
+
 log = logging.getLogger(__name__)
 
-TARGET_DTYPES = ("fp32", "bf16", "int8")
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -42,25 +45,28 @@ class Int8WeightLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def _quantize_int8(model: nn.Module) -> nn.Module:
+def _quantize_int8(model: ModuleT) -> ModuleT:
     try:
         from torch.ao.quantization import quantize_dynamic
     except ImportError:
-        quantize_dynamic = None
-    if quantize_dynamic is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # Dynamic int8: int8 weights, activations quantized per call (fbgemm/onednn kernels).
-            return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        return _int8_weight_only(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # Dynamic int8: int8 weights, activations quantized per call (fbgemm/onednn kernels).
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+def _int8_weight_only(model: ModuleT) -> ModuleT:
+    """Swap every nn.Linear under ``model`` (in place) for an Int8WeightLinear."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             setattr(model, name, Int8WeightLinear(child))
         else:
-            _quantize_int8(child)
+            _int8_weight_only(child)
     return model
 
 
-def apply_precision(model: nn.Module, target_dtype: str) -> tuple[nn.Module, torch.dtype]:
+def apply_precision(model: ModuleT, target_dtype: str) -> tuple[ModuleT, torch.dtype]:
     """Convert ``model`` in place; returns it and the dtype of its activations and KV cache."""
     if target_dtype == "fp32":
         return model.float(), torch.float32
@@ -70,4 +76,4 @@ def apply_precision(model: nn.Module, target_dtype: str) -> tuple[nn.Module, tor
         return model.to(torch.bfloat16), torch.bfloat16
     if target_dtype == "int8":
         return _quantize_int8(model.float()), torch.float32
-    raise ValueError(f"target dtype {target_dtype!r} is not one of {', '.join(TARGET_DTYPES)}")
+    raise ValueError(f"target dtype {target_dtype!r} is not one of {', '.join(TARGET_PRECISIONS)}")

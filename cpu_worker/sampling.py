@@ -7,32 +7,13 @@ so both sample from exactly the same distribution.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+from ipc.messages import Sampling
 
 
-def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     """Probabilities [..., V] after temperature, then top-k, then top-p (the order
     transformers uses). Tokens filtered out have probability exactly 0."""
     # fp32 at least (bf16 logits would round the distribution); fp64 stays fp64.
@@ -56,8 +37,8 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 class Sampler:
     """A sequence's sampling settings and its random stream (seeded: reproducible)."""
 
-    def __init__(self, params: SamplingParams):
-        params.validate()
+    def __init__(self, params: Sampling):
+        # The protocol's schema range-checks params (ipc.messages.Sampling) before they get here.
         self.params = params
         self.generator = torch.Generator()
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

@@ -1,16 +1,6 @@
-"""The draft worker: feature-level draft heads (DGF, EAGLE fc) and EAGLE-2 dynamic trees.
+"""The draft side of Dovetail: feature-level draft heads (DGF, EAGLE fc) and EAGLE-2 dynamic
+trees (``drafter``), served by ``server`` as the gpu_worker process.
 
-Coordinator surface: ``Drafter.from_pretrained(...)`` (or ``Drafter(load_head(...), max_len)``),
-then ``reset()``, ``extend(features, tokens)``, ``propose(T, depth, top_k) -> DraftTree``.
+The head reuses cpu_worker's Llama decoder layers (``cpu_worker.llama``): workers may import
+each other's modules, never the runtime above them.
 """
-
-from .checkpoint import DraftCheckpointError, load_head, save_head
-from .device import resolve_device, resolve_dtype
-from .drafter import DraftContextError, Drafter
-from .head import FUSIONS, DraftHead
-from .tree import DraftTree, TreeArgumentError, build_tree
-
-__all__ = [
-    "FUSIONS", "DraftCheckpointError", "DraftContextError", "DraftHead", "DraftTree", "Drafter",
-    "TreeArgumentError", "build_tree", "load_head", "resolve_device", "resolve_dtype", "save_head",
-]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,17 +66,17 @@ def _hf_config(folder: Path) -> Any:
     return LlamaConfig.from_dict(raw)
 
 
-def detect_fusion(raw_config: dict[str, Any], keys: list[str] | set[str]) -> str:
+def detect_fusion(raw_config: dict[str, Any], keys: Iterable[str]) -> str:
     """The config's ``dovetail_fusion`` if it names one, else guessed from the weight keys."""
     named = raw_config.get(FUSION_FIELD)
     if named is not None:
         if named not in FUSIONS:
             raise DraftCheckpointError(f"unknown draft fusion {named!r} in config; supported: {', '.join(FUSIONS)}")
         return named
-    keys = set(keys)
-    if "fc.weight" in keys:
+    present = set(keys)
+    if "fc.weight" in present:
         return "fc"
-    if {"W_1", "W_2", "W_z"} <= keys:
+    if {"W_1", "W_2", "W_z"} <= present:
         return "dgf"
     raise DraftCheckpointError(
         f"cannot tell the draft's fusion: config names no {FUSION_FIELD!r} and the weights have "
@@ -170,7 +171,7 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
 def head_config(head: DraftHead) -> dict[str, Any]:
     """config.json fields describing ``head`` (readable by transformers and by EAGLE tools)."""
     spec = head.spec
-    scaling = {k: v for k, v in spec.rope_scaling.items()}
+    scaling = dict(spec.rope_scaling)
     rope_scaling = None if scaling.get("rope_type", "default") == "default" else scaling
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],

@@ -9,13 +9,9 @@ import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+from ipc.dtypes import torch_dtype
 
-_DTYPES = {
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-}
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -40,9 +36,7 @@ def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None = None) 
     if dtype is None:
         return torch.float16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
-        if dtype.lower() not in _DTYPES:
-            raise ValueError(f"unknown draft dtype {dtype!r}; choose one of fp16, bf16, fp32")
-        dtype = _DTYPES[dtype.lower()]
+        dtype = torch_dtype(dtype)
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported draft dtype {dtype}; choose one of fp16, bf16, fp32")
     if device.type != "cuda" and dtype != torch.float32:

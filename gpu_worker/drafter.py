@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 
 from cpu_worker.llama import KVCache, RotaryTable
+from ipc.tree import TreeShape
 
 from .checkpoint import load_head
 from .device import resolve_device, resolve_dtype
 from .head import DraftHead
-from .tree import DraftTree, build_tree, check_tree_args, scratch_slots
+from .tree import DraftTree, build_tree
 
 
 class DraftContextError(ValueError):
@@ -43,11 +44,11 @@ class Drafter:
     ``propose`` only.
 
     ``max_len``: most committed pairs (match the target's context length). ``scratch_len``:
-    slots past the committed length for tree expansion; a tree needs
-    (min(depth, T-1) - 1) * top_k of them.
+    slots past the committed length for tree expansion: ``TreeShape.scratch_slots`` of the
+    largest tree it will be asked for (the coordinator sizes it so).
     """
 
-    def __init__(self, head: DraftHead, max_len: int, scratch_len: int = 256):
+    def __init__(self, head: DraftHead, max_len: int, scratch_len: int = TreeShape().scratch_slots):
         if max_len < 1 or scratch_len < 0:
             raise ValueError(f"max_len must be >= 1 and scratch_len >= 0, got {max_len}, {scratch_len}")
         parameter = head.lm_head.weight
@@ -65,7 +66,7 @@ class Drafter:
     @classmethod
     def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path | None = None, max_len: int = 2048,
                         device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
-                        scratch_len: int = 256) -> "Drafter":
+                        scratch_len: int = TreeShape().scratch_slots) -> Drafter:
         """Load a draft folder (Dovetail or EAGLE-1/2 layout) onto ``device`` (auto: CUDA if any)."""
         resolved = resolve_device(device)
         head = load_head(draft_dir, target_dir, device=resolved, dtype=resolve_dtype(resolved, dtype))
@@ -113,20 +114,18 @@ class Drafter:
         self._length = start + count
 
     @torch.inference_mode()
-    def propose(self, tree_tokens: int, depth: int, top_k: int,
-                keep_child_log_probs: bool = False) -> DraftTree:
-        """An EAGLE-2 tree of ``tree_tokens`` nodes (root included; fewer only when the
-        expansion yields fewer candidates) at most ``depth`` draft tokens deep, beam ``top_k``.
-        The root is the last token passed to ``extend``. Leaves the committed cache as is,
-        so calling it twice gives the same tree."""
-        if self._root_token is None:
+    def propose(self, shape: TreeShape) -> DraftTree:
+        """An EAGLE-2 tree of ``shape.tree_tokens`` nodes (root included; fewer only when the
+        expansion yields fewer candidates). The root is the last token passed to ``extend``.
+        Leaves the committed cache as is, so calling it twice gives the same tree."""
+        if self._root_token is None or self._root_feature is None or self._root_log_probs is None:
             raise RuntimeError("propose() before extend(): the drafter has no sequence")
-        check_tree_args(tree_tokens, depth, top_k, self.head.spec.vocab_size)
-        needed = scratch_slots(tree_tokens, depth, top_k)
-        if needed > self.scratch_len:
+        if shape.top_k > self.head.spec.vocab_size:
+            raise DraftContextError(f"top_k {shape.top_k} exceeds the vocabulary size {self.head.spec.vocab_size}")
+        if shape.scratch_slots > self.scratch_len:
             raise DraftContextError(
-                f"tree T={tree_tokens} depth={depth} top_k={top_k} needs {needed} scratch slots, "
-                f"scratch_len is {self.scratch_len}")
+                f"tree T={shape.tree_tokens} depth={shape.depth} top_k={shape.top_k} needs {shape.scratch_slots} "
+                f"scratch slots, this drafter was sized for {self.scratch_len}")
         committed = self._length
         rotary, cache, head = self.rotary, self.cache, self.head
 
@@ -143,5 +142,4 @@ class Drafter:
             out = head(parent_features, tokens, cos, sin, cache, start, mask)
             return out, head.log_probs(out)
 
-        return build_tree(self._root_token, self._root_feature, self._root_log_probs, expand,
-                          tree_tokens, depth, top_k, keep_child_log_probs)
+        return build_tree(self._root_token, self._root_feature, self._root_log_probs, expand, shape)

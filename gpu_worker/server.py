@@ -2,8 +2,8 @@
 
     python -m gpu_worker.server --endpoint ipc://... --parent-pid N --settings '{json}'
 
-Feature blocks arrive as RingRefs into the ring the cpu_worker writes; on CUDA the ring
-is registered as page-locked memory so the copy to the GPU is DMA.
+Feature blocks arrive as RingRefs into the rings the cpu_worker writes; on CUDA the cycle
+ring is registered as page-locked memory so its copies to the GPU are DMA.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Any
 
-from dovetail_runtime.worker_loop import SequenceError, worker_main
 from ipc import messages as m
 from ipc.shm_ring import ShmRing, get_block
+from ipc.worker_loop import Handlers, SequenceError, worker_main
 
 from .drafter import DraftContextError, Drafter
 
@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class DraftService:
-    def __init__(self, drafter: Drafter, ring: ShmRing | None):
+    def __init__(self, drafter: Drafter, rings: dict[str, ShmRing]):
         self.drafter = drafter
-        self.ring = ring
+        self.rings = rings  # by segment name: a RingRef names the ring it points into
         self.seq_id: int | None = None
 
     def draft(self, request: m.DraftRequest) -> m.DraftResult:
@@ -34,14 +34,13 @@ class DraftService:
             self.seq_id = request.seq_id
         elif request.seq_id != self.seq_id:
             raise SequenceError(f"sequence {request.seq_id} is not active (active: {self.seq_id})")
-        features = get_block(request.features, self.ring, device=self.drafter.device)
+        features = get_block(request.features, self.rings, device=self.drafter.device)
         try:
             self.drafter.extend(features, request.tokens)
-            tree = self.drafter.propose(request.tree_tokens, request.depth, request.top_k)
+            tree = self.drafter.propose(request.shape)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
-        return m.DraftResult(seq_id=request.seq_id, tokens=tree.tokens.tolist(),
-                             parents=tree.parents.tolist(), scores=tree.scores.tolist(),
+        return m.DraftResult(seq_id=request.seq_id, tokens=tree.tokens.tolist(), parents=tree.parents.tolist(),
                              compute_ms=(time.perf_counter() - started) * 1e3)
 
     def release(self, request: m.ReleaseSequence) -> None:
@@ -49,19 +48,21 @@ class DraftService:
             self.seq_id = None
             self.drafter.reset()
 
-    def handlers(self) -> dict[type, Any]:
+    def handlers(self) -> Handlers:
         return {m.DraftRequest: self.draft, m.ReleaseSequence: self.release}
 
 
-def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[type, Any]]:
+def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     drafter = Drafter.from_pretrained(settings["draft"], settings.get("target"), max_len=settings["max_len"],
                                       device=settings.get("device", "auto"), dtype=settings.get("dtype"),
-                                      scratch_len=settings.get("scratch_len", 256))
-    ring = ShmRing.attach(settings["ring"]) if settings.get("ring") else None
-    pinned = bool(ring and drafter.device.type == "cuda" and ring.pin_for_cuda())
-    service = DraftService(drafter, ring)
+                                      scratch_len=settings["scratch_len"])
+    cycle = ShmRing.attach(settings["rings"]["cycle"])
+    prefill = ShmRing.attach(settings["rings"]["prefill"])
+    # Only the cycle ring is pinned: it is small and crosses every cycle; a prompt's block once.
+    pinned = drafter.device.type == "cuda" and cycle.pin_for_cuda()
+    service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill})
     info = {"device": str(drafter.device), "dtype": str(drafter.dtype).removeprefix("torch."),
-            "layers": drafter.head.spec.num_layers, "ring_pinned": pinned}
+            "layers": drafter.head.spec.num_layers, "ring_pinned": pinned, "scratch_len": drafter.scratch_len}
     return info, service.handlers()
 
 

@@ -23,84 +23,47 @@ from dataclasses import dataclass
 
 import torch
 
+from ipc.tree import TreeShape
+
 # expand(tokens [k], parent_features [k, d], depth, ancestors bool [k, depth*k])
 #   -> (output_features [k, d], log_probs fp32 [k, vocab])
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-class TreeArgumentError(ValueError):
-    """Tree-shape arguments that cannot describe a draft tree."""
 
 
 @dataclass
 class DraftTree:
     """A compact draft tree (node 0 = root, parents before children), on the CPU.
 
-    ``scores``: cumulative draft log-probability of the path to each node (root 0).
-    ``probs``: draft probability of each node's token given its parent (root 1).
-    ``child_log_probs`` (only when asked for): fp32 [T, vocab] on the draft device, the
-    draft's full next-token log-distribution at each node that was expanded (the root and
-    the beam nodes); NaN rows for nodes never expanded (leaves of the last level and
-    non-beam candidates). A distribution at such a node would cost one more head forward
-    over those nodes, at the same positions and mask an expansion would use.
+    ``tokens`` and ``parents`` are what crosses to the target. ``scores`` (the cumulative
+    draft log-probability of the path to each node, root 0) is what the selection ranked
+    by; it stays in the draft worker.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     scores: torch.Tensor
-    probs: torch.Tensor
-    depths: torch.Tensor
-    child_log_probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
 
-def check_tree_args(tree_tokens: int, depth: int, top_k: int, vocab_size: int | None = None) -> None:
-    """Raise TreeArgumentError with the rule broken."""
-    if tree_tokens < 1:
-        raise TreeArgumentError(f"tree size T must be >= 1 (the root), got {tree_tokens}")
-    if tree_tokens == 1:
-        return
-    if depth < 1:
-        raise TreeArgumentError(f"depth must be >= 1 when T > 1, got depth {depth} with T {tree_tokens}")
-    if top_k < 1:
-        raise TreeArgumentError(f"top_k must be >= 1, got {top_k}")
-    if vocab_size is not None and top_k > vocab_size:
-        raise TreeArgumentError(f"top_k {top_k} exceeds the vocabulary size {vocab_size}")
-
-
-def effective_depth(tree_tokens: int, depth: int) -> int:
-    """Levels worth expanding: a depth-d node needs its d-1 non-root ancestors kept too,
-    so nodes deeper than T-1 can never be kept (dropping them leaves the result unchanged)."""
-    return min(depth, tree_tokens - 1)
-
-
-def scratch_slots(tree_tokens: int, depth: int, top_k: int) -> int:
-    """Cache slots past the committed length that ``build_tree`` will write."""
-    if tree_tokens <= 1:
-        return 0
-    return (effective_depth(tree_tokens, depth) - 1) * top_k
-
-
-def root_only(root_token: int, log_probs: torch.Tensor | None = None, keep: bool = False) -> DraftTree:
-    child = log_probs.float().unsqueeze(0).clone() if keep and log_probs is not None else None
-    return DraftTree(tokens=torch.tensor([root_token]), parents=torch.tensor([-1]),
-                     scores=torch.zeros(1), probs=torch.ones(1), depths=torch.zeros(1, dtype=torch.long),
-                     child_log_probs=child)
+def root_only(root_token: int) -> DraftTree:
+    return DraftTree(tokens=torch.tensor([root_token]), parents=torch.tensor([-1]), scores=torch.zeros(1))
 
 
 def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torch.Tensor, expand: ExpandFn,
-               tree_tokens: int, depth: int, top_k: int, keep_child_log_probs: bool = False) -> DraftTree:
-    """Expand and select a tree of at most ``tree_tokens`` nodes (fewer only when fewer
+               shape: TreeShape) -> DraftTree:
+    """Expand and select a tree of at most ``shape.tree_tokens`` nodes (fewer only when fewer
     candidates exist). ``root_feature`` [d] / ``root_log_probs`` [vocab]: the head's output
     at the root (the last committed pair)."""
-    check_tree_args(tree_tokens, depth, top_k, int(root_log_probs.shape[-1]))
-    if tree_tokens == 1:
-        return root_only(root_token, root_log_probs, keep_child_log_probs)
+    if shape.tree_tokens == 1:
+        return root_only(root_token)
+    if shape.top_k > root_log_probs.shape[-1]:
+        raise ValueError(f"top_k {shape.top_k} exceeds the vocabulary size {root_log_probs.shape[-1]}")
     device = root_log_probs.device
-    k = top_k
-    levels = effective_depth(tree_tokens, depth)
+    k = shape.top_k
+    tree_tokens = shape.tree_tokens
+    levels = shape.depth  # TreeShape keeps depth <= T - 1: deeper nodes could never be kept
 
     # Candidate arrays, appended level by level so ids grow with depth (tie-break shallower).
     beam_log_probs, beam_tokens = root_log_probs.topk(k)
@@ -108,29 +71,22 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
     beam_ids = torch.arange(k, device=device)
     cand_tokens = [beam_tokens]
     cand_scores = [beam_scores]
-    cand_log_probs = [beam_log_probs]
     cand_parents = [torch.full((k,), -1, device=device, dtype=torch.long)]
     cand_depths = [torch.ones(k, device=device, dtype=torch.long)]
     beam_features = root_feature.unsqueeze(0).expand(k, -1)
     ancestors = torch.zeros(k, max(levels - 1, 0) * k, dtype=torch.bool, device=device)
     eye = torch.eye(k, dtype=torch.bool, device=device)
-    expanded_ids: list[torch.Tensor] = []
-    expanded_rows: list[torch.Tensor] = []
     next_id = k
 
     for level in range(1, levels):
         offset = (level - 1) * k
         ancestors[:, offset:offset + k] = eye
         features, log_probs = expand(beam_tokens, beam_features, level, ancestors[:, :offset + k])
-        if keep_child_log_probs:
-            expanded_ids.append(beam_ids)
-            expanded_rows.append(log_probs)
         child_log_probs, child_tokens = log_probs.topk(k, dim=-1)  # [k, k]
         scores = (beam_scores.unsqueeze(1) + child_log_probs).reshape(-1)
         child_tokens = child_tokens.reshape(-1)
         cand_tokens.append(child_tokens)
         cand_scores.append(scores)
-        cand_log_probs.append(child_log_probs.reshape(-1))
         cand_parents.append(beam_ids.repeat_interleave(k))
         cand_depths.append(torch.full((k * k,), level + 1, device=device, dtype=torch.long))
         if level + 1 < levels:
@@ -159,21 +115,6 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
     ints = torch.stack([
         torch.cat([torch.full_like(zero, int(root_token)), torch.cat(cand_tokens)[kept]]),
         torch.cat([zero - 1, parents]),
-        torch.cat([zero, all_depths[kept]]),
-    ]).cpu()  # one transfer for the ints, one for the floats
-    floats = torch.stack([
-        torch.cat([zero.float(), all_scores[kept]]),
-        torch.cat([zero.float() + 1, torch.cat(cand_log_probs)[kept].exp()]),
-    ]).cpu()
-
-    child = None
-    if keep_child_log_probs:
-        child = torch.full((keep + 1, root_log_probs.shape[-1]), float("nan"), device=device)
-        child[0] = root_log_probs
-        if expanded_ids:
-            nodes = node_of[torch.cat(expanded_ids)]
-            rows = torch.cat(expanded_rows)
-            present = nodes >= 0
-            child[nodes[present]] = rows[present]
-    return DraftTree(tokens=ints[0], parents=ints[1], scores=floats[0], probs=floats[1], depths=ints[2],
-                     child_log_probs=child)
+    ]).cpu()  # one transfer for the ints, one for the scores
+    scores = torch.cat([zero.float(), all_scores[kept].float()]).cpu()
+    return DraftTree(tokens=ints[0], parents=ints[1], scores=scores)

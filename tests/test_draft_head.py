@@ -8,12 +8,24 @@ import logging
 
 import pytest
 import torch
+from test_draft_support import (
+    HIDDEN,
+    VOCAB,
+    reference_head,
+    save_tiny_target,
+    spec_config,
+    target_frozen,
+    tiny_head,
+    tiny_spec,
+    write_eagle_checkpoint,
+)
 
 from cpu_worker.llama import KVCache, RotaryTable
-from gpu_worker import DraftCheckpointError, Drafter, load_head, resolve_device, resolve_dtype, save_head
+from gpu_worker.checkpoint import DraftCheckpointError, load_head, save_head
+from gpu_worker.device import resolve_device, resolve_dtype
+from gpu_worker.drafter import Drafter
 from gpu_worker.head import DraftHead
-from test_draft_support import (HIDDEN, VOCAB, reference_head, save_tiny_target, spec_config, target_frozen,
-                                tiny_head, tiny_spec, write_eagle_checkpoint)
+from ipc.tree import TreeShape
 
 TOL = 1e-5
 
@@ -192,8 +204,10 @@ def test_device_and_dtype_choice(caplog):
     assert resolve_dtype(cpu) == torch.float32
     with pytest.raises(ValueError, match="only supported on CUDA"):
         resolve_dtype(cpu, "fp16")
-    with pytest.raises(ValueError, match="unknown draft dtype"):
+    with pytest.raises(ValueError, match="unknown float dtype 'fp8'"):
         resolve_dtype(cpu, "fp8")
+    with pytest.raises(ValueError, match="unsupported draft dtype"):
+        resolve_dtype(cpu, torch.float64)
     assert resolve_dtype(torch.device("cuda"), "bf16") == torch.bfloat16
     assert resolve_dtype(torch.device("cuda")) == torch.float16
     if not torch.cuda.is_available():
@@ -209,5 +223,5 @@ def test_drafter_from_pretrained_on_cpu(tmp_path):
     assert drafter.device.type == "cpu" and drafter.dtype == torch.float32
     features, tokens = random_pairs(5)
     drafter.extend(features, tokens)
-    tree = drafter.propose(6, 3, 2)
+    tree = drafter.propose(TreeShape.clamped(6, 3, 2))
     assert len(tree) == 6 and tree.tokens[0] == tokens[-1]

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from cpu_worker.llama import LlamaSpec
 from gpu_worker.head import DraftHead
 
+from tree_paths import path_to
+
 VOCAB = 101
 HIDDEN = 64
 
@@ -24,11 +26,11 @@ def tiny_spec(layers: int = 2, kv_heads: int = 2, hidden: int = HIDDEN, vocab: i
 
 
 def tiny_head(fusion: str = "dgf", layers: int = 2, seed: int = 0, sharpen: float = 1.0,
-              fc_bias: bool = True, kv_heads: int = 2) -> DraftHead:
+              fc_bias: bool = True, kv_heads: int = 2, vocab: int = VOCAB) -> DraftHead:
     """A random head; norms and biases perturbed so every weight matters; ``sharpen``
     scales lm_head so the top-k order is robust to 1e-6 noise."""
     torch.manual_seed(seed)
-    head = DraftHead(tiny_spec(layers, kv_heads), fusion=fusion, fc_bias=fc_bias)
+    head = DraftHead(tiny_spec(layers, kv_heads, vocab=vocab), fusion=fusion, fc_bias=fc_bias)
     with torch.no_grad():
         for name, param in head.named_parameters():
             if name.endswith("layernorm.weight"):
@@ -146,8 +148,6 @@ def brute_force_tree(oracle: PathOracle, tree_tokens: int, depth: int, top_k: in
 
 
 def tree_paths(tree) -> dict[tuple[int, ...], float]:
-    from ipc.tree import path_to
-
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
     return {tuple(tokens[n] for n in path_to(parents, node)[1:]): float(tree.scores[node])

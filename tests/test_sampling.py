@@ -13,12 +13,17 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+import msgpack
+import msgspec
 import pytest
 import torch
 
 from cpu_worker.acceptance import accept_sampled, children_lists
-from cpu_worker.sampling import Sampler, SamplingParams, processed_probs
-from dovetail_runtime.generation import TreeSettings
+from cpu_worker.sampling import Sampler, processed_probs
+from ipc import messages as m
+from ipc.codec import ProtocolError, decode, encode
+from ipc.messages import MIN_TEMPERATURE, Sampling
+from ipc.tree import TreeShape
 
 VOCAB = 5
 # The 0.999 quantile of chi-square with VOCAB - 1 = 4 degrees of freedom.
@@ -73,13 +78,13 @@ RULES = {"lossless": correct_rule, "textbook-p/q": accept_textbook, "no-renormal
 # --- a small synthetic world: target and draft distributions for every prefix ----------
 
 
-def table_distribution(prefix: tuple[int, ...], salt: int, params: SamplingParams) -> torch.Tensor:
+def table_distribution(prefix: tuple[int, ...], salt: int, params: Sampling) -> torch.Tensor:
     generator = torch.Generator().manual_seed(hash((salt,) + prefix) % (2**31))
     logits = torch.randn(VOCAB, generator=generator, dtype=torch.float64) * 1.5
     return processed_probs(logits, params).double()
 
 
-def draft_tree(prefix: tuple[int, ...], shape: list[int], params: SamplingParams) -> tuple[list[int], list[int]]:
+def draft_tree(prefix: tuple[int, ...], shape: list[int], params: Sampling) -> tuple[list[int], list[int]]:
     """A tree whose shape is fixed and whose children are the draft's top tokens (deterministic)."""
     tokens, parents = [prefix[-1]], [-1]
     paths = {0: prefix}
@@ -177,8 +182,8 @@ def exact_target(prefix, params, count) -> dict[tuple, float]:
     return out
 
 
-PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
-          SamplingParams(temperature=1.3, top_p=0.8)]
+PARAMS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=3),
+          Sampling(temperature=1.3, top_p=0.8)]
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -198,7 +203,7 @@ def test_exact_enumeration_exposes_wrong_rules(rule):
     prefix, params = (3, 1), PARAMS[0]
     worst = 0.0
     for shape in SHAPES[:3]:
-        got = enumerate_outcomes(lambda chooser: generate(prefix, shape, params, RULES[rule], chooser, 1))
+        got = enumerate_outcomes(lambda chooser, shape=shape: generate(prefix, shape, params, RULES[rule], chooser, 1))
         expected = exact_target(prefix, params, 1)
         worst = max(worst, max(abs(got.get(key, 0.0) - value) for key, value in expected.items()))
     assert worst > 0.02
@@ -216,7 +221,7 @@ SAMPLES = 20_000
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_sampled_first_token_chi_square(rule):
-    prefix, params, shape = (2, 4), SamplingParams(temperature=1.0, seed=11), SHAPES[0]
+    prefix, params, shape = (2, 4), Sampling(temperature=1.0, seed=11), SHAPES[0]
     sampler = Sampler(params)
     counts = Counter(generate(prefix, shape, params, RULES[rule], sampler, 1) for _ in range(SAMPLES))
     statistic = chi_square(counts, exact_target(prefix, params, 1), SAMPLES)
@@ -227,7 +232,7 @@ def test_sampled_first_token_chi_square(rule):
 
 
 def test_sampler_is_reproducible_and_filters_hold():
-    params = SamplingParams(temperature=0.9, top_k=2, seed=123)
+    params = Sampling(temperature=0.9, top_k=2, seed=123)
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     first = [Sampler(params).pick(logits) for _ in range(3)]
     assert len(set(first)) == 1  # same seed, same first draw
@@ -236,9 +241,9 @@ def test_sampler_is_reproducible_and_filters_hold():
     assert {sampler.pick(logits) for _ in range(500)} == allowed
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.6, top_k=5),
-                                    SamplingParams(temperature=1.2, top_p=0.7),
-                                    SamplingParams(temperature=1.0, top_k=20, top_p=0.9)])
+@pytest.mark.parametrize("params", [Sampling(temperature=0.6, top_k=5),
+                                    Sampling(temperature=1.2, top_p=0.7),
+                                    Sampling(temperature=1.0, top_k=20, top_p=0.9)])
 def test_processed_probs_match_transformers_warpers(params):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -254,11 +259,44 @@ def test_processed_probs_match_transformers_warpers(params):
     assert (got - expected).abs().max() < 1e-6
 
 
-def test_invalid_sampling_params_are_refused():
-    for bad in (SamplingParams(temperature=-1.0), SamplingParams(temperature=1.0, top_p=0.0),
-                SamplingParams(temperature=1.0, top_k=-2)):
-        with pytest.raises(ValueError):
-            Sampler(bad)
+BAD_SAMPLING = [{"temperature": -1.0}, {"temperature": 1.0, "top_p": 0.0}, {"temperature": 1.0, "top_p": 1.5},
+                {"temperature": 1.0, "top_k": -2}, {"temperature": 1e-9}, {"temperature": float("nan")},
+                {"temperature": 1.0, "seed": -1}, {"temperature": 1.0, "top_k": 1.5}, {"temperature": "1.0"},
+                {"temperature": 1.0, "typical_p": 0.5}]
+
+
+def prefill_map(sampling: dict) -> dict:
+    return {"type": "PrefillRequest", "v": m.PROTOCOL_VERSION, "seq_id": 1, "token_ids": [1, 2, 3],
+            "sampling": sampling}
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.0}, {"temperature": MIN_TEMPERATURE},
+                                      {"temperature": 0.7, "top_k": 3, "top_p": 0.9, "seed": 5}])
+def test_valid_sampling_params_pass_the_protocol(sampling):
+    message = decode(msgpack.packb(prefill_map(sampling)))
+    assert isinstance(message, m.PrefillRequest) and message.sampling == Sampling(**sampling)
+    assert decode(encode(message)) == message
+
+
+@pytest.mark.parametrize("sampling", BAD_SAMPLING, ids=repr)
+def test_invalid_sampling_params_are_refused_by_the_protocol(sampling):
+    """Sampler trusts its params: range checks happen where a message is decoded (and
+    encoded, so a sender cannot emit what its receiver would refuse)."""
+    with pytest.raises(ProtocolError, match="sampling"):
+        decode(msgpack.packb(prefill_map(sampling)))
+    with pytest.raises(ProtocolError, match="sampling"):
+        decode(msgpack.packb({"type": "GenerateRequest", "request_id": "r", "prompt": "x", "sampling": sampling}))
+
+
+def test_invalid_sampling_params_cannot_be_sent():
+    # Structs skip range checks on construction, so encode must refuse what decode would.
+    for bad in (Sampling(temperature=-1.0), Sampling(temperature=1.0, top_p=0.0),
+                Sampling(temperature=1.0, top_k=-2), Sampling(temperature=1.0, seed=-1)):
+        with pytest.raises(ProtocolError, match="would be refused"):
+            encode(m.PrefillRequest(seq_id=1, token_ids=[1], sampling=bad))
+    # 0 < T < MIN_TEMPERATURE would overflow softmax: refused when the value is made.
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        Sampling(temperature=1e-9)
 
 
 def test_last_child_holding_all_remaining_mass_is_always_accepted():
@@ -275,7 +313,8 @@ def test_last_child_holding_all_remaining_mass_is_always_accepted():
 
     probs = torch.tensor([0.1, 0.2, 0.7, 0.0, 0.0], dtype=torch.float32)
     nodes, bonus = accept_sampled([4, 0, 1, 2, 3], [-1, 0, 0, 0, 3],
-                                  lambda node: probs.clone() if node == 0 else torch.eye(VOCAB)[1], RejectUnlessCertain())
+                                  lambda node: probs.clone() if node == 0 else torch.eye(VOCAB)[1],
+                                  RejectUnlessCertain())
     assert (nodes, bonus) == ([0, 3], 1)
 
 
@@ -287,28 +326,27 @@ def chi_square_threshold(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def run_cycle(engine, drafter, prompt: list[int], count: int, params: SamplingParams, seed: int,
-              tree=TreeSettings(7, 3, 2)) -> tuple[int, ...]:
+def run_cycle(engine, drafter, prompt: list[int], count: int, params: Sampling, seed: int,
+              shape: TreeShape = TreeShape.clamped(7, 3, 2)) -> tuple[int, ...]:
     """``count`` tokens from the coordinator's own cycle (generation.py) over in-process
-    workers: dovetail mode with a drafter, ar mode without."""
+    workers (messages through the codec, features through shared-memory rings): dovetail
+    mode with a drafter, ar mode without."""
     from dovetail_runtime.generation import Job, generate_ar, generate_dovetail
-    from dovetail_runtime.local import local_workers
-    from ipc import messages as m
+    from tools.local_workers import local_workers
 
-    cpu, gpu = local_workers(engine, drafter)
-    sampling = m.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
-    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=sampling, eos_token_id=None,
-              max_len=engine.max_len)
+    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=msgspec.structs.replace(params, seed=seed),
+              eos_token_ids=frozenset(), max_len=engine.max_len)
     emitted: list[int] = []
 
     def emit(tokens: list[int]) -> bool:
         emitted.extend(tokens)
         return False
 
-    if gpu is None:
-        generate_ar(cpu, job, emit)
-    else:
-        generate_dovetail(cpu, gpu, job, tree, emit)
+    with local_workers(engine, drafter, shape) as (cpu, gpu):
+        if gpu is None:
+            generate_ar(cpu, job, emit)
+        else:
+            generate_dovetail(cpu, gpu, job, shape, emit)
     return tuple(emitted)
 
 
@@ -324,9 +362,11 @@ def sample_ar(engine, prompt, count, params, seed):
 def tiny_pair(tmp_path_factory):
     """A target with an 8-token vocabulary (lm_head sharpened so few continuations carry the
     mass) and an untrained 1-layer draft head for it."""
-    from conftest import save_random_head, save_tiny_model
-    from cpu_worker import TargetEngine, load_target_model
+    from cpu_worker.engine import TargetEngine
+    from cpu_worker.loading import load_target_model
     from gpu_worker.drafter import Drafter
+
+    from conftest import save_random_head, save_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-sampling")
     target_dir = save_tiny_model(root / "target", "llama", seed=3, vocab_size=8)
@@ -338,7 +378,7 @@ def tiny_pair(tmp_path_factory):
     return engine, drafter
 
 
-def exact_continuations(engine, prompt: list[int], count: int, params: SamplingParams) -> dict[tuple, float]:
+def exact_continuations(engine, prompt: list[int], count: int, params: Sampling) -> dict[tuple, float]:
     table: dict[tuple, float] = {(): 1.0}
     for _ in range(count):
         grown = {}
@@ -379,7 +419,7 @@ def test_dovetail_continuations_follow_the_target(tiny_pair, monkeypatch, rule):
     engine, drafter = tiny_pair
     if rule != "lossless":
         monkeypatch.setattr(engine_module, "accept_sampled", accept_without_renormalising)
-    params = SamplingParams(temperature=1.0)
+    params = Sampling(temperature=1.0)
     prompt = [1, 5, 2, 7]
     expected = exact_continuations(engine, prompt, 3, params)
     counts = Counter(sample_dovetail(engine, drafter, prompt, 3, params, seed) for seed in range(E2E_SAMPLES))
@@ -394,7 +434,7 @@ def test_dovetail_continuations_follow_the_target(tiny_pair, monkeypatch, rule):
 
 def test_ar_continuations_follow_the_target(tiny_pair):
     engine, _ = tiny_pair
-    params = SamplingParams(temperature=1.0)
+    params = Sampling(temperature=1.0)
     prompt = [1, 5, 2, 7]
     expected = exact_continuations(engine, prompt, 3, params)
     counts = Counter(sample_ar(engine, prompt, 3, params, seed) for seed in range(E2E_SAMPLES))
@@ -402,8 +442,8 @@ def test_ar_continuations_follow_the_target(tiny_pair):
     assert statistic < chi_square_threshold(df), (statistic, df)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.5, top_k=2, seed=1),
-                                    SamplingParams(temperature=1.5, top_p=0.6, seed=2)])
+@pytest.mark.parametrize("params", [Sampling(temperature=1.5, top_k=2, seed=1),
+                                    Sampling(temperature=1.5, top_p=0.6, seed=2)])
 def test_filtered_tokens_never_appear(tiny_pair, params):
     engine, drafter = tiny_pair
     prompt = [1, 5, 2, 7]
@@ -416,7 +456,7 @@ def test_filtered_tokens_never_appear(tiny_pair, params):
 
 def test_fixed_seed_repeats_in_each_mode(tiny_pair):
     engine, drafter = tiny_pair
-    params = SamplingParams(temperature=1.0)
+    params = Sampling(temperature=1.0)
     prompt = [1, 5, 2, 7]
     for run in (lambda seed: sample_dovetail(engine, drafter, prompt, 12, params, seed),
                 lambda seed: sample_ar(engine, prompt, 12, params, seed)):

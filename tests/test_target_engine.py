@@ -7,9 +7,11 @@ import random
 import pytest
 import torch
 
+from cpu_worker.engine import ContextOverflowError, TargetEngine, greedy_decode
+from cpu_worker.loading import load_target_model
+
 from conftest import TINY_FAMILIES, save_tiny_model
-from cpu_worker import ContextOverflowError, TargetEngine, greedy_decode, load_target_model
-from ipc.tree import path_to
+from tree_paths import path_to
 
 TOL = 1e-4
 
@@ -48,9 +50,9 @@ def test_prefill_and_decode_logits_match_transformers(tiny_models, family):
     assert (step.logits - expected[23]).abs().max() < TOL
 
 
-def test_testbed_logits_match_transformers(testbed_path):
-    reference = hf_model(testbed_path)
-    engine = engine_for(testbed_path, max_len=128)
+def test_demo_target_logits_match_transformers(demo_target):
+    reference = hf_model(demo_target)
+    engine = engine_for(demo_target, max_len=128)
     tokens = random_tokens(engine.spec.vocab_size, 48, seed=2)
     with torch.no_grad():
         expected = reference(torch.tensor([tokens])).logits[0]
@@ -129,14 +131,14 @@ def test_verify_random_trees_keep_decode_consistent(tiny_models):
     assert (step.logits - fresh.logits).abs().max() < TOL
 
 
-def test_greedy_decode_equals_transformers_generate(testbed_path):
+def test_greedy_decode_equals_transformers_generate(demo_target):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(testbed_path))
-    reference = hf_model(testbed_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_target))
+    reference = hf_model(demo_target)
     # Decode straight through </s> on both sides, so every prompt compares 64 tokens.
     reference.generation_config.eos_token_id = None
-    engine = engine_for(testbed_path, max_len=256)
+    engine = engine_for(demo_target, max_len=256)
     heads = ["def ", "class ", "import ", "for i in ", "if __name__", "return ", "with open(",
              "try:", "self.", "while True:", "print(", "from os import", "raise ValueError(",
              "lambda x:", "assert ", "elif ", "yield ", "async def ", "@property\n    def", "x = ["]

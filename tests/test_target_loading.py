@@ -9,9 +9,12 @@ import os
 import pytest
 import torch
 
+from cpu_worker.cores import CoreSpecError, parse_core_list
+from cpu_worker.engine import TargetEngine, greedy_decode
+from cpu_worker.loading import ModelLoadError, load_target_model
+from cpu_worker.precision import apply_precision
+
 from conftest import save_tiny_model
-from cpu_worker import ModelLoadError, TargetEngine, apply_precision, greedy_decode, load_target_model
-from cpu_worker.threads import CoreSpecError, parse_core_list
 
 
 @pytest.mark.parametrize("weight_format", ["sharded", "bin"])
@@ -71,10 +74,10 @@ def test_missing_tensor_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_reduced_precision_runs_and_mostly_agrees(testbed_path, dtype):
+def test_reduced_precision_runs_and_mostly_agrees(demo_target, dtype):
     prompt = [1, 802, 527, 380, 317, 279]
-    reference = greedy_decode(TargetEngine(load_target_model(testbed_path), max_len=128), prompt, 32)
-    model, activation_dtype = apply_precision(load_target_model(testbed_path), dtype)
+    reference = greedy_decode(TargetEngine(load_target_model(demo_target), max_len=128), prompt, 32)
+    model, activation_dtype = apply_precision(load_target_model(demo_target), dtype)
     engine = TargetEngine(model, max_len=128, activation_dtype=activation_dtype)
     got = greedy_decode(engine, prompt, 32)
     assert len(got) == 32 and all(0 <= token < engine.spec.vocab_size for token in got)

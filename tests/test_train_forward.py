@@ -1,5 +1,6 @@
 """The batched training forward of tools.train equals the inference path (DraftHead with a KV
-cache, as the Drafter runs it) on the same pairs, in fp32."""
+cache, as the Drafter runs it) on the same pairs, in fp32; so does the batched cache-free
+DecoderLayer it is built on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from cpu_worker.llama import KVCache, LlamaSpec, RotaryTable
+from cpu_worker.llama import DecoderLayer, KVCache, LlamaSpec, RotaryTable
 from gpu_worker.drafter import Drafter
 from gpu_worker.head import DraftHead
 from tools.train.forward import train_forward
@@ -86,3 +87,37 @@ def test_training_forward_has_gradients_for_trainable_weights_only():
     train_forward(head, features, tokens).pow(2).mean().backward()
     assert head.embed_tokens.weight.grad is None and head.lm_head.weight.grad is None
     assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("kv_heads,input_norm", [(4, True), (2, False), (1, True)])
+def test_batched_layer_without_cache_equals_per_row_cached_layer(kv_heads, input_norm):
+    """DecoderLayer on [B, S] rows with no cache == each row alone through a KV cache, whether
+    prefilled at once or continued in chunks (the engine's and drafter's path)."""
+    spec = dataclasses.replace(SPEC, num_kv_heads=kv_heads, num_layers=1)
+    torch.manual_seed(3)
+    layer = DecoderLayer(spec, input_norm=input_norm).eval()
+    lengths = [19, 11, 1]
+    size = max(lengths)
+    rotary = RotaryTable(spec, size, torch.float32)
+    x = torch.randn(len(lengths), size, spec.hidden_size)
+    for row, length in enumerate(lengths):
+        x[row, length:] = 1e3  # end padding
+    with torch.no_grad():
+        batched = layer(x, rotary.cos, rotary.sin)
+        for row, length in enumerate(lengths):
+            for chunks in ([length], [1] * min(length, 3) + [length - min(length, 3)]):
+                cache = KVCache(1, spec.num_kv_heads, spec.head_dim, size, torch.float32)
+                outs, start = [], 0
+                for chunk in (c for c in chunks if c):
+                    end = start + chunk
+                    outs.append(layer(x[row:row + 1, start:end], rotary.cos[start:end], rotary.sin[start:end],
+                                      cache.keys[0], cache.values[0], start, None)[0])
+                    start = end
+                torch.testing.assert_close(batched[row, :length], torch.cat(outs), rtol=0, atol=1e-5)
+
+
+def test_layer_without_cache_starts_at_position_zero():
+    layer = DecoderLayer(SPEC)
+    rotary = RotaryTable(SPEC, 4, torch.float32)
+    with pytest.raises(ValueError):
+        layer(torch.randn(1, 2, SPEC.hidden_size), rotary.cos[2:], rotary.sin[2:], start=2)

@@ -1,0 +1,61 @@
+"""Finding a model folder and reading its config.json, without torch.
+
+The coordinator (which never imports torch) and both workers resolve ``--target`` and
+``--draft`` the same way: a local folder, or a hub id found in the local Hugging Face cache
+(never downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be loaded, with what was found there."""
+
+
+def resolve_model_dir(path_or_id: str | Path) -> Path:
+    """A local folder, or a hub id resolved from the local Hugging Face cache only (offline)."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelLoadError(f"{path} is a file; expected a model folder with config.json")
+    text = str(path_or_id)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(text, local_files_only=True))
+        except Exception as error:  # any failure here means "not in the local cache"
+            raise ModelLoadError(
+                f"model {text!r} is neither a local folder nor in the local Hugging Face cache "
+                f"(nothing is downloaded): {type(error).__name__}"
+            ) from None
+    raise ModelLoadError(f"model folder {path} does not exist")
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json as a dict; ModelLoadError when it is missing or not JSON."""
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{model_dir} has no config.json") from None
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot read {path}: {error}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return config
+
+
+def context_limit(config: dict[str, Any]) -> int:
+    """The longest context the target engine serves for this config: its
+    max_position_embeddings, or Mistral's sliding window when smaller (sliding-window
+    attention is not implemented, so longer contexts are refused)."""
+    limit = int(config.get("max_position_embeddings") or 2048)
+    window = config.get("sliding_window")
+    windowed = config.get("model_type") == "mistral" or config.get("use_sliding_window", False)
+    return min(limit, int(window)) if window and windowed else limit
