@@ -1,8 +1,11 @@
-"""``dovetail-run`` (coordinator + workers) and ``dovetail-client``."""
+"""``dovetail-run`` (coordinator + workers) and ``dovetail-client``.
+
+Neither imports torch: the client is a ZMQ socket and the coordinator handles text, token ids
+and messages (the workers it starts hold the models).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -12,12 +15,12 @@ import uuid
 from pathlib import Path
 
 import click
+import msgspec
 
-from cpu_worker.precision import TARGET_DTYPES
-from cpu_worker.threads import CoreSpecError, parse_core_list
+from cpu_worker.cores import CoreSpecError, parse_core_list
 from ipc import messages as m
-
-from .generation import TreeSettings
+from ipc.dtypes import TARGET_PRECISIONS
+from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
 log = logging.getLogger("dovetail")
 
@@ -38,7 +41,8 @@ def read_prompt_file(path: Path) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise click.BadParameter(f"{path}:{number}: invalid JSON: {error}", param_hint="--prompt-file")
+                raise click.BadParameter(f"{path}:{number}: invalid JSON: {error}",
+                                         param_hint="--prompt-file") from error
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise click.BadParameter(f"{path}:{number}: a JSON line needs a string \"prompt\" field",
                                          param_hint="--prompt-file")
@@ -78,10 +82,11 @@ def default_bind() -> str:
 def sampling_options(command):
     """--temperature/--sample-top-k/--top-p/--seed, shared by dovetail-run and dovetail-client."""
     options = [
-        click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0,
-                     help="Sampling temperature; 0 = greedy (exactly the target's greedy decode)."),
-        click.option("--sample-top-k", type=click.IntRange(min=0), default=0,
-                     help="Sample only among the k most likely tokens (0 = off). Not the tree's --top-k."),
+        click.option("--temperature", type=click.FloatRange(min=0.0, max=1000.0), default=0.0,
+                     help=f"Sampling temperature; 0 = greedy (exactly the target's greedy decode), else >= "
+                          f"{m.MIN_TEMPERATURE}."),
+        click.option("--sample-top-k", type=click.IntRange(min=0, max=2**31 - 1), default=0,
+                     help="Sample only among the k most likely tokens (0 = off). Not the tree's --tree-top-k."),
         click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0,
                      help="Nucleus sampling: the smallest set of tokens with this much mass (1 = off)."),
         click.option("--seed", type=click.IntRange(min=0, max=2**63 - 1), default=None,
@@ -90,6 +95,27 @@ def sampling_options(command):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def refuse_ambiguous_top_k(_ctx, _param, value: str | None) -> None:
+    """``--top-k`` means sampling in llama.cpp and vLLM but was the tree's beam width here: refuse it."""
+    if value is not None:
+        raise click.BadParameter(f"--top-k {value} is ambiguous: use --tree-top-k {value} for the draft tree's "
+                                 f"beam width, or --sample-top-k {value} to sample among the k likeliest tokens")
+
+
+def make_sampling(temperature: float, sample_top_k: int, top_p: float, seed: int | None) -> m.Sampling:
+    try:
+        return m.Sampling(temperature=temperature, top_k=sample_top_k, top_p=top_p, seed=seed)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--temperature") from None
+
+
+def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
+    try:
+        return TreeShape.clamped(tree_tokens, depth, tree_top_k)
+    except TreeError as error:
+        raise click.BadParameter(str(error), param_hint="--tree-tokens/--depth/--tree-top-k") from None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -104,12 +130,18 @@ def sampling_options(command):
               help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
-@click.option("--target-dtype", type=click.Choice(TARGET_DTYPES), default="fp32", help="Target precision on the CPU.")
-@click.option("--draft-device", default="auto", help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
-@click.option("--tree-tokens", type=click.IntRange(min=1, max=1024), default=16,
+@click.option("--target-dtype", type=click.Choice(TARGET_PRECISIONS), default="fp32",
+              help="Target precision on the CPU.")
+@click.option("--draft-device", default="auto",
+              help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
+@click.option("--tree-tokens", type=click.IntRange(min=1, max=MAX_TREE_TOKENS), default=16,
               help="Tree size T: tokens verified per cycle, root included.")
-@click.option("--depth", type=click.IntRange(min=1, max=64), default=6, help="Most draft tokens on one tree path.")
-@click.option("--top-k", type=click.IntRange(min=1, max=64), default=8, help="Beam width / children per node.")
+@click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=6,
+              help="Most draft tokens on one tree path (at most T - 1 are used).")
+@click.option("--tree-top-k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
+              help="The draft tree's beam width: children kept per node and nodes per level.")
+@click.option("--top-k", expose_value=False, hidden=True, callback=refuse_ambiguous_top_k,
+              help="Refused: say --tree-top-k or --sample-top-k.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="New tokens per one-shot prompt.")
 @click.option("--max-len", type=click.IntRange(min=2), default=None,
               help="Context length (KV cache) in tokens. [default: the model's]")
@@ -126,14 +158,14 @@ def sampling_options(command):
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
 def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, tree_tokens,
-             depth, top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
+             depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
              startup_timeout, log_level, temperature, sample_top_k, top_p, seed) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
 
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
     (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
     """
-    from cpu_worker.loading import ModelLoadError
+    from cpu_worker.model_dir import ModelLoadError
 
     from .coordinator import Coordinator, RuntimeSettings, TooManyRestarts
     from .workers import WorkerFailed
@@ -142,9 +174,10 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
                         format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
     target, draft = resolve_models(target, draft, mode)
     all_prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
+    sampling = make_sampling(temperature, sample_top_k, top_p, seed)
     settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
                                cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
-                               tree=TreeSettings(tree_tokens, min(depth, tree_tokens - 1) or 1, top_k), mode=mode,
+                               tree=make_tree(tree_tokens, depth, tree_top_k), mode=mode,
                                max_len=max_len, log_level=log_level, startup_timeout_s=startup_timeout)
     stopping = {"now": False}
 
@@ -158,9 +191,8 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
     try:
         coordinator.start()
         if all_prompts:
-            sampling = dict(temperature=temperature, top_k=sample_top_k, top_p=top_p, seed=seed)
             failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
-                                                                  mode=mode, **sampling), as_json,
+                                                                  mode=mode, sampling=sampling), as_json,
                                    compare_ar=compare_ar and mode == "dovetail")
             sys.exit(1 if failures else 0)
         coordinator.serve(list(binds) or [default_bind()], allow_remote=allow_remote,
@@ -176,9 +208,9 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
         coordinator.close()
 
 
-def stats_line(mode: str, stats: dict) -> str:
-    return (f"[{mode}: {stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s, tau {stats['tau']:.2f}, "
-            f"draft {stats['draft_ms']:.0f} ms, verify {stats['verify_ms']:.0f} ms, ipc {stats['ipc_ms']:.0f} ms]")
+def stats_line(mode: str, stats: m.RequestStats) -> str:
+    return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}, "
+            f"draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
 
 
 def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, compare_ar: bool = False) -> int:
@@ -199,7 +231,7 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
         reply = coordinator.generate(request, show)
         baseline = None
         if compare_ar and not isinstance(reply, m.ErrorReply):
-            baseline = coordinator.generate(dataclasses.replace(request, request_id=uuid.uuid4().hex, mode="ar"))
+            baseline = coordinator.generate(msgspec.structs.replace(request, request_id=uuid.uuid4().hex, mode="ar"))
             reply = baseline if isinstance(baseline, m.ErrorReply) else reply
         if isinstance(reply, m.ErrorReply):
             failures += 1
@@ -207,17 +239,18 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
             if as_json:
                 print(json.dumps({"prompt": prompt, "error": {"code": reply.code, "message": reply.message}}))
             continue
-        record = {"prompt": prompt, "text": reply.text, "token_ids": reply.token_ids,
-                  "finish_reason": reply.finish_reason, "stats": reply.stats}
+        record: dict = {"prompt": prompt, "text": reply.text, "token_ids": reply.token_ids,
+                        "finish_reason": reply.finish_reason, "stats": msgspec.to_builtins(reply.stats)}
         if baseline is not None:
-            record["ar"] = {"stats": baseline.stats, "same_tokens": baseline.token_ids == reply.token_ids}
+            record["ar"] = {"stats": msgspec.to_builtins(baseline.stats),
+                            "same_tokens": baseline.token_ids == reply.token_ids}
         if as_json:
             print(json.dumps(record), flush=True)
             continue
         print("\n\n" + stats_line(request.mode, reply.stats))
         if baseline is not None:
             print(stats_line("ar", baseline.stats))
-            speedup = reply.stats["tokens_per_s"] / max(baseline.stats["tokens_per_s"], 1e-9)
+            speedup = reply.stats.tokens_per_s / max(baseline.stats.tokens_per_s, 1e-9)
             print(f"[dovetail / ar: {speedup:.2f}x; same tokens: {'yes' if record['ar']['same_tokens'] else 'no'}]")
     return failures
 
@@ -239,12 +272,12 @@ def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout,
 
     with DovetailClient(endpoint or default_bind(), timeout_s=timeout) as client:
         try:
-            params = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode, temperature=temperature,
-                          top_k=sample_top_k, top_p=top_p, seed=seed)
+            params = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
+                          sampling=make_sampling(temperature, sample_top_k, top_p, seed))
             if as_json:
                 done = client.generate(prompt, **params)
                 print(json.dumps({"prompt": prompt, "text": done.text, "token_ids": done.token_ids,
-                                  "finish_reason": done.finish_reason, "stats": done.stats}))
+                                  "finish_reason": done.finish_reason, "stats": msgspec.to_builtins(done.stats)}))
                 return
             for event in client.events(prompt, **params):
                 if isinstance(event, m.TokenChunk):

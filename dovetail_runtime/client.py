@@ -2,8 +2,12 @@
 
     with DovetailClient("ipc:///run/user/1000/dovetail.sock") as client:
         result = client.generate("def fibonacci(n):", max_new_tokens=64)
-        for chunk in client.stream("class Stack:"):
+        for chunk in client.stream("class Stack:", temperature=0.7, seed=1):
             print(chunk.text, end="", flush=True)
+
+Keyword arguments are GenerateRequest's fields (``max_new_tokens``, ``stop``, ``mode``,
+``sampling``) or, for short, Sampling's (``temperature``, ``top_k``, ``top_p``, ``seed``).
+No torch here: the client is a ZMQ socket and the message types.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 
 from ipc import messages as m
 from ipc.channels import connect_client
+
+SAMPLING_FIELDS = tuple(m.Sampling.__struct_fields__)
 
 
 class GenerationError(RuntimeError):
@@ -33,7 +39,7 @@ class DovetailClient:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "DovetailClient":
+    def __enter__(self) -> DovetailClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -41,18 +47,23 @@ class DovetailClient:
 
     def _request(self, prompt: str, stream: bool, **params: Any) -> str:
         request_id = params.pop("request_id", None) or uuid.uuid4().hex
+        flat = {key: params.pop(key) for key in SAMPLING_FIELDS if key in params}
+        if flat:
+            if "sampling" in params:
+                raise TypeError(f"pass either sampling= or {', '.join(sorted(flat))}, not both")
+            params["sampling"] = m.Sampling(**flat)
         self.channel.send(m.GenerateRequest(request_id=request_id, prompt=prompt, stream=stream, **params),
                           timeout_ms=self.timeout_ms)
         return request_id
 
-    def _next(self, request_id: str) -> Any:
+    def _next(self, request_id: str) -> m.TokenChunk | m.GenerateDone:
         while True:
             reply = self.channel.recv(timeout_ms=self.timeout_ms)
             if reply is None:
                 raise TimeoutError(f"no answer from {self.endpoint} within {self.timeout_ms / 1000:.0f} s")
             if isinstance(reply, m.ErrorReply) and reply.request_id in (request_id, None):
                 raise GenerationError(reply.code, reply.message)
-            if getattr(reply, "request_id", None) == request_id:
+            if isinstance(reply, (m.TokenChunk, m.GenerateDone)) and reply.request_id == request_id:
                 return reply
 
     def events(self, prompt: str, **params: Any) -> Iterator[m.TokenChunk | m.GenerateDone]:
@@ -73,7 +84,10 @@ class DovetailClient:
     def generate(self, prompt: str, **params: Any) -> m.GenerateDone:
         """Wait for the whole result: token_ids, text, finish_reason and stats."""
         request_id = self._request(prompt, stream=False, **params)
-        return self._next(request_id)
+        while True:
+            reply = self._next(request_id)
+            if isinstance(reply, m.GenerateDone):
+                return reply
 
     def cancel(self, request_id: str) -> None:
         self.channel.send(m.Cancel(request_id=request_id), timeout_ms=self.timeout_ms)

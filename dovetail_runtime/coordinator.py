@@ -8,6 +8,11 @@ A worker that dies fails the request in flight with ``worker_failed``; the coord
 then restarts that worker and keeps serving. More than ``max_restarts`` restarts in ten
 minutes means something is persistently wrong: the coordinator stops with an error
 (non-zero exit) rather than crash-looping.
+
+The coordinator owns (creates and unlinks) the two shared-memory rings the cpu_worker writes
+hidden states into and the gpu_worker reads from: the cycle ring (a verification's few rows)
+and the prefill ring (one slot for a whole prompt). It never imports torch: it handles text,
+token ids and messages; tensors live in the workers.
 """
 
 from __future__ import annotations
@@ -20,25 +25,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cpu_worker.sampling import SamplingParams
-from ipc import messages as m
 import zmq
 
-from ipc.channels import RouterServer, RuntimeDir, check_local_endpoint
-from ipc.messages import ProtocolError
+from cpu_worker.model_dir import context_limit, read_config, resolve_model_dir
+from ipc import messages as m
+from ipc.channels import ChannelTimeout, RouterServer, RuntimeDir, check_local_endpoint
+from ipc.codec import ProtocolError
 from ipc.shm_ring import ShmRing, slot_bytes_for
+from ipc.tree import TreeShape
 
-from .generation import Job, PromptTooLong, TreeSettings, generate_ar, generate_dovetail
+from .generation import Job, PromptTooLong, generate_ar, generate_dovetail
 from .text import TextStream
+from .tokenizer import Tokenizer
 from .workers import WorkerFailed, WorkerHandle, WorkerRequestError
 
 log = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 600.0
-# Feature rows per ring slot: a verify result has at most depth + 1 rows; bigger blocks
-# (a prompt's prefill) travel inline instead.
-RING_ROWS = 64
-RING_SLOTS = 4
+# One block is in flight per cycle; spare slots keep a slow reader from ever seeing a reused one.
+CYCLE_RING_SLOTS = 4
+# Ring slots are sized for fp32 rows, the widest features any target precision returns.
+FEATURE_DTYPE = "float32"
 
 
 @dataclass
@@ -49,7 +56,7 @@ class RuntimeSettings:
     cpu_threads: int | None = None
     cpu_cores: list[int] | None = None
     draft_device: str = "auto"
-    tree: TreeSettings = field(default_factory=TreeSettings)
+    tree: TreeShape = field(default_factory=TreeShape)
     mode: str = "dovetail"
     max_len: int | None = None
     log_level: str = "info"
@@ -61,40 +68,48 @@ class TooManyRestarts(RuntimeError):
     pass
 
 
+def error_reply(request_id: str | None, code: str, message: str) -> m.ErrorReply:
+    """An ErrorReply whose message fits the protocol's limit (a worker's error text may not)."""
+    limit = 8000
+    return m.ErrorReply(request_id=request_id, code=code,
+                        message=message if len(message) <= limit else message[:limit] + " [...]")
+
+
 class Coordinator:
     def __init__(self, settings: RuntimeSettings):
         self.settings = settings
         self.runtime_dir: RuntimeDir | None = None
-        self.ring: ShmRing | None = None
+        self.rings: list[ShmRing] = []
         self.cpu: WorkerHandle | None = None
         self.gpu: WorkerHandle | None = None
-        self.tokenizer = None
+        self.tokenizer: Tokenizer | None = None
         self.max_len = 0
-        self.eos_token_id: int | None = None
         self._seq_ids = itertools.count(1)
         self._restarts: collections.deque[float] = collections.deque()
 
     # --- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        from transformers import AutoTokenizer
-
-        from cpu_worker.loading import load_spec, resolve_model_dir
-
         settings = self.settings
+        if settings.mode == "dovetail" and not settings.draft:
+            raise ValueError("dovetail mode needs a draft head (--draft)")
         target_dir = resolve_model_dir(settings.target)
-        spec = load_spec(target_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-        self.eos_token_id = self.tokenizer.eos_token_id
+        config = read_config(target_dir)
+        self.tokenizer = Tokenizer.from_dir(target_dir)
+        limit = context_limit(config)
+        self.max_len = settings.max_len or limit
+        if self.max_len > limit:
+            raise ValueError(f"--max-len {self.max_len} exceeds this model's context of {limit} tokens")
+        hidden = int(config["hidden_size"])
+        self.rings = [ShmRing.create(slot_bytes_for(settings.tree.feature_rows, hidden, FEATURE_DTYPE),
+                                     CYCLE_RING_SLOTS),
+                      ShmRing.create(slot_bytes_for(self.max_len, hidden, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
-        if settings.mode == "dovetail" or settings.draft:
-            if not settings.draft:
-                raise ValueError("dovetail mode needs a draft head (--draft)")
-            self.ring = ShmRing.create(slot_bytes_for(RING_ROWS, spec.hidden_size, "float32"), RING_SLOTS)
-        common = {"log_level": settings.log_level, "ring": self.ring.name if self.ring else None}
+        common = {"log_level": settings.log_level, "max_len": self.max_len,
+                  "rings": {"cycle": self.rings[0].name, "prefill": self.rings[1].name}}
         self.cpu = WorkerHandle("cpu_worker", "cpu_worker.server", {
             **common, "target": str(target_dir), "threads": settings.cpu_threads, "cores": settings.cpu_cores,
-            "dtype": settings.target_dtype, "max_len": settings.max_len}, self.runtime_dir, m.FROM_CPU_WORKER)
+            "dtype": settings.target_dtype}, self.runtime_dir, m.FROM_CPU_WORKER)
         if settings.draft:
             # The draft worker's OpenMP threads must sleep when idle, or they spin on the
             # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
@@ -104,13 +119,11 @@ class Coordinator:
             draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
             self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
                 **common, "draft": settings.draft, "target": str(target_dir), "device": settings.draft_device,
-                "max_len": settings.max_len or spec.max_position_embeddings}, self.runtime_dir, m.FROM_GPU_WORKER,
-                env=draft_env)
+                "scratch_len": settings.tree.scratch_slots}, self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env)
         for worker in self.workers():
             worker.spawn()
         for worker in self.workers():
             worker.wait_ready(settings.startup_timeout_s)
-        self.max_len = int(self.cpu.info["max_len"])
 
     def workers(self) -> list[WorkerHandle]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
@@ -118,14 +131,14 @@ class Coordinator:
     def close(self) -> None:
         for worker in self.workers():
             worker.stop()
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+        for ring in self.rings:
+            ring.close()
+        self.rings = []
         if self.runtime_dir is not None:
             self.runtime_dir.close()
             self.runtime_dir = None
 
-    def __enter__(self) -> "Coordinator":
+    def __enter__(self) -> Coordinator:
         try:
             self.start()
         except BaseException:
@@ -160,13 +173,11 @@ class Coordinator:
         """Run one request to the end. ``on_text(new_ids, new_text)`` sees each accepted
         chunk and returns True to cancel."""
         self._recover()
+        if self.cpu is None or self.tokenizer is None:
+            raise RuntimeError("generate() before start()")
         if request.mode == "dovetail" and self.gpu is None:
-            return m.ErrorReply(request_id=request.request_id, code="unsupported",
+            return error_reply(request.request_id, "unsupported",
                                 message="this server runs without a draft head: use mode 'ar'")
-        try:
-            SamplingParams(request.temperature, request.top_k, request.top_p, request.seed).validate()
-        except ValueError as error:
-            return m.ErrorReply(request_id=request.request_id, code="bad_request", message=str(error))
         stream = TextStream(self.tokenizer, request.stop)
         cancelled = False
 
@@ -177,28 +188,27 @@ class Coordinator:
                 cancelled = True
             return cancelled or stream.stopped
 
-        prompt_ids = self.tokenizer(request.prompt)["input_ids"]
-        sampling = m.Sampling(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                              seed=request.seed)
-        job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, sampling, self.eos_token_id, self.max_len)
+        prompt_ids = self.tokenizer.encode(request.prompt)
+        job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
+                  self.tokenizer.eos_token_ids, self.max_len)
         try:
-            if request.mode == "ar":
+            if request.mode == "ar" or self.gpu is None:
                 finish, stats = generate_ar(self.cpu, job, emit)
             else:
                 finish, stats = generate_dovetail(self.cpu, self.gpu, job, self.settings.tree, emit)
         except PromptTooLong as error:
-            return m.ErrorReply(request_id=request.request_id, code="prompt_too_long", message=str(error))
+            return error_reply(request.request_id, "prompt_too_long", message=str(error))
         except WorkerRequestError as error:
-            return m.ErrorReply(request_id=request.request_id, code="worker_error", message=str(error))
+            return error_reply(request.request_id, "worker_error", message=str(error))
         except WorkerFailed as error:
             # Answer first (within a second of the death); the restart happens before the next request.
             log.error("request %s failed: %s", request.request_id, error)
-            return m.ErrorReply(request_id=request.request_id, code="worker_failed", message=str(error))
+            return error_reply(request.request_id, "worker_failed", message=str(error))
         tail = stream.finish()
         if tail and on_text is not None:
             on_text([], tail)
         return m.GenerateDone(request_id=request.request_id, token_ids=stream.token_ids, text=stream.text,
-                              finish_reason="cancelled" if cancelled else finish, stats=stats.as_dict())
+                              finish_reason="cancelled" if cancelled else finish, stats=stats.message())
 
     # --- serving -----------------------------------------------------------------------
 
@@ -244,11 +254,14 @@ class Coordinator:
             reply = self.generate(request, on_text)
         except TooManyRestarts:
             raise
-        except Exception as error:  # noqa: BLE001 - one request's bug must not take the server down
+        except Exception as error:  # one request's bug must not take the server down
             log.exception("request %s failed unexpectedly", request.request_id)
-            reply = m.ErrorReply(request_id=request.request_id, code="internal", message=f"{type(error).__name__}: {error}")
+            reply = error_reply(request.request_id, "internal", message=f"{type(error).__name__}: {error}")
         cancelled.discard(key)
-        server.send(peer, reply)
+        try:
+            server.send(peer, reply)
+        except ChannelTimeout:  # that client stopped reading: its answer is dropped, serving goes on
+            log.warning("client of %s is not reading; its answer was dropped", request.request_id)
         self._recover()
 
     def _read_clients(self, server: RouterServer, queue: collections.deque, cancelled: set,

@@ -47,7 +47,8 @@ class TextStream:
         return delta
 
     def _first_stop(self, text: str) -> int | None:
-        positions = [index for index in (text.find(s, max(len(self.text) - len(s), 0)) for s in self.stop) if index >= 0]
+        found = (text.find(s, max(len(self.text) - len(s), 0)) for s in self.stop)
+        positions = [index for index in found if index >= 0]
         return min(positions) if positions else None
 
     def _held_back(self, text: str) -> int:

@@ -8,15 +8,17 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from ipc.channels import Channel, ChannelTimeout, RuntimeDir
-from ipc.messages import Ready, Shutdown, WorkerError
+from ipc.codec import ProtocolError
+from ipc.messages import Message, Ready, Shutdown, WorkerError
 
 log = logging.getLogger(__name__)
 
 # How often a wait for a reply checks that the worker is still alive.
 LIVENESS_MS = 200
+R = TypeVar("R", bound=Message)
 
 
 class WorkerFailed(RuntimeError):
@@ -31,7 +33,7 @@ class WorkerHandle:
     """A worker process (``python -m <module>``) and the PAIR channel to it."""
 
     def __init__(self, name: str, module: str, settings: dict[str, Any], runtime_dir: RuntimeDir,
-                 allowed_replies: frozenset[type], env: dict[str, str] | None = None):
+                 allowed_replies: tuple[type[Message], ...], env: dict[str, str] | None = None):
         self.name = name
         self.env = env or {}
         self.module = module
@@ -58,9 +60,16 @@ class WorkerHandle:
 
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         """Wait for the Ready handshake; WorkerFailed with the worker's own error otherwise."""
+        if self.process is None or self.channel is None:
+            raise WorkerFailed(f"{self.name} was not spawned")
+        process, channel = self.process, self.channel
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            reply = self.channel.recv(timeout_ms=LIVENESS_MS)
+            try:
+                reply = channel.recv(timeout_ms=LIVENESS_MS)
+            except ProtocolError as error:
+                self.stop()
+                raise WorkerFailed(f"{self.name} sent an invalid handshake: {error}") from None
             if isinstance(reply, Ready):
                 self.info = reply.info
                 log.info("%s ready (pid %d): %s", self.name, reply.pid, reply.info)
@@ -69,33 +78,34 @@ class WorkerHandle:
                 self.stop()
                 raise WorkerFailed(f"{self.name} failed to start: {reply.message}")
             if not self.alive():
-                code = self.process.returncode
+                code = process.returncode
                 self.stop()
                 raise WorkerFailed(f"{self.name} exited with code {code} before it was ready (see its log above)")
         self.stop()
         raise WorkerFailed(f"{self.name} was not ready within {timeout_s:.0f} s")
 
-    def request(self, message: Any, expect: type) -> Any:
+    def request(self, message: Message, expect: type[R]) -> R:
         """Send one request and wait for its reply, noticing a dead worker within LIVENESS_MS."""
-        if not self.alive() or self.channel is None:
+        if self.process is None or self.channel is None or not self.alive():
             raise WorkerFailed(f"{self.name} is not running")
+        process, channel = self.process, self.channel
         # A PAIR send blocks while the peer is gone: retry in short slices, checking liveness.
         deadline = time.monotonic() + 30.0
         while True:
             try:
-                self.channel.send(message, timeout_ms=LIVENESS_MS)
+                channel.send(message, timeout_ms=LIVENESS_MS)
                 break
             except ChannelTimeout:
                 if not self.alive():
                     raise WorkerFailed(f"{self.name} (pid {self.pid}) died with exit code "
-                                       f"{self.process.returncode}") from None
+                                       f"{process.returncode}") from None
                 if time.monotonic() > deadline:
                     raise WorkerFailed(f"{self.name} (pid {self.pid}) stopped taking requests") from None
         while True:
-            reply = self.channel.recv(timeout_ms=LIVENESS_MS)
+            reply = channel.recv(timeout_ms=LIVENESS_MS)
             if reply is None:
                 if not self.alive():
-                    raise WorkerFailed(f"{self.name} (pid {self.pid}) died with exit code {self.process.returncode}")
+                    raise WorkerFailed(f"{self.name} (pid {self.pid}) died with exit code {process.returncode}")
                 continue
             if isinstance(reply, WorkerError):
                 if reply.fatal:
@@ -105,7 +115,7 @@ class WorkerHandle:
                 raise WorkerFailed(f"{self.name} answered {type(reply).__name__}, expected {expect.__name__}")
             return reply
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Message) -> None:
         """Fire-and-forget (no reply expected), skipped when the worker is gone."""
         if self.alive() and self.channel is not None:
             try:
@@ -119,7 +129,7 @@ class WorkerHandle:
             if self.alive() and self.channel is not None:
                 try:
                     self.channel.send(Shutdown(), timeout_ms=500)
-                except Exception:  # noqa: BLE001 - it is being stopped either way
+                except Exception:  # it is being stopped either way
                     pass
             try:
                 self.process.wait(timeout=grace_s)

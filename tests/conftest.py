@@ -1,4 +1,8 @@
-"""Shared test fixtures: tiny random checkpoints of each supported family, and the testbed model."""
+"""Shared test fixtures: tiny random checkpoints of each supported family, and the bundled demo pair.
+
+Tests stand on the repository alone: where a trained model is needed they use ``demo/`` (the
+testbed target stored in fp16, and its trained DGF head), never ``../shared``.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,12 @@ from pathlib import Path
 # spinning pool in one process (a test, a worker) slows every other one by 100x.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
+DEMO = Path(__file__).resolve().parents[1] / "demo"
+DEMO_TARGET = DEMO / "target-code-9m"
+DEMO_DRAFT = DEMO / "draft-dgf"
 
 # Small enough to build in milliseconds, shaped to exercise every code path.
 TINY_FAMILIES: dict[str, dict] = {
@@ -73,9 +79,17 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def testbed_path() -> Path:
-    assert (TESTBED / "config.json").exists(), f"testbed model missing at {TESTBED}"
-    return TESTBED
+def demo_target() -> Path:
+    """The trained 9M code model (weights stored in fp16; loaded in fp32 everywhere)."""
+    assert (DEMO_TARGET / "config.json").exists(), f"demo target missing at {DEMO_TARGET}"
+    return DEMO_TARGET
+
+
+@pytest.fixture(scope="session")
+def demo_draft() -> Path:
+    """The trained 4-layer DGF head for the demo target."""
+    assert (DEMO_DRAFT / "config.json").exists(), f"demo draft missing at {DEMO_DRAFT}"
+    return DEMO_DRAFT
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -99,5 +113,6 @@ def save_random_head(directory: Path, target_dir: Path, layers: int = 1, fusion:
 
 
 @pytest.fixture(scope="session")
-def testbed_random_head(tmp_path_factory, testbed_path) -> Path:
-    return save_random_head(tmp_path_factory.mktemp("heads") / "random-dgf-1", testbed_path)
+def demo_random_head(tmp_path_factory, demo_target) -> Path:
+    """An untrained 1-layer head for the demo target (cheap; low acceptance)."""
+    return save_random_head(tmp_path_factory.mktemp("heads") / "random-dgf-1", demo_target)

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import psutil
@@ -15,19 +16,22 @@ import torch
 import zmq
 
 from dovetail_runtime.client import DovetailClient, GenerationError
+from dovetail_runtime.tokenizer import Tokenizer
 from ipc import messages as m
+from ipc.codec import ProtocolError, decode
+
 from runtime_harness import TEST_PROMPTS, Server, descendants_gone, dovetail_run, our_segments, thread_affinities
 
 NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def reference_ids(testbed_path) -> dict[str, list[int]]:
+def reference_ids(demo_target) -> dict[str, list[int]]:
     """transformers' own greedy continuation of each test prompt (stops after </s> like we do)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(testbed_path))
-    model = AutoModelForCausalLM.from_pretrained(str(testbed_path), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_target))
+    model = AutoModelForCausalLM.from_pretrained(str(demo_target), dtype=torch.float32).eval()
     expected = {}
     for prompt in TEST_PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
@@ -37,11 +41,11 @@ def reference_ids(testbed_path) -> dict[str, list[int]]:
     return expected
 
 
-def test_one_shot_json_is_lossless_in_both_modes(tmp_path, testbed_path, testbed_random_head, reference_ids):
+def test_one_shot_json_is_lossless_in_both_modes(tmp_path, demo_target, demo_random_head, reference_ids):
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("\n".join(json.dumps({"prompt": p}) for p in TEST_PROMPTS) + "\n")
     # --compare-ar runs every prompt again in --mode ar on the same workers.
-    done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--compare-ar",
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_random_head), "--compare-ar",
                         "--prompt-file", str(prompt_file), "--max-new-tokens", str(NEW_TOKENS), "--json",
                         "--log-level", "warning")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -59,8 +63,8 @@ def test_one_shot_json_is_lossless_in_both_modes(tmp_path, testbed_path, testbed
         assert line["ar"]["stats"]["tau"] == 1.0 and line["ar"]["stats"]["draft_ms"] == 0
 
 
-def test_mode_ar_runs_without_a_draft(testbed_path, reference_ids):
-    done = dovetail_run("--target", str(testbed_path), "--mode", "ar", "--prompt", TEST_PROMPTS[0],
+def test_mode_ar_runs_without_a_draft(demo_target, reference_ids):
+    done = dovetail_run("--target", str(demo_target), "--mode", "ar", "--prompt", TEST_PROMPTS[0],
                         "--prompt", TEST_PROMPTS[1], "--max-new-tokens", str(NEW_TOKENS), "--json",
                         "--log-level", "warning")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,24 +72,32 @@ def test_mode_ar_runs_without_a_draft(testbed_path, reference_ids):
         assert line["token_ids"] == reference_ids[line["prompt"]]
 
 
-def test_bad_flags_and_inputs_are_refused_clearly(tmp_path, testbed_path, testbed_random_head):
-    done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--cpu-cores", "3-1",
+def test_bad_flags_and_inputs_are_refused_clearly(tmp_path, demo_target, demo_random_head):
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_random_head), "--cpu-cores", "3-1",
                         "--prompt", "x")
     assert done.returncode == 2 and "bad range" in done.stderr
-    done = dovetail_run("--target", str(testbed_path), "--prompt", "x")
+    done = dovetail_run("--target", str(demo_target), "--prompt", "x")
     assert done.returncode == 2 and "--draft is required" in done.stderr
-    done = dovetail_run("--target", str(tmp_path / "missing"), "--draft", str(testbed_random_head), "--prompt", "x")
+    done = dovetail_run("--target", str(tmp_path / "missing"), "--draft", str(demo_random_head), "--prompt", "x")
     assert done.returncode == 2 and "does not exist" in done.stderr
-    done = dovetail_run("--target", str(testbed_path), "--draft", str(testbed_random_head), "--max-len", "8",
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_random_head), "--max-len", "8",
                         "--prompt", "def " * 20, "--json", "--log-level", "error")
     assert done.returncode == 1
     assert json.loads(done.stdout)["error"]["code"] == "prompt_too_long"
+    # --top-k meant sampling elsewhere and the beam here: refused with both spellings named.
+    done = dovetail_run("--target", str(demo_target), "--top-k", "8", "--prompt", "x")
+    assert done.returncode == 2 and "--tree-top-k 8" in done.stderr and "--sample-top-k 8" in done.stderr
+    done = dovetail_run("--target", str(demo_target), "--mode", "ar", "--temperature", "1e-30", "--prompt", "x")
+    assert done.returncode == 2 and "temperature must be 0" in done.stderr
+    done = dovetail_run("--target", str(demo_target), "--mode", "ar", "--max-len", "999999", "--prompt", "x",
+                        "--log-level", "error")
+    assert done.returncode == 2 and "exceeds this model's context" in done.stderr
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, testbed_path, testbed_random_head):
+def server(tmp_path_factory, demo_target, demo_random_head):
     socket_dir = tmp_path_factory.mktemp("sock")
-    running = Server("--target", str(testbed_path), "--draft", str(testbed_random_head), "--cpu-cores", "0",
+    running = Server("--target", str(demo_target), "--draft", str(demo_random_head), "--cpu-cores", "0",
                      "--bind", f"ipc://{socket_dir}/dovetail.sock", "--bind", "tcp://127.0.0.1:*")
     yield running
     pids = [running.pid] + [worker.pid for worker in running.workers().values()]
@@ -154,7 +166,7 @@ def raw_exchange(endpoint: str, frames: list[bytes], timeout_ms: int = 10000) ->
         for frame in frames:
             sock.send(frame)
             if sock.poll(timeout_ms):
-                replies.append(m.decode(sock.recv()))
+                replies.append(decode(sock.recv()))
             else:
                 replies.append(None)
     finally:
@@ -164,14 +176,18 @@ def raw_exchange(endpoint: str, frames: list[bytes], timeout_ms: int = 10000) ->
 
 def test_malformed_messages_get_error_replies_and_serving_goes_on(server, reference_ids):
     endpoint = server.endpoints[1]
-    wrong_types = msgpack.packb({"v": m.PROTOCOL_VERSION, "type": "GenerateRequest", "request_id": 5,
-                                 "prompt": ["x"], "max_new_tokens": "many", "stop": [], "temperature": 0.0,
-                                 "top_k": 0, "top_p": 1.0, "seed": None, "mode": "dovetail", "stream": False})
+    wrong_types = msgpack.packb({"type": "GenerateRequest", "request_id": 5, "prompt": ["x"],
+                                 "max_new_tokens": "many"})
     unknown = msgpack.packb({"v": m.PROTOCOL_VERSION, "type": "LaunchMissiles"})
     old_version = msgpack.packb({"v": 0, "type": "Ping", "nonce": 1})
+    bad_sampling = msgpack.packb({"type": "GenerateRequest", "request_id": "r", "prompt": "x",
+                                  "sampling": {"temperature": 1.0, "top_p": 0.0}})
+    flat_sampling = msgpack.packb({"type": "GenerateRequest", "request_id": "r", "prompt": "x", "temperature": 0.5})
     pickled = b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00K\x01."
-    replies = raw_exchange(endpoint, [b"\xff\x00garbage", wrong_types, unknown, old_version, pickled])
+    replies = raw_exchange(endpoint, [b"\xff\x00garbage", wrong_types, unknown, old_version, bad_sampling,
+                                      flat_sampling, pickled])
     assert all(isinstance(r, m.ErrorReply) and r.code == "bad_message" for r in replies), replies
+    assert "top_p" in replies[4].message and "temperature" in replies[5].message
     # A message over the socket's size limit: that connection is dropped, the server lives on.
     huge = raw_exchange(endpoint, [b"\x00" * (40 * 1024 * 1024)], timeout_ms=2000)
     assert huge == [None]
@@ -182,9 +198,9 @@ def test_malformed_messages_get_error_replies_and_serving_goes_on(server, refere
             client.generate("a = 1\n" * 1500, max_new_tokens=4)
 
 
-def test_killed_cpu_worker_fails_request_fast_then_server_recovers(testbed_path, testbed_random_head,
+def test_killed_cpu_worker_fails_request_fast_then_server_recovers(demo_target, demo_random_head,
                                                                    reference_ids, tmp_path):
-    running = Server("--target", str(testbed_path), "--draft", str(testbed_random_head),
+    running = Server("--target", str(demo_target), "--draft", str(demo_random_head),
                      "--bind", f"ipc://{tmp_path}/kill.sock")
     try:
         victim = running.workers()["cpu_worker"]
@@ -222,12 +238,15 @@ def test_sampling_through_the_server(server, reference_ids):
             # top-k 1 leaves one allowed token per step: sampling must then be the greedy decode.
             only_best = client.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=1, mode=mode)
             assert only_best.token_ids == reference_ids[prompt], mode
-        with pytest.raises(GenerationError, match="bad_request.*top_p"):
+        # The client validates by the same schema the server does: nothing invalid leaves it.
+        with pytest.raises(ProtocolError, match="top_p"):
             client.generate(prompt, max_new_tokens=4, temperature=1.0, top_p=0.0)
+        with pytest.raises(ValueError, match="temperature must be 0"):
+            client.generate(prompt, max_new_tokens=4, temperature=1e-30)
 
 
-def test_workers_and_memory_go_when_the_coordinator_is_killed(testbed_path, testbed_random_head, tmp_path):
-    running = Server("--target", str(testbed_path), "--draft", str(testbed_random_head),
+def test_workers_and_memory_go_when_the_coordinator_is_killed(demo_target, demo_random_head, tmp_path):
+    running = Server("--target", str(demo_target), "--draft", str(demo_random_head),
                      "--bind", f"ipc://{tmp_path}/orphan.sock")
     workers = running.workers()
     assert sorted(workers) == ["cpu_worker", "gpu_worker"] and our_segments(running.pid)
@@ -237,3 +256,83 @@ def test_workers_and_memory_go_when_the_coordinator_is_killed(testbed_path, test
     while our_segments(running.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert our_segments(running.pid) == []
+
+
+def test_a_plain_msgpack_zmq_client_streams_a_completion(server, reference_ids):
+    """What a client in another language does (docs/protocol.md): no Dovetail code on its side."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoints[1])
+    prompt = TEST_PROMPTS[8]
+    try:
+        sock.send(msgpack.packb({"type": "GenerateRequest", "request_id": "plain-1", "prompt": prompt,
+                                 "max_new_tokens": NEW_TOKENS, "stream": True}))
+        chunks, done = [], None
+        while done is None:
+            assert sock.poll(120_000), "no answer from the server"
+            reply = msgpack.unpackb(sock.recv())
+            assert reply["request_id"] == "plain-1", reply
+            if reply["type"] == "TokenChunk":
+                chunks.append(reply)
+            else:
+                assert reply["type"] == "GenerateDone", reply
+                done = reply
+    finally:
+        sock.close()
+    assert done["token_ids"] == reference_ids[prompt]
+    assert [t for chunk in chunks for t in chunk["token_ids"]] == done["token_ids"]
+    assert "".join(chunk["text"] for chunk in chunks) == done["text"]
+    assert done["finish_reason"] in ("stop", "length") and done["stats"]["new_tokens"] == len(done["token_ids"])
+
+
+def test_coordinator_process_never_loads_torch(server):
+    coordinator_maps = Path(f"/proc/{server.pid}/maps").read_text()
+    worker_maps = Path(f"/proc/{server.workers()['cpu_worker'].pid}/maps").read_text()
+    assert "libtorch" not in coordinator_maps and "libtorch" in worker_maps
+
+
+# Real code, as the demo head was trained on: its trees should be accepted deeply.
+CODE_PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    \"\"\"Parse the command line and run.\"\"\"\n"
+    "    if argv is None:\n        argv = sys.argv[1:]\n",
+    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n        self._items = []\n\n"
+    "    def push(self, item):\n",
+    "def read_lines(path, encoding='utf-8'):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
+    "    with open(path, encoding=encoding) as f:\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, self._data)\n\n"
+    "    def __eq__(self, other):\n",
+]
+
+
+def test_trained_demo_pair_is_lossless_with_high_acceptance(tmp_path, demo_target, demo_draft):
+    prompt_file = tmp_path / "code.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--compare-ar", "--json",
+                        "--prompt-file", str(prompt_file), "--max-new-tokens", "64", "--log-level", "warning")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) == len(CODE_PROMPTS) and all(line["ar"]["same_tokens"] for line in lines)
+    cycles = sum(line["stats"]["cycles"] for line in lines)
+    # tau = tokens emitted by cycles / cycles (the prefill's token is not a cycle's).
+    tau = sum(line["stats"]["new_tokens"] - 1 for line in lines) / cycles
+    assert tau > 3.0, f"tau {tau:.2f} over {cycles} cycles"
+
+
+def test_both_modes_count_the_context_once(demo_target, demo_draft):
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--max-len", "24", "--compare-ar",
+                        "--prompt", TEST_PROMPTS[0], "--max-new-tokens", "100", "--json", "--log-level", "warning")
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout)
+    prompt_tokens = len(Tokenizer.from_dir(demo_target).encode(TEST_PROMPTS[0]))
+    assert line["finish_reason"] == "length" and line["ar"]["same_tokens"] is True
+    # Every cache slot is used: the prompt and all new tokens but the last (never fed back) fill 24.
+    assert prompt_tokens + len(line["token_ids"]) - 1 == 24
+
+
+def test_any_tree_the_cli_accepts_works(demo_target, demo_draft):
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--tree-tokens", "64",
+                        "--depth", "10", "--tree-top-k", "32", "--compare-ar", "--prompt", CODE_PROMPTS[1],
+                        "--max-new-tokens", "24", "--json", "--log-level", "warning")
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout)
+    assert line["ar"]["same_tokens"] is True and line["stats"]["cycles"] >= 1
