@@ -8,12 +8,13 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from conftest import save_random_head
 from cpu_worker.engine import TargetEngine
 from cpu_worker.loading import load_target_model
 from gpu_worker.checkpoint import load_head
-from test_train_support import tiny_target  # noqa: F401 (fixture)
 from tools.train.cli import main as train_cli
+
+from conftest import save_random_head
+from test_train_support import tiny_target  # noqa: F401 (fixture)
 
 
 def test_fp16_target_and_head_load_and_agree(tmp_path, tiny_target):
@@ -23,7 +24,7 @@ def test_fp16_target_and_head_load_and_agree(tmp_path, tiny_target):
     assert config.get("torch_dtype", config.get("dtype")) == "float16"
     assert (tmp_path / "t16" / "tokenizer.json").exists()
     with safe_open(str(tmp_path / "t16" / "model.safetensors"), "pt") as handle:
-        assert all(handle.get_tensor(k).dtype == torch.float16 for k in handle.keys())
+        assert all(handle.get_tensor(k).dtype == torch.float16 for k in handle.keys())  # noqa: SIM118 - safe_open is not iterable
     full = TargetEngine(load_target_model(tiny_target).eval(), max_len=32)
     small = TargetEngine(load_target_model(tmp_path / "t16").eval(), max_len=32)
     prompt = [1, 40, 41, 42, 43, 44]

@@ -13,12 +13,13 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from cpu_worker.loading import load_target_model
-from test_train_support import make_tiny_target, tiny_corpus, tiny_target  # noqa: F401 (fixtures)
 from tools.train.cli import main as train_cli
 from tools.train.corpus import expand_inputs, folder_files, is_heldout, read_documents
 from tools.train.data import make_batch
 from tools.train.features import cut_windows, extract_features
 from tools.train.shards import MANIFEST, load_features
+
+from test_train_support import make_tiny_target, tiny_corpus, tiny_target  # noqa: F401 (fixtures)
 
 CONVERSATION = {"conversations": [
     {"from": "system", "value": "be brief"},

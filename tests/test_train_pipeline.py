@@ -16,10 +16,12 @@ from cpu_worker.engine import TargetEngine, greedy_decode
 from cpu_worker.loading import load_target_model
 from gpu_worker.checkpoint import load_head
 from gpu_worker.drafter import Drafter
-from test_train_support import tiny_corpus, tiny_target  # noqa: F401 (fixtures)
+from ipc.tree import TreeShape
 from tools.train.cli import main as train_cli
 from tools.train.shards import load_features
 from tools.train.trainer import TrainConfig, evaluate_loss, new_head, train
+
+from test_train_support import tiny_corpus, tiny_target  # noqa: F401 (fixtures)
 
 BIN = Path(sys.executable).parent
 
@@ -74,7 +76,7 @@ def test_trained_head_loads_without_frozen_weights(tiny_target, trained_head):
     step = engine.prefill(prompt)
     first = int(step.logits.argmax())
     drafter.extend(step.features, prompt[1:] + [first])
-    tree = drafter.propose(8, 4, 3)
+    tree = drafter.propose(TreeShape.clamped(8, 4, 3))
     assert len(tree.tokens) == 8 and int(tree.tokens[0]) == first
     assert all(int(tree.parents[i]) < i for i in range(1, 8))
 
@@ -123,7 +125,7 @@ def test_eval_cli_reports_tau_and_checks_losslessness(tiny_target, tiny_corpus, 
     result = CliRunner().invoke(train_cli, [
         "eval", "--target", str(tiny_target), "--draft", str(trained_head), "--input", str(tiny_corpus),
         "--pattern", "*.txt", "--split", "all", "--files", "2", "--prompt-tokens", "24", "--new-tokens", "20",
-        "--tree-tokens", "8", "--depth", "4", "--top-k", "3", "--tree", "4,3,2", "--json", "--threads", "1"])
+        "--tree-tokens", "8", "--depth", "4", "--tree-top-k", "3", "--tree", "4,3,2", "--json", "--threads", "1"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     first, second = report["results"]

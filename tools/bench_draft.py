@@ -19,7 +19,10 @@ from dataclasses import replace
 import torch
 
 from cpu_worker.llama import LlamaSpec
-from gpu_worker import DraftHead, Drafter, resolve_device, resolve_dtype
+from gpu_worker.device import resolve_device, resolve_dtype
+from gpu_worker.drafter import Drafter
+from gpu_worker.head import DraftHead
+from ipc.tree import TreeShape
 
 SIZES = {
     # target-code-9m: hidden 256, vocab 8192, 4 heads, intermediate 768
@@ -55,7 +58,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_config(drafter: Drafter, prefix: int, accepted: int, tree_tokens: int, depth: int, top_k: int,
+def bench_config(drafter: Drafter, prefix: int, accepted: int, shape: TreeShape,
                  warmup: int, repeats: int) -> tuple[float, float]:
     """Median (extend ms, propose ms) over ``repeats`` cycles."""
     hidden = drafter.head.spec.hidden_size
@@ -66,7 +69,8 @@ def bench_config(drafter: Drafter, prefix: int, accepted: int, tree_tokens: int,
                    torch.randint(0, vocab, (prefix,), generator=generator))
     step = accepted + 1
     features = torch.randn(step, hidden, generator=generator)
-    extend_ms, propose_ms = [], []
+    extend_ms: list[float] = []
+    propose_ms: list[float] = []
     for cycle in range(warmup + repeats):
         tokens = torch.randint(0, vocab, (step,), generator=generator)
         sync(drafter.device)
@@ -74,7 +78,7 @@ def bench_config(drafter: Drafter, prefix: int, accepted: int, tree_tokens: int,
         drafter.extend(features, tokens)
         sync(drafter.device)
         extended = time.perf_counter()
-        drafter.propose(tree_tokens, depth, top_k)
+        drafter.propose(shape)
         finished = time.perf_counter()  # propose ends with a device-to-host copy: synchronised
         if cycle >= warmup:
             extend_ms.append((extended - started) * 1e3)
@@ -91,7 +95,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 5])
     parser.add_argument("--trees", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="tree sizes T")
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 6, 8])
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--tree-top-k", dest="top_k", type=int, default=8)
     parser.add_argument("--accepted", type=int, default=3, help="accepted drafts per cycle (extend adds +1)")
     parser.add_argument("--prefix", type=int, default=256, help="committed length before timing")
     parser.add_argument("--warmup", type=int, default=3)
@@ -120,16 +124,16 @@ def main() -> None:
         depths = args.big_depths if big else args.depths
         repeats = args.big_repeats if big else args.repeats
         warmup = min(args.warmup, 1) if big else args.warmup
+        # Depth is clamped to what T allows (depth <= T - 1): the table shows the depth used.
+        shapes = [TreeShape.clamped(tree_tokens, depth, args.top_k) for depth in depths for tree_tokens in trees]
         for layers in layers_list:
             head = random_head(SIZES[size], layers, args.fusion, device, dtype)
             drafter = Drafter(head, max_len=args.prefix + (args.accepted + 1) * (warmup + repeats) + 8,
-                              scratch_len=max(max(depths) * args.top_k, 8))
-            for depth in depths:
-                for tree_tokens in trees:
-                    extend_ms, propose_ms = bench_config(drafter, args.prefix, args.accepted, tree_tokens, depth,
-                                                         args.top_k, warmup, repeats)
-                    print(f"{size:>7} {layers:>6} {depth:>5} {tree_tokens:>4} {extend_ms:>10.2f} "
-                          f"{propose_ms:>11.2f} {extend_ms + propose_ms:>9.2f}", flush=True)
+                              scratch_len=max(shape.scratch_slots for shape in shapes))
+            for shape in shapes:
+                extend_ms, propose_ms = bench_config(drafter, args.prefix, args.accepted, shape, warmup, repeats)
+                print(f"{size:>7} {layers:>6} {shape.depth:>5} {shape.tree_tokens:>4} {extend_ms:>10.2f} "
+                      f"{propose_ms:>11.2f} {extend_ms + propose_ms:>9.2f}", flush=True)
             del drafter, head
 
 

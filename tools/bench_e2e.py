@@ -9,31 +9,27 @@ the stdlib is found, else to a few built-in code prompts.
 
 from __future__ import annotations
 
-import hashlib
 import statistics
-import sysconfig
 import uuid
 from collections import defaultdict
-from pathlib import Path
 
 import click
+import msgspec
 
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
-from dovetail_runtime.generation import TreeSettings
 from ipc import messages as m
+from ipc.tree import TreeShape
+from tools.train.corpus import stdlib_files
 
 FALLBACK_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):",
                     "for i in range(10):", "def parse_args(argv=None):", "class Config(dict):"]
 
 
 def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
-    """Beginnings of held-out stdlib files (sha1 of the relative path is 0 mod 20)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
-                   and "tests" not in p.parts)
-    chosen = [p for p in files if int(hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest(), 16) % 20 == 0]
+    """Beginnings of held-out stdlib files, in sorted path order; the split and the file
+    listing are the training corpus's (tools.train.corpus), so the bench never sees train files."""
     prompts = []
-    for path in chosen:
+    for path in stdlib_files("heldout"):
         text = path.read_text(encoding="utf-8", errors="replace")
         if len(text) > chars:
             # End at the end of a line, without its newline: BPE merges a newline with the next
@@ -52,14 +48,14 @@ def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--tree-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--depth", type=click.IntRange(min=1), default=6, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
 def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens, depth, top_k, cpu_threads,
          seed) -> None:
     prompts = heldout_prompts(prompt_count)
     settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning",
-                               tree=TreeSettings(tree_tokens, min(depth, tree_tokens - 1), top_k))
+                               tree=TreeShape.clamped(tree_tokens, depth, top_k))
     rows = []
     with Coordinator(settings) as coordinator:
         coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
@@ -69,10 +65,10 @@ def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens,
                 for mode in ("dovetail", "ar"):
                     reply = coordinator.generate(m.GenerateRequest(
                         request_id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_new_tokens, mode=mode,
-                        temperature=temperature, seed=seed + index))
+                        sampling=m.Sampling(temperature=temperature, seed=seed + index)))
                     if isinstance(reply, m.ErrorReply):
                         raise click.ClickException(f"{mode}: {reply.code}: {reply.message}")
-                    for key, value in reply.stats.items():
+                    for key, value in msgspec.to_builtins(reply.stats).items():
                         if not isinstance(value, list):
                             totals[mode][key].append(value)
             rows.append((temperature, totals))

@@ -16,7 +16,8 @@ from pathlib import Path
 import click
 import torch
 
-from cpu_worker import TargetEngine, greedy_decode, load_target_model
+from cpu_worker.engine import TargetEngine, greedy_decode
+from cpu_worker.loading import load_target_model
 
 TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -90,9 +91,8 @@ def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
     bandwidth = memory_bandwidth_gbs()
     print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth:.1f} GB/s")
     with tempfile.TemporaryDirectory() as scratch:
-        paths = {"testbed": TESTBED, "random-110m": None}
         for name in models.split(","):
-            path = paths[name] if name == "testbed" else random_llama_110m(Path(scratch) / name)
+            path = TESTBED if name == "testbed" else random_llama_110m(Path(scratch) / name)
             model = load_target_model(path)
             engine = TargetEngine(model, max_len=512)
             model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

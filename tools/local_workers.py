@@ -1,46 +1,68 @@
 """Both workers in this process: the coordinator's cycle without sockets or processes.
 
 ``LocalWorker`` gives a worker's request handlers (``cpu_worker.server.TargetService``,
-``gpu_worker.server.DraftService``) the ``request``/``send`` interface of ``WorkerHandle``,
-so ``generation.generate_dovetail`` / ``generate_ar`` run unchanged over them: the same
-messages, the same cycle, no IPC. Used by tests and in-process measurements.
+``gpu_worker.server.DraftService``) the ``request``/``send`` interface of
+``dovetail_runtime.workers.WorkerHandle``, so ``generate_dovetail`` / ``generate_ar`` run
+unchanged over them. Every message still goes through the protocol's codec (encoded and
+decoded, so validated exactly as between processes) and hidden states through real
+shared-memory rings; only the sockets are gone. Used by tests and in-process measurements.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, TypeVar
 
-from .worker_loop import SequenceError
-from .workers import WorkerRequestError
+from dovetail_runtime.workers import WorkerRequestError
+from ipc import messages as m
+from ipc.codec import decode, encode
+from ipc.shm_ring import ShmRing, slot_bytes_for
+from ipc.tree import TreeShape
+from ipc.worker_loop import Handlers, handle
+
+if TYPE_CHECKING:
+    from cpu_worker.engine import TargetEngine
+    from gpu_worker.drafter import Drafter
+
+R = TypeVar("R", bound=m.Message)
 
 
 class LocalWorker:
-    def __init__(self, name: str, handlers: dict[type, Callable[[Any], Any]]):
+    def __init__(self, name: str, handlers: Handlers):
         self.name = name
         self.handlers = handlers
 
-    def request(self, message: Any, expect: type) -> Any:
-        try:
-            reply = self.handlers[type(message)](message)
-        except SequenceError as error:
-            raise WorkerRequestError(f"{self.name}: {error}") from None
+    def request(self, message: m.Message, expect: type[R]) -> R:
+        reply = handle(self.name, self.handlers, decode(encode(message)))
+        if isinstance(reply, m.WorkerError):
+            raise WorkerRequestError(f"{self.name}: {reply.message}")
         if not isinstance(reply, expect):
             raise TypeError(f"{self.name} answered {type(reply).__name__}, expected {expect.__name__}")
-        return reply
+        decoded = decode(encode(reply), (expect,))
+        assert isinstance(decoded, expect)
+        return decoded
 
-    def send(self, message: Any) -> None:
-        handler = self.handlers.get(type(message))
-        if handler is not None:
-            handler(message)
+    def send(self, message: m.Message) -> None:
+        handle(self.name, self.handlers, decode(encode(message)))
 
 
-def local_workers(engine: Any, drafter: Any | None = None) -> tuple[LocalWorker, LocalWorker | None]:
-    """(cpu, gpu) local workers over an in-process TargetEngine and Drafter (features travel
-    as inline blocks)."""
+@contextlib.contextmanager
+def local_workers(engine: TargetEngine, drafter: Drafter | None = None,
+                  largest_tree: TreeShape = TreeShape()) -> Iterator[tuple[LocalWorker, LocalWorker | None]]:
+    """(cpu, gpu) local workers over an in-process TargetEngine and Drafter, with rings sized as
+    the coordinator sizes them (for trees up to ``largest_tree`` and the engine's context)."""
     from cpu_worker.server import TargetService
     from gpu_worker.server import DraftService
 
-    cpu = LocalWorker("cpu_worker", TargetService(engine, ring=None).handlers())
-    gpu = None if drafter is None else LocalWorker("gpu_worker", DraftService(drafter, ring=None).handlers())
-    return cpu, gpu
+    hidden = engine.spec.hidden_size
+    cycle = ShmRing.create(slot_bytes_for(largest_tree.feature_rows, hidden, "float32"), 4)
+    prefill = ShmRing.create(slot_bytes_for(engine.max_len, hidden, "float32"), 1)
+    try:
+        cpu = LocalWorker("cpu_worker", TargetService(engine, cycle, prefill).handlers())
+        gpu = None if drafter is None else LocalWorker(
+            "gpu_worker", DraftService(drafter, {cycle.name: cycle, prefill.name: prefill}).handlers())
+        yield cpu, gpu
+    finally:
+        cycle.close()
+        prefill.close()

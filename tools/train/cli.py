@@ -135,7 +135,8 @@ def train(target, train_dir, heldout_dir, out_dir, fusion, layers, batch_size, l
           weight_decay, clip, noise, epochs, steps, max_tokens, eval_every, eval_tokens, save_every, seed, bf16,
           save_dtype, include_frozen, restart, threads) -> None:
     """Train a draft head on stored features; the result loads with dovetail-run --draft OUT."""
-    from .trainer import TrainConfig, train as run_training
+    from .trainer import TrainConfig
+    from .trainer import train as run_training
 
     set_threads(threads)
     config = TrainConfig(fusion=fusion, layers=layers, batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio,
@@ -169,7 +170,8 @@ def parse_tree(value: str) -> tuple[int, int, int]:
 @click.option("--new-tokens", type=click.IntRange(min=1), default=128, help="Greedy tokens to generate.")
 @click.option("--tree-tokens", type=click.IntRange(min=1), default=16, help="Tree size T (root included).")
 @click.option("--depth", type=click.IntRange(min=1), default=6, help="Most draft tokens on one path.")
-@click.option("--top-k", type=click.IntRange(min=1), default=8, help="Beam width / children per node.")
+@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1), default=8,
+              help="The draft tree's beam width: children kept per node and nodes per level.")
 @click.option("--tree", "trees", multiple=True, help="Extra tree settings T,DEPTH,TOP_K (repeatable), e.g. 7,4,4.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
@@ -181,6 +183,7 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
     from cpu_worker.engine import TargetEngine
     from cpu_worker.loading import load_target_model, resolve_model_dir
     from gpu_worker.drafter import Drafter
+    from ipc.tree import TreeShape
 
     from .corpus import expand_inputs, stdlib_files, stdlib_root
     from .evaluate import file_prompts, format_table, measure_tau
@@ -200,7 +203,8 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
     model = load_target_model(target_dir).eval()
     room = prompt_tokens + new_tokens + max(t for t, _, _ in settings) + 1
     engine = TargetEngine(model, max_len=room)
-    drafter = Drafter.from_pretrained(draft, target_dir, max_len=room, device="cpu")
+    scratch = max(TreeShape.clamped(*setting).scratch_slots for setting in settings)
+    drafter = Drafter.from_pretrained(draft, target_dir, max_len=room, device="cpu", scratch_len=scratch)
     results = measure_tau(engine, drafter, prompts, new_tokens, tokenizer.eos_token_id, settings)
     if as_json:
         click.echo(json.dumps({"target": str(target_dir), "draft": str(draft), "prompt_tokens": prompt_tokens,
@@ -208,7 +212,7 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
         return
     click.echo(format_table(results))
     ties = sum(len(r.near_ties) for r in results)
-    click.echo(f"lossless: every output equals the target's greedy decode"
+    click.echo("lossless: every output equals the target's greedy decode"
                + (f" ({ties} near-tie divergences, top-2 gap < 1e-4)" if ties else ""))
 
 
@@ -220,18 +224,17 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
 @click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", help="Stored precision.")
 def export(target, draft, out_dir, dtype) -> None:
     """Write a small copy of a target (weights in --dtype + config + tokenizer) or of a head."""
-    import torch
-
-    from cpu_worker.loading import resolve_model_dir
+    from cpu_worker.model_dir import resolve_model_dir
+    from ipc.dtypes import torch_dtype
 
     from .export import export_head, export_target
 
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    stored = torch_dtype(dtype)
     target_dir = resolve_model_dir(target)
     if draft:
-        export_head(Path(draft), target_dir, out_dir, torch_dtype)
+        export_head(Path(draft), target_dir, out_dir, stored)
     else:
-        export_target(target_dir, out_dir, torch_dtype)
+        export_target(target_dir, out_dir, stored)
     size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
     click.echo(f"wrote {out_dir} ({human_bytes(size)})")
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from .chat import render_conversation
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 JSON_SUFFIXES = (".jsonl", ".json")
 HELDOUT_MODULUS = 20
 # The testbed's corpus: every stdlib .py file outside site-packages (1,697 train + 93 held-out).
@@ -134,10 +133,10 @@ def read_documents(files: Iterable[Path], tokenizer: Any, text_field: str = "tex
                 if any(mask):  # a conversation without assistant turns teaches nothing
                     yield Document(name, ids, mask)
                 continue
-            text = record.get(text_field)
-            if not isinstance(text, str):
+            field_text = record.get(text_field)
+            if not isinstance(field_text, str):
                 raise CorpusError(f"{name}: record has no string field {text_field!r} and no conversation")
-            ids = encode_text(tokenizer, text)
+            ids = encode_text(tokenizer, field_text)
             yield Document(name, ids, [True] * len(ids))
 
 

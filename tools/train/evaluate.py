@@ -20,10 +20,11 @@ import torch
 from tqdm import tqdm
 
 from cpu_worker.engine import TargetEngine
-from dovetail_runtime.generation import Job, TreeSettings, generate_dovetail
-from dovetail_runtime.local import local_workers
+from dovetail_runtime.generation import Job, generate_dovetail
 from gpu_worker.drafter import Drafter
 from ipc.messages import Sampling
+from ipc.tree import TreeShape
+from tools.local_workers import local_workers
 
 NEAR_TIE = 1e-4
 
@@ -87,12 +88,18 @@ def speculative_greedy(engine: TargetEngine, drafter: Drafter, prompt: Sequence[
                        result: TauResult) -> list[int]:
     """The runtime's own draft/verify cycle (generation.generate_dovetail over in-process
     workers); adds its cycles and the tokens they emitted to ``result``."""
-    cpu, gpu = local_workers(engine, drafter)
+    shape = TreeShape.clamped(tree_tokens, depth, top_k)
     job = Job(seq_id=1, prompt_ids=list(prompt), max_new_tokens=new_tokens, sampling=Sampling(),
-              eos_token_id=eos, max_len=engine.max_len)
+              eos_token_ids=frozenset() if eos is None else frozenset({eos}), max_len=engine.max_len)
     out: list[int] = []
-    _, stats = generate_dovetail(cpu, gpu, job, TreeSettings(tree_tokens, depth, top_k),
-                                 lambda tokens: out.extend(tokens) or False)
+
+    def keep(tokens: list[int]) -> bool:
+        out.extend(tokens)
+        return False  # never stop early
+
+    with local_workers(engine, drafter, shape) as (cpu, gpu):
+        assert gpu is not None
+        _, stats = generate_dovetail(cpu, gpu, job, shape, keep)
     result.cycles += stats.cycles
     result.cycle_tokens += len(out) - 1  # every kept token but the prefill's
     for accepted, count in enumerate(stats.accept_per_depth):

@@ -33,8 +33,8 @@ def export_target(target_dir: Path, out_dir: Path, dtype: torch.dtype = torch.fl
     for file in TOKENIZER_FILES:
         if (target_dir / file).exists():
             shutil.copyfile(target_dir / file, out_dir / file)  # contents only: sources may be read-only
-    for file in out_dir.iterdir():
-        file.chmod(0o644)
+    for written in out_dir.iterdir():
+        written.chmod(0o644)
     return out_dir
 
 

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ipc.dtypes import torch_dtype
+
 from .corpus import Document
-from .shards import (DTYPES, FORMAT_VERSION, MANIFEST, read_manifest, shard_name, tokens_digest,
-                     write_json_atomic, write_shard)
+from .shards import FORMAT_VERSION, MANIFEST, read_manifest, shard_name, tokens_digest, write_json_atomic, write_shard
 
 
 @dataclass
@@ -97,7 +98,7 @@ def extract_features(target: Any, windows: list[Window], out_dir: Path, config: 
     if manifest is not None and manifest["config"] != full_config:
         if not overwrite:
             raise ValueError(f"{out_dir / MANIFEST} was written with different settings; use another folder "
-                             "or --overwrite.\n  stored: " + str(manifest["config"]) + "\n  now:    " + str(full_config))
+                             f"or --overwrite.\n  stored: {manifest['config']}\n  now:    {full_config}")
         manifest = None
     if manifest is None:
         for stale in out_dir.glob("shard-*.safetensors"):
@@ -122,7 +123,7 @@ def extract_features(target: Any, windows: list[Window], out_dir: Path, config: 
     skipped = sum(entry["tokens"] for entry in kept)
     max_window = max((len(w.tokens) for w in windows), default=1)
     engine = TargetEngine(target, max_len=max_window)
-    store_dtype = DTYPES[dtype]
+    store_dtype = torch_dtype(dtype)
     started = time.perf_counter()
     bar = tqdm(total=total_tokens, initial=skipped, unit="tok", unit_scale=True, desc="features",
                disable=not progress, dynamic_ncols=True)

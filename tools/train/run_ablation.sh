@@ -23,7 +23,7 @@ train_one() {  # fusion layers
 eval_one() {  # fusion layers
   local out="$runs/ablation/$1-$2"
   "$bin/dovetail-train" eval --target "$target" --draft "$out" --files "$files" --tree-tokens 16 --depth 6 \
-    --top-k 8 --tree 7,4,4 --json --threads 1 > "$out.tau.json" 2> "$out.tau.log"
+    --tree-top-k 8 --tree 7,4,4 --json --threads 1 > "$out.tau.json" 2> "$out.tau.log"
 }
 
 mkdir -p "$runs/ablation"

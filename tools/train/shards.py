@@ -21,7 +21,6 @@ import torch
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 
 
 def shard_name(index: int) -> str:
