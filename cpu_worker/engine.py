@@ -15,12 +15,25 @@ import torch
 from ipc.tree import tree_depths, validate_parents
 
 from .acceptance import accept_greedy, accept_sampled
+from .int8 import RowwiseInt8Linear
 from .llama import KVCache, LlamaDecoder, RotaryTable
 from .sampling import Sampler, processed_probs
 
 
 class ContextOverflowError(ValueError):
     """The sequence would not fit in the engine's context (KV cache)."""
+
+
+def tree_paths(parents: Sequence[int]) -> list[list[int]]:
+    """Each node's ancestors and itself, root first."""
+    paths: list[list[int]] = []
+    for index, parent in enumerate(parents):
+        paths.append((paths[int(parent)] if parent >= 0 else []) + [index])
+    return paths
+
+
+def has_batch_invariant_linears(model: torch.nn.Module) -> bool:
+    return any(isinstance(module, RowwiseInt8Linear) for module in model.modules())
 
 
 def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
@@ -50,7 +63,11 @@ class VerifyOutcome:
 
 
 class TargetEngine:
-    def __init__(self, model: LlamaDecoder, max_len: int | None = None, activation_dtype: torch.dtype = torch.float32):
+    def __init__(self, model: LlamaDecoder, max_len: int | None = None, activation_dtype: torch.dtype = torch.float32,
+                 exact_tree: bool | None = None):
+        """``exact_tree``: verify a tree row by row in attention so every node's logits equal
+        a decode's bit for bit (default: when the linear layers are batch-invariant, i.e.
+        int8 W8A8; fp32 GEMMs round differently per batch size anyway, at ~1e-6)."""
         spec = model.spec
         limit = spec.max_position_embeddings
         if spec.sliding_window is not None:
@@ -60,6 +77,7 @@ class TargetEngine:
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_len must be in 1..{limit} for this model, got {max_len}")
         self.model = model
+        self.exact_tree = has_batch_invariant_linears(model) if exact_tree is None else exact_tree
         self.spec = spec
         self.max_len = max_len
         self.dtype = activation_dtype
@@ -112,9 +130,13 @@ class TargetEngine:
         self._check_room(size)
         prefix = self.committed
         positions = torch.as_tensor(depths, dtype=torch.long) + prefix
-        mask = torch.cat([torch.ones(size, prefix, dtype=torch.bool), tree_ancestor_mask(parents)], dim=1)
-        features, logits = self.model(torch.as_tensor(tokens, dtype=torch.long), positions, self.cache,
-                                      self.rotary, prefix, mask)
+        tokens_tensor = torch.as_tensor(tokens, dtype=torch.long)
+        if self.exact_tree:
+            features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, None,
+                                          paths=tree_paths(parents))
+        else:
+            mask = torch.cat([torch.ones(size, prefix, dtype=torch.bool), tree_ancestor_mask(parents)], dim=1)
+            features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, mask)
         return features, logits.float()
 
     def commit_path(self, accepted_nodes: Sequence[int]) -> None:

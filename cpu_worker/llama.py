@@ -15,6 +15,7 @@ new tokens are not a plain causal continuation. Without a cache, ``Attention`` a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,15 +169,23 @@ class KVCache:
     """Preallocated keys and values of every layer for one sequence.
 
     ``keys[layer]`` is [1, kv_heads, max_len, head_dim]. Slots past the committed length
-    may hold stale rows (a rejected tree); the attention length and mask never read them.
+    may hold stale rows (a rejected tree) or nothing yet; the attention length and mask never
+    read them. Allocated empty, not zeroed: on the CPU the pages of a large allocation are
+    committed only as they are first written, so memory grows with the context actually used
+    (a Llama-3.1-8B at its full 128k context would otherwise commit 32 GB of fp32 KV at once).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
         self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes at full context (committed as the sequence fills it)."""
+        return 2 * self.keys.numel() * self.keys.element_size()
 
     def gather_rows(self, source: torch.Tensor, destination_start: int) -> None:
         """Copy slots ``source`` (1-D index tensor) to ``destination_start...`` in every layer."""
@@ -199,14 +208,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """x [B, S, d]; cos/sin [S, head_dim] for the S tokens' positions.
 
         With a cache, ``keys``/``values`` are this layer's views [B, kv, max_len, hd] (B = 1
         in the engine and drafter): the new rows go to slots [start, start + S) and attend to
         every slot before them. ``keys=None``: no cache, the S tokens are the whole sequence
         (``start`` must be 0). ``mask``: bool [S, start + S] (True = may attend) or None for
-        a causal continuation.
+        a causal continuation. ``paths`` (a tree, with a cache; replaces ``mask``): each row's
+        ancestors and itself, root first, as row indices; each row then attends exactly as a
+        one-token decode at its position would, bit for bit (see ``_attend_per_row``).
         """
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
@@ -225,7 +236,11 @@ class Attention(nn.Module):
             all_k = keys[:, :, :end]
             all_v = values[:, :, :end]
         gqa = self.num_heads != self.num_kv_heads
-        if mask is not None:
+        if paths is not None and keys is not None and values is not None:
+            out = self._attend_per_row(q, k, v, keys, values, start, paths)
+        elif length == 1 and keys is not None and mask is None:
+            out = _attend_one(q, all_k, all_v, gqa)
+        elif mask is not None:
             out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, enable_gqa=gqa)
         elif length == 1 or start == 0:
             # One new token sees everything; a prefill from slot 0 (or a cache-free window) is plain causal.
@@ -234,6 +249,32 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, all_k, all_v, attn_mask=causal_mask(start, length, x.device), enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                        values: torch.Tensor, start: int, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Tree attention that equals one-token decoding bit for bit: for each row, its path's
+        key/value rows are laid right after the cached prefix (slots start, start + 1, ...) as
+        a decode would have them, and the row attends there with the decode's own call. A
+        batched masked call reads the prefix once but rounds differently (~1e-6), which an
+        int8 target's per-row activation rounding can amplify into a different token."""
+        gqa = self.num_heads != self.num_kv_heads
+        outs = []
+        for row, path in enumerate(paths):
+            end = start + len(path)
+            index = torch.as_tensor(path)
+            keys[:, :, start:end] = k.index_select(2, index)
+            values[:, :, start:end] = v.index_select(2, index)
+            outs.append(_attend_one(q[:, :, row:row + 1], keys[:, :, :end], values[:, :, :end], gqa))
+        # The tree's rows back in node order, where commit_path expects them.
+        keys[:, :, start:start + k.shape[2]] = k
+        values[:, :, start:start + v.shape[2]] = v
+        return torch.cat(outs, dim=2)
+
+
+def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """One query row over every key given: the one call both decoding and exact tree
+    verification make, so both round alike."""
+    return F.scaled_dot_product_attention(q.contiguous(), keys, values, enable_gqa=gqa)
 
 
 def causal_mask(start: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -267,9 +308,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """x [B, S, d] -> [B, S, d]; cache arguments as in ``Attention.forward`` (None: no cache)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask, paths)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -286,13 +327,15 @@ class LlamaDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 rotary: RotaryTable, start: int, mask: torch.Tensor | None,
-                logits_rows: slice | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                logits_rows: slice | torch.Tensor | None = None,
+                paths: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [S]. Returns (features [S, d] after the final norm,
-        logits [R, vocab] for the rows ``logits_rows`` selects, all rows by default)."""
+        logits [R, vocab] for the rows ``logits_rows`` selects, all rows by default).
+        ``paths``: tree rows attend one by one, exactly as decoding would (Attention.forward)."""
         cos, sin = rotary.lookup(positions)
         x = self.embed_tokens(tokens).unsqueeze(0)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask)
+            x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask, paths)
         features = self.norm(x)[0]
         head_input = features if logits_rows is None else features[logits_rows]
         return features, self.lm_head(head_input)

@@ -1,9 +1,13 @@
-"""Target precision on the CPU: fp32 (default), bf16, or int8 linear layers."""
+"""Target precision on the CPU: fp32 (the reference), bf16, or int8 (W8A8, per-token).
+
+Lossless means equal to the target as it runs at that precision, in ``--mode ar``: every
+kernel here gives a row the same result whatever other rows share its call (see
+``cpu_worker.int8`` for why torch's own dynamic int8 does not).
+"""
 
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import TypeVar
 
@@ -11,6 +15,8 @@ import torch
 from torch import nn
 
 from ipc.dtypes import TARGET_PRECISIONS
+
+from .int8 import quantize_linears
 
 log = logging.getLogger(__name__)
 
@@ -26,54 +32,19 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
-class Int8WeightLinear(nn.Module):
-    """Weight-only int8 linear (per-output-channel scales), for torch builds without
-    ``torch.ao.quantization.quantize_dynamic``."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scales", scales)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight_int8, self.scales)
-        out = out.reshape(*shape[:-1], -1)
-        return out if self.bias is None else out + self.bias
+def activation_dtype(precision: str) -> torch.dtype:
+    """The dtype of activations and of the KV cache at a target precision."""
+    if precision not in TARGET_PRECISIONS:
+        raise ValueError(f"target dtype {precision!r} is not one of {', '.join(TARGET_PRECISIONS)}")
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def _quantize_int8(model: ModuleT) -> ModuleT:
-    try:
-        from torch.ao.quantization import quantize_dynamic
-    except ImportError:
-        return _int8_weight_only(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # Dynamic int8: int8 weights, activations quantized per call (fbgemm/onednn kernels).
-        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-def _int8_weight_only(model: ModuleT) -> ModuleT:
-    """Swap every nn.Linear under ``model`` (in place) for an Int8WeightLinear."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, Int8WeightLinear(child))
-        else:
-            _int8_weight_only(child)
-    return model
-
-
-def apply_precision(model: ModuleT, target_dtype: str) -> tuple[ModuleT, torch.dtype]:
+def apply_precision(model: ModuleT, precision: str) -> tuple[ModuleT, torch.dtype]:
     """Convert ``model`` in place; returns it and the dtype of its activations and KV cache."""
-    if target_dtype == "fp32":
-        return model.float(), torch.float32
-    if target_dtype == "bf16":
-        if not cpu_has_native_bf16():
-            log.warning("this CPU has no native bf16 (avx512_bf16/amx_bf16): bf16 will be slow; fp32 is likely faster")
-        return model.to(torch.bfloat16), torch.bfloat16
-    if target_dtype == "int8":
-        return _quantize_int8(model.float()), torch.float32
-    raise ValueError(f"target dtype {target_dtype!r} is not one of {', '.join(TARGET_PRECISIONS)}")
+    dtype = activation_dtype(precision)
+    if precision == "bf16" and not cpu_has_native_bf16():
+        log.warning("this CPU has no native bf16 (avx512_bf16/amx_bf16): bf16 will be slow; fp32 is likely faster")
+    if precision == "int8":
+        quantize_linears(model.float())
+        return model, dtype
+    return model.to(dtype), dtype

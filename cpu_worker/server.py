@@ -17,8 +17,8 @@ from ipc.shm_ring import ShmRing
 from ipc.worker_loop import Handlers, SequenceError, worker_main
 
 from .engine import ContextOverflowError, TargetEngine
-from .loading import load_target_model
-from .precision import apply_precision
+from .loading import load_target_model, weight_bytes
+from .precision import activation_dtype
 from .sampling import Sampler
 from .threads import apply_placement
 
@@ -85,13 +85,15 @@ class TargetService:
 
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     placement = apply_placement(settings.get("threads"), settings.get("cores"))
-    model, activation_dtype = apply_precision(load_target_model(settings["target"]), settings.get("dtype", "fp32"))
-    engine = TargetEngine(model, max_len=settings["max_len"], activation_dtype=activation_dtype)
+    precision = settings.get("dtype", "fp32")
+    model = load_target_model(settings["target"], precision)
+    engine = TargetEngine(model, max_len=settings["max_len"], activation_dtype=activation_dtype(precision))
     rings = settings["rings"]
     service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]))
     info = {"threads": placement.intra_op_threads, "cores": placement.cores, "max_len": engine.max_len,
             "hidden_size": engine.spec.hidden_size, "vocab_size": engine.spec.vocab_size,
-            "dtype": settings.get("dtype", "fp32")}
+            "dtype": precision, "weight_bytes": weight_bytes(model), "kv_cache_bytes": engine.cache.nbytes,
+            "kv_dtype": str(engine.dtype).removeprefix("torch."), "exact_tree": engine.exact_tree}
     return info, service.handlers()
 
 

@@ -1,0 +1,94 @@
+"""W8A8 int8 linear layers whose result for a row never depends on the other rows of its call.
+
+Why: a tree verification runs T rows through each linear layer at once, a plain decode one
+row. With one activation scale per call (torch's ``quantize_dynamic``), a token's int8
+rounding depends on the largest activation among all rows, so the tree and the decode of the
+same prefix disagree and Dovetail is no longer lossless against the int8 target. Here every
+row gets its own scale (per-token), every output channel its own weight scale (per-channel),
+and the integer products are accumulated exactly, so a row's result is the same whatever
+rows share its call.
+
+How, on fbgemm/oneDNN's fast dynamic int8 GEMM (which computes one activation scale and
+zero point from the min and max of the whole input): each row is divided by its own absolute
+maximum, so every row lies in [-1, 1], and one extra "pin" row holding +1 and -1 is appended.
+The kernel's min and max are then exactly -1 and +1 for every call, so its quantization
+parameters never change with the batch; the rows are scaled back by their maxima after the
+integer GEMM. The pin row costs one more row of a memory-bound kernel.
+
+Everything else in a decoder layer is row-wise except attention, whose batched masked call
+rounds differently per batch (~1e-6); one flipped int8 rounding turns that into ~1e-2 in the
+logits, enough to change a near-tied token. So with these layers the engine verifies trees
+row by row in attention (``TargetEngine.exact_tree``) and a node's logits equal a decode's
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+@functools.cache
+def _cpu_has_vnni() -> bool:
+    """VNNI accumulates u8 x s8 products in int32; without it fbgemm's int16 pair sums can
+    saturate unless activations use 7 bits (``reduce_range``)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+class RowwiseInt8Linear(nn.Module):
+    """``y = x W^T + b`` with int8 W (per output channel) and int8 x (per row)."""
+
+    _pin: torch.Tensor  # the [1, in_features] row of +1/-1 that fixes the kernel's quantization range
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        weight = weight.detach().to(torch.float32)
+        self.out_features, self.in_features = weight.shape
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():
+            # Quantized tensors are deprecated for a future torch; they work in the 2.11-2.14 we support.
+            warnings.filterwarnings("ignore", message=".*quantize_per_channel.*deprecated")
+            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
+        self.reduce_range = not _cpu_has_vnni()
+        pin = torch.zeros(1, self.in_features)
+        pin[0, 0], pin[0, -1] = 1.0, -1.0
+        self.register_buffer("_pin", pin, persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: the int8 weight and its scales (the packed form holds the same)."""
+        return self.out_features * (self.in_features + 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        maxima = rows.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        pinned = torch.cat([rows / maxima, self._pin])
+        out = torch.ops.quantized.linear_dynamic(pinned, self._packed, self.reduce_range)[:-1] * maxima
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-row"
+
+
+def quantize_linears(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear under ``model`` (in place) for a RowwiseInt8Linear."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, RowwiseInt8Linear(child.weight, child.bias))
+        else:
+            quantize_linears(child)
+    return model
