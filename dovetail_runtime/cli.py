@@ -144,7 +144,8 @@ def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
               help="Refused: say --tree-top-k or --sample-top-k.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="New tokens per one-shot prompt.")
 @click.option("--max-len", type=click.IntRange(min=2), default=None,
-              help="Context length (KV cache) in tokens. [default: the model's]")
+              help="Context length (KV cache) in tokens: prompt plus new tokens. The cache is reserved for it "
+                   "and committed as it fills.  [default: the model's context, at most 4096]")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail",
               help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline).")
 @click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")

@@ -46,6 +46,9 @@ RESTART_WINDOW_S = 600.0
 CYCLE_RING_SLOTS = 4
 # Ring slots are sized for fp32 rows, the widest features any target precision returns.
 FEATURE_DTYPE = "float32"
+# The context when --max-len is not given (capped by the model's own): a 128k-context model
+# would otherwise reserve a KV cache for 128k tokens (committed only as used, but reserved).
+DEFAULT_CONTEXT = 4096
 
 
 @dataclass
@@ -97,7 +100,7 @@ class Coordinator:
         config = read_config(target_dir)
         self.tokenizer = Tokenizer.from_dir(target_dir)
         limit = context_limit(config)
-        self.max_len = settings.max_len or limit
+        self.max_len = settings.max_len or min(limit, DEFAULT_CONTEXT)
         if self.max_len > limit:
             raise ValueError(f"--max-len {self.max_len} exceeds this model's context of {limit} tokens")
         hidden = int(config["hidden_size"])
@@ -124,6 +127,11 @@ class Coordinator:
             worker.spawn()
         for worker in self.workers():
             worker.wait_ready(settings.startup_timeout_s)
+        info = self.cpu.info
+        log.info("target: %s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
+                 "%.2f GB at full context, committed as it fills", info.get("dtype"),
+                 info.get("weight_bytes", 0) / 1e9, self.max_len, limit, info.get("kv_dtype"),
+                 info.get("kv_cache_bytes", 0) / 1e9)
 
     def workers(self) -> list[WorkerHandle]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
