@@ -1,0 +1,796 @@
+"""Real-cost benchmark: the demo pair inflated to real model shapes, dovetail vs --mode ar.
+
+    python -m tools.bench_real [--runs llama3-3b:fp32,llama2-7b:int8,llama2-13b:int8] [--layers N]
+    python -m tools.bench_real --dry-run        # tiny-1k, 2 prompts x 8 tokens: a smoke test
+
+DESIGN.md 10: ``../shared/testbed/inflate.py`` turns the small trained target (and its draft
+head) into a stand-in with a real model's matrix shapes that computes exactly the same tokens,
+so tau stays the trained pair's while every step streams the bytes and does the FLOPs of the
+real model. For each shape x target precision this bench starts one Coordinator (both worker
+processes, as a user runs them), runs held-out prompts in both modes back to back, and prints
+one markdown table with the terms of DESIGN.md 9 side by side: ar and dovetail decode speed,
+tau, draft / verify / ipc ms per cycle, ar against the memory-bandwidth roofline, and each
+worker's peak RSS. With --verify-sweep it then measures t_verify(T) for each target and plots
+it with the speedup the performance model predicts from it.
+
+Inflated models are cached in --work-dir (a 7B stand-in is 13 GB in fp16: never in the repo).
+Speeds exclude the prefill: tok/s = (new tokens - 1) / (wall - prefill), since the first new
+token comes from the prefill and a 256-token prefill would otherwise dilute both modes alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import click
+from click.core import ParameterSource
+
+from dovetail_runtime.cli import cores_option
+from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+from dovetail_runtime.tokenizer import Tokenizer
+from ipc import messages as m
+from ipc.dtypes import TARGET_PRECISIONS
+from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
+from tools.bench_e2e import FALLBACK_PROMPTS
+from tools.train.corpus import stdlib_files
+
+REPO = Path(__file__).resolve().parents[1]
+INFLATE = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "inflate.py"
+DEMO_TARGET = REPO / "demo" / "target-code-9m"
+DEMO_DRAFT = REPO / "demo" / "draft-dgf"
+DEFAULT_RUNS = "llama3-3b:fp32,llama2-7b:int8,llama2-13b:int8"
+DEFAULT_WORK_DIR = Path("~/.cache/dovetail/standins")
+SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MARKER = "INFLATED.json"  # written last: a folder without it is incomplete
+STORE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+Mode = Literal["dovetail", "ar"]
+# What --dry-run sets, for every option left at its default.
+DRY_RUN = {"runs": "tiny-1k:fp32", "layers": 2, "prompt_count": 2, "max_new_tokens": 8, "sweep_repeats": 2}
+
+
+# --- inflation -----------------------------------------------------------------------------
+
+
+def inflate_script() -> Path:
+    if not INFLATE.is_file():
+        raise click.ClickException(f"{INFLATE} is missing: this bench needs the shared testbed's inflate.py "
+                                   "(a checkout with shared/ beside the repo)")
+    return INFLATE
+
+
+def load_shapes() -> dict[str, tuple[int, ...]]:
+    """inflate.py's SHAPES table (hidden, heads, kv_heads, head_dim, intermediate, layers): one source of truth."""
+    spec = importlib.util.spec_from_file_location("_dovetail_inflate", inflate_script())
+    if spec is None or spec.loader is None:
+        raise click.ClickException(f"cannot import {INFLATE}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.SHAPES)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The matrix sizes of a Llama-family model, enough to count its bytes."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Dims:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return cls(hidden, heads, int(config.get("num_key_value_heads") or heads),
+                   int(config.get("head_dim") or hidden // heads), int(config["intermediate_size"]),
+                   int(config["num_hidden_layers"]), int(config["vocab_size"]))
+
+    @classmethod
+    def from_shape(cls, shape: tuple[int, ...], layers: int, vocab: int) -> Dims:
+        hidden, heads, kv_heads, head_dim, intermediate, _ = shape
+        return cls(hidden, heads, kv_heads, head_dim, intermediate, layers, vocab)
+
+    @property
+    def linear_params(self) -> int:
+        """Every matrix a decode step reads: the layers' projections and the lm_head."""
+        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        return self.layers * (attention + 3 * self.hidden * self.intermediate) + self.vocab * self.hidden
+
+    @property
+    def norm_params(self) -> int:
+        return (2 * self.layers + 1) * self.hidden
+
+    @property
+    def all_params(self) -> int:
+        return self.linear_params + self.norm_params + self.vocab * self.hidden  # + the embedding
+
+    def streamed_bytes(self, precision: str) -> int:
+        """Bytes one decode step must read at this precision. The embedding is left out: a
+        step reads one row of it. int8 keeps norms in fp32; its per-channel scales are ~0.1%."""
+        norm_bytes = 2 if precision == "bf16" else 4
+        return self.linear_params * PRECISION_BYTES[precision] + self.norm_params * norm_bytes
+
+
+def fingerprint(*folders: Path) -> str:
+    """Short hash of the source folders (path, file names, sizes, mtimes): a retrained source
+    gets a new cache folder instead of a stale stand-in."""
+    digest = hashlib.sha1()
+    for folder in folders:
+        digest.update(str(folder.resolve()).encode())
+        for file in sorted(folder.iterdir()):
+            stat = file.stat()
+            digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:8]
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(file.stat().st_size for file in folder.iterdir() if file.is_file())
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed + (1 << 30):
+        raise click.ClickException(f"inflating needs about {needed / 1e9:.1f} GB in {folder}; "
+                                   f"{free / 1e9:.1f} GB free (pick another --work-dir)")
+
+
+def ensure_inflated(what: str, arguments: list[str], destination: Path, size_estimate: int) -> Path:
+    """Run ``inflate.py`` into ``DESTINATION.partial``, mark it complete, then rename it, so a
+    cache folder is either complete or absent. Reused when its marker is there."""
+    if (destination / MARKER).is_file():
+        print(f"reusing {what}: {destination} ({folder_bytes(destination) / 1e9:.2f} GB)", flush=True)
+        return destination
+    partial = destination.with_name(destination.name + ".partial")
+    for stale in (partial, destination):  # an interrupted earlier run's leftovers in our own cache
+        if stale.exists():
+            shutil.rmtree(stale)
+    check_free_space(destination.parent, size_estimate)
+    print(f"inflating {what} (~{size_estimate / 1e9:.1f} GB) -> {destination} ...", flush=True)
+    command = [sys.executable, str(inflate_script()), *arguments, str(partial)]
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO)
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        raise click.ClickException(f"inflate.py failed (exit {result.returncode}): {shlex.join(command)}")
+    (partial / MARKER).write_text(json.dumps({"command": command, "seconds": round(seconds, 1)}, indent=1))
+    partial.rename(destination)
+    print(f"  done in {seconds:.1f} s, {folder_bytes(destination) / 1e9:.2f} GB on disk", flush=True)
+    return destination
+
+
+@dataclass(frozen=True)
+class Sources:
+    target: Path  # the small trained target
+    draft: Path  # its head
+    work_dir: Path
+    store_dtype: str  # dtype of the inflated target's files
+
+
+def inflate_target(sources: Sources, shape_name: str, shape: tuple[int, ...], layers: int) -> Path:
+    config = json.loads((sources.target / "config.json").read_text())
+    name = (f"target-{sources.target.name}-{fingerprint(sources.target)}-{shape_name}-"
+            f"L{layers}-{sources.store_dtype}")
+    size = Dims.from_shape(shape, layers, int(config["vocab_size"])).all_params * STORE_BYTES[sources.store_dtype]
+    arguments = ["target", str(sources.target), "--shape", shape_name, "--dtype", sources.store_dtype,
+                 "--layers", str(layers)]
+    return ensure_inflated(f"target {shape_name} ({layers} layers, {sources.store_dtype})", arguments,
+                           sources.work_dir / name, size)
+
+
+def inflate_head(sources: Sources, shape_name: str, shape: tuple[int, ...]) -> Path:
+    """The head's inflation depends on the shape and the small target only (not on --layers)."""
+    config = json.loads((sources.draft / "config.json").read_text())
+    head_layers = int(config["num_hidden_layers"])
+    name = (f"head-{sources.draft.name}-{fingerprint(sources.draft, sources.target)}-{shape_name}-"
+            f"L{head_layers}-fp16")
+    size = Dims.from_shape(shape, head_layers, 0).all_params * 2 + 4 * shape[0] ** 2 * 2  # layers + W_1, W_2, W_z
+    arguments = ["head", str(sources.draft), "--target-src", str(sources.target), "--shape", shape_name,
+                 "--dtype", "fp16"]
+    return ensure_inflated(f"head {sources.draft.name} for {shape_name} ({head_layers} layers, fp16)", arguments,
+                           sources.work_dir / name, size)
+
+
+# --- prompts -------------------------------------------------------------------------------
+
+
+def heldout_prompts(tokenizer: Tokenizer, count: int, tokens: int) -> tuple[list[str], str]:
+    """The first ``tokens`` tokens of held-out stdlib files (DESIGN.md 10), cut with the
+    runtime's own tokenizer and decoded back to text; files shorter than that are skipped so
+    every prompt has the same length. Falls back to built-in code prompts without the stdlib."""
+    prompts: list[str] = []
+    for path in stdlib_files("heldout"):
+        # 16 characters per token is far more than this BPE averages: enough text, not a whole file.
+        ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace")[: tokens * 16])
+        if len(ids) >= tokens:
+            prompts.append(tokenizer.decode(ids[:tokens]))
+        if len(prompts) == count:
+            return prompts, f"the first {tokens} tokens of {count} held-out stdlib files"
+    missing = count - len(prompts)
+    fallback = [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(missing)]
+    note = f"{len(prompts)} held-out stdlib prompts of {tokens} tokens + {missing} short built-in prompts"
+    return prompts + fallback, note
+
+
+# --- one run: a Coordinator, prompts in both modes -----------------------------------------
+
+
+@dataclass
+class ModeTotals:
+    """One mode's statistics summed over its requests."""
+
+    requests: int = 0
+    new_tokens: int = 0
+    cycles: int = 0
+    cycle_tokens: float = 0.0
+    wall_ms: float = 0.0
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    ipc_ms: float = 0.0
+
+    def add(self, stats: m.RequestStats) -> None:
+        self.requests += 1
+        self.new_tokens += stats.new_tokens
+        self.cycles += stats.cycles
+        self.cycle_tokens += stats.tau * stats.cycles
+        self.wall_ms += stats.wall_ms
+        self.prefill_ms += stats.prefill_ms
+        self.draft_ms += stats.draft_ms
+        self.verify_ms += stats.verify_ms
+        self.ipc_ms += stats.ipc_ms
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.new_tokens - self.requests  # the first token of each request is the prefill's
+
+    @property
+    def decode_ms(self) -> float:
+        return self.wall_ms - self.prefill_ms
+
+    def tokens_per_s(self) -> float | None:
+        return self.decode_tokens / (self.decode_ms / 1e3) if self.decode_tokens > 0 and self.decode_ms > 0 else None
+
+    def ms_per_token(self) -> float | None:
+        return self.decode_ms / self.decode_tokens if self.decode_tokens > 0 else None
+
+    def per_cycle(self, total_ms: float) -> float | None:
+        return total_ms / self.cycles if self.cycles else None
+
+    def tau(self) -> float | None:
+        return self.cycle_tokens / self.cycles if self.cycles else None
+
+
+@dataclass
+class RunResult:
+    shape: str
+    precision: str
+    layers: int
+    tree: TreeShape
+    target_dir: Path | None = None
+    modes: dict[str, ModeTotals] = field(default_factory=lambda: {"dovetail": ModeTotals(), "ar": ModeTotals()})
+    compared: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    rss_kb: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> VmHWM / VmRSS
+    weight_bytes: int | None = None
+    weight_bytes_source: str = ""
+    threads: int | None = None
+    prompt_lengths: list[int] = field(default_factory=list)
+    sweep_prompt: list[int] = field(default_factory=list)
+    sweep_ms: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape} {self.precision}"
+
+    def ratio(self) -> float | None:
+        dovetail, ar = self.modes["dovetail"].tokens_per_s(), self.modes["ar"].tokens_per_s()
+        return dovetail / ar if dovetail and ar else None
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (the shorter length when one is a prefix), None if equal."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def proc_status_kb(pid: int) -> dict[str, int]:
+    """VmHWM (peak resident) and VmRSS of a live process, in kB, from /proc/<pid>/status."""
+    found = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                found[key] = int(value.split()[0])
+    except OSError:
+        pass
+    return found
+
+
+def run_prompt(coordinator: Coordinator, result: RunResult, index: int, prompt: str, max_new_tokens: int) -> None:
+    """Both modes on one prompt back to back (the order alternates per prompt, so neither mode
+    always runs on a warmer machine), then compare their tokens."""
+    order: tuple[Mode, Mode] = ("dovetail", "ar") if index % 2 == 0 else ("ar", "dovetail")
+    tokens: dict[str, list[int]] = {}
+    for mode in order:
+        reply = coordinator.generate(m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt,
+                                                       max_new_tokens=max_new_tokens, mode=mode))
+        if isinstance(reply, m.ErrorReply):
+            message = f"prompt {index} {mode}: {reply.code}: {reply.message}"
+            print(f"ERROR {result.label}: {message}", file=sys.stderr, flush=True)
+            result.errors.append(message)
+            return
+        result.modes[mode].add(reply.stats)
+        tokens[mode] = list(reply.token_ids)
+    result.compared += 1
+    where = first_difference(tokens["dovetail"], tokens["ar"])
+    if where is not None:
+        result.mismatches.append(f"prompt {index} at token {where}")
+        print(f"MISMATCH {result.label}: dovetail and ar differ on prompt {index} from new token {where}",
+              file=sys.stderr, flush=True)
+
+
+def read_worker_memory(coordinator: Coordinator, result: RunResult) -> None:
+    for worker in coordinator.workers():
+        if worker.process is not None:
+            result.rss_kb[worker.name] = proc_status_kb(worker.process.pid)
+
+
+def target_weight_bytes(coordinator: Coordinator, target_dir: Path, precision: str) -> tuple[int, str]:
+    """The bytes a decode step streams: the cpu_worker's own count when it reports one, else
+    an estimate from the config (parameters x bytes per parameter at the precision)."""
+    info = coordinator.cpu.info if coordinator.cpu is not None else {}
+    if isinstance(info.get("weight_bytes"), int):
+        return info["weight_bytes"], "cpu_worker"
+    config = json.loads((target_dir / "config.json").read_text())
+    return Dims.from_config(config).streamed_bytes(precision), "config estimate"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    prompt_count: int
+    prompt_tokens: int
+    max_new_tokens: int
+    tree: TreeShape
+    cpu_threads: int | None
+    cpu_cores: list[int] | None
+    draft_device: str
+    startup_timeout_s: float
+
+
+def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: RunOptions) -> str:
+    """One Coordinator for one target: warm-up, then every prompt in both modes. Returns the prompt note."""
+    settings = RuntimeSettings(
+        target=str(target_dir), draft=str(head_dir), target_dtype=result.precision,
+        cpu_threads=options.cpu_threads, cpu_cores=options.cpu_cores, draft_device=options.draft_device,
+        tree=options.tree, log_level="warning", startup_timeout_s=options.startup_timeout_s,
+        # Room for the prompt (re-encoding a cut prompt can add a token or two), the new tokens and one tree.
+        max_len=options.prompt_tokens + options.max_new_tokens + options.tree.tree_tokens + 32)
+    print(f"\n== {result.label}: starting the workers ...", flush=True)
+    started = time.perf_counter()
+    with Coordinator(settings) as coordinator:
+        assert coordinator.tokenizer is not None and coordinator.cpu is not None
+        print(f"   workers ready in {time.perf_counter() - started:.1f} s "
+              f"(cpu_worker {coordinator.cpu.info}, gpu_worker {coordinator.gpu.info if coordinator.gpu else {}})",
+              flush=True)
+        result.threads = coordinator.cpu.info.get("threads")
+        result.weight_bytes, result.weight_bytes_source = target_weight_bytes(coordinator, target_dir,
+                                                                              result.precision)
+        prompts, note = heldout_prompts(coordinator.tokenizer, options.prompt_count, options.prompt_tokens)
+        result.prompt_lengths = [len(coordinator.tokenizer.encode(prompt)) for prompt in prompts]
+        result.sweep_prompt = coordinator.tokenizer.encode(prompts[0])
+        for mode in ("dovetail", "ar"):  # first-call costs (allocations, thread pools) out of the numbers
+            coordinator.generate(m.GenerateRequest(request_id=f"warmup-{mode}", prompt=FALLBACK_PROMPTS[0],
+                                                   max_new_tokens=4, mode=mode))
+        for index, prompt in enumerate(prompts):
+            step = time.perf_counter()
+            run_prompt(coordinator, result, index, prompt, options.max_new_tokens)
+            print(f"   prompt {index + 1}/{len(prompts)}: both modes in {time.perf_counter() - step:.1f} s",
+                  flush=True)
+        read_worker_memory(coordinator, result)
+    return note
+
+
+# --- bandwidth and the verify sweep --------------------------------------------------------
+
+
+def measure_bandwidth(threads: int | None, megabytes: int = 1024, repeats: int = 5) -> tuple[float, float]:
+    """(read GB/s, copy GB/s), best of ``repeats``. Read (a sum: every byte read once, nothing
+    written) is the roofline of a decode step; copy counts read + written bytes."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    source = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    nbytes = source.numel() * 4
+    read, copy = [], []
+    for _ in range(repeats + 1):  # the first round faults pages in
+        start = time.perf_counter()
+        source.sum()
+        read.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        target.copy_(source)
+        copy.append(time.perf_counter() - start)
+    del source, target
+    gc.collect()
+    return nbytes / min(read[1:]) / 1e9, 2 * nbytes / min(copy[1:]) / 1e9
+
+
+def balanced_parents(size: int) -> list[int]:
+    """A balanced binary tree of ``size`` nodes in compact form (node i's parent is (i-1)//2)."""
+    return [-1] + [(index - 1) // 2 for index in range(1, size)]
+
+
+def load_like_the_worker(path: str, precision: str) -> tuple[Any, Any]:
+    """(model, activation dtype) loaded as the cpu_worker loads it: converted tensor by tensor
+    (a 13B int8 target never exists in fp32, which would not fit in RAM)."""
+    from cpu_worker.loading import load_target_model
+    from cpu_worker.precision import activation_dtype
+
+    return load_target_model(path, precision), activation_dtype(precision)
+
+
+def sweep_main() -> None:
+    """Child process of the sweep (run as ``python -c``): load one target, time tree_logits per T,
+    print {T: ms} as JSON on the last stdout line. A child, so that running out of memory loading
+    a large target ends the sweep for that target, not the bench."""
+    job = json.loads(sys.argv[1])
+    if job["cores"]:
+        os.sched_setaffinity(0, job["cores"])  # before torch starts its pool: its threads inherit this
+    import torch
+
+    from cpu_worker.engine import TargetEngine
+
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    prompt: list[int] = job["prompt"]
+    sizes: list[int] = job["sizes"]
+    model, activation_dtype = load_like_the_worker(job["target"], job["precision"])
+    engine = TargetEngine(model, max_len=len(prompt) + max(sizes), activation_dtype=activation_dtype)
+    engine.prefill(prompt)
+    timings = {}
+    for size in sizes:
+        tokens = [prompt[(index * 7) % len(prompt)] for index in range(size)]
+        parents = balanced_parents(size)
+        engine.tree_logits(tokens, parents)  # warm-up; the tree's KV stays in scratch slots, never committed
+        times = []
+        for _ in range(job["repeats"]):
+            start = time.perf_counter()
+            engine.tree_logits(tokens, parents)
+            times.append(time.perf_counter() - start)
+        timings[size] = statistics.median(times) * 1e3
+        print(f"   T={size}: {timings[size]:.2f} ms", file=sys.stderr, flush=True)
+    print(json.dumps(timings))
+
+
+def verify_sweep(result: RunResult, sizes: tuple[int, ...], repeats: int, cores: list[int] | None) -> None:
+    if result.target_dir is None or not result.sweep_prompt:
+        return
+    print(f"\n== t_verify(T) for {result.label} ({result.threads} threads, prefix {len(result.sweep_prompt)} "
+          f"tokens, balanced binary trees, median of {repeats}) ...", flush=True)
+    job = {"target": str(result.target_dir), "precision": result.precision, "threads": result.threads,
+           "cores": cores, "prompt": result.sweep_prompt, "sizes": list(sizes), "repeats": repeats}
+    child = subprocess.run([sys.executable, "-c", "from tools.bench_real import sweep_main; sweep_main()",
+                            json.dumps(job)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    if child.returncode != 0:
+        why = " (killed: likely out of memory)" if child.returncode == -9 else ""
+        print(f"ERROR sweep for {result.label} failed with exit {child.returncode}{why}", file=sys.stderr)
+        return
+    result.sweep_ms = {int(size): float(ms) for size, ms in json.loads(child.stdout.strip().splitlines()[-1]).items()}
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def cell(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def same_tokens_cell(result: RunResult) -> str:
+    if not result.compared:
+        return "n/a"
+    if result.mismatches:
+        return f"**NO** ({len(result.mismatches)}/{result.compared} differ: {'; '.join(result.mismatches)})"
+    return f"yes ({result.compared}/{result.compared})"
+
+
+def roofline_tps(result: RunResult, bandwidth_gbs: float) -> float | None:
+    return bandwidth_gbs * 1e9 / result.weight_bytes if result.weight_bytes else None
+
+
+def table_row(result: RunResult, bandwidth_gbs: float) -> str:
+    dovetail, ar = result.modes["dovetail"], result.modes["ar"]
+    if result.errors and not result.compared:
+        return f"| {result.shape} ({result.layers} L) | {result.precision} | failed: {result.errors[0][:200]} |"
+    ar_tps, roof = ar.tokens_per_s(), roofline_tps(result, bandwidth_gbs)
+    tree = result.tree
+    rss = {name: result.rss_kb.get(name, {}).get("VmHWM") for name in ("cpu_worker", "gpu_worker")}
+    cells = [
+        f"{result.shape} ({result.layers} L)", result.precision, cell(ar_tps), cell(dovetail.tokens_per_s()),
+        cell(result.ratio(), suffix="x"), cell(dovetail.tau()), f"{tree.tree_tokens}, {tree.depth}, {tree.top_k}",
+        cell(dovetail.per_cycle(dovetail.draft_ms)), cell(dovetail.per_cycle(dovetail.verify_ms)),
+        cell(dovetail.per_cycle(dovetail.ipc_ms)), cell(ar.ms_per_token()),
+        cell(100 * ar_tps / roof if ar_tps and roof else None, 0, "%"),
+        *(cell(kb / 1024**2 if kb else None) for kb in rss.values()), same_tokens_cell(result)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def print_report(command: str, context: list[str], results: list[RunResult], bandwidth_gbs: float) -> None:
+    print("\n" + command)
+    for line in context:
+        print(line)
+    print("\n| shape | precision | ar tok/s | dovetail tok/s | dovetail / ar | tau | tree (T, depth, top_k) | "
+          "draft ms/cycle | verify ms/cycle | ipc ms/cycle | ar ms/token | ar % of roofline | "
+          "cpu_worker peak RSS GB | gpu_worker peak RSS GB | same tokens |")
+    print("|" + "---|" * 15)
+    for result in results:
+        print(table_row(result, bandwidth_gbs))
+    print()
+    for result in results:
+        print(run_notes(result, bandwidth_gbs))
+
+
+def run_notes(result: RunResult, bandwidth_gbs: float) -> str:
+    """The numbers behind a row: roofline inputs, prefill, memory now, errors."""
+    parts = [f"- {result.label}:"]
+    roof = roofline_tps(result, bandwidth_gbs)
+    if result.weight_bytes:
+        parts.append(f"streams {result.weight_bytes / 1e9:.2f} GB/token ({result.weight_bytes_source}), "
+                     f"roofline {cell(roof)} tok/s at {bandwidth_gbs:.1f} GB/s;")
+    if result.threads is not None:
+        parts.append(f"{result.threads} target threads;")
+    if result.prompt_lengths:
+        parts.append(f"prompts of {min(result.prompt_lengths)}-{max(result.prompt_lengths)} tokens;")
+    for mode, totals in result.modes.items():
+        if totals.requests:
+            parts.append(f"{mode} prefill {totals.prefill_ms / totals.requests:.0f} ms/prompt;")
+    for name, status in result.rss_kb.items():
+        if status:
+            parts.append(f"{name} VmRSS {status.get('VmRSS', 0) / 1024**2:.2f} GB at the end;")
+    if result.errors:
+        parts.append(f"ERRORS: {' | '.join(result.errors)}")
+    return " ".join(parts)
+
+
+def write_plot(results: list[RunResult], path: Path) -> None:
+    """Left: measured t_verify(T). Right: speedup from DESIGN.md 9 with that curve, the measured
+    draft and ipc times, and the measured tau held for every T (capped at T): tau(T) itself was
+    measured only at the run's T, which is the one measured point per run."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot skipped: matplotlib is missing (pip install -e '.[bench]')", file=sys.stderr)
+        return
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    swept = [result for result in results if result.sweep_ms]
+    if not swept:
+        print("plot skipped: no t_verify(T) measured", file=sys.stderr)
+        return
+    figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for result in swept:
+        sizes = sorted(result.sweep_ms)
+        line = left.plot(sizes, [result.sweep_ms[size] for size in sizes], "o-", label=result.label)[0]
+        plot_model(right, result, sizes, line.get_color())
+    left.set(xlabel="tree size T (tokens verified per cycle)", ylabel="t_verify(T), ms (median, log scale)",
+             title="measured tree verification time")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    right.set_xscale("log", base=2)
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set(xlabel="tree size T", ylabel="speedup over ar (decode, prefill excluded)")
+    right.set_title("modelled: tau x t_ar / (t_draft + t_verify(T) + t_ipc), t_verify from the left panel;\n"
+                    "tau(T) unknown: lines hold the measured tau for every T (capped at T)", fontsize=10)
+    for axis in (left, right):
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"plot written to {path}")
+
+
+def plot_model(axis: Any, result: RunResult, sizes: list[int], color: str) -> None:
+    dovetail, ar = result.modes["dovetail"], result.modes["ar"]
+    tau, t_ar = dovetail.tau(), ar.ms_per_token()
+    t_draft, t_ipc = dovetail.per_cycle(dovetail.draft_ms), dovetail.per_cycle(dovetail.ipc_ms)
+    if tau is None or t_ar is None or t_draft is None or t_ipc is None:
+        return
+    model = [min(tau, size) * t_ar / (t_draft + result.sweep_ms[size] + t_ipc) for size in sizes]
+    axis.plot(sizes, model, "--", color=color, label=f"{result.label}: model, tau {tau:.2f} for all T")
+    size = result.tree.tree_tokens
+    ratio, t_verify = result.ratio(), dovetail.per_cycle(dovetail.verify_ms)
+    if ratio is not None:
+        axis.plot([size], [ratio], "o", color=color, markersize=8, label=f"{result.label}: measured at T={size}")
+    if t_verify is not None:  # the model with the runtime's own verify time: shows what the sweep misses
+        axis.plot([size], [tau * t_ar / (t_draft + t_verify + t_ipc)], "x", color=color, markersize=9,
+                  label=f"{result.label}: model with the run's own verify ms at T={size}")
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+def parse_runs(text: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+    runs = []
+    for item in text.split(","):
+        shape, _, precision = item.strip().partition(":")
+        if shape not in shapes:
+            raise click.BadParameter(f"unknown shape {shape!r}; inflate.py knows {', '.join(sorted(shapes))}",
+                                     param_hint="--runs")
+        if precision not in TARGET_PRECISIONS:
+            raise click.BadParameter(f"{item!r}: precision must be one of {', '.join(TARGET_PRECISIONS)}",
+                                     param_hint="--runs")
+        runs.append((shape, precision))
+    return runs
+
+
+def resolve_work_dir(work_dir: Path) -> Path:
+    folder = work_dir.expanduser().resolve()
+    if folder == REPO or REPO in folder.parents:
+        raise click.BadParameter(f"{folder} is inside the repository: stand-ins are GBs, keep them elsewhere",
+                                 param_hint="--work-dir")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def apply_dry_run(context: click.Context, values: dict[str, Any]) -> None:
+    """--dry-run: the small settings, for every option the user left at its default."""
+    for name, value in DRY_RUN.items():
+        if context.get_parameter_source(name) == ParameterSource.DEFAULT:
+            values[name] = value
+
+
+def command_line() -> str:
+    return shlex.join(["python", "-m", "tools.bench_real", *sys.argv[1:]])
+
+
+def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"machine: {model}, {len(os.sched_getaffinity(0))} cores available; bandwidth measured with "
+            f"{threads or 'default'} threads: read {bandwidth[0]:.1f} GB/s (roofline), copy {bandwidth[1]:.1f} GB/s")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--runs", default=DEFAULT_RUNS,
+              help="Comma list of SHAPE:PRECISION. Shapes are inflate.py's (tiny-1k, llama-1b, llama3-3b, "
+                   "llama2-7b, llama3-8b, llama2-13b); precisions fp32, bf16, int8. One Coordinator per item.")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Layer count for every target instead of the shape's own (quick runs). Never fewer than the "
+                   "small target's own layers: inflate.py keeps every trained layer.")
+@click.option("--target", "target_src", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=DEMO_TARGET, help="The small trained target to inflate.")
+@click.option("--draft", "draft_src", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=DEMO_DRAFT, help="The draft head trained for --target (Dovetail dgf or fc) to inflate.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_WORK_DIR,
+              help="Cache of inflated models (GBs each; never inside the repo). Complete ones are reused.")
+@click.option("--store-dtype", type=click.Choice(sorted(STORE_BYTES)), default="fp16",
+              help="Dtype of the inflated target's files on disk (the worker converts to --runs' precision).")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=4,
+              help="Held-out prompts per run (each runs in both modes).")
+@click.option("--prompt-tokens", type=click.IntRange(min=2), default=256,
+              help="Prompt length: the first N tokens of each held-out stdlib file.")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, help="New tokens per request (greedy).")
+@click.option("--tree-tokens", type=click.IntRange(min=1, max=MAX_TREE_TOKENS), default=16,
+              help="Tree size T: tokens verified per cycle, root included.")
+@click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=6,
+              help="Most draft tokens on one tree path (at most T - 1 are used).")
+@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
+              help="The draft tree's beam width.")
+@click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads of the target worker (also used for the bandwidth test and the sweep). "
+                   "[default: one per pinned core, else torch's]")
+@click.option("--cpu-cores", callback=cores_option, default=None,
+              help="Pin the target worker (and the sweep) to these cores, e.g. 0-7,16-23.")
+@click.option("--draft-device", default="auto", help="Draft device: auto (CUDA if present, else CPU), cpu, cuda:N.")
+@click.option("--startup-timeout", type=click.FloatRange(min=1), default=1800.0,
+              help="Seconds to wait for the workers to load (a 13B target loads for minutes).")
+@click.option("--verify-sweep/--no-verify-sweep", default=True,
+              help="After the runs, time t_verify(T) for T in 1..64 on each target (in a child process, one "
+                   "target at a time) and write --plot.")
+@click.option("--sweep-repeats", type=click.IntRange(min=1), default=5, help="Timed verifications per T (median).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG of the sweep and the modelled speedup. [default: WORK_DIR/bench_real.png]")
+@click.option("--dry-run", is_flag=True,
+              help="Smoke test: --runs tiny-1k:fp32 --layers 2 --prompts 2 --max-new-tokens 8 --sweep-repeats 2, "
+                   "for each of those options not given.")
+@click.pass_context
+def main(context: click.Context, **values: Any) -> None:
+    """Real-cost benchmark: the demo pair inflated to real shapes (../shared/testbed/inflate.py),
+    dovetail vs --mode ar on held-out prompts, one markdown table, then t_verify(T) and a plot.
+    Run on a quiet machine: both modes share it, and so does anything else running."""
+    if values.pop("dry_run"):
+        apply_dry_run(context, values)
+    shapes = load_shapes()
+    runs = parse_runs(values["runs"], shapes)
+    work_dir = resolve_work_dir(values["work_dir"])
+    sources = Sources(values["target_src"].resolve(), values["draft_src"].resolve(), work_dir, values["store_dtype"])
+    tree = TreeShape.clamped(values["tree_tokens"], values["depth"], values["top_k"])
+    options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], tree,
+                         values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"])
+    source_layers = int(json.loads((sources.target / "config.json").read_text())["num_hidden_layers"])
+
+    if values["layers"] and values["layers"] < source_layers:
+        print(f"note: --layers {values['layers']} is below the small target's {source_layers} layers; "
+              f"using {source_layers} (inflate.py keeps every trained layer)")
+
+    started = time.perf_counter()
+    plan = []
+    for shape_name, precision in runs:
+        layers = max(values["layers"] or shapes[shape_name][5], source_layers)
+        target_dir = inflate_target(sources, shape_name, shapes[shape_name], layers)
+        head_dir = inflate_head(sources, shape_name, shapes[shape_name])
+        plan.append((RunResult(shape_name, precision, layers, tree, target_dir), head_dir))
+    inflate_s = time.perf_counter() - started
+
+    bandwidth = measure_bandwidth(values["cpu_threads"])  # before any worker holds memory
+    started = time.perf_counter()
+    prompt_note = "no run reached its prompts"
+    for result, head_dir in plan:
+        try:
+            assert result.target_dir is not None
+            prompt_note = measure_run(result, result.target_dir, head_dir, options) or prompt_note
+        except Exception as error:  # one failed shape (e.g. out of memory) must not lose the others
+            traceback.print_exc()
+            result.errors.append(f"{type(error).__name__}: {error}")
+    runs_s = time.perf_counter() - started
+
+    results = [result for result, _ in plan]
+    context_lines = [
+        machine_line(values["cpu_threads"], bandwidth),
+        f"prompts: {prompt_note}; {options.max_new_tokens} new tokens, greedy; both modes per prompt back to back; "
+        f"tok/s and ms/token exclude the prefill; source pair {sources.target.name} + {sources.draft.name}",
+        f"time: inflation {inflate_s:.1f} s, runs {runs_s:.1f} s",
+    ]
+    print_report(command_line(), context_lines, results, bandwidth[0])  # before the sweep: a crash there keeps it
+
+    if values["verify_sweep"]:
+        started = time.perf_counter()
+        for result in results:
+            verify_sweep(result, SWEEP_SIZES, values["sweep_repeats"], values["cpu_cores"])
+        print_sweep(results)
+        write_plot(results, values["plot_path"] or work_dir / "bench_real.png")
+        print(f"sweep time {time.perf_counter() - started:.1f} s")
+
+
+def print_sweep(results: list[RunResult]) -> None:
+    swept = [result for result in results if result.sweep_ms]
+    if not swept:
+        return
+    print("\n| T | " + " | ".join(f"{result.label} verify ms" for result in swept) + " |")
+    print("|---|" + "---|" * len(swept))
+    for size in SWEEP_SIZES:
+        print(f"| {size} | " + " | ".join(cell(result.sweep_ms.get(size)) for result in swept) + " |")
+
+
+if __name__ == "__main__":
+    main()
