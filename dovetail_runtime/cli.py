@@ -134,6 +134,13 @@ def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
               help="Target precision on the CPU.")
 @click.option("--draft-device", default="auto",
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
+@click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8"]), default="auto",
+              help="Draft precision: auto = fp16 on CUDA, int8 (W8A8) on the CPU, where the draft shares the "
+                   "memory bus with the target.")
+@click.option("--draft-threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads of the draft worker. [default: one per --draft-cores core, else torch's]")
+@click.option("--draft-cores", callback=cores_option, default=None,
+              help="Pin every draft-worker thread to these cores (a CPU draft should not share the target's).")
 @click.option("--tree-tokens", type=click.IntRange(min=1, max=MAX_TREE_TOKENS), default=16,
               help="Tree size T: tokens verified per cycle, root included.")
 @click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=6,
@@ -158,7 +165,8 @@ def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
-def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, tree_tokens,
+def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, draft_dtype,
+             draft_threads, draft_cores, tree_tokens,
              depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
              startup_timeout, log_level, temperature, sample_top_k, top_p, seed) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
@@ -178,6 +186,7 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
     sampling = make_sampling(temperature, sample_top_k, top_p, seed)
     settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
                                cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
+                               draft_dtype=draft_dtype, draft_threads=draft_threads, draft_cores=draft_cores,
                                tree=make_tree(tree_tokens, depth, tree_top_k), mode=mode,
                                max_len=max_len, log_level=log_level, startup_timeout_s=startup_timeout)
     stopping = {"now": False}

@@ -59,6 +59,9 @@ class RuntimeSettings:
     cpu_threads: int | None = None
     cpu_cores: list[int] | None = None
     draft_device: str = "auto"
+    draft_dtype: str = "auto"
+    draft_threads: int | None = None
+    draft_cores: list[int] | None = None
     tree: TreeShape = field(default_factory=TreeShape)
     mode: str = "dovetail"
     max_len: int | None = None
@@ -122,6 +125,7 @@ class Coordinator:
             draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
             self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
                 **common, "draft": settings.draft, "target": str(target_dir), "device": settings.draft_device,
+                "dtype": settings.draft_dtype, "threads": settings.draft_threads, "cores": settings.draft_cores,
                 "scratch_len": settings.tree.scratch_slots}, self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env)
         for worker in self.workers():
             worker.spawn()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
 from cpu_worker.llama import DecoderLayer, KVCache, LlamaSpec, RMSNorm
 
 FUSIONS = ("dgf", "fc")
@@ -49,10 +50,36 @@ class DraftHead(nn.Module):
             for weight in (self.W_1, self.W_2, self.W_z):
                 nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
         else:
-            self.fc = nn.Linear(2 * d, d, bias=fc_bias)
+            self.fc: nn.Linear | RowwiseInt8Linear = nn.Linear(2 * d, d, bias=fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(spec, input_norm=index > 0) for index in range(spec.num_layers))
-        self.lm_head = nn.Linear(d, spec.vocab_size, bias=False)
+        self.lm_head: nn.Linear | RowwiseInt8Linear = nn.Linear(d, spec.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
+        self.int8_fusion: nn.ModuleDict | None = None  # DGF's W_1/W_2/W_z in int8 after quantize_int8()
+
+    @torch.no_grad()
+    def quantize_int8(self) -> DraftHead:
+        """Every projection in W8A8 int8, per-token (``cpu_worker.int8``), for drafting on a CPU:
+        there the draft shares the memory bus with the target, so its bytes per step matter."""
+        quantize_linears(self.layers)
+        head = self.lm_head
+        if isinstance(head, nn.Linear):
+            self.lm_head = RowwiseInt8Linear(head.weight)
+        if self.fusion == "fc":
+            fc = self.fc
+            if isinstance(fc, nn.Linear):
+                self.fc = RowwiseInt8Linear(fc.weight, fc.bias)
+        else:
+            # x @ W is x W'^T with W' = W^T.
+            self.int8_fusion = nn.ModuleDict({name: RowwiseInt8Linear(getattr(self, name).t())
+                                              for name in ("W_1", "W_2", "W_z")})
+            for name in ("W_1", "W_2", "W_z"):
+                delattr(self, name)
+        return self
+
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_fusion is not None:
+            return self.int8_fusion[name](x)
+        return x @ getattr(self, name)
 
     @property
     def fc_bias(self) -> bool:
@@ -64,9 +91,9 @@ class DraftHead(nn.Module):
         if self.fusion == "fc":
             # EAGLE order: raw embedding first, then the feature; no activation.
             return self.fc(torch.cat([embedded, features], dim=-1))
-        h1 = features @ self.W_1
-        h2 = F.silu(self.input_layernorm(embedded) @ self.W_2)
-        gate = torch.sigmoid(torch.cat([h1, h2], dim=-1) @ self.W_z)
+        h1 = self._project("W_1", features)
+        h2 = F.silu(self._project("W_2", self.input_layernorm(embedded)))
+        gate = torch.sigmoid(self._project("W_z", torch.cat([h1, h2], dim=-1)))
         return gate * h1 + (1 - gate) * h2
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -12,10 +12,14 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from cpu_worker.threads import apply_placement
 from ipc import messages as m
 from ipc.shm_ring import ShmRing, get_block
 from ipc.worker_loop import Handlers, SequenceError, worker_main
 
+from .device import resolve_device
 from .drafter import DraftContextError, Drafter
 
 log = logging.getLogger(__name__)
@@ -53,15 +57,20 @@ class DraftService:
 
 
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
+    placement = apply_placement(settings.get("threads"), settings.get("cores"))
+    device = resolve_device(settings.get("device", "auto"))
+    dtype = settings.get("dtype") or "auto"
     drafter = Drafter.from_pretrained(settings["draft"], settings.get("target"), max_len=settings["max_len"],
-                                      device=settings.get("device", "auto"), dtype=settings.get("dtype"),
-                                      scratch_len=settings["scratch_len"])
+                                      device=device, dtype=dtype, scratch_len=settings["scratch_len"])
     cycle = ShmRing.attach(settings["rings"]["cycle"])
     prefill = ShmRing.attach(settings["rings"]["prefill"])
     # Only the cycle ring is pinned: it is small and crosses every cycle; a prompt's block once.
     pinned = drafter.device.type == "cuda" and cycle.pin_for_cuda()
     service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill})
-    info = {"device": str(drafter.device), "dtype": str(drafter.dtype).removeprefix("torch."),
+    activations = str(drafter.dtype).removeprefix("torch.")
+    int8 = drafter.head.int8_fusion is not None or not isinstance(drafter.head.lm_head, torch.nn.Linear)
+    info = {"device": str(drafter.device), "dtype": "int8" if int8 else activations,
+            "threads": placement.intra_op_threads, "cores": placement.cores,
             "layers": drafter.head.spec.num_layers, "ring_pinned": pinned, "scratch_len": drafter.scratch_len}
     return info, service.handlers()
 

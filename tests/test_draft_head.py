@@ -225,3 +225,30 @@ def test_drafter_from_pretrained_on_cpu(tmp_path):
     drafter.extend(features, tokens)
     tree = drafter.propose(TreeShape.clamped(6, 3, 2))
     assert len(tree) == 6 and tree.tokens[0] == tokens[-1]
+
+
+@pytest.mark.parametrize("fusion", ["dgf", "fc"])
+def test_int8_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion):
+    """A CPU draft runs its projections in int8 (it shares the memory bus with the target):
+    close to fp32, deterministic, and every projection converted."""
+    from cpu_worker.int8 import RowwiseInt8Linear
+
+    from conftest import save_random_head
+
+    folder = save_random_head(tmp_path / fusion, demo_target, layers=2, fusion=fusion)
+    exact = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="fp32")
+    quick = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="int8")
+    assert not any(isinstance(module, torch.nn.Linear) for module in quick.head.modules())
+    assert sum(isinstance(module, RowwiseInt8Linear) for module in quick.head.modules()) == 2 * 7 + 1 + (
+        1 if fusion == "fc" else 3)
+    features = torch.randn(12, exact.head.spec.hidden_size)
+    tokens = list(range(5, 17))
+    outputs = []
+    for drafter in (exact, quick):
+        drafter.extend(features, tokens)
+        outputs.append(drafter._root_log_probs)
+    assert torch.allclose(outputs[0].exp(), outputs[1].exp(), atol=0.02)
+    shape = TreeShape.clamped(8, 3, 2)
+    assert torch.equal(quick.propose(shape).tokens, quick.propose(shape).tokens)
+    with pytest.raises(ValueError, match="CPU only"):
+        Drafter.from_pretrained(folder, demo_target, max_len=64, device="meta", dtype="int8")

@@ -75,6 +75,7 @@ def new_head(target_dir: Path, fusion: str, layers: int, seed: int) -> DraftHead
     frozen = load_target_frozen(target_dir)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(frozen["embed_tokens.weight"].float())
+        assert isinstance(head.lm_head, torch.nn.Linear)  # a fresh head is never quantized
         head.lm_head.weight.copy_(frozen["lm_head.weight"].float())
     return head
 
