@@ -50,7 +50,9 @@ from tools.bench_e2e import FALLBACK_PROMPTS
 from tools.train.corpus import stdlib_files
 
 REPO = Path(__file__).resolve().parents[1]
-INFLATE = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "inflate.py"
+# The shared testbed's script beside the repo; DOVETAIL_INFLATE points elsewhere (a device machine
+# gets the repo alone, so tools/device_check.sh carries a copy).
+INFLATE = Path(os.environ.get("DOVETAIL_INFLATE") or REPO.parent / "shared" / "testbed" / "inflate.py")
 DEMO_TARGET = REPO / "demo" / "target-code-9m"
 DEMO_DRAFT = REPO / "demo" / "draft-dgf"
 DEFAULT_RUNS = "llama3-3b:fp32,llama2-7b:int8,llama2-13b:int8"
