@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from cpu_worker.model_dir import context_limit, read_config, resolve_model_dir
+from cpu_worker.model_dir import ModelLoadError, context_limit, read_config, resolve_model_dir
 from ipc import messages as m
 from ipc.channels import ChannelTimeout, RouterServer, RuntimeDir, check_local_endpoint
 from ipc.codec import ProtocolError
@@ -106,7 +106,9 @@ class Coordinator:
         self.max_len = settings.max_len or min(limit, DEFAULT_CONTEXT)
         if self.max_len > limit:
             raise ValueError(f"--max-len {self.max_len} exceeds this model's context of {limit} tokens")
-        hidden = int(config["hidden_size"])
+        if not isinstance(config.get("hidden_size"), int):
+            raise ModelLoadError(f"{target_dir / 'config.json'} has no integer hidden_size")
+        hidden = config["hidden_size"]
         self.rings = [ShmRing.create(slot_bytes_for(settings.tree.feature_rows, hidden, FEATURE_DTYPE),
                                      CYCLE_RING_SLOTS),
                       ShmRing.create(slot_bytes_for(self.max_len, hidden, FEATURE_DTYPE), 1)]
