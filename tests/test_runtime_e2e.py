@@ -20,6 +20,7 @@ from dovetail_runtime.tokenizer import Tokenizer
 from ipc import messages as m
 from ipc.codec import ProtocolError, decode
 
+from conftest import DEMO
 from runtime_harness import TEST_PROMPTS, Server, descendants_gone, dovetail_run, our_segments, thread_affinities
 
 NEW_TOKENS = 64
@@ -304,10 +305,12 @@ CODE_PROMPTS = [
 ]
 
 
-def test_trained_demo_pair_is_lossless_with_high_acceptance(tmp_path, demo_target, demo_draft):
+@pytest.mark.parametrize("head", ["draft-dgf", "draft-dgf-1"])
+def test_trained_demo_pair_is_lossless_with_high_acceptance(tmp_path, demo_target, head):
+    """Both shipped heads: the 4-layer one (for a GPU) and the 1-layer one (for drafting on a CPU)."""
     prompt_file = tmp_path / "code.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
-    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--compare-ar", "--json",
+    done = dovetail_run("--target", str(demo_target), "--draft", str(DEMO / head), "--compare-ar", "--json",
                         "--prompt-file", str(prompt_file), "--max-new-tokens", "64", "--log-level", "warning")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
