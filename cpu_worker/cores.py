@@ -1,7 +1,10 @@
-"""Core lists as users type them (``0-3,8``), without torch: the CLI parses them before
-any worker starts."""
+"""The CPU as users name it: core lists (``0-3,8``) and instruction-set flags, without torch:
+the CLI parses core lists before any worker starts."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 
 class CoreSpecError(ValueError):
@@ -25,3 +28,13 @@ def parse_core_list(text: str) -> list[int]:
             raise CoreSpecError(f"bad range {part!r} in core list {text!r}")
         cores.update(range(low, high + 1))
     return sorted(cores)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()[2:])

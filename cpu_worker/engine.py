@@ -33,6 +33,9 @@ def tree_paths(parents: Sequence[int]) -> list[list[int]]:
 
 
 def has_batch_invariant_linears(model: torch.nn.Module) -> bool:
+    """int8 W8A8 layers give a row the same bits whatever shares its call, by construction.
+    Float GEMMs do not promise it: fp32 differs by batch size here, and oneDNN's bf16 kernels
+    matched row by row on some runs and not on others (first calls), so neither counts."""
     return any(isinstance(module, RowwiseInt8Linear) for module in model.modules())
 
 
@@ -66,8 +69,9 @@ class TargetEngine:
     def __init__(self, model: LlamaDecoder, max_len: int | None = None, activation_dtype: torch.dtype = torch.float32,
                  exact_tree: bool | None = None):
         """``exact_tree``: verify a tree row by row in attention so every node's logits equal
-        a decode's bit for bit (default: when the linear layers are batch-invariant, i.e.
-        int8 W8A8; fp32 GEMMs round differently per batch size anyway, at ~1e-6)."""
+        a decode's bit for bit (default: when the linear layers are batch-invariant, i.e. int8
+        W8A8; float GEMMs round differently per batch size anyway, so exact attention would
+        buy nothing there)."""
         spec = model.spec
         limit = spec.max_position_embeddings
         if spec.sliding_window is not None:
@@ -133,7 +137,7 @@ class TargetEngine:
         tokens_tensor = torch.as_tensor(tokens, dtype=torch.long)
         if self.exact_tree:
             features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, None,
-                                          paths=tree_paths(parents))
+                                          paths=[torch.as_tensor(path) for path in tree_paths(parents)])
         else:
             mask = torch.cat([torch.ones(size, prefix, dtype=torch.bool), tree_ancestor_mask(parents)], dim=1)
             features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, mask)

@@ -24,25 +24,20 @@ bit for bit.
 
 from __future__ import annotations
 
-import functools
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from .cores import cpu_flags
+
 _TINY = torch.finfo(torch.float32).tiny
 
 
-@functools.cache
 def _cpu_has_vnni() -> bool:
     """VNNI accumulates u8 x s8 products in int32; without it fbgemm's int16 pair sums can
     saturate unless activations use 7 bits (``reduce_range``)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
 class RowwiseInt8Linear(nn.Module):

@@ -208,7 +208,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
-                mask: torch.Tensor | None = None, paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, paths: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """x [B, S, d]; cos/sin [S, head_dim] for the S tokens' positions.
 
         With a cache, ``keys``/``values`` are this layer's views [B, kv, max_len, hd] (B = 1
@@ -216,7 +216,8 @@ class Attention(nn.Module):
         every slot before them. ``keys=None``: no cache, the S tokens are the whole sequence
         (``start`` must be 0). ``mask``: bool [S, start + S] (True = may attend) or None for
         a causal continuation. ``paths`` (a tree, with a cache; replaces ``mask``): each row's
-        ancestors and itself, root first, as row indices; each row then attends exactly as a
+        ancestors and itself, root first, as a tensor of row indices (made once per tree, used by
+        every layer); each row then attends exactly as a
         one-token decode at its position would, bit for bit (see ``_attend_per_row``).
         """
         batch, length, _ = x.shape
@@ -251,7 +252,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
     def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                        values: torch.Tensor, start: int, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+                        values: torch.Tensor, start: int, paths: Sequence[torch.Tensor]) -> torch.Tensor:
         """Tree attention that equals one-token decoding bit for bit: for each row, its path's
         key/value rows are laid right after the cached prefix (slots start, start + 1, ...) as
         a decode would have them, and the row attends there with the decode's own call. A
@@ -261,9 +262,8 @@ class Attention(nn.Module):
         outs = []
         for row, path in enumerate(paths):
             end = start + len(path)
-            index = torch.as_tensor(path)
-            keys[:, :, start:end] = k.index_select(2, index)
-            values[:, :, start:end] = v.index_select(2, index)
+            keys[:, :, start:end] = k.index_select(2, path)
+            values[:, :, start:end] = v.index_select(2, path)
             outs.append(_attend_one(q[:, :, row:row + 1], keys[:, :, :end], values[:, :, :end], gqa))
         # The tree's rows back in node order, where commit_path expects them.
         keys[:, :, start:start + k.shape[2]] = k
@@ -308,7 +308,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
-                mask: torch.Tensor | None = None, paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, paths: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """x [B, S, d] -> [B, S, d]; cache arguments as in ``Attention.forward`` (None: no cache)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask, paths)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -328,7 +328,7 @@ class LlamaDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 rotary: RotaryTable, start: int, mask: torch.Tensor | None,
                 logits_rows: slice | torch.Tensor | None = None,
-                paths: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                paths: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [S]. Returns (features [S, d] after the final norm,
         logits [R, vocab] for the rows ``logits_rows`` selects, all rows by default).
         ``paths``: tree rows attend one by one, exactly as decoding would (Attention.forward)."""

@@ -56,14 +56,7 @@ def _read_file(file: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
     """The named tensors present in one file (all when ``names`` is None); safetensors reads
     only those, .bin files are memory-mapped so a large shard is not read whole."""
     if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as handle:
-            return {
-                name: handle.get_tensor(name)
-                for name in handle.keys()  # noqa: SIM118 - safe_open has keys() but is not iterable
-                if names is None or name in names
-            }
+        return dict(_stream_safetensors(file, names))
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
@@ -110,16 +103,17 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _stream_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """A safetensors file's tensors, each read into its own buffer. Not through safetensors'
-    memory map: the pages of a mapped shard stay in this process's resident set until the
-    file is closed, which added a whole 2 GB shard to the peak of a 7B int8 load."""
+def _stream_safetensors(file: Path, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A safetensors file's tensors (only ``names`` when given; the rest are not read), each
+    read into its own buffer. Not through safetensors' memory map: the pages of a mapped shard
+    stay in this process's resident set until the file is closed, which added a whole 2 GB
+    shard to the peak of a 7B int8 load."""
     with open(file, "rb") as handle:
         (header_size,) = struct.unpack("<Q", handle.read(8))
         header = json.loads(handle.read(header_size))
         base = 8 + header_size
         entries = sorted((info["data_offsets"][0], name, info) for name, info in header.items()
-                         if name != "__metadata__")
+                         if name != "__metadata__" and (names is None or name in names))
         for start, name, info in entries:
             dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
             if dtype is None:

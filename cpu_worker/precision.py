@@ -8,7 +8,6 @@ kernel here gives a row the same result whatever other rows share its call (see
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 
 from ipc.dtypes import TARGET_PRECISIONS
 
+from .cores import cpu_flags
 from .int8 import quantize_linears
 
 log = logging.getLogger(__name__)
@@ -25,11 +25,7 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU computes bf16 natively (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def activation_dtype(precision: str) -> torch.dtype:

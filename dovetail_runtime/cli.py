@@ -131,7 +131,9 @@ def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
 @click.option("--target-dtype", type=click.Choice(TARGET_PRECISIONS), default="fp32",
-              help="Target precision on the CPU.")
+              help="Target precision on the CPU. int8 (W8A8, per-token) gives exactly --mode ar's tokens; fp32 "
+                   "and bf16 verify trees with batched kernels that round differently from one-token decoding "
+                   "(fp32 ~1e-6, bf16 ~1e-2), so they can differ from --mode ar where two tokens nearly tie.")
 @click.option("--draft-device", default="auto",
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8"]), default="auto",

@@ -134,6 +134,9 @@ class Coordinator:
         for worker in self.workers():
             worker.wait_ready(settings.startup_timeout_s)
         info = self.cpu.info
+        if settings.target_dtype == "bf16" and self.gpu is not None:
+            log.warning("bf16 target: tree verification rounds differently from one-token decoding (~1e-2), so "
+                        "dovetail can differ from --mode ar where two tokens nearly tie; int8 is exact")
         log.info("target: %s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
                  "%.2f GB at full context, committed as it fills", info.get("dtype"),
                  info.get("weight_bytes", 0) / 1e9, self.max_len, limit, info.get("kv_dtype"),
