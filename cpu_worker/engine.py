@@ -14,10 +14,10 @@ import torch
 
 from ipc.tree import tree_depths, validate_parents
 
-from .acceptance import accept_greedy, accept_sampled
+from .acceptance import accept_path
 from .int8 import RowwiseInt8Linear
 from .llama import KVCache, LlamaDecoder, RotaryTable
-from .sampling import Sampler, processed_probs
+from .sampling import Sampler
 
 
 class ContextOverflowError(ValueError):
@@ -153,15 +153,19 @@ class TargetEngine:
 
     def verify(self, tokens: Sequence[int], parents: Sequence[int], sampler: Sampler | None = None) -> VerifyOutcome:
         """Verify a draft tree and keep the accepted path; the cache then holds exactly the
-        accepted sequence. Greedy (no sampler, or temperature 0): the longest path whose every
-        token is the target's argmax at its parent, plus the bonus token. Sampling: the
-        lossless rule of ``accept_sampled``."""
+        accepted sequence. At each node the walk reaches, the target picks its next token
+        (argmax without a sampler or when greedy; else ``sampler.pick`` at that position) and
+        the walk follows the child carrying it (``accept_path``)."""
+        prefix = self.committed
         features, logits = self.tree_logits(tokens, parents)
         if sampler is None or sampler.params.greedy:
-            nodes, bonus = accept_greedy(tokens, parents, logits)
+            choices = logits.argmax(dim=-1).tolist()
+            nodes, bonus = accept_path(tokens, parents, choices.__getitem__)
         else:
-            nodes, bonus = accept_sampled(tokens, parents, lambda node: processed_probs(logits[node], sampler.params),
-                                          sampler)
+            depths = tree_depths(parents)
+            # Node i sits at position prefix + depth(i); the token after it at the next one.
+            nodes, bonus = accept_path(tokens, parents,
+                                       lambda node: sampler.pick(logits[node], prefix + depths[node] + 1))
         self.commit_path(nodes)
         accepted = [int(tokens[node]) for node in nodes[1:]] + [bonus]
         return VerifyOutcome(accepted_nodes=nodes, tokens=accepted,

@@ -1,7 +1,9 @@
 """Sampling from the target: temperature, top-k, top-p, and a seeded source of randomness.
 
 The same ``processed_probs`` serves plain decoding (``--mode ar``) and tree verification,
-so both sample from exactly the same distribution.
+so both sample from exactly the same distribution. The randomness is keyed by position: the
+token at sequence position i is drawn from a stream seeded by (seed, i), so what a position
+gets does not depend on how many draws the tree walks made before it (DESIGN.md 6).
 """
 
 from __future__ import annotations
@@ -34,25 +36,30 @@ def processed_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     return probs
 
 
+MASK_63 = (1 << 63) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A well-mixed 63-bit seed for (seed, position) (splitmix64's finaliser): neighbouring
+    positions and neighbouring seeds get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) & MASK_63
+
+
 class Sampler:
-    """A sequence's sampling settings and its random stream (seeded: reproducible)."""
+    """A sequence's sampling settings and its seed (given: reproducible; else random)."""
 
     def __init__(self, params: Sampling):
         # The protocol's schema range-checks params (ipc.messages.Sampling) before they get here.
         self.params = params
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator()
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator.manual_seed(seed)
 
-    def bernoulli(self, probability: float) -> bool:
-        """True with ``probability`` (a uniform draw strictly below it)."""
-        return float(torch.rand((), generator=self.generator)) < probability
-
-    def categorical(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-    def pick(self, logits: torch.Tensor) -> int:
-        """The next token from one row of logits (argmax when greedy)."""
+    def pick(self, logits: torch.Tensor, position: int) -> int:
+        """The token at sequence ``position`` from one row of logits (argmax when greedy)."""
         if self.params.greedy:
             return int(logits.argmax())
-        return self.categorical(processed_probs(logits, self.params))
+        self.generator.manual_seed(position_seed(self.seed, position))
+        return int(torch.multinomial(processed_probs(logits, self.params), 1, generator=self.generator))

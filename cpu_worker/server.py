@@ -49,7 +49,9 @@ class TargetService:
         self.seq_id = request.seq_id
         self.sampler = sampler
         features = self.prefill_ring.write(step.features) if request.return_features else None
-        return m.PrefillResult(seq_id=request.seq_id, token=sampler.pick(step.logits), features=features,
+        # The new token's position is the prompt's length.
+        token = sampler.pick(step.logits, len(request.token_ids))
+        return m.PrefillResult(seq_id=request.seq_id, token=token, features=features,
                                compute_ms=(time.perf_counter() - started) * 1e3)
 
     def verify(self, request: m.VerifyRequest) -> m.VerifyResult:
@@ -70,7 +72,7 @@ class TargetService:
             step = self.engine.decode(request.token)
         except ContextOverflowError as error:
             raise SequenceError(str(error)) from None
-        return m.DecodeResult(seq_id=request.seq_id, token=sampler.pick(step.logits),
+        return m.DecodeResult(seq_id=request.seq_id, token=sampler.pick(step.logits, self.engine.committed),
                               compute_ms=(time.perf_counter() - started) * 1e3)
 
     def release(self, request: m.ReleaseSequence) -> None:

@@ -1,9 +1,10 @@
 """Lossless sampling: the acceptance rule by exact enumeration and by sampled tests.
 
-The tree's children are chosen deterministically (top-k by draft score), so the rule under
-test is DESIGN.md section 6's: try children in order, accept c with p(c), zero and
-renormalise on rejection, sample the residual when all fail. Two deliberately wrong rules
-ride along to show that every check here can fail.
+The tree's children are chosen deterministically (top-k by draft score). The rule under test
+(``accept_path``): at each node the target samples its next token from its own processed
+distribution and the walk follows the child carrying it; the sampled token ends the walk
+when no child carries it. Deliberately wrong rules ride along to show that every check here
+can fail.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import msgspec
 import pytest
 import torch
 
-from cpu_worker.acceptance import accept_sampled, children_lists
-from cpu_worker.sampling import Sampler, processed_probs
+from cpu_worker.acceptance import accept_path, children_lists
+from cpu_worker.sampling import Sampler, position_seed, processed_probs
 from ipc import messages as m
 from ipc.codec import ProtocolError, decode, encode
 from ipc.messages import MIN_TEMPERATURE, Sampling
@@ -69,7 +70,20 @@ def accept_without_renormalising(tokens, parents, probs_at, chooser, _draft_prob
 
 
 def correct_rule(tokens, parents, probs_at, chooser, _draft_probs_at=None):
-    return accept_sampled(tokens, parents, probs_at, chooser)
+    return accept_path(tokens, parents, lambda node: chooser.categorical(probs_at(node)))
+
+
+class SeededChooser:
+    """Random decisions from one seeded stream (for the sampled tests of the rules)."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def bernoulli(self, probability: float) -> bool:
+        return float(torch.rand((), generator=self.generator)) < probability
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 RULES = {"lossless": correct_rule, "textbook-p/q": accept_textbook, "no-renormalise": accept_without_renormalising}
@@ -221,8 +235,8 @@ SAMPLES = 20_000
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_sampled_first_token_chi_square(rule):
-    prefix, params, shape = (2, 4), Sampling(temperature=1.0, seed=11), SHAPES[0]
-    sampler = Sampler(params)
+    prefix, params, shape = (2, 4), Sampling(temperature=1.0), SHAPES[0]
+    sampler = SeededChooser(11)
     counts = Counter(generate(prefix, shape, params, RULES[rule], sampler, 1) for _ in range(SAMPLES))
     statistic = chi_square(counts, exact_target(prefix, params, 1), SAMPLES)
     if rule == "lossless":
@@ -231,14 +245,23 @@ def test_sampled_first_token_chi_square(rule):
         assert statistic > 5 * CHI2_4DF_999, statistic
 
 
-def test_sampler_is_reproducible_and_filters_hold():
-    params = Sampling(temperature=0.9, top_k=2, seed=123)
-    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
-    first = [Sampler(params).pick(logits) for _ in range(3)]
-    assert len(set(first)) == 1  # same seed, same first draw
+def test_sampler_is_keyed_by_seed_and_position_and_filters_hold():
+    logits = torch.zeros(50)  # uniform: a coincidence would need 10 equal draws in 50
+    params = Sampling(temperature=1.0, seed=123)
+    fresh = [Sampler(params).pick(logits, position) for position in range(10, 20)]
     sampler = Sampler(params)
-    allowed = set(logits.topk(2).indices.tolist())
-    assert {sampler.pick(logits) for _ in range(500)} == allowed
+    for position in range(40):  # other draws first: a position's token must not depend on them
+        sampler.pick(logits, position)
+    assert [sampler.pick(logits, position) for position in range(10, 20)] == fresh
+    assert [Sampler(Sampling(temperature=1.0, seed=124)).pick(logits, p) for p in range(10, 20)] != fresh
+    filtered = Sampling(temperature=0.9, top_k=2, seed=123)
+    scores = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    allowed = set(scores.topk(2).indices.tolist())
+    assert {Sampler(filtered).pick(scores, position) for position in range(500)} == allowed
+    coin = Sampling(temperature=1.0, seed=5)
+    ones = sum(Sampler(coin).pick(torch.zeros(2), position) for position in range(4000))
+    assert 1800 < ones < 2200  # positions give independent fair draws (binomial sd ~32)
+    assert len({position_seed(seed, position) for seed in range(30) for position in range(30)}) == 900
 
 
 @pytest.mark.parametrize("params", [Sampling(temperature=0.6, top_k=5),
@@ -299,23 +322,36 @@ def test_invalid_sampling_params_cannot_be_sent():
         Sampling(temperature=1e-9)
 
 
-def test_last_child_holding_all_remaining_mass_is_always_accepted():
-    # A chooser that rejects everything short of certainty: after the first two children
-    # are rejected, the third holds all that is left and must be accepted, even though
-    # float rounding makes its renormalised probability 0.99999... rather than 1.
-    class RejectUnlessCertain:
-        def bernoulli(self, probability):
-            return probability >= 1.0
+def test_sampled_walk_emits_the_targets_own_picks_whatever_the_tree():
+    # With a position-keyed stream the emitted tokens are the target's own draws, so every
+    # tree shape gives the same tokens as sampling the target alone (no tree).
+    params = Sampling(temperature=1.0, seed=21)
+    prefix = (3, 1)
 
-        def categorical(self, probs):
-            assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-9
-            return int(probs.argmax())
+    def sampled(shape, count: int) -> tuple[int, ...]:
+        sampler = Sampler(params)
+        emitted: list[int] = []
+        while len(emitted) < count:
+            start = prefix + tuple(emitted)
+            tokens, parents = draft_tree(start, shape, params)
+            depths = [0] * len(parents)
+            for index in range(1, len(parents)):
+                depths[index] = depths[parents[index]] + 1
 
-    probs = torch.tensor([0.1, 0.2, 0.7, 0.0, 0.0], dtype=torch.float32)
-    nodes, bonus = accept_sampled([4, 0, 1, 2, 3], [-1, 0, 0, 0, 3],
-                                  lambda node: probs.clone() if node == 0 else torch.eye(VOCAB)[1],
-                                  RejectUnlessCertain())
-    assert (nodes, bonus) == ([0, 3], 1)
+            def pick(node, tokens=tokens, parents=parents, depths=depths, start=start):
+                path, walk = [], node
+                while walk > 0:
+                    path.append(tokens[walk])
+                    walk = parents[walk]
+                logits = table_distribution(start + tuple(reversed(path)), 1, params).log()
+                return sampler.pick(logits, len(start) + depths[node])
+
+            nodes, bonus = accept_path(tokens, parents, pick)
+            emitted += [tokens[n] for n in nodes[1:]] + [bonus]
+        return tuple(emitted[:count])
+
+    alone = sampled([], 12)
+    assert all(sampled(shape, 12) == alone for shape in SHAPES)
 
 
 # --- end to end on a real (tiny) model: the engine and the drafter the workers run ---------
@@ -410,7 +446,19 @@ def pooled_chi_square(counts: Counter, expected: dict[tuple, float], samples: in
 E2E_SAMPLES = 1500  # power: the wrong rule's statistic is ~2x the threshold at this size
 
 
-@pytest.mark.parametrize("rule", ["lossless", "no-renormalise"])
+def accept_first_child_on_any_match(tokens, parents, target_pick):
+    """Wrong: when the target's pick is any child's token, takes the draft's best child."""
+    children = children_lists(parents)
+    node, path = 0, [0]
+    while True:
+        wanted = target_pick(node)
+        if not any(int(tokens[child]) == wanted for child in children[node]):
+            return path, wanted
+        node = children[node][0]
+        path.append(node)
+
+
+@pytest.mark.parametrize("rule", ["lossless", "first-child-on-any-match"])
 def test_dovetail_continuations_follow_the_target(tiny_pair, monkeypatch, rule):
     """3-token continuations sampled by the runtime's dovetail cycle (in-process workers)
     against the exact distribution of the target (the distribution --mode ar samples from)."""
@@ -418,7 +466,7 @@ def test_dovetail_continuations_follow_the_target(tiny_pair, monkeypatch, rule):
 
     engine, drafter = tiny_pair
     if rule != "lossless":
-        monkeypatch.setattr(engine_module, "accept_sampled", accept_without_renormalising)
+        monkeypatch.setattr(engine_module, "accept_path", accept_first_child_on_any_match)
     params = Sampling(temperature=1.0)
     prompt = [1, 5, 2, 7]
     expected = exact_continuations(engine, prompt, 3, params)
@@ -462,3 +510,16 @@ def test_fixed_seed_repeats_in_each_mode(tiny_pair):
                 lambda seed: sample_ar(engine, prompt, 12, params, seed)):
         assert run(99) == run(99)
         assert len({run(seed) for seed in range(6)}) > 1
+
+
+@pytest.mark.parametrize("params", [Sampling(temperature=1.0), Sampling(temperature=0.8, top_k=3, top_p=0.9)])
+def test_seeded_dovetail_equals_seeded_ar_for_every_tree_shape(tiny_pair, params):
+    """The target's draws are keyed by position, so a seeded dovetail run emits the very
+    tokens a seeded ar run does, whatever tree the draft proposed."""
+    engine, drafter = tiny_pair
+    prompt = [1, 5, 2, 7]
+    shapes = [TreeShape.clamped(2, 1, 1), TreeShape.clamped(7, 3, 2), TreeShape.clamped(12, 5, 3)]
+    for seed in range(8):
+        ar = sample_ar(engine, prompt, 16, params, seed)
+        for shape in shapes:
+            assert run_cycle(engine, drafter, prompt, 16, params, seed, shape) == ar, (seed, shape)
