@@ -9,6 +9,7 @@ cycle ring. Nothing large ever travels inside a message.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -21,13 +22,18 @@ from .loading import load_target_model, weight_bytes
 from .precision import activation_dtype
 from .sampling import Sampler
 from .threads import apply_placement
+from .verify_cost import VerifyCostCache, cache_key, measure_verify_ms
+
+log = logging.getLogger(__name__)
 
 
 class TargetService:
     """One sequence at a time: requests for any other sequence are refused."""
 
-    def __init__(self, engine: TargetEngine, cycle_ring: ShmRing, prefill_ring: ShmRing):
+    def __init__(self, engine: TargetEngine, cycle_ring: ShmRing, prefill_ring: ShmRing,
+                 cost_key: str | None = None):
         self.engine = engine
+        self.cost_key = cost_key  # what the verify-cost cache files this target's timings under
         self.cycle_ring = cycle_ring
         self.prefill_ring = prefill_ring
         self.seq_id: int | None = None
@@ -80,9 +86,26 @@ class TargetService:
             self.seq_id = None
             self.engine.reset()
 
+    def measure_verify_cost(self, request: m.MeasureVerifyCost) -> m.VerifyCost:
+        """t_verify(T) from the cache, or measured now (which ends any active sequence)."""
+        cache = VerifyCostCache()
+        cached = cache.get(self.cost_key, request.tree_sizes) if self.cost_key else None
+        if cached is not None:
+            return m.VerifyCost(tree_sizes=request.tree_sizes, ms=cached, cached=True, cache_path=str(cache.path))
+        log.info("measuring tree verification for T in %s (cached afterwards in %s)", request.tree_sizes, cache.path)
+        self.seq_id = None
+        try:
+            ms = measure_verify_ms(self.engine, request.tree_sizes)
+        except ValueError as error:
+            raise SequenceError(str(error)) from None
+        if self.cost_key:
+            cache.put(self.cost_key, request.tree_sizes, ms)
+        return m.VerifyCost(tree_sizes=request.tree_sizes, ms=ms, cache_path=str(cache.path))
+
     def handlers(self) -> Handlers:
         return {m.PrefillRequest: self.prefill, m.VerifyRequest: self.verify,
-                m.DecodeRequest: self.decode, m.ReleaseSequence: self.release}
+                m.DecodeRequest: self.decode, m.ReleaseSequence: self.release,
+                m.MeasureVerifyCost: self.measure_verify_cost}
 
 
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
@@ -91,7 +114,9 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     model = load_target_model(settings["target"], precision)
     engine = TargetEngine(model, max_len=settings["max_len"], activation_dtype=activation_dtype(precision))
     rings = settings["rings"]
-    service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]))
+    service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]),
+                            cost_key=cache_key(settings["target"], precision, placement.intra_op_threads,
+                                               placement.cores))
     info = {"threads": placement.intra_op_threads, "cores": placement.cores, "max_len": engine.max_len,
             "hidden_size": engine.spec.hidden_size, "vocab_size": engine.spec.vocab_size,
             "dtype": precision, "weight_bytes": weight_bytes(model), "kv_cache_bytes": engine.cache.nbytes,

@@ -22,6 +22,8 @@ from ipc import messages as m
 from ipc.dtypes import TARGET_PRECISIONS
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
+from .tree_planner import TREE_SIZES, AutoTree
+
 log = logging.getLogger("dovetail")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -29,6 +31,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 DEMO_TARGET = DEMO_DIR / "target-code-9m"
 DEMO_DRAFT = DEMO_DIR / "draft-dgf"
+FIXED_DEPTH = 6  # --depth's default with a fixed --tree-tokens
+AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth says otherwise
 
 
 def read_prompt_file(path: Path) -> list[str]:
@@ -111,10 +115,36 @@ def make_sampling(temperature: float, sample_top_k: int, top_p: float, seed: int
         raise click.BadParameter(str(error), param_hint="--temperature") from None
 
 
-def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
+class TreeTokens(click.ParamType):
+    """``auto`` (the planner picks T up to 64), ``auto:N`` (up to N), or a fixed T."""
+
+    name = "auto|auto:N|N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int | tuple):
+            return value
+        text = str(value).strip().lower()
+        auto = text == "auto" or text.startswith("auto:")
+        number = text.removeprefix("auto:") if text.startswith("auto:") else text
+        if text == "auto":
+            return ("auto", TREE_SIZES[-1])
+        try:
+            size = int(number)
+        except ValueError:
+            self.fail(f"{value!r} is not 'auto', 'auto:N' or a tree size N", param, ctx)
+        if auto and not 2 <= size <= MAX_TREE_TOKENS:
+            self.fail(f"auto:N needs 2 <= N <= {MAX_TREE_TOKENS}, got {size}", param, ctx)
+        if not auto and not 1 <= size <= MAX_TREE_TOKENS:
+            self.fail(f"the tree size must be in 1..{MAX_TREE_TOKENS}, got {size}", param, ctx)
+        return ("auto", size) if auto else size
+
+
+def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k: int) -> TreeShape | AutoTree:
     try:
-        return TreeShape.clamped(tree_tokens, depth, tree_top_k)
-    except TreeError as error:
+        if isinstance(tree_tokens, tuple):
+            return AutoTree(max_tree_tokens=tree_tokens[1], max_depth=depth or AUTO_MAX_DEPTH, top_k=tree_top_k)
+        return TreeShape.clamped(tree_tokens, depth or FIXED_DEPTH, tree_top_k)
+    except (TreeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--tree-tokens/--depth/--tree-top-k") from None
 
 
@@ -143,10 +173,13 @@ def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
               help="Intra-op threads of the draft worker. [default: one per --draft-cores core, else torch's]")
 @click.option("--draft-cores", callback=cores_option, default=None,
               help="Pin every draft-worker thread to these cores (a CPU draft should not share the target's).")
-@click.option("--tree-tokens", type=click.IntRange(min=1, max=MAX_TREE_TOKENS), default=16,
-              help="Tree size T: tokens verified per cycle, root included.")
-@click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=6,
-              help="Most draft tokens on one tree path (at most T - 1 are used).")
+@click.option("--tree-tokens", type=TreeTokens(), default="auto",
+              help="Tree size T: tokens verified per cycle, root included. auto: chosen each cycle to maximise "
+                   "tokens/s from t_verify(T) (measured at the first start, cached), t_draft(depth) (measured at "
+                   "start) and the acceptance seen so far; auto:N caps T at N.")
+@click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=None,
+              help="Most draft tokens on one tree path (at most T - 1 are used); with --tree-tokens auto, the "
+                   f"deepest tree tried.  [default: {FIXED_DEPTH}, or {AUTO_MAX_DEPTH} with auto]")
 @click.option("--tree-top-k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
               help="The draft tree's beam width: children kept per node and nodes per level.")
 @click.option("--top-k", expose_value=False, hidden=True, callback=refuse_ambiguous_top_k,

@@ -18,6 +18,7 @@ token ids and messages; tensors live in the workers.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from ipc.tree import TreeShape
 from .generation import Job, PromptTooLong, generate_ar, generate_dovetail
 from .text import TextStream
 from .tokenizer import Tokenizer
+from .tree_planner import AutoTree, TreePlanner, drafting_cannot_pay
 from .workers import WorkerFailed, WorkerHandle, WorkerRequestError
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class RuntimeSettings:
     draft_dtype: str = "auto"
     draft_threads: int | None = None
     draft_cores: list[int] | None = None
-    tree: TreeShape = field(default_factory=TreeShape)
+    tree: TreeShape | AutoTree = field(default_factory=AutoTree)
     mode: str = "dovetail"
     max_len: int | None = None
     log_level: str = "info"
@@ -90,6 +92,8 @@ class Coordinator:
         self.gpu: WorkerHandle | None = None
         self.tokenizer: Tokenizer | None = None
         self.max_len = 0
+        # The tree each cycle verifies: a fixed shape, or the planner of --tree-tokens auto.
+        self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
         self._seq_ids = itertools.count(1)
         self._restarts: collections.deque[float] = collections.deque()
 
@@ -109,7 +113,8 @@ class Coordinator:
         if not isinstance(config.get("hidden_size"), int):
             raise ModelLoadError(f"{target_dir / 'config.json'} has no integer hidden_size")
         hidden = config["hidden_size"]
-        self.rings = [ShmRing.create(slot_bytes_for(settings.tree.feature_rows, hidden, FEATURE_DTYPE),
+        envelope = settings.tree.envelope if isinstance(settings.tree, AutoTree) else settings.tree
+        self.rings = [ShmRing.create(slot_bytes_for(envelope.feature_rows, hidden, FEATURE_DTYPE),
                                      CYCLE_RING_SLOTS),
                       ShmRing.create(slot_bytes_for(self.max_len, hidden, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
@@ -128,7 +133,7 @@ class Coordinator:
             self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
                 **common, "draft": settings.draft, "target": str(target_dir), "device": settings.draft_device,
                 "dtype": settings.draft_dtype, "threads": settings.draft_threads, "cores": settings.draft_cores,
-                "scratch_len": settings.tree.scratch_slots}, self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env)
+                "scratch_len": envelope.scratch_slots}, self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env)
         for worker in self.workers():
             worker.spawn()
         for worker in self.workers():
@@ -141,6 +146,34 @@ class Coordinator:
                  "%.2f GB at full context, committed as it fills", info.get("dtype"),
                  info.get("weight_bytes", 0) / 1e9, self.max_len, limit, info.get("kv_dtype"),
                  info.get("kv_cache_bytes", 0) / 1e9)
+        if isinstance(settings.tree, AutoTree) and self.gpu is not None:
+            self.tree = self.plan_trees(settings.tree)
+
+    def plan_trees(self, bounds: AutoTree) -> TreeShape | TreePlanner:
+        """Ask the workers what verification and drafting cost here; say so when drafting cannot pay."""
+        assert self.cpu is not None and self.gpu is not None
+        # Trees no larger than the context leaves room for next to a measuring prefix.
+        sizes = [size for size in bounds.tree_sizes if size < self.max_len]
+        if len(sizes) < 2:
+            return TreeShape.clamped(2, 1, bounds.top_k)
+        bounds = dataclasses.replace(bounds, max_tree_tokens=sizes[-1],
+                                     max_depth=min(bounds.max_depth, sizes[-1] - 1))
+        verify = self.cpu.request(m.MeasureVerifyCost(tree_sizes=sizes), m.VerifyCost)
+        depths = list(range(1, bounds.envelope.depth + 1))
+        draft = self.gpu.request(m.MeasureDraftCost(depths=depths, top_k=bounds.top_k), m.DraftCost)
+        verify_ms = dict(zip(verify.tree_sizes, verify.ms))
+        draft_ms = dict(zip(draft.depths, draft.ms))
+        log.info("tree: auto (T <= %d, depth <= %d, top_k %d). t_verify(T) ms %s (%s %s); t_draft(depth) ms %s",
+                 bounds.envelope.tree_tokens, bounds.envelope.depth, bounds.top_k,
+                 " ".join(f"{t}:{ms:.1f}" for t, ms in verify_ms.items()),
+                 "cached in" if verify.cached else "measured now, cached in", verify.cache_path or "nowhere",
+                 " ".join(f"{d}:{ms:.1f}" for d, ms in draft_ms.items()))
+        warning = drafting_cannot_pay(verify_ms, draft_ms, bounds)
+        if warning:
+            log.warning("%s", warning)
+        planner = TreePlanner(bounds, verify_ms, draft_ms)
+        log.info("tree: starting with %s", planner.describe())
+        return planner
 
     def workers(self) -> list[WorkerHandle]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
@@ -212,7 +245,7 @@ class Coordinator:
             if request.mode == "ar" or self.gpu is None:
                 finish, stats = generate_ar(self.cpu, job, emit)
             else:
-                finish, stats = generate_dovetail(self.cpu, self.gpu, job, self.settings.tree, emit)
+                finish, stats = generate_dovetail(self.cpu, self.gpu, job, self.tree, emit)
         except PromptTooLong as error:
             return error_reply(request.request_id, "prompt_too_long", message=str(error))
         except WorkerRequestError as error:

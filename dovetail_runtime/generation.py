@@ -11,6 +11,7 @@ step needs at least one free slot for it.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Literal, Protocol, TypeVar
 
 from ipc import messages as m
 from ipc.tree import TreeShape
+
+from .tree_planner import FixedTree, ShapePlanner
 
 Emit = Callable[[list[int]], bool]
 FinishReason = Literal["stop", "length"]
@@ -76,6 +79,7 @@ class Stats:
     verify_ms: float = 0.0
     wall_ms: float = 0.0
     accept_per_depth: list[int] = field(default_factory=list)
+    trees: collections.Counter[str] = field(default_factory=collections.Counter)  # "T/depth/top_k": cycles
 
     def message(self) -> m.RequestStats:
         compute = self.prefill_ms + self.draft_ms + self.verify_ms
@@ -88,7 +92,7 @@ class Stats:
             verify_ms=round(self.verify_ms, 3),
             # Time not spent computing in a worker: messages, ring copies, coordinator work.
             ipc_ms=round(max(self.wall_ms - compute, 0.0), 3), wall_ms=round(self.wall_ms, 3),
-            accept_per_depth=list(self.accept_per_depth))
+            accept_per_depth=list(self.accept_per_depth), trees=dict(self.trees.most_common()))
 
 
 class Budget:
@@ -144,10 +148,12 @@ def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]
     return budget.finish_reason or "stop", stats
 
 
-def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, shape: TreeShape,
+def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | ShapePlanner,
                       emit: Emit) -> tuple[FinishReason, Stats]:
+    """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's."""
+    planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
-    stats = Stats(accept_per_depth=[0] * (shape.depth + 1))
+    stats = Stats(accept_per_depth=[0] * (planner.envelope.depth + 1))
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     started = time.perf_counter()
     try:
@@ -169,17 +175,22 @@ def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, shape: TreeShape,
             if room < 1:
                 budget.finish_reason = "length"
                 break
+            shape = planner.shape().fitted(room)
+            cycle_started = time.perf_counter()
             draft = gpu.request(m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
-                                               shape=shape.fitted(room), reset=reset), m.DraftResult)
+                                               shape=shape, reset=reset), m.DraftResult)
             reset = False
             verified = cpu.request(m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens, parents=draft.parents),
                                    m.VerifyResult)
             accepted = verified.accepted_tokens
+            planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
+                            (time.perf_counter() - cycle_started) * 1e3)
             stats.draft_ms += draft.compute_ms
             stats.verify_ms += verified.compute_ms
             stats.cycles += 1
             stats.cycle_tokens += len(accepted)
             stats.accept_per_depth[len(accepted) - 1] += 1
+            stats.trees[f"{shape.tree_tokens}/{shape.depth}/{shape.top_k}"] += 1
             length += len(accepted)
             pair_tokens = accepted
             features = verified.features

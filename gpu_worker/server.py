@@ -20,6 +20,7 @@ from ipc.shm_ring import ShmRing, get_block
 from ipc.worker_loop import Handlers, SequenceError, worker_main
 
 from .device import resolve_device
+from .draft_cost import measure_draft_ms
 from .drafter import DraftContextError, Drafter
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,18 @@ class DraftService:
             self.seq_id = None
             self.drafter.reset()
 
+    def measure_draft_cost(self, request: m.MeasureDraftCost) -> m.DraftCost:
+        """t_draft per depth, measured now on random features (ends any active sequence)."""
+        self.seq_id = None
+        try:
+            ms = measure_draft_ms(self.drafter, request.depths, request.top_k)
+        except (DraftContextError, ValueError) as error:
+            raise SequenceError(str(error)) from None
+        return m.DraftCost(depths=request.depths, ms=ms)
+
     def handlers(self) -> Handlers:
-        return {m.DraftRequest: self.draft, m.ReleaseSequence: self.release}
+        return {m.DraftRequest: self.draft, m.ReleaseSequence: self.release,
+                m.MeasureDraftCost: self.measure_draft_cost}
 
 
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:

@@ -7,8 +7,10 @@ children form the next beam. Levels stop at ``depth`` below the root.
 Selection: of all candidates (every child produced, expanded or not) keep the ``T-1`` best
 under the total order (score descending, then shallower, then earlier produced). A parent
 always precedes its children in that order (its score is >= theirs and it is shallower),
-so the kept set never holds a node without its parent. Output order: by depth, then by
-that order, so parents precede children as the compact format requires.
+so the kept set never holds a node without its parent. Output order: that order (rank), so
+parents precede children as the compact format requires, and the first n nodes of a tree
+are exactly the tree the same draft gives for T = n (and, among nodes no deeper than d, for
+depth d): the tree planner reads the acceptance of every smaller tree off one verified tree.
 
 Scratch layout seen by the ``expand`` callback: the beam at depth d occupies scratch
 slots ``[(d-1)*top_k, d*top_k)`` (relative to the committed length); ``ancestors[j, s]``
@@ -72,7 +74,6 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
     cand_tokens = [beam_tokens]
     cand_scores = [beam_scores]
     cand_parents = [torch.full((k,), -1, device=device, dtype=torch.long)]
-    cand_depths = [torch.ones(k, device=device, dtype=torch.long)]
     beam_features = root_feature.unsqueeze(0).expand(k, -1)
     ancestors = torch.zeros(k, max(levels - 1, 0) * k, dtype=torch.bool, device=device)
     eye = torch.eye(k, dtype=torch.bool, device=device)
@@ -88,7 +89,6 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
         cand_tokens.append(child_tokens)
         cand_scores.append(scores)
         cand_parents.append(beam_ids.repeat_interleave(k))
-        cand_depths.append(torch.full((k * k,), level + 1, device=device, dtype=torch.long))
         if level + 1 < levels:
             # Stable sort, not topk: equal scores resolve to the earlier child, reproducibly.
             best = torch.sort(scores, descending=True, stable=True).indices[:k]
@@ -101,12 +101,10 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
         next_id += k * k
 
     all_scores = torch.cat(cand_scores)
-    all_depths = torch.cat(cand_depths)
     keep = min(tree_tokens - 1, int(all_scores.shape[0]))
     # Stable sort: equal scores keep production order, i.e. shallower first.
-    ranked = torch.sort(all_scores, descending=True, stable=True).indices[:keep]
-    kept = ranked[torch.sort(all_depths[ranked], stable=True).indices]
-    node_of = torch.full_like(all_depths, -1)
+    kept = torch.sort(all_scores, descending=True, stable=True).indices[:keep]
+    node_of = torch.full_like(all_scores, -1, dtype=torch.long)
     node_of[kept] = torch.arange(1, keep + 1, device=device)
     parent_ids = torch.cat(cand_parents)[kept]
     parents = torch.where(parent_ids < 0, 0, node_of[parent_ids.clamp(min=0)])

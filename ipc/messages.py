@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
-from .tree import MAX_TREE_TOKENS, TreeShape
+from .tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
 
 PROTOCOL_VERSION = 2
 
@@ -101,6 +101,8 @@ class RequestStats(Nested, frozen=True):
     ipc_ms: float = 0.0  # wall time not spent computing in a worker
     wall_ms: float = 0.0
     accept_per_depth: list[Count] = []  # cycles that accepted 0, 1, 2, ... draft tokens
+    # Cycles per tree shape verified, keyed "T/depth/top_k" (most used first).
+    trees: Annotated[dict[Annotated[str, Meta(max_length=32)], Count], Meta(max_length=1024)] = {}
 
 
 # --- client <-> coordinator -------------------------------------------------------------
@@ -236,6 +238,37 @@ class DraftResult(Message):
     compute_ms: Millis = 0.0
 
 
+# --- cost measurements (the tree planner's inputs, asked once at startup) ----------------
+
+TreeSizes = Annotated[list[Annotated[int, Meta(ge=1, le=MAX_TREE_TOKENS)]], Meta(min_length=1, max_length=64)]
+Depths = Annotated[list[Annotated[int, Meta(ge=1, le=MAX_DEPTH)]], Meta(min_length=1, max_length=MAX_DEPTH)]
+
+
+class MeasureVerifyCost(Message):
+    """cpu_worker: time one tree verification of each size (a cache may answer)."""
+
+    tree_sizes: TreeSizes
+
+
+class VerifyCost(Message):
+    tree_sizes: TreeSizes
+    ms: list[Millis]
+    cached: bool = False  # read from the cost cache, not measured now
+    cache_path: Annotated[str, Meta(max_length=4096)] = ""
+
+
+class MeasureDraftCost(Message):
+    """gpu_worker: time one draft step (absorb the accepted pairs, propose a tree) per depth."""
+
+    depths: Depths
+    top_k: Annotated[int, Meta(ge=1, le=MAX_TOP_K)]
+
+
+class DraftCost(Message):
+    depths: Depths
+    ms: list[Millis]
+
+
 # --- worker lifecycle -------------------------------------------------------------------
 
 
@@ -265,10 +298,11 @@ class Shutdown(Message):
 CLIENT_TO_COORDINATOR: tuple[type[Message], ...] = (GenerateRequest, Cancel, Ping)
 COORDINATOR_TO_CLIENT: tuple[type[Message], ...] = (TokenChunk, GenerateDone, ErrorReply, Pong)
 TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, ReleaseSequence,
-                                            Shutdown, Ping)
-FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, VerifyResult, DecodeResult, Ready, WorkerError, Pong)
-TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, ReleaseSequence, Shutdown, Ping)
-FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, Ready, WorkerError, Pong)
+                                            MeasureVerifyCost, Shutdown, Ping)
+FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, VerifyResult, DecodeResult, VerifyCost, Ready,
+                                              WorkerError, Pong)
+TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, ReleaseSequence, MeasureDraftCost, Shutdown, Ping)
+FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, DraftCost, Ready, WorkerError, Pong)
 ALL_MESSAGES: tuple[type[Message], ...] = tuple(dict.fromkeys(
     CLIENT_TO_COORDINATOR + COORDINATOR_TO_CLIENT + TO_CPU_WORKER + FROM_CPU_WORKER + TO_GPU_WORKER
     + FROM_GPU_WORKER))

@@ -12,6 +12,11 @@ from pathlib import Path
 # Before torch loads OpenMP: idle pool threads must sleep, not spin. On a 2-core machine a
 # spinning pool in one process (a test, a worker) slows every other one by 100x.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The tree planner's verify-cost cache: one per test session, never the user's ~/.cache.
+if "DOVETAIL_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["DOVETAIL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dovetail-test-cache-")
 
 import pytest
 import torch

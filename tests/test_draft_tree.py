@@ -82,6 +82,24 @@ def test_tree_matches_brute_force(fusion, tree_tokens, depth, top_k):
     assert set(got) == set(expected)
     for path, score in expected.items():
         assert abs(got[path] - score) < SCORE_TOL, path
+    # Nodes come in selection (rank) order, so the first n nodes are the tree for T = n.
+    assert list(got) == list(expected)
+
+
+def test_a_smaller_tree_is_a_prefix_of_a_larger_one():
+    head = tiny_head("dgf", layers=2, sharpen=SHARPEN, seed=11)
+    features, tokens = accepted_sequence(9)
+    drafter = drafter_for(head, features, tokens)
+    big = drafter.propose(TreeShape.clamped(24, 5, 4))
+    big_depths = tree_depths(big.parents.tolist())
+    for tree_tokens in (2, 5, 9, 16):
+        small = drafter.propose(TreeShape.clamped(tree_tokens, 5, 4))
+        assert small.tokens.tolist() == big.tokens[:tree_tokens].tolist()
+        assert small.parents.tolist() == big.parents[:tree_tokens].tolist()
+    # A shallower tree: the first n nodes of the big tree that are no deeper than its depth.
+    shallow = drafter.propose(TreeShape.clamped(8, 2, 4))
+    keep = [0] + [node for node in range(1, len(big)) if big_depths[node] <= 2][:7]
+    assert shallow.tokens.tolist() == big.tokens[keep].tolist()
 
 
 def test_too_few_candidates_returns_them_all():
@@ -173,9 +191,10 @@ def test_ties_break_towards_shallower_nodes():
     tree = build_tree(7, feature, root, expand, TreeShape.clamped(3, 3, 2))
     assert tree.tokens.tolist() == [7, 0, 0] and tree.parents.tolist() == [-1, 0, 1]
     tree = build_tree(7, feature, root, expand, TreeShape.clamped(5, 3, 2))
-    # a (-0.69), a->0 (-0.69), a->0->0 (-0.69), then b (-1.39): ties resolved shallow first
-    assert tree_depths(tree.parents.tolist()) == [0, 1, 1, 2, 3]
-    assert tree.parents.tolist() == [-1, 0, 0, 1, 3]
+    # a (-0.69), a->0 (-0.69), a->0->0 (-0.69), then b (-1.39): ties resolved shallow first,
+    # nodes in that (rank) order
+    assert tree_depths(tree.parents.tolist()) == [0, 1, 2, 3, 1]
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 0]
 
 
 @pytest.mark.parametrize("fusion", ["dgf", "fc"])

@@ -59,6 +59,7 @@ def test_one_shot_json_is_lossless_in_both_modes(tmp_path, demo_target, demo_ran
         assert stats["new_tokens"] == len(line["token_ids"])
         assert stats["cycles"] >= 1 and stats["tau"] >= 1.0
         assert sum(stats["accept_per_depth"]) == stats["cycles"]
+        assert sum(stats["trees"].values()) == stats["cycles"]  # the shapes --tree-tokens auto chose
         for key in ("tokens_per_s", "prefill_ms", "draft_ms", "verify_ms", "ipc_ms"):
             assert stats[key] >= 0
         assert line["ar"]["stats"]["tau"] == 1.0 and line["ar"]["stats"]["draft_ms"] == 0
@@ -88,6 +89,9 @@ def test_bad_flags_and_inputs_are_refused_clearly(tmp_path, demo_target, demo_ra
     # --top-k meant sampling elsewhere and the beam here: refused with both spellings named.
     done = dovetail_run("--target", str(demo_target), "--top-k", "8", "--prompt", "x")
     assert done.returncode == 2 and "--tree-top-k 8" in done.stderr and "--sample-top-k 8" in done.stderr
+    for bad, says in (("banana", "is not 'auto'"), ("auto:1", "auto:N needs 2 <= N"), ("0", "must be in 1..")):
+        done = dovetail_run("--target", str(demo_target), "--tree-tokens", bad, "--prompt", "x")
+        assert done.returncode == 2 and says in done.stderr, done.stderr
     done = dovetail_run("--target", str(demo_target), "--mode", "ar", "--temperature", "1e-30", "--prompt", "x")
     assert done.returncode == 2 and "temperature must be 0" in done.stderr
     done = dovetail_run("--target", str(demo_target), "--mode", "ar", "--max-len", "999999", "--prompt", "x",
@@ -310,8 +314,10 @@ def test_trained_demo_pair_is_lossless_with_high_acceptance(tmp_path, demo_targe
     """Both shipped heads: the 4-layer one (for a GPU) and the 1-layer one (for drafting on a CPU)."""
     prompt_file = tmp_path / "code.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
+    # A fixed tree: tau measures the head (--tree-tokens auto picks small trees where drafting is dear).
     done = dovetail_run("--target", str(demo_target), "--draft", str(DEMO / head), "--compare-ar", "--json",
-                        "--prompt-file", str(prompt_file), "--max-new-tokens", "64", "--log-level", "warning")
+                        "--prompt-file", str(prompt_file), "--max-new-tokens", "64", "--log-level", "warning",
+                        "--tree-tokens", "16", "--depth", "6")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(lines) == len(CODE_PROMPTS) and all(line["ar"]["same_tokens"] for line in lines)

@@ -33,6 +33,7 @@ import sys
 import time
 import traceback
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,12 +41,13 @@ from typing import Any, Literal
 import click
 from click.core import ParameterSource
 
-from dovetail_runtime.cli import cores_option
+from dovetail_runtime.cli import AUTO_MAX_DEPTH, cores_option
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from dovetail_runtime.tokenizer import Tokenizer
+from dovetail_runtime.tree_planner import TREE_SIZES, AutoTree, TreePlanner
 from ipc import messages as m
 from ipc.dtypes import TARGET_PRECISIONS
-from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
+from ipc.tree import MAX_DEPTH, MAX_TOP_K, TreeError, TreeShape
 from tools.bench_e2e import FALLBACK_PROMPTS
 from tools.train.corpus import stdlib_files
 
@@ -247,6 +249,7 @@ class ModeTotals:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     ipc_ms: float = 0.0
+    trees: Counter[str] = field(default_factory=Counter)  # cycles per "T/depth/top_k"
 
     def add(self, stats: m.RequestStats) -> None:
         self.requests += 1
@@ -258,6 +261,7 @@ class ModeTotals:
         self.draft_ms += stats.draft_ms
         self.verify_ms += stats.verify_ms
         self.ipc_ms += stats.ipc_ms
+        self.trees.update(stats.trees)
 
     @property
     def decode_tokens(self) -> int:
@@ -285,10 +289,10 @@ class RunResult:
     shape: str
     precision: str
     layers: int
-    tree: TreeShape
+    trees: list[TreeSetting]
     target_dir: Path | None = None
-    modes: dict[str, ModeTotals] = field(default_factory=lambda: {"dovetail": ModeTotals(), "ar": ModeTotals()})
-    compared: int = 0
+    modes: dict[str, ModeTotals] = field(default_factory=dict)  # "ar" and one per tree setting's label
+    compared: int = 0  # dovetail requests compared with ar
     mismatches: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     rss_kb: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> VmHWM / VmRSS
@@ -303,9 +307,57 @@ class RunResult:
     def label(self) -> str:
         return f"{self.shape} {self.precision}"
 
-    def ratio(self) -> float | None:
-        dovetail, ar = self.modes["dovetail"].tokens_per_s(), self.modes["ar"].tokens_per_s()
+    def __post_init__(self) -> None:
+        self.modes = {"ar": ModeTotals(), **{tree_label(tree): ModeTotals() for tree in self.trees}}
+
+    @property
+    def tree_labels(self) -> list[str]:
+        return [tree_label(tree) for tree in self.trees]
+
+    def ratio(self, label: str) -> float | None:
+        dovetail, ar = self.modes[label].tokens_per_s(), self.modes["ar"].tokens_per_s()
         return dovetail / ar if dovetail and ar else None
+
+    def best_fixed(self) -> str | None:
+        """The fixed tree setting with the highest dovetail tok/s."""
+        rated = [(rate, label) for tree, label in zip(self.trees, self.tree_labels)
+                 if isinstance(tree, TreeShape) and (rate := self.modes[label].tokens_per_s())]
+        return max(rated)[1] if rated else None
+
+
+TreeSetting = TreeShape | AutoTree
+
+
+def tree_label(tree: TreeSetting) -> str:
+    if isinstance(tree, AutoTree):
+        return "auto" if tree.max_tree_tokens == TREE_SIZES[-1] else f"auto:{tree.max_tree_tokens}"
+    return f"{tree.tree_tokens}/{tree.depth}/{tree.top_k}"
+
+
+def parse_trees(text: str, depth: int | None, top_k: int) -> list[TreeSetting]:
+    """``auto``, ``auto:N`` or ``T/depth/top_k`` items, comma-separated."""
+    trees: list[TreeSetting] = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        try:
+            if item == "auto" or item.startswith("auto:"):
+                largest = int(item.removeprefix("auto:")) if item != "auto" else TREE_SIZES[-1]
+                trees.append(AutoTree(max_tree_tokens=largest, max_depth=depth or AUTO_MAX_DEPTH, top_k=top_k))
+            else:
+                size, tree_depth, tree_top_k = (int(value) for value in item.split("/"))
+                trees.append(TreeShape.clamped(size, tree_depth, tree_top_k))
+        except (ValueError, TreeError) as error:
+            raise click.BadParameter(f"{item!r}: want auto, auto:N or T/depth/top_k ({error})",
+                                     param_hint="--trees") from None
+    if not trees:
+        raise click.BadParameter("no tree settings given", param_hint="--trees")
+    return trees
+
+
+def envelope_of(trees: list[TreeSetting]) -> TreeShape:
+    """One shape whose caches and rings fit every setting (the coordinator is sized once)."""
+    shapes = [tree.envelope if isinstance(tree, AutoTree) else tree for tree in trees]
+    largest = max(shape.tree_tokens for shape in shapes)
+    return TreeShape.clamped(largest, max(shape.depth for shape in shapes), max(shape.top_k for shape in shapes))
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -329,27 +381,33 @@ def proc_status_kb(pid: int) -> dict[str, int]:
     return found
 
 
-def run_prompt(coordinator: Coordinator, result: RunResult, index: int, prompt: str, max_new_tokens: int) -> None:
-    """Both modes on one prompt back to back (the order alternates per prompt, so neither mode
-    always runs on a warmer machine), then compare their tokens."""
-    order: tuple[Mode, Mode] = ("dovetail", "ar") if index % 2 == 0 else ("ar", "dovetail")
+def run_prompt(coordinator: Coordinator, result: RunResult, planners: dict[str, TreePlanner | TreeShape],
+               index: int, prompt: str, max_new_tokens: int) -> None:
+    """ar and every tree setting on one prompt back to back (the order rotates per prompt, so no
+    setting always runs on a warmer machine), each dovetail result compared with ar's tokens."""
+    labels = ["ar", *planners]
+    shift = index % len(labels)
     tokens: dict[str, list[int]] = {}
-    for mode in order:
+    for label in labels[shift:] + labels[:shift]:
+        if label != "ar":
+            coordinator.tree = planners[label]
         reply = coordinator.generate(m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt,
-                                                       max_new_tokens=max_new_tokens, mode=mode))
+                                                       max_new_tokens=max_new_tokens,
+                                                       mode="ar" if label == "ar" else "dovetail"))
         if isinstance(reply, m.ErrorReply):
-            message = f"prompt {index} {mode}: {reply.code}: {reply.message}"
+            message = f"prompt {index} {label}: {reply.code}: {reply.message}"
             print(f"ERROR {result.label}: {message}", file=sys.stderr, flush=True)
             result.errors.append(message)
             return
-        result.modes[mode].add(reply.stats)
-        tokens[mode] = list(reply.token_ids)
-    result.compared += 1
-    where = first_difference(tokens["dovetail"], tokens["ar"])
-    if where is not None:
-        result.mismatches.append(f"prompt {index} at token {where}")
-        print(f"MISMATCH {result.label}: dovetail and ar differ on prompt {index} from new token {where}",
-              file=sys.stderr, flush=True)
+        result.modes[label].add(reply.stats)
+        tokens[label] = list(reply.token_ids)
+    for label in planners:
+        result.compared += 1
+        where = first_difference(tokens[label], tokens["ar"])
+        if where is not None:
+            result.mismatches.append(f"prompt {index} tree {label} at token {where}")
+            print(f"MISMATCH {result.label}: tree {label} and ar differ on prompt {index} from new token {where}",
+                  file=sys.stderr, flush=True)
 
 
 def read_worker_memory(coordinator: Coordinator, result: RunResult) -> None:
@@ -373,7 +431,7 @@ class RunOptions:
     prompt_count: int
     prompt_tokens: int
     max_new_tokens: int
-    tree: TreeShape
+    trees: list[TreeSetting]
     cpu_threads: int | None
     cpu_cores: list[int] | None
     draft_device: str
@@ -381,13 +439,15 @@ class RunOptions:
 
 
 def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: RunOptions) -> str:
-    """One Coordinator for one target: warm-up, then every prompt in both modes. Returns the prompt note."""
+    """One Coordinator for one target: warm-up, then every prompt with ar and each tree setting.
+    Returns the prompt note."""
+    envelope = envelope_of(options.trees)
     settings = RuntimeSettings(
         target=str(target_dir), draft=str(head_dir), target_dtype=result.precision,
         cpu_threads=options.cpu_threads, cpu_cores=options.cpu_cores, draft_device=options.draft_device,
-        tree=options.tree, log_level="warning", startup_timeout_s=options.startup_timeout_s,
+        tree=envelope, log_level="warning", startup_timeout_s=options.startup_timeout_s,
         # Room for the prompt (re-encoding a cut prompt can add a token or two), the new tokens and one tree.
-        max_len=options.prompt_tokens + options.max_new_tokens + options.tree.tree_tokens + 32)
+        max_len=options.prompt_tokens + options.max_new_tokens + envelope.tree_tokens + 32)
     print(f"\n== {result.label}: starting the workers ...", flush=True)
     started = time.perf_counter()
     with Coordinator(settings) as coordinator:
@@ -401,14 +461,23 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
         prompts, note = heldout_prompts(coordinator.tokenizer, options.prompt_count, options.prompt_tokens)
         result.prompt_lengths = [len(coordinator.tokenizer.encode(prompt)) for prompt in prompts]
         result.sweep_prompt = coordinator.tokenizer.encode(prompts[0])
+        # Each auto setting gets its own planner (costs measured as a server measures them; the
+        # target's t_verify comes from the cache after the first).
+        planners: dict[str, TreePlanner | TreeShape] = {}
+        for tree in options.trees:
+            planners[tree_label(tree)] = coordinator.plan_trees(tree) if isinstance(tree, AutoTree) else tree
         for mode in ("dovetail", "ar"):  # first-call costs (allocations, thread pools) out of the numbers
+            coordinator.tree = envelope
             coordinator.generate(m.GenerateRequest(request_id=f"warmup-{mode}", prompt=FALLBACK_PROMPTS[0],
                                                    max_new_tokens=4, mode=mode))
         for index, prompt in enumerate(prompts):
             step = time.perf_counter()
-            run_prompt(coordinator, result, index, prompt, options.max_new_tokens)
-            print(f"   prompt {index + 1}/{len(prompts)}: both modes in {time.perf_counter() - step:.1f} s",
-                  flush=True)
+            run_prompt(coordinator, result, planners, index, prompt, options.max_new_tokens)
+            print(f"   prompt {index + 1}/{len(prompts)}: ar and {len(planners)} tree setting(s) in "
+                  f"{time.perf_counter() - step:.1f} s", flush=True)
+        for label, planner in planners.items():
+            if isinstance(planner, TreePlanner):
+                print(f"   {label}: settled on {planner.describe()}", flush=True)
         read_worker_memory(coordinator, result)
     return note
 
@@ -509,45 +578,52 @@ def cell(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def same_tokens_cell(result: RunResult) -> str:
-    if not result.compared:
+def same_tokens_cell(result: RunResult, label: str) -> str:
+    compared = result.modes[label].requests
+    if not compared:
         return "n/a"
-    if result.mismatches:
-        return f"**NO** ({len(result.mismatches)}/{result.compared} differ: {'; '.join(result.mismatches)})"
-    return f"yes ({result.compared}/{result.compared})"
+    differ = [mismatch for mismatch in result.mismatches if f" tree {label} " in mismatch]
+    if differ:
+        return f"**NO** ({len(differ)}/{compared} differ: {'; '.join(differ)})"
+    return f"yes ({compared}/{compared})"
 
 
 def roofline_tps(result: RunResult, bandwidth_gbs: float) -> float | None:
     return bandwidth_gbs * 1e9 / result.weight_bytes if result.weight_bytes else None
 
 
-def table_row(result: RunResult, bandwidth_gbs: float) -> str:
-    dovetail, ar = result.modes["dovetail"], result.modes["ar"]
+def table_rows(result: RunResult, bandwidth_gbs: float) -> list[str]:
+    ar = result.modes["ar"]
     if result.errors and not result.compared:
-        return f"| {result.shape} ({result.layers} L) | {result.precision} | failed: {result.errors[0][:200]} |"
+        return [f"| {result.shape} ({result.layers} L) | {result.precision} | failed: {result.errors[0][:200]} |"]
     ar_tps, roof = ar.tokens_per_s(), roofline_tps(result, bandwidth_gbs)
-    tree = result.tree
     rss = {name: result.rss_kb.get(name, {}).get("VmHWM") for name in ("cpu_worker", "gpu_worker")}
-    cells = [
-        f"{result.shape} ({result.layers} L)", result.precision, cell(ar_tps), cell(dovetail.tokens_per_s()),
-        cell(result.ratio(), suffix="x"), cell(dovetail.tau()), f"{tree.tree_tokens}, {tree.depth}, {tree.top_k}",
-        cell(dovetail.per_cycle(dovetail.draft_ms)), cell(dovetail.per_cycle(dovetail.verify_ms)),
-        cell(dovetail.per_cycle(dovetail.ipc_ms)), cell(ar.ms_per_token()),
-        cell(100 * ar_tps / roof if ar_tps and roof else None, 0, "%"),
-        *(cell(kb / 1024**2 if kb else None) for kb in rss.values()), same_tokens_cell(result)]
-    return "| " + " | ".join(cells) + " |"
+    rows = []
+    for label in result.tree_labels:
+        dovetail = result.modes[label]
+        used = ", ".join(f"{shape} x{count}" for shape, count in dovetail.trees.most_common(3))
+        cells = [
+            f"{result.shape} ({result.layers} L)", result.precision, cell(ar_tps), label, used or "n/a",
+            cell(dovetail.tokens_per_s()), cell(result.ratio(label), suffix="x"), cell(dovetail.tau()),
+            cell(dovetail.per_cycle(dovetail.draft_ms)), cell(dovetail.per_cycle(dovetail.verify_ms)),
+            cell(dovetail.per_cycle(dovetail.ipc_ms)), cell(ar.ms_per_token()),
+            cell(100 * ar_tps / roof if ar_tps and roof else None, 0, "%"),
+            *(cell(kb / 1024**2 if kb else None) for kb in rss.values()), same_tokens_cell(result, label)]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
 
 
 def print_report(command: str, context: list[str], results: list[RunResult], bandwidth_gbs: float) -> None:
     print("\n" + command)
     for line in context:
         print(line)
-    print("\n| shape | precision | ar tok/s | dovetail tok/s | dovetail / ar | tau | tree (T, depth, top_k) | "
-          "draft ms/cycle | verify ms/cycle | ipc ms/cycle | ar ms/token | ar % of roofline | "
-          "cpu_worker peak RSS GB | gpu_worker peak RSS GB | same tokens |")
-    print("|" + "---|" * 15)
+    print("\n| shape | precision | ar tok/s | tree setting | trees verified (T/depth/top_k x cycles) | "
+          "dovetail tok/s | dovetail / ar | tau | draft ms/cycle | verify ms/cycle | ipc ms/cycle | ar ms/token | "
+          "ar % of roofline | cpu_worker peak RSS GB | gpu_worker peak RSS GB | same tokens as ar |")
+    print("|" + "---|" * 16)
     for result in results:
-        print(table_row(result, bandwidth_gbs))
+        for row in table_rows(result, bandwidth_gbs):
+            print(row)
     print()
     for result in results:
         print(run_notes(result, bandwidth_gbs))
@@ -570,6 +646,13 @@ def run_notes(result: RunResult, bandwidth_gbs: float) -> str:
     for name, status in result.rss_kb.items():
         if status:
             parts.append(f"{name} VmRSS {status.get('VmRSS', 0) / 1024**2:.2f} GB at the end;")
+    best = result.best_fixed()
+    autos = [label for tree, label in zip(result.trees, result.tree_labels) if isinstance(tree, AutoTree)]
+    for label in autos:
+        auto_tps = result.modes[label].tokens_per_s()
+        best_tps = result.modes[best].tokens_per_s() if best else None
+        if auto_tps and best_tps:
+            parts.append(f"{label} / best fixed tree ({best}): {auto_tps / best_tps:.3f};")
     if result.errors:
         parts.append(f"ERRORS: {' | '.join(result.errors)}")
     return " ".join(parts)
@@ -616,15 +699,19 @@ def write_plot(results: list[RunResult], path: Path) -> None:
 
 
 def plot_model(axis: Any, result: RunResult, sizes: list[int], color: str) -> None:
-    dovetail, ar = result.modes["dovetail"], result.modes["ar"]
+    """The model around the best fixed tree setting of the run (auto's trees vary per cycle)."""
+    label = result.best_fixed()
+    if label is None:
+        return
+    dovetail, ar = result.modes[label], result.modes["ar"]
     tau, t_ar = dovetail.tau(), ar.ms_per_token()
     t_draft, t_ipc = dovetail.per_cycle(dovetail.draft_ms), dovetail.per_cycle(dovetail.ipc_ms)
     if tau is None or t_ar is None or t_draft is None or t_ipc is None:
         return
     model = [min(tau, size) * t_ar / (t_draft + result.sweep_ms[size] + t_ipc) for size in sizes]
     axis.plot(sizes, model, "--", color=color, label=f"{result.label}: model, tau {tau:.2f} for all T")
-    size = result.tree.tree_tokens
-    ratio, t_verify = result.ratio(), dovetail.per_cycle(dovetail.verify_ms)
+    size = int(label.split("/")[0])
+    ratio, t_verify = result.ratio(label), dovetail.per_cycle(dovetail.verify_ms)
     if ratio is not None:
         axis.plot([size], [ratio], "o", color=color, markersize=8, label=f"{result.label}: measured at T={size}")
     if t_verify is not None:  # the model with the runtime's own verify time: shows what the sweep misses
@@ -702,12 +789,13 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.option("--prompt-tokens", type=click.IntRange(min=2), default=256,
               help="Prompt length: the first N tokens of each held-out stdlib file.")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, help="New tokens per request (greedy).")
-@click.option("--tree-tokens", type=click.IntRange(min=1, max=MAX_TREE_TOKENS), default=16,
-              help="Tree size T: tokens verified per cycle, root included.")
-@click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=6,
-              help="Most draft tokens on one tree path (at most T - 1 are used).")
+@click.option("--trees", default="auto",
+              help="Tree settings to run, comma-separated, each on every prompt beside one ar run: auto, auto:N "
+                   "(--tree-tokens auto), or T/depth/top_k (fixed), e.g. auto,8/5/8,16/6/8.")
+@click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=None,
+              help=f"Deepest tree auto tries.  [default: {AUTO_MAX_DEPTH}]")
 @click.option("--tree-top-k", "top_k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
-              help="The draft tree's beam width.")
+              help="The beam width of the auto settings.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the target worker (also used for the bandwidth test and the sweep). "
                    "[default: one per pinned core, else torch's]")
@@ -736,8 +824,8 @@ def main(context: click.Context, **values: Any) -> None:
     runs = parse_runs(values["runs"], shapes)
     work_dir = resolve_work_dir(values["work_dir"])
     sources = Sources(values["target_src"].resolve(), values["draft_src"].resolve(), work_dir, values["store_dtype"])
-    tree = TreeShape.clamped(values["tree_tokens"], values["depth"], values["top_k"])
-    options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], tree,
+    trees = parse_trees(values["trees"], values["depth"], values["top_k"])
+    options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], trees,
                          values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"])
     source_layers = int(json.loads((sources.target / "config.json").read_text())["num_hidden_layers"])
 
@@ -751,7 +839,7 @@ def main(context: click.Context, **values: Any) -> None:
         layers = max(values["layers"] or shapes[shape_name][5], source_layers)
         target_dir = inflate_target(sources, shape_name, shapes[shape_name], layers)
         head_dir = inflate_head(sources, shape_name, shapes[shape_name])
-        plan.append((RunResult(shape_name, precision, layers, tree, target_dir), head_dir))
+        plan.append((RunResult(shape_name, precision, layers, trees, target_dir), head_dir))
     inflate_s = time.perf_counter() - started
 
     bandwidth = measure_bandwidth(values["cpu_threads"])  # before any worker holds memory
@@ -769,7 +857,8 @@ def main(context: click.Context, **values: Any) -> None:
     results = [result for result, _ in plan]
     context_lines = [
         machine_line(values["cpu_threads"], bandwidth),
-        f"prompts: {prompt_note}; {options.max_new_tokens} new tokens, greedy; both modes per prompt back to back; "
+        f"prompts: {prompt_note}; {options.max_new_tokens} new tokens, greedy; ar and every tree setting per prompt "
+        f"back to back; "
         f"tok/s and ms/token exclude the prefill; source pair {sources.target.name} + {sources.draft.name}",
         f"time: inflation {inflate_s:.1f} s, runs {runs_s:.1f} s",
     ]

@@ -1,0 +1,120 @@
+"""t_verify(T): what one tree verification of T nodes costs this target on these cores.
+
+The tree planner (dovetail_runtime.tree_planner) needs it for T from 1 to 64. Measuring a
+7B target takes tens of seconds, so results are cached on disk per model (path, size and
+modification time of its files), precision, threads, cores, CPU and torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .engine import TargetEngine
+
+CACHE_FILE = "verify_cost.json"
+# A prefix like a short prompt's: attention is a small part of a verification at real sizes.
+PREFIX_TOKENS = 128
+
+
+def cache_dir() -> Path:
+    """DOVETAIL_CACHE_DIR, else $XDG_CACHE_HOME/dovetail, else ~/.cache/dovetail."""
+    explicit = os.environ.get("DOVETAIL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dovetail"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(model_dir: str | Path, precision: str, threads: int, cores: Sequence[int]) -> str:
+    """Everything a measurement depends on, hashed: change any of it and it is measured again."""
+    folder = Path(model_dir).resolve()
+    files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in folder.iterdir()
+                   if path.is_file())
+    parts = [str(folder), repr(files), precision, str(threads), ",".join(map(str, cores)), _cpu_model(),
+             torch.__version__, str(PREFIX_TOKENS)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def measurement_tree(size: int) -> list[int]:
+    """Parents of a T-node tree shaped like a drafted one: four interleaved chains below the
+    root, so depth grows as T/4 (a chain of 64 would overstate attention's share)."""
+    return [-1] + [max(0, index - 4) for index in range(1, size)]
+
+
+@torch.inference_mode()
+def measure_verify_ms(engine: TargetEngine, tree_sizes: Sequence[int], repeats: int = 2) -> list[float]:
+    """Milliseconds of one tree forward per size (the best of ``repeats``), over a random
+    prefix. Leaves the engine empty (any sequence it held is gone)."""
+    largest = max(tree_sizes)
+    prefix = max(1, min(PREFIX_TOKENS, engine.max_len - largest))
+    if prefix + largest > engine.max_len:
+        raise ValueError(f"a context of {engine.max_len} tokens cannot hold a {largest}-node tree to measure")
+    generator = torch.Generator().manual_seed(0)
+    vocab = engine.spec.vocab_size
+    engine.prefill(torch.randint(vocab, (prefix,), generator=generator).tolist())
+    tokens = torch.randint(vocab, (largest,), generator=generator).tolist()
+    engine.tree_logits(tokens[:2], measurement_tree(2))  # warm-up: first calls pay for allocation
+    results = []
+    for size in tree_sizes:
+        parents = measurement_tree(size)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            engine.tree_logits(tokens[:size], parents)
+            best = min(best, (time.perf_counter() - started) * 1e3)
+        results.append(best)
+    engine.reset()
+    return results
+
+
+class VerifyCostCache:
+    """{cache key: {T: ms}} in one JSON file; written atomically, unreadable files ignored."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or cache_dir() / CACHE_FILE
+
+    def _load(self) -> dict[str, dict[str, float]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str, tree_sizes: Sequence[int]) -> list[float] | None:
+        entry = self._load().get(key)
+        if not isinstance(entry, dict) or not all(str(size) in entry for size in tree_sizes):
+            return None
+        values = [entry[str(size)] for size in tree_sizes]
+        return [float(v) for v in values] if all(isinstance(v, int | float) and v > 0 for v in values) else None
+
+    def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float]) -> None:
+        data = self._load()
+        entry = data.get(key)
+        if not isinstance(entry, dict):
+            entry = {}
+        entry.update({str(size): round(value, 3) for size, value in zip(tree_sizes, ms)})
+        data[key] = entry
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self.path.with_suffix(f".{os.getpid()}.tmp")
+            scratch.write_text(json.dumps(data, indent=1, sort_keys=True))
+            scratch.replace(self.path)
+        except OSError:
+            pass  # a read-only home: measure again next time

@@ -1,0 +1,257 @@
+"""Which draft tree to verify next: ``--tree-tokens auto``.
+
+A cycle emits E[accepted + 1] tokens and costs t_draft(depth) + t_verify(T) + t_ipc, so the
+planner picks the (T, depth) maximising E[accepted + 1 | T, depth] / (t_draft + t_verify +
+t_ipc), with the beam ``top_k`` fixed (``--tree-top-k``).
+
+- t_verify(T) and t_draft(depth) are measured by the workers at startup (the target's
+  timings cached on disk) and rescaled online by how the observed cycles compare with them
+  (a busy machine makes everything slower); t_ipc is the observed rest of a cycle.
+- E[accepted | T, depth] is learnt online, and one verified tree answers it for every smaller
+  tree: the drafter returns nodes in selection order, so the tree for (T', d') is the root
+  plus the first T' - 1 nodes no deeper than d' (``gpu_worker.tree``), and its accepted path
+  is the part of the verified path that lies inside it. Exact for greedy decoding; for
+  sampling a close estimate (a smaller tree can accept a token the larger one rejected).
+- Larger trees are learnt by probing: every ``explore_every``-th cycle verifies a larger
+  tree (alternately one and two sizes up, one and two levels deeper), so the choice can move
+  up when deeper drafts start paying. Every estimate fades (``decay`` per cycle), so one that
+  no recent cycle could observe is forgotten rather than trusted forever.
+
+No torch here: the coordinator runs this.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ipc.tree import TreeShape, tree_depths
+
+log = logging.getLogger(__name__)
+
+# Tree sizes the planner chooses from (T, root included) and the target measures (1 is a
+# plain decode step: the --mode ar baseline).
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+START = TreeShape(tree_tokens=16, depth=6, top_k=8)  # EAGLE-2's default, until data says otherwise
+
+
+@dataclass(frozen=True)
+class AutoTree:
+    """The bounds ``--tree-tokens auto`` chooses within."""
+
+    max_tree_tokens: int = 64
+    max_depth: int = 10
+    top_k: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_tree_tokens < 2 or self.max_depth < 1 or self.top_k < 1:
+            raise ValueError(f"auto tree bounds must allow a draft token: {self}")
+
+    @property
+    def tree_sizes(self) -> list[int]:
+        return [size for size in TREE_SIZES if size <= self.max_tree_tokens]
+
+    @property
+    def envelope(self) -> TreeShape:
+        """The largest shape the planner may ask for (sizes caches and rings)."""
+        largest = self.tree_sizes[-1]
+        return TreeShape.clamped(largest, min(self.max_depth, largest - 1), self.top_k)
+
+
+class ShapePlanner(Protocol):
+    """What the cycle asks: the next tree's shape, and what came of it."""
+
+    @property
+    def envelope(self) -> TreeShape: ...
+
+    def shape(self) -> TreeShape: ...
+
+    def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
+                draft_ms: float, verify_ms: float, cycle_ms: float) -> None: ...
+
+
+class FixedTree:
+    """A fixed ``--tree-tokens N``: the same shape every cycle."""
+
+    def __init__(self, shape: TreeShape):
+        self.envelope = shape
+
+    def shape(self) -> TreeShape:
+        return self.envelope
+
+    def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
+                draft_ms: float, verify_ms: float, cycle_ms: float) -> None:
+        pass
+
+
+def accepted_path(tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int]) -> list[int]:
+    """The accepted nodes below the root, found from the accepted tokens (the last one is the
+    target's bonus token, not a node); siblings carry distinct tokens."""
+    children: dict[int, dict[int, int]] = {}
+    for node in range(1, len(parents)):
+        children.setdefault(int(parents[node]), {})[int(tokens[node])] = node
+    path, node = [], 0
+    for token in accepted[:-1]:
+        node = children[node][int(token)]
+        path.append(node)
+    return path
+
+
+def interpolate(points: Mapping[int, float], x: int) -> float:
+    """Piecewise-linear through measured points (flat beyond the ends)."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for low, high in zip(xs, xs[1:]):
+        if x <= high:
+            return points[low] + (points[high] - points[low]) * (x - low) / (high - low)
+    return points[xs[-1]]
+
+
+class TreePlanner:
+    def __init__(self, bounds: AutoTree, verify_ms: Mapping[int, float], draft_ms: Mapping[int, float],
+                 explore_every: int = 8, min_samples: float = 3.0, decay: float = 0.99, smoothing: float = 0.1):
+        self.bounds = bounds
+        self.envelope = bounds.envelope
+        # Measured on a busy machine a larger tree can time faster than a smaller one; a tree
+        # never costs less than any smaller tree, so keep the running maximum.
+        self.verify_ms: dict[int, float] = {}
+        for size in sorted(verify_ms):
+            self.verify_ms[size] = max([verify_ms[size], *self.verify_ms.values()])
+        self.draft_ms = dict(draft_ms)
+        self.explore_every = explore_every
+        self.min_samples = min_samples
+        self.decay = decay  # per cycle: acceptance changes with the text, old cycles count less
+        self.smoothing = smoothing
+        self.cells = [(size, depth) for size in bounds.tree_sizes if size >= 2
+                      for depth in range(1, min(size - 1, bounds.max_depth) + 1)]
+        self.weight: dict[tuple[int, int], float] = dict.fromkeys(self.cells, 0.0)
+        self.accepted_sum: dict[tuple[int, int], float] = dict.fromkeys(self.cells, 0.0)
+        self.verify_scale = 1.0
+        self.draft_scale = 1.0
+        self.ipc_ms = 0.0
+        self.cycles = 0
+        start = TreeShape.clamped(min(START.tree_tokens, self.envelope.tree_tokens),
+                                  min(START.depth, bounds.max_depth), bounds.top_k)
+        self.best = (start.tree_tokens, start.depth)
+        self.chosen: Counter[tuple[int, int]] = Counter()
+
+    # --- the model -------------------------------------------------------------------------
+
+    def cycle_ms(self, cell: tuple[int, int]) -> float:
+        size, depth = cell
+        return (self.draft_scale * interpolate(self.draft_ms, depth)
+                + self.verify_scale * interpolate(self.verify_ms, size) + self.ipc_ms)
+
+    def expected_tokens(self, cell: tuple[int, int]) -> float | None:
+        """E[accepted + 1] for a tree of this shape, None until seen often enough."""
+        if self.weight[cell] < self.min_samples:
+            return None
+        return self.accepted_sum[cell] / self.weight[cell] + 1.0
+
+    def rate(self, cell: tuple[int, int]) -> float | None:
+        """Expected tokens per second."""
+        tokens = self.expected_tokens(cell)
+        return None if tokens is None else tokens / self.cycle_ms(cell) * 1e3
+
+    def ar_rate(self) -> float:
+        """Tokens per second of a plain decode step (T = 1) at the same overheads."""
+        return 1e3 / (self.verify_scale * interpolate(self.verify_ms, 1) + self.ipc_ms)
+
+    # --- choosing ------------------------------------------------------------------------
+
+    def shape(self) -> TreeShape:
+        self.cycles += 1
+        cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
+        self.chosen[cell] += 1
+        return TreeShape.clamped(cell[0], cell[1], self.bounds.top_k)
+
+    def probe(self) -> tuple[int, int]:
+        """Larger than the best: alternately one tree size up and one level deeper, and two and
+        two (acceptance need not grow smoothly along single steps)."""
+        size, depth = self.best
+        steps = 1 + (self.cycles // self.explore_every) % 2
+        larger = [s for s in self.bounds.tree_sizes if s > size][:steps]
+        next_size = larger[-1] if larger else size
+        return next_size, min(depth + steps, next_size - 1, self.bounds.max_depth)
+
+    def _choose(self) -> None:
+        rated = [(rate, cell) for cell in self.cells if (rate := self.rate(cell)) is not None]
+        if rated:
+            self.best = max(rated)[1]
+
+    # --- learning ------------------------------------------------------------------------
+
+    def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
+                draft_ms: float, verify_ms: float, cycle_ms: float) -> None:
+        """Learn from one verified tree (its nodes in selection order, as the drafter sends them)."""
+        size = len(tokens)
+        if size < 2:
+            return
+        depths = tree_depths(parents)
+        path = accepted_path(tokens, parents, accepted)
+        for cell in self.cells:
+            self.weight[cell] *= self.decay
+            self.accepted_sum[cell] *= self.decay
+        for depth_limit in range(1, shape.depth + 1):
+            # Rank of each node among the nodes no deeper than depth_limit.
+            rank_within, count = {}, 0
+            for node in range(1, size):
+                if depths[node] <= depth_limit:
+                    rank_within[node] = count
+                    count += 1
+            for cell_size in self.bounds.tree_sizes:
+                cell = (cell_size, depth_limit)
+                if cell not in self.weight or cell_size - 1 > count:
+                    continue  # a larger tree than this one holds: not observable here
+                inside = 0
+                for node in path:
+                    if node not in rank_within or rank_within[node] >= cell_size - 1:
+                        break
+                    inside += 1
+                self.weight[cell] += 1.0
+                self.accepted_sum[cell] += inside
+        alpha = self.smoothing
+        predicted_verify = interpolate(self.verify_ms, size)
+        predicted_draft = interpolate(self.draft_ms, shape.depth)
+        if predicted_verify > 0 and verify_ms > 0:
+            self.verify_scale += alpha * (verify_ms / predicted_verify - self.verify_scale)
+        if predicted_draft > 0 and draft_ms > 0:
+            self.draft_scale += alpha * (draft_ms / predicted_draft - self.draft_scale)
+        self.ipc_ms += alpha * (max(cycle_ms - draft_ms - verify_ms, 0.0) - self.ipc_ms)
+        self._choose()
+
+    def describe(self) -> str:
+        size, depth = self.best
+        tokens = self.expected_tokens(self.best)
+        expected = f"{tokens:.2f} tokens per cycle" if tokens is not None else "no acceptance data yet"
+        draft = self.draft_scale * interpolate(self.draft_ms, depth)
+        verify = self.verify_scale * interpolate(self.verify_ms, size)
+        return (f"T={size} depth={depth} top_k={self.bounds.top_k} ({expected}; draft {draft:.1f} ms, "
+                f"verify {verify:.1f} ms, other {self.ipc_ms:.1f} ms per cycle)")
+
+
+def drafting_cannot_pay(verify_ms: Mapping[int, float], draft_ms: Mapping[int, float],
+                        bounds: AutoTree) -> str | None:
+    """A message when even a draft whose every token were accepted could not beat plain
+    decoding with the measured costs; else None."""
+    plain = interpolate(verify_ms, 1)
+    best_rate, best_cell = 0.0, (2, 1)
+    for depth in range(1, bounds.max_depth + 1):
+        sizes = [size for size in bounds.tree_sizes if size >= depth + 1]
+        if not sizes:
+            break
+        cost = interpolate(draft_ms, depth) + interpolate(verify_ms, sizes[0])
+        if (depth + 1) / cost > best_rate:
+            best_rate, best_cell = (depth + 1) / cost, (sizes[0], depth)
+    if best_rate * plain >= 1.0:
+        return None
+    size, depth = best_cell
+    return (f"drafting cannot pay on this machine: a plain decode step costs {plain:.1f} ms, and even if every "
+            f"drafted token were accepted the best tree (T={size}, depth {depth}: draft "
+            f"{interpolate(draft_ms, depth):.1f} ms + verify {interpolate(verify_ms, size):.1f} ms) would emit "
+            f"{best_rate * 1e3:.0f} tokens/s against {1e3 / plain:.0f} for --mode ar. Use --mode ar, or a draft "
+            f"on a GPU (--draft-device cuda), or a larger target")

@@ -1,0 +1,73 @@
+"""What the tree planner is told at startup: t_verify(T) (measured once, cached on disk) and
+t_draft(depth) (measured each start), and how a server reports them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from cpu_worker.engine import TargetEngine
+from cpu_worker.loading import load_target_model
+from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
+from gpu_worker.draft_cost import measure_draft_ms
+from gpu_worker.drafter import DraftContextError, Drafter
+
+from runtime_harness import BIN
+
+
+def test_verify_cost_is_measured_per_size_and_leaves_the_engine_empty(demo_target):
+    engine = TargetEngine(load_target_model(demo_target), max_len=256)
+    engine.prefill([1, 2, 3])
+    ms = measure_verify_ms(engine, [1, 4, 16, 64])
+    assert len(ms) == 4 and all(value > 0 for value in ms)
+    assert engine.committed == 0
+    with pytest.raises(ValueError, match="cannot hold a 64-node tree"):
+        measure_verify_ms(TargetEngine(load_target_model(demo_target), max_len=40), [64])
+
+
+def test_verify_cost_cache_round_trips_and_keys_on_what_matters(tmp_path, demo_target):
+    cache = VerifyCostCache(tmp_path / "sub" / "costs.json")
+    key = cache_key(demo_target, "int8", 2, [0, 1])
+    assert cache.get(key, [1, 2]) is None
+    cache.put(key, [1, 2], [4.25, 5.5])
+    assert cache.get(key, [1, 2]) == [4.25, 5.5]
+    assert cache.get(key, [1, 2, 4]) is None  # a size never measured: measure again
+    for other in (cache_key(demo_target, "fp32", 2, [0, 1]), cache_key(demo_target, "int8", 1, [0, 1]),
+                  cache_key(demo_target, "int8", 2, [0])):
+        assert other != key and cache.get(other, [1, 2]) is None
+    cache.path.write_text("{not json")
+    assert cache.get(key, [1, 2]) is None
+    cache.put(key, [1], [3.0])  # a broken file is replaced, not fatal
+    assert json.loads(cache.path.read_text())[key] == {"1": 3.0}
+
+
+def test_draft_cost_is_measured_per_depth(demo_target, demo_draft):
+    drafter = Drafter.from_pretrained(demo_draft, demo_target, max_len=64, device="cpu", dtype="fp32",
+                                      scratch_len=5 * 4)
+    ms = measure_draft_ms(drafter, [1, 2, 6], top_k=4)
+    assert len(ms) == 3 and all(value > 0 for value in ms)
+    assert ms[2] > ms[0]  # six levels of a 4-layer head cost more than one
+    assert drafter.length == 0
+    with pytest.raises((DraftContextError, ValueError), match="scratch"):
+        measure_draft_ms(drafter, [8], top_k=4)
+
+
+def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo_target, demo_draft):
+    env = {**os.environ, "DOVETAIL_CACHE_DIR": str(tmp_path / "cache")}
+    logs = []
+    for _ in range(2):
+        done = subprocess.run([str(BIN / "dovetail-run"), "--target", str(demo_target), "--draft", str(demo_draft),
+                               "--draft-device", "cpu", "--prompt", "def add(a, b):\n", "--max-new-tokens", "16",
+                               "--json"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        logs.append(done.stderr)
+        assert sum(json.loads(done.stdout)["stats"]["trees"].values()) >= 1
+    assert "measured now, cached in" in logs[0] and "cached in" in logs[1] and "measured now" not in logs[1]
+    assert (tmp_path / "cache" / "verify_cost.json").is_file()
+    # (Whether it says "drafting cannot pay" depends on timings, so tests/test_tree_planner.py
+    # checks that verdict on fixed costs.)
+    assert all("t_draft(depth) ms 1:" in log and "tree: starting with T=16 depth=6" in log for log in logs)
