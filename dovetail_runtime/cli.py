@@ -270,25 +270,36 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--connect", "endpoint", default=None, help="Server endpoint (ipc://PATH or tcp://HOST:PORT). "
               "[default: dovetail-run's default ipc endpoint]")
-@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--prompt", default=None, help="Prompt text (with --chat: the user's message).")
+@click.option("--chat", is_flag=True, help="Send --prompt as a user message: the server applies the model's chat "
+              "template.")
+@click.option("--system", default=None, help="With --chat: a system message before the user's.")
+@click.option("--messages", "messages_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="A chat from a JSON file: a list of {\"role\": ..., \"content\": ...} (instead of "
+              "--prompt).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128)
 @click.option("--stop", "stops", multiple=True, help="Stop string (repeatable).")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
 @sampling_options
-def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout, temperature, sample_top_k, top_p,
-                seed) -> None:
-    """Send a prompt to a running dovetail-run server and stream the completion to stdout."""
+def client_main(endpoint, prompt, chat, system, messages_file, max_new_tokens, stops, mode, as_json, timeout,
+                temperature, sample_top_k, top_p, seed) -> None:
+    """Send a prompt (or a chat) to a running dovetail-run server and stream the completion to stdout."""
     from .client import DovetailClient, GenerationError
 
+    messages = chat_messages(prompt, chat, system, messages_file)
     with DovetailClient(endpoint or default_bind(), timeout_s=timeout) as client:
         try:
-            params = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
-                          sampling=make_sampling(temperature, sample_top_k, top_p, seed))
+            params: dict = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
+                                sampling=make_sampling(temperature, sample_top_k, top_p, seed))
+            if messages is not None:
+                params["messages"], prompt = messages, None
             if as_json:
                 done = client.generate(prompt, **params)
-                print(json.dumps({"prompt": prompt, "text": done.text, "token_ids": done.token_ids,
+                print(json.dumps({"prompt": prompt, "messages": None if messages is None else
+                                  [msgspec.to_builtins(turn) for turn in messages], "text": done.text,
+                                  "token_ids": done.token_ids,
                                   "finish_reason": done.finish_reason, "stats": msgspec.to_builtins(done.stats)}))
                 return
             for event in client.events(prompt, **params):
@@ -299,3 +310,24 @@ def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout,
         except (GenerationError, TimeoutError) as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(1)
+
+
+def chat_messages(prompt: str | None, chat: bool, system: str | None,
+                  messages_file: Path | None) -> list[m.ChatMessage] | None:
+    """dovetail-client's chat options as messages, or None for a plain prompt."""
+    if (prompt is None) == (messages_file is None):
+        raise click.UsageError("give either --prompt or --messages")
+    if system is not None and not chat:
+        raise click.UsageError("--system needs --chat")
+    if messages_file is None:
+        if not chat:
+            return None
+        turns = [m.ChatMessage(role="system", content=system)] if system is not None else []
+        return [*turns, m.ChatMessage(role="user", content=prompt or "")]
+    try:
+        messages = msgspec.json.decode(messages_file.read_bytes(), type=list[m.ChatMessage])
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise click.BadParameter(f"{messages_file}: {error}", param_hint="--messages") from None
+    if not messages:
+        raise click.BadParameter(f"{messages_file}: the chat has no messages", param_hint="--messages")
+    return messages
