@@ -125,7 +125,12 @@ def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
               "with your own --target unless --mode ar.  [default with the demo target: demo/draft-dgf]")
 @click.option("--bind", "binds", multiple=True, help="Client endpoint to serve on (repeatable): ipc://PATH or "
               "tcp://127.0.0.1:PORT. [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
-@click.option("--allow-remote", is_flag=True, help="Allow a tcp:// bind on an address other than loopback.")
+@click.option("--http", "http_address", default=None, metavar="HOST:PORT",
+              help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                   "/health, /metrics) here, e.g. 127.0.0.1:8000. With --bind both serve one queue; without, only "
+                   "HTTP is served.")
+@click.option("--allow-remote", is_flag=True, help="Allow a tcp:// bind or --http on an address other than "
+              "loopback.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
@@ -167,8 +172,8 @@ def make_tree(tree_tokens: int, depth: int, tree_top_k: int) -> TreeShape:
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
-def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, draft_dtype,
-             draft_threads, draft_cores, tree_tokens,
+def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device,
+             draft_dtype, draft_threads, draft_cores, tree_tokens,
              depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
              startup_timeout, log_level, temperature, sample_top_k, top_p, seed) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
@@ -185,6 +190,8 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
                         format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
     target, draft = resolve_models(target, draft, mode)
     all_prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
+    if http_address is not None and all_prompts:
+        raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
     sampling = make_sampling(temperature, sample_top_k, top_p, seed)
     settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
                                cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
@@ -200,24 +207,49 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
 
     signal.signal(signal.SIGTERM, on_signal)
     coordinator = Coordinator(settings)
+    frontend = None
     try:
+        if http_address is not None:  # bound now: a taken port fails before the models load
+            from .http_server import HttpFrontend
+
+            frontend = HttpFrontend(http_address, allow_remote=allow_remote)
         coordinator.start()
         if all_prompts:
             failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
                                                                   mode=mode, sampling=sampling), as_json,
                                    compare_ar=compare_ar and mode == "dovetail")
             sys.exit(1 if failures else 0)
-        coordinator.serve(list(binds) or [default_bind()], allow_remote=allow_remote,
-                          ready=lambda bound: print(f"dovetail serving on {' '.join(bound)}", file=sys.stderr,
-                                                    flush=True),
-                          should_stop=lambda: stopping["now"])
+        endpoints = list(binds) or ([] if frontend else [default_bind()])
+        if frontend is not None:
+            endpoints.append(frontend.zmq_endpoint)
+
+        def ready(bound: list[str]) -> None:
+            shown = [endpoint for endpoint in bound if not endpoint.startswith("inproc://")]
+            if frontend is not None:
+                frontend.start(served_model(target, coordinator, mode), log_level)
+                shown.append(frontend.url)
+            print(f"dovetail serving on {' '.join(shown)}", file=sys.stderr, flush=True)
+
+        coordinator.serve(endpoints, allow_remote=allow_remote, ready=ready, should_stop=lambda: stopping["now"])
     except KeyboardInterrupt:
         pass
     except (ModelLoadError, WorkerFailed, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
         sys.exit(2)
     finally:
+        if frontend is not None:
+            frontend.close()
         coordinator.close()
+
+
+def served_model(target: str, coordinator, mode: str):
+    """How the HTTP API names and describes the model: the target folder's name."""
+    import time
+
+    from .http_server import ServedModel
+
+    return ServedModel(name=Path(target.rstrip("/")).name or target, context=coordinator.max_len,
+                       default_mode=mode, created=int(time.time()))
 
 
 def stats_line(mode: str, stats: m.RequestStats) -> str:
