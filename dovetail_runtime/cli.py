@@ -155,7 +155,12 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               "with your own --target unless --mode ar.  [default with the demo target: demo/draft-dgf]")
 @click.option("--bind", "binds", multiple=True, help="Client endpoint to serve on (repeatable): ipc://PATH or "
               "tcp://127.0.0.1:PORT. [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
-@click.option("--allow-remote", is_flag=True, help="Allow a tcp:// bind on an address other than loopback.")
+@click.option("--http", "http_address", default=None, metavar="HOST:PORT",
+              help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                   "/health, /metrics) here, e.g. 127.0.0.1:8000. With --bind both serve one queue; without, only "
+                   "HTTP is served.")
+@click.option("--allow-remote", is_flag=True, help="Allow a tcp:// bind or --http on an address other than "
+              "loopback.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
@@ -200,8 +205,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
-def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device, draft_dtype,
-             draft_threads, draft_cores, tree_tokens,
+def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device,
+             draft_dtype, draft_threads, draft_cores, tree_tokens,
              depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
              startup_timeout, log_level, temperature, sample_top_k, top_p, seed) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
@@ -218,6 +223,8 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
                         format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
     target, draft = resolve_models(target, draft, mode)
     all_prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
+    if http_address is not None and all_prompts:
+        raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
     sampling = make_sampling(temperature, sample_top_k, top_p, seed)
     settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
                                cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
@@ -233,24 +240,49 @@ def run_main(target, draft, binds, allow_remote, cpu_threads, cpu_cores, target_
 
     signal.signal(signal.SIGTERM, on_signal)
     coordinator = Coordinator(settings)
+    frontend = None
     try:
+        if http_address is not None:  # bound now: a taken port fails before the models load
+            from .http_server import HttpFrontend
+
+            frontend = HttpFrontend(http_address, allow_remote=allow_remote)
         coordinator.start()
         if all_prompts:
             failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
                                                                   mode=mode, sampling=sampling), as_json,
                                    compare_ar=compare_ar and mode == "dovetail")
             sys.exit(1 if failures else 0)
-        coordinator.serve(list(binds) or [default_bind()], allow_remote=allow_remote,
-                          ready=lambda bound: print(f"dovetail serving on {' '.join(bound)}", file=sys.stderr,
-                                                    flush=True),
-                          should_stop=lambda: stopping["now"])
+        endpoints = list(binds) or ([] if frontend else [default_bind()])
+        if frontend is not None:
+            endpoints.append(frontend.zmq_endpoint)
+
+        def ready(bound: list[str]) -> None:
+            shown = [endpoint for endpoint in bound if not endpoint.startswith("inproc://")]
+            if frontend is not None:
+                frontend.start(served_model(target, coordinator, mode), log_level)
+                shown.append(frontend.url)
+            print(f"dovetail serving on {' '.join(shown)}", file=sys.stderr, flush=True)
+
+        coordinator.serve(endpoints, allow_remote=allow_remote, ready=ready, should_stop=lambda: stopping["now"])
     except KeyboardInterrupt:
         pass
     except (ModelLoadError, WorkerFailed, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
         sys.exit(2)
     finally:
+        if frontend is not None:
+            frontend.close()
         coordinator.close()
+
+
+def served_model(target: str, coordinator, mode: str):
+    """How the HTTP API names and describes the model: the target folder's name."""
+    import time
+
+    from .http_server import ServedModel
+
+    return ServedModel(name=Path(target.rstrip("/")).name or target, context=coordinator.max_len,
+                       default_mode=mode, created=int(time.time()))
 
 
 def stats_line(mode: str, stats: m.RequestStats) -> str:
@@ -303,25 +335,36 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--connect", "endpoint", default=None, help="Server endpoint (ipc://PATH or tcp://HOST:PORT). "
               "[default: dovetail-run's default ipc endpoint]")
-@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--prompt", default=None, help="Prompt text (with --chat: the user's message).")
+@click.option("--chat", is_flag=True, help="Send --prompt as a user message: the server applies the model's chat "
+              "template.")
+@click.option("--system", default=None, help="With --chat: a system message before the user's.")
+@click.option("--messages", "messages_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="A chat from a JSON file: a list of {\"role\": ..., \"content\": ...} (instead of "
+              "--prompt).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128)
 @click.option("--stop", "stops", multiple=True, help="Stop string (repeatable).")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
 @sampling_options
-def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout, temperature, sample_top_k, top_p,
-                seed) -> None:
-    """Send a prompt to a running dovetail-run server and stream the completion to stdout."""
+def client_main(endpoint, prompt, chat, system, messages_file, max_new_tokens, stops, mode, as_json, timeout,
+                temperature, sample_top_k, top_p, seed) -> None:
+    """Send a prompt (or a chat) to a running dovetail-run server and stream the completion to stdout."""
     from .client import DovetailClient, GenerationError
 
+    messages = chat_messages(prompt, chat, system, messages_file)
     with DovetailClient(endpoint or default_bind(), timeout_s=timeout) as client:
         try:
-            params = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
-                          sampling=make_sampling(temperature, sample_top_k, top_p, seed))
+            params: dict = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
+                                sampling=make_sampling(temperature, sample_top_k, top_p, seed))
+            if messages is not None:
+                params["messages"], prompt = messages, None
             if as_json:
                 done = client.generate(prompt, **params)
-                print(json.dumps({"prompt": prompt, "text": done.text, "token_ids": done.token_ids,
+                print(json.dumps({"prompt": prompt, "messages": None if messages is None else
+                                  [msgspec.to_builtins(turn) for turn in messages], "text": done.text,
+                                  "token_ids": done.token_ids,
                                   "finish_reason": done.finish_reason, "stats": msgspec.to_builtins(done.stats)}))
                 return
             for event in client.events(prompt, **params):
@@ -332,3 +375,24 @@ def client_main(endpoint, prompt, max_new_tokens, stops, mode, as_json, timeout,
         except (GenerationError, TimeoutError) as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(1)
+
+
+def chat_messages(prompt: str | None, chat: bool, system: str | None,
+                  messages_file: Path | None) -> list[m.ChatMessage] | None:
+    """dovetail-client's chat options as messages, or None for a plain prompt."""
+    if (prompt is None) == (messages_file is None):
+        raise click.UsageError("give either --prompt or --messages")
+    if system is not None and not chat:
+        raise click.UsageError("--system needs --chat")
+    if messages_file is None:
+        if not chat:
+            return None
+        turns = [m.ChatMessage(role="system", content=system)] if system is not None else []
+        return [*turns, m.ChatMessage(role="user", content=prompt or "")]
+    try:
+        messages = msgspec.json.decode(messages_file.read_bytes(), type=list[m.ChatMessage])
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise click.BadParameter(f"{messages_file}: {error}", param_hint="--messages") from None
+    if not messages:
+        raise click.BadParameter(f"{messages_file}: the chat has no messages", param_hint="--messages")
+    return messages

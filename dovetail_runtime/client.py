@@ -4,16 +4,19 @@
         result = client.generate("def fibonacci(n):", max_new_tokens=64)
         for chunk in client.stream("class Stack:", temperature=0.7, seed=1):
             print(chunk.text, end="", flush=True)
+        answer = client.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=64)
 
 Keyword arguments are GenerateRequest's fields (``max_new_tokens``, ``stop``, ``mode``,
-``sampling``) or, for short, Sampling's (``temperature``, ``top_k``, ``top_p``, ``seed``).
+``sampling``, ``messages``) or, for short, Sampling's (``temperature``, ``top_k``, ``top_p``,
+``seed``). ``messages`` (dicts with ``role`` and ``content``, or ChatMessage) replaces the
+prompt: the server renders them with the model's chat template.
 No torch here: the client is a ZMQ socket and the message types.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ipc import messages as m
@@ -45,13 +48,16 @@ class DovetailClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _request(self, prompt: str, stream: bool, **params: Any) -> str:
+    def _request(self, prompt: str | None, stream: bool, **params: Any) -> str:
         request_id = params.pop("request_id", None) or uuid.uuid4().hex
         flat = {key: params.pop(key) for key in SAMPLING_FIELDS if key in params}
         if flat:
             if "sampling" in params:
                 raise TypeError(f"pass either sampling= or {', '.join(sorted(flat))}, not both")
             params["sampling"] = m.Sampling(**flat)
+        if params.get("messages") is not None:
+            params["messages"] = [turn if isinstance(turn, m.ChatMessage) else m.ChatMessage(**turn)
+                                  for turn in params["messages"]]
         self.channel.send(m.GenerateRequest(request_id=request_id, prompt=prompt, stream=stream, **params),
                           timeout_ms=self.timeout_ms)
         return request_id
@@ -66,7 +72,7 @@ class DovetailClient:
             if isinstance(reply, (m.TokenChunk, m.GenerateDone)) and reply.request_id == request_id:
                 return reply
 
-    def events(self, prompt: str, **params: Any) -> Iterator[m.TokenChunk | m.GenerateDone]:
+    def events(self, prompt: str | None = None, **params: Any) -> Iterator[m.TokenChunk | m.GenerateDone]:
         """Stream: every TokenChunk as it arrives, then the GenerateDone."""
         request_id = self._request(prompt, stream=True, **params)
         while True:
@@ -75,19 +81,23 @@ class DovetailClient:
             if isinstance(reply, m.GenerateDone):
                 return
 
-    def stream(self, prompt: str, **params: Any) -> Iterator[m.TokenChunk]:
+    def stream(self, prompt: str | None = None, **params: Any) -> Iterator[m.TokenChunk]:
         """Only the streamed chunks (text and token ids)."""
         for event in self.events(prompt, **params):
             if isinstance(event, m.TokenChunk):
                 yield event
 
-    def generate(self, prompt: str, **params: Any) -> m.GenerateDone:
+    def generate(self, prompt: str | None = None, **params: Any) -> m.GenerateDone:
         """Wait for the whole result: token_ids, text, finish_reason and stats."""
         request_id = self._request(prompt, stream=False, **params)
         while True:
             reply = self._next(request_id)
             if isinstance(reply, m.GenerateDone):
                 return reply
+
+    def chat(self, messages: Sequence[Mapping[str, str] | m.ChatMessage], **params: Any) -> m.GenerateDone:
+        """The assistant's reply to chat ``messages`` (the model's chat template makes the prompt)."""
+        return self.generate(messages=list(messages), **params)
 
     def cancel(self, request_id: str) -> None:
         self.channel.send(m.Cancel(request_id=request_id), timeout_ms=self.timeout_ms)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from cpu_worker.model_dir import ModelLoadError, context_limit, read_config, resolve_model_dir
@@ -35,7 +36,9 @@ from ipc.codec import ProtocolError
 from ipc.shm_ring import ShmRing, slot_bytes_for
 from ipc.tree import TreeShape
 
+from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import Job, PromptTooLong, generate_ar, generate_dovetail
+from .metrics import ServerMetrics
 from .text import TextStream
 from .tokenizer import Tokenizer
 from .tree_planner import AutoTree, TreePlanner, drafting_cannot_pay
@@ -91,6 +94,8 @@ class Coordinator:
         self.cpu: WorkerHandle | None = None
         self.gpu: WorkerHandle | None = None
         self.tokenizer: Tokenizer | None = None
+        self.chat_template: ChatTemplate | None = None
+        self.metrics = ServerMetrics()
         self.max_len = 0
         # The tree each cycle verifies: a fixed shape, or the planner of --tree-tokens auto.
         self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
@@ -106,6 +111,9 @@ class Coordinator:
         target_dir = resolve_model_dir(settings.target)
         config = read_config(target_dir)
         self.tokenizer = Tokenizer.from_dir(target_dir)
+        self.chat_template = ChatTemplate.from_dir(target_dir, self.tokenizer.special_tokens)
+        if self.chat_template.problem and self.chat_template.source is not None:
+            log.warning("chat requests will be refused: %s", self.chat_template.problem)
         limit = context_limit(config)
         self.max_len = settings.max_len or min(limit, DEFAULT_CONTEXT)
         if self.max_len > limit:
@@ -211,6 +219,7 @@ class Coordinator:
                 raise TooManyRestarts(f"{worker.name} died {len(self._restarts) + 1} times in "
                                       f"{RESTART_WINDOW_S / 60:.0f} minutes; giving up")
             self._restarts.append(now)
+            self.metrics.worker_restarts += 1
             log.warning("restarting %s", worker.name)
             worker.stop()
             worker.spawn()
@@ -223,12 +232,18 @@ class Coordinator:
         """Run one request to the end. ``on_text(new_ids, new_text)`` sees each accepted
         chunk and returns True to cancel."""
         self._recover()
-        if self.cpu is None or self.tokenizer is None:
+        if self.cpu is None or self.tokenizer is None or self.chat_template is None:
             raise RuntimeError("generate() before start()")
         if request.mode == "dovetail" and self.gpu is None:
             return error_reply(request.request_id, "unsupported",
                                 message="this server runs without a draft head: use mode 'ar'")
-        stream = TextStream(self.tokenizer, request.stop)
+        try:
+            prompt_ids = (self.tokenizer.encode(request.prompt or "") if request.messages is None
+                          else encode_chat(self.tokenizer, self.chat_template, request.messages))
+        except ChatTemplateError as error:
+            return error_reply(request.request_id, error.code, message=str(error))
+        # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
+        stream = TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids)
         cancelled = False
 
         def emit(token_ids: list[int]) -> bool:
@@ -238,7 +253,6 @@ class Coordinator:
                 cancelled = True
             return cancelled or stream.stopped
 
-        prompt_ids = self.tokenizer.encode(request.prompt)
         job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
                   self.tokenizer.eos_token_ids, self.max_len)
         try:
@@ -258,7 +272,8 @@ class Coordinator:
         if tail and on_text is not None:
             on_text([], tail)
         return m.GenerateDone(request_id=request.request_id, token_ids=stream.token_ids, text=stream.text,
-                              finish_reason="cancelled" if cancelled else finish, stats=stats.message())
+                              finish_reason="cancelled" if cancelled else finish,
+                              stats=msgspec.structs.replace(stats.message(), prompt_tokens=len(prompt_ids)))
 
     # --- serving -----------------------------------------------------------------------
 
@@ -300,6 +315,7 @@ class Coordinator:
             self._read_clients(server, queue, cancelled, timeout_ms=0)
             return key in cancelled
 
+        self.metrics.running += 1
         try:
             reply = self.generate(request, on_text)
         except TooManyRestarts:
@@ -307,6 +323,9 @@ class Coordinator:
         except Exception as error:  # one request's bug must not take the server down
             log.exception("request %s failed unexpectedly", request.request_id)
             reply = error_reply(request.request_id, "internal", message=f"{type(error).__name__}: {error}")
+        finally:
+            self.metrics.running -= 1
+        self.metrics.record(reply)
         cancelled.discard(key)
         try:
             server.send(peer, reply)
@@ -335,3 +354,5 @@ class Coordinator:
                 cancelled.add((peer, message.request_id))
             elif isinstance(message, m.Ping):
                 server.send(peer, m.Pong(nonce=message.nonce))
+            elif isinstance(message, m.MetricsRequest):
+                server.send(peer, self.metrics.reply(queue_depth=len(queue)))

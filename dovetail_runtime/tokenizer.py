@@ -232,9 +232,10 @@ class Tokenizer:
         eos_ids = [eos] if isinstance(eos, int) else [i for i in (eos or []) if isinstance(i, int)]
         return cls(backend, named, eos_ids, bool(config.get("clean_up_tokenization_spaces", False)))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids for ``text``, with the special tokens the tokenizer adds (e.g. BOS)."""
-        return self._backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text``, with the special tokens the tokenizer adds (e.g. BOS) unless
+        ``add_special_tokens`` is False (a rendered chat template writes its own)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for ``ids``; special tokens are dropped unless ``skip_special_tokens`` is False."""

@@ -37,6 +37,8 @@ Dim = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 # Prompts are limited in characters here; the coordinator checks tokens against the context.
 Text = Annotated[str, Meta(max_length=16 * 1024 * 1024)]
 Stop = Annotated[list[Annotated[str, Meta(min_length=1, max_length=1024)]], Meta(max_length=64)]
+Role = Annotated[str, Meta(min_length=1, max_length=64)]
+MAX_CHAT_MESSAGES = 16384
 BlockDType = Literal["float16", "bfloat16", "float32"]
 WorkerName = Annotated[str, Meta(max_length=64)]
 
@@ -88,9 +90,17 @@ class Sampling(Nested, frozen=True):
         return self.temperature == 0.0
 
 
+class ChatMessage(Nested, frozen=True):
+    """One turn of a chat (``GenerateRequest.messages``): rendered with the model's chat template."""
+
+    role: Role
+    content: Text
+
+
 class RequestStats(Nested, frozen=True):
     """Per-request statistics (``GenerateDone.stats``)."""
 
+    prompt_tokens: Count = 0  # the prompt's tokens (after the chat template, for messages)
     new_tokens: Count = 0
     cycles: Count = 0  # draft/verify cycles (dovetail) or decode steps (ar); the prefill not counted
     tau: float = 0.0  # tokens per cycle
@@ -109,13 +119,22 @@ class RequestStats(Nested, frozen=True):
 
 
 class GenerateRequest(Message):
+    """Generate for a raw ``prompt``, or for chat ``messages`` (the model's chat template turns
+    them into the prompt): exactly one of the two."""
+
     request_id: Id
-    prompt: Text
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_CHAT_MESSAGES)] | None = None
     max_new_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 128
     stop: Stop = []
     sampling: Sampling = field(default_factory=Sampling)
     mode: Literal["dovetail", "ar"] = "dovetail"
     stream: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a GenerateRequest needs exactly one of prompt and messages")
 
 
 class TokenChunk(Message):
@@ -154,6 +173,29 @@ class Ping(Message):
 
 class Pong(Message):
     nonce: int = 0
+
+
+class MetricsRequest(Message):
+    """Ask for the server's counters since it started (what HTTP ``GET /metrics`` shows)."""
+
+
+class MetricsReply(Message):
+    """Counters since the server started; times are the sums of every request's statistics."""
+
+    finished: dict[Annotated[str, Meta(max_length=64)], Count] = {}  # requests ended, by finish_reason
+    errors: dict[Annotated[str, Meta(max_length=64)], Count] = {}  # requests failed, by error code
+    prompt_tokens: Count = 0
+    new_tokens: Count = 0
+    cycles: Count = 0
+    cycle_tokens: Count = 0  # tokens the cycles emitted: tau = cycle_tokens / cycles
+    prefill_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    draft_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    verify_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    ipc_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    queue_depth: Count = 0  # requests waiting, the running one not counted
+    running: Count = 0
+    worker_restarts: Count = 0
+    uptime_s: Annotated[float, Meta(ge=0.0)] = 0.0
 
 
 # --- coordinator <-> cpu_worker (target) ------------------------------------------------
@@ -295,8 +337,8 @@ class Shutdown(Message):
     """Ask a worker to release everything and exit."""
 
 
-CLIENT_TO_COORDINATOR: tuple[type[Message], ...] = (GenerateRequest, Cancel, Ping)
-COORDINATOR_TO_CLIENT: tuple[type[Message], ...] = (TokenChunk, GenerateDone, ErrorReply, Pong)
+CLIENT_TO_COORDINATOR: tuple[type[Message], ...] = (GenerateRequest, Cancel, Ping, MetricsRequest)
+COORDINATOR_TO_CLIENT: tuple[type[Message], ...] = (TokenChunk, GenerateDone, ErrorReply, Pong, MetricsReply)
 TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, ReleaseSequence,
                                             MeasureVerifyCost, Shutdown, Ping)
 FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, VerifyResult, DecodeResult, VerifyCost, Ready,

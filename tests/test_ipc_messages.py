@@ -62,6 +62,12 @@ SAMPLES = [
                                                  "nested": {"ok": True, "n": None}}),
     M.WorkerError(worker="gpu_worker", message="CUDA out of memory", seq_id=9, fatal=True),
     M.WorkerError(worker="gpu_worker", message="boom"),
+    M.GenerateRequest(request_id="r3", messages=[M.ChatMessage(role="system", content="Be brief."),
+                                                 M.ChatMessage(role="user", content="Hi ☃")], stream=True),
+    M.MetricsRequest(),
+    M.MetricsReply(finished={"stop": 3, "length": 1}, errors={"prompt_too_long": 2}, prompt_tokens=40,
+                   new_tokens=90, cycles=30, cycle_tokens=86, prefill_s=0.5, draft_s=1.25, verify_s=2.0,
+                   ipc_s=0.125, queue_depth=2, running=1, worker_restarts=1, uptime_s=12.5),
     M.Shutdown(),
 ]
 
@@ -112,7 +118,8 @@ def test_direction_sets_are_enforced(msg):
 
 
 def test_refused_type_names_what_is_accepted():
-    with pytest.raises(ProtocolError, match=r"'Shutdown'.*accepted here: GenerateRequest, Cancel, Ping\)"):
+    accepted = r"'Shutdown'.*accepted here: GenerateRequest, Cancel, Ping, MetricsRequest\)"
+    with pytest.raises(ProtocolError, match=accepted):
         decode(encode(M.Shutdown()), allowed=M.CLIENT_TO_COORDINATOR)
 
 
@@ -149,6 +156,22 @@ def test_hand_built_plain_msgpack_decodes_with_defaults():
     # A server message read the same way: ErrorReply's request_id is nullable but required.
     assert decode(_pack({"type": "ErrorReply", "request_id": None, "code": "bad_message", "message": "m"})) \
         == M.ErrorReply(request_id=None, code="bad_message", message="m")
+
+
+def test_chat_messages_replace_the_prompt():
+    msg = decode(_pack({"type": "GenerateRequest", "request_id": "r",
+                        "messages": [{"role": "user", "content": "hi"}]}), allowed=M.CLIENT_TO_COORDINATOR)
+    assert msg.prompt is None and msg.messages == [M.ChatMessage(role="user", content="hi")]
+    for fields in ({}, {"prompt": "p", "messages": [{"role": "user", "content": "hi"}]}):
+        with pytest.raises(ProtocolError, match="exactly one of prompt and messages"):
+            decode(_pack({"type": "GenerateRequest", "request_id": "r", **fields}))
+    for messages, pattern in (
+            ([], r"Expected `array` of length >= 1"),
+            ([{"role": "", "content": "x"}], r"Expected `str` of length >= 1 - at `\$\.messages\[0\]\.role`"),
+            ([{"role": "user"}], r"missing required field `content` - at `\$\.messages\[0\]`"),
+            ([{"role": "user", "content": "x", "name": "n"}], r"unknown field `name`")):
+        with pytest.raises(ProtocolError, match=pattern):
+            decode(_pack({"type": "GenerateRequest", "request_id": "r", "messages": messages}))
 
 
 @pytest.mark.parametrize("v", [None, 2])
@@ -219,8 +242,8 @@ BAD_VALUES = [
     (GEN, "sampling.temperature", True, r"Expected `float`, got `bool` - at `\$\.sampling\.temperature`"),
     (GEN, "sampling.seed", "1", r"got `str` - at `\$\.sampling\.seed`"),
     (GEN, "stream", 1, r"Expected `bool`, got `int` - at `\$\.stream`"),
-    (GEN, "prompt", b"bytes", r"Expected `str`, got `bytes` - at `\$\.prompt`"),
-    (GEN, "prompt", 5, r"Expected `str`, got `int` - at `\$\.prompt`"),
+    (GEN, "prompt", b"bytes", r"Expected `str \| null`, got `bytes` - at `\$\.prompt`"),
+    (GEN, "prompt", 5, r"Expected `str \| null`, got `int` - at `\$\.prompt`"),
     (GEN, "stop", "\n", r"Expected `array`, got `str` - at `\$\.stop`"),
     (GEN, "stop", ["ok", 3], r"Expected `str`, got `int` - at `\$\.stop\[1\]`"),
     (GEN, "sampling", [0.5, 0, 1.0, None], r"Expected `object`, got `array` - at `\$\.sampling`"),
@@ -273,10 +296,10 @@ BAD_VALUES = [
     (VREQ, "tokens", [1] * (MAX_TREE_TOKENS + 1),
      rf"Expected `array` of length <= {MAX_TREE_TOKENS} - at `\$\.tokens`"),
     # extension types are never data
-    (GEN, "prompt", msgpack.ExtType(5, b"x"), r"Expected `str`, got `ext` - at `\$\.prompt`"),
+    (GEN, "prompt", msgpack.ExtType(5, b"x"), r"Expected `str \| null`, got `ext` - at `\$\.prompt`"),
     (GEN, "sampling.seed", msgpack.ExtType(1, b"x"), r"got `ext` - at `\$\.sampling\.seed`"),
     (CHUNK, "token_ids", [msgpack.ExtType(1, b"x")], r"got `ext` - at `\$\.token_ids\[0\]`"),
-    (GEN, "prompt", msgpack.Timestamp(1, 0), r"Expected `str`, got `ext` - at `\$\.prompt`"),
+    (GEN, "prompt", msgpack.Timestamp(1, 0), r"Expected `str \| null`, got `ext` - at `\$\.prompt`"),
 ]
 
 

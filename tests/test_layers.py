@@ -52,7 +52,9 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
 
 def test_client_cli_and_coordinator_import_no_torch():
     # The CLI module holds both dovetail-run and dovetail-client; the coordinator process runs it.
-    code = ("import sys, dovetail_runtime.client, dovetail_runtime.cli, dovetail_runtime.coordinator; "
+    # The HTTP front end runs in the coordinator's process too.
+    code = ("import sys, dovetail_runtime.client, dovetail_runtime.cli, dovetail_runtime.coordinator, "
+            "dovetail_runtime.http_server; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, "
             "sorted(m for m in sys.modules if m.startswith(('torch', 'transformers')))[:5]")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

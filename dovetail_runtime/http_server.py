@@ -1,0 +1,348 @@
+"""``dovetail-run --http HOST:PORT``: an OpenAI-compatible HTTP front end that is a ZMQ client.
+
+Like vLLM's API server in front of its engine core, the front end holds no model and no
+queue of its own: uvicorn serves a FastAPI app in a thread of the dovetail-run process, and
+every HTTP request opens its own DEALER socket to the coordinator's ROUTER (over ``inproc://``,
+the same ZMQ context, no socket file) and sends the GenerateRequest/Cancel messages any ZMQ
+client sends. So the coordinator sees each HTTP request as one more client, HTTP and ZMQ
+clients share one queue, and a disconnecting HTTP client is a Cancel like any other.
+
+Why a thread and not a child process: the front end only parses JSON and moves messages
+(the coordinator waits on sockets, releasing the GIL), inproc needs no socket file, and the
+HTTP port is bound before the models load, so a taken port fails at once.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (see ``openai_api``),
+``GET /v1/models``, ``GET /health`` (200 when the coordinator answers a Ping), ``GET /metrics``
+(Prometheus text from the coordinator's MetricsReply). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+import zmq
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from ipc import messages as m
+from ipc.channels import configure_socket
+from ipc.codec import ProtocolError, decode, encode
+
+from . import openai_api as api
+from .metrics import prometheus_text
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # what the ZMQ socket accepts: a 16 MiB prompt plus room
+DISCONNECT_POLL_MS = 250  # how often a waiting request checks that its HTTP client is still there
+PROBE_TIMEOUT_MS = 5000  # /health and /metrics: the coordinator answers between cycles
+STARTUP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # the id clients send as "model"
+    context: int  # max_len: prompt plus new tokens
+    default_mode: str  # "dovetail" with a draft head, else "ar"
+    created: int
+
+
+# --- the link to the coordinator ---------------------------------------------------------
+
+
+class Call:
+    """One HTTP request's own DEALER socket to the coordinator."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str):
+        self.socket: zmq.asyncio.Socket = context.socket(zmq.DEALER)
+        configure_socket(self.socket)
+        self.socket.connect(endpoint)
+        self.pending: str | None = None  # a request sent and not yet answered to the end
+
+    async def send(self, message: m.Message) -> None:
+        await self.socket.send(encode(message))
+        if isinstance(message, m.GenerateRequest):
+            self.pending = message.request_id
+
+    async def recv(self, timeout_ms: int | None = None) -> m.Message | None:
+        if timeout_ms is not None and not await self.socket.poll(timeout_ms):
+            return None
+        reply = decode(await self.socket.recv(), m.COORDINATOR_TO_CLIENT)
+        if isinstance(reply, (m.GenerateDone, m.ErrorReply)) and reply.request_id in (self.pending, None):
+            self.pending = None
+        return reply
+
+    async def reply_to(self, request_id: str, timeout_ms: int | None = None) -> m.Message | None:
+        """The next TokenChunk, GenerateDone or ErrorReply of ``request_id`` (None on timeout)."""
+        while True:
+            reply = await self.recv(timeout_ms)
+            if reply is None:
+                return None
+            if isinstance(reply, (m.TokenChunk, m.GenerateDone)) and reply.request_id == request_id:
+                return reply
+            if isinstance(reply, m.ErrorReply) and reply.request_id in (request_id, None):
+                return reply
+
+    def close(self) -> None:
+        """Cancel an unfinished request (its client left), then close. Not a coroutine: it must
+        also run inside a cancelled task, where every await would be cancelled again."""
+        if self.socket.closed:
+            return
+        linger = 0
+        if self.pending is not None:
+            try:
+                zmq.Socket.shadow(self.socket.underlying).send(encode(m.Cancel(request_id=self.pending)),
+                                                               zmq.NOBLOCK)
+                linger = 1000  # let the Cancel leave before the socket goes
+            except zmq.ZMQError:
+                log.warning("could not cancel request %s", self.pending)
+            self.pending = None
+        self.socket.close(linger=linger)
+
+
+class CallStream(StreamingResponse):
+    """A streamed response that owns its Call: closed (and cancelled) however the stream ends,
+    even if the client left before the first byte."""
+
+    def __init__(self, content: AsyncIterator[bytes], call: Call):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.call = call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.close()
+
+
+# --- the app -------------------------------------------------------------------------------
+
+
+def error_response(error: api.ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise api.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise api.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                               code="body_too_large")
+    return bytes(body)
+
+
+def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None) -> FastAPI:
+    """The FastAPI app, talking to the coordinator at ``endpoint``."""
+    zmq_context = context or zmq.asyncio.Context(shadow=zmq.Context.instance())
+    nonces = itertools.count(1)
+    app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)
+
+    @app.exception_handler(api.ApiError)
+    async def _api_error(_request: Request, error: api.ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, error: HTTPException) -> JSONResponse:
+        return error_response(api.ApiError(error.status_code, str(error.detail), code=None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, error: Exception) -> JSONResponse:
+        log.exception("HTTP request failed")
+        return error_response(api.ApiError(500, f"internal error: {type(error).__name__}: {error}",
+                                           code="internal"))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model.name:
+            raise api.ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}",
+                               code="model_not_found", param="model")
+
+    async def run(request: Request, plan: api.Plan, chat: bool) -> Response:
+        ids = api.ResponseIds.now(plan.request.request_id, model.name)
+        call = Call(zmq_context, endpoint)
+        handed_over = False
+        try:
+            try:
+                await call.send(plan.request)
+            except ProtocolError as error:  # a value the schema let through but the protocol refuses
+                raise api.ApiError(400, str(error), code="invalid_request") from None
+            # The first reply decides the status: an error before any text is a proper HTTP error.
+            while (first := await call.reply_to(plan.request.request_id, DISCONNECT_POLL_MS)) is None:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # nobody to answer; close() cancels the request
+            if isinstance(first, m.ErrorReply):
+                raise api.error_from_reply(first)
+            if not plan.stream:
+                assert isinstance(first, m.GenerateDone)
+                return JSONResponse(api.chat_body(ids, first) if chat else api.completion_body(ids, first))
+            handed_over = True
+            return CallStream(events(call, first, api.EventStream(ids, chat, plan.include_usage)), call)
+        finally:
+            if not handed_over:
+                call.close()
+
+    async def events(call: Call, reply: m.Message | None, stream: api.EventStream) -> AsyncIterator[bytes]:
+        for event in stream.start():
+            yield event
+        request_id = stream.meta.id
+        while True:
+            if isinstance(reply, m.TokenChunk):
+                for event in stream.text(reply):
+                    yield event
+            elif isinstance(reply, m.GenerateDone):
+                for event in stream.done(reply):
+                    yield event
+                return
+            elif isinstance(reply, m.ErrorReply):
+                for event in stream.error(api.error_from_reply(reply)):
+                    yield event
+                return
+            reply = await call.reply_to(request_id)  # a client that leaves cancels this task
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        params = api.parse_request(await read_body(request), api.CompletionRequest)
+        check_model(params.model)
+        plan = api.plan_completion(params, f"cmpl-{uuid.uuid4().hex}", model.default_mode)
+        return await run(request, plan, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        params = api.parse_request(await read_body(request), api.ChatRequest)
+        check_model(params.model)
+        plan = api.plan_chat(params, f"chatcmpl-{uuid.uuid4().hex}", model.default_mode)
+        return await run(request, plan, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": model.created,
+                                            "owned_by": "dovetail", "max_model_len": model.context}]}
+
+    async def probe(message: m.Message, expect: type[m.Message]) -> Any:
+        call = Call(zmq_context, endpoint)
+        try:
+            await call.send(message)
+            deadline = time.monotonic() + PROBE_TIMEOUT_MS / 1000
+            while (left := deadline - time.monotonic()) > 0:
+                reply = await call.recv(int(left * 1000))
+                if isinstance(reply, expect):
+                    return reply
+            raise api.ApiError(503, f"the coordinator did not answer within {PROBE_TIMEOUT_MS / 1000:.0f} s "
+                                    f"(loading or restarting a worker?)", code="unavailable")
+        finally:
+            call.close()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        await probe(m.Ping(nonce=next(nonces)), m.Pong)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        reply = await probe(m.MetricsRequest(), m.MetricsReply)
+        return PlainTextResponse(prometheus_text(reply, model.name), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# --- serving in a thread ---------------------------------------------------------------------
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--http {value!r}: expected HOST:PORT, e.g. 127.0.0.1:8000 (port 0 picks a free one)")
+    return host, int(port)
+
+
+def check_loopback(host: str) -> None:
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"refusing to serve HTTP on {host!r}: only loopback (127.0.0.1, ::1, localhost) unless "
+                     f"--allow-remote")
+
+
+class HttpFrontend:
+    """The HTTP listener, bound at construction (before any model loads), served after ``start``."""
+
+    def __init__(self, address: str, allow_remote: bool = False):
+        host, port = parse_address(address)
+        if not allow_remote:
+            check_loopback(host)
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE)[0]
+        self.socket = socket.socket(family, kind, proto)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(sockaddr)
+            self.socket.listen(128)
+        except OSError as error:
+            self.socket.close()
+            raise OSError(f"cannot serve HTTP on {address}: {error.strerror or error}") from None
+        bound_host, self.port = self.socket.getsockname()[:2]
+        self.host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+        # The coordinator binds this too; HTTP requests connect to it (same process, same ZMQ context).
+        self.zmq_endpoint = f"inproc://dovetail-http-{os.getpid()}"
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, model: ServedModel, log_level: str = "info") -> None:
+        """Serve in a daemon thread; returns once uvicorn accepts connections."""
+        app = build_app(self.zmq_endpoint, model)
+        config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=log_level == "debug",
+                                lifespan="off", loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=3)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, name="dovetail-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on {self.url} did not start")
+            time.sleep(0.01)
+
+    def _serve(self) -> None:
+        assert self._server is not None
+        try:
+            self._server.run(sockets=[self.socket])
+        except Exception:  # the coordinator keeps serving ZMQ clients; say why HTTP stopped
+            log.exception("the HTTP server stopped")
+
+    def close(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(timeout=5)
+        self.socket.close()
+
+
+__all__ = ["HttpFrontend", "ServedModel", "build_app", "parse_address"]

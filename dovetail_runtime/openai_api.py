@@ -1,0 +1,309 @@
+"""The OpenAI-compatible API as plain data: request validation, the GenerateRequest it becomes,
+and the response bodies and server-sent events built from the coordinator's replies.
+
+No web server here (``http_server`` moves the bytes), so every rule can be tested alone.
+Requests are checked strictly (msgspec): a wrong type, an out-of-range value or an unknown
+field is a 400 that names the field. Fields of OpenAI's API that Dovetail does not implement
+are accepted only at their no-effect values (``presence_penalty: 0``, ``logprobs: null``, ...),
+so a client never silently gets something other than what it asked for.
+
+Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in requests; a
+``dovetail`` field in responses with the request's statistics and generated token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from ipc import messages as m
+
+MAX_NEW_TOKENS = 1 << 20  # GenerateRequest's limit: "until the context is full"
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: send 0 for greedy decoding
+
+# OpenAI fields Dovetail does not implement, with the values that ask for nothing.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+}
+# OpenAI fields that change nothing about the generated text: accepted and ignored.
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
+
+# Coordinator error codes -> HTTP status.
+ERROR_STATUS = {
+    "bad_message": 400, "prompt_too_long": 400, "unsupported": 400, "no_chat_template": 400,
+    "bad_messages": 400, "busy": 429, "shutting_down": 503, "worker_failed": 503, "worker_error": 500,
+    "internal": 500,
+}
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    @property
+    def kind(self) -> str:
+        if self.status == 429:
+            return "rate_limit_error"
+        if self.status == 404:
+            return "not_found_error"
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def error_from_reply(reply: m.ErrorReply) -> ApiError:
+    return ApiError(ERROR_STATUS.get(reply.code, 500), reply.message, code=reply.code)
+
+
+# --- requests ----------------------------------------------------------------------------
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool = False
+
+
+class Params(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What both endpoints take."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_NEW_TOKENS)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1000.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=(1 << 31) - 1)] | None = None  # extension (vLLM's spelling)
+    seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    mode: Literal["dovetail", "ar"] | None = None  # extension
+
+
+class CompletionRequest(Params, kw_only=True):
+    prompt: str | list[str]
+
+
+class TextPart(Struct, forbid_unknown_fields=True, tag="text", tag_field="type"):
+    text: str
+
+
+class ChatTurn(Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Annotated[str, Meta(min_length=1, max_length=64)]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted, not shown to the template (transformers passes it; few templates read it)
+
+
+class ChatRequest(Params, kw_only=True):
+    messages: Annotated[list[ChatTurn], Meta(min_length=1, max_length=m.MAX_CHAT_MESSAGES)]
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_NEW_TOKENS)] | None = None
+
+
+def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatRequest]) -> Any:
+    """The validated request; ApiError(400) naming the first problem."""
+    try:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    for name, neutral in NEUTRAL_VALUES.items():
+        if name in data:
+            value = data.pop(name)
+            if not any(_same(value, allowed) for allowed in neutral):
+                raise ApiError(400, f"{name}={value!r} is not supported by Dovetail (only "
+                                    f"{' or '.join(_json_text(v) for v in neutral)})", code="unsupported", param=name)
+    for name in IGNORED_FIELDS:
+        data.pop(name, None)
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as error:
+        raise ApiError(400, f"invalid request: {error}", code="invalid_request",
+                       param=_field_of(str(error))) from None
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """JSON equality: 0 and 0.0 are the same, false and 0 are not."""
+    return isinstance(value, bool) == isinstance(allowed, bool) and value == allowed
+
+
+def _json_text(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _field_of(message: str) -> str | None:
+    if "- at `$." in message:
+        return message.rsplit("- at `$.", 1)[1].rstrip("`")
+    if "unknown field `" in message or "required field `" in message:
+        return message.split("field `", 1)[1].split("`", 1)[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the HTTP layer does with one request."""
+
+    request: m.GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def _sampling(params: Params) -> m.Sampling:
+    temperature = DEFAULT_TEMPERATURE if params.temperature is None else params.temperature
+    if 0.0 < temperature < m.MIN_TEMPERATURE:
+        raise ApiError(400, f"temperature must be 0 (greedy) or >= {m.MIN_TEMPERATURE}, got {temperature}",
+                       code="invalid_request", param="temperature")
+    top_k = params.top_k if params.top_k is not None and params.top_k > 0 else 0
+    return m.Sampling(temperature=temperature, top_k=top_k,
+                      top_p=1.0 if params.top_p is None else params.top_p, seed=params.seed)
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [s for s in stops if s]  # an empty stop string would end every request at once
+    if len(stops) > 64 or any(len(s) > 1024 for s in stops):
+        raise ApiError(400, "stop: at most 64 strings of at most 1024 characters", code="invalid_request",
+                       param="stop")
+    return stops
+
+
+def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, **prompt: Any) -> Plan:
+    if params.n is not None and params.n != 1:
+        raise ApiError(400, f"n={params.n} is not supported: Dovetail generates one choice per request (n=1)",
+                       code="unsupported", param="n")
+    stream = bool(params.stream)
+    if params.stream_options is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", code="invalid_request",
+                       param="stream_options")
+    request = m.GenerateRequest(request_id=request_id, max_new_tokens=max_tokens, stop=_stops(params.stop),
+                                sampling=_sampling(params), mode=params.mode or default_mode,  # type: ignore[arg-type]
+                                stream=stream, **prompt)
+    include_usage = bool(params.stream_options and params.stream_options.include_usage)
+    return Plan(request, stream, include_usage)
+
+
+def plan_completion(params: CompletionRequest, request_id: str, default_mode: str) -> Plan:
+    prompt = params.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt: a list of {len(prompt)} prompts; Dovetail runs one prompt per request",
+                           code="unsupported", param="prompt")
+        prompt = prompt[0]
+    if len(prompt) > 16 * 1024 * 1024:
+        raise ApiError(400, "prompt: longer than 16,777,216 characters", code="prompt_too_long", param="prompt")
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens
+    return _plan(params, request_id, default_mode, max_tokens, prompt=prompt)
+
+
+def plan_chat(params: ChatRequest, request_id: str, default_mode: str) -> Plan:
+    messages = []
+    for turn in params.messages:
+        if isinstance(turn.content, list):  # text parts are joined as vLLM joins them
+            content = "\n".join(part.text for part in turn.content)
+        else:
+            content = turn.content or ""
+        messages.append(m.ChatMessage(role=turn.role, content=content))
+    chosen = params.max_completion_tokens if params.max_completion_tokens is not None else params.max_tokens
+    return _plan(params, request_id, default_mode, MAX_NEW_TOKENS if chosen is None else chosen, messages=messages)
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponseIds:
+    """What every body of one response repeats."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def now(cls, request_id: str, model: str) -> ResponseIds:
+        return cls(request_id, model, int(time.time()))
+
+
+def usage(done: m.GenerateDone) -> dict[str, int]:
+    prompt, completion = done.stats.prompt_tokens, len(done.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def extension(done: m.GenerateDone) -> dict[str, Any]:
+    """Dovetail's own fields: the request's statistics and every generated token id."""
+    return {"stats": msgspec.to_builtins(done.stats), "token_ids": list(done.token_ids)}
+
+
+def completion_body(meta: ResponseIds, done: m.GenerateDone) -> dict[str, Any]:
+    return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}],
+            "usage": usage(done), "dovetail": extension(done)}
+
+
+def chat_body(meta: ResponseIds, done: m.GenerateDone) -> dict[str, Any]:
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
+                         "finish_reason": done.finish_reason}],
+            "usage": usage(done), "dovetail": extension(done)}
+
+
+class EventStream:
+    """The server-sent events of one streamed response, built from the coordinator's replies."""
+
+    def __init__(self, meta: ResponseIds, chat: bool, include_usage: bool):
+        self.meta = meta
+        self.chat = chat
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body: dict[str, Any] = {"id": self.meta.id, "object": "chat.completion.chunk" if self.chat
+                                else "text_completion", "created": self.meta.created, "model": self.meta.model,
+                                "choices": choices}
+        if self.include_usage:
+            body["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it
+        body.update(extra)
+        return sse(body)
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def start(self) -> list[bytes]:
+        """Before any text: a chat stream first names the assistant's role."""
+        return [self._chunk([self._choice("", None, role=True)])] if self.chat else []
+
+    def text(self, chunk: m.TokenChunk) -> list[bytes]:
+        return [self._chunk([self._choice(chunk.text, None)])] if chunk.text else []
+
+    def done(self, done: m.GenerateDone) -> list[bytes]:
+        events = [self._chunk([self._choice(None, done.finish_reason)], dovetail=extension(done))]
+        if self.include_usage:
+            events.append(self._chunk([], usage=usage(done)))
+        return [*events, DONE]
+
+    def error(self, error: ApiError) -> list[bytes]:
+        """A failure after the 200 was sent: an error event, then the end (as vLLM does)."""
+        return [sse(error.body()), DONE]
+
+
+def sse(body: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

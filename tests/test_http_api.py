@@ -1,0 +1,383 @@
+"""dovetail-run --http: the OpenAI-compatible API against real processes, with the real openai client and curl.
+
+The demo target is not a chat model, so the chat server runs on a copy of it whose
+tokenizer_config.json gets a small chat template, and whose generation_config.json names a
+second end-of-sequence id (one the greedy output of EOS_PROMPT reaches early), so that every
+eos id is seen to stop generation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from dovetail_runtime.client import DovetailClient
+
+from conftest import DEMO_DRAFT, DEMO_TARGET
+from runtime_harness import BIN, Server, dovetail_run
+
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os"]
+EOS_PROMPT = "for i in range(10):"
+NEW_TOKENS = 24
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}def {% endif %}")
+CHAT = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "Add two numbers."}]
+
+
+def one_shot_ar(target: Path, prompts: list[str]) -> dict[str, dict]:
+    """``dovetail-run --mode ar`` greedy, one JSON line per prompt."""
+    args = ["--target", str(target), "--mode", "ar", "--max-new-tokens", str(NEW_TOKENS), "--json",
+            "--log-level", "warning"]
+    for prompt in prompts:
+        args += ["--prompt", prompt]
+    done = dovetail_run(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {line["prompt"]: line for line in map(json.loads, done.stdout.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def demo_ar() -> dict[str, dict]:
+    return one_shot_ar(DEMO_TARGET, [*PROMPTS, EOS_PROMPT])
+
+
+@pytest.fixture(scope="module")
+def extra_eos(demo_ar) -> tuple[int, int]:
+    """(a token the demo's greedy EOS_PROMPT output first reaches at index k >= 3, k), one that
+    the other prompts' outputs never reach (they are to run to max_tokens)."""
+    ids = demo_ar[EOS_PROMPT]["token_ids"]
+    elsewhere = {token for prompt in PROMPTS for token in demo_ar[prompt]["token_ids"]}
+    index = next(k for k in range(3, len(ids)) if ids[k] not in {*ids[:k], *elsewhere, 2})
+    return ids[index], index
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory, extra_eos) -> Path:
+    folder = tmp_path_factory.mktemp("chat") / "code-chat-9m"
+    folder.mkdir()
+    for path in DEMO_TARGET.iterdir():
+        if path.suffix == ".safetensors":
+            (folder / path.name).symlink_to(path)
+        else:
+            shutil.copy(path, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, extra_eos[0]]}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ar(chat_target) -> dict[str, dict]:
+    return one_shot_ar(chat_target, [*PROMPTS, EOS_PROMPT])
+
+
+@pytest.fixture(scope="module")
+def chat_reference(chat_target) -> dict:
+    """transformers' greedy answer to CHAT: apply_chat_template, then generate (its eos ids included)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_target))
+    model = AutoModelForCausalLM.from_pretrained(str(chat_target), dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    return {"prompt_ids": ids, "token_ids": new, "text": tokenizer.decode(new, skip_special_tokens=True)}
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory, chat_target):
+    socket_dir = tmp_path_factory.mktemp("sock")
+    running = Server("--target", str(chat_target), "--draft", str(DEMO_DRAFT), "--cpu-cores", "0",
+                     "--bind", f"ipc://{socket_dir}/dovetail.sock", "--http", "127.0.0.1:0")
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+    """The demo target as it is (no chat template), --mode ar, HTTP only."""
+    running = Server("--target", str(DEMO_TARGET), "--mode", "ar", "--http", "127.0.0.1:0")
+    yield running
+    assert running.stop() == 0
+
+
+def http_url(server: Server) -> str:
+    return next(endpoint for endpoint in server.endpoints if endpoint.startswith("http://"))
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=http_url(server) + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def curl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["curl", "-sS", "--max-time", "300", *args], capture_output=True, text=True, timeout=320)
+
+
+def sse_events(body: str) -> list[str]:
+    """The data of each server-sent event; every event is one ``data:`` line and a blank line."""
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events), body
+    return [event.removeprefix("data: ") for event in events]
+
+
+# --- completions -------------------------------------------------------------------------
+
+
+def test_openai_completion_equals_ar(chat_server, ar):
+    api = client(chat_server)
+    for prompt in PROMPTS:
+        done = api.completions.create(model="code-chat-9m", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+        assert done.choices[0].text == ar[prompt]["text"]
+        assert done.choices[0].finish_reason == ar[prompt]["finish_reason"] == "length"
+        extension = done.model_extra["dovetail"]
+        assert extension["token_ids"] == ar[prompt]["token_ids"]
+        assert extension["stats"]["tau"] >= 1.0 and extension["stats"]["cycles"] >= 1
+        assert done.usage.completion_tokens == NEW_TOKENS
+        assert done.usage.prompt_tokens == ar[prompt]["stats"]["prompt_tokens"]
+        assert done.usage.total_tokens == done.usage.prompt_tokens + NEW_TOKENS
+        assert done.object == "text_completion" and done.model == "code-chat-9m" and done.id.startswith("cmpl-")
+
+
+def test_openai_completion_stream_equals_ar(chat_server, ar):
+    prompt = PROMPTS[1]
+    chunks = list(client(chat_server).completions.create(
+        model="code-chat-9m", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert len(chunks) >= 4  # some text, the finish, the usage
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == ar[prompt]["text"]
+    *texts, finish, last = chunks
+    assert all(chunk.usage is None and chunk.choices[0].finish_reason is None for chunk in texts)
+    assert finish.choices[0].finish_reason == "length"
+    assert finish.model_extra["dovetail"]["token_ids"] == ar[prompt]["token_ids"]
+    assert last.choices == [] and last.usage.completion_tokens == NEW_TOKENS
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
+def test_every_eos_id_stops(chat_server, ar, demo_ar, extra_eos):
+    token, index = extra_eos
+    # The demo's own config knows only </s>: its greedy output goes on past the token.
+    assert len(demo_ar[EOS_PROMPT]["token_ids"]) > index + 1
+    # With the token listed in generation_config.json's eos_token_id, --mode ar stops on it ...
+    assert ar[EOS_PROMPT]["token_ids"] == demo_ar[EOS_PROMPT]["token_ids"][:index + 1]
+    assert ar[EOS_PROMPT]["finish_reason"] == "stop"
+    # ... and so does dovetail over HTTP, though the draft proposed tokens beyond it.
+    done = client(chat_server).completions.create(model="code-chat-9m", prompt=EOS_PROMPT,
+                                                  max_tokens=NEW_TOKENS, temperature=0)
+    assert done.choices[0].finish_reason == "stop"
+    assert done.model_extra["dovetail"]["token_ids"] == ar[EOS_PROMPT]["token_ids"]
+    assert done.model_extra["dovetail"]["token_ids"][-1] == token
+
+
+def test_curl_completion_plain_and_streamed(chat_server, ar):
+    url = http_url(chat_server) + "/v1/completions"
+    prompt = PROMPTS[2]
+    body = json.dumps({"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+    done = curl(url, "-H", "Content-Type: application/json", "-d", body)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["choices"][0]["text"] == ar[prompt]["text"]
+    assert answer["dovetail"]["token_ids"] == ar[prompt]["token_ids"]
+
+    streamed = curl("-N", url, "-d", json.dumps({"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                                                 "stream": True}))
+    assert streamed.returncode == 0, streamed.stderr
+    events = sse_events(streamed.stdout)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == ar[prompt]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in chunk for chunk in chunks)  # only with stream_options.include_usage
+
+
+# --- chat --------------------------------------------------------------------------------
+
+
+def test_openai_chat_equals_transformers(chat_server, chat_reference):
+    api = client(chat_server)
+    done = api.chat.completions.create(model="code-chat-9m", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
+    message = done.choices[0].message
+    assert message.role == "assistant" and message.content == chat_reference["text"]
+    assert done.model_extra["dovetail"]["token_ids"] == chat_reference["token_ids"]
+    assert done.usage.prompt_tokens == len(chat_reference["prompt_ids"])
+    assert done.object == "chat.completion" and done.id.startswith("chatcmpl-")
+
+    chunks = list(api.chat.completions.create(model="code-chat-9m", messages=CHAT, max_tokens=NEW_TOKENS,
+                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == chat_reference["text"]
+    assert chunks[-2].choices[0].finish_reason == done.choices[0].finish_reason
+    assert chunks[-1].usage.prompt_tokens == len(chat_reference["prompt_ids"])
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+
+
+def test_curl_chat_plain_and_streamed(chat_server, chat_reference):
+    url = http_url(chat_server) + "/v1/chat/completions"
+    body = {"model": "code-chat-9m", "messages": CHAT, "max_completion_tokens": NEW_TOKENS, "temperature": 0}
+    done = curl(url, "-H", "Content-Type: application/json", "-d", json.dumps(body))
+    assert json.loads(done.stdout)["choices"][0]["message"]["content"] == chat_reference["text"]
+    # Content given as text parts is the same message.
+    parts = [{**turn, "content": [{"type": "text", "text": turn["content"]}]} for turn in CHAT]
+    streamed = curl("-N", url, "-d", json.dumps({**body, "messages": parts, "stream": True}))
+    events = sse_events(streamed.stdout)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks) == chat_reference["text"]
+
+
+def test_zmq_chat_messages_share_the_queue(chat_server, chat_reference):
+    endpoint = chat_server.endpoints[0]
+    assert endpoint.startswith("ipc://")
+    with DovetailClient(endpoint, timeout_s=300) as zmq_client:
+        done = zmq_client.chat(CHAT, max_new_tokens=NEW_TOKENS)
+        assert done.token_ids == chat_reference["token_ids"] and done.text == chat_reference["text"]
+        assert done.stats.prompt_tokens == len(chat_reference["prompt_ids"])
+        streamed = "".join(chunk.text for chunk in zmq_client.stream(messages=CHAT, max_new_tokens=NEW_TOKENS))
+        assert streamed == chat_reference["text"]
+    messages_file = Path(chat_server.endpoints[0].removeprefix("ipc://")).with_name("chat.json")
+    messages_file.write_text(json.dumps(CHAT))
+    cli = subprocess.run([str(BIN / "dovetail-client"), "--connect", endpoint, "--messages", str(messages_file),
+                          "--max-new-tokens", str(NEW_TOKENS), "--json"], capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["token_ids"] == chat_reference["token_ids"]
+    cli = subprocess.run([str(BIN / "dovetail-client"), "--connect", endpoint, "--chat", "--system", "Write Python.",
+                          "--prompt", "Add two numbers.", "--max-new-tokens", str(NEW_TOKENS)],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and cli.stdout == chat_reference["text"] + "\n"
+
+
+# --- the rest of the API -----------------------------------------------------------------
+
+
+def test_models_health_and_metrics(chat_server):
+    url = http_url(chat_server)
+    models = json.loads(curl(url + "/v1/models").stdout)
+    assert [model["id"] for model in models["data"]] == ["code-chat-9m"]
+    assert models["data"][0]["max_model_len"] == 2048 and models["object"] == "list"
+    assert [model.id for model in client(chat_server).models.list()] == ["code-chat-9m"]
+    assert json.loads(curl(url + "/health").stdout) == {"status": "ok"}
+
+    client(chat_server).completions.create(model="code-chat-9m", prompt="x = 1", max_tokens=4, temperature=0)
+    metrics = curl("-i", url + "/metrics").stdout
+    assert "content-type: text/plain; version=0.0.4" in metrics.lower()
+    samples = {}
+    for line in metrics.split("\n\n", 1)[1].splitlines():  # (text mode turned \r\n into \n)
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name.replace('model="code-chat-9m"', "").replace("{,", "{")] = float(value)
+    for name in ("dovetail_generation_tokens_total{}", "dovetail_prompt_tokens_total{}", "dovetail_cycles_total{}",
+                 "dovetail_draft_seconds_total{}", "dovetail_verify_seconds_total{}", "dovetail_ipc_seconds_total{}",
+                 'dovetail_requests_total{finish_reason="length"}'):
+        assert samples[name] > 0, name
+    assert samples["dovetail_tau{}"] > 1.0
+    assert samples["dovetail_queue_depth{}"] == 0 and samples["dovetail_worker_restarts_total{}"] == 0
+
+
+def api_error(server: Server, path: str, body: str | bytes) -> tuple[int, dict]:
+    done = curl("-w", "\n%{http_code}", http_url(server) + path, "-H", "Content-Type: application/json",
+                "--data-binary", body if isinstance(body, str) else body.decode())
+    text, status = done.stdout.rsplit("\n", 1)
+    return int(status), json.loads(text)
+
+
+@pytest.mark.parametrize("path,body,status,code,words", [
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "unsupported", "n=2 is not supported"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_request", "$.temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e-30}, 400, "invalid_request", "temperature must be 0"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_request", "$.max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "unsupported", "logprobs=5 is not supported"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "invalid_request", "unknown field `frobnicate`"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "invalid_request",
+     "only allowed with stream=true"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported", "one prompt per request"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "invalid_request", "missing required field `prompt`"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model_not_found", "'gpt-4' does not exist"),
+    ("/v1/completions", {"prompt": "def " * 3000}, 400, "prompt_too_long", "leaves no room"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "invalid_request", "$.messages[0].content"),
+    ("/v1/chat/completions", {"messages": []}, 400, "invalid_request", "length >= 1"),
+])
+def test_bad_requests_get_openai_errors(chat_server, path, body, status, code, words):
+    got_status, error = api_error(chat_server, path, json.dumps(body))
+    assert got_status == status, error
+    assert error["error"]["code"] == code and words in error["error"]["message"], error
+    assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_malformed_bodies_and_unknown_routes(chat_server):
+    status, error = api_error(chat_server, "/v1/completions", "{not json")
+    assert status == 400 and error["error"]["code"] == "invalid_json"
+    status, error = api_error(chat_server, "/v1/completions", "[1, 2]")
+    assert status == 400 and "JSON object" in error["error"]["message"]
+    done = curl("-w", "\n%{http_code}", http_url(chat_server) + "/v1/nothing")
+    text, status_text = done.stdout.rsplit("\n", 1)
+    assert status_text == "404" and json.loads(text)["error"]["type"] == "not_found_error"
+    # The server is still there and right.
+    assert json.loads(curl(http_url(chat_server) + "/health").stdout) == {"status": "ok"}
+
+
+def test_openai_client_sees_errors(chat_server):
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+        client(chat_server).completions.create(model="code-chat-9m", prompt="x", n=2)
+
+
+def test_chat_without_a_template_is_a_clear_400(plain_server):
+    with pytest.raises(openai.BadRequestError, match="has no chat template") as info:
+        client(plain_server).chat.completions.create(model="target-code-9m", messages=CHAT)
+    assert info.value.status_code == 400 and info.value.code == "no_chat_template"
+    # The same server completes prompts (in ar mode: it has no draft head).
+    done = client(plain_server).completions.create(model="target-code-9m", prompt="import os", max_tokens=4,
+                                                   temperature=0)
+    assert done.usage.completion_tokens == 4 and done.model_extra["dovetail"]["stats"]["draft_ms"] == 0
+    assert done.model_extra["dovetail"]["stats"]["cycles"] == 3
+
+
+def test_a_client_that_leaves_is_cancelled(plain_server):
+    url = http_url(plain_server)
+
+    def cancelled() -> int:
+        for line in curl(url + "/metrics").stdout.splitlines():
+            if line.startswith("dovetail_requests_total") and 'finish_reason="cancelled"' in line:
+                return int(line.rsplit(" ", 1)[1])
+        raise AssertionError("no cancelled count")
+
+    before = cancelled()
+    body = {"prompt": "import os", "max_tokens": 1900, "temperature": 0}
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:  # streamed, then gone
+        data = json.dumps({**body, "stream": True}).encode()
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        assert raw.recv(65536).startswith(b"HTTP/1.1 200")
+    curl("--max-time", "1", url + "/v1/completions", "-d", json.dumps(body))  # not streamed, then gone
+    deadline = time.monotonic() + 120
+    while cancelled() < before + 2:  # both requests end as cancelled, long before 1900 tokens
+        assert time.monotonic() < deadline, "the requests of clients that left were not cancelled"
+        time.sleep(0.2)
+    done = client(plain_server).completions.create(model="target-code-9m", prompt="x", max_tokens=2, temperature=0)
+    assert done.usage.completion_tokens == 2
+
+
+def test_http_flags_fail_fast(tmp_path):
+    done = dovetail_run("--target", str(DEMO_TARGET), "--mode", "ar", "--http", "nonsense")
+    assert done.returncode == 2 and "expected HOST:PORT" in done.stderr
+    done = dovetail_run("--target", str(DEMO_TARGET), "--mode", "ar", "--http", "0.0.0.0:0")
+    assert done.returncode == 2 and "only loopback" in done.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = dovetail_run("--target", str(DEMO_TARGET), "--mode", "ar", "--http", f"127.0.0.1:{port}")
+        assert done.returncode == 2 and f"cannot serve HTTP on 127.0.0.1:{port}" in done.stderr
+        assert "target:" not in done.stderr  # refused before the model loaded (that line reports it)
+    done = dovetail_run("--target", str(DEMO_TARGET), "--mode", "ar", "--http", "127.0.0.1:0", "--prompt", "x")
+    assert done.returncode == 2 and "cannot be combined" in done.stderr
