@@ -104,21 +104,24 @@ def test_a_flooding_client_waits_for_its_turn(ar_server):
     busy = blocker(endpoint)
     flood, single = connect_client(endpoint), connect_client(endpoint)
     try:
-        for index in range(3):
-            send(flood, f"flood-{index}", max_new_tokens=3)
+        send(flood, "flood-0", max_new_tokens=3)
+        send(flood, "flood-1", max_new_tokens=2000)  # long: still running when "single" is answered
+        send(flood, "flood-2", max_new_tokens=2000)
         read_by_server(flood, 1)
         send(single, "single", max_new_tokens=3)
         read_by_server(single, 2)
         stop_blocker(busy)
         assert final(single, "single").finish_reason == "length"
-        # Served round-robin: one flood request before the single one, the other two after.
-        done_before = []
+        # Round-robin: one flood request ran before the single one; in arrival order, all three would have.
+        answered = []
         while flood.socket.poll(0):
             reply = flood.recv(timeout_ms=0)
-            if isinstance(reply, m.GenerateDone):
-                done_before.append(reply.request_id)
-        assert done_before == ["flood-0"]
-        assert final(flood, "flood-1").finish_reason == final(flood, "flood-2").finish_reason == "length"
+            if isinstance(reply, (m.GenerateDone, m.ErrorReply)):
+                answered.append(reply.request_id)
+        assert answered == ["flood-0"]
+        for request_id in ("flood-1", "flood-2"):
+            flood.send(m.Cancel(request_id=request_id), timeout_ms=5000)
+            assert final(flood, request_id).finish_reason == "cancelled"
     finally:
         for client in (busy, flood, single):
             client.close()
