@@ -83,8 +83,10 @@ class Serving:
     def run(self, ready: Callable[[list[str]], None] | None = None) -> None:
         """Start the coordinator (clients are read meanwhile), serve until ``should_stop()``,
         then answer whatever is still waiting. Raises what ended serving abnormally."""
+        started = False
         try:
             self.coordinator.start()
+            started = True
             tokenizer = self.coordinator.tokenizer
             if tokenizer is not None:
                 self.prompt_chars = self.coordinator.max_len * tokenizer.max_chars_per_token()
@@ -111,8 +113,11 @@ class Serving:
             self.answer_everyone("shutting_down", "the server is shutting down")
             raise
         except BaseException as error:
-            self.answer_everyone("internal", f"the server stopped on an internal error: {type(error).__name__}: "
-                                             f"{error}")
+            if started:
+                self.answer_everyone("internal", f"the server stopped on an internal error: "
+                                                 f"{type(error).__name__}: {error}")
+            else:  # a model that cannot load, a bad setting
+                self.answer_everyone("shutting_down", f"the server could not start: {error}")
             raise
         self.answer_everyone("shutting_down", "the server is shutting down")
 
@@ -162,7 +167,8 @@ class Serving:
         if running.outcome == "gone":
             log.info("request %s cancelled: its client is gone", request.request_id)
         else:
-            if running.outcome == "deadline" and isinstance(reply, m.GenerateDone):
+            if (running.outcome == "deadline" and isinstance(reply, m.GenerateDone)
+                    and reply.finish_reason == "cancelled"):  # not when it ended by itself meanwhile
                 reply = error_reply(request.request_id, "deadline_exceeded",
                                     f"no answer within the request's deadline; stopped after "
                                     f"{len(reply.token_ids)} new tokens")
