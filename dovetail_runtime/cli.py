@@ -6,6 +6,7 @@ and messages (the workers it starts hold the models).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import msgspec
@@ -20,9 +22,14 @@ import msgspec
 from cpu_worker.cores import CoreSpecError, parse_core_list
 from ipc import messages as m
 from ipc.dtypes import TARGET_PRECISIONS
+from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
 from .tree_planner import TREE_SIZES, AutoTree
+
+if TYPE_CHECKING:
+    from .coordinator import RuntimeSettings
+    from .serving import ServeLimits
 
 log = logging.getLogger("dovetail")
 
@@ -81,6 +88,23 @@ def cores_option(_ctx, _param, value: str | None) -> list[int] | None:
 def default_bind() -> str:
     base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     return f"ipc://{base}/dovetail-{os.getuid()}.sock"
+
+
+def endpoints_option(_ctx, _param, value):
+    """``localhost:5555`` means tcp://, a path means ipc://; anything unclear is refused here."""
+    try:
+        if isinstance(value, tuple):
+            return tuple(normalize_endpoint(each) for each in value)
+        return None if value is None else normalize_endpoint(value)
+    except EndpointError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("dovetail")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def sampling_options(command):
@@ -149,12 +173,15 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(version(), "--version", prog_name="dovetail-run", message="%(prog)s %(version)s")
 @click.option("--target", default=None, help="Target model: a local Hugging Face folder, or a hub id already "
               "in the local cache (never downloaded).  [default: the bundled demo model, demo/target-code-9m]")
 @click.option("--draft", default=None, help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). Required "
               "with your own --target unless --mode ar.  [default with the demo target: demo/draft-dgf]")
-@click.option("--bind", "binds", multiple=True, help="Client endpoint to serve on (repeatable): ipc://PATH or "
-              "tcp://127.0.0.1:PORT. [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
+@click.option("--bind", "binds", multiple=True, callback=endpoints_option,
+              help="Client endpoint to serve on (repeatable): ipc://PATH or tcp://127.0.0.1:PORT (HOST:PORT and "
+                   "paths are understood). A socket another server already serves is refused. "
+                   "[default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
 @click.option("--http", "http_address", default=None, metavar="HOST:PORT",
               help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                    "/health, /metrics) here, e.g. 127.0.0.1:8000. With --bind both serve one queue; without, only "
@@ -203,12 +230,28 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--compare-ar", is_flag=True, help="One-shot: also run each prompt in --mode ar and print both speeds "
               "(and whether the tokens are the same).")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
+@click.option("--worker-timeout", type=click.FloatRange(min=0.1), default=300.0,
+              help="Seconds a worker may take to answer one step (a prefill is one step) before it counts as hung: "
+                   "its request fails with worker_failed and it is killed and restarted. Raise it for long prompts "
+                   "on a big model on few cores.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3,
+              help="Worker restarts allowed in ten minutes; one more and the server answers every request and exits.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=64,
+              help="Serving: requests that may wait in all; beyond it a request is refused at once with 'busy'.")
+@click.option("--max-queue-per-client", type=click.IntRange(min=1), default=16,
+              help="Serving: requests one client (connection) may have waiting; beyond it 'busy'. Clients take "
+                   "turns: one request each, round-robin.")
+@click.option("--request-timeout", type=click.FloatRange(min=0.001), default=None,
+              help="Serving: every request must be answered within this many seconds of its arrival (queueing "
+                   "included), else it ends with 'deadline_exceeded'; a request's own deadline_ms can be shorter. "
+                   "[default: no limit]")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
 def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device,
              draft_dtype, draft_threads, draft_cores, tree_tokens,
              depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
-             startup_timeout, log_level, temperature, sample_top_k, top_p, seed) -> None:
+             startup_timeout, worker_timeout, max_restarts, max_queue, max_queue_per_client, request_timeout,
+             log_level, temperature, sample_top_k, top_p, seed) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
 
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
@@ -217,6 +260,8 @@ def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_
     from cpu_worker.model_dir import ModelLoadError
 
     from .coordinator import Coordinator, RuntimeSettings, TooManyRestarts
+    from .preflight import PreflightError, check_settings
+    from .serving import ServeLimits
     from .workers import WorkerFailed
 
     logging.basicConfig(level=getattr(logging, log_level.upper()), stream=sys.stderr,
@@ -230,48 +275,36 @@ def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_
                                cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
                                draft_dtype=draft_dtype, draft_threads=draft_threads, draft_cores=draft_cores,
                                tree=make_tree(tree_tokens, depth, tree_top_k), mode=mode,
-                               max_len=max_len, log_level=log_level, startup_timeout_s=startup_timeout)
-    stopping = {"now": False}
+                               max_len=max_len, log_level=log_level, startup_timeout_s=startup_timeout,
+                               max_restarts=max_restarts, worker_timeout_s=worker_timeout)
+    try:
+        check_settings(settings)  # before anything loads
+    except PreflightError as error:
+        log.error("%s", error)
+        sys.exit(2)
+    if not all_prompts:
+        limits = ServeLimits(max_queue=max_queue, max_queue_per_client=max_queue_per_client,
+                             request_timeout_s=request_timeout)
+        sys.exit(serve_clients(settings, list(binds), allow_remote, limits, http_address, log_level))
 
     def on_signal(signum, _frame):
-        log.info("signal %d: shutting down", signum)
-        stopping["now"] = True
+        log.info("signal %d: stopping", signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     coordinator = Coordinator(settings)
-    frontend = None
     try:
-        if http_address is not None:  # bound now: a taken port fails before the models load
-            from .http_server import HttpFrontend
-
-            frontend = HttpFrontend(http_address, allow_remote=allow_remote)
         coordinator.start()
-        if all_prompts:
-            failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
-                                                                  mode=mode, sampling=sampling), as_json,
-                                   compare_ar=compare_ar and mode == "dovetail")
-            sys.exit(1 if failures else 0)
-        endpoints = list(binds) or ([] if frontend else [default_bind()])
-        if frontend is not None:
-            endpoints.append(frontend.zmq_endpoint)
-
-        def ready(bound: list[str]) -> None:
-            shown = [endpoint for endpoint in bound if not endpoint.startswith("inproc://")]
-            if frontend is not None:
-                frontend.start(served_model(target, coordinator, mode), log_level)
-                shown.append(frontend.url)
-            print(f"dovetail serving on {' '.join(shown)}", file=sys.stderr, flush=True)
-
-        coordinator.serve(endpoints, allow_remote=allow_remote, ready=ready, should_stop=lambda: stopping["now"])
+        failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
+                                                              mode=mode, sampling=sampling), as_json,
+                               compare_ar=compare_ar and mode == "dovetail")
+        sys.exit(1 if failures else 0)
     except KeyboardInterrupt:
         pass
     except (ModelLoadError, WorkerFailed, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
         sys.exit(2)
     finally:
-        if frontend is not None:
-            frontend.close()
         coordinator.close()
 
 
@@ -283,6 +316,75 @@ def served_model(target: str, coordinator, mode: str):
 
     return ServedModel(name=Path(target.rstrip("/")).name or target, context=coordinator.max_len,
                        default_mode=mode, created=int(time.time()))
+
+
+def serve_clients(settings: RuntimeSettings, binds: list[str], allow_remote: bool, limits: ServeLimits,
+                  http_address: str | None = None, log_level: str = "info") -> int:
+    """Bind the client socket (and the HTTP port) first, so a taken port or path fails in a
+    second, not after the models load; then start the workers and serve until SIGINT/SIGTERM.
+    The exit status."""
+    import zmq
+
+    from cpu_worker.model_dir import ModelLoadError
+    from ipc.channels import RouterServer
+
+    from .coordinator import Coordinator, TooManyRestarts
+    from .serving import Serving
+    from .workers import WorkerFailed
+
+    stop = {"asked": False}
+
+    def on_signal(signum, _frame):
+        if stop["asked"]:  # a second signal: stop waiting for anything
+            raise KeyboardInterrupt
+        log.info("signal %d: shutting down", signum)
+        stop["asked"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    frontend = None
+    try:
+        if http_address is not None:
+            from .http_server import HttpFrontend
+
+            frontend = HttpFrontend(http_address, allow_remote=allow_remote)
+        # HTTP requests reach the coordinator as ZMQ clients of an inproc endpoint.
+        endpoints = binds or ([] if frontend is not None else [default_bind()])
+        server = RouterServer(endpoints + ([frontend.zmq_endpoint] if frontend is not None else []),
+                              allow_remote=allow_remote)
+    except (EndpointError, ValueError, OSError) as error:
+        if frontend is not None:
+            frontend.close()
+        log.error("%s", error)
+        return 2
+    coordinator = Coordinator(settings)
+    serving = Serving(coordinator, server, limits, should_stop=lambda: stop["asked"])
+
+    def ready(bound: list[str]) -> None:
+        shown = [endpoint for endpoint in bound if not endpoint.startswith("inproc://")]
+        if frontend is not None:
+            frontend.start(served_model(settings.target, coordinator, settings.mode), log_level)
+            shown.append(frontend.url)
+        print(f"dovetail serving on {' '.join(shown)}", file=sys.stderr, flush=True)
+
+    code = 0
+    try:
+        serving.run(ready=ready)
+    except KeyboardInterrupt:
+        pass
+    except (ModelLoadError, WorkerFailed, TooManyRestarts, ValueError, OSError) as error:
+        log.error("%s", error)
+        code = 2
+    except Exception:
+        log.exception("serving stopped on an internal error")
+        code = 2
+    finally:
+        if frontend is not None:  # after serving answered everyone: HTTP clients get those answers
+            frontend.close()
+        server.close(linger_ms=2000)  # the last answers may still leave...
+        coordinator.close()
+        zmq.Context.instance().destroy(linger=0)  # ...and are waited for here (up to the linger)
+    return code
 
 
 def stats_line(mode: str, stats: m.RequestStats) -> str:
@@ -333,7 +435,9 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--connect", "endpoint", default=None, help="Server endpoint (ipc://PATH or tcp://HOST:PORT). "
+@click.version_option(version(), "--version", prog_name="dovetail-client", message="%(prog)s %(version)s")
+@click.option("--connect", "endpoint", default=None, callback=endpoints_option,
+              help="Server endpoint: ipc://PATH or tcp://HOST:PORT (HOST:PORT and paths are understood). "
               "[default: dovetail-run's default ipc endpoint]")
 @click.option("--prompt", default=None, help="Prompt text (with --chat: the user's message).")
 @click.option("--chat", is_flag=True, help="Send --prompt as a user message: the server applies the model's chat "
@@ -347,17 +451,25 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
+@click.option("--deadline", type=click.FloatRange(min=0.001), default=None,
+              help="Seconds the server has to answer, queueing included (else deadline_exceeded). [default: none]")
 @sampling_options
 def client_main(endpoint, prompt, chat, system, messages_file, max_new_tokens, stops, mode, as_json, timeout,
-                temperature, sample_top_k, top_p, seed) -> None:
+                deadline, temperature, sample_top_k, top_p, seed) -> None:
     """Send a prompt (or a chat) to a running dovetail-run server and stream the completion to stdout."""
     from .client import DovetailClient, GenerationError
 
     messages = chat_messages(prompt, chat, system, messages_file)
-    with DovetailClient(endpoint or default_bind(), timeout_s=timeout) as client:
+    endpoint = endpoint or default_bind()
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        click.echo(f"error: no server at {endpoint} (no such socket file; is dovetail-run running?)", err=True)
+        sys.exit(1)
+    with DovetailClient(endpoint, timeout_s=timeout) as client:
         try:
             params: dict = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
-                                sampling=make_sampling(temperature, sample_top_k, top_p, seed))
+                                sampling=make_sampling(temperature, sample_top_k, top_p, seed),
+                                deadline_ms=None if deadline is None else max(1, round(deadline * 1000)))
             if messages is not None:
                 params["messages"], prompt = messages, None
             if as_json:
@@ -375,6 +487,8 @@ def client_main(endpoint, prompt, chat, system, messages_file, max_new_tokens, s
         except (GenerationError, TimeoutError) as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:  # closing the connection cancels the request on the server
+            sys.exit(130)
 
 
 def chat_messages(prompt: str | None, chat: bool, system: str | None,

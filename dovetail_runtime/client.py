@@ -7,20 +7,23 @@
         answer = client.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=64)
 
 Keyword arguments are GenerateRequest's fields (``max_new_tokens``, ``stop``, ``mode``,
-``sampling``, ``messages``) or, for short, Sampling's (``temperature``, ``top_k``, ``top_p``,
-``seed``). ``messages`` (dicts with ``role`` and ``content``, or ChatMessage) replaces the
-prompt: the server renders them with the model's chat template.
+``sampling``, ``messages``, ``deadline_ms``) or, for short, Sampling's (``temperature``,
+``top_k``, ``top_p``, ``seed``). ``messages`` (dicts with ``role`` and ``content``, or
+ChatMessage) replaces the prompt: the server renders them with the model's chat template.
+The endpoint may be written ``HOST:PORT`` (tcp) or as a path (ipc).
 No torch here: the client is a ZMQ socket and the message types.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ipc import messages as m
 from ipc.channels import connect_client
+from ipc.endpoints import normalize_endpoint
 
 SAMPLING_FIELDS = tuple(m.Sampling.__struct_fields__)
 
@@ -35,9 +38,9 @@ class GenerationError(RuntimeError):
 
 class DovetailClient:
     def __init__(self, endpoint: str, timeout_s: float = 600.0):
-        self.endpoint = endpoint
+        self.endpoint = normalize_endpoint(endpoint)
         self.timeout_ms = timeout_s * 1000
-        self.channel = connect_client(endpoint)
+        self.channel = connect_client(self.endpoint)
 
     def close(self) -> None:
         self.channel.close()
@@ -101,3 +104,15 @@ class DovetailClient:
 
     def cancel(self, request_id: str) -> None:
         self.channel.send(m.Cancel(request_id=request_id), timeout_ms=self.timeout_ms)
+
+    def ping(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers a Ping within ``timeout_s`` (it does even mid-request). For a
+        client with no request in flight: other replies read meanwhile are discarded."""
+        nonce = uuid.uuid4().int >> 65
+        self.channel.send(m.Ping(nonce=nonce), timeout_ms=timeout_s * 1000)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            reply = self.channel.recv(timeout_ms=left * 1000)
+            if isinstance(reply, m.Pong) and reply.nonce == nonce:
+                return True
+        return False

@@ -1,13 +1,14 @@
-"""The coordinator: owns the workers, the tokenizer, the request queue and the client socket.
+"""The coordinator: owns the workers and the tokenizer, and runs one request at a time.
 
-Requests are served one at a time in arrival order. While one runs, the client socket is
-still read between cycles, so new requests queue up, cancels take effect, and malformed
-messages get an ErrorReply at once.
+Serving clients (the socket, the fair queue, deadlines, shutdown) is ``serving.Serving``;
+it reads clients through ``while_waiting``, which the workers call while they compute, load
+or hang.
 
-A worker that dies fails the request in flight with ``worker_failed``; the coordinator
-then restarts that worker and keeps serving. More than ``max_restarts`` restarts in ten
-minutes means something is persistently wrong: the coordinator stops with an error
-(non-zero exit) rather than crash-looping.
+A worker that dies, or does not answer within ``worker_timeout_s`` (it is then killed),
+fails the request in flight with ``worker_failed``; the coordinator then restarts that
+worker and keeps serving. More than ``max_restarts`` restarts in ten minutes means something
+is persistently wrong: the coordinator stops with an error (non-zero exit) rather than
+crash-looping.
 
 The coordinator owns (creates and unlinks) the two shared-memory rings the cpu_worker writes
 hidden states into and the gpu_worker reads from: the cycle ring (a verification's few rows)
@@ -27,12 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 
 from cpu_worker.model_dir import ModelLoadError, context_limit, read_config, resolve_model_dir
 from ipc import messages as m
-from ipc.channels import ChannelTimeout, RouterServer, RuntimeDir, check_local_endpoint
-from ipc.codec import ProtocolError
+from ipc.channels import RuntimeDir
 from ipc.shm_ring import ShmRing, slot_bytes_for
 from ipc.tree import TreeShape
 
@@ -73,6 +72,8 @@ class RuntimeSettings:
     log_level: str = "info"
     startup_timeout_s: float = 300.0
     max_restarts: int = 3
+    # A worker that has not answered one request within this is hung: killed and restarted.
+    worker_timeout_s: float | None = 300.0
 
 
 class TooManyRestarts(RuntimeError):
@@ -101,6 +102,12 @@ class Coordinator:
         self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
         self._seq_ids = itertools.count(1)
         self._restarts: collections.deque[float] = collections.deque()
+        # Called every ~100 ms while a worker computes or starts (serving reads its clients).
+        self.while_waiting: Callable[[], None] | None = None
+
+    def _waiting(self) -> None:
+        if self.while_waiting is not None:
+            self.while_waiting()
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -130,7 +137,8 @@ class Coordinator:
                   "rings": {"cycle": self.rings[0].name, "prefill": self.rings[1].name}}
         self.cpu = WorkerHandle("cpu_worker", "cpu_worker.server", {
             **common, "target": str(target_dir), "threads": settings.cpu_threads, "cores": settings.cpu_cores,
-            "dtype": settings.target_dtype}, self.runtime_dir, m.FROM_CPU_WORKER)
+            "dtype": settings.target_dtype}, self.runtime_dir, m.FROM_CPU_WORKER,
+            reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
         if settings.draft:
             # The draft worker's OpenMP threads must sleep when idle, or they spin on the
             # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
@@ -141,7 +149,8 @@ class Coordinator:
             self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
                 **common, "draft": settings.draft, "target": str(target_dir), "device": settings.draft_device,
                 "dtype": settings.draft_dtype, "threads": settings.draft_threads, "cores": settings.draft_cores,
-                "scratch_len": envelope.scratch_slots}, self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env)
+                "scratch_len": envelope.scratch_slots}, self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env,
+                reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
         for worker in self.workers():
             worker.spawn()
         for worker in self.workers():
@@ -274,85 +283,3 @@ class Coordinator:
         return m.GenerateDone(request_id=request.request_id, token_ids=stream.token_ids, text=stream.text,
                               finish_reason="cancelled" if cancelled else finish,
                               stats=msgspec.structs.replace(stats.message(), prompt_tokens=len(prompt_ids)))
-
-    # --- serving -----------------------------------------------------------------------
-
-    def serve(self, endpoints: list[str], allow_remote: bool = False,
-              ready: Callable[[list[str]], None] | None = None,
-              should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Serve clients on every endpoint (one socket bound to all) until ``should_stop()``."""
-        with RouterServer(endpoints[0], allow_remote=allow_remote) as server:
-            bound = [server.endpoint]
-            for endpoint in endpoints[1:]:
-                if not allow_remote:
-                    check_local_endpoint(endpoint)
-                server.socket.bind(endpoint)
-                bound.append(server.socket.getsockopt_string(zmq.LAST_ENDPOINT))
-            log.info("serving on %s", ", ".join(bound))
-            if ready is not None:
-                ready(bound)
-            queue: collections.deque[tuple[bytes, m.GenerateRequest]] = collections.deque()
-            cancelled: set[tuple[bytes, str]] = set()
-            while not should_stop():
-                self._read_clients(server, queue, cancelled, timeout_ms=200 if not queue else 0)
-                if not queue:
-                    continue
-                peer, request = queue.popleft()
-                if (peer, request.request_id) in cancelled:
-                    cancelled.discard((peer, request.request_id))
-                    continue
-                self._serve_one(server, peer, request, queue, cancelled)
-
-    def _serve_one(self, server: RouterServer, peer: bytes, request: m.GenerateRequest,
-                   queue: collections.deque, cancelled: set) -> None:
-        key = (peer, request.request_id)
-
-        def on_text(token_ids: list[int], text: str) -> bool:
-            if request.stream and not server.send(peer, m.TokenChunk(request_id=request.request_id,
-                                                                     token_ids=token_ids, text=text)):
-                log.info("client of %s went away; cancelling", request.request_id)
-                return True
-            self._read_clients(server, queue, cancelled, timeout_ms=0)
-            return key in cancelled
-
-        self.metrics.running += 1
-        try:
-            reply = self.generate(request, on_text)
-        except TooManyRestarts:
-            raise
-        except Exception as error:  # one request's bug must not take the server down
-            log.exception("request %s failed unexpectedly", request.request_id)
-            reply = error_reply(request.request_id, "internal", message=f"{type(error).__name__}: {error}")
-        finally:
-            self.metrics.running -= 1
-        self.metrics.record(reply)
-        cancelled.discard(key)
-        try:
-            server.send(peer, reply)
-        except ChannelTimeout:  # that client stopped reading: its answer is dropped, serving goes on
-            log.warning("client of %s is not reading; its answer was dropped", request.request_id)
-        self._recover()
-
-    def _read_clients(self, server: RouterServer, queue: collections.deque, cancelled: set,
-                      timeout_ms: int) -> None:
-        """Take every waiting client message: queue requests, note cancels, answer errors."""
-        while True:
-            try:
-                received = server.recv(timeout_ms=timeout_ms)
-            except ProtocolError as error:
-                if error.peer is not None:
-                    server.send_error(error.peer, None, "bad_message", str(error))
-                timeout_ms = 0
-                continue
-            if received is None:
-                return
-            timeout_ms = 0
-            peer, message = received
-            if isinstance(message, m.GenerateRequest):
-                queue.append((peer, message))
-            elif isinstance(message, m.Cancel):
-                cancelled.add((peer, message.request_id))
-            elif isinstance(message, m.Ping):
-                server.send(peer, m.Pong(nonce=message.nonce))
-            elif isinstance(message, m.MetricsRequest):
-                server.send(peer, self.metrics.reply(queue_depth=len(queue)))

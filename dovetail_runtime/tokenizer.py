@@ -259,6 +259,15 @@ class Tokenizer:
         """Vocabulary size with added tokens (transformers' ``len(tokenizer)``)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the prompt characters one token can stand for, so that a prompt
+        can be judged too long for the context without tokenizing it: the longest vocabulary
+        string (byte-level strings have one character per byte, and a character is at least
+        one byte; "▁" stands for one space), times 4 when a normalizer runs first (Unicode
+        composition can fold a few characters into one)."""
+        longest = max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+        return max(longest, 1) * (4 if self._backend.normalizer is not None else 1)
+
 
 def _register_added_tokens(
     backend: _Backend, named: dict[str, Any], extras: list[Any], added: list[AddedToken]

@@ -1,13 +1,25 @@
-"""Starting, talking to and stopping one worker process from the coordinator."""
+"""Starting, talking to and stopping one worker process from the coordinator.
+
+Every wait for a worker is cut into short slices: between them the handle checks that the
+process lives, that its reply deadline (``reply_timeout_s``, the --worker-timeout) has not
+passed, and calls ``on_wait``, through which the coordinator keeps answering its clients
+while a worker computes, loads or hangs. A worker that misses its deadline is killed (SIGKILL
+also ends a stopped process) and reported as WorkerFailed; the coordinator restarts it.
+
+Workers run in their own process group: a Ctrl-C in the terminal reaches the coordinator
+alone, which then stops them in order (no KeyboardInterrupt tracebacks from the workers).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ipc.channels import Channel, ChannelTimeout, RuntimeDir
@@ -16,8 +28,8 @@ from ipc.messages import Message, Ready, Shutdown, WorkerError
 
 log = logging.getLogger(__name__)
 
-# How often a wait for a reply checks that the worker is still alive.
-LIVENESS_MS = 200
+# How often a wait for a reply checks the worker's life and deadline and calls on_wait.
+LIVENESS_MS = 100
 R = TypeVar("R", bound=Message)
 
 
@@ -33,8 +45,11 @@ class WorkerHandle:
     """A worker process (``python -m <module>``) and the PAIR channel to it."""
 
     def __init__(self, name: str, module: str, settings: dict[str, Any], runtime_dir: RuntimeDir,
-                 allowed_replies: tuple[type[Message], ...], env: dict[str, str] | None = None):
+                 allowed_replies: tuple[type[Message], ...], env: dict[str, str] | None = None,
+                 reply_timeout_s: float | None = None, on_wait: Callable[[], None] | None = None):
         self.name = name
+        self.reply_timeout_s = reply_timeout_s
+        self.on_wait = on_wait
         self.env = env or {}
         self.module = module
         self.settings = settings
@@ -43,6 +58,7 @@ class WorkerHandle:
         self.process: subprocess.Popen | None = None
         self.channel: Channel | None = None
         self.info: dict[str, Any] = {}
+        self.ready = False  # the process has said Ready (and so reads its channel)
 
     @property
     def pid(self) -> int | None:
@@ -54,9 +70,15 @@ class WorkerHandle:
     def spawn(self) -> None:
         """Start the process; ``wait_ready`` then waits for its handshake (both workers load at once)."""
         self.channel = Channel.bind(self.endpoint, allowed=self.allowed_replies)
+        self.ready = False
         command = [sys.executable, "-m", self.module, "--endpoint", self.endpoint,
                    "--parent-pid", str(os.getpid()), "--settings", json.dumps(self.settings)]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **self.env})
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
+                                        process_group=0)
+
+    def _waited(self) -> None:
+        if self.on_wait is not None:
+            self.on_wait()
 
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         """Wait for the Ready handshake; WorkerFailed with the worker's own error otherwise."""
@@ -72,6 +94,7 @@ class WorkerHandle:
                 raise WorkerFailed(f"{self.name} sent an invalid handshake: {error}") from None
             if isinstance(reply, Ready):
                 self.info = reply.info
+                self.ready = True
                 log.info("%s ready (pid %d): %s", self.name, reply.pid, reply.info)
                 return reply.info
             if isinstance(reply, WorkerError):
@@ -81,16 +104,19 @@ class WorkerHandle:
                 code = process.returncode
                 self.stop()
                 raise WorkerFailed(f"{self.name} exited with code {code} before it was ready (see its log above)")
+            self._waited()
         self.stop()
         raise WorkerFailed(f"{self.name} was not ready within {timeout_s:.0f} s")
 
     def request(self, message: Message, expect: type[R]) -> R:
-        """Send one request and wait for its reply, noticing a dead worker within LIVENESS_MS."""
+        """Send one request and wait for its reply, noticing a dead worker within LIVENESS_MS
+        and killing one that has not answered within ``reply_timeout_s``."""
         if self.process is None or self.channel is None or not self.alive():
             raise WorkerFailed(f"{self.name} is not running")
         process, channel = self.process, self.channel
+        limit = self.reply_timeout_s
+        deadline = time.monotonic() + (limit if limit is not None else 30.0)
         # A PAIR send blocks while the peer is gone: retry in short slices, checking liveness.
-        deadline = time.monotonic() + 30.0
         while True:
             try:
                 channel.send(message, timeout_ms=LIVENESS_MS)
@@ -100,12 +126,19 @@ class WorkerHandle:
                     raise WorkerFailed(f"{self.name} (pid {self.pid}) died with exit code "
                                        f"{process.returncode}") from None
                 if time.monotonic() > deadline:
-                    raise WorkerFailed(f"{self.name} (pid {self.pid}) stopped taking requests") from None
+                    self.kill()
+                    raise WorkerFailed(f"{self.name} (pid {process.pid}) stopped taking requests; killed it") from None
+                self._waited()
         while True:
             reply = channel.recv(timeout_ms=LIVENESS_MS)
             if reply is None:
                 if not self.alive():
                     raise WorkerFailed(f"{self.name} (pid {self.pid}) died with exit code {process.returncode}")
+                if limit is not None and time.monotonic() > deadline:
+                    self.kill()
+                    raise WorkerFailed(f"{self.name} (pid {process.pid}) did not answer {type(message).__name__} "
+                                       f"within {limit:g} s (--worker-timeout); killed it")
+                self._waited()
                 continue
             if isinstance(reply, WorkerError):
                 if reply.fatal:
@@ -124,22 +157,40 @@ class WorkerHandle:
                 log.warning("%s did not take %s", self.name, type(message).__name__)
 
     def stop(self, grace_s: float = 3.0) -> None:
-        """Ask the worker to exit, then terminate and kill it if it does not."""
-        if self.process is not None:
-            if self.alive() and self.channel is not None:
+        """Ask the worker to exit, then terminate and kill it if it does not. One that never
+        said Ready (still loading) is not reading its channel: it is terminated at once."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            asked = False
+            if self.ready and self.channel is not None:
                 try:
                     self.channel.send(Shutdown(), timeout_ms=500)
+                    asked = True
                 except Exception:  # it is being stopped either way
                     pass
             try:
-                self.process.wait(timeout=grace_s)
+                process.wait(timeout=grace_s if asked else 0.01)
             except subprocess.TimeoutExpired:
-                self.process.terminate()
+                process.terminate()
+                self._resume()  # a stopped process acts on SIGTERM only once continued
                 try:
-                    self.process.wait(timeout=grace_s)
+                    process.wait(timeout=grace_s)
                 except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
+                    self.kill()
+        self.ready = False
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+    def kill(self) -> None:
+        """SIGKILL the process and reap it (also ends a stopped or hung one at once)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def _resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.kill(self.process.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass

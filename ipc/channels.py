@@ -1,14 +1,18 @@
 """ZeroMQ helpers: sockets that carry ipc.messages between processes.
 
 - :class:`RuntimeDir`: a private directory (mode 0700) for ``ipc://`` endpoints,
-  removed on close.
+  removed on close; it holds its owner's pid, so a later one removes the directories of
+  owners that were killed (SIGKILL leaves them behind).
 - :class:`Channel`: one peer to one peer (PAIR by default; DEALER for clients): send and
   receive whole messages with timeouts. Coordinator<->worker control channels are
   PAIR sockets over ``ipc://`` in a RuntimeDir (the coordinator binds, the worker
   connects).
 - :class:`RouterServer`: the client-facing ROUTER socket. Many DEALER clients, each
   known by its routing id; a receive returns ``(peer, message)``; bad bytes raise
-  ProtocolError with ``.peer`` set so the caller can answer with an ErrorReply.
+  ProtocolError with ``.peer`` set so the caller can answer with an ErrorReply. It can be
+  bound to several endpoints; each ipc:// path is claimed first (ipc.endpoints: refused when
+  another server owns it, created 0600, removed on close), and ``peer_gone`` tells whether a
+  peer's connection has closed (ipc.peers).
 
 Every socket gets LINGER 0 (closing never waits for unsent messages). Client-facing
 sockets get ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer that sends a bigger
@@ -23,21 +27,26 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+import psutil
 import zmq
 
 from ipc import messages
 from ipc.codec import ProtocolError, decode, encode
+from ipc.endpoints import MAX_IPC_PATH, EndpointError, IpcSocketClaim, ipc_path, private_umask
 from ipc.messages import Message
+from ipc.peers import PeerWatch
 
 DEFAULT_CLIENT_MAX_MSG = 32 * 1024 * 1024  # a 16 MiB prompt plus room
-# Unix socket paths are at most 107 bytes on Linux (108 with the NUL).
-MAX_IPC_PATH = 107
+# The file in a RuntimeDir that names its owner: "<pid> <process start time>".
+OWNER_FILE = "owner.pid"
 
 
 class ChannelTimeout(TimeoutError):
@@ -66,14 +75,21 @@ def _private_base() -> str:
 
 
 class RuntimeDir:
-    """A private directory (0700) for ipc:// socket files; removed on close()."""
+    """A private directory (0700) for ipc:// socket files; removed on close().
+
+    Creating one first removes this user's runtime directories (same base and prefix) whose
+    owner process is gone: a SIGKILLed server cannot clean up after itself.
+    """
 
     def __init__(self, prefix: str = "dovetail", base: str | None = None):
         base = base or _private_base()
         if len(base) > 60:  # leave room for socket names under the 107-byte limit
             base = "/tmp"
+        remove_stale_runtime_dirs(base, prefix)
         self.path = tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=base)  # mode 0700
         os.chmod(self.path, 0o700)
+        with open(os.path.join(self.path, OWNER_FILE), "w") as owner:
+            owner.write(f"{os.getpid()} {_start_time(os.getpid())}")
         self._closed = False
 
     def endpoint(self, name: str) -> str:
@@ -101,6 +117,53 @@ class RuntimeDir:
             self.close()
         except Exception:
             pass
+
+
+def _start_time(pid: int) -> float | None:
+    """When process ``pid`` started (tells a live owner from a later process with its pid)."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _owner_alive(directory: str, name_pid: int) -> bool:
+    try:
+        with open(os.path.join(directory, OWNER_FILE)) as owner:
+            pid_text, _, started_text = owner.read().partition(" ")
+        pid, started = int(pid_text), (None if started_text.strip() == "None" else float(started_text))
+    except (OSError, ValueError):
+        pid, started = name_pid, None  # no readable owner file (an older version, or half made)
+    now_started = _start_time(pid)
+    if now_started is None:
+        return False
+    return started is None or abs(now_started - started) < 1.0
+
+
+def remove_stale_runtime_dirs(base: str, prefix: str = "dovetail") -> list[str]:
+    """Remove ``<base>/<prefix>-<pid>-*`` directories of this user whose owner has exited."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-[^/]+$")
+    removed: list[str] = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.match(name)
+        if match is None:
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        # Only our own private directories: never another user's, never a symlink.
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            continue
+        if not _owner_alive(path, int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def check_local_endpoint(endpoint: str) -> None:
@@ -236,43 +299,91 @@ def connect_client(endpoint: str, *, ctx: zmq.Context | None = None) -> Channel:
 
 
 class RouterServer(_OwnsSocket):
-    """The coordinator's client socket: a ROUTER bound to ipc:// or loopback tcp://.
+    """The coordinator's client socket: a ROUTER bound to ipc:// or loopback tcp:// endpoints.
 
     recv() -> (peer, message) or None on timeout; raises ProtocolError with ``.peer``.
-    send(peer, message) -> True, or False when that peer is gone.
+    send(peer, message) -> True, or False when that peer is gone; ChannelTimeout when that
+    peer's queue stays full (it is not reading).
     """
 
-    def __init__(self, endpoint: str, *, allowed: tuple[type[Message], ...] = messages.CLIENT_TO_COORDINATOR,
+    def __init__(self, endpoint: str | Sequence[str], *,
+                 allowed: tuple[type[Message], ...] = messages.CLIENT_TO_COORDINATOR,
                  ctx: zmq.Context | None = None, max_msg_size: int = DEFAULT_CLIENT_MAX_MSG,
                  allow_remote: bool = False):
         sock = configure_socket((ctx or zmq.Context.instance()).socket(zmq.ROUTER), max_msg_size=max_msg_size)
-        try:
-            # Sends to an unknown/departed peer fail loudly instead of vanishing.
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self.endpoint = _bind(sock, endpoint, allow_remote)
-        except BaseException:
-            sock.close(0)
-            raise
+        # Sends to an unknown/departed peer fail loudly instead of vanishing.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket: zmq.Socket | None = sock
         self.allowed = allowed
+        self.allow_remote = allow_remote
+        self.endpoints: list[str] = []
+        self.peers = PeerWatch()
+        self._claims: list[IpcSocketClaim] = []
+        try:
+            for each in [endpoint] if isinstance(endpoint, str) else endpoint:
+                self.bind(each)
+        except BaseException:
+            self.close()
+            raise
 
-    def recv(self, timeout_ms: float | None = None) -> tuple[bytes, Message] | None:
+    @property
+    def endpoint(self) -> str:
+        """The first bound endpoint (tcp://...:* resolved to its port)."""
+        return self.endpoints[0]
+
+    def bind(self, endpoint: str) -> str:
+        """Bind one more endpoint; EndpointError (one line) when it cannot be served."""
+        sock = self._sock()
+        if not self.allow_remote:
+            check_local_endpoint(endpoint)
+        path = ipc_path(endpoint)
+        claim = IpcSocketClaim.acquire(path) if path is not None else None
+        try:
+            if "[" in endpoint:  # an IPv6 address literal
+                sock.setsockopt(zmq.IPV6, 1)
+            try:
+                with private_umask():
+                    sock.bind(endpoint)
+            except zmq.ZMQError as error:
+                raise EndpointError(f"cannot serve on {endpoint}: {error.strerror}") from None
+            if claim is not None:
+                claim.bound()
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
+        if claim is not None:
+            self._claims.append(claim)
+        real = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port for tcp://...:*
+        self.endpoints.append(real)
+        return real
+
+    def _sock(self) -> zmq.Socket:
         if self.socket is None:
             raise ChannelClosed("server is closed")
-        if self.socket.poll(_poll_ms(timeout_ms), zmq.POLLIN) == 0:
+        return self.socket
+
+    def recv(self, timeout_ms: float | None = None) -> tuple[bytes, Message] | None:
+        sock = self._sock()
+        if sock.poll(_poll_ms(timeout_ms), zmq.POLLIN) == 0:
             return None
-        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         peer = frames[0].bytes
+        if len(frames) > 1:
+            self.peers.saw(peer, frames[1])
         return peer, _decode_frames(frames[1:], self.allowed, peer)
+
+    def peer_gone(self, peer: bytes) -> bool:
+        """Whether the connection ``peer`` last sent on has closed (see ipc.peers)."""
+        return self.peers.gone(peer)
 
     def send(self, peer: bytes, msg: Message, timeout_ms: float | None = 1000) -> bool:
         data = encode(msg)
-        if self.socket is None:
-            raise ChannelClosed("server is closed")
+        sock = self._sock()
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         while True:
             try:
-                self.socket.send_multipart([peer, data], zmq.NOBLOCK, copy=False)
+                sock.send_multipart([peer, data], zmq.NOBLOCK, copy=False)
                 return True
             except zmq.Again:  # that client's queue is full: it is not reading
                 if deadline is not None and time.monotonic() >= deadline:
@@ -287,9 +398,19 @@ class RouterServer(_OwnsSocket):
         """Answer with an ErrorReply (message truncated to the schema's limit)."""
         return self.send(peer, messages.ErrorReply(request_id=request_id, code=code, message=message[:8000]))
 
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket (``linger_ms``: how long libzmq may still deliver what was sent
+        last, while the context lives), then remove our ipc socket files. Idempotent."""
+        if self.socket is not None:
+            self.socket.close(linger_ms)
+            self.socket = None
+        for claim in self._claims:
+            claim.release()
+        self._claims = []
 
 
 __all__ = [
     "RuntimeDir", "Channel", "RouterServer", "ChannelTimeout", "ChannelClosed", "connect_client",
-    "configure_socket", "check_local_endpoint", "DEFAULT_CLIENT_MAX_MSG",
+    "configure_socket", "check_local_endpoint", "remove_stale_runtime_dirs", "DEFAULT_CLIENT_MAX_MSG",
+    "EndpointError",
 ]

@@ -130,6 +130,9 @@ class GenerateRequest(Message):
     sampling: Sampling = field(default_factory=Sampling)
     mode: Literal["dovetail", "ar"] = "dovetail"
     stream: bool = False
+    # Answer within this many ms of the server receiving the request (queueing included),
+    # else the request ends with ErrorReply code "deadline_exceeded". None: no limit of its own.
+    deadline_ms: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -55,6 +55,9 @@ def worker_main(worker: str, allowed: tuple[type[Message], ...], load: Loader) -
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--settings", required=True, help="JSON object")
     args = parser.parse_args()
+    # The coordinator decides when a worker stops (Shutdown, or its death): a stray SIGINT
+    # (a terminal's Ctrl-C sent to a whole process group) must not end it with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = json.loads(args.settings)
     configure_logging(settings.get("log_level", "info"), worker)
     return serve(worker, args.endpoint, args.parent_pid, allowed, lambda: load(settings))

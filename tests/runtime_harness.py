@@ -25,9 +25,10 @@ def dovetail_run(*args: str, timeout: float = 600) -> subprocess.CompletedProces
 class Server:
     """``dovetail-run`` serving in the background; ``endpoints`` are what it bound."""
 
-    def __init__(self, *args: str, startup_s: float = 300):
+    def __init__(self, *args: str, startup_s: float = 300, **popen):
+        """``popen``: more subprocess.Popen arguments (umask, start_new_session, ...)."""
         self.process = subprocess.Popen([str(BIN / "dovetail-run"), "--log-level", "info", *args],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
         self.log: list[str] = []
         self.endpoints: list[str] = []
         self._ready = threading.Event()
@@ -47,6 +48,17 @@ class Server:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def log_text(self) -> str:
+        return "".join(self.log)
+
+    def wait_for_log(self, text: str, within_s: float = 30) -> bool:
+        deadline = time.monotonic() + within_s
+        while text not in self.log_text():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def workers(self) -> dict[str, psutil.Process]:
         found = {}

@@ -262,6 +262,12 @@ BAD_VALUES = [
     (GEN, "sampling.temperature", 1000.5, r"Expected `float` <= 1000.0 - at `\$\.sampling\.temperature`"),
     (GEN, "sampling.temperature", 1e-6,
      r"temperature must be 0 \(greedy\) or >= 1e-05, got 1e-06 - at `\$\.sampling`"),
+    # below fp32's range: softmax(logits / T) would be inf/NaN, so they never reach a worker
+    (GEN, "sampling.temperature", 1e-40, r"temperature must be 0 \(greedy\) or >= 1e-05, got 1e-40"),
+    (GEN, "sampling.temperature", 5e-324, r"temperature must be 0 \(greedy\) or >= 1e-05, got 5e-324"),
+    (GEN, "deadline_ms", 0, r"Expected `int` >= 1 - at `\$\.deadline_ms`"),
+    (GEN, "deadline_ms", 1.5, r"Expected `int \| null`, got `float` - at `\$\.deadline_ms`"),
+    (GEN, "deadline_ms", 1 << 31, r"Expected `int` <= 2147483647 - at `\$\.deadline_ms`"),
     (GEN, "sampling.top_p", 0, r"Expected `float` > 0.0 - at `\$\.sampling\.top_p`"),
     (GEN, "sampling.top_p", 0.0, r"Expected `float` > 0.0 - at `\$\.sampling\.top_p`"),
     (GEN, "sampling.top_p", 1.5, r"Expected `float` <= 1.0 - at `\$\.sampling\.top_p`"),
@@ -339,6 +345,8 @@ def test_limits_at_their_edges_are_accepted():
     assert msg.sampling.temperature == M.MIN_TEMPERATURE and not msg.sampling.greedy
     assert decode(_pack({**_wire(GEN), "sampling": {"temperature": 1000.0}})).sampling.temperature == 1000.0
     assert decode(_pack({**_wire(CHUNK), "token_ids": [0, (1 << 31) - 1]})).token_ids == [0, (1 << 31) - 1]
+    assert decode(_pack({**_wire(GEN), "deadline_ms": (1 << 31) - 1})).deadline_ms == (1 << 31) - 1
+    assert decode(_pack({**_wire(GEN), "deadline_ms": None})).deadline_ms is None
 
 
 @pytest.mark.parametrize("obj", [[1, 2], 5, "Ping", None, b"x", 1.5, True, msgpack.ExtType(5, b"x")],

@@ -1,0 +1,321 @@
+"""Serving clients: take their messages, run their requests one at a time, answer every one.
+
+The loop reads the client socket whenever it can: while idle, between two cycles of the
+request in flight, and while a worker computes, loads or restarts (the workers call back
+through ``Coordinator.while_waiting`` every ~100 ms). So Pings are answered, cancels and
+disconnects take effect, and new requests are queued or refused at once, even while a worker
+hangs (it is then killed after --worker-timeout, and its request fails with worker_failed).
+
+Requests wait in a FairQueue (round-robin over clients, bounded: beyond it ``busy``). A prompt
+that cannot fit the context is refused by its length in characters before it is tokenized.
+A request has a deadline when it asks for one (``deadline_ms``) or the server sets one
+(--request-timeout): past it, the request ends with ``deadline_exceeded``, waiting or running.
+
+Every accepted request gets exactly one final answer, or none when its client is gone: a
+client that disconnects (ipc.peers notices) or stops reading (a send would block: its queue
+at the socket is full) is dropped, and its requests are cancelled; serving goes on. When
+serving ends (a stop signal, too many worker restarts, a failed start, a bug), each request
+still in flight or waiting gets an ErrorReply (``shutting_down``, ``worker_failed``,
+``internal``) before the loop returns or raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import zmq
+
+from ipc import messages as m
+from ipc.channels import ChannelTimeout, RouterServer
+from ipc.codec import ProtocolError
+
+from .coordinator import Coordinator, TooManyRestarts, error_reply
+from .request_queue import FairQueue, Pending, QueueFull
+from .workers import WorkerFailed
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 200
+# Messages taken per read: a flood of them cannot hold up the request in flight for long.
+MAX_READS = 256
+# How often waiting requests are checked for a passed deadline or a client that left.
+SWEEP_S = 0.25
+
+Outcome = Literal["cancelled", "gone", "deadline"]
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    max_queue: int = 64
+    max_queue_per_client: int = 16
+    request_timeout_s: float | None = None  # every request's deadline is at most this
+
+
+class ShuttingDown(Exception):
+    """A stop was asked for while a request ran or a worker started: end it now."""
+
+
+@dataclass
+class Running:
+    item: Pending[bytes]
+    outcome: Outcome | None = None  # why it must stop early; None: run on
+
+
+class Serving:
+    def __init__(self, coordinator: Coordinator, server: RouterServer, limits: ServeLimits = ServeLimits(),
+                 should_stop: Callable[[], bool] = lambda: False):
+        self.coordinator = coordinator
+        self.server = server
+        self.limits = limits
+        self.should_stop = should_stop
+        self.queue: FairQueue[bytes] = FairQueue(limits.max_queue, limits.max_queue_per_client)
+        self.running: Running | None = None
+        self.prompt_chars: int | None = None  # known once the tokenizer is loaded
+        self._next_sweep = 0.0
+        coordinator.while_waiting = self._while_busy
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def run(self, ready: Callable[[list[str]], None] | None = None) -> None:
+        """Start the coordinator (clients are read meanwhile), serve until ``should_stop()``,
+        then answer whatever is still waiting. Raises what ended serving abnormally."""
+        started = False
+        try:
+            self.coordinator.start()
+            started = True
+            tokenizer = self.coordinator.tokenizer
+            if tokenizer is not None:
+                self.prompt_chars = self.coordinator.max_len * tokenizer.max_chars_per_token()
+            log.info("serving on %s", ", ".join(self.server.endpoints))
+            if ready is not None:
+                ready(self.server.endpoints)
+            while not self.should_stop():
+                self._read_clients(timeout_ms=0 if len(self.queue) else IDLE_POLL_MS)
+                self._sweep()
+                item = self.queue.pop()
+                if item is not None and self.server.peer_gone(item.client):
+                    self._client_left(item.client, taken=1)
+                elif item is not None:
+                    self._serve_one(item)
+        except ShuttingDown:
+            pass
+        except TooManyRestarts as error:
+            self.answer_everyone("worker_failed", f"the server is giving up: {error}")
+            raise
+        except WorkerFailed as error:  # a worker could not be started (at startup, or to replace a dead one)
+            self.answer_everyone("worker_failed", f"the server stops: a worker could not be started: {error}")
+            raise
+        except KeyboardInterrupt:
+            self.answer_everyone("shutting_down", "the server is shutting down")
+            raise
+        except BaseException as error:
+            if started:
+                self.answer_everyone("internal", f"the server stopped on an internal error: "
+                                                 f"{type(error).__name__}: {error}")
+            else:  # a model that cannot load, a bad setting
+                self.answer_everyone("shutting_down", f"the server could not start: {error}")
+            raise
+        self.answer_everyone("shutting_down", "the server is shutting down")
+
+    def answer_everyone(self, code: str, message: str) -> None:
+        """Give the request in flight and every waiting one (messages that already arrived
+        included) an ErrorReply: nobody is left waiting for an answer that never comes."""
+        try:
+            self._read_clients(timeout_ms=0)
+        except Exception:
+            log.exception("could not read the last client messages")
+        items = [] if self.running is None or self.running.outcome == "gone" else [self.running.item]
+        self.running = None
+        items += self.queue.drain()
+        for item in items:
+            self._send(item.client, error_reply(item.request.request_id, code, message))
+        if items:
+            log.info("answered %d request(s) with %s", len(items), code)
+
+    # --- one request -------------------------------------------------------------------
+
+    def _serve_one(self, item: Pending[bytes]) -> None:
+        request = item.request
+        refusal = self._refuse_size(request)
+        if refusal is not None:
+            self._answer(item.client, refusal)
+            return
+        running = self.running = Running(item)
+        metrics = self.coordinator.metrics
+
+        def on_text(token_ids: list[int], text: str) -> bool:
+            if request.stream and running.outcome is None:
+                chunk = m.TokenChunk(request_id=request.request_id, token_ids=token_ids, text=text)
+                if not self._send(item.client, chunk) and running.outcome is None:
+                    running.outcome = "gone"
+            self._while_busy()
+            return running.outcome is not None
+
+        metrics.running += 1
+        try:
+            reply: m.GenerateDone | m.ErrorReply = self.coordinator.generate(request, on_text)
+        except WorkerFailed as error:  # a worker that could not be restarted before the request
+            reply = error_reply(request.request_id, "worker_failed", str(error))
+        except (ShuttingDown, TooManyRestarts):
+            raise  # run() answers this request with everyone else's
+        except Exception as error:  # one request's bug must not take the server down
+            log.exception("request %s failed unexpectedly", request.request_id)
+            reply = error_reply(request.request_id, "internal", f"{type(error).__name__}: {error}")
+        finally:
+            metrics.running -= 1
+        self.running = None
+        if running.outcome == "gone":
+            log.info("request %s cancelled: its client is gone", request.request_id)
+        else:
+            if (running.outcome == "deadline" and isinstance(reply, m.GenerateDone)
+                    and reply.finish_reason == "cancelled"):  # not when it ended by itself meanwhile
+                reply = error_reply(request.request_id, "deadline_exceeded",
+                                    f"no answer within the request's deadline; stopped after "
+                                    f"{len(reply.token_ids)} new tokens")
+            self._answer(item.client, reply)
+        self.coordinator._recover()  # restart a worker that died or was killed, before the next request
+
+    def _while_busy(self) -> None:
+        """Called between cycles and while a worker computes or starts."""
+        self._read_clients(timeout_ms=0)
+        self._sweep()
+        if self.should_stop():
+            raise ShuttingDown
+
+    # --- client messages ---------------------------------------------------------------
+
+    def _read_clients(self, timeout_ms: int) -> None:
+        """Take the waiting client messages (at most MAX_READS): queue requests, note cancels,
+        answer Pings and unreadable messages."""
+        for _ in range(MAX_READS):
+            try:
+                received = self.server.recv(timeout_ms=timeout_ms)
+            except ProtocolError as error:
+                if error.peer is not None:
+                    self._send(error.peer, error_reply(None, "bad_message", str(error)))
+                timeout_ms = 0
+                continue
+            if received is None:
+                return
+            timeout_ms = 0
+            peer, message = received
+            try:
+                self._handle(peer, message)
+            except Exception as error:  # a bug in handling one message must not end serving
+                log.exception("could not handle a %s", type(message).__name__)
+                self._send(peer, error_reply(getattr(message, "request_id", None), "internal",
+                                             f"{type(error).__name__}: {error}"))
+
+    def _handle(self, peer: bytes, message: m.Message) -> None:
+        if isinstance(message, m.GenerateRequest):
+            self._admit(peer, message)
+        elif isinstance(message, m.Cancel):
+            self._cancel(peer, message.request_id)
+        elif isinstance(message, m.Ping):
+            self._send(peer, m.Pong(nonce=message.nonce))
+        elif isinstance(message, m.MetricsRequest):
+            self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue)))
+
+    def _admit(self, peer: bytes, request: m.GenerateRequest) -> None:
+        refusal = self._refuse_size(request)
+        if refusal is not None:
+            self._answer(peer, refusal)
+            return
+        try:
+            self.queue.push(Pending(peer, request, self._deadline(request)))
+        except QueueFull as error:
+            self._answer(peer, error_reply(request.request_id, "busy",
+                                           f"the server is busy: {error}; try again later"))
+
+    def _deadline(self, request: m.GenerateRequest) -> float | None:
+        limits = [s for s in (None if request.deadline_ms is None else request.deadline_ms / 1000,
+                              self.limits.request_timeout_s) if s is not None]
+        return time.monotonic() + min(limits) if limits else None
+
+    def _refuse_size(self, request: m.GenerateRequest) -> m.ErrorReply | None:
+        """prompt_too_long for a prompt longer than any prompt that fits the context, judged by
+        its characters alone (tokenizing 16 MiB of text would block the server for a minute)."""
+        # A chat's template adds a few characters per message: within this bound's slack.
+        chars = len(request.prompt or "") + sum(len(turn.content) for turn in request.messages or ())
+        if self.prompt_chars is None or chars <= self.prompt_chars:
+            return None
+        return error_reply(request.request_id, "prompt_too_long",
+                           f"prompt of {chars} characters cannot fit the context of "
+                           f"{self.coordinator.max_len} tokens (at most {self.prompt_chars} characters with "
+                           f"this tokenizer); not tokenized")
+
+    def _cancel(self, peer: bytes, request_id: str) -> None:
+        running = self.running
+        if running is not None and running.item.client == peer and running.item.request.request_id == request_id:
+            if running.outcome is None:
+                running.outcome = "cancelled"
+            return
+        item = self.queue.remove(peer, request_id)
+        if item is not None:
+            self._send(peer, m.GenerateDone(request_id=request_id, token_ids=[], text="", finish_reason="cancelled"))
+
+    # --- clients that leave or do not read -------------------------------------------------
+
+    def _sweep(self) -> None:
+        """End the request in flight when its deadline passed or its client left; every
+        SWEEP_S, do the same for the waiting ones."""
+        now = time.monotonic()
+        running = self.running
+        if running is not None and running.outcome is None:
+            if running.item.deadline is not None and now >= running.item.deadline:
+                running.outcome = "deadline"
+            elif self.server.peer_gone(running.item.client):
+                self._client_left(running.item.client)
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_S
+        for item in self.queue.expired(now):
+            self._send(item.client, error_reply(item.request.request_id, "deadline_exceeded",
+                                                "the request's deadline passed while it waited its turn"))
+        for client in self.queue.clients():
+            if self.server.peer_gone(client):
+                self._client_left(client)
+
+    def _client_left(self, client: bytes, taken: int = 0) -> None:
+        """Its connection closed: cancel its requests (``taken``: already out of the queue),
+        nobody is there to answer."""
+        dropped = len(self.queue.drop_client(client)) + taken
+        running = self.running
+        hit = running is not None and running.item.client == client and running.outcome is None
+        if running is not None and hit:
+            running.outcome = "gone"
+        log.info("client %s left: %d waiting request(s)%s cancelled", _name(client), dropped,
+                 " and the one in flight" if hit else "")
+
+    def _answer(self, peer: bytes, reply: m.GenerateDone | m.ErrorReply) -> bool:
+        """A request's last message: counted in the metrics, then sent."""
+        self.coordinator.metrics.record(reply)
+        return self._send(peer, reply)
+
+    def _send(self, peer: bytes, message: m.Message) -> bool:
+        """Send without waiting: False when the client is gone or is not reading (then it is
+        dropped: its requests are cancelled)."""
+        try:
+            return self.server.send(peer, message, timeout_ms=0)
+        except ChannelTimeout:
+            self._drop(peer, "is not reading its replies")
+        except zmq.ZMQError as error:
+            log.warning("could not send to client %s: %s", _name(peer), error)
+        return False
+
+    def _drop(self, peer: bytes, why: str) -> None:
+        dropped = self.queue.drop_client(peer)
+        running = self.running
+        hit = running is not None and running.item.client == peer and running.outcome is None
+        if running is not None and hit:
+            running.outcome = "gone"
+        log.warning("client %s %s: dropped, %d waiting request(s)%s cancelled", _name(peer), why, len(dropped),
+                    " and the one in flight" if hit else "")
+
+
+def _name(client: bytes) -> str:
+    return client.hex()

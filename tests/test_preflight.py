@@ -1,0 +1,55 @@
+"""dovetail_runtime.preflight: settings refused before any model loads, in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dovetail_runtime import preflight
+from dovetail_runtime.coordinator import RuntimeSettings
+from dovetail_runtime.preflight import PreflightError, check_cores, check_draft_device, check_settings
+
+from conftest import DEMO_DRAFT, DEMO_TARGET
+
+
+def test_cores_outside_this_process_affinity_are_named():
+    available = sorted(os.sched_getaffinity(0))
+    check_cores(available, "--cpu-cores")
+    with pytest.raises(PreflightError, match=r"--draft-cores: cores 5000-5002 are not available .*available: "):
+        check_cores([available[0], 5000, 5001, 5002], "--draft-cores")
+
+
+@pytest.mark.parametrize("device, dtype, message", [
+    ("gpu", "auto", "use auto, cpu, cuda or cuda:N"),
+    ("cuda:x", "auto", "use auto, cpu, cuda or cuda:N"),
+    ("cuda", "int8", "int8 runs on the CPU only"),
+    ("cpu", "fp16", "needs CUDA"),
+])
+def test_device_and_dtype_mistakes(device, dtype, message):
+    with pytest.raises(PreflightError, match=message):
+        check_draft_device(device, dtype)
+    check_draft_device("auto", "fp16")  # auto may be CUDA: left to the worker
+    check_draft_device("cpu", "int8")
+
+
+def test_cuda_devices_are_counted_from_the_driver(monkeypatch):
+    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 0)
+    with pytest.raises(PreflightError, match="no CUDA device is available here"):
+        check_draft_device("cuda", "auto")
+    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 2)
+    check_draft_device("cuda:1", "fp16")
+    with pytest.raises(PreflightError, match=r"only 2 CUDA device\(s\) available \(cuda:0..cuda:1\)"):
+        check_draft_device("cuda:2", "auto")
+    monkeypatch.setattr(preflight, "cuda_device_count", lambda: None)  # cannot tell: the worker decides
+    check_draft_device("cuda:7", "auto")
+
+
+def test_settings_are_checked_in_flag_order(tmp_path):
+    check_settings(RuntimeSettings(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), draft_device="cpu"))
+    with pytest.raises(PreflightError, match="--draft: draft head folder .* does not exist"):
+        check_settings(RuntimeSettings(target=str(DEMO_TARGET), draft=str(tmp_path / "missing")))
+    with pytest.raises(PreflightError, match="has no config.json"):
+        check_settings(RuntimeSettings(target=str(DEMO_TARGET), draft=str(tmp_path)))
+    with pytest.raises(PreflightError, match="--cpu-cores"):
+        check_settings(RuntimeSettings(target=str(DEMO_TARGET), draft=None, cpu_cores=[4096]))
