@@ -98,6 +98,8 @@ class Serving:
                 self._sweep()
                 item = self.queue.pop()
                 if item is not None and self.server.peer_gone(item.client):
+                    self.coordinator.metrics.record(m.GenerateDone(
+                        request_id=item.request.request_id, token_ids=[], text="", finish_reason="cancelled"))
                     self._client_left(item.client, taken=1)
                 elif item is not None:
                     self._serve_one(item)
@@ -170,6 +172,7 @@ class Serving:
         self.running = None
         if running.outcome == "gone":
             log.info("request %s cancelled: its client is gone", request.request_id)
+            metrics.record(reply)  # counted, though nobody is there to answer
         else:
             if (running.outcome == "deadline" and isinstance(reply, m.GenerateDone)
                     and reply.finish_reason == "cancelled"):  # not when it ended by itself meanwhile
@@ -256,7 +259,7 @@ class Serving:
             return
         item = self.queue.remove(peer, request_id)
         if item is not None:
-            self._send(peer, m.GenerateDone(request_id=request_id, token_ids=[], text="", finish_reason="cancelled"))
+            self._answer(peer, m.GenerateDone(request_id=request_id, token_ids=[], text="", finish_reason="cancelled"))
 
     # --- clients that leave or do not read -------------------------------------------------
 
@@ -283,7 +286,11 @@ class Serving:
     def _client_left(self, client: bytes, taken: int = 0) -> None:
         """Its connection closed: cancel its requests (``taken``: already out of the queue),
         nobody is there to answer."""
-        dropped = len(self.queue.drop_client(client)) + taken
+        dropped_items = self.queue.drop_client(client)
+        for item in dropped_items:  # counted as cancelled, though nobody is there to answer
+            self.coordinator.metrics.record(m.GenerateDone(request_id=item.request.request_id, token_ids=[],
+                                                           text="", finish_reason="cancelled"))
+        dropped = len(dropped_items) + taken
         running = self.running
         hit = running is not None and running.item.client == client and running.outcome is None
         if running is not None and hit:
