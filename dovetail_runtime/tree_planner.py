@@ -5,8 +5,10 @@ planner picks the (T, depth) maximising E[accepted + 1 | T, depth] / (t_draft + 
 t_ipc), with the beam ``top_k`` fixed (``--tree-top-k``).
 
 - t_verify(T) and t_draft(depth) are measured by the workers at startup (the target's
-  timings cached on disk) and rescaled online by how the observed cycles compare with them
-  (a busy machine makes everything slower); t_ipc is the observed rest of a cycle.
+  timings cached on disk); once cycles of a size (a depth) have been seen, their observed
+  mean replaces the measurement, and unseen ones are rescaled by how observed cycles
+  compare with the measurement (a busy machine makes everything slower); t_ipc is the
+  observed rest of a cycle.
 - E[accepted | T, depth] is learnt online, and one verified tree answers it for every smaller
   tree: the drafter returns nodes in selection order, so the tree for (T', d') is the root
   plus the first T' - 1 nodes no deeper than d' (``gpu_worker.tree``), and its accepted path
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 # plain decode step: the --mode ar baseline).
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 START = TreeShape(tree_tokens=16, depth=6, top_k=8)  # EAGLE-2's default, until data says otherwise
+SEEN_ENOUGH = 2.0  # observed cycles of a size (or depth) before their mean replaces the measurement
+SEEN_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,9 @@ class TreePlanner:
         self.accepted_sum: dict[tuple[int, int], float] = dict.fromkeys(self.cells, 0.0)
         self.verify_scale = 1.0
         self.draft_scale = 1.0
+        # Observed cost per tree size / per depth: (decayed count, decayed total ms).
+        self.seen_verify: dict[int, tuple[float, float]] = {}
+        self.seen_draft: dict[int, tuple[float, float]] = {}
         self.ipc_ms = 0.0
         self.cycles = 0
         start = TreeShape.clamped(min(START.tree_tokens, self.envelope.tree_tokens),
@@ -142,9 +149,25 @@ class TreePlanner:
     # --- the model -------------------------------------------------------------------------
 
     def cycle_ms(self, cell: tuple[int, int]) -> float:
+        """What a cycle of this shape costs: what such cycles took, where seen often enough,
+        else the startup measurement rescaled (a measurement taken on a busy machine can be
+        off for one size; the cycles themselves are not)."""
         size, depth = cell
-        return (self.draft_scale * interpolate(self.draft_ms, depth)
-                + self.verify_scale * interpolate(self.verify_ms, size) + self.ipc_ms)
+        draft = self._seen(self.seen_draft, depth)
+        verify = self._seen(self.seen_verify, size)
+        return ((self.draft_scale * interpolate(self.draft_ms, depth) if draft is None else draft)
+                + (self.verify_scale * interpolate(self.verify_ms, size) if verify is None else verify)
+                + self.ipc_ms)
+
+    @staticmethod
+    def _seen(table: dict[int, tuple[float, float]], key: int) -> float | None:
+        weight, total = table.get(key, (0.0, 0.0))
+        return total / weight if weight >= SEEN_ENOUGH else None
+
+    @staticmethod
+    def _see(table: dict[int, tuple[float, float]], key: int, ms: float) -> None:
+        weight, total = table.get(key, (0.0, 0.0))
+        table[key] = (weight * SEEN_DECAY + 1.0, total * SEEN_DECAY + ms)
 
     def expected_tokens(self, cell: tuple[int, int]) -> float | None:
         """E[accepted + 1] for a tree of this shape, None until seen often enough."""
@@ -222,14 +245,16 @@ class TreePlanner:
         if predicted_draft > 0 and draft_ms > 0:
             self.draft_scale += alpha * (draft_ms / predicted_draft - self.draft_scale)
         self.ipc_ms += alpha * (max(cycle_ms - draft_ms - verify_ms, 0.0) - self.ipc_ms)
+        self._see(self.seen_verify, size, verify_ms)
+        self._see(self.seen_draft, shape.depth, draft_ms)
         self._choose()
 
     def describe(self) -> str:
         size, depth = self.best
         tokens = self.expected_tokens(self.best)
         expected = f"{tokens:.2f} tokens per cycle" if tokens is not None else "no acceptance data yet"
-        draft = self.draft_scale * interpolate(self.draft_ms, depth)
-        verify = self.verify_scale * interpolate(self.verify_ms, size)
+        draft = self._seen(self.seen_draft, depth) or self.draft_scale * interpolate(self.draft_ms, depth)
+        verify = self._seen(self.seen_verify, size) or self.verify_scale * interpolate(self.verify_ms, size)
         return (f"T={size} depth={depth} top_k={self.bounds.top_k} ({expected}; draft {draft:.1f} ms, "
                 f"verify {verify:.1f} ms, other {self.ipc_ms:.1f} ms per cycle)")
 

@@ -194,6 +194,17 @@ def test_costs_are_rescaled_by_what_cycles_take():
     assert planner.draft_scale == pytest.approx(1.0, rel=0.02)
 
 
+def test_a_size_measured_wrong_at_startup_is_corrected_by_the_cycles_seen():
+    bounds = AutoTree(max_tree_tokens=32, max_depth=8, top_k=3)
+    verify, draft = (lambda size: 400.0 + 30.0 * size), (lambda depth: 30.0 * depth + 20.0)
+    measured = {size: verify(size) for size in bounds.tree_sizes}
+    measured[8] *= 3  # a busy machine during the startup measurement of T = 8
+    planner = TreePlanner(bounds, measured, {depth: draft(depth) for depth in range(1, 9)})
+    World(0.9, verify=verify, draft=draft).run(planner, 300)
+    assert planner.chosen[(8, 4)] + planner.chosen[(8, 5)] + planner.chosen[(8, 3)] > 0  # probed, then seen
+    assert planner.cycle_ms((8, 5)) == pytest.approx(verify(8) + draft(5), rel=0.05)
+
+
 def test_verify_costs_are_made_non_decreasing_and_interpolated():
     planner = TreePlanner(AutoTree(max_tree_tokens=8), {1: 4.0, 2: 5.0, 4: 4.5, 8: 9.0}, {1: 1.0})
     assert planner.verify_ms == {1: 4.0, 2: 5.0, 4: 5.0, 8: 9.0}
