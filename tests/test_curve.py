@@ -4,15 +4,18 @@ key, a key the server does not use, or nobody there."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 
 from ipc import messages as M
 from ipc.channels import RouterServer, connect_client
-from ipc.curve import CurveKeys
+from ipc.curve import CurveKeys, derive_secret_key
 from ipc.handshake import HandshakeError
 
 KEY = b"right-key-0123456789abcdef"
@@ -48,6 +51,18 @@ def test_keys_are_derived_from_the_secret_alone_and_never_printed():
     assert all(len(key) == 40 for key in (keys.server_public, keys.server_secret, keys.client_public,
                                           keys.client_secret))
     assert repr(keys) == "CurveKeys(<redacted>)" and KEY.decode() not in repr(keys)
+
+
+def test_the_test_vector_in_docs_protocol_md():
+    # docs/protocol.md gives these so that a client in another language can check its derivation.
+    secret = b"dovetail-example-key-0123456789"
+    keys = CurveKeys.from_secret(secret)
+    assert derive_secret_key(secret, b"dovetail curve client key v1") == keys.client_secret
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text(encoding="utf-8")
+    for value in (keys.server_public, keys.client_public, keys.client_secret):
+        assert f"`{value.decode()}`" in documented
+    raw = hmac.new(secret, b"dovetail curve client key v1", hashlib.sha256).hexdigest()
+    assert f"hex `{raw}`" in documented
 
 
 def test_tcp_needs_the_key_and_ipc_does_not(ctx, tmp_path):
