@@ -189,9 +189,8 @@ def configure_socket(sock: zmq.Socket, *, max_msg_size: int | None = None) -> zm
     return sock
 
 
-def _bind(sock: zmq.Socket, endpoint: str, allow_remote: bool) -> str:
-    if not allow_remote:
-        check_local_endpoint(endpoint)
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    check_local_endpoint(endpoint)  # only RouterServer, with CURVE, listens beyond loopback
     sock.bind(endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port for tcp://...:*
 
@@ -250,11 +249,10 @@ class Channel(_OwnsSocket):
 
     @classmethod
     def bind(cls, endpoint: str, *, allowed: tuple[type[Message], ...] = messages.ALL_MESSAGES, kind: int = zmq.PAIR,
-             ctx: zmq.Context | None = None, max_msg_size: int | None = None,
-             allow_remote: bool = False) -> Channel:
+             ctx: zmq.Context | None = None, max_msg_size: int | None = None) -> Channel:
         sock = configure_socket((ctx or zmq.Context.instance()).socket(kind), max_msg_size=max_msg_size)
         try:
-            real = _bind(sock, endpoint, allow_remote)
+            real = _bind(sock, endpoint)
         except BaseException:
             sock.close(0)
             raise

@@ -144,3 +144,14 @@ def test_a_second_keyed_server_in_one_context_is_refused_and_the_handler_is_rele
     with RouterServer("tcp://127.0.0.1:*", ctx=ctx, curve=keys) as server, \
             connect_client(server.endpoint, ctx=ctx, curve=keys, handshake_timeout_s=HANDSHAKE_S) as client:
         assert answers(server, client, 5)
+
+
+def test_without_its_authenticator_the_server_lets_nobody_in(ctx):
+    """ZAP_ENFORCE_DOMAIN: libzmq would otherwise accept every CURVE client when no ZAP handler runs."""
+    keys = CurveKeys.from_secret(KEY)
+    with RouterServer("tcp://127.0.0.1:*", ctx=ctx, curve=keys) as server:
+        assert server._guard is not None
+        server._guard.stop()
+        with pytest.raises(HandshakeError):
+            connect_client(server.endpoint, ctx=ctx, curve=keys, handshake_timeout_s=2)
+        assert server.recv(timeout_ms=200) is None
