@@ -375,6 +375,7 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
 
     from cpu_worker.model_dir import ModelLoadError
     from ipc.channels import RouterServer
+    from ipc.curve import CurveError
 
     from .coordinator import Coordinator, TooManyRestarts
     from .serving import Serving
@@ -403,7 +404,7 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
         # HTTP requests reach the coordinator as ZMQ clients of an inproc endpoint.
         server = RouterServer(endpoints + ([frontend.zmq_endpoint] if frontend is not None else []),
                               curve=key.curve_keys() if key is not None else None)
-    except (EndpointError, ValueError, OSError, RuntimeError) as error:
+    except (EndpointError, ValueError, OSError, CurveError) as error:
         if frontend is not None:
             frontend.close()
         log.error("%s", error)

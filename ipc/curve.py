@@ -41,13 +41,13 @@ _POLL_MS = 100
 _WATCHED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
-class CurveUnavailable(RuntimeError):
-    """This libzmq was built without CURVE (libsodium)."""
+class CurveError(RuntimeError):
+    """CURVE cannot be used: no libsodium in this libzmq, or the authenticator cannot start."""
 
 
 def require_curve() -> None:
     if not zmq.has("curve"):
-        raise CurveUnavailable(f"this libzmq ({zmq.zmq_version()}) has no CURVE support, which an API key on tcp:// "
+        raise CurveError(f"this libzmq ({zmq.zmq_version()}) has no CURVE support, which an API key on tcp:// "
                                f"needs: install a pyzmq wheel (they bundle libsodium)")
 
 
@@ -132,7 +132,7 @@ class CurveGuard:
         self._thread.start()
         self._started.wait()
         if self._error is not None:
-            raise RuntimeError(f"cannot start the CURVE authenticator: {self._error}") from None
+            raise CurveError(f"cannot start the CURVE authenticator: {self._error}") from None
 
     def watch(self, server: zmq.Socket) -> None:
         """Log the failed handshakes of ``server`` (its monitor feeds this thread)."""

@@ -15,7 +15,7 @@ import zmq
 
 from ipc import messages as M
 from ipc.channels import RouterServer, connect_client
-from ipc.curve import CurveKeys, derive_secret_key
+from ipc.curve import CurveError, CurveKeys, derive_secret_key
 from ipc.handshake import HandshakeError
 
 KEY = b"right-key-0123456789abcdef"
@@ -138,7 +138,7 @@ def test_beyond_loopback_only_with_curve(ctx):
 def test_a_second_keyed_server_in_one_context_is_refused_and_the_handler_is_released(ctx):
     keys = CurveKeys.from_secret(KEY)
     with RouterServer("tcp://127.0.0.1:*", ctx=ctx, curve=keys), \
-            pytest.raises(RuntimeError, match="CURVE authenticator"):
+            pytest.raises(CurveError, match="CURVE authenticator"):
         RouterServer("tcp://127.0.0.1:*", ctx=ctx, curve=keys)
     # Closed, the first one's handler is gone too.
     with RouterServer("tcp://127.0.0.1:*", ctx=ctx, curve=keys) as server, \
