@@ -146,8 +146,9 @@ def test_zmq_over_tcp_needs_the_key_and_ipc_does_not(keyed):
             DovetailClient(tcp, timeout_s=120, api_key=key, connect_timeout_s=30)
         assert says in str(info.value) and time.monotonic() - started < 15, str(info.value)
         assert KEY not in str(info.value) and WRONG not in str(info.value)
+    # The server logs it too. (Without a key the client may hang up before the server has read which
+    # mechanism it wanted, so what the server saw of that one is not checked.)
     assert keyed.wait_for_log("failed the CURVE handshake: wrong API key")
-    assert keyed.wait_for_log("failed the handshake: it uses no API key")
 
 
 def test_dovetail_client_with_a_key_file_and_with_a_wrong_key(keyed, tmp_path):
