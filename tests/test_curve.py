@@ -93,7 +93,8 @@ def test_a_wrong_or_missing_key_is_a_clear_error_soon(ctx, caplog, client_keys, 
         deadline = time.monotonic() + 5  # the server says so too (its authenticator thread logs it)
         while "failed the" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert ("wrong API key" if client_keys else "it uses no API key") in caplog.text
+    # A keyless client may hang up before the server reads its mechanism: then the server saw less.
+    assert ("failed the CURVE handshake: wrong API key" if client_keys else "a ZMQ client on") in caplog.text
     assert KEY.decode() not in caplog.text and WRONG.decode() not in caplog.text
 
 
