@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import click
 import msgspec
+from click.core import ParameterSource
 
 from cpu_worker.cores import CoreSpecError, parse_core_list
 from ipc import messages as m
@@ -25,6 +26,7 @@ from ipc.dtypes import TARGET_PRECISIONS
 from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
+from .api_key import ENV_VAR, ApiKey, ApiKeyError, check_exposure, load_api_key
 from .tree_planner import TREE_SIZES, AutoTree
 
 if TYPE_CHECKING:
@@ -132,6 +134,44 @@ def refuse_ambiguous_top_k(_ctx, _param, value: str | None) -> None:
                                  f"beam width, or --sample-top-k {value} to sample among the k likeliest tokens")
 
 
+def api_key_options(command):
+    """--api-key-file/--api-key (DOVETAIL_API_KEY), shared by dovetail-run and dovetail-client."""
+    options = [
+        click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="A file holding the API key (one line, at least 16 characters; yours alone: mode 0600). "
+                          "Make one: (umask 077; python3 -c 'import secrets; print(secrets.token_urlsafe(32))' "
+                          "> FILE)."),
+        click.option("--api-key", envvar=ENV_VAR, show_envvar=True, default=None, metavar="KEY",
+                     help="The API key itself. On the command line every user of the machine can read it (ps): "
+                          "prefer --api-key-file, or the environment variable."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def resolve_api_key(key_file: Path | None, key_text: str | None) -> ApiKey | None:
+    """The key from the options (a file first, then --api-key or DOVETAIL_API_KEY). The
+    variable is then removed from this process's environment, so no child inherits it."""
+    source = click.get_current_context().get_parameter_source("api_key")
+    on_command_line = source == ParameterSource.COMMANDLINE
+    os.environ.pop(ENV_VAR, None)
+    if key_file is not None and key_text is not None and on_command_line:
+        raise click.UsageError("give the API key once: --api-key-file or --api-key")
+    key = load_api_key(key_file, key_text, "--api-key" if on_command_line else ENV_VAR)
+    if key is not None and key_file is None and on_command_line:
+        click.echo("warning: --api-key on the command line is visible to every user of this machine (ps): prefer "
+                   f"--api-key-file or {ENV_VAR}", err=True)
+    return key
+
+
+def refuse_allow_remote(_ctx, _param, value: bool) -> None:
+    """--allow-remote used to open a non-loopback bind with no authentication at all."""
+    if value:
+        raise click.BadParameter("is gone: serving beyond loopback now needs an API key instead "
+                                 "(--api-key-file PATH or DOVETAIL_API_KEY)")
+
+
 def make_sampling(temperature: float, sample_top_k: int, top_p: float, seed: int | None) -> m.Sampling:
     try:
         return m.Sampling(temperature=temperature, top_k=sample_top_k, top_p=top_p, seed=seed)
@@ -180,14 +220,17 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               "with your own --target unless --mode ar.  [default with the demo target: demo/draft-dgf]")
 @click.option("--bind", "binds", multiple=True, callback=endpoints_option,
               help="Client endpoint to serve on (repeatable): ipc://PATH or tcp://127.0.0.1:PORT (HOST:PORT and "
-                   "paths are understood). A socket another server already serves is refused. "
-                   "[default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
+                   "paths are understood). A socket another server already serves is refused. tcp:// on an address "
+                   "other than loopback needs an API key; with one, every tcp:// endpoint uses CURVE (ipc:// is "
+                   "protected by its 0600 socket file). [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
 @click.option("--http", "http_address", default=None, metavar="HOST:PORT",
               help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                    "/health, /metrics) here, e.g. 127.0.0.1:8000. With --bind both serve one queue; without, only "
-                   "HTTP is served.")
-@click.option("--allow-remote", is_flag=True, help="Allow a tcp:// bind or --http on an address other than "
-              "loopback.")
+                   "HTTP is served. An address other than loopback needs an API key; with one, every request "
+                   "but GET /health must send it (Authorization: Bearer KEY), whatever the address.")
+@api_key_options
+@click.option("--allow-remote", is_flag=True, expose_value=False, hidden=True, callback=refuse_allow_remote,
+              help="Refused: serving beyond loopback needs an API key.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
@@ -247,8 +290,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "[default: no limit]")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
-def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_cores, target_dtype, draft_device,
-             draft_dtype, draft_threads, draft_cores, tree_tokens,
+def run_main(target, draft, binds, http_address, api_key_file, api_key, cpu_threads, cpu_cores, target_dtype,
+             draft_device, draft_dtype, draft_threads, draft_cores, tree_tokens,
              depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
              startup_timeout, worker_timeout, max_restarts, max_queue, max_queue_per_client, request_timeout,
              log_level, temperature, sample_top_k, top_p, seed) -> None:
@@ -266,6 +309,11 @@ def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_
 
     logging.basicConfig(level=getattr(logging, log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
+    try:
+        key = resolve_api_key(api_key_file, api_key)
+    except ApiKeyError as error:
+        log.error("%s", error)
+        sys.exit(2)
     target, draft = resolve_models(target, draft, mode)
     all_prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
     if http_address is not None and all_prompts:
@@ -285,7 +333,7 @@ def run_main(target, draft, binds, http_address, allow_remote, cpu_threads, cpu_
     if not all_prompts:
         limits = ServeLimits(max_queue=max_queue, max_queue_per_client=max_queue_per_client,
                              request_timeout_s=request_timeout)
-        sys.exit(serve_clients(settings, list(binds), allow_remote, limits, http_address, log_level))
+        sys.exit(serve_clients(settings, list(binds), key, limits, http_address, log_level))
 
     def on_signal(signum, _frame):
         log.info("signal %d: stopping", signum)
@@ -318,15 +366,16 @@ def served_model(target: str, coordinator, mode: str):
                        default_mode=mode, created=int(time.time()))
 
 
-def serve_clients(settings: RuntimeSettings, binds: list[str], allow_remote: bool, limits: ServeLimits,
+def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | None, limits: ServeLimits,
                   http_address: str | None = None, log_level: str = "info") -> int:
-    """Bind the client socket (and the HTTP port) first, so a taken port or path fails in a
-    second, not after the models load; then start the workers and serve until SIGINT/SIGTERM.
-    The exit status."""
+    """Bind the client socket (and the HTTP port) first, so a taken port or path, or an address
+    beyond loopback without an API key, fails in a second, not after the models load; then
+    start the workers and serve until SIGINT/SIGTERM. The exit status."""
     import zmq
 
     from cpu_worker.model_dir import ModelLoadError
     from ipc.channels import RouterServer
+    from ipc.curve import CurveError
 
     from .coordinator import Coordinator, TooManyRestarts
     from .serving import Serving
@@ -344,15 +393,18 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], allow_remote: boo
     signal.signal(signal.SIGTERM, on_signal)
     frontend = None
     try:
+        endpoints = binds or ([] if http_address is not None else [default_bind()])
         if http_address is not None:
-            from .http_server import HttpFrontend
+            from .http_server import HttpFrontend, parse_address
 
-            frontend = HttpFrontend(http_address, allow_remote=allow_remote)
+            check_exposure(endpoints, parse_address(http_address)[0], key)
+            frontend = HttpFrontend(http_address, api_key=key)
+        else:
+            check_exposure(endpoints, None, key)
         # HTTP requests reach the coordinator as ZMQ clients of an inproc endpoint.
-        endpoints = binds or ([] if frontend is not None else [default_bind()])
         server = RouterServer(endpoints + ([frontend.zmq_endpoint] if frontend is not None else []),
-                              allow_remote=allow_remote)
-    except (EndpointError, ValueError, OSError) as error:
+                              curve=key.curve_keys() if key is not None else None)
+    except (EndpointError, ValueError, OSError, CurveError) as error:
         if frontend is not None:
             frontend.close()
         log.error("%s", error)
@@ -453,19 +505,32 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
 @click.option("--deadline", type=click.FloatRange(min=0.001), default=None,
               help="Seconds the server has to answer, queueing included (else deadline_exceeded). [default: none]")
+@api_key_options
 @sampling_options
 def client_main(endpoint, prompt, chat, system, messages_file, max_new_tokens, stops, mode, as_json, timeout,
-                deadline, temperature, sample_top_k, top_p, seed) -> None:
-    """Send a prompt (or a chat) to a running dovetail-run server and stream the completion to stdout."""
-    from .client import DovetailClient, GenerationError
+                deadline, api_key_file, api_key, temperature, sample_top_k, top_p, seed) -> None:
+    """Send a prompt (or a chat) to a running dovetail-run server and stream the completion to stdout.
+
+    A server's tcp:// endpoints need its API key when it was started with one (ipc:// never does)."""
+    from .client import DovetailClient, GenerationError, HandshakeError
 
     messages = chat_messages(prompt, chat, system, messages_file)
+    try:
+        key = resolve_api_key(api_key_file, api_key)
+    except ApiKeyError as error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(2)
     endpoint = endpoint or default_bind()
     path = ipc_path(endpoint)
     if path is not None and not os.path.exists(path):
         click.echo(f"error: no server at {endpoint} (no such socket file; is dovetail-run running?)", err=True)
         sys.exit(1)
-    with DovetailClient(endpoint, timeout_s=timeout) as client:
+    try:
+        client = DovetailClient(endpoint, timeout_s=timeout, api_key=key, connect_timeout_s=min(timeout, 10.0))
+    except HandshakeError as error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(1)
+    with client:
         try:
             params: dict = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
                                 sampling=make_sampling(temperature, sample_top_k, top_p, seed),

@@ -11,6 +11,12 @@ Keyword arguments are GenerateRequest's fields (``max_new_tokens``, ``stop``, ``
 ``top_k``, ``top_p``, ``seed``). ``messages`` (dicts with ``role`` and ``content``, or
 ChatMessage) replaces the prompt: the server renders them with the model's chat template.
 The endpoint may be written ``HOST:PORT`` (tcp) or as a path (ipc).
+
+``api_key``: the server's API key (a string or an ApiKey), for tcp:// endpoints of a server
+started with one: the client then connects as its CURVE client (ipc:// needs no key: the
+socket file's mode protects it). On tcp:// the constructor waits until the server has
+accepted the connection (at most ``connect_timeout_s``) and raises HandshakeError, one line,
+when it refuses it (wrong key, missing key) or nobody answers.
 No torch here: the client is a ZMQ socket and the message types.
 """
 
@@ -24,8 +30,12 @@ from typing import Any
 from ipc import messages as m
 from ipc.channels import connect_client
 from ipc.endpoints import normalize_endpoint
+from ipc.handshake import HandshakeError
+
+from .api_key import ApiKey
 
 SAMPLING_FIELDS = tuple(m.Sampling.__struct_fields__)
+__all__ = ["DovetailClient", "GenerationError", "HandshakeError"]
 
 
 class GenerationError(RuntimeError):
@@ -37,10 +47,14 @@ class GenerationError(RuntimeError):
 
 
 class DovetailClient:
-    def __init__(self, endpoint: str, timeout_s: float = 600.0):
+    def __init__(self, endpoint: str, timeout_s: float = 600.0, api_key: str | ApiKey | None = None,
+                 connect_timeout_s: float = 10.0):
         self.endpoint = normalize_endpoint(endpoint)
         self.timeout_ms = timeout_s * 1000
-        self.channel = connect_client(self.endpoint)
+        tcp = self.endpoint.startswith("tcp://")
+        key = ApiKey(api_key) if isinstance(api_key, str) else api_key
+        self.channel = connect_client(self.endpoint, curve=key.curve_keys() if key is not None and tcp else None,
+                                      handshake_timeout_s=connect_timeout_s if tcp else None)
 
     def close(self) -> None:
         self.channel.close()

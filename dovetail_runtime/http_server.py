@@ -13,12 +13,12 @@ HTTP port is bound before the models load, so a taken port fails at once.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (see ``openai_api``),
 ``GET /v1/models``, ``GET /health`` (200 when the coordinator answers a Ping), ``GET /metrics``
-(Prometheus text from the coordinator's MetricsReply). Nothing here imports torch.
+(Prometheus text from the coordinator's MetricsReply). With an API key every path but
+``/health`` needs it as a bearer token (``http_auth``). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 import os
@@ -41,8 +41,11 @@ from starlette.types import Receive, Scope, Send
 from ipc import messages as m
 from ipc.channels import configure_socket
 from ipc.codec import ProtocolError, decode, encode
+from ipc.endpoints import is_loopback_host
 
 from . import openai_api as api
+from .api_key import ApiKey
+from .http_auth import BearerAuth
 from .metrics import prometheus_text
 
 log = logging.getLogger(__name__)
@@ -149,11 +152,15 @@ async def read_body(request: Request) -> bytes:
     return bytes(body)
 
 
-def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None) -> FastAPI:
-    """The FastAPI app, talking to the coordinator at ``endpoint``."""
+def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None,
+              api_key: ApiKey | None = None) -> FastAPI:
+    """The FastAPI app, talking to the coordinator at ``endpoint``; with ``api_key`` every
+    path but /health needs it (``Authorization: Bearer``)."""
     zmq_context = context or zmq.asyncio.Context(shadow=zmq.Context.instance())
     nonces = itertools.count(1)
     app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key)
 
     @app.exception_handler(api.ApiError)
     async def _api_error(_request: Request, error: api.ApiError) -> JSONResponse:
@@ -274,25 +281,19 @@ def parse_address(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def check_loopback(host: str) -> None:
-    if host == "localhost":
-        return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass
-    raise ValueError(f"refusing to serve HTTP on {host!r}: only loopback (127.0.0.1, ::1, localhost) unless "
-                     f"--allow-remote")
-
-
 class HttpFrontend:
-    """The HTTP listener, bound at construction (before any model loads), served after ``start``."""
+    """The HTTP listener, bound at construction (before any model loads), served after ``start``.
+    Only loopback without an API key; with one, every address, and every request needs it."""
 
-    def __init__(self, address: str, allow_remote: bool = False):
+    def __init__(self, address: str, api_key: ApiKey | None = None):
         host, port = parse_address(address)
-        if not allow_remote:
-            check_loopback(host)
+        if not is_loopback_host(host):
+            if api_key is None:
+                raise ValueError(f"refusing to serve HTTP on {host!r} without an API key: only loopback "
+                                 f"(127.0.0.1, ::1, localhost)")
+            log.warning("HTTP on %s is not encrypted: the API key and the text cross the network in the clear "
+                        "(put a TLS proxy in front on an untrusted network)", host)
+        self.api_key = api_key
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                flags=socket.AI_PASSIVE)[0]
         self.socket = socket.socket(family, kind, proto)
@@ -316,7 +317,7 @@ class HttpFrontend:
 
     def start(self, model: ServedModel, log_level: str = "info") -> None:
         """Serve in a daemon thread; returns once uvicorn accepts connections."""
-        app = build_app(self.zmq_endpoint, model)
+        app = build_app(self.zmq_endpoint, model, api_key=self.api_key)
         config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=log_level == "debug",
                                 lifespan="off", loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=3)
         self._server = uvicorn.Server(config)

@@ -12,7 +12,8 @@
   ProtocolError with ``.peer`` set so the caller can answer with an ErrorReply. It can be
   bound to several endpoints; each ipc:// path is claimed first (ipc.endpoints: refused when
   another server owns it, created 0600, removed on close), and ``peer_gone`` tells whether a
-  peer's connection has closed (ipc.peers).
+  peer's connection has closed (ipc.peers). tcp:// is loopback only, unless the server has
+  an API key: then its tcp:// endpoints are CURVE servers (ipc.curve).
 
 Every socket gets LINGER 0 (closing never waits for unsent messages). Client-facing
 sockets get ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer that sends a bigger
@@ -25,7 +26,6 @@ returns None; a send that times out raises :class:`ChannelTimeout`.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import shutil
@@ -40,7 +40,9 @@ import zmq
 
 from ipc import messages
 from ipc.codec import ProtocolError, decode, encode
-from ipc.endpoints import MAX_IPC_PATH, EndpointError, IpcSocketClaim, ipc_path, private_umask
+from ipc.curve import CurveGuard, CurveKeys
+from ipc.endpoints import MAX_IPC_PATH, EndpointError, IpcSocketClaim, ipc_path, is_loopback_host, private_umask
+from ipc.handshake import connect_checked
 from ipc.messages import Message
 from ipc.peers import PeerWatch
 
@@ -174,15 +176,9 @@ def check_local_endpoint(endpoint: str) -> None:
         return
     if scheme != "tcp":
         raise ValueError(f"unsupported endpoint {endpoint!r}: use ipc:// or tcp://127.0.0.1:PORT")
-    host = urlsplit(endpoint).hostname or ""
-    if host == "localhost":
-        return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass
-    raise ValueError(f"refusing to listen on {endpoint!r}: only loopback (127.0.0.1, ::1) or ipc:// endpoints")
+    if not is_loopback_host(urlsplit(endpoint).hostname or ""):
+        raise ValueError(f"refusing to listen on {endpoint!r} without an API key: only loopback (127.0.0.1, ::1) "
+                         f"or ipc:// endpoints")
 
 
 def configure_socket(sock: zmq.Socket, *, max_msg_size: int | None = None) -> zmq.Socket:
@@ -193,9 +189,8 @@ def configure_socket(sock: zmq.Socket, *, max_msg_size: int | None = None) -> zm
     return sock
 
 
-def _bind(sock: zmq.Socket, endpoint: str, allow_remote: bool) -> str:
-    if not allow_remote:
-        check_local_endpoint(endpoint)
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    check_local_endpoint(endpoint)  # only RouterServer, with CURVE, listens beyond loopback
     sock.bind(endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port for tcp://...:*
 
@@ -254,11 +249,10 @@ class Channel(_OwnsSocket):
 
     @classmethod
     def bind(cls, endpoint: str, *, allowed: tuple[type[Message], ...] = messages.ALL_MESSAGES, kind: int = zmq.PAIR,
-             ctx: zmq.Context | None = None, max_msg_size: int | None = None,
-             allow_remote: bool = False) -> Channel:
+             ctx: zmq.Context | None = None, max_msg_size: int | None = None) -> Channel:
         sock = configure_socket((ctx or zmq.Context.instance()).socket(kind), max_msg_size=max_msg_size)
         try:
-            real = _bind(sock, endpoint, allow_remote)
+            real = _bind(sock, endpoint)
         except BaseException:
             sock.close(0)
             raise
@@ -290,16 +284,37 @@ class Channel(_OwnsSocket):
 
 
 
-def connect_client(endpoint: str, *, ctx: zmq.Context | None = None) -> Channel:
-    """A client's DEALER channel to a coordinator's RouterServer."""
-    return Channel.connect(endpoint, allowed=messages.COORDINATOR_TO_CLIENT, kind=zmq.DEALER, ctx=ctx)
+def connect_client(endpoint: str, *, ctx: zmq.Context | None = None, curve: CurveKeys | None = None,
+                   handshake_timeout_s: float | None = None) -> Channel:
+    """A client's DEALER channel to a coordinator's RouterServer. ``curve``: connect as the
+    CURVE client of an API key (tcp:// endpoints of a server with that key). With
+    ``handshake_timeout_s`` it returns only once the server accepted the connection, and
+    raises HandshakeError (one line: wrong key, no key, nobody there) otherwise."""
+    sock = configure_socket((ctx or zmq.Context.instance()).socket(zmq.DEALER))
+    try:
+        if curve is not None:
+            curve.configure_client(sock)
+        if handshake_timeout_s is None:
+            sock.connect(endpoint)
+        else:
+            connect_checked(sock, endpoint, handshake_timeout_s, keyed=curve is not None)
+    except BaseException:
+        sock.close(0)
+        raise
+    return Channel(sock, allowed=messages.COORDINATOR_TO_CLIENT, endpoint=endpoint)
 
 
 # --- client-facing server -------------------------------------------------------------
 
 
 class RouterServer(_OwnsSocket):
-    """The coordinator's client socket: a ROUTER bound to ipc:// or loopback tcp:// endpoints.
+    """The coordinator's client socket: a ROUTER bound to ipc:// and tcp:// endpoints.
+
+    tcp:// endpoints are loopback only, unless ``curve`` (the CURVE keys of an API key) is
+    given: then every tcp:// endpoint, loopback or not, is a CURVE server whose clients must
+    present the key's client key (checked by a ZAP handler, CurveGuard, in this context),
+    while ipc:// (a 0600 socket file) and inproc:// endpoints stay as they are. libzmq takes a
+    listener's security from the socket's options at bind time, so those are bound first.
 
     recv() -> (peer, message) or None on timeout; raises ProtocolError with ``.peer``.
     send(peer, message) -> True, or False when that peer is gone; ChannelTimeout when that
@@ -309,19 +324,29 @@ class RouterServer(_OwnsSocket):
     def __init__(self, endpoint: str | Sequence[str], *,
                  allowed: tuple[type[Message], ...] = messages.CLIENT_TO_COORDINATOR,
                  ctx: zmq.Context | None = None, max_msg_size: int = DEFAULT_CLIENT_MAX_MSG,
-                 allow_remote: bool = False):
-        sock = configure_socket((ctx or zmq.Context.instance()).socket(zmq.ROUTER), max_msg_size=max_msg_size)
+                 curve: CurveKeys | None = None):
+        context = ctx or zmq.Context.instance()
+        sock = configure_socket(context.socket(zmq.ROUTER), max_msg_size=max_msg_size)
         # Sends to an unknown/departed peer fail loudly instead of vanishing.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket: zmq.Socket | None = sock
         self.allowed = allowed
-        self.allow_remote = allow_remote
+        self.curve = curve
         self.endpoints: list[str] = []
         self.peers = PeerWatch()
         self._claims: list[IpcSocketClaim] = []
+        self._guard: CurveGuard | None = None
+        self._secured = False  # CURVE is on for the binds from now on
+        wanted = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         try:
-            for each in [endpoint] if isinstance(endpoint, str) else endpoint:
-                self.bind(each)
+            if curve is not None:
+                self._guard = CurveGuard(curve, context)
+                self._guard.start()  # before any bind: no connection may pass unchecked
+                self._guard.watch(sock)
+            # Plain endpoints first; the endpoints are listed in the order given.
+            order = sorted(range(len(wanted)), key=lambda index: wanted[index].startswith("tcp://"))
+            bound = {index: self.bind(wanted[index]) for index in order}
+            self.endpoints = [bound[index] for index in range(len(wanted))]
         except BaseException:
             self.close()
             raise
@@ -334,8 +359,14 @@ class RouterServer(_OwnsSocket):
     def bind(self, endpoint: str) -> str:
         """Bind one more endpoint; EndpointError (one line) when it cannot be served."""
         sock = self._sock()
-        if not self.allow_remote:
+        tcp = endpoint.startswith("tcp://")
+        if self.curve is None or not tcp:
             check_local_endpoint(endpoint)
+        if tcp and self.curve is not None and not self._secured:
+            self.curve.configure_server(sock)
+            self._secured = True
+        elif not tcp and self._secured:
+            raise ValueError(f"bind {endpoint} before the tcp:// endpoints: they share the socket's CURVE options")
         path = ipc_path(endpoint)
         claim = IpcSocketClaim.acquire(path) if path is not None else None
         try:
@@ -404,6 +435,9 @@ class RouterServer(_OwnsSocket):
         if self.socket is not None:
             self.socket.close(linger_ms)
             self.socket = None
+        if self._guard is not None:
+            self._guard.stop()
+            self._guard = None
         for claim in self._claims:
             claim.release()
         self._claims = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import ipaddress
 import os
 import re
 import socket
@@ -49,6 +50,17 @@ def normalize_endpoint(text: str) -> str:
     if text.startswith(("/", "./", "../", "~")) or text.endswith(".sock"):
         return "ipc://" + os.path.abspath(os.path.expanduser(text))
     raise EndpointError(f"cannot tell what endpoint {text!r} means: use tcp://HOST:PORT or ipc://PATH")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback; names other
+    than localhost, wildcards (``*``, ``0.0.0.0``) and interface names are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
 
 
 def ipc_path(endpoint: str) -> str | None:

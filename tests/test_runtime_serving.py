@@ -331,7 +331,7 @@ def test_mistakes_fail_fast_in_one_line_before_any_model_loads(demo_target, tmp_
             (["--bind", f"tcp://127.0.0.1:{port}"], "Address already in use"),
             (["--bind", f"127.0.0.1:{port}"], "Address already in use"),
             (["--bind", f"ipc://{tmp_path}/missing/x.sock"], "does not exist"),
-            (["--bind", "tcp://0.0.0.0:5555"], "only loopback"),
+            (["--bind", "tcp://0.0.0.0:5555"], "without an API key"),
             (["--cpu-cores", "4000"], "--cpu-cores: cores 4000 are not available"),
         ]
         for args, expected in cases:
