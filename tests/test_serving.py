@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from dovetail_runtime.coordinator import TooManyRestarts
+from dovetail_runtime.metrics import ServerMetrics
 from dovetail_runtime.serving import ServeLimits, Serving
 from dovetail_runtime.workers import WorkerFailed
 from ipc import messages as m
@@ -40,6 +41,7 @@ class StandInCoordinator:
         self.ran: list[str] = []
         self.ended: dict[str, str] = {}
         self.start_hook: Callable[[], None] | None = None
+        self.metrics = ServerMetrics()
 
     def start(self) -> None:
         if self.start_hook is not None:
