@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -301,8 +302,9 @@ def watch(target: Target, run: Run, peak: dict[str, int], stop: threading.Event,
 def main(duration, clients, connect, http_url, pid, target, draft, server_args, mode, prompt_count, prompt_file,
          prompt_chars, max_new_tokens, timeout, seed) -> None:
     prompts = read_prompt_file(prompt_file) if prompt_file is not None else heldout_prompts(prompt_count, prompt_chars)
-    workdir = Path(tempfile.mkdtemp(prefix="dovetail-soak-"))
+    workdir = None
     if connect is None and http_url is None:
+        workdir = Path(tempfile.mkdtemp(prefix="dovetail-soak-"))
         server = start_server(target, draft or None, shlex.split(server_args), workdir, wait_s=600)
         print(f"soak: started dovetail-run (pid {server.pid}, log {server.log})", file=sys.stderr)
     else:
@@ -326,7 +328,7 @@ def main(duration, clients, connect, http_url, pid, target, draft, server_args, 
         sampler.start()
         until = time.monotonic() + duration
         threads = [threading.Thread(target=client_loop, args=(run, client, prompts, expected, max_new_tokens, mode,
-                                                              until, seed + index))
+                                                              until, seed + index), daemon=True)  # Ctrl-C ends all
                    for index, client in enumerate(soak_clients)]
         for thread in threads:
             thread.start()
@@ -350,7 +352,12 @@ def main(duration, clients, connect, http_url, pid, target, draft, server_args, 
           f"{'alive' if alive else 'DIED'}{'' if code is None else f', exit status {code} after SIGTERM'}")
     for text in run.problems:
         print(f"  {text}")
-    sys.exit(1 if wrong or lost or not alive or (code not in (None, 0)) else 0)
+    failed = bool(wrong or lost or not alive or code not in (None, 0))
+    if server.log is not None and failed:
+        print(f"the server's log: {server.log}")
+    elif workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
