@@ -1,9 +1,11 @@
 """Malformed client input for tests/test_fuzz.py, made deterministically from a seeded RNG.
 
 Each case carries what the server must answer, known by construction: a case is a valid message
-or body with exactly one thing wrong (so the first error found is that one), or bytes that
-cannot be a message at all. Values that are extreme but valid ride along only with a prompt the
-server refuses before running it, so no case makes the model generate.
+or body with exactly one thing wrong (so the first error found is that one), bytes that cannot
+be a message at all, or a valid message with random bytes changed (then either its own answer
+or bad_message). Values that are extreme but valid ride along only with a prompt the server
+refuses before running it, and garbled messages are of kinds that never run: no case makes the
+model generate.
 
 ZMQ: one case is the frames of one ZeroMQ message and the reply labels it may get (an ErrorReply's
 code, or a reply type's name). HTTP: one case is a request and the status and error codes it may get.

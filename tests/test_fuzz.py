@@ -101,9 +101,9 @@ def assert_correct(server: Server, reference: dict[str, list[int]], turn: int) -
         response = httpx.post(http_url(server) + COMPLETIONS, json=body, timeout=120)
         assert response.status_code == 200, response.text
         if kind == 5:
-            events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+            bodies = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
                       if line.startswith("data: {")]
-            token_ids = events[-1]["dovetail"]["token_ids"]
+            token_ids = bodies[-1]["dovetail"]["token_ids"]
         else:
             token_ids = response.json()["dovetail"]["token_ids"]
     assert token_ids == reference[prompt], f"turn {turn}: wrong answer for {prompt!r}"
@@ -126,7 +126,9 @@ class RawDealer:
         self.socket.connect(address)
 
     def send(self, frames: list[bytes]) -> None:
-        self.socket.send_multipart(frames)
+        # Never block for good: a DEALER with no connection (reconnecting) holds its sends.
+        assert self.socket.poll(int(ANSWER_S * 1000), zmq.POLLOUT), "could not send: no connection to the server"
+        self.socket.send_multipart(frames, zmq.NOBLOCK)
 
     def recv(self, timeout_s: float = ANSWER_S) -> dict[str, Any] | None:
         if not self.socket.poll(int(timeout_s * 1000)):
@@ -367,7 +369,6 @@ def test_the_server_survived_everything(server, reference, workers_at_start):
         client.channel.send(m.MetricsRequest())
         metrics = client.channel.recv(timeout_ms=10_000)
     assert isinstance(metrics, m.MetricsReply) and metrics.worker_restarts == 0
-    assert metrics.errors.get("prompt_too_long", 0) > 100 and set(metrics.errors) <= {
-        "prompt_too_long", "no_chat_template"}, metrics.errors
+    assert set(metrics.errors) <= {"prompt_too_long", "no_chat_template"}, metrics.errors  # nothing else failed
     log = server.log_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-5000:]
