@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 BODY_SLACK = 4 * 1024 * 1024
 DISCONNECT_POLL_MS = 250  # how often a waiting request checks that its HTTP client is still there
+# HTTP requests talking to the coordinator at once, each with its own ZMQ socket: a ZMQ context
+# holds at most 1023 sockets (the coordinator's own included), and a flood beyond them failed
+# with 500s. Beyond this, a request is refused at once with busy (429), as a full queue is.
+MAX_CALLS = 512
 PROBE_TIMEOUT_MS = 5000  # /health and /metrics: the coordinator answers between cycles
 STARTUP_TIMEOUT_S = 30.0
 
@@ -75,11 +79,35 @@ def body_limit(prompt_chars: int | None) -> int:
 # --- the link to the coordinator ---------------------------------------------------------
 
 
+class CallSlots:
+    """Counts the open Calls (all in the event loop's thread); refuses one beyond the limit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    def take(self) -> None:
+        if self.used >= self.limit:
+            raise api.ApiError(429, f"the server is busy: {self.limit} HTTP requests are in flight; try again later",
+                               code="busy")
+        self.used += 1
+
+    def give(self) -> None:
+        self.used -= 1
+
+
 class Call:
     """One HTTP request's own DEALER socket to the coordinator."""
 
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str):
-        self.socket: zmq.asyncio.Socket = context.socket(zmq.DEALER)
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, slots: CallSlots):
+        slots.take()
+        self.slots = slots
+        try:
+            self.socket: zmq.asyncio.Socket = context.socket(zmq.DEALER)
+        except zmq.ZMQError as error:  # out of sockets or files all the same
+            slots.give()
+            raise api.ApiError(503, f"cannot reach the coordinator now: {error}; try again later",
+                               code="unavailable") from None
         configure_socket(self.socket)
         self.socket.connect(endpoint)
         self.pending: str | None = None  # a request sent and not yet answered to the end
@@ -113,6 +141,7 @@ class Call:
         also run inside a cancelled task, where every await would be cancelled again."""
         if self.socket.closed:
             return
+        self.slots.give()
         linger = 0
         if self.pending is not None:
             try:
@@ -163,9 +192,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None) -> FastAPI:
+def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None,
+              max_calls: int = MAX_CALLS) -> FastAPI:
     """The FastAPI app, talking to the coordinator at ``endpoint``."""
     zmq_context = context or zmq.asyncio.Context(shadow=zmq.Context.instance())
+    slots = CallSlots(max_calls)
     nonces = itertools.count(1)
     app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)
 
@@ -195,7 +226,7 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
 
     async def run(request: Request, plan: api.Plan, chat: bool) -> Response:
         ids = api.ResponseIds.now(plan.request.request_id, model.name)
-        call = Call(zmq_context, endpoint)
+        call = Call(zmq_context, endpoint, slots)
         handed_over = False
         try:
             try:
@@ -255,7 +286,7 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
                                             "owned_by": "dovetail", "max_model_len": model.context}]}
 
     async def probe(message: m.Message, expect: type[m.Message]) -> Any:
-        call = Call(zmq_context, endpoint)
+        call = Call(zmq_context, endpoint, slots)
         try:
             await call.send(message)
             deadline = time.monotonic() + PROBE_TIMEOUT_MS / 1000
