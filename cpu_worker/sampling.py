@@ -28,8 +28,10 @@ def processed_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p (always the most likely token).
+        # Keep the smallest prefix whose mass reaches top_p, and always the most likely token:
+        # a top_p below fp32's smallest value (e.g. 1e-300) compares as 0 and would drop all.
         drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

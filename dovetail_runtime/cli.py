@@ -360,10 +360,11 @@ def served_model(target: str, coordinator, mode: str):
     """How the HTTP API names and describes the model: the target folder's name."""
     import time
 
-    from .http_server import ServedModel
+    from .http_server import ServedModel, body_limit
 
     return ServedModel(name=Path(target.rstrip("/")).name or target, context=coordinator.max_len,
-                       default_mode=mode, created=int(time.time()))
+                       default_mode=mode, created=int(time.time()),
+                       max_body_bytes=body_limit(coordinator.max_prompt_chars()))
 
 
 def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | None, limits: ServeLimits,

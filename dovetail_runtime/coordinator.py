@@ -192,6 +192,11 @@ class Coordinator:
         log.info("tree: starting with %s", planner.describe())
         return planner
 
+    def max_prompt_chars(self) -> int | None:
+        """More characters than any prompt that fits the context can have (the context times the
+        longest token), so that longer prompts are refused untokenized; None before start()."""
+        return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
+
     def workers(self) -> list[WorkerHandle]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
 

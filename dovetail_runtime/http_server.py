@@ -36,6 +36,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from ipc import messages as m
@@ -50,8 +51,16 @@ from .metrics import prometheus_text
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024  # what the ZMQ socket accepts: a 16 MiB prompt plus room
+# A body is refused (413) beyond room for the longest prompt that can fit the context with every
+# character JSON-escaped (\uXXXX: 6 bytes), plus BODY_SLACK for the rest of the request (a chat's
+# 16,384 messages included); never beyond what the ZMQ socket accepts.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+BODY_SLACK = 4 * 1024 * 1024
 DISCONNECT_POLL_MS = 250  # how often a waiting request checks that its HTTP client is still there
+# HTTP requests talking to the coordinator at once, each with its own ZMQ socket: a ZMQ context
+# holds at most 1023 sockets (the coordinator's own included), and a flood beyond them failed
+# with 500s. Beyond this, a request is refused at once with busy (429), as a full queue is.
+MAX_CALLS = 512
 PROBE_TIMEOUT_MS = 5000  # /health and /metrics: the coordinator answers between cycles
 STARTUP_TIMEOUT_S = 30.0
 
@@ -62,16 +71,46 @@ class ServedModel:
     context: int  # max_len: prompt plus new tokens
     default_mode: str  # "dovetail" with a draft head, else "ar"
     created: int
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+def body_limit(prompt_chars: int | None) -> int:
+    """The largest request body served, given the most characters a prompt that fits can have."""
+    return MAX_BODY_BYTES if prompt_chars is None else min(MAX_BODY_BYTES, 6 * prompt_chars + BODY_SLACK)
 
 
 # --- the link to the coordinator ---------------------------------------------------------
 
 
+class CallSlots:
+    """Counts the open Calls (all in the event loop's thread); refuses one beyond the limit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    def take(self) -> None:
+        if self.used >= self.limit:
+            raise api.ApiError(429, f"the server is busy: {self.limit} HTTP requests are in flight; try again later",
+                               code="busy")
+        self.used += 1
+
+    def give(self) -> None:
+        self.used -= 1
+
+
 class Call:
     """One HTTP request's own DEALER socket to the coordinator."""
 
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str):
-        self.socket: zmq.asyncio.Socket = context.socket(zmq.DEALER)
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, slots: CallSlots):
+        slots.take()
+        self.slots = slots
+        try:
+            self.socket: zmq.asyncio.Socket = context.socket(zmq.DEALER)
+        except zmq.ZMQError as error:  # out of sockets or files all the same
+            slots.give()
+            raise api.ApiError(503, f"cannot reach the coordinator now: {error}; try again later",
+                               code="unavailable") from None
         configure_socket(self.socket)
         self.socket.connect(endpoint)
         self.pending: str | None = None  # a request sent and not yet answered to the end
@@ -105,6 +144,7 @@ class Call:
         also run inside a cancelled task, where every await would be cancelled again."""
         if self.socket.closed:
             return
+        self.slots.give()
         linger = 0
         if self.pending is not None:
             try:
@@ -139,24 +179,28 @@ def error_response(error: api.ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body; 413 as soon as it is known to exceed ``limit`` bytes (before it is read
+    when Content-Length says so)."""
+    too_large = api.ApiError(413, f"the request body is larger than {limit} bytes, the most this server reads (a "
+                                  f"prompt that fits its context is far smaller)", code="body_too_large")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise api.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
     body = bytearray()
     async for piece in request.stream():
         body += piece
-        if len(body) > MAX_BODY_BYTES:
-            raise api.ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                               code="body_too_large")
+        if len(body) > limit:
+            raise too_large
     return bytes(body)
 
 
 def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None,
-              api_key: ApiKey | None = None) -> FastAPI:
+              api_key: ApiKey | None = None, max_calls: int = MAX_CALLS) -> FastAPI:
     """The FastAPI app, talking to the coordinator at ``endpoint``; with ``api_key`` every
     path but /health needs it (``Authorization: Bearer``)."""
     zmq_context = context or zmq.asyncio.Context(shadow=zmq.Context.instance())
+    slots = CallSlots(max_calls)
     nonces = itertools.count(1)
     app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)
     if api_key is not None:
@@ -170,6 +214,10 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
     async def _http_error(_request: Request, error: HTTPException) -> JSONResponse:
         return error_response(api.ApiError(error.status_code, str(error.detail), code=None))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(_request: Request, _error: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # it left while sending its body: nobody to answer, nothing wrong here
+
     @app.exception_handler(Exception)
     async def _internal(_request: Request, error: Exception) -> JSONResponse:
         log.exception("HTTP request failed")
@@ -178,12 +226,13 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model.name:
-            raise api.ApiError(404, f"the model {name!r} does not exist: this server serves {model.name!r}",
+            shown = repr(name) if len(name) <= 200 else repr(name[:200]) + "..."  # never echo a megabyte
+            raise api.ApiError(404, f"the model {shown} does not exist: this server serves {model.name!r}",
                                code="model_not_found", param="model")
 
     async def run(request: Request, plan: api.Plan, chat: bool) -> Response:
         ids = api.ResponseIds.now(plan.request.request_id, model.name)
-        call = Call(zmq_context, endpoint)
+        call = Call(zmq_context, endpoint, slots)
         handed_over = False
         try:
             try:
@@ -225,14 +274,14 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        params = api.parse_request(await read_body(request), api.CompletionRequest)
+        params = api.parse_request(await read_body(request, model.max_body_bytes), api.CompletionRequest)
         check_model(params.model)
         plan = api.plan_completion(params, f"cmpl-{uuid.uuid4().hex}", model.default_mode)
         return await run(request, plan, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        params = api.parse_request(await read_body(request), api.ChatRequest)
+        params = api.parse_request(await read_body(request, model.max_body_bytes), api.ChatRequest)
         check_model(params.model)
         plan = api.plan_chat(params, f"chatcmpl-{uuid.uuid4().hex}", model.default_mode)
         return await run(request, plan, chat=True)
@@ -243,7 +292,7 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
                                             "owned_by": "dovetail", "max_model_len": model.context}]}
 
     async def probe(message: m.Message, expect: type[m.Message]) -> Any:
-        call = Call(zmq_context, endpoint)
+        call = Call(zmq_context, endpoint, slots)
         try:
             await call.send(message)
             deadline = time.monotonic() + PROBE_TIMEOUT_MS / 1000
@@ -346,4 +395,4 @@ class HttpFrontend:
         self.socket.close()
 
 
-__all__ = ["HttpFrontend", "ServedModel", "build_app", "parse_address"]
+__all__ = ["HttpFrontend", "ServedModel", "body_limit", "build_app", "parse_address"]

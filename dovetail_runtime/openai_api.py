@@ -118,6 +118,8 @@ def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatRequest]
         data = msgspec.json.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:  # [[[[...]]]] deeper than the stack: a 400 like any bad JSON, not a 500
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     for name, neutral in NEUTRAL_VALUES.items():

@@ -87,9 +87,7 @@ class Serving:
         try:
             self.coordinator.start()
             started = True
-            tokenizer = self.coordinator.tokenizer
-            if tokenizer is not None:
-                self.prompt_chars = self.coordinator.max_len * tokenizer.max_chars_per_token()
+            self.prompt_chars = self.coordinator.max_prompt_chars()
             log.info("serving on %s", ", ".join(self.server.endpoints))
             if ready is not None:
                 ready(self.server.endpoints)

@@ -71,6 +71,16 @@ def test_refusals_name_the_field(body, status, words):
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                  b'{"prompt": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001])
+def test_json_nested_too_deeply_is_a_400(body):
+    # Found by fuzzing: the decoder's RecursionError escaped as a 500 (and closed the connection).
+    with pytest.raises(api.ApiError) as info:
+        api.parse_request(body, api.CompletionRequest)
+    assert (info.value.status, info.value.code) == (400, "invalid_json") and "nested too deeply" in info.value.message
+
+
 def test_coordinator_errors_map_to_statuses():
     for code, status in (("prompt_too_long", 400), ("no_chat_template", 400), ("busy", 429),
                          ("worker_failed", 503), ("shutting_down", 503), ("internal", 500), ("new_code", 500)):

@@ -282,6 +282,15 @@ def test_processed_probs_match_transformers_warpers(params):
     assert (got - expected).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-46, 1e-30])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    # Found by fuzzing: top_p below fp32's range compared as 0, dropped every token and made NaN.
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    probs = processed_probs(logits, Sampling(temperature=1000.0, top_p=top_p))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 300).float())
+    assert Sampler(Sampling(temperature=1.0, top_p=top_p, seed=1)).pick(logits[0], 5) == int(logits[0].argmax())
+
+
 BAD_SAMPLING = [{"temperature": -1.0}, {"temperature": 1.0, "top_p": 0.0}, {"temperature": 1.0, "top_p": 1.5},
                 {"temperature": 1.0, "top_k": -2}, {"temperature": 1e-9}, {"temperature": float("nan")},
                 {"temperature": 1.0, "seed": -1}, {"temperature": 1.0, "top_k": 1.5}, {"temperature": "1.0"},

@@ -51,6 +51,9 @@ class StandInCoordinator:
     def _recover(self) -> None:
         pass
 
+    def max_prompt_chars(self) -> int | None:
+        return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
+
     def generate(self, request: m.GenerateRequest, on_text) -> m.GenerateDone | m.ErrorReply:
         self.ran.append(request.request_id)
         kind = request.prompt
