@@ -284,11 +284,7 @@ class Serving:
     def _client_left(self, client: bytes, taken: int = 0) -> None:
         """Its connection closed: cancel its requests (``taken``: already out of the queue),
         nobody is there to answer."""
-        dropped_items = self.queue.drop_client(client)
-        for item in dropped_items:  # counted as cancelled, though nobody is there to answer
-            self.coordinator.metrics.record(m.GenerateDone(request_id=item.request.request_id, token_ids=[],
-                                                           text="", finish_reason="cancelled"))
-        dropped = len(dropped_items) + taken
+        dropped = len(self._cancel_waiting(client)) + taken
         running = self.running
         hit = running is not None and running.item.client == client and running.outcome is None
         if running is not None and hit:
@@ -312,8 +308,17 @@ class Serving:
             log.warning("could not send to client %s: %s", _name(peer), error)
         return False
 
+    def _cancel_waiting(self, client: bytes) -> list[Pending[bytes]]:
+        """Take a departed client's waiting requests out, each counted as cancelled (nobody is
+        there to answer)."""
+        dropped = self.queue.drop_client(client)
+        for item in dropped:
+            self.coordinator.metrics.record(m.GenerateDone(request_id=item.request.request_id, token_ids=[],
+                                                           text="", finish_reason="cancelled"))
+        return dropped
+
     def _drop(self, peer: bytes, why: str) -> None:
-        dropped = self.queue.drop_client(peer)
+        dropped = self._cancel_waiting(peer)
         running = self.running
         hit = running is not None and running.item.client == peer and running.outcome is None
         if running is not None and hit:

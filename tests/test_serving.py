@@ -246,6 +246,8 @@ def test_a_client_that_leaves_has_its_requests_cancelled(serve):
     assert final(stayer, "stayer").finish_reason == "length"
     assert harness.coordinator.ended["leaver-0"] == "cancelled"
     assert harness.coordinator.ran == ["leaver-0", "stayer"]
+    # Both of the leaver's requests counted as cancelled, though nothing was sent (GET /metrics shows it).
+    assert harness.coordinator.metrics.finished == {"cancelled": 2, "length": 1}
 
 
 def test_a_client_that_stops_reading_is_dropped_and_nobody_else_notices(serve, caplog):
@@ -259,6 +261,8 @@ def test_a_client_that_stops_reading_is_dropped_and_nobody_else_notices(serve, c
     assert final(other, "other").finish_reason == "length"
     assert harness.coordinator.ended["flood"] == "cancelled"
     assert harness.coordinator.ran == ["flood", "other"]  # the silent client's second request was dropped
+    # The one in flight and the dropped waiting one: both cancelled.
+    assert harness.coordinator.metrics.finished == {"cancelled": 2, "length": 1}
     assert any("is not reading its replies: dropped, 1 waiting request(s) and the one in flight cancelled"
                in record.getMessage() for record in caplog.records)
     other.send(m.Ping(nonce=3))
