@@ -14,9 +14,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The tree planner's verify-cost cache: one per test session, never the user's ~/.cache.
 if "DOVETAIL_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["DOVETAIL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dovetail-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DOVETAIL_CACHE_DIR"], ignore_errors=True)
 
 import pytest
 import torch
