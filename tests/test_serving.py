@@ -362,13 +362,17 @@ def test_clients_are_read_while_the_workers_start(serve):
     assert harness.error is None and not harness.ready.is_set()
 
 
-def test_a_failed_start_answers_what_arrived_meanwhile(serve):
+@pytest.mark.parametrize("failure,code,says", [
+    (WorkerFailed("cpu_worker failed to start: out of memory"), "worker_failed", "could not be started"),
+    (ValueError("--max-len 999999 exceeds this model's context of 2048 tokens"), "shutting_down", "could not start"),
+], ids=["worker-failed", "bad-setting"])
+def test_a_failed_start_answers_what_arrived_meanwhile(serve, failure, code, says):
     coordinator = StandInCoordinator()
 
     def failing() -> None:
         while not coordinator.release.wait(0.005):
             coordinator.while_waiting()
-        raise WorkerFailed("cpu_worker failed to start: out of memory")
+        raise failure
 
     coordinator.start_hook = failing
     harness = serve(coordinator=coordinator)
@@ -377,27 +381,6 @@ def test_a_failed_start_answers_what_arrived_meanwhile(serve):
     harness.wait_for(lambda: len(harness.serving.queue) == 1, "the early request to be queued")
     coordinator.release.set()
     reply = final(client, "early")
-    assert isinstance(reply, m.ErrorReply) and reply.code == "worker_failed" and "could not be started" in reply.message
+    assert isinstance(reply, m.ErrorReply) and reply.code == code and f"{says}: {failure}" in reply.message
     harness.thread.join(WAIT_S)
-    assert isinstance(harness.error, WorkerFailed)
-
-
-def test_a_start_that_fails_otherwise_answers_shutting_down(serve):
-    coordinator = StandInCoordinator()
-
-    def bad_model() -> None:
-        while not coordinator.release.wait(0.005):
-            coordinator.while_waiting()
-        raise ValueError("--max-len 999999 exceeds this model's context of 2048 tokens")
-
-    coordinator.start_hook = bad_model
-    harness = serve(coordinator=coordinator)
-    client = harness.client()
-    send(client, "early")
-    harness.wait_for(lambda: len(harness.serving.queue) == 1, "the early request to be queued")
-    coordinator.release.set()
-    reply = final(client, "early")
-    assert isinstance(reply, m.ErrorReply) and reply.code == "shutting_down"
-    assert "could not start: --max-len 999999" in reply.message
-    harness.thread.join(WAIT_S)
-    assert isinstance(harness.error, ValueError)
+    assert isinstance(harness.error, type(failure))
