@@ -256,7 +256,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Most draft tokens on one tree path (at most T - 1 are used); with --tree-tokens auto, the "
                    f"deepest tree tried.  [default: {FIXED_DEPTH}, or {AUTO_MAX_DEPTH} with auto]")
 @click.option("--tree-top-k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
-              help="The draft tree's beam width: children kept per node and nodes per level.")
+              help="The draft tree's beam width: children kept per node and nodes per level. With "
+                   "--tree-tokens auto, the widest beam tried (auto also tries half of it).")
 @click.option("--top-k", expose_value=False, hidden=True, callback=refuse_ambiguous_top_k,
               help="Refused: say --tree-top-k or --sample-top-k.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="New tokens per one-shot prompt.")

@@ -177,18 +177,22 @@ class Coordinator:
                                      max_depth=min(bounds.max_depth, sizes[-1] - 1))
         verify = self.cpu.request(m.MeasureVerifyCost(tree_sizes=sizes), m.VerifyCost)
         depths = list(range(1, bounds.envelope.depth + 1))
-        draft = self.gpu.request(m.MeasureDraftCost(depths=depths, top_k=bounds.top_k), m.DraftCost)
+        draft_ms_by_top_k: dict[int, dict[int, float]] = {}
+        for top_k in bounds.top_ks:
+            draft = self.gpu.request(m.MeasureDraftCost(depths=depths, top_k=top_k), m.DraftCost)
+            draft_ms_by_top_k[top_k] = dict(zip(draft.depths, draft.ms))
         verify_ms = dict(zip(verify.tree_sizes, verify.ms))
-        draft_ms = dict(zip(draft.depths, draft.ms))
-        log.info("tree: auto (T <= %d, depth <= %d, top_k %d). t_verify(T) ms %s (%s %s); t_draft(depth) ms %s",
-                 bounds.envelope.tree_tokens, bounds.envelope.depth, bounds.top_k,
+        draft_ms = draft_ms_by_top_k[bounds.top_k]
+        log.info("tree: auto (T <= %d, depth <= %d, top_k %s). t_verify(T) ms %s (%s %s); t_draft(depth) ms %s",
+                 bounds.envelope.tree_tokens, bounds.envelope.depth, " or ".join(map(str, bounds.top_ks)),
                  " ".join(f"{t}:{ms:.1f}" for t, ms in verify_ms.items()),
                  "cached in" if verify.cached else "measured now, cached in", verify.cache_path or "nowhere",
-                 " ".join(f"{d}:{ms:.1f}" for d, ms in draft_ms.items()))
+                 "; ".join(f"top_k {k}: " + " ".join(f"{d}:{ms:.1f}" for d, ms in by_depth.items())
+                           for k, by_depth in draft_ms_by_top_k.items()))
         warning = drafting_cannot_pay(verify_ms, draft_ms, bounds)
         if warning:
             log.warning("%s", warning)
-        planner = TreePlanner(bounds, verify_ms, draft_ms)
+        planner = TreePlanner(bounds, verify_ms, draft_ms, draft_ms_by_top_k=draft_ms_by_top_k)
         log.info("tree: starting with %s", planner.describe())
         return planner
 

@@ -1,8 +1,9 @@
 """Which draft tree to verify next: ``--tree-tokens auto``.
 
-A cycle emits E[accepted + 1] tokens and costs t_draft(depth) + t_verify(T) + t_ipc, so the
-planner picks the (T, depth) maximising E[accepted + 1 | T, depth] / (t_draft + t_verify +
-t_ipc), with the beam ``top_k`` fixed (``--tree-top-k``).
+A cycle emits E[accepted + 1] tokens and costs t_draft(depth, top_k) + t_verify(T) + t_ipc, so
+the planner picks the (T, depth, top_k) maximising E[accepted + 1 | T, depth, top_k] /
+(t_draft + t_verify + t_ipc); top_k is ``--tree-top-k`` or half of it (a narrower beam reaches
+deeper for the same T).
 
 - t_verify(T) and t_draft(depth) are measured by the workers at startup (the target's
   timings cached on disk); once cycles of a size (a depth) have been seen, their observed
@@ -14,10 +15,13 @@ t_ipc), with the beam ``top_k`` fixed (``--tree-top-k``).
   plus the first T' - 1 nodes no deeper than d' (``gpu_worker.tree``), and its accepted path
   is the part of the verified path that lies inside it. Exact for greedy decoding; for
   sampling a close estimate (a smaller tree can accept a token the larger one rejected).
+  This holds per beam width only: a top_k 4 tree is not part of the top_k 8 one (their beams
+  keep different nodes), so each top_k learns from its own trees.
 - Larger trees are learnt by probing: every ``explore_every``-th cycle verifies a larger
-  tree (alternately one and two sizes up, one and two levels deeper), so the choice can move
-  up when deeper drafts start paying. Every estimate fades (``decay`` per cycle), so one that
-  no recent cycle could observe is forgotten rather than trusted forever.
+  tree (alternately one and two sizes up, one and two levels deeper; every other pair of probes
+  with the other beam width), so the choice can move up when deeper drafts start paying.
+  Every estimate fades (``decay`` per cycle), so one that no recent cycle could observe is
+  forgotten rather than trusted forever.
 
 No torch here: the coordinator runs this.
 """
@@ -28,7 +32,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ipc.tree import TreeShape, tree_depths
 
@@ -57,6 +61,11 @@ class AutoTree:
     @property
     def tree_sizes(self) -> list[int]:
         return [size for size in TREE_SIZES if size <= self.max_tree_tokens]
+
+    @property
+    def top_ks(self) -> list[int]:
+        """The beam widths tried: ``top_k`` and half of it."""
+        return sorted({self.top_k, max(1, self.top_k // 2)})
 
     @property
     def envelope(self) -> TreeShape:
@@ -115,9 +124,22 @@ def interpolate(points: Mapping[int, float], x: int) -> float:
     return points[xs[-1]]
 
 
+Cell = tuple[int, int, int]  # (T, depth, top_k)
+
+
+def draft_capacity(depth: int, top_k: int) -> int:
+    """Draft nodes a tree of this depth and beam width can offer (``gpu_worker.tree``: top_k
+    children of the root, then top_k**2 per further level); a larger T cannot be filled."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
 class TreePlanner:
+    """``draft_ms``: t_draft per depth at ``bounds.top_k``; ``draft_ms_by_top_k`` gives it per
+    beam width where measured (else the widest beam's cost stands in until cycles are seen)."""
+
     def __init__(self, bounds: AutoTree, verify_ms: Mapping[int, float], draft_ms: Mapping[int, float],
-                 explore_every: int = 8, min_samples: float = 3.0, decay: float = 0.99, smoothing: float = 0.1):
+                 explore_every: int = 8, min_samples: float = 3.0, decay: float = 0.99, smoothing: float = 0.1,
+                 draft_ms_by_top_k: Mapping[int, Mapping[int, float]] | None = None):
         self.bounds = bounds
         self.envelope = bounds.envelope
         # Measured on a busy machine a larger tree can time faster than a smaller one; a tree
@@ -125,57 +147,62 @@ class TreePlanner:
         self.verify_ms: dict[int, float] = {}
         for size in sorted(verify_ms):
             self.verify_ms[size] = max([verify_ms[size], *self.verify_ms.values()])
-        self.draft_ms = dict(draft_ms)
+        self.draft_ms = {top_k: dict(draft_ms) for top_k in bounds.top_ks}
+        for top_k, measured in (draft_ms_by_top_k or {}).items():
+            if top_k in self.draft_ms and measured:
+                self.draft_ms[top_k] = dict(measured)
         self.explore_every = explore_every
         self.min_samples = min_samples
         self.decay = decay  # per cycle: acceptance changes with the text, old cycles count less
         self.smoothing = smoothing
-        self.cells = [(size, depth) for size in bounds.tree_sizes if size >= 2
-                      for depth in range(1, min(size - 1, bounds.max_depth) + 1)]
-        self.weight: dict[tuple[int, int], float] = dict.fromkeys(self.cells, 0.0)
-        self.accepted_sum: dict[tuple[int, int], float] = dict.fromkeys(self.cells, 0.0)
+        self.cells: list[Cell] = [(size, depth, top_k) for top_k in bounds.top_ks
+                                  for size in bounds.tree_sizes if size >= 2
+                                  for depth in range(1, min(size - 1, bounds.max_depth) + 1)
+                                  if size - 1 <= draft_capacity(depth, top_k)]
+        self.weight: dict[Cell, float] = dict.fromkeys(self.cells, 0.0)
+        self.accepted_sum: dict[Cell, float] = dict.fromkeys(self.cells, 0.0)
         self.verify_scale = 1.0
         self.draft_scale = 1.0
-        # Observed cost per tree size / per depth: (decayed count, decayed total ms).
+        # Observed cost per tree size / per (depth, top_k): (decayed count, decayed total ms).
         self.seen_verify: dict[int, tuple[float, float]] = {}
-        self.seen_draft: dict[int, tuple[float, float]] = {}
+        self.seen_draft: dict[tuple[int, int], tuple[float, float]] = {}
         self.ipc_ms = 0.0
         self.cycles = 0
         start = TreeShape.clamped(min(START.tree_tokens, self.envelope.tree_tokens),
                                   min(START.depth, bounds.max_depth), bounds.top_k)
-        self.best = (start.tree_tokens, start.depth)
-        self.chosen: Counter[tuple[int, int]] = Counter()
+        self.best: Cell = (start.tree_tokens, start.depth, bounds.top_k)
+        self.chosen: Counter[Cell] = Counter()
 
     # --- the model -------------------------------------------------------------------------
 
-    def cycle_ms(self, cell: tuple[int, int]) -> float:
+    def cycle_ms(self, cell: Cell) -> float:
         """What a cycle of this shape costs: what such cycles took, where seen often enough,
         else the startup measurement rescaled (a measurement taken on a busy machine can be
         off for one size; the cycles themselves are not)."""
-        size, depth = cell
-        draft = self._seen(self.seen_draft, depth)
+        size, depth, top_k = cell
+        draft = self._seen(self.seen_draft, (depth, top_k))
         verify = self._seen(self.seen_verify, size)
-        return ((self.draft_scale * interpolate(self.draft_ms, depth) if draft is None else draft)
+        return ((self.draft_scale * interpolate(self.draft_ms[top_k], depth) if draft is None else draft)
                 + (self.verify_scale * interpolate(self.verify_ms, size) if verify is None else verify)
                 + self.ipc_ms)
 
     @staticmethod
-    def _seen(table: dict[int, tuple[float, float]], key: int) -> float | None:
+    def _seen(table: Mapping[Any, tuple[float, float]], key: Any) -> float | None:
         weight, total = table.get(key, (0.0, 0.0))
         return total / weight if weight >= SEEN_ENOUGH else None
 
     @staticmethod
-    def _see(table: dict[int, tuple[float, float]], key: int, ms: float) -> None:
+    def _see(table: dict[Any, tuple[float, float]], key: Any, ms: float) -> None:
         weight, total = table.get(key, (0.0, 0.0))
         table[key] = (weight * SEEN_DECAY + 1.0, total * SEEN_DECAY + ms)
 
-    def expected_tokens(self, cell: tuple[int, int]) -> float | None:
+    def expected_tokens(self, cell: Cell) -> float | None:
         """E[accepted + 1] for a tree of this shape, None until seen often enough."""
         if self.weight[cell] < self.min_samples:
             return None
         return self.accepted_sum[cell] / self.weight[cell] + 1.0
 
-    def rate(self, cell: tuple[int, int]) -> float | None:
+    def rate(self, cell: Cell) -> float | None:
         """Expected tokens per second."""
         tokens = self.expected_tokens(cell)
         return None if tokens is None else tokens / self.cycle_ms(cell) * 1e3
@@ -190,16 +217,25 @@ class TreePlanner:
         self.cycles += 1
         cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
         self.chosen[cell] += 1
-        return TreeShape.clamped(cell[0], cell[1], self.bounds.top_k)
+        return TreeShape.clamped(*cell)
 
-    def probe(self) -> tuple[int, int]:
+    def probe(self) -> Cell:
         """Larger than the best: alternately one tree size up and one level deeper, and two and
-        two (acceptance need not grow smoothly along single steps)."""
-        size, depth = self.best
-        steps = 1 + (self.cycles // self.explore_every) % 2
+        two (acceptance need not grow smoothly along single steps); every other pair of probes
+        with the other beam width, which only its own trees can rate."""
+        size, depth, top_k = self.best
+        probes = self.cycles // self.explore_every
+        steps = 1 + probes % 2
+        if (probes // 2) % 2 == 1:
+            top_k = next((k for k in self.bounds.top_ks if k != top_k), top_k)
         larger = [s for s in self.bounds.tree_sizes if s > size][:steps]
         next_size = larger[-1] if larger else size
-        return next_size, min(depth + steps, next_size - 1, self.bounds.max_depth)
+        next_depth = min(depth + steps, next_size - 1, self.bounds.max_depth)
+        # A narrow, shallow beam cannot fill a large tree: probe the largest it can.
+        fillable = [s for s in self.bounds.tree_sizes if 2 <= s <= next_size
+                    and s - 1 <= draft_capacity(next_depth, top_k)]
+        probe_size = fillable[-1] if fillable else 2
+        return probe_size, min(next_depth, probe_size - 1), top_k
 
     def _choose(self) -> None:
         rated = [(rate, cell) for cell in self.cells if (rate := self.rate(cell)) is not None]
@@ -219,6 +255,7 @@ class TreePlanner:
         for cell in self.cells:
             self.weight[cell] *= self.decay
             self.accepted_sum[cell] *= self.decay
+        top_k = shape.top_k
         for depth_limit in range(1, shape.depth + 1):
             # Rank of each node among the nodes no deeper than depth_limit.
             rank_within, count = {}, 0
@@ -227,7 +264,7 @@ class TreePlanner:
                     rank_within[node] = count
                     count += 1
             for cell_size in self.bounds.tree_sizes:
-                cell = (cell_size, depth_limit)
+                cell = (cell_size, depth_limit, top_k)
                 if cell not in self.weight or cell_size - 1 > count:
                     continue  # a larger tree than this one holds: not observable here
                 inside = 0
@@ -239,23 +276,24 @@ class TreePlanner:
                 self.accepted_sum[cell] += inside
         alpha = self.smoothing
         predicted_verify = interpolate(self.verify_ms, size)
-        predicted_draft = interpolate(self.draft_ms, shape.depth)
+        predicted_draft = interpolate(self.draft_ms.get(top_k, self.draft_ms[self.bounds.top_k]), shape.depth)
         if predicted_verify > 0 and verify_ms > 0:
             self.verify_scale += alpha * (verify_ms / predicted_verify - self.verify_scale)
         if predicted_draft > 0 and draft_ms > 0:
             self.draft_scale += alpha * (draft_ms / predicted_draft - self.draft_scale)
         self.ipc_ms += alpha * (max(cycle_ms - draft_ms - verify_ms, 0.0) - self.ipc_ms)
         self._see(self.seen_verify, size, verify_ms)
-        self._see(self.seen_draft, shape.depth, draft_ms)
+        self._see(self.seen_draft, (shape.depth, top_k), draft_ms)
         self._choose()
 
     def describe(self) -> str:
-        size, depth = self.best
+        size, depth, top_k = self.best
         tokens = self.expected_tokens(self.best)
         expected = f"{tokens:.2f} tokens per cycle" if tokens is not None else "no acceptance data yet"
-        draft = self._seen(self.seen_draft, depth) or self.draft_scale * interpolate(self.draft_ms, depth)
+        draft = (self._seen(self.seen_draft, (depth, top_k))
+                 or self.draft_scale * interpolate(self.draft_ms[top_k], depth))
         verify = self._seen(self.seen_verify, size) or self.verify_scale * interpolate(self.verify_ms, size)
-        return (f"T={size} depth={depth} top_k={self.bounds.top_k} ({expected}; draft {draft:.1f} ms, "
+        return (f"T={size} depth={depth} top_k={top_k} ({expected}; draft {draft:.1f} ms, "
                 f"verify {verify:.1f} ms, other {self.ipc_ms:.1f} ms per cycle)")
 
 

@@ -70,4 +70,6 @@ def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo
     assert (tmp_path / "cache" / "verify_cost.json").is_file()
     # (Whether it says "drafting cannot pay" depends on timings, so tests/test_tree_planner.py
     # checks that verdict on fixed costs.)
-    assert all("t_draft(depth) ms 1:" in log and "tree: starting with T=16 depth=6" in log for log in logs)
+    # Drafting is measured for both beam widths the planner tries (--tree-top-k 8 and 4).
+    assert all("t_draft(depth) ms top_k 4: 1:" in log and "; top_k 8: 1:" in log
+               and "tree: starting with T=16 depth=6 top_k=8" in log for log in logs)

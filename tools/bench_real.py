@@ -795,7 +795,7 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=None,
               help=f"Deepest tree auto tries.  [default: {AUTO_MAX_DEPTH}]")
 @click.option("--tree-top-k", "top_k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
-              help="The beam width of the auto settings.")
+              help="The widest beam of the auto settings (they also try half of it).")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the target worker (also used for the bandwidth test and the sweep). "
                    "[default: one per pinned core, else torch's]")
