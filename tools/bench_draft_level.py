@@ -1,0 +1,74 @@
+"""A CPU draft's cost per tree level against its bandwidth bound, side by side in one run.
+
+    python -m tools.bench_draft_level --draft HEAD --target TARGET [--threads 2] [--precision int8]
+
+Every tree level reads every weight of the head once (fusion, decoder layers, lm_head), so on a
+CPU a level cannot take less than head bytes / read bandwidth. This loads the head as the
+gpu_worker does on a CPU (int8 by default), times t_draft(depth) with the worker's own
+measurement (``gpu_worker.draft_cost``) for each beam width, measures the read bandwidth right
+after, and prints ms per level (the slope between depth 1 and the deepest) against that bound.
+Use a real-cost stand-in head (``tools.bench_real`` caches them under ~/.cache/dovetail/standins).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from gpu_worker.checkpoint import load_head
+from gpu_worker.draft_cost import measure_draft_ms
+from gpu_worker.drafter import Drafter
+
+
+def read_gbs(megabytes: int = 1024, repeats: int = 3) -> float:
+    """Best-of read bandwidth: summing a buffer far larger than the caches."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def head_bytes(head: torch.nn.Module) -> int:
+    """Bytes one level streams: parameters and buffers, plus packed int8 weights (``nbytes``),
+    without the embedding (a level reads only its few rows)."""
+    total = sum(getattr(module, "nbytes", 0) for module in head.modules())
+    for name, tensor in [*head.named_parameters(), *head.named_buffers()]:
+        if "embed_tokens" not in name:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@click.command()
+@click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
+              help="Draft head folder.")
+@click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
+              help="Its target folder (the frozen embedding and lm_head come from there).")
+@click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--depth", type=click.IntRange(min=2, max=10), default=6, show_default=True, help="Deepest tree timed.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+def main(draft: Path, target: Path, precision: str, threads: int, depth: int, repeats: int) -> None:
+    torch.set_num_threads(threads)
+    head = load_head(draft, target)
+    if precision == "int8":
+        head = head.quantize_int8()
+    drafter = Drafter(head, max_len=512, scratch_len=8 * depth)
+    nbytes = head_bytes(head)
+    print(f"{draft.name}: {nbytes / 1e6:.0f} MB per level ({precision}), {threads} threads")
+    print(f"| top_k | t_draft depth 1 ms | depth {depth} ms | ms per level | bound ms | per level / bound |")
+    print("|---|---|---|---|---|---|")
+    for top_k in (4, 8):
+        ms = measure_draft_ms(drafter, [1, depth], top_k=top_k, repeats=repeats)
+        per_level = (ms[1] - ms[0]) / (depth - 1)
+        bound = nbytes / (read_gbs() * 1e9) * 1e3  # measured right after, on the same machine state
+        print(f"| {top_k} | {ms[0]:.1f} | {ms[1]:.1f} | {per_level:.1f} | {bound:.1f} | {per_level / bound:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
