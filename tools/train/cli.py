@@ -188,12 +188,24 @@ def train(target, train_dir, heldout_dir, out_dir, recipe, fusion, draft_vocab, 
         eagle3 = Eagle3Config(fusion=recipe, draft_vocab=draft_vocab, ttt_steps=ttt_steps, batch_size=batch_size,
                               lr=lr, min_lr_ratio=min_lr_ratio, warmup=warmup, weight_decay=weight_decay, clip=clip,
                               epochs=epochs, steps=steps, max_tokens=max_tokens, eval_every=eval_every,
-                              eval_tokens=eval_tokens, seed=seed, bf16=bf16, save_dtype=save_dtype, device=device)
+                              eval_tokens=eval_tokens, save_every=save_every, seed=seed, bf16=bf16,
+                              save_dtype=save_dtype, device=device)
+        import signal
+
+        def stop(_signum: int, _frame: object) -> None:
+            raise KeyboardInterrupt  # train_eagle3 then writes the head as trained so far
+
+        # SIGTERM too: a background job started by a script ignores SIGINT.
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
         try:
             result = train_eagle3(target, train_dir, out_dir, eagle3, heldout_dir=heldout_dir)
         except ValueError as error:
             raise click.UsageError(str(error)) from None
-        click.echo(f"{result['steps']} steps in {result['seconds']:.0f} s on {result['train_tokens']:,} tokens "
+        stopped = "" if result["finished"] else \
+            f" (stopped early: {result['steps']} of {result['planned_steps']} steps)"
+        click.echo(f"{result['steps']} steps{stopped} in {result['seconds']:.0f} s on {result['train_tokens']:,} "
+                   "tokens "
                    f"(draft vocabulary covers {result['draft_vocab_coverage']:.2%} of them); head written to {out_dir}")
         return
     if device != "cpu":

@@ -53,6 +53,7 @@ class Eagle3Config:
     max_tokens: int | None = None
     eval_every: int = 200
     eval_tokens: int = 32768
+    save_every: int = 200  # steps between writes of the head folder (a stopped run leaves a usable head)
     seed: int = 0
     bf16: bool = False
     save_dtype: str = "fp32"
@@ -240,6 +241,19 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
                dynamic_ncols=True)
     last: dict[str, Any] = {}
     pairs = 0
+    done = 0
+    dtype = torch.float16 if config.save_dtype == "fp16" else torch.float32
+
+    def write(final: bool) -> dict[str, Any]:
+        assert data.aux_layers is not None
+        save_eagle3_head(head, out_dir, target_dir, data.aux_layers, dtype)
+        summary = {"steps": done, "planned_steps": total_steps, "finished": final,
+                   "seconds": round(time.perf_counter() - started, 1), "train_tokens": data.num_tokens,
+                   "pairs": pairs, "draft_vocab_coverage": round(coverage, 5), "last": last,
+                   "config": dataclasses.asdict(config)}
+        (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
+
     try:
         for step in range(total_steps):
             epoch, index = divmod(step, per_epoch)
@@ -266,13 +280,13 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
                 result = evaluate(head, target_head, heldout, config.ttt_steps, rotary, device)
                 log(dict(result, kind="eval", step=step + 1, seconds=round(time.perf_counter() - started, 1)))
                 bar.write(f"step {step + 1}: held-out CE per step {result['ce']}, top-1 {result['top1']}")
+            done = step + 1
+            if done % config.save_every == 0 and done < total_steps:
+                write(final=False)
+    except KeyboardInterrupt:
+        # Stopped by hand (a deadline): keep what was learned; the summary says where it stopped.
+        bar.close()
+        return write(final=False)
     finally:
         bar.close()
-    elapsed = time.perf_counter() - started
-    dtype = torch.float16 if config.save_dtype == "fp16" else torch.float32
-    save_eagle3_head(head, out_dir, target_dir, data.aux_layers, dtype)
-    summary = {"steps": total_steps, "seconds": round(elapsed, 1), "train_tokens": data.num_tokens,
-               "pairs": pairs, "draft_vocab_coverage": round(coverage, 5), "last": last,
-               "config": dataclasses.asdict(config)}
-    (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+    return write(final=True)
