@@ -27,7 +27,7 @@ The embedding is the target's and is not part of the head's files (``file_state_
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -174,10 +174,17 @@ class Eagle3Head(nn.Module):
               mask: torch.Tensor | None) -> torch.Tensor:
         """g [B, S, H] (already reduced), tokens [B, S] -> outputs [B, S, H]; cache and mask
         arguments as in ``cpu_worker.llama.Attention.forward`` (keys=None: no cache)."""
+        attn = self.midlayer.self_attn
+        return self.layer_with(g, tokens, lambda x: attn(x, cos, sin, keys, values, start, mask))
+
+    def layer_with(self, g: torch.Tensor, tokens: torch.Tensor,
+                   attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer's equations with the attention given as ``attend`` (attention input
+        [B, S, 2H] -> [B, S, H] after o_proj): training-time test supplies its own key set."""
         mid = self.midlayer
         b = mid.input_layernorm(self.embed_tokens(tokens).to(g.dtype))
         a = mid.hidden_norm(g)
-        x = g + mid.self_attn(torch.cat([b, a], dim=-1), cos, sin, keys, values, start, mask)
+        x = g + attend(torch.cat([b, a], dim=-1))
         if self.fusion == "dgf-eagle3":
             h1 = self._project("W_1", a)
             h2 = F.silu(self._project("W_2", b))
