@@ -188,7 +188,8 @@ class Drafter:
         if self._root_token is None or self._root_feature is None or self._root_log_probs is None:
             raise RuntimeError("propose() before extend(): the drafter has no sequence")
         if shape.top_k > self.draft_vocab_size:
-            raise DraftContextError(f"top_k {shape.top_k} exceeds the draft vocabulary size {self.draft_vocab_size}")
+            raise DraftContextError(f"top_k {shape.top_k} exceeds the vocabulary size {self.draft_vocab_size} "
+                                    "the draft head scores")
         if shape.scratch_slots > self.scratch_len:
             raise DraftContextError(
                 f"tree T={shape.tree_tokens} depth={shape.depth} top_k={shape.top_k} needs {shape.scratch_slots} "

@@ -9,6 +9,7 @@ on code without aux rows too, for a before/after of the existing heads' path).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +34,10 @@ def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     return times
 
 
+def round_trip(ring: ShmRing, block: torch.Tensor) -> torch.Tensor:
+    return get_block(ring.write(block), {ring.name: ring})
+
+
 def summary(times: list[float]) -> str:
     ordered = sorted(times)
     return f"min {ordered[0]:.2f} / p25 {ordered[len(ordered) // 4]:.2f} / median {statistics.median(ordered):.2f} ms"
@@ -55,12 +60,13 @@ def main(target: str, layers: str, tree_tokens: int, prompt_tokens: int, repeats
     prompt = torch.randint(vocab, (prompt_tokens,)).tolist()
     tokens = torch.randint(vocab, (tree_tokens,)).tolist()
     parents = [-1] + [(i - 1) // 2 for i in range(1, tree_tokens)]
-    print(f"target {target}, aux layers {aux_layers or 'none'}, {torch.get_num_threads()} threads, {repeats} calls each")
+    print(f"target {target}, aux layers {aux_layers or 'none'}, {torch.get_num_threads()} threads, "
+          f"{repeats} calls each")
     with torch.inference_mode():
-        prefills = alternate({name: (lambda e=engine: e.prefill(prompt)) for name, engine in engines.items()},
+        prefills = alternate({name: functools.partial(engine.prefill, prompt) for name, engine in engines.items()},
                              max(10, repeats // 10))
         # tree_logits is verify's forward; the prefix stays as it is between calls.
-        verifies = alternate({name: (lambda e=engine: e.tree_logits(tokens, parents))
+        verifies = alternate({name: functools.partial(engine.tree_logits, tokens, parents)
                               for name, engine in engines.items()}, repeats)
     for name in engines:
         print(f"{name:>10}: verify T={tree_tokens}: {summary(verifies[name])}")
@@ -71,8 +77,7 @@ def main(target: str, layers: str, tree_tokens: int, prompt_tokens: int, repeats
         ring = ShmRing.create(slot_bytes_for(rows, width, "float32"), 4)
         try:
             block = torch.randn(rows, width)
-            trip = alternate({"ring": lambda ring=ring, block=block: get_block(ring.write(block), {ring.name: ring})},
-                             500)["ring"]
+            trip = alternate({"ring": functools.partial(round_trip, ring, block)}, 500)["ring"]
             print(f"ring write + read of [{rows}, {width}] fp32: median {statistics.median(trip) * 1e3:.0f} us")
         finally:
             ring.close()
