@@ -365,3 +365,26 @@ def test_a_random_dgf_head_still_reads_last_layer_rows(tmp_path):
     """The existing heads' path is unchanged: no aux layers, rows of the hidden size."""
     folder = save_random_head(tmp_path / "dgf", DEMO_TARGET)
     assert feature_layout(folder, read_config(DEMO_TARGET)) == FeatureLayout(256)
+
+
+@pytest.mark.parametrize("fusion", ["eagle3", "dgf-eagle3"])
+def test_a_head_written_by_dovetail_train_loads_for_the_runtime(tmp_path, fusion):
+    """dovetail-train's EAGLE-3 folders (tools.train.eagle3_io) load through --draft's loader
+    with every tensor as written, and say which layers they read."""
+    import dataclasses
+
+    from cpu_worker.loading import load_spec
+    from gpu_worker.checkpoint import load_head
+    from gpu_worker.eagle3 import Eagle3Head
+    from tools.train.eagle3_io import save_eagle3_head
+
+    torch.manual_seed(0)
+    spec = dataclasses.replace(load_spec(DEMO_TARGET), num_layers=1)
+    trained = Eagle3Head(spec, target_hidden_size=256, draft_vocab_size=300, fusion=fusion)
+    trained.set_draft_vocab(torch.randperm(8192)[:300])
+    folder = save_eagle3_head(trained, tmp_path / fusion, DEMO_TARGET, (1, 3, 4))
+    assert feature_layout(folder, read_config(DEMO_TARGET)).aux_layers == (1, 3, 4)
+    head = load_head(folder, DEMO_TARGET)
+    assert isinstance(head, Eagle3Head) and head.fusion == fusion
+    for name, tensor in trained.file_state_dict().items():
+        assert torch.equal(head.state_dict()[name], tensor), name
