@@ -51,9 +51,20 @@ def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
     return mask
 
 
+def check_aux_layers(aux_layers: Sequence[int] | None, num_layers: int) -> tuple[int, ...] | None:
+    """``aux_layers`` as a tuple (None when empty), or ValueError unless increasing and in range."""
+    if not aux_layers:
+        return None
+    layers = tuple(int(layer) for layer in aux_layers)
+    if any(b <= a for a, b in zip(layers, layers[1:], strict=False)) or layers[0] < 0 or layers[-1] >= num_layers:
+        raise ValueError(f"aux layers {list(layers)} must be distinct, increasing and in 0..{num_layers - 1} "
+                         f"for this {num_layers}-layer target")
+    return layers
+
+
 @dataclass
 class StepOutput:
-    features: torch.Tensor  # [n, hidden] last-layer states after the final norm, one per input token
+    features: torch.Tensor  # [n, feature_size] one row per input token (TargetEngine.feature_size)
     logits: torch.Tensor  # [vocab] at the last input token
 
 
@@ -61,17 +72,19 @@ class StepOutput:
 class VerifyOutcome:
     accepted_nodes: list[int]  # tree node indices on the accepted path, root (0) first
     tokens: list[int]  # the k accepted draft tokens, then the bonus token
-    features: torch.Tensor  # [k + 1, hidden] at the root and the k accepted nodes
+    features: torch.Tensor  # [k + 1, feature_size] at the root and the k accepted nodes
     logits: torch.Tensor  # [T, vocab] target logits at every tree node
 
 
 class TargetEngine:
     def __init__(self, model: LlamaDecoder, max_len: int | None = None, activation_dtype: torch.dtype = torch.float32,
-                 exact_tree: bool | None = None):
+                 exact_tree: bool | None = None, aux_layers: Sequence[int] | None = None):
         """``exact_tree``: verify a tree row by row in attention so every node's logits equal
         a decode's bit for bit (default: when the linear layers are batch-invariant, i.e. int8
         W8A8; float GEMMs round differently per batch size anyway, so exact attention would
-        buy nothing there)."""
+        buy nothing there). ``aux_layers`` (an EAGLE-3 head's, increasing): feature rows are
+        the residual streams entering those layers, concatenated, instead of the last layer's
+        state after the final norm (``LlamaDecoder.forward``)."""
         spec = model.spec
         limit = spec.max_position_embeddings
         if spec.sliding_window is not None:
@@ -80,6 +93,8 @@ class TargetEngine:
         max_len = limit if max_len is None else max_len
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_len must be in 1..{limit} for this model, got {max_len}")
+        self.aux_layers = check_aux_layers(aux_layers, spec.num_layers)
+        self.feature_size = spec.hidden_size * (len(self.aux_layers) if self.aux_layers else 1)
         self.model = model
         self.exact_tree = has_batch_invariant_linears(model) if exact_tree is None else exact_tree
         self.spec = spec
@@ -115,7 +130,7 @@ class TargetEngine:
         tokens = torch.as_tensor(token_ids, dtype=torch.long)
         positions = torch.arange(start, start + count)
         features, logits = self.model(tokens, positions, self.cache, self.rotary, start, None,
-                                      logits_rows=slice(count - 1, count))
+                                      logits_rows=slice(count - 1, count), aux_layers=self.aux_layers)
         self.committed += count
         return StepOutput(features=features, logits=logits[0].float())
 
@@ -137,10 +152,12 @@ class TargetEngine:
         tokens_tensor = torch.as_tensor(tokens, dtype=torch.long)
         if self.exact_tree:
             features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, None,
-                                          paths=[torch.as_tensor(path) for path in tree_paths(parents)])
+                                          paths=[torch.as_tensor(path) for path in tree_paths(parents)],
+                                          aux_layers=self.aux_layers)
         else:
             mask = torch.cat([torch.ones(size, prefix, dtype=torch.bool), tree_ancestor_mask(parents)], dim=1)
-            features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, mask)
+            features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, mask,
+                                          aux_layers=self.aux_layers)
         return features, logits.float()
 
     def commit_path(self, accepted_nodes: Sequence[int]) -> None:

@@ -328,14 +328,25 @@ class LlamaDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 rotary: RotaryTable, start: int, mask: torch.Tensor | None,
                 logits_rows: slice | torch.Tensor | None = None,
-                paths: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions: [S]. Returns (features [S, d] after the final norm,
-        logits [R, vocab] for the rows ``logits_rows`` selects, all rows by default).
+                paths: Sequence[torch.Tensor] | None = None,
+                aux_layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [S]. Returns (features, logits [R, vocab] for the rows
+        ``logits_rows`` selects, all rows by default). Features: [S, d] after the final norm;
+        with ``aux_layers`` (EAGLE-3 heads; increasing layer indices) [S, len * d] instead, the
+        residual streams entering those layers (before their input norm), concatenated in order.
         ``paths``: tree rows attend one by one, exactly as decoding would (Attention.forward)."""
         cos, sin = rotary.lookup(positions)
         x = self.embed_tokens(tokens).unsqueeze(0)
+        streams: list[torch.Tensor] = []
         for index, layer in enumerate(self.layers):
+            if aux_layers and index in aux_layers:
+                streams.append(x)  # layers return new tensors: keeping a reference copies nothing
             x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask, paths)
+        # Logits exactly as without aux rows, so --mode ar on the same worker rounds alike.
         features = self.norm(x)[0]
         head_input = features if logits_rows is None else features[logits_rows]
-        return features, self.lm_head(head_input)
+        logits = self.lm_head(head_input)
+        if aux_layers:
+            # aux_layers is increasing (checked by the engine), so streams are in its order.
+            features = torch.cat(streams, dim=-1)[0]
+        return features, logits

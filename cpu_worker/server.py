@@ -4,7 +4,9 @@
 
 Feature rows go into the shared-memory rings the coordinator created: a prompt's rows into
 the prefill ring (one slot sized for the whole context), a verification's few rows into the
-cycle ring. Nothing large ever travels inside a message.
+cycle ring. Nothing large ever travels inside a message. A row is the last layer's state after
+the final norm, or, for an EAGLE-3 head (settings' ``aux_layers``), the residual streams
+entering three target layers side by side (3 * hidden floats).
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     placement = apply_placement(settings.get("threads"), settings.get("cores"))
     precision = settings.get("dtype", "fp32")
     model = load_target_model(settings["target"], precision)
-    engine = TargetEngine(model, max_len=settings["max_len"], activation_dtype=activation_dtype(precision))
+    # aux_layers: an EAGLE-3 head's three target layers (the coordinator read them from its folder).
+    engine = TargetEngine(model, max_len=settings["max_len"], activation_dtype=activation_dtype(precision),
+                          aux_layers=settings.get("aux_layers"))
     rings = settings["rings"]
     service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]),
                             cost_key=cache_key(settings["target"], precision, placement.intra_op_threads,
@@ -120,7 +124,8 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     info = {"threads": placement.intra_op_threads, "cores": placement.cores, "max_len": engine.max_len,
             "hidden_size": engine.spec.hidden_size, "vocab_size": engine.spec.vocab_size,
             "dtype": precision, "weight_bytes": weight_bytes(model), "kv_cache_bytes": engine.cache.nbytes,
-            "kv_dtype": str(engine.dtype).removeprefix("torch."), "exact_tree": engine.exact_tree}
+            "kv_dtype": str(engine.dtype).removeprefix("torch."), "exact_tree": engine.exact_tree,
+            "feature_size": engine.feature_size, "aux_layers": list(engine.aux_layers or [])}
     return info, service.handlers()
 
 

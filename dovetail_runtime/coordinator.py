@@ -12,8 +12,10 @@ crash-looping.
 
 The coordinator owns (creates and unlinks) the two shared-memory rings the cpu_worker writes
 hidden states into and the gpu_worker reads from: the cycle ring (a verification's few rows)
-and the prefill ring (one slot for a whole prompt). It never imports torch: it handles text,
-token ids and messages; tensors live in the workers.
+and the prefill ring (one slot for a whole prompt). Their rows are as wide as the draft head
+reads (``gpu_worker.head_layout``: the hidden size, or 3 x it for an EAGLE-3 head, whose three
+target layers the coordinator passes to the cpu_worker). It never imports torch: it handles
+text, token ids and messages; tensors live in the workers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from cpu_worker.model_dir import ModelLoadError, context_limit, read_config, resolve_model_dir
+from gpu_worker.head_layout import FeatureLayout, feature_layout
 from ipc import messages as m
 from ipc.channels import RuntimeDir
 from ipc.shm_ring import ShmRing, slot_bytes_for
@@ -125,21 +128,26 @@ class Coordinator:
         self.max_len = settings.max_len or min(limit, DEFAULT_CONTEXT)
         if self.max_len > limit:
             raise ValueError(f"--max-len {self.max_len} exceeds this model's context of {limit} tokens")
-        if not isinstance(config.get("hidden_size"), int):
-            raise ModelLoadError(f"{target_dir / 'config.json'} has no integer hidden_size")
-        hidden = config["hidden_size"]
+        for key in ("hidden_size", "num_hidden_layers"):
+            if not isinstance(config.get(key), int):
+                raise ModelLoadError(f"{target_dir / 'config.json'} has no integer {key}")
+        # The draft head decides what a feature row holds (EAGLE-3: three target layers).
+        draft_dir = resolve_model_dir(settings.draft) if settings.draft else None
+        layout = feature_layout(draft_dir, config) if draft_dir else FeatureLayout(config["hidden_size"])
+        if layout.aux_layers:
+            log.info("EAGLE-3 head: feature %s", layout.describe())
         envelope = settings.tree.envelope if isinstance(settings.tree, AutoTree) else settings.tree
-        self.rings = [ShmRing.create(slot_bytes_for(envelope.feature_rows, hidden, FEATURE_DTYPE),
+        self.rings = [ShmRing.create(slot_bytes_for(envelope.feature_rows, layout.row_width, FEATURE_DTYPE),
                                      CYCLE_RING_SLOTS),
-                      ShmRing.create(slot_bytes_for(self.max_len, hidden, FEATURE_DTYPE), 1)]
+                      ShmRing.create(slot_bytes_for(self.max_len, layout.row_width, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
         common = {"log_level": settings.log_level, "max_len": self.max_len,
                   "rings": {"cycle": self.rings[0].name, "prefill": self.rings[1].name}}
         self.cpu = WorkerHandle("cpu_worker", "cpu_worker.server", {
             **common, "target": str(target_dir), "threads": settings.cpu_threads, "cores": settings.cpu_cores,
-            "dtype": settings.target_dtype}, self.runtime_dir, m.FROM_CPU_WORKER,
-            reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
-        if settings.draft:
+            "dtype": settings.target_dtype, "aux_layers": list(layout.aux_layers or [])}, self.runtime_dir,
+            m.FROM_CPU_WORKER, reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
+        if draft_dir is not None:
             # The draft worker's OpenMP threads must sleep when idle, or they spin on the
             # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
             # 16.4 ms/cycle with both workers at the default policy, 8.2 ms with a passive draft
@@ -147,9 +155,10 @@ class Coordinator:
             # So only the draft worker is passive; an OMP_WAIT_POLICY the user set wins.
             draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
             self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
-                **common, "draft": settings.draft, "target": str(target_dir), "device": settings.draft_device,
+                **common, "draft": str(draft_dir), "target": str(target_dir), "device": settings.draft_device,
                 "dtype": settings.draft_dtype, "threads": settings.draft_threads, "cores": settings.draft_cores,
-                "scratch_len": envelope.scratch_slots}, self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env,
+                "scratch_len": envelope.scratch_slots, "row_width": layout.row_width, "layout": layout.describe()},
+                self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env,
                 reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
         for worker in self.workers():
             worker.spawn()

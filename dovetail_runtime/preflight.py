@@ -10,7 +10,8 @@ from __future__ import annotations
 import glob
 import os
 import re
-from pathlib import Path
+
+from cpu_worker.model_dir import ModelLoadError, resolve_model_dir
 
 from .coordinator import RuntimeSettings
 
@@ -51,9 +52,11 @@ def check_cores(cores: list[int], flag: str) -> None:
 
 
 def check_draft_dir(draft: str) -> None:
-    folder = Path(draft).expanduser()
-    if not folder.is_dir():
-        raise PreflightError(f"--draft: draft head folder {folder} does not exist")
+    """A local folder, or a hub id in the local Hugging Face cache (as --target), with a config.json."""
+    try:
+        folder = resolve_model_dir(draft)
+    except ModelLoadError as error:
+        raise PreflightError(f"--draft: {str(error).replace('model folder', 'draft head folder')}") from None
     if not (folder / "config.json").is_file():
         raise PreflightError(f"--draft: {folder} has no config.json (not a draft head folder)")
 

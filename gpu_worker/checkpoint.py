@@ -1,11 +1,15 @@
-"""Draft head checkpoints: Dovetail's own (dgf or fc) and published EAGLE-1/2 folders.
+"""Draft head checkpoints: Dovetail's own (dgf, fc, eagle3, dgf-eagle3) and published
+EAGLE-1/2 and EAGLE-3 folders.
 
 A folder holds ``config.json`` (Llama-style fields; ``num_hidden_layers`` counts the
 draft's layers; ``dovetail_fusion`` names the fusion) and the weights (``model.safetensors``
-or ``pytorch_model.bin``, optionally sharded with an index). EAGLE-1/2 folders name no
-fusion: ``fc.weight`` among the keys means ``fc``. The frozen embedding and lm_head come
-from the draft folder where present, else from the target's folder (only those tensors
-are read; a tied target head reuses the embedding).
+or ``pytorch_model.bin``, optionally sharded with an index). Published folders name no
+fusion: ``midlayer.*`` keys mean EAGLE-3 (``gpu_worker.eagle3``), else ``fc.weight`` means
+EAGLE-1/2's ``fc``. The frozen embedding (and, for EAGLE-1/2 and dgf heads, the lm_head)
+comes from the draft folder where present, else from the target's folder (only those
+tensors are read; a tied target head reuses the embedding). An EAGLE-3 head has its own
+lm_head over a reduced draft vocabulary (``draft_vocab_size`` in its config) and the
+``d2t``/``t2d`` maps between draft and target ids.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from cpu_worker.llama import LlamaSpec
 from cpu_worker.loading import ModelLoadError
 from cpu_worker.loading import read_tensors as read_checkpoint_tensors
 
+from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
+
+AnyHead = DraftHead | Eagle3Head
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -69,23 +76,36 @@ def _hf_config(folder: Path) -> Any:
 def detect_fusion(raw_config: dict[str, Any], keys: Iterable[str]) -> str:
     """The config's ``dovetail_fusion`` if it names one, else guessed from the weight keys."""
     named = raw_config.get(FUSION_FIELD)
+    supported = FUSIONS + EAGLE3_FUSIONS
     if named is not None:
-        if named not in FUSIONS:
-            raise DraftCheckpointError(f"unknown draft fusion {named!r} in config; supported: {', '.join(FUSIONS)}")
+        if named not in supported:
+            raise DraftCheckpointError(f"unknown draft fusion {named!r} in config; supported: {', '.join(supported)}")
         return named
     present = set(keys)
+    # Before fc: an EAGLE-3 head has an fc.weight too (over three target layers).
+    if any(key.startswith("midlayer.") for key in present):
+        return "dgf-eagle3" if {"W_1", "W_2", "W_z"} <= present else "eagle3"
     if "fc.weight" in present:
         return "fc"
     if {"W_1", "W_2", "W_z"} <= present:
         return "dgf"
     raise DraftCheckpointError(
         f"cannot tell the draft's fusion: config names no {FUSION_FIELD!r} and the weights have "
-        "neither fc.weight (EAGLE fc) nor W_1/W_2/W_z (dgf)")
+        "neither midlayer.* (EAGLE-3), fc.weight (EAGLE fc) nor W_1/W_2/W_z (dgf)")
 
 
 def _check_match(what: str, draft: int, target: int) -> None:
+    """The head's config against the target's config."""
     if draft != target:
-        raise DraftCheckpointError(f"draft head {what} {draft} does not match the target's {what} {target}")
+        raise DraftCheckpointError(f"draft head {what} {draft} (its config.json) does not match the target's "
+                                   f"{what} {target}")
+
+
+def _check_tensor(config_what: str, config_value: int, name: str, axis: str, found: int, source: str) -> None:
+    """The head's config against a tensor's shape, naming where the tensor came from."""
+    if config_value != found:
+        raise DraftCheckpointError(f"draft head {config_what} {config_value} (its config.json) does not match "
+                                   f"{name} in {source}, which has {found} {axis}")
 
 
 # ---------------------------------------------------------------- load / save
@@ -108,8 +128,9 @@ def load_target_frozen(target_dir: Path | str) -> dict[str, torch.Tensor]:
 
 
 def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> DraftHead:
-    """Build a ``DraftHead`` from a draft folder (Dovetail or published EAGLE-1/2 layout).
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyHead:
+    """Build a head from a draft folder: a ``DraftHead`` (Dovetail or published EAGLE-1/2
+    layout) or an ``Eagle3Head`` (Dovetail's or published EAGLE-3 layout).
 
     ``target_dir`` supplies the embedding/lm_head the draft folder lacks and is checked for
     matching hidden size and vocabulary.
@@ -120,6 +141,8 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
     state = {name: tensor for name, tensor in read_tensors(draft_dir).items()
              if not name.endswith(_IGNORED_SUFFIXES)}
     fusion = detect_fusion(raw, state.keys())
+    if fusion in EAGLE3_FUSIONS:
+        return load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype)
     spec = LlamaSpec.from_hf_config(config)
     # Bias flags come from the weights: published heads differ (qwen-style qkv bias, no fc bias).
     spec = dataclasses.replace(
@@ -131,6 +154,7 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
     )
     fc_bias = "fc.bias" in state  # the weights decide; a config's "bias": false agrees with them
 
+    missing_frozen: list[str] = []
     if target_dir is not None:
         target_config = _hf_config(Path(target_dir))
         _check_match("hidden size", spec.hidden_size, int(target_config.hidden_size))
@@ -147,10 +171,11 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
         raise DraftCheckpointError(
             f"draft folder {draft_dir} has no lm_head.weight: pass the target's folder to take it from")
 
-    for name, rows in (("embed_tokens.weight", "vocab size"), ("lm_head.weight", "vocab size")):
+    for name in _FROZEN:
         if name in state:
-            _check_match(rows, spec.vocab_size, int(state[name].shape[0]))
-            _check_match("hidden size", spec.hidden_size, int(state[name].shape[1]))
+            source = f"the target folder {target_dir}" if name in missing_frozen else f"the draft folder {draft_dir}"
+            _check_tensor("vocab size", spec.vocab_size, name, "rows", int(state[name].shape[0]), source)
+            _check_tensor("hidden size", spec.hidden_size, name, "columns", int(state[name].shape[1]), source)
 
     with torch.device("meta"):  # no wasted random init: every tensor comes from the files
         head = DraftHead(spec, fusion=fusion, fc_bias=fc_bias)
@@ -165,6 +190,109 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
     head.load_state_dict(state, assign=True, strict=True)
     head.embed_tokens.weight.requires_grad_(False)
     head.lm_head.weight.requires_grad_(False)
+    return head.eval()
+
+
+def load_target_embedding(target_dir: Path | str) -> torch.Tensor:
+    """The target's embedding alone (an EAGLE-3 head has its own lm_head)."""
+    found = read_tensors(Path(target_dir), list(_TARGET_EMBED_NAMES))
+    embed = next((found[name] for name in _TARGET_EMBED_NAMES if name in found), None)
+    if embed is None:
+        raise DraftCheckpointError(f"target folder {target_dir} has no model.embed_tokens.weight")
+    return embed
+
+
+def _vocab_maps(draft_dir: Path, state: dict[str, torch.Tensor], vocab: int, draft_vocab: int) -> None:
+    """Check ``d2t``/``t2d`` (or make them for a full vocabulary) in ``state``, in place: every
+    draft id maps to a distinct target id, and t2d marks exactly those."""
+    if "d2t" not in state:
+        if draft_vocab != vocab:
+            raise DraftCheckpointError(f"EAGLE-3 head {draft_dir} has a draft vocabulary of {draft_vocab} < {vocab} "
+                                       "target ids but no d2t to map its ids to the target's")
+        state["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)
+    d2t = state["d2t"].to(torch.int64).reshape(-1)
+    if d2t.numel() != draft_vocab:
+        raise DraftCheckpointError(f"d2t in {draft_dir} has {d2t.numel()} entries, the head's draft_vocab_size "
+                                   f"(its config.json) is {draft_vocab}")
+    targets = torch.arange(draft_vocab) + d2t
+    if bool((targets < 0).any()) or bool((targets >= vocab).any()) or targets.unique().numel() != draft_vocab:
+        raise DraftCheckpointError(f"d2t in {draft_dir} does not map the {draft_vocab} draft ids to distinct target "
+                                   f"ids in 0..{vocab - 1}")
+    marked = torch.zeros(vocab, dtype=torch.bool)
+    marked[targets] = True
+    if "t2d" in state:
+        t2d = state["t2d"].reshape(-1)
+        if t2d.numel() != vocab:
+            raise DraftCheckpointError(f"t2d in {draft_dir} has {t2d.numel()} entries, the target's vocabulary "
+                                       f"{vocab}")
+        if not torch.equal(t2d.to(torch.bool), marked):
+            raise DraftCheckpointError(f"t2d in {draft_dir} does not mark exactly the target ids d2t maps to")
+    state["d2t"], state["t2d"] = d2t, marked
+
+
+def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: dict[str, torch.Tensor],
+                     fusion: str, target_dir: Path | str | None, device: torch.device | str,
+                     dtype: torch.dtype) -> Eagle3Head:
+    """An ``Eagle3Head`` from a folder in the published EAGLE-3 layout (or Dovetail's own):
+    config with ``draft_vocab_size`` (optional ``target_hidden_size``), weights ``fc``,
+    ``midlayer.*``, ``norm``, ``lm_head`` [draft vocab, H], ``d2t``, ``t2d``; the embedding
+    from the folder if it has one, else from the target's."""
+    spec = LlamaSpec.from_hf_config(config)
+    spec = dataclasses.replace(
+        spec,
+        qkv_bias="midlayer.self_attn.q_proj.bias" in state,
+        o_bias="midlayer.self_attn.o_proj.bias" in state,
+        mlp_bias="midlayer.mlp.gate_proj.bias" in state,
+        sliding_window=None,
+    )
+    for name in ("fc.weight", "lm_head.weight"):
+        if name not in state:
+            raise DraftCheckpointError(f"EAGLE-3 head {draft_dir} has no {name}")
+    lm_rows = int(state["lm_head.weight"].shape[0])
+    draft_vocab = int(raw.get("draft_vocab_size") or lm_rows)
+    _check_tensor("draft_vocab_size", draft_vocab, "lm_head.weight", "rows", lm_rows, f"the draft folder {draft_dir}")
+    target_hidden = int(raw.get("target_hidden_size") or spec.hidden_size)
+    fc_columns = int(state["fc.weight"].shape[1])
+    if fc_columns != 3 * target_hidden:
+        raise DraftCheckpointError(
+            f"fc.weight in {draft_dir} reads rows of {fc_columns} floats; an EAGLE-3 head reads 3 x the target's "
+            f"hidden size {target_hidden} (config target_hidden_size, else hidden_size) = {3 * target_hidden}")
+    embed_source = f"the draft folder {draft_dir}"
+    if target_dir is not None:
+        target_config = _hf_config(Path(target_dir))
+        _check_match("vocab_size", spec.vocab_size, int(target_config.vocab_size))
+        if target_hidden != int(target_config.hidden_size):
+            raise DraftCheckpointError(
+                f"draft head reads target rows of 3 x {target_hidden} (its config.json), the target's hidden size is "
+                f"{int(target_config.hidden_size)}")
+        if "embed_tokens.weight" not in state:
+            state["embed_tokens.weight"] = load_target_embedding(target_dir)
+            embed_source = f"the target folder {target_dir}"
+    elif "embed_tokens.weight" not in state:
+        raise DraftCheckpointError(
+            f"EAGLE-3 head {draft_dir} has no embed_tokens: pass the target's folder to take it from")
+    embed = state["embed_tokens.weight"]
+    _check_tensor("vocab_size", spec.vocab_size, "embed_tokens.weight", "rows", int(embed.shape[0]), embed_source)
+    _check_tensor("hidden_size", spec.hidden_size, "embed_tokens.weight", "columns", int(embed.shape[1]),
+                  embed_source)
+    _vocab_maps(draft_dir, state, spec.vocab_size, draft_vocab)
+    try:
+        with torch.device("meta"):  # every tensor comes from the files
+            head = Eagle3Head(spec, target_hidden_size=target_hidden, draft_vocab_size=draft_vocab, fusion=fusion)
+    except ValueError as error:
+        raise DraftCheckpointError(f"EAGLE-3 head {draft_dir}: {error}") from None
+    expected = set(head.state_dict().keys())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise DraftCheckpointError(
+            f"draft weights in {draft_dir} do not fit a {fusion} head: "
+            f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
+    integer = {"d2t", "t2d"}  # ids and flags keep their dtypes
+    state = {name: tensor.to(device=device) if name in integer else tensor.to(device=device, dtype=dtype)
+             for name, tensor in state.items()}
+    head.load_state_dict(state, assign=True, strict=True)
+    head.embed_tokens.weight.requires_grad_(False)
     return head.eval()
 
 

@@ -29,7 +29,7 @@ def measure_draft_ms(drafter: Drafter, depths: Sequence[int], top_k: int, repeat
     prefix = max(1, min(64, drafter.max_len // 4))
 
     def pairs(count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.randn(count, spec.hidden_size, generator=generator),
+        return (torch.randn(count, drafter.feature_size, generator=generator),
                 torch.randint(spec.vocab_size, (count,), generator=generator))
 
     def start() -> None:

@@ -17,6 +17,11 @@ the target's ``prefix_len`` (tokens in the target's KV cache).
   scratch slot past L (see ``gpu_worker.tree``), attending to the committed prefix, its
   non-root ancestors and itself; the root's own pair is the committed slot L-1.
   Scratch slots are overwritten by the next ``extend`` and never read as committed.
+
+An EAGLE-3 head (``gpu_worker.eagle3``) reads target rows of 3 x hidden (``feature_size``)
+and scores a reduced draft vocabulary: the tree maps each chosen draft id to its target id
+(``d2t``) as it is chosen, so the head's next step embeds target ids and the tree that leaves
+the drafter holds target ids only.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,27 +39,40 @@ from cpu_worker.int8 import quantize_linears
 from cpu_worker.llama import KVCache, RotaryTable
 from ipc.tree import TreeShape
 
-from .checkpoint import load_head
+from .checkpoint import AnyHead, load_head
 from .device import resolve_device, resolve_dtype
-from .head import DraftHead
+from .eagle3 import Eagle3Head
 from .tree import DraftTree, build_tree
 
 
 @torch.inference_mode()
-def int8_layer_is_faster(head: DraftHead, rows: int = 8, repeats: int = 5) -> bool:
+def int8_layer_is_faster(head: AnyHead, rows: int = 8, repeats: int = 5) -> bool:
     """Time the head's first decoder layer in fp32 and in int8 on a tree level's worth of rows."""
-    layer = head.layers[0]
-    quantized = quantize_linears(copy.deepcopy(layer))
     spec = head.spec
-    x = torch.randn(1, rows, spec.hidden_size)
     cos = torch.ones(rows, spec.head_dim)
     sin = torch.zeros(rows, spec.head_dim)
+    x = torch.randn(1, rows, spec.hidden_size)
+    layer: torch.nn.Module
+    if isinstance(head, Eagle3Head):
+        layer = head.midlayer
+        # Its attention reads [embedding; hidden] (2H); its MLP reads H.
+        x2 = torch.randn(1, rows, 2 * spec.hidden_size)
+
+        def run(module: Any) -> None:
+            module.self_attn(x2, cos, sin)
+            module.mlp(x)
+    else:
+        layer = head.layers[0]
+
+        def run(module: Any) -> None:
+            module(x, cos, sin)
+    quantized = quantize_linears(copy.deepcopy(layer))
     timings = []
     for candidate in (layer, quantized):
-        candidate(x, cos, sin)  # warm-up: first calls pay one-off setup
+        run(candidate)  # warm-up: first calls pay one-off setup
         started = time.perf_counter()
         for _ in range(repeats):
-            candidate(x, cos, sin)
+            run(candidate)
         timings.append(time.perf_counter() - started)
     log.info("draft layer on the CPU: fp32 %.2f ms, int8 %.2f ms per call", *(t / repeats * 1e3 for t in timings))
     return timings[1] < timings[0]
@@ -67,15 +86,15 @@ class DraftContextError(ValueError):
 
 
 class Drafter:
-    """Holds a ``DraftHead`` and its cache; the coordinator calls ``reset``, ``extend`` and
-    ``propose`` only.
+    """Holds a head (``DraftHead`` or ``Eagle3Head``) and its cache; the coordinator calls
+    ``reset``, ``extend`` and ``propose`` only.
 
     ``max_len``: most committed pairs (match the target's context length). ``scratch_len``:
     slots past the committed length for tree expansion: ``TreeShape.scratch_slots`` of the
     largest tree it will be asked for (the coordinator sizes it so).
     """
 
-    def __init__(self, head: DraftHead, max_len: int, scratch_len: int = TreeShape().scratch_slots):
+    def __init__(self, head: AnyHead, max_len: int, scratch_len: int = TreeShape().scratch_slots):
         if max_len < 1 or scratch_len < 0:
             raise ValueError(f"max_len must be >= 1 and scratch_len >= 0, got {max_len}, {scratch_len}")
         parameter = head.embed_tokens.weight  # stays in the activation dtype when the rest is int8
@@ -85,6 +104,15 @@ class Drafter:
         self.max_len = max_len
         self.scratch_len = scratch_len
         spec = head.spec
+        # What a target row holds (3 x the target's hidden size for EAGLE-3), how many ids the
+        # head scores, and how its ids become target ids (None: they are target ids).
+        self.feature_size: int = spec.hidden_size
+        self.draft_vocab_size: int = spec.vocab_size
+        self.to_target: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if isinstance(head, Eagle3Head):
+            self.feature_size = head.feature_size
+            self.draft_vocab_size = head.draft_vocab_size
+            self.to_target = head.draft_to_target
         total = max_len + scratch_len
         self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, total, self.dtype, self.device)
         self.rotary = RotaryTable(spec, total, self.dtype, self.device)
@@ -94,7 +122,7 @@ class Drafter:
     def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path | None = None, max_len: int = 2048,
                         device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
                         scratch_len: int = TreeShape().scratch_slots) -> Drafter:
-        """Load a draft folder (Dovetail or EAGLE-1/2 layout) onto ``device`` (auto: CUDA if any).
+        """Load a draft folder (Dovetail, EAGLE-1/2 or EAGLE-3 layout) onto ``device`` (auto: CUDA if any).
         ``dtype``: fp32/fp16/bf16; int8 (CPU only: W8A8 projections, fp32 activations); or
         ``auto``: fp16 on CUDA, and on the CPU int8 where it measures faster than fp32 (a big
         head is memory-bound and int8 moves a quarter of the bytes; a tiny one is overhead-bound)."""
@@ -127,16 +155,16 @@ class Drafter:
     def extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> None:
         """Commit n pairs (f_i, x_{i+1}) at the next draft positions.
 
-        features: [n, d] target features (any device/dtype; converted here);
-        tokens: [n] the tokens that follow each feature's position.
+        features: [n, feature_size] target rows (any device/dtype; converted here);
+        tokens: [n] the (target) tokens that follow each row's position.
         """
         tokens_cpu = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
         count = int(tokens_cpu.shape[0])
         if count == 0:
             raise ValueError("extend needs at least one (feature, token) pair")
-        hidden = self.head.spec.hidden_size
-        if tuple(features.shape) != (count, hidden):
-            raise ValueError(f"features must be [{count}, {hidden}] to pair with {count} tokens, "
+        width = self.feature_size
+        if tuple(features.shape) != (count, width):
+            raise ValueError(f"features must be [{count}, {width}] to pair with {count} tokens, "
                              f"got {list(features.shape)}")
         start = self._length
         if start + count > self.max_len:
@@ -159,8 +187,9 @@ class Drafter:
         Leaves the committed cache as is, so calling it twice gives the same tree."""
         if self._root_token is None or self._root_feature is None or self._root_log_probs is None:
             raise RuntimeError("propose() before extend(): the drafter has no sequence")
-        if shape.top_k > self.head.spec.vocab_size:
-            raise DraftContextError(f"top_k {shape.top_k} exceeds the vocabulary size {self.head.spec.vocab_size}")
+        if shape.top_k > self.draft_vocab_size:
+            raise DraftContextError(f"top_k {shape.top_k} exceeds the vocabulary size {self.draft_vocab_size} "
+                                    "the draft head scores")
         if shape.scratch_slots > self.scratch_len:
             raise DraftContextError(
                 f"tree T={shape.tree_tokens} depth={shape.depth} top_k={shape.top_k} needs {shape.scratch_slots} "
@@ -181,4 +210,5 @@ class Drafter:
             out = head(parent_features, tokens, cos, sin, cache, start, mask)
             return out, head.log_probs(out)
 
-        return build_tree(self._root_token, self._root_feature, self._root_log_probs, expand, shape)
+        return build_tree(self._root_token, self._root_feature, self._root_log_probs, expand, shape,
+                          to_target=self.to_target)

@@ -73,6 +73,13 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     dtype = settings.get("dtype") or "auto"
     drafter = Drafter.from_pretrained(settings["draft"], settings.get("target"), max_len=settings["max_len"],
                                       device=device, dtype=dtype, scratch_len=settings["scratch_len"])
+    # The coordinator sized the rings and told the cpu_worker what rows to return from the
+    # folder's files alone (gpu_worker.head_layout); the loaded head must read exactly those.
+    row_width = settings.get("row_width")
+    if row_width is not None and row_width != drafter.feature_size:
+        raise ValueError(f"the draft head in {settings['draft']} reads target rows of {drafter.feature_size} floats, "
+                         f"but its folder was read as {settings.get('layout') or row_width} (an EAGLE-3 head needs "
+                         "draft_vocab_size in its config.json or safetensors weights with midlayer.* keys)")
     cycle = ShmRing.attach(settings["rings"]["cycle"])
     prefill = ShmRing.attach(settings["rings"]["prefill"])
     # Only the cycle ring is pinned: it is small and crosses every cycle; a prompt's block once.
@@ -82,7 +89,9 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     int8 = drafter.head.int8_fusion is not None or not isinstance(drafter.head.lm_head, torch.nn.Linear)
     info = {"device": str(drafter.device), "dtype": "int8" if int8 else activations,
             "threads": placement.intra_op_threads, "cores": placement.cores,
-            "layers": drafter.head.spec.num_layers, "ring_pinned": pinned, "scratch_len": drafter.scratch_len}
+            "layers": drafter.head.spec.num_layers, "ring_pinned": pinned, "scratch_len": drafter.scratch_len,
+            "fusion": drafter.head.fusion, "feature_size": drafter.feature_size,
+            "draft_vocab_size": drafter.draft_vocab_size}
     return info, service.handlers()
 
 

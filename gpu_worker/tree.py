@@ -27,8 +27,8 @@ import torch
 
 from ipc.tree import TreeShape
 
-# expand(tokens [k], parent_features [k, d], depth, ancestors bool [k, depth*k])
-#   -> (output_features [k, d], log_probs fp32 [k, vocab])
+# expand(tokens [k] (target ids), parent_features [k, d], depth, ancestors bool [k, depth*k])
+#   -> (output_features [k, d], log_probs fp32 [k, vocab]) (vocab: the head's, maybe a reduced one)
 ExpandFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -54,10 +54,15 @@ def root_only(root_token: int) -> DraftTree:
 
 
 def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torch.Tensor, expand: ExpandFn,
-               shape: TreeShape) -> DraftTree:
+               shape: TreeShape, to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DraftTree:
     """Expand and select a tree of at most ``shape.tree_tokens`` nodes (fewer only when fewer
     candidates exist). ``root_feature`` [d] / ``root_log_probs`` [vocab]: the head's output
-    at the root (the last committed pair)."""
+    at the root (the last committed pair). ``to_target``: maps the ids the log-probabilities
+    are over to target ids (a reduced draft vocabulary's ``d2t``), applied to every child as it
+    is chosen, so ``expand`` and the returned tree see target ids only."""
+    def chosen(ids: torch.Tensor) -> torch.Tensor:
+        return ids if to_target is None else to_target(ids)
+
     if shape.tree_tokens == 1:
         return root_only(root_token)
     if shape.top_k > root_log_probs.shape[-1]:
@@ -69,6 +74,7 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
 
     # Candidate arrays, appended level by level so ids grow with depth (tie-break shallower).
     beam_log_probs, beam_tokens = root_log_probs.topk(k)
+    beam_tokens = chosen(beam_tokens)
     beam_scores = beam_log_probs
     beam_ids = torch.arange(k, device=device)
     cand_tokens = [beam_tokens]
@@ -84,6 +90,7 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
         ancestors[:, offset:offset + k] = eye
         features, log_probs = expand(beam_tokens, beam_features, level, ancestors[:, :offset + k])
         child_log_probs, child_tokens = log_probs.topk(k, dim=-1)  # [k, k]
+        child_tokens = chosen(child_tokens)
         scores = (beam_scores.unsqueeze(1) + child_log_probs).reshape(-1)
         child_tokens = child_tokens.reshape(-1)
         cand_tokens.append(child_tokens)

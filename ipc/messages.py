@@ -214,7 +214,9 @@ class PrefillRequest(Message):
 
 
 class PrefillResult(Message):
-    """The first new token, and the last-layer features of every prompt position when asked."""
+    """The first new token, and the feature rows of every prompt position when asked: the last
+    layer's state after the final norm (hidden floats), or for an EAGLE-3 head the residual
+    streams entering its three target layers side by side (3 x hidden)."""
 
     seq_id: SeqId
     token: TokenId
@@ -275,7 +277,8 @@ class DraftRequest(Message):
 
 
 class DraftResult(Message):
-    """A compact tree: ``tokens[T]`` and ``parents[T]``."""
+    """A compact tree: ``tokens[T]`` and ``parents[T]``, target ids only (a head with a reduced
+    draft vocabulary maps its ids before the tree leaves the gpu_worker)."""
 
     seq_id: SeqId
     tokens: TreeTokens

@@ -55,9 +55,9 @@ def local_workers(engine: TargetEngine, drafter: Drafter | None = None,
     from cpu_worker.server import TargetService
     from gpu_worker.server import DraftService
 
-    hidden = engine.spec.hidden_size
-    cycle = ShmRing.create(slot_bytes_for(largest_tree.feature_rows, hidden, "float32"), 4)
-    prefill = ShmRing.create(slot_bytes_for(engine.max_len, hidden, "float32"), 1)
+    width = engine.feature_size  # 3 x hidden for an EAGLE-3 head's target rows
+    cycle = ShmRing.create(slot_bytes_for(largest_tree.feature_rows, width, "float32"), 4)
+    prefill = ShmRing.create(slot_bytes_for(engine.max_len, width, "float32"), 1)
     try:
         cpu = LocalWorker("cpu_worker", TargetService(engine, cycle, prefill).handlers())
         gpu = None if drafter is None else LocalWorker(

@@ -17,6 +17,29 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def check_device(device: str) -> str:
+    """``--device``: cpu, or cuda when torch sees a CUDA device (a clear error otherwise)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False; "
+                               f"this torch is {torch.__version__}); use --device cpu")
+    return device
+
+
+def parse_aux_layers(value: str | None, num_layers: int) -> tuple[int, int, int] | None:
+    """``--aux-layers``: 'auto' (EAGLE's rule {2, L//2, L-3}) or three ids 'a,b,c'; None: not asked."""
+    from gpu_worker.eagle3 import resolve_aux_layers
+
+    if value is None:
+        return None
+    try:
+        override = None if value == "auto" else [int(part) for part in value.split(",")]
+        return resolve_aux_layers(num_layers, override, option="--aux-layers")
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--aux-layers") from None
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if count < 1024 or unit == "GB":
@@ -49,7 +72,12 @@ def main() -> None:
               "(else plain 'role: content' lines).")
 @click.option("--window", type=click.IntRange(min=2), default=512, help="Tokens per window (each prefilled from "
               "position 0; the testbed was trained on 512).")
-@click.option("--dtype", type=click.Choice(["fp16", "fp32"]), default="fp16", help="Stored feature precision.")
+@click.option("--dtype", type=click.Choice(["fp16", "fp32", "bf16"]), default="fp16", help="Stored feature "
+              "precision; bf16 also runs the target in bf16 (for 7B-13B targets on a GPU).")
+@click.option("--aux-layers", default=None, help="Also store EAGLE-3's three-layer rows: the residual streams "
+              "entering target layers 'a,b,c' (distinct, increasing), or 'auto' for EAGLE's rule {2, L//2, L-3}. "
+              "Needed by --recipe eagle3 / dgf-eagle3.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", help="Where the target runs.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Stop after this many tokens.")
 @click.option("--shuffle-seed", type=int, default=0, help="Shuffle the file order with this seed (so --max-tokens "
               "samples the whole corpus); -1 keeps the sorted order.")
@@ -57,11 +85,11 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Start over if the folder holds features made with other settings.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
 def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_field, chat_template, window, dtype,
-             max_tokens, shuffle_seed, shard_tokens, overwrite, threads) -> None:
+             aux_layers, device, max_tokens, shuffle_seed, shard_tokens, overwrite, threads) -> None:
     """Run the target over a corpus and store token ids + last hidden states (after the final norm)."""
     from transformers import AutoTokenizer
 
-    from cpu_worker.loading import load_target_model, resolve_model_dir
+    from cpu_worker.loading import load_spec, load_target_model, resolve_model_dir
 
     from .corpus import STDLIB_EXCLUDE, STDLIB_PATTERN, expand_inputs, read_documents, shuffled, stdlib_root
     from .features import cut_windows, extract_features, folder_bytes
@@ -73,6 +101,8 @@ def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_fiel
     if not inputs:
         raise click.UsageError("give --input (repeatable) or --stdlib")
     target_dir = resolve_model_dir(target)
+    check_device(device)
+    aux = parse_aux_layers(aux_layers, load_spec(target_dir).num_layers)
     files = expand_inputs(inputs, pattern, exclude, None if split == "all" else split)
     if not files:
         raise click.UsageError("the inputs name no files")
@@ -89,9 +119,9 @@ def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_fiel
               "pattern": pattern, "exclude": list(exclude), "split": split, "text_field": text_field,
               "chat_template": chat_template, "window": window, "max_tokens": max_tokens,
               "shuffle_seed": shuffle_seed, "files": len(files)}
-    model = load_target_model(target_dir).eval()
+    model = load_target_model(target_dir, precision="bf16" if dtype == "bf16" else "fp32").eval().to(device)
     manifest = extract_features(model, windows, out_dir, config, dtype=dtype, shard_tokens=shard_tokens,
-                                overwrite=overwrite)
+                                overwrite=overwrite, aux_layers=aux)
     click.echo(f"{manifest['tokens']:,} tokens in {manifest['windows']:,} windows from {len(files):,} files "
                f"({manifest['loss_tokens']:,} with loss), {len(manifest['shards'])} shards; "
                f"disk use {human_bytes(folder_bytes(out_dir))} in {out_dir}")
@@ -106,7 +136,17 @@ def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_fiel
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Head folder: config.json + model.safetensors (use as dovetail-run --draft), plus "
               "train_state.pt (resume) and train_log.jsonl.")
-@click.option("--fusion", type=click.Choice(["dgf", "fc"]), default="dgf", help="dgf (Dovetail) or fc (EAGLE-1/2).")
+@click.option("--recipe", type=click.Choice(["eagle1", "eagle3", "dgf-eagle3"]), default="eagle1",
+              help="eagle1: --fusion head on last-layer features (feature + token loss, teacher-forced); eagle3 / "
+              "dgf-eagle3: EAGLE-3 head on three-layer rows (--aux-layers features), training-time test, "
+              "CE on a --draft-vocab vocabulary.")
+@click.option("--fusion", type=click.Choice(["dgf", "fc"]), default="dgf", help="eagle1 recipe: dgf (Dovetail) "
+              "or fc (EAGLE-1/2).")
+@click.option("--draft-vocab", type=click.IntRange(min=1), default=4096, help="eagle3 recipes: draft vocabulary "
+              "size (the most frequent predicted tokens of the training features; d2t/t2d in the head).")
+@click.option("--ttt-steps", type=click.IntRange(min=1), default=7, help="eagle3 recipes: training-time-test "
+              "steps (EAGLE-3 unrolls 7).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", help="eagle3 recipes: where to train.")
 @click.option("--layers", type=click.IntRange(min=1), default=1, help="Decoder layers in the head.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Windows per step.")
 @click.option("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, betas 0.9/0.95).")
@@ -131,14 +171,45 @@ def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_fiel
               "the target folder).")
 @click.option("--restart", is_flag=True, help="Ignore an existing train_state.pt in --out.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
-def train(target, train_dir, heldout_dir, out_dir, fusion, layers, batch_size, lr, warmup, min_lr_ratio,
-          weight_decay, clip, noise, epochs, steps, max_tokens, eval_every, eval_tokens, save_every, seed, bf16,
-          save_dtype, include_frozen, restart, threads) -> None:
+def train(target, train_dir, heldout_dir, out_dir, recipe, fusion, draft_vocab, ttt_steps, device, layers,
+          batch_size, lr, warmup, min_lr_ratio, weight_decay, clip, noise, epochs, steps, max_tokens, eval_every,
+          eval_tokens, save_every, seed, bf16, save_dtype, include_frozen, restart, threads) -> None:
     """Train a draft head on stored features; the result loads with dovetail-run --draft OUT."""
     from .trainer import TrainConfig
     from .trainer import train as run_training
 
     set_threads(threads)
+    check_device(device)
+    if recipe != "eagle1":
+        from .eagle3_trainer import Eagle3Config, train_eagle3
+
+        if layers != 1:
+            raise click.UsageError(f"--recipe {recipe}: an EAGLE-3 head has one decoder layer (--layers 1)")
+        eagle3 = Eagle3Config(fusion=recipe, draft_vocab=draft_vocab, ttt_steps=ttt_steps, batch_size=batch_size,
+                              lr=lr, min_lr_ratio=min_lr_ratio, warmup=warmup, weight_decay=weight_decay, clip=clip,
+                              epochs=epochs, steps=steps, max_tokens=max_tokens, eval_every=eval_every,
+                              eval_tokens=eval_tokens, save_every=save_every, seed=seed, bf16=bf16,
+                              save_dtype=save_dtype, device=device)
+        import signal
+
+        def stop(_signum: int, _frame: object) -> None:
+            raise KeyboardInterrupt  # train_eagle3 then writes the head as trained so far
+
+        # SIGTERM too: a background job started by a script ignores SIGINT.
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        try:
+            result = train_eagle3(target, train_dir, out_dir, eagle3, heldout_dir=heldout_dir)
+        except ValueError as error:
+            raise click.UsageError(str(error)) from None
+        stopped = "" if result["finished"] else \
+            f" (stopped early: {result['steps']} of {result['planned_steps']} steps)"
+        click.echo(f"{result['steps']} steps{stopped} in {result['seconds']:.0f} s on {result['train_tokens']:,} "
+                   "tokens "
+                   f"(draft vocabulary covers {result['draft_vocab_coverage']:.2%} of them); head written to {out_dir}")
+        return
+    if device != "cpu":
+        raise click.UsageError("--device cuda is for the eagle3 recipes")
     config = TrainConfig(fusion=fusion, layers=layers, batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio,
                          warmup=warmup, weight_decay=weight_decay, clip=clip, noise=noise, epochs=epochs,
                          steps=steps, max_tokens=max_tokens, eval_every=eval_every, eval_tokens=eval_tokens,
@@ -186,6 +257,7 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
     from ipc.tree import TreeShape
 
     from .corpus import expand_inputs, stdlib_files, stdlib_root
+    from .eagle3_io import is_eagle3_folder
     from .evaluate import file_prompts, format_table, measure_tau
 
     set_threads(threads)
@@ -204,8 +276,12 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
     room = prompt_tokens + new_tokens + max(t for t, _, _ in settings) + 1
     engine = TargetEngine(model, max_len=room)
     scratch = max(TreeShape.clamped(*setting).scratch_slots for setting in settings)
-    drafter = Drafter.from_pretrained(draft, target_dir, max_len=room, device="cpu", scratch_len=scratch)
-    results = measure_tau(engine, drafter, prompts, new_tokens, tokenizer.eos_token_id, settings)
+    if is_eagle3_folder(draft):
+        results = eagle3_tau(engine, draft, target_dir, prompts, new_tokens, tokenizer.eos_token_id, settings,
+                             room, scratch)
+    else:
+        drafter = Drafter.from_pretrained(draft, target_dir, max_len=room, device="cpu", scratch_len=scratch)
+        results = measure_tau(engine, drafter, prompts, new_tokens, tokenizer.eos_token_id, settings)
     if as_json:
         click.echo(json.dumps({"target": str(target_dir), "draft": str(draft), "prompt_tokens": prompt_tokens,
                                "new_tokens": new_tokens, "results": [r.as_dict() for r in results]}, indent=1))
@@ -214,6 +290,28 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
     ties = sum(len(r.near_ties) for r in results)
     click.echo("lossless: every output equals the target's greedy decode"
                + (f" ({ties} near-tie divergences, top-2 gap < 1e-4)" if ties else ""))
+
+
+def eagle3_tau(engine, draft, target_dir, prompts, new_tokens, eos, settings, room, scratch):
+    """measure_tau for an EAGLE-3 head: its three-layer rows come from hooks on the in-process target."""
+    from gpu_worker.eagle3 import resolve_aux_layers
+
+    from .eagle3_eval import AuxRows, eagle3_drafter, speculative_greedy_eagle3
+    from .eagle3_io import load_eagle3_head
+    from .evaluate import measure_tau
+
+    head, layers = load_eagle3_head(draft, target_dir)
+    aux = AuxRows(engine.model, resolve_aux_layers(engine.spec.num_layers, layers))
+    drafter = eagle3_drafter(head, room, scratch)
+
+    def speculate(engine, drafter, prompt, new_tokens, eos, tree_tokens, depth, top_k, result):
+        return speculative_greedy_eagle3(engine, aux, drafter, prompt, new_tokens, eos, tree_tokens, depth, top_k,
+                                         result)
+
+    try:
+        return measure_tau(engine, drafter, prompts, new_tokens, eos, settings, speculate=speculate)
+    finally:
+        aux.close()
 
 
 @main.command(context_settings=CONTEXT)

@@ -12,7 +12,7 @@ DESIGN.md section 6) and is reported.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,9 +118,16 @@ def check_lossless(name: str, got: list[int], want: list[int], gaps: list[float]
                         f"(reference top-2 gap {gap:.3g} >= {NEAR_TIE})")
 
 
+Speculate = Callable[[TargetEngine, Drafter, Sequence[int], int, "int | None", int, int, int, TauResult], list[int]]
+
+
 def measure_tau(engine: TargetEngine, drafter: Drafter, prompts: list[tuple[str, list[int]]], new_tokens: int,
-                eos: int | None, settings: Sequence[tuple[int, int, int]], progress: bool = True) -> list[TauResult]:
-    """One ``TauResult`` per (T, depth, top_k); the target's reference decode runs once per prompt."""
+                eos: int | None, settings: Sequence[tuple[int, int, int]], progress: bool = True,
+                speculate: Speculate | None = None) -> list[TauResult]:
+    """One ``TauResult`` per (T, depth, top_k); the target's reference decode runs once per prompt.
+    ``speculate``: the speculative decode to measure (default: the runtime's cycle,
+    ``speculative_greedy``; EAGLE-3 heads pass theirs)."""
+    speculate = speculate or speculative_greedy
     results = []
     for tree_tokens, depth, top_k in settings:
         depth = max(1, min(depth, tree_tokens - 1))  # as dovetail-run: no path deeper than T - 1
@@ -129,8 +136,8 @@ def measure_tau(engine: TargetEngine, drafter: Drafter, prompts: list[tuple[str,
         want, gaps = reference_greedy(engine, prompt, new_tokens, eos)
         for result in results:
             started = time.perf_counter()
-            got = speculative_greedy(engine, drafter, prompt, new_tokens, eos, result.tree_tokens, result.depth,
-                                     result.top_k, result)
+            got = speculate(engine, drafter, prompt, new_tokens, eos, result.tree_tokens, result.depth,
+                            result.top_k, result)
             result.seconds += time.perf_counter() - started
             tie = check_lossless(name, got, want, gaps)
             if tie:

@@ -41,9 +41,12 @@ def export_target(target_dir: Path, out_dir: Path, dtype: torch.dtype = torch.fl
 def export_head(draft_dir: Path, target_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float16) -> Path:
     """A head folder rewritten in ``dtype`` without the frozen tensors."""
     from gpu_worker.checkpoint import load_head, save_head
+    from gpu_worker.head import DraftHead
 
-    head = load_head(draft_dir, target_dir).to(dtype)
-    save_head(head, out_dir, include_frozen=False)
+    head = load_head(draft_dir, target_dir)
+    if not isinstance(head, DraftHead):
+        raise ValueError(f"{draft_dir} is an EAGLE-3 head: dovetail-train writes those with its eagle3 recipes")
+    save_head(head.to(dtype), out_dir, include_frozen=False)
     for file in out_dir.iterdir():
         file.chmod(0o644)
     return out_dir

@@ -79,21 +79,52 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
+@torch.inference_mode()
+def window_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ...] = (),
+                   rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One window from position 0 without a KV cache, on the model's device and dtype.
+
+    Returns (last hidden states after the final norm [n, d], aux rows [n, 3d] or None): an aux
+    row is the residual stream entering each of ``aux_layers`` (before that layer's input
+    norm), concatenated in the order given."""
+    device = target.embed_tokens.weight.device
+    x = target.embed_tokens(tokens.to(device)).unsqueeze(0)
+    n = x.shape[1]
+    if rotary is None:
+        from cpu_worker.llama import RotaryTable
+
+        table = RotaryTable(target.spec, n, x.dtype, device)
+        rotary = (table.cos, table.sin)
+    cos, sin = rotary[0][:n], rotary[1][:n]
+    taken = {}
+    for index, layer in enumerate(target.layers):
+        if index in aux_layers:
+            taken[index] = x[0]
+        x = layer(x, cos, sin)  # no cache: causal within the window
+    aux = torch.cat([taken[index] for index in aux_layers], dim=-1) if aux_layers else None
+    return target.norm(x)[0], aux
+
+
 def extract_features(target: Any, windows: list[Window], out_dir: Path, config: dict[str, Any],
                      dtype: str = "fp16", shard_tokens: int = 131072, overwrite: bool = False,
-                     on_shard: Callable[[int], None] | None = None, progress: bool = True) -> dict[str, Any]:
+                     on_shard: Callable[[int], None] | None = None, progress: bool = True,
+                     aux_layers: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Write (or finish writing) the shards for ``windows`` under ``out_dir``.
 
-    ``target``: a loaded ``LlamaDecoder``. ``config``: what produced the windows (inputs,
-    window size, split, ...); a rerun must pass the same config to resume. ``on_shard`` is
-    called with each shard index after it is stored (tests use it to interrupt a run).
-    Returns the manifest.
+    ``target``: a loaded ``LlamaDecoder`` (on any device, in fp32 or bf16). ``config``: what
+    produced the windows (inputs, window size, split, ...); a rerun must pass the same config
+    to resume. ``on_shard`` is called with each shard index after it is stored (tests use it to
+    interrupt a run). ``aux_layers``: also store per token the residual streams entering these
+    target layers (EAGLE-3's three-layer rows, ``aux`` [N, 3d]). ``dtype`` "bf16" stores bf16
+    (the target then runs in bf16 too). Returns the manifest.
     """
     from cpu_worker.engine import TargetEngine
 
     out_dir.mkdir(parents=True, exist_ok=True)
     plans = plan_shards(windows, shard_tokens)
     full_config = dict(config, dtype=dtype, shard_tokens=shard_tokens, version=FORMAT_VERSION)
+    if aux_layers is not None:
+        full_config["aux_layers"] = list(aux_layers)
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest["config"] != full_config:
         if not overwrite:
@@ -105,6 +136,8 @@ def extract_features(target: Any, windows: list[Window], out_dir: Path, config: 
             stale.unlink()
         manifest = {"config": full_config, "hidden_size": int(target.spec.hidden_size), "shards": [],
                     "complete": False}
+        if aux_layers is not None:
+            manifest["aux_layers"] = list(aux_layers)
     done = {entry["index"]: entry for entry in manifest["shards"]}
     # Keep only finished shards whose file is there and whose planned content is unchanged.
     todo = []
@@ -122,22 +155,39 @@ def extract_features(target: Any, windows: list[Window], out_dir: Path, config: 
     total_tokens = sum(p.num_tokens for p in plans)
     skipped = sum(entry["tokens"] for entry in kept)
     max_window = max((len(w.tokens) for w in windows), default=1)
-    engine = TargetEngine(target, max_len=max_window)
+    on_cpu_fp32 = target.embed_tokens.weight.device.type == "cpu" and target.embed_tokens.weight.dtype == torch.float32
+    # The default path (CPU, fp32, last layer only) runs the inference engine, as before; the
+    # others use the cache-free window forward, which runs on any device and dtype.
+    engine = TargetEngine(target, max_len=max_window) if aux_layers is None and on_cpu_fp32 else None
+    rotary = None
+    if engine is None:
+        from cpu_worker.llama import RotaryTable
+
+        weight = target.embed_tokens.weight
+        table = RotaryTable(target.spec, max_window, weight.dtype, weight.device)
+        rotary = (table.cos, table.sin)
     store_dtype = torch_dtype(dtype)
     started = time.perf_counter()
     bar = tqdm(total=total_tokens, initial=skipped, unit="tok", unit_scale=True, desc="features",
                disable=not progress, dynamic_ncols=True)
     try:
         for plan in todo:
-            features = []
+            features, aux_rows = [], []
             for window in plan.windows:
-                step = engine.prefill(window.tokens.tolist())
-                features.append(step.features.to(store_dtype))
+                if engine is not None:
+                    features.append(engine.prefill(window.tokens.tolist()).features.to(store_dtype))
+                else:
+                    last, aux = window_forward(target, torch.from_numpy(window.tokens).long(), aux_layers or (),
+                                               rotary)
+                    features.append(last.to(device="cpu", dtype=store_dtype))
+                    if aux is not None:
+                        aux_rows.append(aux.to(device="cpu", dtype=store_dtype))
                 bar.update(len(window.tokens))
             lengths = [len(w.tokens) for w in plan.windows]
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
             write_shard(out_dir / shard_name(plan.index), np.concatenate([w.tokens for w in plan.windows]),
-                        torch.cat(features), np.concatenate([w.loss_mask for w in plan.windows]), offsets)
+                        torch.cat(features), np.concatenate([w.loss_mask for w in plan.windows]), offsets,
+                        aux=torch.cat(aux_rows) if aux_rows else None)
             manifest["shards"].append({"index": plan.index, "file": shard_name(plan.index),
                                        "windows": len(plan.windows), "tokens": plan.num_tokens,
                                        "digest": plan.digest()})

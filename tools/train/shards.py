@@ -2,7 +2,9 @@
 
 Each shard holds whole windows: ``tokens`` int32 [N], ``features`` fp16/fp32 [N, d] (the
 target's last hidden states after the final norm), ``loss_mask`` uint8 [N] and
-``window_offsets`` int64 [W + 1] (window w is rows offsets[w]:offsets[w + 1]). The
+``window_offsets`` int64 [W + 1] (window w is rows offsets[w]:offsets[w + 1]), and with
+``--aux-layers`` ``aux`` [N, 3d] (EAGLE-3: the residual streams entering three target layers,
+listed in the manifest's ``aux_layers``). The
 manifest lists the finished shards with a digest of their tokens, so an interrupted run
 resumes by skipping shards whose digest still matches the planned one.
 """
@@ -44,11 +46,12 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def write_shard(path: Path, tokens: np.ndarray, features: torch.Tensor, loss_mask: np.ndarray,
-                offsets: np.ndarray) -> None:
+                offsets: np.ndarray, aux: torch.Tensor | None = None) -> None:
     from safetensors.torch import save_file
 
     temporary = path.with_suffix(".tmp")
-    save_file({
+    extra = {} if aux is None else {"aux": aux.contiguous()}
+    save_file(extra | {
         "tokens": torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32)),
         "features": features.contiguous(),
         "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
@@ -70,6 +73,8 @@ class FeatureSet:
     features: torch.Tensor  # [N, d]
     loss_mask: torch.Tensor  # bool [N]
     offsets: torch.Tensor  # int64 [W + 1]
+    aux: torch.Tensor | None = None  # [N, 3d] EAGLE-3 rows (residual streams entering aux_layers)
+    aux_layers: tuple[int, ...] | None = None
 
     @property
     def num_windows(self) -> int:
@@ -100,7 +105,8 @@ def load_features(folder: Path | str, max_tokens: int | None = None) -> FeatureS
         raise FileNotFoundError(f"{folder} has no {MANIFEST}: run `dovetail-train features` first")
     if not manifest.get("complete"):
         raise ValueError(f"{folder}: feature extraction did not finish; rerun the same features command to resume")
-    tokens, features, masks, offsets = [], [], [], [np.zeros(1, dtype=np.int64)]
+    aux_layers = manifest.get("aux_layers")
+    tokens, features, masks, offsets, aux = [], [], [], [np.zeros(1, dtype=np.int64)], []
     total = 0
     for entry in manifest["shards"]:
         shard = load_file(str(folder / entry["file"]))
@@ -114,6 +120,8 @@ def load_features(folder: Path | str, max_tokens: int | None = None) -> FeatureS
         tokens.append(shard["tokens"][:end].long())
         features.append(shard["features"][:end])
         masks.append(shard["loss_mask"][:end].bool())
+        if aux_layers is not None:
+            aux.append(shard["aux"][:end])
         offsets.append(shard_offsets[1:] + total)
         total += end
         if max_tokens is not None and total >= max_tokens - 1:
@@ -121,4 +129,5 @@ def load_features(folder: Path | str, max_tokens: int | None = None) -> FeatureS
     if not tokens:
         raise ValueError(f"{folder}: no windows (max_tokens {max_tokens})")
     return FeatureSet(torch.cat(tokens), torch.cat(features), torch.cat(masks),
-                      torch.from_numpy(np.concatenate(offsets)))
+                      torch.from_numpy(np.concatenate(offsets)), torch.cat(aux) if aux else None,
+                      tuple(aux_layers) if aux_layers is not None else None)

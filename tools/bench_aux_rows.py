@@ -1,0 +1,87 @@
+"""What EAGLE-3's three-layer rows cost the target: a tree verification and a prefill with
+last-layer rows (every other head) and with aux rows (an EAGLE-3 head), the same weights,
+the two engines alternating call by call so machine noise hits both alike; and the ring round
+trip of a cycle's rows at both widths. ``--layers ''`` times the last-layer engine alone (runs
+on code without aux rows too, for a before/after of the existing heads' path).
+
+    python -m tools.bench_aux_rows [--target demo/target-code-9m] [--layers 1,3,4] [--repeats 200]
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import click
+import torch
+
+from cpu_worker.engine import TargetEngine
+from cpu_worker.loading import load_target_model
+from ipc.shm_ring import ShmRing, get_block, slot_bytes_for
+
+
+def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """ms per call of each run, the runs taking turns (and turns in both orders)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for index in range(repeats):
+        for name in names if index % 2 else reversed(names):
+            started = time.perf_counter()
+            runs[name]()
+            times[name].append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def round_trip(ring: ShmRing, block: torch.Tensor) -> torch.Tensor:
+    return get_block(ring.write(block), {ring.name: ring})
+
+
+def summary(times: list[float]) -> str:
+    ordered = sorted(times)
+    return f"min {ordered[0]:.2f} / p25 {ordered[len(ordered) // 4]:.2f} / median {statistics.median(ordered):.2f} ms"
+
+
+@click.command()
+@click.option("--target", default="demo/target-code-9m", show_default=True)
+@click.option("--layers", default="1,3,4", show_default=True, help="the aux layers ('' = last-layer engine only)")
+@click.option("--tree-tokens", type=int, default=16, show_default=True)
+@click.option("--prompt-tokens", type=int, default=256, show_default=True)
+@click.option("--repeats", type=int, default=200, show_default=True)
+def main(target: str, layers: str, tree_tokens: int, prompt_tokens: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    model = load_target_model(target)
+    aux_layers = [int(x) for x in layers.split(",") if x.strip()]
+    engines = {"last-layer": TargetEngine(model, max_len=2048)}
+    if aux_layers:
+        engines["aux"] = TargetEngine(model, max_len=2048, aux_layers=aux_layers)
+    vocab = model.spec.vocab_size
+    prompt = torch.randint(vocab, (prompt_tokens,)).tolist()
+    tokens = torch.randint(vocab, (tree_tokens,)).tolist()
+    parents = [-1] + [(i - 1) // 2 for i in range(1, tree_tokens)]
+    print(f"target {target}, aux layers {aux_layers or 'none'}, {torch.get_num_threads()} threads, "
+          f"{repeats} calls each")
+    with torch.inference_mode():
+        prefills = alternate({name: functools.partial(engine.prefill, prompt) for name, engine in engines.items()},
+                             max(10, repeats // 10))
+        # tree_logits is verify's forward; the prefix stays as it is between calls.
+        verifies = alternate({name: functools.partial(engine.tree_logits, tokens, parents)
+                              for name, engine in engines.items()}, repeats)
+    for name in engines:
+        print(f"{name:>10}: verify T={tree_tokens}: {summary(verifies[name])}")
+        print(f"{'':>10}  prefill {prompt_tokens}: {summary(prefills[name])}")
+    hidden = model.spec.hidden_size
+    rows = tree_tokens // 2
+    for width in (hidden, 3 * hidden):
+        ring = ShmRing.create(slot_bytes_for(rows, width, "float32"), 4)
+        try:
+            block = torch.randn(rows, width)
+            trip = alternate({"ring": functools.partial(round_trip, ring, block)}, 500)["ring"]
+            print(f"ring write + read of [{rows}, {width}] fp32: median {statistics.median(trip) * 1e3:.0f} us")
+        finally:
+            ring.close()
+
+
+if __name__ == "__main__":
+    main()
