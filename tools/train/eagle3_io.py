@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from cpu_worker.llama import LlamaSpec
-from gpu_worker.checkpoint import load_target_frozen, read_tensors
+from gpu_worker.checkpoint import load_head
 from gpu_worker.eagle3 import AUX_LAYERS_KEY, Eagle3Head
 
 CONFIG_NAME = "config.json"
@@ -56,31 +55,14 @@ def save_eagle3_head(head: Eagle3Head, out_dir: Path, target_dir: Path, aux_laye
     return out_dir
 
 
-def head_spec(config: dict[str, Any]) -> LlamaSpec:
-    from transformers import LlamaConfig
-
-    return LlamaSpec.from_hf_config(LlamaConfig.from_dict(dict(config, model_type="llama")))
-
-
 def load_eagle3_head(folder: Path | str, target_dir: Path | str, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32) -> tuple[Eagle3Head, tuple[int, ...] | None]:
-    """(head with the target's embedding, the config's aux layers or None for EAGLE's rule)."""
+    """(head with the target's embedding, the config's aux layers or None for EAGLE's rule),
+    loaded by the runtime's own loader (``gpu_worker.checkpoint.load_head``) so that training,
+    eval and serving read a folder alike."""
     folder = Path(folder)
-    config = json.loads((folder / CONFIG_NAME).read_text())
-    state = read_tensors(folder)
-    fc = state.get("fc.weight")
-    if fc is None:
-        raise ValueError(f"{folder}: no fc.weight: not an EAGLE-3 head")
-    target_hidden = int(config.get("target_hidden_size") or fc.shape[1] // 3)
-    head = Eagle3Head(head_spec(config), target_hidden_size=target_hidden,
-                      draft_vocab_size=int(config["draft_vocab_size"]),
-                      fusion=config.get("dovetail_fusion", "eagle3"))
-    embed = load_target_frozen(target_dir)["embed_tokens.weight"]
-    if tuple(embed.shape) != tuple(head.embed_tokens.weight.shape):
-        raise ValueError(f"target embedding {list(embed.shape)} does not fit the head "
-                         f"[{head.vocab_size}, {head.hidden_size}]")
-    state["embed_tokens.weight"] = embed
-    head.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
-    head = head.to(device=device, dtype=dtype)
-    layers = config.get(AUX_LAYERS_KEY)
+    head = load_head(folder, target_dir, device=device, dtype=dtype)
+    if not isinstance(head, Eagle3Head):
+        raise ValueError(f"{folder}: not an EAGLE-3 head (no midlayer.* weights)")
+    layers = json.loads((folder / CONFIG_NAME).read_text()).get(AUX_LAYERS_KEY)
     return head.eval(), tuple(int(x) for x in layers) if layers is not None else None
