@@ -78,13 +78,15 @@ class VerifyOutcome:
 
 class TargetEngine:
     def __init__(self, model: LlamaDecoder, max_len: int | None = None, activation_dtype: torch.dtype = torch.float32,
-                 exact_tree: bool | None = None, aux_layers: Sequence[int] | None = None):
+                 exact_tree: bool | None = None, aux_layers: Sequence[int] | None = None,
+                 kv_dtype: torch.dtype | None = None):
         """``exact_tree``: verify a tree row by row in attention so every node's logits equal
         a decode's bit for bit (default: when the linear layers are batch-invariant, i.e. int8
         W8A8; float GEMMs round differently per batch size anyway, so exact attention would
         buy nothing there). ``aux_layers`` (an EAGLE-3 head's, increasing): feature rows are
         the residual streams entering those layers, concatenated, instead of the last layer's
-        state after the final norm (``LlamaDecoder.forward``)."""
+        state after the final norm (``LlamaDecoder.forward``). ``kv_dtype``: the KV cache's
+        dtype (default: the activations'); attention then runs in it (``Attention.forward``)."""
         spec = model.spec
         limit = spec.max_position_embeddings
         if spec.sliding_window is not None:
@@ -100,7 +102,8 @@ class TargetEngine:
         self.spec = spec
         self.max_len = max_len
         self.dtype = activation_dtype
-        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_len, activation_dtype)
+        self.kv_dtype = activation_dtype if kv_dtype is None else kv_dtype
+        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_len, self.kv_dtype)
         self.rotary = RotaryTable(spec, max_len, activation_dtype)
         self.committed = 0
 

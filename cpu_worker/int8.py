@@ -47,15 +47,9 @@ class RowwiseInt8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        weight = weight.detach().to(torch.float32)
+        weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():
-            # Quantized tensors are deprecated for a future torch; they work in the 2.11-2.14 we support.
-            warnings.filterwarnings("ignore", message=".*quantize_per_channel.*deprecated")
-            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self._packed = torch.ops.quantized.linear_prepack(_quantize_per_row(weight), None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
         self.reduce_range = not _cpu_has_vnni()
         pin = torch.zeros(1, self.in_features)
@@ -83,6 +77,29 @@ class RowwiseInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-row"
+
+
+def _quantize_per_row(weight: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """Symmetric int8 per output channel (row), converted to fp32 a chunk of rows at a time:
+    a loader quantising a 7B-sized matrix from fp16 then holds the fp16 source and the int8
+    result, not also a whole fp32 copy and its absolute values (+0.5 GB at peak)."""
+    out_features = weight.shape[0]
+    scales = torch.empty(out_features, dtype=torch.float64)
+    values = torch.empty(weight.shape, dtype=torch.int8)
+    zero_points = torch.zeros(out_features, dtype=torch.long)
+    with warnings.catch_warnings():
+        # Quantized tensors are deprecated for a future torch; they work in the 2.11-2.14 we support.
+        warnings.filterwarnings("ignore", message=".*quantize_per_channel.*deprecated")
+        warnings.filterwarnings("ignore", message=".*_make_per_channel_quantized_tensor.*deprecated")
+        for first in range(0, out_features, rows_per_chunk):
+            rows = slice(first, first + rows_per_chunk)
+            chunk = weight[rows].to(torch.float32)
+            chunk_scales = (torch.linalg.vector_norm(chunk, ord=float("inf"), dim=1) / 127.0).clamp(min=1e-12).double()
+            scales[rows] = chunk_scales
+            # Rows quantise independently (axis 0), so chunks give the whole matrix's bits.
+            values[rows] = torch.quantize_per_channel(chunk, chunk_scales, zero_points[rows], 0,
+                                                      torch.qint8).int_repr()
+        return torch._make_per_channel_quantized_tensor(values, scales, zero_points, 0)
 
 
 def quantize_linears(model: nn.Module) -> nn.Module:

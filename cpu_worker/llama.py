@@ -226,6 +226,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+        if keys is not None and keys.dtype != q.dtype:
+            # A cache in another dtype (bf16 KV for an fp32/int8 target): attention runs in the
+            # cache's dtype and reads every key and value from the cache, this call's own rows
+            # included, so each is rounded once, as stored, and a tree node sees exactly the
+            # values a later one-token decode reads back.
+            q = q.to(keys.dtype)
         if keys is None or values is None:
             if start != 0:
                 raise ValueError("attention without a KV cache starts at slot 0")
@@ -249,7 +255,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(
                 q, all_k, all_v, attn_mask=causal_mask(start, length, x.device), enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, length, -1))
 
     def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                         values: torch.Tensor, start: int, paths: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -68,13 +68,8 @@ def read_tensors(model_dir: Path, names: list[str] | None = None) -> dict[str, t
     """The named tensors (all when ``names`` is None) of a checkpoint folder; names it lacks
     are absent from the result. With an index, only the shards holding them are opened."""
     wanted = None if names is None else set(names)
-    index = _index(model_dir)
-    if index is not None and wanted is not None:
-        files = sorted({index[name] for name in wanted if name in index})
-    else:
-        files = weight_files(model_dir)
     found: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _files_for(model_dir, wanted):
         found.update(_read_file(file, wanted))
     return found
 
@@ -127,13 +122,38 @@ def _stream_safetensors(file: Path, names: set[str] | None = None) -> Iterator[t
             yield name, flat.reshape(info["shape"])
 
 
-def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a checkpoint folder, one at a time (a 13 GB folder never sits in RAM)."""
-    for file in weight_files(model_dir):
+def _files_for(model_dir: Path, wanted: set[str] | None) -> list[Path]:
+    """The weight files holding ``wanted`` (all files when None or unsharded)."""
+    index = _index(model_dir)
+    if index is not None and wanted is not None:
+        return sorted({index[name] for name in wanted if name in index})
+    return weight_files(model_dir)
+
+
+def iter_tensors(model_dir: Path, names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint folder (only ``names`` when given), one at a time: a 13 GB
+    folder never sits in RAM."""
+    for file in _files_for(model_dir, names):
         if file.suffix == ".safetensors":
-            yield from _stream_safetensors(file)
+            yield from _stream_safetensors(file, names)
         else:
-            yield from _read_file(file, None).items()
+            yield from _read_file(file, names).items()
+
+
+def tensor_shapes(model_dir: Path, names: set[str] | None = None) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a checkpoint's tensors (only ``names`` when given) without reading their
+    data: safetensors headers, memory-mapped .bin files."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _files_for(model_dir, names):
+        if file.suffix == ".safetensors":
+            with open(file, "rb") as handle:
+                (header_size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(header_size))
+            shapes.update((name, tuple(info["shape"])) for name, info in header.items()
+                          if name != "__metadata__" and (names is None or name in names))
+        else:
+            shapes.update((name, tuple(tensor.shape)) for name, tensor in _read_file(file, names).items())
+    return shapes
 
 
 class _Placer:

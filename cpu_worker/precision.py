@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from ipc.dtypes import TARGET_PRECISIONS
+from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 
 from .cores import cpu_flags
 from .int8 import quantize_linears
@@ -33,6 +33,27 @@ def activation_dtype(precision: str) -> torch.dtype:
     if precision not in TARGET_PRECISIONS:
         raise ValueError(f"target dtype {precision!r} is not one of {', '.join(TARGET_PRECISIONS)}")
     return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def kv_cache_dtype(precision: str, requested: str = "auto") -> torch.dtype:
+    """The KV cache's dtype: ``fp32``/``bf16`` as asked, or ``auto``: bf16 for an int8 target on
+    a CPU with native bf16, else the activation dtype.
+
+    Why: a bf16 cache halves the bytes attention reads per step, and attention then runs in
+    bf16 on keys and values read back from the cache (``Attention.forward``), so an int8
+    target, whose tree rows are verified with the decode's own calls, stays bit-exact. An fp32
+    target is not: its batched GEMMs round differently from one-row decoding (~1e-6), and a
+    bf16 rounding of K/V amplifies that to ~1e-2 (measured on the demo target), so auto keeps
+    its cache in fp32; ask for bf16 explicitly to trade that for memory.
+    """
+    if requested not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype {requested!r} is not one of {', '.join(KV_DTYPES)}")
+    if requested == "auto":
+        if precision == "int8" and cpu_has_native_bf16():
+            return torch.bfloat16
+        return activation_dtype(precision)
+    activation_dtype(precision)  # the precision's own check
+    return torch.bfloat16 if requested == "bf16" else torch.float32
 
 
 def apply_precision(model: ModuleT, precision: str) -> tuple[ModuleT, torch.dtype]:

@@ -21,7 +21,7 @@ from ipc.worker_loop import Handlers, SequenceError, worker_main
 
 from .engine import ContextOverflowError, TargetEngine
 from .loading import load_target_model, weight_bytes
-from .precision import activation_dtype
+from .precision import activation_dtype, kv_cache_dtype
 from .sampling import Sampler
 from .threads import apply_placement
 from .verify_cost import VerifyCostCache, cache_key, measure_verify_ms
@@ -114,17 +114,19 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     placement = apply_placement(settings.get("threads"), settings.get("cores"))
     precision = settings.get("dtype", "fp32")
     model = load_target_model(settings["target"], precision)
+    kv_dtype = kv_cache_dtype(precision, settings.get("kv_dtype", "auto"))
     # aux_layers: an EAGLE-3 head's three target layers (the coordinator read them from its folder).
     engine = TargetEngine(model, max_len=settings["max_len"], activation_dtype=activation_dtype(precision),
-                          aux_layers=settings.get("aux_layers"))
+                          aux_layers=settings.get("aux_layers"), kv_dtype=kv_dtype)
     rings = settings["rings"]
+    kv_name = str(kv_dtype).removeprefix("torch.")
     service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]),
-                            cost_key=cache_key(settings["target"], precision, placement.intra_op_threads,
-                                               placement.cores))
+                            cost_key=cache_key(settings["target"], f"{precision}/kv-{kv_name}",
+                                               placement.intra_op_threads, placement.cores))
     info = {"threads": placement.intra_op_threads, "cores": placement.cores, "max_len": engine.max_len,
             "hidden_size": engine.spec.hidden_size, "vocab_size": engine.spec.vocab_size,
             "dtype": precision, "weight_bytes": weight_bytes(model), "kv_cache_bytes": engine.cache.nbytes,
-            "kv_dtype": str(engine.dtype).removeprefix("torch."), "exact_tree": engine.exact_tree,
+            "kv_dtype": kv_name, "exact_tree": engine.exact_tree,
             "feature_size": engine.feature_size, "aux_layers": list(engine.aux_layers or [])}
     return info, service.handlers()
 

@@ -22,7 +22,7 @@ from click.core import ParameterSource
 
 from cpu_worker.cores import CoreSpecError, parse_core_list
 from ipc import messages as m
-from ipc.dtypes import TARGET_PRECISIONS
+from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
@@ -239,6 +239,12 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Target precision on the CPU. int8 (W8A8, per-token) gives exactly --mode ar's tokens; fp32 "
                    "and bf16 verify trees with batched kernels that round differently from one-token decoding "
                    "(fp32 ~1e-6, bf16 ~1e-2), so they can differ from --mode ar where two tokens nearly tie.")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto",
+              help="The target's KV cache dtype. bf16 halves its memory and the bytes attention reads per step; "
+                   "attention then runs in bf16 on the cached keys and values, exact for an int8 target. auto: "
+                   "bf16 for an int8 target on a CPU with native bf16 (AVX512-BF16/AMX), else the activations' "
+                   "dtype (an fp32 target's tree rows differ from decoding by ~1e-6, which bf16 K/V would "
+                   "amplify to ~1e-2).")
 @click.option("--draft-device", default="auto",
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8"]), default="auto",
@@ -292,7 +298,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
 def run_main(target, draft, binds, http_address, api_key_file, api_key, cpu_threads, cpu_cores, target_dtype,
-             draft_device, draft_dtype, draft_threads, draft_cores, tree_tokens,
+             kv_dtype, draft_device, draft_dtype, draft_threads, draft_cores, tree_tokens,
              depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
              startup_timeout, worker_timeout, max_restarts, max_queue, max_queue_per_client, request_timeout,
              log_level, temperature, sample_top_k, top_p, seed) -> None:
@@ -321,8 +327,9 @@ def run_main(target, draft, binds, http_address, api_key_file, api_key, cpu_thre
         raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
     sampling = make_sampling(temperature, sample_top_k, top_p, seed)
     settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
-                               cpu_threads=cpu_threads, cpu_cores=cpu_cores, draft_device=draft_device,
-                               draft_dtype=draft_dtype, draft_threads=draft_threads, draft_cores=draft_cores,
+                               kv_dtype=kv_dtype, cpu_threads=cpu_threads, cpu_cores=cpu_cores,
+                               draft_device=draft_device, draft_dtype=draft_dtype, draft_threads=draft_threads,
+                               draft_cores=draft_cores,
                                tree=make_tree(tree_tokens, depth, tree_top_k), mode=mode,
                                max_len=max_len, log_level=log_level, startup_timeout_s=startup_timeout,
                                max_restarts=max_restarts, worker_timeout_s=worker_timeout)

@@ -63,6 +63,7 @@ class RuntimeSettings:
     target: str
     draft: str | None
     target_dtype: str = "fp32"
+    kv_dtype: str = "auto"
     cpu_threads: int | None = None
     cpu_cores: list[int] | None = None
     draft_device: str = "auto"
@@ -145,7 +146,8 @@ class Coordinator:
                   "rings": {"cycle": self.rings[0].name, "prefill": self.rings[1].name}}
         self.cpu = WorkerHandle("cpu_worker", "cpu_worker.server", {
             **common, "target": str(target_dir), "threads": settings.cpu_threads, "cores": settings.cpu_cores,
-            "dtype": settings.target_dtype, "aux_layers": list(layout.aux_layers or [])}, self.runtime_dir,
+            "dtype": settings.target_dtype, "aux_layers": list(layout.aux_layers or []),
+            "kv_dtype": settings.kv_dtype}, self.runtime_dir,
             m.FROM_CPU_WORKER, reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
         if draft_dir is not None:
             # The draft worker's OpenMP threads must sleep when idle, or they spin on the
@@ -168,6 +170,10 @@ class Coordinator:
         if settings.target_dtype == "bf16" and self.gpu is not None:
             log.warning("bf16 target: tree verification rounds differently from one-token decoding (~1e-2), so "
                         "dovetail can differ from --mode ar where two tokens nearly tie; int8 is exact")
+        if info.get("dtype") == "fp32" and info.get("kv_dtype") == "bfloat16" and self.gpu is not None:
+            log.warning("fp32 target with a bf16 KV cache: tree verification differs from one-token decoding by "
+                        "~1e-2 (bf16 rounding of K/V amplifies fp32's ~1e-6), so dovetail can differ from --mode "
+                        "ar where two tokens nearly tie; an int8 target is exact with it")
         log.info("target: %s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
                  "%.2f GB at full context, committed as it fills", info.get("dtype"),
                  info.get("weight_bytes", 0) / 1e9, self.max_len, limit, info.get("kv_dtype"),

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from cpu_worker.llama import LlamaSpec
-from cpu_worker.loading import ModelLoadError
+from cpu_worker.loading import ModelLoadError, iter_tensors, release_freed_memory, tensor_shapes
 from cpu_worker.loading import read_tensors as read_checkpoint_tensors
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
+from .head_placer import HeadPlacer
 
 AnyHead = DraftHead | Eagle3Head
 
@@ -51,6 +52,14 @@ def read_tensors(folder: Path, names: list[str] | None = None) -> dict[str, torc
     """The shared checkpoint reader, with its errors reported as draft checkpoint errors."""
     try:
         return read_checkpoint_tensors(folder, names)
+    except ModelLoadError as error:
+        raise DraftCheckpointError(str(error)) from None
+
+
+def read_shapes(folder: Path, names: set[str] | None = None) -> dict[str, tuple[int, ...]]:
+    """The tensors' shapes without their data, errors reported as draft checkpoint errors."""
+    try:
+        return tensor_shapes(folder, names)
     except ModelLoadError as error:
         raise DraftCheckpointError(str(error)) from None
 
@@ -110,13 +119,13 @@ def _check_tensor(config_what: str, config_value: int, name: str, axis: str, fou
 
 # ---------------------------------------------------------------- load / save
 
-def load_target_frozen(target_dir: Path | str) -> dict[str, torch.Tensor]:
-    """The target's embedding and lm_head, reading only those tensors (tied head -> embedding)."""
-    target_dir = Path(target_dir)
+def _target_frozen_sources(target_dir: Path) -> dict[str, str]:
+    """{head name: the target's tensor name} for the embedding and lm_head (a tied head reads
+    the embedding), without reading any data."""
     config = _hf_config(target_dir)
-    found = read_tensors(target_dir, list(_TARGET_EMBED_NAMES + _TARGET_HEAD_NAMES))
-    embed = next((found[name] for name in _TARGET_EMBED_NAMES if name in found), None)
-    head = next((found[name] for name in _TARGET_HEAD_NAMES if name in found), None)
+    present = read_shapes(target_dir, set(_TARGET_EMBED_NAMES + _TARGET_HEAD_NAMES))
+    embed = next((name for name in _TARGET_EMBED_NAMES if name in present), None)
+    head = next((name for name in _TARGET_HEAD_NAMES if name in present), None)
     if embed is None:
         raise DraftCheckpointError(f"target folder {target_dir} has no model.embed_tokens.weight")
     if head is None:
@@ -127,69 +136,117 @@ def load_target_frozen(target_dir: Path | str) -> dict[str, torch.Tensor]:
     return {"embed_tokens.weight": embed, "lm_head.weight": head}
 
 
+def load_target_frozen(target_dir: Path | str) -> dict[str, torch.Tensor]:
+    """The target's embedding and lm_head, reading only those tensors (tied head -> embedding)."""
+    sources = _target_frozen_sources(Path(target_dir))
+    found = read_tensors(Path(target_dir), sorted(set(sources.values())))
+    return {name: found[source] for name, source in sources.items()}
+
+
+def head_spec(draft_dir: Path | str) -> LlamaSpec:
+    """The draft's architecture from its config alone (no weights read)."""
+    return LlamaSpec.from_hf_config(_hf_config(Path(draft_dir)))
+
+
+def draft_fusion(draft_dir: Path | str) -> str:
+    """The head's fusion from its config and weight names alone (no weights read)."""
+    draft_dir = Path(draft_dir)
+    return detect_fusion(json.loads((draft_dir / CONFIG_NAME).read_text()), read_shapes(draft_dir).keys())
+
+
 def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyHead:
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              quantize: bool = False) -> AnyHead:
     """Build a head from a draft folder: a ``DraftHead`` (Dovetail or published EAGLE-1/2
     layout) or an ``Eagle3Head`` (Dovetail's or published EAGLE-3 layout).
 
     ``target_dir`` supplies the embedding/lm_head the draft folder lacks and is checked for
-    matching hidden size and vocabulary.
+    matching hidden size and vocabulary. Tensors are read one at a time and converted to
+    ``dtype`` on ``device`` as they come; ``quantize`` (CPU, fp32) makes every projection W8A8
+    int8 on the way (``DraftHead.quantize_int8``), so the head never sits in memory in fp32.
+    An EAGLE-3 head (one decoder layer) is read whole and quantised after loading.
     """
     draft_dir = Path(draft_dir)
     config = _hf_config(draft_dir)
     raw = json.loads((draft_dir / CONFIG_NAME).read_text())
-    state = {name: tensor for name, tensor in read_tensors(draft_dir).items()
-             if not name.endswith(_IGNORED_SUFFIXES)}
-    fusion = detect_fusion(raw, state.keys())
+    shapes = {name: shape for name, shape in read_shapes(draft_dir).items()
+              if not name.endswith(_IGNORED_SUFFIXES)}
+    fusion = detect_fusion(raw, shapes.keys())
     if fusion in EAGLE3_FUSIONS:
-        return load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype)
+        state = {name: tensor for name, tensor in read_tensors(draft_dir).items()
+                 if not name.endswith(_IGNORED_SUFFIXES)}
+        eagle3 = load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype)
+        return eagle3.quantize_int8() if quantize else eagle3
     spec = LlamaSpec.from_hf_config(config)
     # Bias flags come from the weights: published heads differ (qwen-style qkv bias, no fc bias).
     spec = dataclasses.replace(
         spec,
-        qkv_bias="layers.0.self_attn.q_proj.bias" in state,
-        o_bias="layers.0.self_attn.o_proj.bias" in state,
-        mlp_bias="layers.0.mlp.gate_proj.bias" in state,
+        qkv_bias="layers.0.self_attn.q_proj.bias" in shapes,
+        o_bias="layers.0.self_attn.o_proj.bias" in shapes,
+        mlp_bias="layers.0.mlp.gate_proj.bias" in shapes,
         sliding_window=None,
     )
-    fc_bias = "fc.bias" in state  # the weights decide; a config's "bias": false agrees with them
+    fc_bias = "fc.bias" in shapes  # the weights decide; a config's "bias": false agrees with them
 
-    missing_frozen: list[str] = []
+    frozen_sources: dict[str, str] = {}
     if target_dir is not None:
-        target_config = _hf_config(Path(target_dir))
+        target_dir = Path(target_dir)
+        target_config = _hf_config(target_dir)
         _check_match("hidden size", spec.hidden_size, int(target_config.hidden_size))
         _check_match("vocab size", spec.vocab_size, int(target_config.vocab_size))
-        missing_frozen = [name for name in _FROZEN if name not in state]
+        missing_frozen = [name for name in _FROZEN if name not in shapes]
         if missing_frozen:
-            frozen = load_target_frozen(target_dir)
+            sources = _target_frozen_sources(target_dir)
+            target_shapes = read_shapes(target_dir, set(sources.values()))
             for name in missing_frozen:
-                state[name] = frozen[name]
-    elif "lm_head.weight" not in state and "embed_tokens.weight" not in state:
+                frozen_sources[name] = sources[name]
+                shapes[name] = target_shapes[sources[name]]
+    elif "lm_head.weight" not in shapes and "embed_tokens.weight" not in shapes:
         raise DraftCheckpointError(
             f"draft folder {draft_dir} has no embed_tokens/lm_head: pass the target's folder to take them from")
-    elif "lm_head.weight" not in state:
+    elif "lm_head.weight" not in shapes:
         raise DraftCheckpointError(
             f"draft folder {draft_dir} has no lm_head.weight: pass the target's folder to take it from")
 
     for name in _FROZEN:
-        if name in state:
-            source = f"the target folder {target_dir}" if name in missing_frozen else f"the draft folder {draft_dir}"
-            _check_tensor("vocab size", spec.vocab_size, name, "rows", int(state[name].shape[0]), source)
-            _check_tensor("hidden size", spec.hidden_size, name, "columns", int(state[name].shape[1]), source)
+        if name in shapes:
+            source = f"the target folder {target_dir}" if name in frozen_sources else f"the draft folder {draft_dir}"
+            _check_tensor("vocab size", spec.vocab_size, name, "rows", int(shapes[name][0]), source)
+            _check_tensor("hidden size", spec.hidden_size, name, "columns", int(shapes[name][1]), source)
 
     with torch.device("meta"):  # no wasted random init: every tensor comes from the files
         head = DraftHead(spec, fusion=fusion, fc_bias=fc_bias)
-    expected = set(head.state_dict().keys())
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected)
+    expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
+    missing = sorted(expected.keys() - shapes.keys())
+    unexpected = sorted(shapes.keys() - expected.keys())
     if missing or unexpected:
         raise DraftCheckpointError(
             f"draft weights in {draft_dir} do not fit a {spec.num_layers}-layer {fusion} head: "
             f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
-    state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in state.items()}
-    head.load_state_dict(state, assign=True, strict=True)
+    misshapen = [f"{name} {list(shapes[name])} (expected {list(shape)})"
+                 for name, shape in expected.items() if tuple(shapes[name]) != shape]
+    if misshapen:
+        raise DraftCheckpointError(f"draft weights in {draft_dir} have the wrong shapes: {', '.join(misshapen)}")
+
+    placer = HeadPlacer(head, device, dtype, quantize)
+    try:
+        for name, tensor in iter_tensors(draft_dir, set(shapes.keys() - frozen_sources.keys())):
+            placer.place(name, tensor)
+            del tensor
+            release_freed_memory()  # the source and its fp32 copy, before the next one comes
+        for name, source in frozen_sources.items():
+            assert target_dir is not None
+            placer.place(name, read_tensors(target_dir, [source])[source])
+            release_freed_memory()
+    except ModelLoadError as error:
+        raise DraftCheckpointError(str(error)) from None
+    unplaced = placer.unplaced()
+    if unplaced:  # a name listed in a header whose data never came (a broken index)
+        raise DraftCheckpointError(f"draft weights in {draft_dir} lack data for {', '.join(unplaced)}")
+    release_freed_memory()
     head.embed_tokens.weight.requires_grad_(False)
-    head.lm_head.weight.requires_grad_(False)
+    if isinstance(head.lm_head, torch.nn.Linear):  # an int8 lm_head holds no float weight
+        head.lm_head.weight.requires_grad_(False)
     return head.eval()
 
 

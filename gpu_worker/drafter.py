@@ -26,56 +26,50 @@ the drafter holds target ids only.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from cpu_worker.int8 import quantize_linears
-from cpu_worker.llama import KVCache, RotaryTable
+from cpu_worker.int8 import RowwiseInt8Linear
+from cpu_worker.llama import KVCache, LlamaSpec, RotaryTable
 from ipc.tree import TreeShape
 
-from .checkpoint import AnyHead, load_head
+from .checkpoint import AnyHead, draft_fusion, head_spec, load_head
 from .device import resolve_device, resolve_dtype
-from .eagle3 import Eagle3Head
+from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .tree import DraftTree, build_tree
 
 
 @torch.inference_mode()
-def int8_layer_is_faster(head: AnyHead, rows: int = 8, repeats: int = 5) -> bool:
-    """Time the head's first decoder layer in fp32 and in int8 on a tree level's worth of rows."""
-    spec = head.spec
-    cos = torch.ones(rows, spec.head_dim)
-    sin = torch.zeros(rows, spec.head_dim)
-    x = torch.randn(1, rows, spec.hidden_size)
-    layer: torch.nn.Module
-    if isinstance(head, Eagle3Head):
-        layer = head.midlayer
-        # Its attention reads [embedding; hidden] (2H); its MLP reads H.
-        x2 = torch.randn(1, rows, 2 * spec.hidden_size)
-
-        def run(module: Any) -> None:
-            module.self_attn(x2, cos, sin)
-            module.mlp(x)
-    else:
-        layer = head.layers[0]
-
-        def run(module: Any) -> None:
-            module(x, cos, sin)
-    quantized = quantize_linears(copy.deepcopy(layer))
-    timings = []
-    for candidate in (layer, quantized):
-        run(candidate)  # warm-up: first calls pay one-off setup
-        started = time.perf_counter()
-        for _ in range(repeats):
-            run(candidate)
-        timings.append(time.perf_counter() - started)
-    log.info("draft layer on the CPU: fp32 %.2f ms, int8 %.2f ms per call", *(t / repeats * 1e3 for t in timings))
-    return timings[1] < timings[0]
+def int8_layer_is_faster(spec: LlamaSpec, rows: int = 8, repeats: int = 5, attention_input: int | None = None) -> bool:
+    """Time a decoder layer's projections in fp32 and in int8 on a tree level's worth of rows,
+    one random matrix at a time (before the head is loaded, so the measurement never holds
+    a whole fp32 layer): the rest of the layer is the same in both. ``attention_input``: the
+    width q/k/v read (an EAGLE-3 layer's is 2H; default H)."""
+    d, q_out, kv_out = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    a = attention_input or d
+    shapes = [(q_out, a), (kv_out, a), (kv_out, a), (d, q_out),
+              (spec.intermediate_size, d), (spec.intermediate_size, d), (d, spec.intermediate_size)]
+    totals = [0.0, 0.0]
+    for out_features, in_features in shapes:
+        weight = torch.empty(out_features, in_features).uniform_(-1.0, 1.0)
+        x = torch.randn(rows, in_features)
+        quantized = RowwiseInt8Linear(weight)
+        for index, run in enumerate((partial(F.linear, x, weight), partial(quantized, x))):
+            run()  # warm-up: first calls pay one-off setup
+            started = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            totals[index] += time.perf_counter() - started
+        del weight, quantized
+    log.info("draft layer projections on the CPU: fp32 %.2f ms, int8 %.2f ms per layer",
+             *(t / repeats * 1e3 for t in totals))
+    return totals[1] < totals[0]
 
 
 log = logging.getLogger(__name__)
@@ -132,11 +126,15 @@ class Drafter:
             name, dtype = ("measure", None) if resolved.type == "cpu" else (None, None)
         if name == "int8" and resolved.type != "cpu":
             raise ValueError(f"an int8 draft runs on the CPU only, not on {resolved}")
-        int8_candidate = name in ("int8", "measure")
+        quantize = name == "int8"
+        if name == "measure":
+            spec = head_spec(draft_dir)
+            eagle3 = draft_fusion(draft_dir) in EAGLE3_FUSIONS  # q/k/v read [embedding; hidden]
+            quantize = int8_layer_is_faster(spec, attention_input=2 * spec.hidden_size if eagle3 else None)
+        # int8 is quantised tensor by tensor while loading: the head never sits in fp32 first.
         head = load_head(draft_dir, target_dir, device=resolved,
-                         dtype=torch.float32 if int8_candidate else resolve_dtype(resolved, dtype))
-        if name == "int8" or (name == "measure" and int8_layer_is_faster(head)):
-            head.quantize_int8()
+                         dtype=torch.float32 if name in ("int8", "measure") else resolve_dtype(resolved, dtype),
+                         quantize=quantize)
         return cls(head, max_len=max_len, scratch_len=scratch_len)
 
     @property

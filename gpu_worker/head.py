@@ -68,7 +68,7 @@ class DraftHead(nn.Module):
             fc = self.fc
             if isinstance(fc, nn.Linear):
                 self.fc = RowwiseInt8Linear(fc.weight, fc.bias)
-        else:
+        elif self.int8_fusion is None:  # not yet quantised (a head loaded as int8 already is)
             # x @ W is x W'^T with W' = W^T.
             self.int8_fusion = nn.ModuleDict({name: RowwiseInt8Linear(getattr(self, name).t())
                                               for name in ("W_1", "W_2", "W_z")})

@@ -17,6 +17,8 @@ _ALIASES = {
 }
 # Precisions of the CPU target (a target precision is more than a dtype: int8 is W8A8).
 TARGET_PRECISIONS = ("fp32", "bf16", "int8")
+# KV cache dtypes of the CPU target (auto: see cpu_worker.precision.kv_cache_dtype).
+KV_DTYPES = ("auto", "fp32", "bf16")
 
 
 def canonical(name: str) -> str:

@@ -252,3 +252,63 @@ def test_int8_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion):
     assert torch.equal(quick.propose(shape).tokens, quick.propose(shape).tokens)
     with pytest.raises(ValueError, match="CPU only"):
         Drafter.from_pretrained(folder, demo_target, max_len=64, device="meta", dtype="int8")
+
+
+def _old_path_head(draft, target, quantize: bool) -> DraftHead:
+    """The loader before tensor-by-tensor loading: every tensor read, the head built in fp32,
+    then quantised whole."""
+    from cpu_worker.loading import read_tensors
+    from gpu_worker.checkpoint import head_spec, load_target_frozen
+
+    state = {name: tensor.float() for name, tensor in read_tensors(draft).items()}
+    frozen = load_target_frozen(target)
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        state.setdefault(name, frozen[name])
+    with torch.device("meta"):
+        head = DraftHead(head_spec(draft), fusion=json.loads((draft / "config.json").read_text())["dovetail_fusion"])
+    head.load_state_dict(state, assign=True, strict=True)
+    return head.quantize_int8() if quantize else head
+
+
+def _int8_weights(head: DraftHead) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    from cpu_worker.int8 import RowwiseInt8Linear
+
+    return {name: (torch.ops.quantized.linear_unpack(module._packed)[0].int_repr(), module.bias)
+            for name, module in head.named_modules() if isinstance(module, RowwiseInt8Linear)}
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_tensor_by_tensor_load_equals_the_old_path(tmp_path, quantize):
+    """fp16 files, frozen embedding/lm_head from the target: the streamed head holds the very
+    tensors (and int8 weights) the read-all-then-convert path built, and computes the same bits."""
+    from safetensors.torch import load_file, save_file
+
+    target = save_tiny_target(tmp_path / "target")
+    head = tiny_head("dgf", layers=2)
+    draft = save_head(head, tmp_path / "draft", include_frozen=False)
+    weights = draft / "model.safetensors"
+    save_file({name: tensor.half() for name, tensor in load_file(str(weights)).items()}, str(weights))
+    old = _old_path_head(draft, target, quantize)
+    new = load_head(draft, target, quantize=quantize)
+    old_state, new_state = old.state_dict(), new.state_dict()
+    assert old_state.keys() == new_state.keys()
+    assert all(torch.equal(old_state[name], new_state[name]) and new_state[name].dtype == torch.float32
+               for name in old_state)
+    old_int8, new_int8 = _int8_weights(old), _int8_weights(new)
+    assert old_int8.keys() == new_int8.keys() and len(new_int8) == (2 * 7 + 1 + 3 if quantize else 0)
+    assert all(torch.equal(old_int8[name][0], new_int8[name][0]) for name in old_int8)
+    assert not new.embed_tokens.weight.requires_grad
+    features, tokens = random_pairs(9)
+    assert torch.equal(run_head(old, features, tokens, [5, 4]), run_head(new, features, tokens, [5, 4]))
+
+
+def test_misshapen_draft_weight_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    draft = save_head(tiny_head("dgf"), tmp_path / "draft")
+    weights = draft / "model.safetensors"
+    state = load_file(str(weights))
+    state["W_1"] = state["W_1"][:, :8].contiguous()
+    save_file(state, str(weights))
+    with pytest.raises(DraftCheckpointError, match=r"W_1 \[64, 8\] \(expected \[64, 64\]\)"):
+        load_head(draft)

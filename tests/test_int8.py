@@ -88,6 +88,10 @@ def test_tree_logits_equal_decode_logits_bit_for_bit_at_int8(demo_target):
     engine = TargetEngine(model, max_len=128, activation_dtype=dtype)
     assert engine.exact_tree
     assert worst_tree_vs_decode_gap(engine) == 0.0
+    # A bf16 KV cache: tree rows and decodes read the same rounded keys and values.
+    bf16_kv = TargetEngine(model, max_len=128, activation_dtype=dtype, kv_dtype=torch.bfloat16)
+    assert bf16_kv.cache.keys.dtype == torch.bfloat16 and bf16_kv.cache.nbytes * 2 == engine.cache.nbytes
+    assert worst_tree_vs_decode_gap(bf16_kv) == 0.0
     # Controls: the batched masked attention rounds differently per batch (~1e-6), and int8
     # rounding amplifies that (measured ~0.03); one activation scale per call breaks it outright.
     batched = worst_tree_vs_decode_gap(TargetEngine(model, max_len=128, activation_dtype=dtype, exact_tree=False))
@@ -97,15 +101,35 @@ def test_tree_logits_equal_decode_logits_bit_for_bit_at_int8(demo_target):
     assert batched > 0 and per_tensor > 0.1
 
 
-def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft):
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft, kv_dtype):
     prompt_file = tmp_path / "code.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
     done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "int8",
-                        "--compare-ar", "--json", "--prompt-file", str(prompt_file), "--max-new-tokens", "64",
-                        "--log-level", "warning")
+                        "--kv-dtype", kv_dtype, "--compare-ar", "--json", "--prompt-file", str(prompt_file),
+                        "--max-new-tokens", "64", "--max-len", "2048", "--log-level", "info")
     assert done.returncode == 0, done.stderr[-3000:]
+    # The cache reported at startup: 6 layers x (K, V) x 2048 slots x 4 heads x 64, at 4 or 2 bytes.
+    name, size = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}[kv_dtype]
+    assert f"KV cache {name} {6 * 2 * 2048 * 256 * size / 1e9:.2f} GB" in done.stderr, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(lines) == len(CODE_PROMPTS)
     for line in lines:
         assert line["ar"]["same_tokens"], f"int8 dovetail differs from int8 ar for {line['prompt']!r}"
         assert line["stats"]["tau"] > 1.5
+
+
+def test_kv_cache_dtype_choice(monkeypatch):
+    from cpu_worker import precision
+    from cpu_worker.precision import kv_cache_dtype
+
+    for native, int8_auto in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        assert kv_cache_dtype("int8") == int8_auto
+        assert kv_cache_dtype("fp32") == torch.float32  # its tree rows are not exact: bf16 K/V amplifies that
+        assert kv_cache_dtype("bf16") == torch.bfloat16
+    assert kv_cache_dtype("fp32", "bf16") == torch.bfloat16 and kv_cache_dtype("bf16", "fp32") == torch.float32
+    with pytest.raises(ValueError, match="KV cache dtype 'fp16' is not one of auto, fp32, bf16"):
+        kv_cache_dtype("int8", "fp16")
+    with pytest.raises(ValueError, match="target dtype 'int4'"):
+        kv_cache_dtype("int4", "bf16")

@@ -1,0 +1,72 @@
+"""Peak memory of loading a draft head, as the gpu_worker loads it (``Drafter.from_pretrained``).
+
+    python -m tools.bench_head_memory --draft DIR --target DIR [--dtypes int8,fp32] [--repo PATH ...]
+
+Each load runs in a fresh child process and reports its ``ru_maxrss`` (peak resident set)
+next to the head's resident weight bytes, so the table shows what loading costs beyond the
+weights. ``--repo`` runs the same child against another checkout (e.g. main, to compare the
+loader before and after); the default is this one. The target folder only lends the frozen
+embedding and lm_head: the target itself is never loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+_CHILD = """
+import json, resource, sys, time
+import torch
+torch.set_num_threads(1)
+from pathlib import Path
+from gpu_worker.drafter import Drafter
+from gpu_worker.checkpoint import _hf_config
+from cpu_worker.loading import weight_bytes
+draft, target, dtype = sys.argv[1:4]
+_hf_config(Path(draft))  # imports what reading a config needs: the baseline, not the load
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+started = time.perf_counter()
+drafter = Drafter.from_pretrained(draft, target, max_len=16, device="cpu", dtype=dtype)
+seconds = time.perf_counter() - started
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"baseline_kb": before, "peak_kb": peak, "weights": weight_bytes(drafter.head),
+                  "seconds": seconds}))
+"""
+
+
+def measure(repo: Path, draft: Path, target: Path, dtype: str) -> dict[str, float]:
+    """One load in a fresh interpreter whose imports come from ``repo``."""
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(draft), str(target), dtype], cwd=repo,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"loading {draft} as {dtype} from {repo} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft", type=Path, action="append", required=True, help="draft folder (repeatable)")
+    parser.add_argument("--target", type=Path, required=True, help="target folder lending embedding/lm_head")
+    parser.add_argument("--dtypes", default="int8,fp32", help="draft dtypes, comma-separated")
+    parser.add_argument("--repo", type=Path, action="append", help="checkout(s) to run (default: this one)")
+    args = parser.parse_args()
+    repos = args.repo or [Path(__file__).resolve().parent.parent]
+    print(f"command: {' '.join(sys.argv)}")
+    print("| checkout | draft | dtype | weights GB | peak RSS GB | before load GB | peak - weights - before load GB "
+          "| load s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for draft in args.draft:
+        for dtype in args.dtypes.split(","):
+            for repo in repos:
+                got = measure(repo, draft, args.target, dtype)
+                weights, peak, base = got["weights"] / 1e9, got["peak_kb"] * 1024 / 1e9, got["baseline_kb"] * 1024 / 1e9
+                print(f"| {repo} | {draft.name} | {dtype} | {weights:.2f} | {peak:.2f} | {base:.2f} "
+                      f"| {peak - weights - base:.2f} | {got['seconds']:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
