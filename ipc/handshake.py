@@ -19,8 +19,9 @@ _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _monitor_ids = itertools.count()
 # A handshake that drops without a reason is often followed, on the automatic reconnect, by
-# one that says why (a mechanism mismatch): wait this long for it.
-NO_DETAIL_GRACE_S = 2.0
+# one that says why (a mechanism mismatch): wait this long for it. 2 s was seen to be too short
+# on a loaded 2-core machine (the vague message came instead of "requires an API key").
+NO_DETAIL_GRACE_S = 5.0
 
 
 class HandshakeError(ConnectionError):
