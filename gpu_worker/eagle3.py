@@ -27,7 +27,7 @@ The embedding is the target's and is not part of the head's files (``file_state_
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,37 +36,12 @@ from torch import nn
 from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
 from cpu_worker.llama import MLP, Attention, KVCache, LlamaSpec, RMSNorm
 
-EAGLE3_FUSIONS = ("eagle3", "dgf-eagle3")
-AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"  # vLLM's config key
+# The layer rule and the names are torch-free (the coordinator reads them): one copy, there.
+from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY
+from .head_layout import EAGLE3_FUSIONS as EAGLE3_FUSIONS
+from .head_layout import resolve_aux_layers as resolve_aux_layers
+
 _DGF_NAMES = ("W_1", "W_2", "W_z")
-
-
-def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
-    """EAGLE's rule: the residual stream entering target layers 2, L // 2 and L - 3."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
-
-
-def resolve_aux_layers(num_target_layers: int, override: Sequence[int] | None = None,
-                       option: str = AUX_LAYERS_KEY) -> tuple[int, int, int]:
-    """The three target layers whose inputs form a feature row: ``override`` (a head config's
-    ``eagle_aux_hidden_state_layer_ids`` or a command-line option, named by ``option`` in errors)
-    or EAGLE's rule. Raises ValueError unless they are three distinct, increasing, in-range ids."""
-    if override is not None:
-        layers = tuple(int(layer) for layer in override)
-        where = f"{option} {list(layers)}"
-    else:
-        layers = default_aux_layers(num_target_layers)
-        where = f"EAGLE's rule {{2, L//2, L-3}} gives {list(layers)}"
-    if len(layers) != 3:
-        raise ValueError(f"{where}: EAGLE-3 takes exactly three target layers")
-    increasing = all(b > a for a, b in zip(layers, layers[1:], strict=False))
-    if not increasing or layers[0] < 0 or layers[-1] >= num_target_layers:
-        hint = "" if override is not None else (
-            f"; the target is too shallow for the rule: name three distinct layers with {option} "
-            f"(config key {AUX_LAYERS_KEY!r})")
-        raise ValueError(f"{where} for a {num_target_layers}-layer target: the layers must be distinct, "
-                         f"increasing and in 0..{num_target_layers - 1}{hint}")
-    return (layers[0], layers[1], layers[2])
 
 
 class Eagle3Layer(nn.Module):

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The same names as gpu_worker.eagle3 (which imports torch); tests/test_eagle3_runtime.py
-# checks that the rule below and eagle3.resolve_aux_layers agree.
+# Torch-free, so the coordinator can read a head's layout; gpu_worker.eagle3 re-exports these
+# names and the layer rule below (its only copy).
 AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
 EAGLE3_FUSIONS = ("eagle3", "dgf-eagle3")
 FUSION_FIELD = "dovetail_fusion"
@@ -54,15 +54,17 @@ class FeatureLayout:
         return f"rows of {self.row_width} = the inputs of target layers {list(self.aux_layers)}"
 
 
-def resolve_aux_layers(num_target_layers: int, override: Sequence[int] | None = None) -> tuple[int, int, int]:
-    """EAGLE-3's three target layers: ``override`` (the head config's ``AUX_LAYERS_KEY``) or
-    EAGLE's rule {2, L//2, L-3}; three distinct, increasing layers of the target, or an error
-    that says which and how to fix it."""
+def resolve_aux_layers(num_target_layers: int, override: Sequence[int] | None = None,
+                       option: str = AUX_LAYERS_KEY) -> tuple[int, int, int]:
+    """EAGLE-3's three target layers: ``override`` (the head config's ``AUX_LAYERS_KEY``, or a
+    command-line option named by ``option`` in errors) or EAGLE's rule {2, L//2, L-3}; three
+    distinct, increasing layers of the target, or an error that says which and how to fix it.
+    The one copy of the rule: ``gpu_worker.eagle3`` and training use it too."""
     if override is not None:
         if isinstance(override, (str, bytes)) or not all(isinstance(layer, int) for layer in override):
-            raise HeadLayoutError(f"{AUX_LAYERS_KEY} must be a list of three integers, got {override!r}")
+            raise HeadLayoutError(f"{option} must be a list of three integers, got {override!r}")
         layers = tuple(int(layer) for layer in override)
-        where = f"{AUX_LAYERS_KEY} {list(layers)}"
+        where = f"{option} {list(layers)}"
     else:
         layers = (2, num_target_layers // 2, num_target_layers - 3)
         where = f"EAGLE's rule {{2, L//2, L-3}} gives {list(layers)}"
@@ -70,9 +72,10 @@ def resolve_aux_layers(num_target_layers: int, override: Sequence[int] | None = 
         raise HeadLayoutError(f"{where}: EAGLE-3 takes exactly three target layers")
     increasing = all(b > a for a, b in zip(layers, layers[1:], strict=False))
     if not increasing or layers[0] < 0 or layers[-1] >= num_target_layers:
+        name_them = (f"{AUX_LAYERS_KEY!r} in the head's config.json" if option == AUX_LAYERS_KEY
+                     else f"{option} (config key {AUX_LAYERS_KEY!r})")
         hint = "" if override is not None else (
-            f"; the target is too shallow for the rule: name three distinct layers with "
-            f"{AUX_LAYERS_KEY!r} in the head's config.json")
+            f"; the target is too shallow for the rule: name three distinct layers with {name_them}")
         raise HeadLayoutError(f"{where} for a {num_target_layers}-layer target: the layers must be distinct, "
                               f"increasing and in 0..{num_target_layers - 1}{hint}")
     return (layers[0], layers[1], layers[2])

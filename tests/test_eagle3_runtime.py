@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cpu_worker.model_dir import read_config
-from gpu_worker.head_layout import FeatureLayout, HeadLayoutError, feature_layout, resolve_aux_layers
+from gpu_worker.head_layout import FeatureLayout, HeadLayoutError, feature_layout
 
 from conftest import DEMO_TARGET, save_random_head, save_tiny_model
 from eagle3_folders import save_published_eagle3
@@ -23,20 +23,6 @@ DEMO_AUX = [1, 3, 4]  # the 6-layer demo target is too shallow for EAGLE's rule 
 
 
 # --- which rows a head reads --------------------------------------------------------------
-
-
-def test_the_torch_free_rule_agrees_with_the_head_module():
-    from gpu_worker import eagle3
-
-    for layers in range(1, 40):
-        for override in (None, [0, 1, 2], [1, 3, 4], [2, 2, 5], [5, 1, 3], [0, layers - 1, layers], [1, 2]):
-            try:
-                expected = eagle3.resolve_aux_layers(layers, override)
-            except ValueError:
-                with pytest.raises(HeadLayoutError):
-                    resolve_aux_layers(layers, override)
-            else:
-                assert resolve_aux_layers(layers, override) == expected
 
 
 def test_layouts_of_each_kind_of_head(tmp_path, demo_random_head):
