@@ -148,6 +148,19 @@ def head_spec(draft_dir: Path | str) -> LlamaSpec:
     return LlamaSpec.from_hf_config(_hf_config(Path(draft_dir)))
 
 
+def _spec_with_weight_biases(config: Any, names: Iterable[str], layer: str) -> LlamaSpec:
+    """The head's spec with bias flags taken from its weights (``layer``: the first decoder
+    layer's prefix): published heads differ (qwen-style qkv bias, no o/mlp bias)."""
+    present = set(names)
+    return dataclasses.replace(
+        LlamaSpec.from_hf_config(config),
+        qkv_bias=f"{layer}self_attn.q_proj.bias" in present,
+        o_bias=f"{layer}self_attn.o_proj.bias" in present,
+        mlp_bias=f"{layer}mlp.gate_proj.bias" in present,
+        sliding_window=None,
+    )
+
+
 def draft_fusion(draft_dir: Path | str) -> str:
     """The head's fusion from its config and weight names alone (no weights read)."""
     draft_dir = Path(draft_dir)
@@ -177,15 +190,7 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
                  if not name.endswith(_IGNORED_SUFFIXES)}
         eagle3 = load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype)
         return eagle3.quantize_int8() if quantize else eagle3
-    spec = LlamaSpec.from_hf_config(config)
-    # Bias flags come from the weights: published heads differ (qwen-style qkv bias, no fc bias).
-    spec = dataclasses.replace(
-        spec,
-        qkv_bias="layers.0.self_attn.q_proj.bias" in shapes,
-        o_bias="layers.0.self_attn.o_proj.bias" in shapes,
-        mlp_bias="layers.0.mlp.gate_proj.bias" in shapes,
-        sliding_window=None,
-    )
+    spec = _spec_with_weight_biases(config, shapes, "layers.0.")
     fc_bias = "fc.bias" in shapes  # the weights decide; a config's "bias": false agrees with them
 
     frozen_sources: dict[str, str] = {}
@@ -294,14 +299,7 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
     config with ``draft_vocab_size`` (optional ``target_hidden_size``), weights ``fc``,
     ``midlayer.*``, ``norm``, ``lm_head`` [draft vocab, H], ``d2t``, ``t2d``; the embedding
     from the folder if it has one, else from the target's."""
-    spec = LlamaSpec.from_hf_config(config)
-    spec = dataclasses.replace(
-        spec,
-        qkv_bias="midlayer.self_attn.q_proj.bias" in state,
-        o_bias="midlayer.self_attn.o_proj.bias" in state,
-        mlp_bias="midlayer.mlp.gate_proj.bias" in state,
-        sliding_window=None,
-    )
+    spec = _spec_with_weight_biases(config, state, "midlayer.")
     for name in ("fc.weight", "lm_head.weight"):
         if name not in state:
             raise DraftCheckpointError(f"EAGLE-3 head {draft_dir} has no {name}")
