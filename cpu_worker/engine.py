@@ -15,6 +15,7 @@ import torch
 from ipc.tree import tree_depths, validate_parents
 
 from .acceptance import accept_path
+from .fp32_packed import PackedFp32Linear
 from .int8 import RowwiseInt8Linear
 from .llama import KVCache, LlamaDecoder, RotaryTable
 from .sampling import Sampler
@@ -33,10 +34,13 @@ def tree_paths(parents: Sequence[int]) -> list[list[int]]:
 
 
 def has_batch_invariant_linears(model: torch.nn.Module) -> bool:
-    """int8 W8A8 layers give a row the same bits whatever shares its call, by construction.
-    Float GEMMs do not promise it: fp32 differs by batch size here, and oneDNN's bf16 kernels
-    matched row by row on some runs and not on others (first calls), so neither counts."""
-    return any(isinstance(module, RowwiseInt8Linear) for module in model.modules())
+    """True when every linear layer gives a row the same bits whatever shares its call: int8
+    W8A8 by construction, fp32 on MKL's packed sgemm (checked when packed, ``fp32_packed``).
+    ``F.linear`` does not promise it: fp32 differs by batch size here, and oneDNN's bf16
+    kernels matched row by row on some runs and not on others (first calls)."""
+    invariant = (RowwiseInt8Linear, PackedFp32Linear)
+    layers = [module for module in model.modules() if isinstance(module, (torch.nn.Linear, *invariant))]
+    return bool(layers) and all(isinstance(module, invariant) for module in layers)
 
 
 def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
@@ -82,8 +86,8 @@ class TargetEngine:
                  kv_dtype: torch.dtype | None = None):
         """``exact_tree``: verify a tree row by row in attention so every node's logits equal
         a decode's bit for bit (default: when the linear layers are batch-invariant, i.e. int8
-        W8A8; float GEMMs round differently per batch size anyway, so exact attention would
-        buy nothing there). ``aux_layers`` (an EAGLE-3 head's, increasing): feature rows are
+        W8A8 or fp32 packed; ``F.linear`` rounds differently per batch size anyway, so exact
+        attention would buy nothing there). ``aux_layers`` (an EAGLE-3 head's, increasing): feature rows are
         the residual streams entering those layers, concatenated, instead of the last layer's
         state after the final norm (``LlamaDecoder.forward``). ``kv_dtype``: the KV cache's
         dtype (default: the activations'); attention then runs in it (``Attention.forward``)."""

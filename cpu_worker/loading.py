@@ -234,5 +234,6 @@ def release_freed_memory() -> None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's weights occupy (what one decode step streams from memory)."""
     total = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters())
-    total += sum(module.nbytes for module in model.modules() if isinstance(module, RowwiseInt8Linear))
+    # Packed and quantised layers hold their weights outside parameters (``nbytes``).
+    total += sum(getattr(module, "nbytes", 0) for module in model.modules())
     return total

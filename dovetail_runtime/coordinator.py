@@ -170,14 +170,17 @@ class Coordinator:
         if settings.target_dtype == "bf16" and self.gpu is not None:
             log.warning("bf16 target: tree verification rounds differently from one-token decoding (~1e-2), so "
                         "dovetail can differ from --mode ar where two tokens nearly tie; int8 is exact")
-        if info.get("dtype") == "fp32" and info.get("kv_dtype") == "bfloat16" and self.gpu is not None:
+        if (info.get("dtype") == "fp32" and info.get("kv_dtype") == "bfloat16" and not info.get("exact_tree")
+                and self.gpu is not None):
             log.warning("fp32 target with a bf16 KV cache: tree verification differs from one-token decoding by "
                         "~1e-2 (bf16 rounding of K/V amplifies fp32's ~1e-6), so dovetail can differ from --mode "
                         "ar where two tokens nearly tie; an int8 target is exact with it")
-        log.info("target: %s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
-                 "%.2f GB at full context, committed as it fills", info.get("dtype"),
+        kernel = f" ({info['fp32_kernel']})" if info.get("fp32_kernel") else ""
+        log.info("target: %s%s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
+                 "%.2f GB at full context, committed as it fills; trees verified %s", info.get("dtype"), kernel,
                  info.get("weight_bytes", 0) / 1e9, self.max_len, limit, info.get("kv_dtype"),
-                 info.get("kv_cache_bytes", 0) / 1e9)
+                 info.get("kv_cache_bytes", 0) / 1e9,
+                 "bit-exact against decoding" if info.get("exact_tree") else "to float tolerance")
         if isinstance(settings.tree, AutoTree) and self.gpu is not None:
             self.tree = self.plan_trees(settings.tree)
 
