@@ -18,8 +18,9 @@ deeper for the same T).
   This holds per beam width only: a top_k 4 tree is not part of the top_k 8 one (their beams
   keep different nodes), so each top_k learns from its own trees.
 - Larger trees are learnt by probing: every ``explore_every``-th cycle verifies a larger
-  tree (alternately one and two sizes up, one and two levels deeper; every other pair of probes
-  with the other beam width), so the choice can move up when deeper drafts start paying.
+  tree (alternately one and two sizes up, one and two levels deeper, or the largest tree that
+  costs at most ``PROBE_BUDGET`` times the best cycle when that is larger; every other pair of
+  probes with the other beam width), so the choice can move up when deeper drafts start paying.
   Every estimate fades (``decay`` per cycle), so one that no recent cycle could observe is
   forgotten rather than trusted forever.
 
@@ -44,6 +45,7 @@ TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 START = TreeShape(tree_tokens=16, depth=6, top_k=8)  # EAGLE-2's default, until data says otherwise
 SEEN_ENOUGH = 2.0  # observed cycles of a size (or depth) before their mean replaces the measurement
 SEEN_DECAY = 0.9
+PROBE_BUDGET = 1.3  # a probe may cost up to this many times the best shape's cycle
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,10 @@ class TreePlanner:
     def probe(self) -> Cell:
         """Larger than the best: alternately one tree size up and one level deeper, and two and
         two (acceptance need not grow smoothly along single steps); every other pair of probes
-        with the other beam width, which only its own trees can rate."""
+        with the other beam width, which only its own trees can rate. Where a much larger tree
+        costs little more (a flat t_verify), the largest one within ``PROBE_BUDGET`` of the best
+        cycle's cost instead: one verified tree rates every smaller tree of its beam, so no
+        shape of the region goes unrated while the choice sits on a small one."""
         size, depth, top_k = self.best
         probes = self.cycles // self.explore_every
         steps = 1 + probes % 2
@@ -235,7 +240,11 @@ class TreePlanner:
         fillable = [s for s in self.bounds.tree_sizes if 2 <= s <= next_size
                     and s - 1 <= draft_capacity(next_depth, top_k)]
         probe_size = fillable[-1] if fillable else 2
-        return probe_size, min(next_depth, probe_size - 1), top_k
+        local: Cell = (probe_size, min(next_depth, probe_size - 1), top_k)
+        budget = PROBE_BUDGET * self.cycle_ms(self.best)
+        affordable = [cell for cell in self.cells if cell[2] == top_k and self.cycle_ms(cell) <= budget]
+        # Deepest first: a deep tree rates the shallow trees inside it, a wide shallow one no deeper ones.
+        return max([local, *affordable], key=lambda cell: (cell[1], cell[0]))
 
     def _choose(self) -> None:
         rated = [(rate, cell) for cell in self.cells if (rate := self.rate(cell)) is not None]

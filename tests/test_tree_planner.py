@@ -197,6 +197,28 @@ def test_the_planner_narrows_the_beam_when_a_deep_narrow_tree_pays():
     assert narrow > 0.6 * sum(planner.chosen.values())
 
 
+def test_a_probe_reaches_the_largest_tree_that_costs_little_more():
+    """Sitting on a small tree, a probe one step up rates only the next shapes; where verifying
+    a larger tree costs little more (MKL packed fp32: T=16 at 1.7x a decode step), the probe is
+    the deepest tree within PROBE_BUDGET of the best cycle, which rates every tree inside it.
+    Where costs climb steeply it stays one step up."""
+    from dovetail_runtime.tree_planner import PROBE_BUDGET
+
+    bounds = AutoTree(max_tree_tokens=32, max_depth=8, top_k=4)
+    draft = {depth: 10.0 * depth for depth in range(1, 9)}
+    for verify, wide in (({size: 600.0 + 10.0 * size for size in bounds.tree_sizes}, True),
+                         ({size: 500.0 + 150.0 * size for size in bounds.tree_sizes}, False)):
+        planner = TreePlanner(bounds, verify, draft)
+        planner.best = (2, 1, 4)
+        planner.cycles = planner.explore_every  # the first probe: two sizes and two levels up, same beam
+        probe = planner.probe()
+        if wide:
+            assert probe[2] == 4 and probe[1] >= 5 and probe[0] >= 8, probe
+            assert planner.cycle_ms(probe) <= PROBE_BUDGET * planner.cycle_ms(planner.best)
+        else:
+            assert probe == (4, 3, 4)
+
+
 def test_the_planner_moves_up_when_deeper_drafts_start_paying():
     bounds = AutoTree(max_tree_tokens=32, max_depth=10, top_k=2)
     cheap_verify, cheap_draft = (lambda size: 100.0 + 5.0 * size), (lambda depth: 5.0 * depth)
