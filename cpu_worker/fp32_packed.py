@@ -12,7 +12,7 @@ row count, so a row gets the same bits alone or among 64 others, and 4-16 rows c
 of ``F.linear`` (one row costs 1.08-1.14x: MKL's GEMV is the better one-row kernel). Measured, not
 promised: packing for a batch hint of one row gives a one-row path that rounds differently,
 so the hint is ``PACK_ROWS``, and ``pack_fp32_linears`` checks every weight shape of the model
-at load (row by row against the whole call, and against ``F.linear``) before it swaps anything.
+at load (row by row against the whole call, and against ``F.linear`` up to a prefill's rows) before it swaps anything.
 Where MKL is absent (non-x86 builds) or a check fails, the model keeps ``F.linear`` and its
 trees are verified to float tolerance, as before.
 """
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 PACK_ROWS = 16  # the batch hint of the packing; 1 gives a separate one-row path (not invariant)
 CHECK_ROWS = (2, 3, 5, 8, 16, 17, 33, 64)  # row counts the load-time check compares with one row
+PREFILL_CHECK_ROWS = 300  # and a prefill-sized call, checked against F.linear
 
 
 def mkl_packing_available() -> bool:
@@ -92,6 +93,12 @@ def rows_are_independent(weight: torch.Tensor, seed: int = 0) -> tuple[bool, str
         for count in CHECK_ROWS:
             if not torch.equal(layer(inputs[:count]), alone[:count]):
                 return False, f"a row's result changes when {count} rows share the call"
+        # A prompt's prefill calls with hundreds of rows: right there too (rows need not match bits).
+        prompt = torch.randn(PREFILL_CHECK_ROWS, layer.in_features, generator=generator)
+        reference = F.linear(prompt, dense)
+        error = float((layer(prompt) - reference).abs().max())
+        if error > 1e-4 * (float(reference.abs().max()) or 1.0) + 1e-5:
+            return False, f"a {PREFILL_CHECK_ROWS}-row call differs from F.linear by {error:.3g}"
     return True, ""
 
 
