@@ -10,9 +10,10 @@ MKL's ``cblas_sgemm_compute`` on a weight packed once (``cblas_sgemm_pack``, exp
 as ``mkl::_mkl_reorder_linear_weight`` and ``mkl::_mkl_linear``) runs one blocking for every
 row count, so a row gets the same bits alone or among 64 others, and 4-16 rows cost 0.55-0.7x
 of ``F.linear`` (one row costs 1.08-1.14x: MKL's GEMV is the better one-row kernel). Measured, not
-promised: packing for a batch hint of one row gives a one-row path that rounds differently,
-so the hint is ``PACK_ROWS``, and ``pack_fp32_linears`` checks every weight shape of the model
-at load (row by row against the whole call, and against ``F.linear`` up to a prefill's rows) before it swaps anything.
+promised: packing for a batch hint of one row gives a one-row path that rounds differently
+(so the hint is ``PACK_ROWS``), and so do matrices with fewer than 256 outputs. So
+``pack_fp32_linears`` checks every weight shape of the model at load (row by row against the
+whole call, and against ``F.linear`` up to a prefill's rows) before it swaps anything.
 Where MKL is absent (non-x86 builds) or a check fails, the model keeps ``F.linear`` and its
 trees are verified to float tolerance, as before.
 """
