@@ -236,15 +236,17 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
 @click.option("--target-dtype", type=click.Choice(TARGET_PRECISIONS), default="fp32",
-              help="Target precision on the CPU. int8 (W8A8, per-token) gives exactly --mode ar's tokens; fp32 "
-                   "and bf16 verify trees with batched kernels that round differently from one-token decoding "
-                   "(fp32 ~1e-6, bf16 ~1e-2), so they can differ from --mode ar where two tokens nearly tie.")
+              help="Target precision on the CPU. int8 (W8A8, per-token) and fp32 (MKL packed sgemm, checked at "
+                   "load) give exactly --mode ar's tokens; the startup log says 'trees verified bit-exact'. bf16, "
+                   "and fp32 on a torch without MKL, verify trees with batched kernels that round differently "
+                   "from one-token decoding (bf16 ~1e-2, fp32 ~1e-6), so they can differ from --mode ar where "
+                   "two tokens nearly tie.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto",
               help="The target's KV cache dtype. bf16 halves its memory and the bytes attention reads per step; "
                    "attention then runs in bf16 on the cached keys and values, exact for an int8 target. auto: "
                    "bf16 for an int8 target on a CPU with native bf16 (AVX512-BF16/AMX), else the activations' "
-                   "dtype (an fp32 target's tree rows differ from decoding by ~1e-6, which bf16 K/V would "
-                   "amplify to ~1e-2).")
+                   "dtype. bf16 K/V keeps an exact target (int8, packed fp32) exact against --mode ar with the "
+                   "same --kv-dtype; with a target verified to float tolerance it amplifies ~1e-6 to ~1e-2.")
 @click.option("--draft-device", default="auto",
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8"]), default="auto",

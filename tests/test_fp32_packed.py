@@ -59,6 +59,10 @@ def test_packed_fp32_tree_logits_equal_decode_logits_bit_for_bit(demo_target):
     engine = TargetEngine(model, max_len=128)
     assert engine.exact_tree
     assert worst_tree_vs_decode_gap(engine) == 0.0
+    # A bf16 KV cache keeps it exact: tree rows and decodes read the same rounded keys and values.
+    bf16_kv = TargetEngine(model, max_len=128, kv_dtype=torch.bfloat16)
+    assert bf16_kv.exact_tree
+    assert worst_tree_vs_decode_gap(bf16_kv) == 0.0
     # Control: F.linear with the same exact attention is not (its gap is float rounding).
     dense = TargetEngine(load_target_model(demo_target), max_len=128, exact_tree=True)
     assert not dense.exact_tree or worst_tree_vs_decode_gap(dense) > 0

@@ -46,7 +46,7 @@ from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from dovetail_runtime.tokenizer import Tokenizer
 from dovetail_runtime.tree_planner import TREE_SIZES, AutoTree, TreePlanner
 from ipc import messages as m
-from ipc.dtypes import TARGET_PRECISIONS
+from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, TreeError, TreeShape
 from tools.bench_e2e import FALLBACK_PROMPTS
 from tools.train.corpus import stdlib_files
@@ -436,6 +436,7 @@ class RunOptions:
     cpu_cores: list[int] | None
     draft_device: str
     startup_timeout_s: float
+    kv_dtype: str = "auto"
 
 
 def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: RunOptions) -> str:
@@ -443,7 +444,7 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
     Returns the prompt note."""
     envelope = envelope_of(options.trees)
     settings = RuntimeSettings(
-        target=str(target_dir), draft=str(head_dir), target_dtype=result.precision,
+        target=str(target_dir), draft=str(head_dir), target_dtype=result.precision, kv_dtype=options.kv_dtype,
         cpu_threads=options.cpu_threads, cpu_cores=options.cpu_cores, draft_device=options.draft_device,
         tree=envelope, log_level="warning", startup_timeout_s=options.startup_timeout_s,
         # Room for the prompt (re-encoding a cut prompt can add a token or two), the new tokens and one tree.
@@ -801,6 +802,9 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
                    "[default: one per pinned core, else torch's]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin the target worker (and the sweep) to these cores, e.g. 0-7,16-23.")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True,
+              help="The target's KV cache dtype, as dovetail-run's --kv-dtype (auto: bf16 for int8 targets on "
+                   "CPUs with native bf16, else the activations' dtype).")
 @click.option("--draft-device", default="auto", help="Draft device: auto (CUDA if present, else CPU), cpu, cuda:N.")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=1800.0,
               help="Seconds to wait for the workers to load (a 13B target loads for minutes).")
@@ -826,7 +830,8 @@ def main(context: click.Context, **values: Any) -> None:
     sources = Sources(values["target_src"].resolve(), values["draft_src"].resolve(), work_dir, values["store_dtype"])
     trees = parse_trees(values["trees"], values["depth"], values["top_k"])
     options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], trees,
-                         values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"])
+                         values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"],
+                         values["kv_dtype"])
     source_layers = int(json.loads((sources.target / "config.json").read_text())["num_hidden_layers"])
 
     if values["layers"] and values["layers"] < source_layers:
