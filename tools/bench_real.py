@@ -514,15 +514,6 @@ def balanced_parents(size: int) -> list[int]:
     return [-1] + [(index - 1) // 2 for index in range(1, size)]
 
 
-def load_like_the_worker(path: str, precision: str) -> tuple[Any, Any]:
-    """(model, activation dtype) loaded as the cpu_worker loads it: converted tensor by tensor
-    (a 13B int8 target never exists in fp32, which would not fit in RAM)."""
-    from cpu_worker.loading import load_target_model
-    from cpu_worker.precision import activation_dtype
-
-    return load_target_model(path, precision), activation_dtype(precision)
-
-
 def sweep_main() -> None:
     """Child process of the sweep (run as ``python -c``): load one target, time tree_logits per T,
     print {T: ms} as JSON on the last stdout line. A child, so that running out of memory loading
@@ -532,14 +523,14 @@ def sweep_main() -> None:
         os.sched_setaffinity(0, job["cores"])  # before torch starts its pool: its threads inherit this
     import torch
 
-    from cpu_worker.engine import TargetEngine
+    from cpu_worker.server import build_engine
 
     if job["threads"]:
         torch.set_num_threads(job["threads"])
     prompt: list[int] = job["prompt"]
     sizes: list[int] = job["sizes"]
-    model, activation_dtype = load_like_the_worker(job["target"], job["precision"])
-    engine = TargetEngine(model, max_len=len(prompt) + max(sizes), activation_dtype=activation_dtype)
+    # The worker's own engine: its kernels (fp32 packed) and KV dtype decide t_verify(T).
+    engine, _ = build_engine(job["target"], job["precision"], len(prompt) + max(sizes), job["kv_dtype"])
     engine.prefill(prompt)
     timings = {}
     for size in sizes:
@@ -556,13 +547,15 @@ def sweep_main() -> None:
     print(json.dumps(timings))
 
 
-def verify_sweep(result: RunResult, sizes: tuple[int, ...], repeats: int, cores: list[int] | None) -> None:
+def verify_sweep(result: RunResult, sizes: tuple[int, ...], repeats: int, cores: list[int] | None,
+                 kv_dtype: str) -> None:
     if result.target_dir is None or not result.sweep_prompt:
         return
     print(f"\n== t_verify(T) for {result.label} ({result.threads} threads, prefix {len(result.sweep_prompt)} "
           f"tokens, balanced binary trees, median of {repeats}) ...", flush=True)
     job = {"target": str(result.target_dir), "precision": result.precision, "threads": result.threads,
-           "cores": cores, "prompt": result.sweep_prompt, "sizes": list(sizes), "repeats": repeats}
+           "cores": cores, "prompt": result.sweep_prompt, "sizes": list(sizes), "repeats": repeats,
+           "kv_dtype": kv_dtype}
     child = subprocess.run([sys.executable, "-c", "from tools.bench_real import sweep_main; sweep_main()",
                             json.dumps(job)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     if child.returncode != 0:
@@ -872,7 +865,7 @@ def main(context: click.Context, **values: Any) -> None:
     if values["verify_sweep"]:
         started = time.perf_counter()
         for result in results:
-            verify_sweep(result, SWEEP_SIZES, values["sweep_repeats"], values["cpu_cores"])
+            verify_sweep(result, SWEEP_SIZES, values["sweep_repeats"], values["cpu_cores"], values["kv_dtype"])
         print_sweep(results)
         write_plot(results, values["plot_path"] or work_dir / "bench_real.png")
         print(f"sweep time {time.perf_counter() - started:.1f} s")
