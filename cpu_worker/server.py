@@ -19,6 +19,7 @@ from ipc import messages as m
 from ipc.shm_ring import ShmRing
 from ipc.worker_loop import Handlers, SequenceError, worker_main
 
+from . import int8_kernel
 from .engine import ContextOverflowError, TargetEngine
 from .fp32_packed import pack_fp32_linears
 from .loading import load_target_model, weight_bytes
@@ -114,32 +115,37 @@ class TargetService:
 def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str = "auto",
                  aux_layers: list[int] | None = None) -> tuple[TargetEngine, str | None]:
     """The target engine exactly as the cpu_worker runs it (benchmarks time this one too), and
-    the fp32 kernel's name (None below fp32)."""
+    its linear layers' kernel (fp32: mkl-packed or F.linear; int8: dovetail-vnni,
+    dovetail-portable or fbgemm; None for bf16)."""
     model = load_target_model(target, precision)
-    # fp32 on MKL's packed sgemm: rows independent of their call-mates (exact trees) and trees cheaper.
-    fp32_kernel = ("mkl-packed" if pack_fp32_linears(model) else "F.linear") if precision == "fp32" else None
+    kernel = None
+    if precision == "fp32":
+        # MKL's packed sgemm: rows independent of their call-mates (exact trees) and trees cheaper.
+        kernel = "mkl-packed" if pack_fp32_linears(model) else "F.linear"
+    elif precision == "int8":
+        kernel = int8_kernel.kernel_name()
     # aux_layers: an EAGLE-3 head's three target layers (the coordinator read them from its folder).
     engine = TargetEngine(model, max_len=max_len, activation_dtype=activation_dtype(precision),
                           aux_layers=aux_layers, kv_dtype=kv_cache_dtype(precision, kv_dtype))
-    return engine, fp32_kernel
+    return engine, kernel
 
 
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     placement = apply_placement(settings.get("threads"), settings.get("cores"))
     precision = settings.get("dtype", "fp32")
-    engine, fp32_kernel = build_engine(settings["target"], precision, settings["max_len"],
+    engine, kernel = build_engine(settings["target"], precision, settings["max_len"],
                                        settings.get("kv_dtype", "auto"), settings.get("aux_layers"))
     rings = settings["rings"]
     kv_name = str(engine.kv_dtype).removeprefix("torch.")
-    # The verify-cost cache keeps each kernel's timings apart: packed and F.linear trees cost differently.
-    cost_precision = f"{precision}/{fp32_kernel}" if fp32_kernel else precision
+    # The verify-cost cache keeps each kernel's timings apart: their trees cost differently.
+    cost_precision = f"{precision}/{kernel}" if kernel else precision
     service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]),
                             cost_key=cache_key(settings["target"], f"{cost_precision}/kv-{kv_name}",
                                                placement.intra_op_threads, placement.cores))
     info = {"threads": placement.intra_op_threads, "cores": placement.cores, "max_len": engine.max_len,
             "hidden_size": engine.spec.hidden_size, "vocab_size": engine.spec.vocab_size,
             "dtype": precision, "weight_bytes": weight_bytes(engine.model), "kv_cache_bytes": engine.cache.nbytes,
-            "kv_dtype": kv_name, "exact_tree": engine.exact_tree, "fp32_kernel": fp32_kernel,
+            "kv_dtype": kv_name, "exact_tree": engine.exact_tree, "kernel": kernel,
             "feature_size": engine.feature_size, "aux_layers": list(engine.aux_layers or [])}
     return info, service.handlers()
 

@@ -175,7 +175,7 @@ class Coordinator:
             log.warning("fp32 target with a bf16 KV cache: tree verification differs from one-token decoding by "
                         "~1e-2 (bf16 rounding of K/V amplifies fp32's ~1e-6), so dovetail can differ from --mode "
                         "ar where two tokens nearly tie; an int8 target is exact with it")
-        kernel = f" ({info['fp32_kernel']})" if info.get("fp32_kernel") else ""
+        kernel = f" ({info['kernel']})" if info.get("kernel") else ""
         log.info("target: %s%s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
                  "%.2f GB at full context, committed as it fills; trees verified %s", info.get("dtype"), kernel,
                  info.get("weight_bytes", 0) / 1e9, self.max_len, limit, info.get("kv_dtype"),

@@ -273,7 +273,7 @@ def _old_path_head(draft, target, quantize: bool) -> DraftHead:
 def _int8_weights(head: DraftHead) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     from cpu_worker.int8 import RowwiseInt8Linear
 
-    return {name: (torch.ops.quantized.linear_unpack(module._packed)[0].int_repr(), module.bias)
+    return {name: (module.int8_weight(), module.bias)
             for name, module in head.named_modules() if isinstance(module, RowwiseInt8Linear)}
 
 

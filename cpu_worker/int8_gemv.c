@@ -1,0 +1,174 @@
+/* W8A8 int8 linear for decoding and small trees: y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n]),
+ * acc = sum_k xq[m, k] * w[n, k] accumulated exactly in int32.
+ *
+ * Why our own: torch's int8 kernels (fbgemm's dynamic linear, weight-only int8pack) reach 55% of
+ * the read bandwidth when decoding one row, llama.cpp's Q8_0 88% (tools/bench_llamacpp.py). A
+ * decode step is a stream over the weights; this kernel reads each weight byte once and reuses a
+ * block of 4 weight rows (L1-resident) for every activation row of the call.
+ *
+ * Row independence (what makes Dovetail lossless at int8): a row's quantization uses only that
+ * row, integer sums are exact, and the float epilogue is elementwise (built with
+ * -ffp-contract=off, so no fused multiply-add depends on how the compiler vectorised it).
+ * The AVX512-VNNI path and the portable path give the same bits.
+ *
+ * VNNI multiplies unsigned by signed bytes, so activations are stored as u = q + 128 and
+ * 128 * sum_k w[n, k] (precomputed per row) is subtracted: |acc| <= K * 255 * 127 fits int32
+ * for K < 66,000.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define DOVETAIL_VNNI 1
+#else
+#define DOVETAIL_VNNI 0
+#endif
+
+int dovetail_int8_has_vnni(void) { return DOVETAIL_VNNI; }
+
+/* Per-row symmetric quantization: q = round(x * 127 / max|x|) as u8 = q + 128; scale[m] = max|x| / 127. */
+void dovetail_quantize_rows(const float *x, uint8_t *xu, float *scale, int64_t rows, int64_t k) {
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * k;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            float a = fabsf(row[i]);
+            amax = a > amax ? a : amax;
+        }
+        float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        scale[m] = amax / 127.0f;
+        uint8_t *out = xu + m * k;
+        for (int64_t i = 0; i < k; i++) {
+            float q = nearbyintf(row[i] * inverse);
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            out[i] = (uint8_t)((int32_t)q + 128);
+        }
+    }
+}
+
+/* 128 * sum_k w[n, k] per output row: the correction for the +128 offset of the activations. */
+void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, int64_t k) {
+    for (int64_t n = 0; n < n_rows; n++) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; i++) sum += w[n * k + i];
+        offset[n] = 128 * sum;
+    }
+}
+
+#if DOVETAIL_VNNI
+/* acc for output rows n0..n0+3 (count valid) and one activation row. */
+static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+    __m512i acc2 = _mm512_setzero_si512(), acc3 = _mm512_setzero_si512();
+    const int8_t *w1 = w + (count > 1 ? k : 0), *w2 = w + (count > 2 ? 2 * k : 0), *w3 = w + (count > 3 ? 3 * k : 0);
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+        /* The next block's rows, one line ahead each: eight streams in flight instead of four. */
+        _mm_prefetch((const char *)(w + 4 * k + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 5 * k + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 6 * k + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 7 * k + i), _MM_HINT_T0);
+        __m512i xv = _mm512_loadu_si512((const void *)(xu + i));
+        acc0 = _mm512_dpbusd_epi32(acc0, xv, _mm512_loadu_si512((const void *)(w + i)));
+        acc1 = _mm512_dpbusd_epi32(acc1, xv, _mm512_loadu_si512((const void *)(w1 + i)));
+        acc2 = _mm512_dpbusd_epi32(acc2, xv, _mm512_loadu_si512((const void *)(w2 + i)));
+        acc3 = _mm512_dpbusd_epi32(acc3, xv, _mm512_loadu_si512((const void *)(w3 + i)));
+    }
+    if (i < k) {
+        __mmask64 mask = (~(__mmask64)0) >> (64 - (k - i));
+        __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + i);
+        acc0 = _mm512_dpbusd_epi32(acc0, xv, _mm512_maskz_loadu_epi8(mask, w + i));
+        acc1 = _mm512_dpbusd_epi32(acc1, xv, _mm512_maskz_loadu_epi8(mask, w1 + i));
+        acc2 = _mm512_dpbusd_epi32(acc2, xv, _mm512_maskz_loadu_epi8(mask, w2 + i));
+        acc3 = _mm512_dpbusd_epi32(acc3, xv, _mm512_maskz_loadu_epi8(mask, w3 + i));
+    }
+    out[0] = _mm512_reduce_add_epi32(acc0);
+    out[1] = _mm512_reduce_add_epi32(acc1);
+    out[2] = _mm512_reduce_add_epi32(acc2);
+    out[3] = _mm512_reduce_add_epi32(acc3);
+}
+
+/* The same for two activation rows at once: each weight load feeds two products, and eight
+ * independent accumulators hide the dot product's latency (trees verify several rows). */
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
+                          int32_t out_a[4], int32_t out_b[4]) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();
+    __m512i a3 = _mm512_setzero_si512(), b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+    __m512i b2 = _mm512_setzero_si512(), b3 = _mm512_setzero_si512();
+    const int8_t *w1 = w + (count > 1 ? k : 0), *w2 = w + (count > 2 ? 2 * k : 0), *w3 = w + (count > 3 ? 3 * k : 0);
+    for (int64_t i = 0; i < k; i += 64) {
+        __mmask64 mask = k - i >= 64 ? ~(__mmask64)0 : (~(__mmask64)0) >> (64 - (k - i));
+        __m512i xva = _mm512_maskz_loadu_epi8(mask, xa + i), xvb = _mm512_maskz_loadu_epi8(mask, xb + i);
+        __m512i wv0 = _mm512_maskz_loadu_epi8(mask, w + i), wv1 = _mm512_maskz_loadu_epi8(mask, w1 + i);
+        __m512i wv2 = _mm512_maskz_loadu_epi8(mask, w2 + i), wv3 = _mm512_maskz_loadu_epi8(mask, w3 + i);
+        a0 = _mm512_dpbusd_epi32(a0, xva, wv0);
+        b0 = _mm512_dpbusd_epi32(b0, xvb, wv0);
+        a1 = _mm512_dpbusd_epi32(a1, xva, wv1);
+        b1 = _mm512_dpbusd_epi32(b1, xvb, wv1);
+        a2 = _mm512_dpbusd_epi32(a2, xva, wv2);
+        b2 = _mm512_dpbusd_epi32(b2, xvb, wv2);
+        a3 = _mm512_dpbusd_epi32(a3, xva, wv3);
+        b3 = _mm512_dpbusd_epi32(b3, xvb, wv3);
+    }
+    out_a[0] = _mm512_reduce_add_epi32(a0);
+    out_a[1] = _mm512_reduce_add_epi32(a1);
+    out_a[2] = _mm512_reduce_add_epi32(a2);
+    out_a[3] = _mm512_reduce_add_epi32(a3);
+    out_b[0] = _mm512_reduce_add_epi32(b0);
+    out_b[1] = _mm512_reduce_add_epi32(b1);
+    out_b[2] = _mm512_reduce_add_epi32(b2);
+    out_b[3] = _mm512_reduce_add_epi32(b3);
+}
+#else
+static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
+    for (int r = 0; r < 4; r++) {
+        int32_t sum = 0;
+        if (r < count) {
+            const int8_t *wr = w + r * k;
+            for (int64_t i = 0; i < k; i++) sum += (int32_t)xu[i] * (int32_t)wr[i];
+        }
+        out[r] = sum;
+    }
+}
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
+                          int32_t out_a[4], int32_t out_b[4]) {
+    dot4(xa, w, k, count, out_a);
+    dot4(xb, w, k, count, out_b);
+}
+#endif
+
+static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int count, const float *x_scale,
+                             const float *w_scale, const int32_t *w_offset, const float *bias, float *y,
+                             int64_t n_out) {
+    float *out = y + m * n_out + n0;
+    for (int r = 0; r < count; r++) {
+        float value = (float)(acc[r] - w_offset[n0 + r]) * x_scale[m] * w_scale[n0 + r];
+        out[r] = bias ? value + bias[n0 + r] : value;
+    }
+}
+
+/* y[rows, n_out] from u8 activations xu[rows, k] and int8 weights w[n_out, k]. Threads split the
+ * output rows in blocks of 4; each block's weights are read from memory once for all rows. */
+void dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
+                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
+                          int64_t k, int threads) {
+    int64_t blocks = (n_out + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t n0 = block * 4;
+        int count = (int)(n_out - n0 < 4 ? n_out - n0 : 4);
+        int32_t acc[4], acc_b[4];
+        int64_t m = 0;
+        for (; m + 2 <= rows; m += 2) {
+            dot4x2(xu + m * k, xu + (m + 1) * k, w + n0 * k, k, count, acc, acc_b);
+            store_row(acc, m, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
+            store_row(acc_b, m + 1, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
+        }
+        if (m < rows) {
+            dot4(xu + m * k, w + n0 * k, k, count, acc);
+            store_row(acc, m, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
+        }
+    }
+}

@@ -1,0 +1,116 @@
+"""Our int8 linear kernel (``int8_gemv.c``), built for this CPU on first use and cached.
+
+Why compiled here: it is built with ``-march=native`` (AVX512-VNNI where the CPU has it) and
+links to the OpenMP runtime torch already loaded, so its threads are torch's. A C compiler is
+the only requirement; without one, or if the build fails, int8 layers use fbgemm (slower when
+decoding, equally exact) and the log says so once. ``DOVETAIL_INT8_KERNEL=fbgemm`` forces that
+path (for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from .cores import cpu_flags
+
+log = logging.getLogger("dovetail.cpu_worker")
+
+SOURCE = Path(__file__).with_name("int8_gemv.c")
+# -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DOVETAIL_KERNEL_DIR") or Path.home() / ".cache" / "dovetail" / "kernels")
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")
+        os.replace(built, target)  # atomic: a concurrent worker sees the whole library or none
+
+
+def build(compiler: str, flags: list[str], directory: Path) -> ctypes.CDLL:
+    """Compile (once per source, flags, compiler and CPU) and load the library."""
+    # The CPU's flags are in the key: -march=native builds for this CPU only.
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu_flags())).encode()
+                         + compiler.encode()).hexdigest()[:16]
+    target = directory / f"int8_gemv-{key}.so"
+    if not target.exists():
+        _compile(compiler, flags, target)
+    library = ctypes.CDLL(str(target))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.dovetail_quantize_rows.argtypes = [pointer, pointer, pointer, i64, i64]
+    library.dovetail_weight_offsets.argtypes = [pointer, pointer, i64, i64]
+    library.dovetail_int8_linear.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+                                             i64, i64, i64, ctypes.c_int]
+    library.dovetail_int8_has_vnni.restype = ctypes.c_int
+    return library
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None (fbgemm is used) when forced off, no compiler, or the build fails."""
+    if os.environ.get(FORCE_VARIABLE, "").lower() == "fbgemm":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("int8: no C compiler found, so int8 layers run on fbgemm (slower decoding); install gcc "
+                    "for the faster kernel")
+        return None
+    try:
+        return build(compiler, FLAGS, cache_dir())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        log.warning("int8: building %s failed, so int8 layers run on fbgemm (slower decoding): %s", SOURCE.name, error)
+        return None
+
+
+def kernel_name() -> str:
+    """What int8 layers run on in this process: dovetail-vnni, dovetail-portable or fbgemm."""
+    library = load()
+    if library is None:
+        return "fbgemm"
+    return "dovetail-vnni" if library.dovetail_int8_has_vnni() else "dovetail-portable"
+
+
+def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """128 * the sum of each int8 weight row (the kernel's correction for its u8 activations)."""
+    library = library or load()
+    assert library is not None
+    out_features, in_features = values.shape
+    offsets = torch.empty(out_features, dtype=torch.int32)
+    library.dovetail_weight_offsets(values.data_ptr(), offsets.data_ptr(), out_features, in_features)
+    return offsets
+
+
+def int8_linear(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                bias: torch.Tensor | None, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """[M, K] fp32 rows (contiguous) through int8 weights [N, K]: each row quantized on its own."""
+    library = library or load()
+    assert library is not None
+    count, in_features = rows.shape
+    out_features = values.shape[0]
+    quantized = torch.empty(count, in_features, dtype=torch.uint8)
+    row_scales = torch.empty(count, dtype=torch.float32)
+    library.dovetail_quantize_rows(rows.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), count, in_features)
+    out = torch.empty(count, out_features, dtype=torch.float32)
+    library.dovetail_int8_linear(quantized.data_ptr(), row_scales.data_ptr(), values.data_ptr(), scales.data_ptr(),
+                                 offsets.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 count, out_features, in_features, torch.get_num_threads())
+    return out

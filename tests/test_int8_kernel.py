@@ -1,0 +1,106 @@
+"""Our int8 kernel (cpu_worker/int8_gemv.c): exact integer arithmetic against a torch reference,
+rows independent of their call-mates, the same bits from the AVX512-VNNI and the portable
+build, and a clear fallback to fbgemm when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_int8 import worst_tree_vs_decode_gap
+
+from cpu_worker import int8_kernel
+from cpu_worker.engine import TargetEngine
+from cpu_worker.int8 import RowwiseInt8Linear
+from cpu_worker.loading import load_target_model
+from cpu_worker.precision import activation_dtype
+
+
+def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:
+    """The kernel's arithmetic in torch: symmetric per-row int8 activations, int32 sums, then
+    the same float epilogue in the same order."""
+    maxima = rows.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(maxima > 0, 127.0 / maxima, torch.zeros_like(maxima))
+    quantized = torch.round(rows * inverse).clamp(-127, 127).to(torch.int64)
+    sums = (quantized @ layer._values.to(torch.int64).T).to(torch.int32)
+    out = sums.to(torch.float32) * (maxima / 127.0) * layer._scales
+    return out + layer.bias if layer.bias is not None else out
+
+
+@pytest.fixture(scope="module")
+def kernel() -> str:
+    name = int8_kernel.kernel_name()
+    assert name != "fbgemm", "the int8 kernel did not build on this machine (a C compiler is all it needs)"
+    return name
+
+
+@pytest.mark.parametrize("in_features", [64, 100, 256, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_computes_exactly_the_integer_reference(kernel, in_features, bias):
+    torch.manual_seed(in_features)
+    layer = RowwiseInt8Linear(torch.randn(301, in_features) * 0.05, torch.randn(301) if bias else None)
+    assert layer.kernel == kernel
+    rows = torch.randn(37, in_features) * 3
+    rows[5] = 0.0  # an all-zero row (scale 0) gives exactly the bias
+    out = layer(rows)
+    assert torch.equal(out, reference(rows, layer))
+    assert torch.equal(out[5], layer.bias if bias else torch.zeros(301))
+    dense = rows @ (layer._values.float() * layer._scales[:, None]).T + (layer.bias if bias else 0)
+    assert (out - dense).abs().max() < 0.05 * dense.abs().max()  # int8 rounding of the activations only
+
+
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(kernel):
+    torch.manual_seed(0)
+    layer = RowwiseInt8Linear(torch.randn(515, 768) * 0.02, torch.randn(515))
+    rows = torch.randn(64, 768)
+    alone = torch.cat([layer(rows[index:index + 1]) for index in range(64)])
+    for count in (2, 3, 7, 16, 33, 64):
+        assert torch.equal(layer(rows[:count]), alone[:count]), f"a call of {count} rows changed a row"
+
+
+def test_the_portable_build_gives_the_native_build_s_bits(kernel, tmp_path):
+    """On a CPU with AVX512-VNNI (this machine) the native build is the intrinsics path, so this
+    compares the two code paths; elsewhere two vectorisations of the portable one."""
+    compiler = int8_kernel.shutil.which("cc") or int8_kernel.shutil.which("gcc")
+    assert compiler is not None
+    portable_flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
+    portable = int8_kernel.build(compiler, portable_flags, tmp_path)
+    native = int8_kernel.load()
+    assert native is not None and portable.dovetail_int8_has_vnni() == 0
+    assert native.dovetail_int8_has_vnni() == (kernel == "dovetail-vnni")
+    torch.manual_seed(1)
+    layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))
+    rows = torch.randn(9, 200)
+    outs = [int8_kernel.int8_linear(rows, layer._values, layer._scales,
+                                    int8_kernel.weight_offsets(layer._values, library), layer.bias, library)
+            for library in (native, portable)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_int8_tree_logits_equal_decode_logits_on_the_kernel(kernel, demo_target):
+    model = load_target_model(demo_target, "int8")
+    assert {module.kernel for module in model.modules() if isinstance(module, RowwiseInt8Linear)} == {kernel}
+    engine = TargetEngine(model, max_len=128, activation_dtype=activation_dtype("int8"))
+    assert engine.exact_tree
+    assert worst_tree_vs_decode_gap(engine) == 0.0
+
+
+def test_without_a_compiler_int8_falls_back_to_fbgemm_and_says_so(monkeypatch, caplog):
+    int8_kernel.load.cache_clear()
+    try:
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+            assert int8_kernel.kernel_name() == "fbgemm"
+        assert "int8 layers run on fbgemm" in caplog.text
+        layer = RowwiseInt8Linear(torch.randn(300, 256) * 0.02)
+        assert layer.kernel == "fbgemm"
+        rows = torch.randn(8, 256)
+        alone = torch.cat([layer(rows[index:index + 1]) for index in range(8)])
+        assert torch.equal(layer(rows), alone)  # the fbgemm path keeps the per-row rule
+        int8_kernel.load.cache_clear()
+        monkeypatch.setenv("CC", "")
+        monkeypatch.setenv(int8_kernel.FORCE_VARIABLE, "fbgemm")
+        assert int8_kernel.kernel_name() == "fbgemm"
+    finally:
+        int8_kernel.load.cache_clear()
