@@ -1,0 +1,188 @@
+"""Decode speed of this engine against llama.cpp at the same bits, side by side in one run.
+
+The issue's bar for the CPU target: fp32 and int8 decoding at least as fast as llama.cpp's F32
+and Q8_0, the engine a user would otherwise pick. Rounds alternate between the two engines
+(these machines are shared and noisy), each engine decodes ``--tokens`` tokens per round on the
+same threads, and the table gives medians, the per-round ratio and each engine against the read
+bandwidth measured in the same run.
+
+llama.cpp is not a dependency: bring a ``llama-bench`` binary and GGUF files of the same model.
+For an inflated stand-in (``../shared/testbed/inflate.py``), from a llama.cpp checkout::
+
+    python convert_hf_to_gguf.py STANDIN --outtype f32 --outfile standin-f32.gguf
+    build/bin/llama-quantize standin-f32.gguf standin-q8_0.gguf Q8_0
+    python -m tools.bench_llamacpp --target STANDIN --llama-bench build/bin/llama-bench \\
+        --pair fp32=standin-f32.gguf --pair int8=standin-q8_0.gguf --threads 2
+
+(The stand-ins' byte-level BPE tokenizer is unknown to the converter's pre-tokenizer table;
+decode speed does not depend on it, so any byte-level choice will do.)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import psutil
+import torch
+
+from cpu_worker.engine import TargetEngine
+from cpu_worker.server import build_engine
+from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
+from tools.bench_real import Dims, measure_bandwidth
+
+
+@dataclass
+class PairResult:
+    precision: str
+    gguf: Path
+    ours_tps: list[float] = field(default_factory=list)
+    llama_tps: list[float] = field(default_factory=list)
+    ours_rss_gb: float = 0.0
+    llama_rss_gb: float = 0.0
+    ours_bytes: int = 0
+    llama_bytes: int = 0
+    llama_type: str = ""
+    kernel: str | None = None
+
+
+def parse_pair(_context: click.Context, _parameter: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, Path]]:
+    pairs = []
+    for value in values:
+        precision, _, path = value.partition("=")
+        if precision not in TARGET_PRECISIONS or not path:
+            raise click.BadParameter(f"{value!r}: expected PRECISION=GGUF with PRECISION one of "
+                                     f"{', '.join(TARGET_PRECISIONS)}")
+        if not Path(path).is_file():
+            raise click.BadParameter(f"{path}: no such GGUF file")
+        pairs.append((precision, Path(path)))
+    if not pairs:
+        raise click.BadParameter("give at least one --pair PRECISION=GGUF")
+    return pairs
+
+
+def ours_decode_tps(engine: TargetEngine, tokens: int) -> float:
+    """Greedy decode from a short prompt, as llama-bench's tg test (which starts from an empty
+    context): logits and argmax included."""
+    prompt = [1, 450, 900, 1200]
+    engine.prefill(prompt)
+    token = prompt[-1]
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = int(engine.decode(token).logits.argmax())
+    return tokens / (time.perf_counter() - start)
+
+
+def peak_rss_kb(pid: int) -> int:
+    """VmHWM of a running process (kB; 0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def llama_bench_round(binary: Path, gguf: Path, tokens: int, threads: int) -> tuple[float, float, dict]:
+    """(tokens/s, peak RSS GB, llama-bench's JSON record) of one tg run in a child process."""
+    command = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
+               "-o", "json"]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        # Polled, not read from rusage: Linux carries a forked child's peak RSS (ours, with a model
+        # loaded) across exec, so the child's ru_maxrss would report this process's size.
+        peak_kb = 0
+        while child.poll() is None:
+            peak_kb = max(peak_kb, peak_rss_kb(child.pid))
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if child.returncode != 0:
+        raise click.ClickException(f"llama-bench failed ({' '.join(command)}):\n{stderr[-2000:]}")
+    record = json.loads(stdout)[0]
+    rss_kb = peak_kb
+    return float(record["avg_ts"]), rss_kb / 1e6, record
+
+
+def streamed_fraction(record: dict, dims: Dims) -> float:
+    """llama.cpp reads every tensor per token but the embedding (one row of it)."""
+    return 1.0 - dims.vocab * dims.hidden / float(record["model_n_params"])
+
+
+def run_pair(target: Path, precision: str, gguf: Path, binary: Path, options: dict, dims: Dims) -> PairResult:
+    result = PairResult(precision, gguf)
+    engine, result.kernel = build_engine(str(target), precision, 64 + options["tokens"], options["kv_dtype"])
+    result.ours_rss_gb = psutil.Process().memory_info().rss / 1e9
+    result.ours_bytes = dims.streamed_bytes(precision)
+    ours_decode_tps(engine, 4)  # first-call costs out of the numbers
+    for round_index in range(options["rounds"]):
+        ours = ours_decode_tps(engine, options["tokens"])
+        llama, rss_gb, record = llama_bench_round(binary, gguf, options["tokens"], options["threads"])
+        result.ours_tps.append(ours)
+        result.llama_tps.append(llama)
+        result.llama_rss_gb = max(result.llama_rss_gb, rss_gb)
+        result.llama_bytes = int(int(record["model_size"]) * streamed_fraction(record, dims))
+        result.llama_type = str(record.get("model_type", ""))
+        print(f"   {precision} round {round_index + 1}: ours {ours:.2f} tok/s, llama.cpp {llama:.2f} tok/s "
+              f"({ours / llama:.2f}x)", flush=True)
+    del engine
+    gc.collect()
+    return result
+
+
+def print_table(results: list[PairResult], bandwidth_gbs: float, threads: int) -> None:
+    print("\n| ours | llama.cpp | ours tok/s | llama.cpp tok/s | ours / llama.cpp (median of rounds) | "
+          "ours % of read bw | llama.cpp % of read bw | RSS ours / llama.cpp GB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ours, llama = statistics.median(r.ours_tps), statistics.median(r.llama_tps)
+        ratio = statistics.median(mine / theirs for mine, theirs in zip(r.ours_tps, r.llama_tps, strict=True))
+        kernel = f" ({r.kernel})" if r.kernel else ""
+        print(f"| {r.precision}{kernel} | {r.llama_type} | {ours:.2f} | {llama:.2f} | {ratio:.2f}x | "
+              f"{100 * ours * r.ours_bytes / 1e9 / bandwidth_gbs:.0f}% | "
+              f"{100 * llama * r.llama_bytes / 1e9 / bandwidth_gbs:.0f}% | "
+              f"{r.ours_rss_gb:.2f} / {r.llama_rss_gb:.2f} |")
+    print(f"\nread bandwidth {bandwidth_gbs:.1f} GB/s ({threads} threads, a 1 GB sum); bytes per token: "
+          + ", ".join(f"{r.precision} ours {r.ours_bytes / 1e9:.2f} GB, llama.cpp {r.llama_bytes / 1e9:.2f} GB"
+                      for r in results))
+
+
+@click.command()
+@click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
+              help="The Hugging Face folder the GGUF files were converted from.")
+@click.option("--llama-bench", "binary", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="llama.cpp's llama-bench binary.")
+@click.option("--pair", "pairs", multiple=True, callback=parse_pair,
+              help="PRECISION=GGUF: this engine at PRECISION against llama.cpp on GGUF (repeat: fp32=...f32.gguf, "
+                   "int8=...q8_0.gguf).")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Threads for both engines.")
+@click.option("--tokens", type=click.IntRange(min=8), default=64, show_default=True, help="Tokens decoded per round.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Alternating rounds per pair (the table gives medians).")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True,
+              help="This engine's KV cache dtype, as dovetail-run's (llama.cpp keeps its default, f16).")
+def main(target: Path, binary: Path, pairs: list[tuple[str, Path]], threads: int, tokens: int, rounds: int,
+         kv_dtype: str) -> None:
+    """Decode tokens/s of this engine and llama.cpp at the same bits, alternating rounds."""
+    torch.set_num_threads(threads)
+    dims = Dims.from_config(json.loads((target / "config.json").read_text()))
+    bandwidth_gbs, _ = measure_bandwidth(threads)
+    options = {"tokens": tokens, "rounds": rounds, "threads": threads, "kv_dtype": kv_dtype}
+    print(f"{target.name}: {dims.linear_params / 1e9:.2f}B streamed parameters, {threads} threads, "
+          f"{tokens} tokens per round, {rounds} rounds; read bandwidth {bandwidth_gbs:.1f} GB/s", flush=True)
+    results = [run_pair(target, precision, gguf, binary, options, dims) for precision, gguf in pairs]
+    print_table(results, bandwidth_gbs, threads)
+
+
+if __name__ == "__main__":
+    main()
