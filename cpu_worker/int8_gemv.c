@@ -4,7 +4,8 @@
  * Why our own: torch's int8 kernels (fbgemm's dynamic linear, weight-only int8pack) reach 55% of
  * the read bandwidth when decoding one row, llama.cpp's Q8_0 88% (tools/bench_llamacpp.py). A
  * decode step is a stream over the weights; this kernel reads each weight byte once and reuses a
- * block of 4 weight rows (L1-resident) for every activation row of the call.
+ * block of 4 weight rows (L1-resident) for every activation row of the call. Calls of 24 rows
+ * or more go to torch's int8 GEMM instead (int8_kernel.py), with the same integers.
  *
  * Row independence (what makes Dovetail lossless at int8): a row's quantization uses only that
  * row, integer sums are exact, and the float epilogue is elementwise (built with
@@ -17,6 +18,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -171,4 +173,30 @@ void dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t 
             store_row(acc, m, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
         }
     }
+}
+
+/* One call per layer from Python: quantize the rows, then the linear (a decode step makes
+ * hundreds of these calls, so fewer foreign calls and tensors per call matter). Returns 0, or
+ * -1 if the scratch could not be allocated. */
+int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
+                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int threads) {
+    uint8_t stack_rows[4 * 16384];
+    float stack_scales[4];
+    int small = rows <= 4 && k <= 16384;
+    uint8_t *xu = small ? stack_rows : (uint8_t *)malloc((size_t)(rows * k));
+    float *x_scale = small ? stack_scales : (float *)malloc((size_t)rows * sizeof(float));
+    if (xu == NULL || x_scale == NULL) {
+        if (!small) {
+            free(xu);
+            free(x_scale);
+        }
+        return -1;
+    }
+    dovetail_quantize_rows(x, xu, x_scale, rows, k);
+    dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads);
+    if (!small) {
+        free(xu);
+        free(x_scale);
+    }
+    return 0;
 }

@@ -29,6 +29,9 @@ SOURCE = Path(__file__).with_name("int8_gemv.c")
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
+# From this many rows on, torch's int8 GEMM beats the GEMV kernel (2 threads, 7B shapes: even at 24
+# rows, 1.15-1.4x at 32, 3-4.5x at 256; the GEMV wins below, 1.1-1.7x at 8-16 rows, 2.3x at one).
+INT_MM_MIN_ROWS = 24
 
 
 def cache_dir() -> Path:
@@ -60,6 +63,9 @@ def build(compiler: str, flags: list[str], directory: Path) -> ctypes.CDLL:
     library.dovetail_weight_offsets.argtypes = [pointer, pointer, i64, i64]
     library.dovetail_int8_linear.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, pointer,
                                              i64, i64, i64, ctypes.c_int]
+    library.dovetail_int8_forward.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer,
+                                              i64, i64, i64, ctypes.c_int]
+    library.dovetail_int8_forward.restype = ctypes.c_int
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     return library
 
@@ -114,3 +120,47 @@ def int8_linear(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, 
                                  offsets.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                                  count, out_features, in_features, torch.get_num_threads())
     return out
+
+
+class Int8Weights:
+    """An int8 weight [N, K] with its scales, offsets and bias, and their addresses, kept for
+    the layer's lifetime: a forward is then one foreign call and one output tensor."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        library = load()
+        assert library is not None
+        self.values = values.contiguous()
+        self.scales = scales.to(torch.float32).contiguous()
+        self.offsets = weight_offsets(self.values, library)
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.out_features, self.in_features = self.values.shape
+        self._forward = library.dovetail_int8_forward
+        self._pointers = (self.values.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+                          None if self.bias is None else self.bias.data_ptr())
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """[M, K] fp32 contiguous rows -> [M, N]."""
+        count = rows.shape[0]
+        if count >= INT_MM_MIN_ROWS:
+            return self._matmul(rows)
+        out = torch.empty(count, self.out_features, dtype=torch.float32)
+        if self._forward(rows.data_ptr(), *self._pointers, out.data_ptr(), count, self.out_features,
+                         self.in_features, torch.get_num_threads()) != 0:
+            raise MemoryError(f"int8 linear: no memory for {count} x {self.in_features} quantized rows")
+        return out
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many rows (prefill, large trees): the same quantized rows and the same integer sums
+        from torch's int8 GEMM (oneDNN: AMX or VNNI), which is compute-bound where the GEMV
+        kernel is not, then the same float epilogue in the same order, so a row's bits do not
+        depend on which path its call took."""
+        library = load()
+        assert library is not None
+        count = rows.shape[0]
+        quantized = torch.empty(count, self.in_features, dtype=torch.uint8)
+        row_scales = torch.empty(count, 1, dtype=torch.float32)
+        library.dovetail_quantize_rows(rows.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), count,
+                                       self.in_features)
+        signed = quantized.view(torch.int8).bitwise_xor_(-128)  # u = q + 128 back to q
+        out = torch._int_mm(signed, self.values.t()).to(torch.float32).mul_(row_scales).mul_(self.scales)
+        return out.add_(self.bias) if self.bias is not None else out

@@ -1,6 +1,7 @@
-"""Our int8 kernel (cpu_worker/int8_gemv.c): exact integer arithmetic against a torch reference,
-rows independent of their call-mates, the same bits from the AVX512-VNNI and the portable
-build, and a clear fallback to fbgemm when it cannot be built."""
+"""Our int8 kernel (cpu_worker/int8_gemv.c, and torch's int8 GEMM from 24 rows on): exact
+integer arithmetic against a torch reference, rows independent of their call-mates across both
+paths, the same bits from the AVX512-VNNI and the portable build, and a clear fallback to
+fbgemm when it cannot be built."""
 
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def test_the_kernel_computes_exactly_the_integer_reference(kernel, in_features, 
     assert layer.kernel == kernel
     rows = torch.randn(37, in_features) * 3
     rows[5] = 0.0  # an all-zero row (scale 0) gives exactly the bias
-    out = layer(rows)
+    out = layer(rows)  # 37 rows: torch's int8 GEMM; 9 rows: the GEMV kernel (INT_MM_MIN_ROWS)
+    assert rows.shape[0] >= int8_kernel.INT_MM_MIN_ROWS > 9
     assert torch.equal(out, reference(rows, layer))
+    assert torch.equal(layer(rows[:9]), reference(rows[:9], layer))
     assert torch.equal(out[5], layer.bias if bias else torch.zeros(301))
     dense = rows @ (layer._values.float() * layer._scales[:, None]).T + (layer.bias if bias else 0)
     assert (out - dense).abs().max() < 0.05 * dense.abs().max()  # int8 rounding of the activations only
