@@ -105,30 +105,15 @@ def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> 
     return offsets
 
 
-def int8_linear(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                bias: torch.Tensor | None, library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """[M, K] fp32 rows (contiguous) through int8 weights [N, K]: each row quantized on its own."""
-    library = library or load()
-    assert library is not None
-    count, in_features = rows.shape
-    out_features = values.shape[0]
-    quantized = torch.empty(count, in_features, dtype=torch.uint8)
-    row_scales = torch.empty(count, dtype=torch.float32)
-    library.dovetail_quantize_rows(rows.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), count, in_features)
-    out = torch.empty(count, out_features, dtype=torch.float32)
-    library.dovetail_int8_linear(quantized.data_ptr(), row_scales.data_ptr(), values.data_ptr(), scales.data_ptr(),
-                                 offsets.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 count, out_features, in_features, torch.get_num_threads())
-    return out
-
-
 class Int8Weights:
     """An int8 weight [N, K] with its scales, offsets and bias, and their addresses, kept for
     the layer's lifetime: a forward is then one foreign call and one output tensor."""
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        library = load()
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 library: ctypes.CDLL | None = None):
+        library = library or load()
         assert library is not None
+        self._library = library
         self.values = values.contiguous()
         self.scales = scales.to(torch.float32).contiguous()
         self.offsets = weight_offsets(self.values, library)
@@ -154,13 +139,11 @@ class Int8Weights:
         from torch's int8 GEMM (oneDNN: AMX or VNNI), which is compute-bound where the GEMV
         kernel is not, then the same float epilogue in the same order, so a row's bits do not
         depend on which path its call took."""
-        library = load()
-        assert library is not None
         count = rows.shape[0]
         quantized = torch.empty(count, self.in_features, dtype=torch.uint8)
         row_scales = torch.empty(count, 1, dtype=torch.float32)
-        library.dovetail_quantize_rows(rows.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), count,
-                                       self.in_features)
+        self._library.dovetail_quantize_rows(rows.data_ptr(), quantized.data_ptr(), row_scales.data_ptr(), count,
+                                             self.in_features)
         signed = quantized.view(torch.int8).bitwise_xor_(-128)  # u = q + 128 back to q
         out = torch._int_mm(signed, self.values.t()).to(torch.float32).mul_(row_scales).mul_(self.scales)
         return out.add_(self.bias) if self.bias is not None else out

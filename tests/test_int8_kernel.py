@@ -74,9 +74,8 @@ def test_the_portable_build_gives_the_native_build_s_bits(kernel, tmp_path):
     assert native.dovetail_int8_has_vnni() == (kernel == "dovetail-vnni")
     torch.manual_seed(1)
     layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))
-    rows = torch.randn(9, 200)
-    outs = [int8_kernel.int8_linear(rows, layer._values, layer._scales,
-                                    int8_kernel.weight_offsets(layer._values, library), layer.bias, library)
+    rows = torch.randn(9, 200)  # under INT_MM_MIN_ROWS: the GEMV kernel of each build
+    outs = [int8_kernel.Int8Weights(layer._values, layer._scales, layer.bias, library)(rows)
             for library in (native, portable)]
     assert torch.equal(outs[0], outs[1])
 
