@@ -61,6 +61,8 @@ class RowwiseInt8Linear(nn.Module):
         quantized = _quantize_per_row(weight)
         # Our kernel where it builds (decodes near the bandwidth roofline), else fbgemm's.
         self.kernel = int8_kernel.kernel_name()
+        if self.in_features > int8_kernel.MAX_IN_FEATURES:
+            self.kernel = "fbgemm"  # wider than any Llama's; the kernel's int32 sums could overflow
         if self.kernel != "fbgemm":
             self._int8 = int8_kernel.Int8Weights(quantized.int_repr(), quantized.q_per_channel_scales(), self.bias)
             self._values, self._scales, self._offsets = self._int8.values, self._int8.scales, self._int8.offsets

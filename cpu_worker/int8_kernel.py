@@ -32,6 +32,8 @@ FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
 # From this many rows on, torch's int8 GEMM beats the GEMV kernel (2 threads, 7B shapes: even at 24
 # rows, 1.15-1.4x at 32, 3-4.5x at 256; the GEMV wins below, 1.1-1.7x at 8-16 rows, 2.3x at one).
 INT_MM_MIN_ROWS = 24
+# The GEMV's int32 sums of (q + 128) * w stay exact while in_features * 255 * 127 < 2**31.
+MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
 
 
 def cache_dir() -> Path:

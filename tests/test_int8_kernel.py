@@ -106,3 +106,13 @@ def test_without_a_compiler_int8_falls_back_to_fbgemm_and_says_so(monkeypatch, c
         assert int8_kernel.kernel_name() == "fbgemm"
     finally:
         int8_kernel.load.cache_clear()
+
+
+def test_a_layer_too_wide_for_exact_int32_sums_uses_fbgemm(kernel):
+    wide = int8_kernel.MAX_IN_FEATURES + 1
+    layer = RowwiseInt8Linear(torch.randn(8, wide) * 0.01)
+    assert layer.kernel == "fbgemm"
+    rows = torch.randn(3, wide)
+    alone = torch.cat([layer(rows[index:index + 1]) for index in range(3)])
+    assert torch.equal(layer(rows), alone)
+    assert RowwiseInt8Linear(torch.randn(8, wide - 1) * 0.01).kernel == kernel
