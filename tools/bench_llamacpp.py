@@ -71,7 +71,8 @@ def parse_pair(_context: click.Context, _parameter: click.Parameter, values: tup
 def ours_decode_tps(engine: TargetEngine, tokens: int) -> float:
     """Greedy decode from a short prompt, as llama-bench's tg test (which starts from an empty
     context): logits and argmax included."""
-    prompt = [1, 450, 900, 1200]
+    vocab = engine.spec.vocab_size
+    prompt = [1, 450 % vocab, 900 % vocab, 1200 % vocab]
     engine.prefill(prompt)
     token = prompt[-1]
     start = time.perf_counter()
@@ -109,8 +110,7 @@ def llama_bench_round(binary: Path, gguf: Path, tokens: int, threads: int) -> tu
     if child.returncode != 0:
         raise click.ClickException(f"llama-bench failed ({' '.join(command)}):\n{stderr[-2000:]}")
     record = json.loads(stdout)[0]
-    rss_kb = peak_kb
-    return float(record["avg_ts"]), rss_kb / 1e6, record
+    return float(record["avg_ts"]), peak_kb / 1e6, record
 
 
 def streamed_fraction(record: dict, dims: Dims) -> float:
