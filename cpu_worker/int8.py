@@ -65,7 +65,6 @@ class RowwiseInt8Linear(nn.Module):
             self.kernel = "fbgemm"  # wider than any Llama's; the kernel's int32 sums could overflow
         if self.kernel != "fbgemm":
             self._int8 = int8_kernel.Int8Weights(quantized.int_repr(), quantized.q_per_channel_scales(), self.bias)
-            self._values, self._scales, self._offsets = self._int8.values, self._int8.scales, self._int8.offsets
             return
         self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.reduce_range = not _cpu_has_vnni()
@@ -76,7 +75,7 @@ class RowwiseInt8Linear(nn.Module):
     def int8_weight(self) -> torch.Tensor:
         """The int8 weight values [out, in], whichever kernel holds them."""
         if self.kernel != "fbgemm":
-            return self._values
+            return self._int8.values
         return torch.ops.quantized.linear_unpack(self._packed)[0].int_repr()
 
     @property

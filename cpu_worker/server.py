@@ -134,7 +134,7 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     placement = apply_placement(settings.get("threads"), settings.get("cores"))
     precision = settings.get("dtype", "fp32")
     engine, kernel = build_engine(settings["target"], precision, settings["max_len"],
-                                       settings.get("kv_dtype", "auto"), settings.get("aux_layers"))
+                                  settings.get("kv_dtype", "auto"), settings.get("aux_layers"))
     rings = settings["rings"]
     kv_name = str(engine.kv_dtype).removeprefix("torch.")
     # The verify-cost cache keeps each kernel's timings apart: their trees cost differently.

@@ -24,8 +24,8 @@ def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:
     maxima = rows.abs().amax(dim=1, keepdim=True)
     inverse = torch.where(maxima > 0, 127.0 / maxima, torch.zeros_like(maxima))
     quantized = torch.round(rows * inverse).clamp(-127, 127).to(torch.int64)
-    sums = (quantized @ layer._values.to(torch.int64).T).to(torch.int32)
-    out = sums.to(torch.float32) * (maxima / 127.0) * layer._scales
+    sums = (quantized @ layer._int8.values.to(torch.int64).T).to(torch.int32)
+    out = sums.to(torch.float32) * (maxima / 127.0) * layer._int8.scales
     return out + layer.bias if layer.bias is not None else out
 
 
@@ -49,7 +49,7 @@ def test_the_kernel_computes_exactly_the_integer_reference(kernel, in_features, 
     assert torch.equal(out, reference(rows, layer))
     assert torch.equal(layer(rows[:9]), reference(rows[:9], layer))
     assert torch.equal(out[5], layer.bias if bias else torch.zeros(301))
-    dense = rows @ (layer._values.float() * layer._scales[:, None]).T + (layer.bias if bias else 0)
+    dense = rows @ (layer._int8.values.float() * layer._int8.scales[:, None]).T + (layer.bias if bias else 0)
     assert (out - dense).abs().max() < 0.05 * dense.abs().max()  # int8 rounding of the activations only
 
 
@@ -75,7 +75,7 @@ def test_the_portable_build_gives_the_native_build_s_bits(kernel, tmp_path):
     torch.manual_seed(1)
     layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))
     rows = torch.randn(9, 200)  # under INT_MM_MIN_ROWS: the GEMV kernel of each build
-    outs = [int8_kernel.Int8Weights(layer._values, layer._scales, layer.bias, library)(rows)
+    outs = [int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, library)(rows)
             for library in (native, portable)]
     assert torch.equal(outs[0], outs[1])
 
