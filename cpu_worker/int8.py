@@ -32,6 +32,7 @@ bit for bit.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -55,22 +56,53 @@ class RowwiseInt8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        weight = weight.detach()
-        self.out_features, self.in_features = weight.shape
+        quantized = _quantize_per_row(weight.detach())
+        self._build(quantized.int_repr(), quantized.q_per_channel_scales(), bias)
+
+    @classmethod
+    def concatenate(cls, layers: Sequence[RowwiseInt8Linear]) -> RowwiseInt8Linear:
+        """One layer whose outputs are ``layers``' outputs side by side, bit for bit: weights are
+        quantized per output row and sums are exact, so stacking the quantized rows changes no
+        value. Why: a decoder layer's q/k/v (and gate/up) read the same input, and one call then
+        quantizes it once and streams one larger matrix (fewer calls, better bandwidth)."""
+        if len({layer.in_features for layer in layers}) != 1:
+            raise ValueError("only layers reading the same input width can be concatenated")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        bias = None
+        if any(layer.bias is not None for layer in layers):
+            bias = torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
+                              for layer in layers])
+        fused._build(torch.cat([layer.int8_weight() for layer in layers]),
+                     torch.cat([layer.weight_scales() for layer in layers]), bias)
+        return fused
+
+    def _build(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Hold int8 ``values`` [out, in] with their fp64 per-row ``scales`` on the fastest kernel."""
+        self.out_features, self.in_features = values.shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
-        quantized = _quantize_per_row(weight)
         # Our kernel where it builds (decodes near the bandwidth roofline), else fbgemm's.
         self.kernel = int8_kernel.kernel_name()
         if self.in_features > int8_kernel.MAX_IN_FEATURES:
             self.kernel = "fbgemm"  # wider than any Llama's; the kernel's int32 sums could overflow
         if self.kernel != "fbgemm":
-            self._int8 = int8_kernel.Int8Weights(quantized.int_repr(), quantized.q_per_channel_scales(), self.bias)
+            self._int8 = int8_kernel.Int8Weights(values, scales, self.bias)
             return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*_make_per_channel_quantized_tensor.*deprecated")
+            quantized = torch._make_per_channel_quantized_tensor(
+                values, scales.to(torch.float64), torch.zeros(self.out_features, dtype=torch.long), 0)
         self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.reduce_range = not _cpu_has_vnni()
         pin = torch.zeros(1, self.in_features)
         pin[0, 0], pin[0, -1] = 1.0, -1.0
         self.register_buffer("_pin", pin, persistent=False)
+
+    def weight_scales(self) -> torch.Tensor:
+        """The per-row weight scales [out] in fp64 (the kernel keeps them in fp32, exactly)."""
+        if self.kernel != "fbgemm":
+            return self._int8.scales.to(torch.float64)
+        return torch.ops.quantized.linear_unpack(self._packed)[0].q_per_channel_scales()
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 weight values [out, in], whichever kernel holds them."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .fusion import fuse_projections
 from .int8 import RowwiseInt8Linear
 from .llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from .model_dir import ModelLoadError, resolve_model_dir
@@ -214,6 +215,8 @@ def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaD
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} weights: {shown}")
+    if precision == "int8":
+        fuse_projections(model)  # q/k/v and gate/up in one call each, the same bits
     release_freed_memory()
     log.info("loaded %s: %s, %d layers, hidden %d, %s, %.2f GB resident", model_dir, spec.model_type,
              spec.num_layers, spec.hidden_size, precision, weight_bytes(model) / 1e9)

@@ -16,7 +16,9 @@ from torch import nn
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 
 from .cores import cpu_flags
+from .fusion import fuse_projections
 from .int8 import quantize_linears
+from .llama import LlamaDecoder
 
 log = logging.getLogger(__name__)
 
@@ -63,5 +65,7 @@ def apply_precision(model: ModuleT, precision: str) -> tuple[ModuleT, torch.dtyp
         log.warning("this CPU has no native bf16 (avx512_bf16/amx_bf16): bf16 will be slow; fp32 is likely faster")
     if precision == "int8":
         quantize_linears(model.float())
+        if isinstance(model, LlamaDecoder):
+            fuse_projections(model)  # q/k/v and gate/up in one call each, the same bits
         return model, dtype
     return model.to(dtype), dtype

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from cpu_worker.fusion import fuse_projections
 from cpu_worker.llama import LlamaSpec
 from cpu_worker.loading import ModelLoadError, iter_tensors, release_freed_memory, tensor_shapes
 from cpu_worker.loading import read_tensors as read_checkpoint_tensors
@@ -248,6 +249,8 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
     unplaced = placer.unplaced()
     if unplaced:  # a name listed in a header whose data never came (a broken index)
         raise DraftCheckpointError(f"draft weights in {draft_dir} lack data for {', '.join(unplaced)}")
+    if quantize:
+        fuse_projections(head)  # q/k/v and gate/up in one int8 call each, the same bits
     release_freed_memory()
     head.embed_tokens.weight.requires_grad_(False)
     if isinstance(head.lm_head, torch.nn.Linear):  # an int8 lm_head holds no float weight

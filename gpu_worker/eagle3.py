@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_worker.fusion import fuse_projections
 from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
 from cpu_worker.llama import MLP, Attention, KVCache, LlamaSpec, RMSNorm
 
@@ -205,4 +206,5 @@ class Eagle3Head(nn.Module):
                                               for name in _DGF_NAMES})
             for name in _DGF_NAMES:
                 delattr(self, name)
+        fuse_projections(self)  # q/k/v and gate/up in one int8 call each, the same bits
         return self

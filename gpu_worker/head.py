@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_worker.fusion import fuse_projections
 from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
 from cpu_worker.llama import DecoderLayer, KVCache, LlamaSpec, RMSNorm
 
@@ -74,6 +75,7 @@ class DraftHead(nn.Module):
                                               for name in ("W_1", "W_2", "W_z")})
             for name in ("W_1", "W_2", "W_z"):
                 delattr(self, name)
+        fuse_projections(self)  # q/k/v and gate/up in one int8 call each, the same bits
         return self
 
     def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:

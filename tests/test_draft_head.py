@@ -239,7 +239,8 @@ def test_int8_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion):
     exact = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="fp32")
     quick = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="int8")
     assert not any(isinstance(module, torch.nn.Linear) for module in quick.head.modules())
-    assert sum(isinstance(module, RowwiseInt8Linear) for module in quick.head.modules()) == 2 * 7 + 1 + (
+    # Per layer qkv, o, gate_up, down (fused: cpu_worker.fusion), then lm_head and the fusion's.
+    assert sum(isinstance(module, RowwiseInt8Linear) for module in quick.head.modules()) == 2 * 4 + 1 + (
         1 if fusion == "fc" else 3)
     features = torch.randn(12, exact.head.spec.hidden_size)
     tokens = list(range(5, 17))
@@ -295,7 +296,7 @@ def test_tensor_by_tensor_load_equals_the_old_path(tmp_path, quantize):
     assert all(torch.equal(old_state[name], new_state[name]) and new_state[name].dtype == torch.float32
                for name in old_state)
     old_int8, new_int8 = _int8_weights(old), _int8_weights(new)
-    assert old_int8.keys() == new_int8.keys() and len(new_int8) == (2 * 7 + 1 + 3 if quantize else 0)
+    assert old_int8.keys() == new_int8.keys() and len(new_int8) == (2 * 4 + 1 + 3 if quantize else 0)
     assert all(torch.equal(old_int8[name][0], new_int8[name][0]) for name in old_int8)
     assert not new.embed_tokens.weight.requires_grad
     features, tokens = random_pairs(9)
