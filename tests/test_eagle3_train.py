@@ -4,6 +4,7 @@ and a trained folder round-trips and evaluates greedily identical to the target.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -177,3 +178,71 @@ def test_a_trained_head_evaluates_greedily_identical_to_the_target(deep_target, 
     for row in report["results"]:
         assert row["files"] > 0 and row["cycles"] > 0
         assert row["tau"] >= 1.0
+
+
+def test_training_stops_and_resumes_to_the_uninterrupted_result(tmp_path, deep_target, aux_features):
+    """A run stopped between steps saves head, optimizer and step; the same call resumes there
+    and ends with exactly the uninterrupted run's head. A mid-step interrupt keeps the last
+    checkpoint's state, so its resume repeats the steps since and still ends the same."""
+    from tools.train.eagle3_trainer import STATE_NAME, Eagle3Config, StopTraining, train_eagle3
+
+    config = Eagle3Config(fusion="dgf-eagle3", draft_vocab=60, ttt_steps=2, batch_size=4, steps=7, lr=5e-3,
+                          warmup=2, save_every=3)
+    train_eagle3(deep_target, aux_features, tmp_path / "whole", config, progress=False)
+
+    def stop_at(when: int, error: type[BaseException]):
+        def on_step(step: int) -> None:
+            if step == when:
+                raise error
+        return on_step
+
+    stopped = train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
+                           on_step=stop_at(4, StopTraining))
+    assert stopped["steps"] == 4 and not stopped["finished"]
+    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=False)["step"] == 4
+    # Interrupted hard at step 5: the state of step 4 (the stop) stands, not a half-done update.
+    train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
+                 on_step=stop_at(5, KeyboardInterrupt))
+    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=False)["step"] == 4
+    steps: list[int] = []
+    finished = train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
+                            on_step=steps.append)
+    assert steps == [5, 6, 7] and finished["finished"]
+    whole, _ = load_eagle3_head(tmp_path / "whole", deep_target)
+    resumed, _ = load_eagle3_head(tmp_path / "resumed", deep_target)
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    with pytest.raises(ValueError, match="other settings"):
+        train_eagle3(deep_target, aux_features, tmp_path / "resumed", dataclasses.replace(config, lr=1e-3),
+                     progress=False)
+
+
+def test_sigterm_stops_the_cli_run_at_a_step_boundary(tmp_path, deep_target, aux_features, monkeypatch):
+    """`dovetail-train train` stopped by SIGTERM finishes its step, saves a resumable state and
+    says where it stopped; rerunning the command continues from there."""
+    import os
+    import signal
+
+    from tools.train import eagle3_trainer
+
+    schedule = eagle3_trainer.lr_at
+
+    def signal_during_step_two(step: int, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return schedule(step, *args)
+
+    monkeypatch.setattr(eagle3_trainer, "lr_at", signal_during_step_two)
+    out = tmp_path / "head"
+    command = ["train", "--target", str(deep_target), "--features", str(aux_features), "--out", str(out),
+               "--recipe", "eagle3", "--draft-vocab", "60", "--ttt-steps", "2", "--batch-size", "4", "--steps", "5",
+               "--warmup", "1", "--threads", "1"]
+    handler = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(train_cli, command)
+    assert result.exit_code == 0, result.output
+    assert "stopped early: 2 of 5 steps" in result.output
+    assert torch.load(out / eagle3_trainer.STATE_NAME, weights_only=False)["step"] == 2
+    assert signal.getsignal(signal.SIGTERM) == handler  # the CLI puts the process's handlers back
+    monkeypatch.setattr(eagle3_trainer, "lr_at", schedule)
+    result = CliRunner().invoke(train_cli, command)
+    assert result.exit_code == 0 and "5 steps in" in result.output and "stopped" not in result.output

@@ -67,9 +67,10 @@ def test_concatenated_layer_equals_its_parts_side_by_side(monkeypatch, kernel):
 def test_an_int8_draft_head_fuses_to_the_same_bits(monkeypatch, fusion):
     """A head drafting on the CPU in int8 fuses its layers' projections too, and computes what
     the unfused int8 head computes, bit for bit."""
-    import gpu_worker.head
     from test_draft_head import random_pairs, run_head
     from test_draft_support import tiny_head
+
+    import gpu_worker.head
 
     fused = tiny_head(fusion, layers=2).quantize_int8()
     assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None for layer in fused.layers)

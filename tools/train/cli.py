@@ -181,7 +181,7 @@ def train(target, train_dir, heldout_dir, out_dir, recipe, fusion, draft_vocab, 
     set_threads(threads)
     check_device(device)
     if recipe != "eagle1":
-        from .eagle3_trainer import Eagle3Config, train_eagle3
+        from .eagle3_trainer import Eagle3Config, StopTraining, train_eagle3
 
         if layers != 1:
             raise click.UsageError(f"--recipe {recipe}: an EAGLE-3 head has one decoder layer (--layers 1)")
@@ -192,16 +192,28 @@ def train(target, train_dir, heldout_dir, out_dir, recipe, fusion, draft_vocab, 
                               save_dtype=save_dtype, device=device)
         import signal
 
+        stop_requested = False
+
         def stop(_signum: int, _frame: object) -> None:
-            raise KeyboardInterrupt  # train_eagle3 then writes the head as trained so far
+            nonlocal stop_requested
+            if stop_requested:  # asked twice: stop now (the last checkpoint's state stands)
+                raise KeyboardInterrupt
+            stop_requested = True  # at the end of this step: the state saved there resumes exactly
+
+        def between_steps(_step: int) -> None:
+            if stop_requested:
+                raise StopTraining
 
         # SIGTERM too: a background job started by a script ignores SIGINT.
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
         try:
-            result = train_eagle3(target, train_dir, out_dir, eagle3, heldout_dir=heldout_dir)
+            result = train_eagle3(target, train_dir, out_dir, eagle3, heldout_dir=heldout_dir,
+                                  resume=not restart, on_step=between_steps)
         except ValueError as error:
             raise click.UsageError(str(error)) from None
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
         stopped = "" if result["finished"] else \
             f" (stopped early: {result['steps']} of {result['planned_steps']} steps)"
         click.echo(f"{result['steps']} steps{stopped} in {result['seconds']:.0f} s on {result['train_tokens']:,} "

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from .ttt import ttt_forward
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of step k: 0.8 ** k
 LOG_NAME = "train_log.jsonl"
+STATE_NAME = "train_state.pt"  # head, optimizer and step: a stopped run resumes exactly
 
 
 @dataclass
@@ -201,9 +203,26 @@ def to_device(batch: Eagle3Batch, device: str) -> Eagle3Batch:
     return Eagle3Batch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
 
 
+class StopTraining(Exception):
+    """Raised by ``on_step`` to stop at a step boundary: the run saves its state and can resume."""
+
+
+def _settings(config: Eagle3Config) -> dict[str, Any]:
+    """The settings a resumed run must share with the saved one (the device may change)."""
+    return {name: value for name, value in dataclasses.asdict(config).items() if name != "device"}
+
+
 def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eagle3Config,
-                 heldout_dir: Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train and write the head folder (config.json + model.safetensors) to ``out_dir``."""
+                 heldout_dir: Path | None = None, progress: bool = True, resume: bool = True,
+                 on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train and write the head folder (config.json + model.safetensors) to ``out_dir``.
+
+    Every ``save_every`` steps, and when stopped (SIGINT/SIGTERM via the CLI), the head, the
+    optimizer's state and the step go to ``out_dir/train_state.pt``; with ``resume`` the same
+    command continues from there, with the same result as an uninterrupted run (the window order
+    is a function of seed and epoch). So a long run can share a machine: stop it, resume it later.
+    ``on_step(step)`` is called after each step; raising ``StopTraining`` there stops the run
+    cleanly (the CLI does on SIGINT/SIGTERM)."""
     target_dir = resolve_model_dir(target)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = load_features(train_dir, config.max_tokens)
@@ -228,21 +247,35 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     per_epoch = max(1, batches_per_epoch(data.num_windows, config.batch_size))
     total_steps = config.steps or max(1, math.ceil(per_epoch * config.epochs))
     log_path = out_dir / LOG_NAME
-    log_path.unlink(missing_ok=True)
+    state_path = out_dir / STATE_NAME
 
     def log(record: dict[str, Any]) -> None:
         with log_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    log({"kind": "vocab", "draft_vocab": config.draft_vocab, "coverage": round(coverage, 5),
-         "aux_layers": list(data.aux_layers)})
-    started = time.perf_counter()
-    bar = tqdm(total=total_steps, desc=f"train {config.fusion}", unit="step", disable=not progress,
+    pairs, done, elapsed = 0, 0, 0.0
+    if resume and state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state["config"] != _settings(config):
+            raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
+        head.load_state_dict(state["head"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        pairs, done, elapsed = state["pairs"], state["step"], state["elapsed"]
+    else:
+        log_path.unlink(missing_ok=True)
+        log({"kind": "vocab", "draft_vocab": config.draft_vocab, "coverage": round(coverage, 5),
+             "aux_layers": list(data.aux_layers)})
+    started = time.perf_counter() - elapsed
+    bar = tqdm(total=total_steps, initial=done, desc=f"train {config.fusion}", unit="step", disable=not progress,
                dynamic_ncols=True)
     last: dict[str, Any] = {}
-    pairs = 0
-    done = 0
     dtype = torch.float16 if config.save_dtype == "fp16" else torch.float32
+
+    def save_state() -> None:
+        temporary = state_path.with_suffix(".tmp")
+        torch.save({"config": _settings(config), "head": head.file_state_dict(), "optimizer": optimizer.state_dict(),
+                    "step": done, "pairs": pairs, "elapsed": time.perf_counter() - started}, temporary)
+        temporary.replace(state_path)
 
     def write(final: bool) -> dict[str, Any]:
         assert data.aux_layers is not None
@@ -255,7 +288,7 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
         return summary
 
     try:
-        for step in range(total_steps):
+        for step in range(done, total_steps):
             epoch, index = divmod(step, per_epoch)
             order = epoch_order(data.num_windows, config.seed, epoch)
             windows = order[index * config.batch_size:(index + 1) * config.batch_size]
@@ -282,11 +315,22 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
                 bar.write(f"step {step + 1}: held-out CE per step {result['ce']}, top-1 {result['top1']}")
             done = step + 1
             if done % config.save_every == 0 and done < total_steps:
+                save_state()
                 write(final=False)
+            if on_step is not None:
+                on_step(done)
+    except StopTraining:
+        # Stopped between steps (a deadline, a machine needed for something else): keep what was
+        # learned and exactly where it stopped; the same command resumes from there.
+        bar.close()
+        save_state()
+        return write(final=False)
     except KeyboardInterrupt:
-        # Stopped by hand (a deadline): keep what was learned; the summary says where it stopped.
+        # Stopped mid-step: an update may be half applied, so the state of the last checkpoint
+        # stands (a resume repeats the steps since); the head as it is still gets written.
         bar.close()
         return write(final=False)
     finally:
         bar.close()
+    save_state()
     return write(final=True)
