@@ -159,6 +159,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's fused kernel: one op instead of six (2x faster for a decode row).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like the reference implementations, then cast back.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -207,7 +210,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
         # Set by ``fusion.fuse_projections`` (which then drops q/k/v_proj): all three in one call.
         self.qkv_proj: nn.Module | None = None
-        self.qkv_sizes = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
@@ -225,14 +227,18 @@ class Attention(nn.Module):
         """
         batch, length, _ = x.shape
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            # One projection, and one rotary pass over the query and key heads side by side
+            # (the same values as two: every element is rotated on its own).
+            heads = self.qkv_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            rotated = apply_rope(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
+            q, k = rotated[:, :self.num_heads], rotated[:, self.num_heads:]
+            v = heads[:, self.num_heads + self.num_kv_heads:]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
         if keys is not None and keys.dtype != q.dtype:
             # A cache in another dtype (bf16 KV for an fp32/int8 target): attention runs in the
             # cache's dtype and reads every key and value from the cache, this call's own rows
