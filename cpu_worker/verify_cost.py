@@ -2,7 +2,8 @@
 
 The tree planner (dovetail_runtime.tree_planner) needs it for T from 1 to 64. Measuring a
 7B target takes tens of seconds, so results are cached on disk per model (path, size and
-modification time of its files), precision, threads, cores, CPU and torch version.
+modification time of its files), precision, threads, cores, CPU, torch version and the
+engine's own code (a faster kernel or a fused layer changes every T's cost).
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dovetail"
 
 
+# The engine's sources whose changes change what a verification costs.
+ENGINE_SOURCES = ("engine.py", "llama.py", "int8.py", "int8_kernel.py", "int8_gemv.c", "fusion.py",
+                  "fp32_packed.py", "precision.py")
+
+
+def _engine_code_digest() -> str:
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ENGINE_SOURCES)).hexdigest()[:16]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -48,7 +59,7 @@ def cache_key(model_dir: str | Path, precision: str, threads: int, cores: Sequen
     files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in folder.iterdir()
                    if path.is_file())
     parts = [str(folder), repr(files), precision, str(threads), ",".join(map(str, cores)), _cpu_model(),
-             torch.__version__, str(PREFIX_TOKENS)]
+             torch.__version__, str(PREFIX_TOKENS), _engine_code_digest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,13 @@ def test_verify_cost_cache_round_trips_and_keys_on_what_matters(tmp_path, demo_t
     for other in (cache_key(demo_target, "fp32", 2, [0, 1]), cache_key(demo_target, "int8", 1, [0, 1]),
                   cache_key(demo_target, "int8", 2, [0])):
         assert other != key and cache.get(other, [1, 2]) is None
+    # The engine's code is in the key too: a fused layer or a new kernel is measured again.
+    import cpu_worker.verify_cost as verify_cost
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify_cost, "_engine_code_digest", lambda: "another revision")
+        assert cache_key(demo_target, "int8", 2, [0, 1]) != key
+    assert all((Path(verify_cost.__file__).parent / name).is_file() for name in verify_cost.ENGINE_SOURCES)
     cache.path.write_text("{not json")
     assert cache.get(key, [1, 2]) is None
     cache.put(key, [1], [3.0])  # a broken file is replaced, not fatal
