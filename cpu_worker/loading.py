@@ -216,11 +216,23 @@ def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaD
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} weights: {shown}")
     if precision == "int8":
-        fuse_projections(model)  # q/k/v and gate/up in one call each, the same bits
+        fuse_layers(model)  # q/k/v and gate/up in one call each, the same bits
     release_freed_memory()
     log.info("loaded %s: %s, %d layers, hidden %d, %s, %.2f GB resident", model_dir, spec.model_type,
              spec.num_layers, spec.hidden_size, precision, weight_bytes(model) / 1e9)
     return model.eval().requires_grad_(False)
+
+
+def fuse_layers(model: LlamaDecoder, dense: bool = False) -> int:
+    """``fusion.fuse_projections`` a layer at a time, trimming the heap as it goes: the separate
+    matrices freed here would otherwise sit in glibc's arenas (+0.9 GB of peak RSS at 7B int8)."""
+    fused = 0
+    for count, layer in enumerate(model.layers, 1):
+        fused += fuse_projections(layer, dense)
+        if count % 2 == 0:
+            release_freed_memory()
+    release_freed_memory()
+    return fused
 
 
 def release_freed_memory() -> None:

@@ -22,7 +22,7 @@ from ipc.worker_loop import Handlers, SequenceError, worker_main
 from . import int8_kernel
 from .engine import ContextOverflowError, TargetEngine
 from .fp32_packed import pack_fp32_linears
-from .loading import load_target_model, weight_bytes
+from .loading import fuse_layers, load_target_model, weight_bytes
 from .precision import activation_dtype, kv_cache_dtype
 from .sampling import Sampler
 from .threads import apply_placement
@@ -120,7 +120,9 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
     model = load_target_model(target, precision)
     kernel = None
     if precision == "fp32":
-        # MKL's packed sgemm: rows independent of their call-mates (exact trees) and trees cheaper.
+        # Fewer, larger GEMMs (q/k/v and gate/up fused: 0.94x the time per token at 1B), then
+        # MKL's packed sgemm: rows independent of their call-mates (exact trees), trees cheaper.
+        fuse_layers(model, dense=True)
         kernel = "mkl-packed" if pack_fp32_linears(model) else "F.linear"
     elif precision == "int8":
         kernel = int8_kernel.kernel_name()

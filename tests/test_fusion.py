@@ -79,3 +79,37 @@ def test_an_int8_draft_head_fuses_to_the_same_bits(monkeypatch, fusion):
     assert all(layer.self_attn.qkv_proj is None for layer in unfused.layers)
     features, tokens = random_pairs(9)
     assert torch.equal(run_head(fused, features, tokens, [5, 4]), run_head(unfused, features, tokens, [5, 4]))
+
+
+def test_dense_fusion_is_asked_for_and_stays_close_and_exact_when_packed(tiny_models, demo_target):
+    """fp32 layers are fused only with ``dense`` (their GEMM rounds a larger matrix differently);
+    the fused model agrees with the unfused one to float tolerance, and on MKL's packed kernel
+    its tree nodes still equal decodes bit for bit."""
+    from test_int8 import worst_tree_vs_decode_gap
+
+    from cpu_worker.fp32_packed import mkl_packing_available, pack_fp32_linears
+
+    tokens = [3, 14, 15, 92, 65, 35, 8, 9, 79]
+    tree = ([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 3])
+    unfused = load_target_model(tiny_models["qwen2"])
+    fused = load_target_model(tiny_models["qwen2"])
+    assert fuse_projections(fused) == 0  # float layers need dense=True
+    assert fuse_projections(fused, dense=True) == 2 * fused.spec.num_layers
+    assert all(isinstance(layer.self_attn.qkv_proj, torch.nn.Linear) and layer.self_attn.qkv_proj.bias is not None
+               for layer in fused.layers)
+    torch.testing.assert_close(_logits(fused, tokens, tree), _logits(unfused, tokens, tree), rtol=1e-5, atol=1e-5)
+    demo = load_target_model(demo_target)
+    fuse_projections(demo, dense=True)
+    packed = pack_fp32_linears(demo)
+    assert packed == mkl_packing_available()
+    if packed:  # x86 torch builds (CI's): the exactness that packing promises holds for fused shapes too
+        assert worst_tree_vs_decode_gap(TargetEngine(demo, max_len=128)) == 0.0
+
+
+def test_the_workers_engine_is_fused_at_fp32_and_int8(demo_target):
+    from cpu_worker.server import build_engine
+
+    for precision in ("fp32", "int8"):
+        engine, _ = build_engine(str(demo_target), precision, 64)
+        assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+                   for layer in engine.model.layers), precision
