@@ -69,6 +69,7 @@ def build(compiler: str, flags: list[str], directory: Path) -> ctypes.CDLL:
                                               i64, i64, i64, ctypes.c_int]
     library.dovetail_int8_forward.restype = ctypes.c_int
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
+    library.dovetail_int8_simd.restype = ctypes.c_int
     return library
 
 
@@ -83,18 +84,24 @@ def load() -> ctypes.CDLL | None:
                     "for the faster kernel")
         return None
     try:
-        return build(compiler, FLAGS, cache_dir())
+        library = build(compiler, FLAGS, cache_dir())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("int8: building %s failed, so int8 layers run on fbgemm (slower decoding): %s", SOURCE.name, error)
         return None
+    if library.dovetail_int8_simd() == 0 and "fbgemm" in torch.backends.quantized.supported_engines:
+        # Neither AVX512-VNNI nor AVX2: the kernel's plain C path is several times slower than fbgemm.
+        log.info("int8: this CPU has neither AVX512-VNNI nor AVX2, so int8 layers run on fbgemm")
+        return None
+    return library
 
 
 def kernel_name() -> str:
-    """What int8 layers run on in this process: dovetail-vnni, dovetail-portable or fbgemm."""
+    """What int8 layers run on in this process: dovetail-vnni, dovetail-avx2, dovetail-portable
+    (plain C, only where torch has no fbgemm) or fbgemm."""
     library = load()
     if library is None:
         return "fbgemm"
-    return "dovetail-vnni" if library.dovetail_int8_has_vnni() else "dovetail-portable"
+    return {2: "dovetail-vnni", 1: "dovetail-avx2"}.get(library.dovetail_int8_simd(), "dovetail-portable")
 
 
 def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:

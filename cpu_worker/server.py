@@ -116,7 +116,7 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
                  aux_layers: list[int] | None = None) -> tuple[TargetEngine, str | None]:
     """The target engine exactly as the cpu_worker runs it (benchmarks time this one too), and
     its linear layers' kernel (fp32: mkl-packed or F.linear; int8: dovetail-vnni,
-    dovetail-portable or fbgemm; None for bf16)."""
+    dovetail-avx2, dovetail-portable or fbgemm; None for bf16)."""
     model = load_target_model(target, precision)
     kernel = None
     if precision == "fp32":

@@ -12,6 +12,7 @@ import torch
 from test_int8 import worst_tree_vs_decode_gap
 
 from cpu_worker import int8_kernel
+from cpu_worker.cores import cpu_flags
 from cpu_worker.engine import TargetEngine
 from cpu_worker.int8 import RowwiseInt8Linear
 from cpu_worker.loading import load_target_model
@@ -32,7 +33,7 @@ def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def kernel() -> str:
     name = int8_kernel.kernel_name()
-    assert name != "fbgemm", "the int8 kernel did not build on this machine (a C compiler is all it needs)"
+    assert name != "fbgemm", "the int8 kernel did not build on this machine (it needs a C compiler and AVX2 or AVX512-VNNI)"
     return name
 
 
@@ -62,22 +63,44 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(kernel):
         assert torch.equal(layer(rows[:count]), alone[:count]), f"a call of {count} rows changed a row"
 
 
-def test_the_portable_build_gives_the_native_build_s_bits(kernel, tmp_path):
-    """On a CPU with AVX512-VNNI (this machine) the native build is the intrinsics path, so this
-    compares the two code paths; elsewhere two vectorisations of the portable one."""
+def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_path):
+    """On a CPU with AVX512-VNNI (this machine) the native build is the VNNI path, so this
+    compares all three code paths: AVX2 (-march=x86-64-v3, built where the CPU can run it) and
+    plain C (-march=x86-64-v2) against it; elsewhere, the paths this CPU has."""
     compiler = int8_kernel.shutil.which("cc") or int8_kernel.shutil.which("gcc")
     assert compiler is not None
-    portable_flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    portable = int8_kernel.build(compiler, portable_flags, tmp_path)
     native = int8_kernel.load()
-    assert native is not None and portable.dovetail_int8_has_vnni() == 0
-    assert native.dovetail_int8_has_vnni() == (kernel == "dovetail-vnni")
+    assert native is not None and native.dovetail_int8_has_vnni() == (kernel == "dovetail-vnni")
+    builds = {"x86-64-v2": 0}
+    if "avx2" in cpu_flags():
+        builds["x86-64-v3"] = 1
     torch.manual_seed(1)
-    layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))
-    rows = torch.randn(9, 200)  # under INT_MM_MIN_ROWS: the GEMV kernel of each build
-    outs = [int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, library)(rows)
-            for library in (native, portable)]
-    assert torch.equal(outs[0], outs[1])
+    layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))  # 200: 16-byte steps and a tail
+    rows = torch.randn(9, 200)  # under INT_MM_MIN_ROWS: the GEMV kernel of each build; pairs and a single
+    expected = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, native)(rows)
+    for arch, simd in builds.items():
+        flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
+        library = int8_kernel.build(compiler, flags, tmp_path / arch)
+        assert library.dovetail_int8_simd() == simd and library.dovetail_int8_has_vnni() == 0
+        got = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, library)(rows)
+        assert torch.equal(got, expected), arch
+
+
+def test_a_cpu_without_vnni_or_avx2_uses_fbgemm(monkeypatch, tmp_path, caplog):
+    """The plain C path is several times slower than fbgemm, so a build that has nothing better
+    hands int8 to fbgemm (where torch has it), and says so."""
+    compiler = int8_kernel.shutil.which("cc") or int8_kernel.shutil.which("gcc")
+    assert compiler is not None
+    build = int8_kernel.build
+    plain = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
+    monkeypatch.setattr(int8_kernel, "build", lambda compiler, flags, directory: build(compiler, plain, tmp_path))
+    int8_kernel.load.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="dovetail.cpu_worker"):
+            assert int8_kernel.kernel_name() == "fbgemm"
+        assert "neither AVX512-VNNI nor AVX2" in caplog.text
+    finally:
+        int8_kernel.load.cache_clear()
 
 
 def test_int8_tree_logits_equal_decode_logits_on_the_kernel(kernel, demo_target):
