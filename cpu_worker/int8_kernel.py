@@ -1,4 +1,4 @@
-"""Our int8 linear kernel (``int8_gemv.c``), built for this CPU on first use and cached.
+"""Our int8 linear kernel (``int8_gemv.c``, which also holds the fp32 row kernel of ``fp32_rows``), built for this CPU on first use and cached.
 
 Why compiled here: it is built with ``-march=native`` (AVX512-VNNI where the CPU has it) and
 links to the OpenMP runtime torch already loaded, so its threads are torch's. A C compiler is
@@ -29,8 +29,10 @@ SOURCE = Path(__file__).with_name("int8_gemv.c")
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
-# From this many rows on, torch's int8 GEMM beats the GEMV kernel (2 threads, 7B shapes: even at 24
-# rows, 1.15-1.4x at 32, 3-4.5x at 256; the GEMV wins below, 1.1-1.7x at 8-16 rows, 2.3x at one).
+# From this many rows on, torch's int8 GEMM beats the GEMV kernel on a CPU with AVX512-VNNI (2 threads,
+# 7B shapes: even at 24 rows, 1.15-1.4x at 32, 3-4.5x at 256; the GEMV wins below, 1.1-1.7x at 8-16
+# rows, 2.3x at one). Without VNNI, torch's int8 GEMM is a slow generic path (AMD EPYC, AVX2: 2
+# GMAC/s, 274 ms for 32 x 4096 x 4096), so there every call stays on the GEMV kernel.
 INT_MM_MIN_ROWS = 24
 # The GEMV's int32 sums of (q + 128) * w stay exact while in_features * 255 * 127 < 2**31.
 MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
@@ -70,29 +72,45 @@ def build(compiler: str, flags: list[str], directory: Path) -> ctypes.CDLL:
     library.dovetail_int8_forward.restype = ctypes.c_int
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
+    library.dovetail_fp32_linear.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
     return library
 
 
 @cache
-def load() -> ctypes.CDLL | None:
-    """The built library, or None (fbgemm is used) when forced off, no compiler, or the build fails."""
-    if os.environ.get(FORCE_VARIABLE, "").lower() == "fbgemm":
-        return None
+def load_library() -> ctypes.CDLL | None:
+    """The built library (int8 and fp32 kernels), or None when there is no compiler or the build fails."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("int8: no C compiler found, so int8 layers run on fbgemm (slower decoding); install gcc "
-                    "for the faster kernel")
+        log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding) and fp32 ones on MKL or "
+                    "F.linear; install gcc for the faster, exact kernels")
         return None
     try:
-        library = build(compiler, FLAGS, cache_dir())
+        return build(compiler, FLAGS, cache_dir())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("int8: building %s failed, so int8 layers run on fbgemm (slower decoding): %s", SOURCE.name, error)
+        log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding) and fp32 ones on MKL or "
+                    "F.linear: %s", SOURCE.name, error)
+        return None
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The library for int8 layers, or None (fbgemm is used) when forced off, no compiler, or the build fails."""
+    if os.environ.get(FORCE_VARIABLE, "").lower() == "fbgemm":
+        return None
+    library = load_library()
+    if library is None:
         return None
     if library.dovetail_int8_simd() == 0 and "fbgemm" in torch.backends.quantized.supported_engines:
         # Neither AVX512-VNNI nor AVX2: the kernel's plain C path is several times slower than fbgemm.
         log.info("int8: this CPU has neither AVX512-VNNI nor AVX2, so int8 layers run on fbgemm")
         return None
     return library
+
+
+def clear_cache() -> None:
+    """Forget the loaded library and the int8 decision (tests change the compiler or flags)."""
+    load.cache_clear()
+    load_library.cache_clear()
 
 
 def kernel_name() -> str:
@@ -129,13 +147,15 @@ class Int8Weights:
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.out_features, self.in_features = self.values.shape
         self._forward = library.dovetail_int8_forward
+        # None: every call on the GEMV kernel (CPUs without VNNI, see INT_MM_MIN_ROWS).
+        self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 else None
         self._pointers = (self.values.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                           None if self.bias is None else self.bias.data_ptr())
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """[M, K] fp32 contiguous rows -> [M, N]."""
         count = rows.shape[0]
-        if count >= INT_MM_MIN_ROWS:
+        if self.matmul_min_rows is not None and count >= self.matmul_min_rows:
             return self._matmul(rows)
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         if self._forward(rows.data_ptr(), *self._pointers, out.data_ptr(), count, self.out_features,

@@ -45,9 +45,10 @@ def test_the_kernel_computes_exactly_the_integer_reference(kernel, in_features, 
     assert layer.kernel == kernel
     rows = torch.randn(37, in_features) * 3
     rows[5] = 0.0  # an all-zero row (scale 0) gives exactly the bias
-    out = layer(rows)  # 37 rows: torch's int8 GEMM; 9 rows: the GEMV kernel (INT_MM_MIN_ROWS)
+    out = layer(rows)  # 37 rows: torch's int8 GEMM on a VNNI CPU, else the GEMV (INT_MM_MIN_ROWS); 9: the GEMV
     assert rows.shape[0] >= int8_kernel.INT_MM_MIN_ROWS > 9
     assert torch.equal(out, reference(rows, layer))
+    assert torch.equal(layer._int8._matmul(rows), out)  # the int8 GEMM path, whichever this CPU takes
     assert torch.equal(layer(rows[:9]), reference(rows[:9], layer))
     assert torch.equal(out[5], layer.bias if bias else torch.zeros(301))
     dense = rows @ (layer._int8.values.float() * layer._int8.scales[:, None]).T + (layer.bias if bias else 0)
@@ -94,13 +95,13 @@ def test_a_cpu_without_vnni_or_avx2_uses_fbgemm(monkeypatch, tmp_path, caplog):
     build = int8_kernel.build
     plain = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
     monkeypatch.setattr(int8_kernel, "build", lambda compiler, flags, directory: build(compiler, plain, tmp_path))
-    int8_kernel.load.cache_clear()
+    int8_kernel.clear_cache()
     try:
         with caplog.at_level(logging.INFO, logger="dovetail.cpu_worker"):
             assert int8_kernel.kernel_name() == "fbgemm"
         assert "neither AVX512-VNNI nor AVX2" in caplog.text
     finally:
-        int8_kernel.load.cache_clear()
+        int8_kernel.clear_cache()
 
 
 def test_int8_tree_logits_equal_decode_logits_on_the_kernel(kernel, demo_target):
@@ -112,7 +113,7 @@ def test_int8_tree_logits_equal_decode_logits_on_the_kernel(kernel, demo_target)
 
 
 def test_without_a_compiler_int8_falls_back_to_fbgemm_and_says_so(monkeypatch, caplog):
-    int8_kernel.load.cache_clear()
+    int8_kernel.clear_cache()
     try:
         monkeypatch.setenv("CC", "/nonexistent/cc")
         with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
@@ -123,12 +124,12 @@ def test_without_a_compiler_int8_falls_back_to_fbgemm_and_says_so(monkeypatch, c
         rows = torch.randn(8, 256)
         alone = torch.cat([layer(rows[index:index + 1]) for index in range(8)])
         assert torch.equal(layer(rows), alone)  # the fbgemm path keeps the per-row rule
-        int8_kernel.load.cache_clear()
+        int8_kernel.clear_cache()
         monkeypatch.setenv("CC", "")
         monkeypatch.setenv(int8_kernel.FORCE_VARIABLE, "fbgemm")
         assert int8_kernel.kernel_name() == "fbgemm"
     finally:
-        int8_kernel.load.cache_clear()
+        int8_kernel.clear_cache()
 
 
 def test_a_layer_too_wide_for_exact_int32_sums_uses_fbgemm(kernel):
