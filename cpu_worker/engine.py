@@ -16,6 +16,7 @@ from ipc.tree import tree_depths, validate_parents
 
 from .acceptance import accept_path
 from .fp32_packed import PackedFp32Linear
+from .fp32_rows import RowInvariantFp32Linear
 from .int8 import RowwiseInt8Linear
 from .llama import KVCache, LlamaDecoder, RotaryTable
 from .sampling import Sampler
@@ -35,10 +36,11 @@ def tree_paths(parents: Sequence[int]) -> list[list[int]]:
 
 def has_batch_invariant_linears(model: torch.nn.Module) -> bool:
     """True when every linear layer gives a row the same bits whatever shares its call: int8
-    W8A8 by construction, fp32 on MKL's packed sgemm (checked when packed, ``fp32_packed``).
+    W8A8 by construction, fp32 on MKL's packed sgemm (checked when packed, ``fp32_packed``) or on
+    our row kernel (``fp32_rows``).
     ``F.linear`` does not promise it: fp32 differs by batch size here, and oneDNN's bf16
     kernels matched row by row on some runs and not on others (first calls)."""
-    invariant = (RowwiseInt8Linear, PackedFp32Linear)
+    invariant = (RowwiseInt8Linear, PackedFp32Linear, RowInvariantFp32Linear)
     layers = [module for module in model.modules() if isinstance(module, (torch.nn.Linear, *invariant))]
     return bool(layers) and all(isinstance(module, invariant) for module in layers)
 

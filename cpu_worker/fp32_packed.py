@@ -14,8 +14,9 @@ promised: packing for a batch hint of one row gives a one-row path that rounds d
 (so the hint is ``PACK_ROWS``), and so do matrices with fewer than 256 outputs. So
 ``pack_fp32_linears`` checks every weight shape of the model at load (row by row against the
 whole call, and against ``F.linear`` up to a prefill's rows) before it swaps anything.
-Where MKL is absent (non-x86 builds) or a check fails, the model keeps ``F.linear`` and its
-trees are verified to float tolerance, as before.
+Where MKL is absent (non-x86 builds) or a check fails (AMD CPUs: MKL takes another path there),
+the model goes to our own row-invariant kernel (``fp32_rows``), or, without a C compiler, keeps
+``F.linear`` and its trees are verified to float tolerance.
 """
 
 from __future__ import annotations
@@ -115,8 +116,7 @@ def pack_fp32_linears(model: nn.Module) -> bool:
     if not names:
         return False
     if not mkl_packing_available():
-        log.info("fp32 linears stay on F.linear: this torch build has no MKL packed sgemm; "
-                 "trees are verified to float tolerance")
+        log.info("fp32: this torch build has no MKL packed sgemm")
         return False
     checked: set[tuple[int, int]] = set()
     for name in names:
@@ -128,8 +128,7 @@ def pack_fp32_linears(model: nn.Module) -> bool:
             continue
         ok, why = rows_are_independent(weight)
         if not ok:
-            log.warning("fp32 linears stay on F.linear: MKL packed sgemm on %s %s %s; trees are verified "
-                        "to float tolerance", name, list(shape), why)
+            log.info("fp32: MKL packed sgemm is not used: on %s %s %s", name, list(shape), why)
             return False
         checked.add(shape)
     for count, name in enumerate(names, 1):

@@ -266,3 +266,61 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
     }
     return 0;
 }
+
+/* ---- fp32 rows: y[m, n] = dot(x[m], w[n]) (+ bias[n]), each row's bits independent of its call-mates ----
+ *
+ * Why: an fp32 target's tree rows must round exactly as a one-row decode does (DESIGN.md,
+ * losslessness), and MKL's packed sgemm, which gives that on Intel CPUs, does not on AMD ones
+ * (checked at load, cpu_worker/fp32_packed.py). Here every (m, n) product is reduced the same way
+ * whatever the row count or thread count: 16 partial sums over k in chunks of 16 (two 8-float
+ * vectors), summed in a fixed tree, then the tail in order. Built with -ffp-contract=off, so no
+ * fused multiply-add depends on how the compiler scheduled it. Threads split the output rows. */
+typedef float dovetail_f32x8 __attribute__((vector_size(32)));
+
+static inline dovetail_f32x8 load_f32x8(const float *p) {
+    dovetail_f32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum_f32x8(dovetail_f32x8 v) {
+    float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
+    return a + b;
+}
+
+/* x against 4 weight rows (count valid; the others alias row 0 and are discarded). */
+static inline void fdot4(const float *x, const float *w, int64_t k, int count, float out[4]) {
+    const float *rows[4] = {w, w + (count > 1 ? k : 0), w + (count > 2 ? 2 * k : 0), w + (count > 3 ? 3 * k : 0)};
+    dovetail_f32x8 lo[4] = {{0}}, hi[4] = {{0}};
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        dovetail_f32x8 xl = load_f32x8(x + i), xh = load_f32x8(x + i + 8);
+        for (int r = 0; r < 4; r++) {
+            lo[r] += xl * load_f32x8(rows[r] + i);
+            hi[r] += xh * load_f32x8(rows[r] + i + 8);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float sum = sum_f32x8(lo[r]) + sum_f32x8(hi[r]);
+        for (int64_t j = i; j < k; j++) sum += x[j] * rows[r][j];
+        out[r] = sum;
+    }
+}
+
+/* y[rows, n_out] from x[rows, k] and w[n_out, k] (row-major fp32). Each block of 4 weight rows is
+ * read from memory once and reused (from cache) for every row of the call. */
+void dovetail_fp32_linear(const float *x, const float *w, const float *bias, float *y, int64_t rows,
+                          int64_t n_out, int64_t k, int threads) {
+    int64_t blocks = (n_out + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t n0 = block * 4;
+        int count = (int)(n_out - n0 < 4 ? n_out - n0 : 4);
+        float acc[4];
+        for (int64_t m = 0; m < rows; m++) {
+            fdot4(x + m * k, w + n0 * k, k, count, acc);
+            float *out = y + m * n_out + n0;
+            for (int r = 0; r < count; r++) out[r] = bias ? acc[r] + bias[n0 + r] : acc[r];
+        }
+    }
+}

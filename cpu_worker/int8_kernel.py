@@ -1,4 +1,5 @@
-"""Our int8 linear kernel (``int8_gemv.c``, which also holds the fp32 row kernel of ``fp32_rows``), built for this CPU on first use and cached.
+"""Our int8 linear kernel (``int8_gemv.c``, which also holds the fp32 row kernel of ``fp32_rows``),
+built for this CPU on first use and cached.
 
 Why compiled here: it is built with ``-march=native`` (AVX512-VNNI where the CPU has it) and
 links to the OpenMP runtime torch already loaded, so its threads are torch's. A C compiler is

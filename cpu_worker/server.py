@@ -22,6 +22,7 @@ from ipc.worker_loop import Handlers, SequenceError, worker_main
 from . import int8_kernel
 from .engine import ContextOverflowError, TargetEngine
 from .fp32_packed import pack_fp32_linears
+from .fp32_rows import use_fp32_row_kernel
 from .loading import fuse_layers, load_target_model, weight_bytes
 from .precision import activation_dtype, kv_cache_dtype
 from .sampling import Sampler
@@ -115,7 +116,7 @@ class TargetService:
 def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str = "auto",
                  aux_layers: list[int] | None = None) -> tuple[TargetEngine, str | None]:
     """The target engine exactly as the cpu_worker runs it (benchmarks time this one too), and
-    its linear layers' kernel (fp32: mkl-packed or F.linear; int8: dovetail-vnni,
+    its linear layers' kernel (fp32: mkl-packed, dovetail-fp32 or F.linear; int8: dovetail-vnni,
     dovetail-avx2, dovetail-portable or fbgemm; None for bf16)."""
     model = load_target_model(target, precision)
     kernel = None
@@ -123,7 +124,14 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
         # Fewer, larger GEMMs (q/k/v and gate/up fused: 0.94x the time per token at 1B), then
         # MKL's packed sgemm: rows independent of their call-mates (exact trees), trees cheaper.
         fuse_layers(model, dense=True)
-        kernel = "mkl-packed" if pack_fp32_linears(model) else "F.linear"
+        if pack_fp32_linears(model):
+            kernel = "mkl-packed"
+        elif use_fp32_row_kernel(model):
+            kernel = "dovetail-fp32"  # MKL's packed rows depend on their call-mates here (AMD): ours do not
+        else:
+            kernel = "F.linear"
+            log.warning("fp32 linears run on F.linear (no exact row kernel here): trees are verified to float "
+                        "tolerance, so a near-tied token may differ from --mode ar")
     elif precision == "int8":
         kernel = int8_kernel.kernel_name()
     # aux_layers: an EAGLE-3 head's three target layers (the coordinator read them from its folder).

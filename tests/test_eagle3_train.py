@@ -109,7 +109,9 @@ def test_training_time_test_equals_step_by_step_inference(fusion, kv_heads):
                     mask[:, i * length:(i + 1) * length] = torch.eye(length, dtype=torch.bool)
                 cos, sin = table.lookup(torch.arange(length) + k)
                 feature = head(feature, tokens[b, k:k + length], cos, sin, cache, k * length, mask)
-                torch.testing.assert_close(outs[k][b, :length], feature, rtol=1e-5, atol=1e-5)
+                # Batched and masked calls round differently (different GEMM shapes), by up to
+                # 1.5e-5 on an AVX2 EPYC; a wrong mask or position is off by ~1e-1.
+                torch.testing.assert_close(outs[k][b, :length], feature, rtol=1e-4, atol=5e-5)
 
 
 def test_draft_vocabulary_is_the_most_frequent_predicted_tokens():

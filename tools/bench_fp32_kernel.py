@@ -1,14 +1,15 @@
-"""fp32 target: F.linear against MKL's packed sgemm, one decode step and tree verification.
+"""fp32 target: F.linear against the worker's exact fp32 kernel, one decode step and tree verification.
 
     python -m tools.bench_fp32_kernel --target DIR [--trees 2,4,8,16] [--steps 16] [--rounds 3]
 
 Loads the target twice at fp32 (so it needs twice its fp32 size in RAM: use a stand-in with
-few layers, ``inflate.py ... --layers 6``; per-layer costs are what is compared), packs one
-copy's linears (``cpu_worker.fp32_packed``), then alternates rounds between the two (a shared
-machine's noise hits both): per round, the median ms of ``--steps`` decodes after a 256-token
-prompt, and t_verify(T) for each tree size (``verify_cost.measure_verify_ms``). Prints each
-kernel's best round and packed / F.linear, and the worst |tree - decode| logit of each (the
-packed kernel's should be 0: its rows never depend on their call-mates).
+few layers, ``inflate.py ... --layers 6``; per-layer costs are what is compared). One copy
+gets the worker's exact kernel: MKL's packed sgemm (``cpu_worker.fp32_packed``), or, where its
+rows fail the check (AMD CPUs), our row kernel (``cpu_worker.fp32_rows``). Rounds alternate
+between the two (a shared machine's noise hits both): per round, the median ms of ``--steps``
+decodes after a 256-token prompt, and t_verify(T) for each tree size
+(``verify_cost.measure_verify_ms``). Prints each kernel's best round, exact / F.linear, and
+the worst |tree - decode| logit of each (the exact kernel's should be 0).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.fp32_packed import pack_fp32_linears
+from cpu_worker.fp32_rows import use_fp32_row_kernel
 from cpu_worker.loading import load_target_model
 from cpu_worker.verify_cost import measure_verify_ms
 from tools.bench_kv_dtype import decode_ms
@@ -51,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     sizes = [int(size) for size in args.trees.split(",")]
     engines = {"F.linear": TargetEngine(load_target_model(args.target), max_len=512)}
-    packed_model = load_target_model(args.target)
-    if not pack_fp32_linears(packed_model):
-        print("MKL packing is unavailable or failed its check here (see the log): nothing to compare")
+    exact_model = load_target_model(args.target)
+    if pack_fp32_linears(exact_model):
+        exact = "mkl packed"
+    elif use_fp32_row_kernel(exact_model):
+        exact = "dovetail-fp32"
+    else:
+        print("neither MKL packing nor our row kernel is available here (see the log): nothing to compare")
         return 1
-    engines["mkl packed"] = TargetEngine(packed_model, max_len=512)
+    engines[exact] = TargetEngine(exact_model, max_len=512)
     best: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
         for name, engine in engines.items():
@@ -71,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         row = best[name]
         print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in row)
               + f" | {row[-1] / row[0]:.2f} | {tree_vs_decode_gap(engine, prefix):.2e} |")
-    ratio = [p / d for p, d in zip(best["mkl packed"], best["F.linear"])]
-    print("| packed / F.linear | " + " | ".join(f"{value:.2f}" for value in ratio) + " | | |")
+    ratio = [p / d for p, d in zip(best[exact], best["F.linear"])]
+    print(f"| {exact} / F.linear | " + " | ".join(f"{value:.2f}" for value in ratio) + " | | |")
     print(f"threads {torch.get_num_threads()}, target {args.target}, best of {args.rounds} rounds")
     return 0
 
