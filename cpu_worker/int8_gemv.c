@@ -147,24 +147,48 @@ static inline int32_t sum_lanes(__m256i v) {
     half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
     return _mm_cvtsi128_si32(half);
 }
+/* Rows past count alias row 0 (their sums are discarded), so the loops have a fixed shape and
+ * the accumulators stay in registers (a loop over count kept them in memory: 13 GB/s at 1B). */
+static inline __m256i widen_w(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256i widen_x(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline int32_t tail_dot(const uint8_t *xu, const int8_t *w, int64_t from, int64_t k) {
+    int32_t sum = 0;
+    for (int64_t j = from; j < k; j++) sum += (int32_t)xu[j] * (int32_t)w[j];
+    return sum;
+}
 static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                      _mm256_setzero_si256()};
+    const int8_t *w1 = w + (count > 1 ? k : 0), *w2 = w + (count > 2 ? 2 * k : 0), *w3 = w + (count > 3 ? 3 * k : 0);
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
     int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(xu + i)));
-        for (int r = 0; r < count; r++) {
-            __m256i wr = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + r * k + i)));
-            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(x, wr));
+    for (; i + 64 <= k; i += 64) {
+        /* The next block's rows, a line ahead each: eight streams in flight instead of four. */
+        _mm_prefetch((const char *)(w + 4 * k + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 5 * k + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 6 * k + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 7 * k + i), _MM_HINT_T0);
+        for (int64_t j = i; j < i + 64; j += 16) {
+            __m256i x = widen_x(xu + j);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x, widen_w(w + j)));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x, widen_w(w1 + j)));
+            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x, widen_w(w2 + j)));
+            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x, widen_w(w3 + j)));
         }
     }
-    for (int r = 0; r < 4; r++) {
-        int32_t sum = r < count ? sum_lanes(acc[r]) : 0;
-        for (int64_t j = i; r < count && j < k; j++) sum += (int32_t)xu[j] * (int32_t)w[r * k + j];
-        out[r] = sum;
+    for (; i + 16 <= k; i += 16) {
+        __m256i x = widen_x(xu + i);
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x, widen_w(w + i)));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x, widen_w(w1 + i)));
+        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x, widen_w(w2 + i)));
+        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x, widen_w(w3 + i)));
     }
+    out[0] = sum_lanes(a0) + tail_dot(xu, w, i, k);
+    out[1] = sum_lanes(a1) + tail_dot(xu, w1, i, k);
+    out[2] = sum_lanes(a2) + tail_dot(xu, w2, i, k);
+    out[3] = sum_lanes(a3) + tail_dot(xu, w3, i, k);
 }
-/* Two activation rows against the same 4 weight rows: each weight vector is widened once. */
+/* Two activation rows against the same 4 weight rows: each weight vector is widened once. (Written
+ * out with fixed rows like dot4, this ran 1.4x slower at 16 rows on an EPYC: kept as it is.) */
 static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
                           int32_t out_a[4], int32_t out_b[4]) {
     __m256i acc_a[4], acc_b[4];
