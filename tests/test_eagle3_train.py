@@ -248,3 +248,18 @@ def test_sigterm_stops_the_cli_run_at_a_step_boundary(tmp_path, deep_target, aux
     monkeypatch.setattr(eagle3_trainer, "lr_at", schedule)
     result = CliRunner().invoke(train_cli, command)
     assert result.exit_code == 0 and "5 steps in" in result.output and "stopped" not in result.output
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_flagged_before_training(monkeypatch, capsys):
+    """A 2-core EPYC (AVX2 only) ran a dgf-eagle3 step at --bf16 in 212 s: the run says so up front."""
+    from cpu_worker import precision
+    from tools.train import cli
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert cli.warn_if_bf16_is_emulated(True, "cpu")
+    assert "--fp32" in capsys.readouterr().err
+    assert not cli.warn_if_bf16_is_emulated(False, "cpu")
+    assert not cli.warn_if_bf16_is_emulated(True, "cuda")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert not cli.warn_if_bf16_is_emulated(True, "cpu")
+    assert capsys.readouterr().err == ""
