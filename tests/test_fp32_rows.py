@@ -14,6 +14,7 @@ from cpu_worker import int8_kernel
 from cpu_worker.engine import TargetEngine
 from cpu_worker.fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear, use_fp32_row_kernel
 from cpu_worker.loading import load_target_model, weight_bytes
+from ipc.tree import MAX_TREE_TOKENS
 
 
 @pytest.mark.parametrize("shape", [(96, 320), (37, 33), (5, 15), (515, 768)])
@@ -23,12 +24,12 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(shape, bias):
     torch.manual_seed(shape[0])
     dense = nn.Linear(shape[1], shape[0], bias=bias)
     layer = RowInvariantFp32Linear(dense.weight, dense.bias)
-    rows = torch.randn(MAX_KERNEL_ROWS, shape[1]) * torch.logspace(-2, 2, MAX_KERNEL_ROWS).unsqueeze(1)
+    rows = torch.randn(100, shape[1]) * torch.logspace(-2, 2, 100).unsqueeze(1)
     alone = torch.cat([layer(rows[index:index + 1]) for index in range(rows.shape[0])])
-    for count in (2, 3, 7, 16, 33, MAX_KERNEL_ROWS):
+    for count in (2, 3, 7, 16, 33, 64, 100):
         assert torch.equal(layer(rows[:count]), alone[:count]), count
     assert torch.equal(layer(rows[[9, 0, 4]]), alone[[9, 0, 4]])
-    assert torch.equal(layer(rows.view(4, 16, shape[1])), alone.view(4, 16, shape[0]))
+    assert torch.equal(layer(rows.view(4, 25, shape[1])), alone.view(4, 25, shape[0]))
     with torch.no_grad():
         torch.testing.assert_close(alone, dense(rows), rtol=1e-5, atol=1e-4)
 
@@ -48,12 +49,14 @@ def test_the_thread_count_does_not_change_a_row():
 
 
 def test_calls_longer_than_any_tree_go_to_f_linear():
-    """A prefill of more rows than the largest tree: F.linear's result (computed by the same
-    call in --mode ar and in Dovetail, so it need not match a decode's bits)."""
+    """A prefill of more rows than the largest tree the protocol allows: F.linear's result
+    (computed by the same call in --mode ar and in Dovetail, so it need not match a decode's
+    bits). Every tree size is on the kernel."""
+    assert MAX_KERNEL_ROWS == MAX_TREE_TOKENS
     torch.manual_seed(2)
-    dense = nn.Linear(64, 48)
+    dense = nn.Linear(16, 8)
     layer = RowInvariantFp32Linear(dense.weight, dense.bias)
-    rows = torch.randn(MAX_KERNEL_ROWS + 1, 64)
+    rows = torch.randn(MAX_KERNEL_ROWS + 1, 16)
     with torch.no_grad():
         assert torch.equal(layer(rows), F.linear(rows, dense.weight, dense.bias))
         torch.testing.assert_close(layer(rows[:MAX_KERNEL_ROWS]), dense(rows[:MAX_KERNEL_ROWS]), rtol=1e-5, atol=1e-5)
