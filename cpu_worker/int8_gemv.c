@@ -112,8 +112,9 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
 
 /* The same for two activation rows at once: each weight load feeds two products, and eight
  * independent accumulators hide the dot product's latency (trees verify several rows). */
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
-                          int32_t out_a[4], int32_t out_b[4]) {
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, const int32_t *offset,
+                          int64_t k, int count, int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+    (void)offset, (void)prefetch;  /* the sums are of u * w already; the weights come from L1 or L2 */
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();
     __m512i a3 = _mm512_setzero_si512(), b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
     __m512i b2 = _mm512_setzero_si512(), b3 = _mm512_setzero_si512();
@@ -187,32 +188,52 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
     out[2] = sum_lanes(a2) + tail_dot(xu, w2, i, k);
     out[3] = sum_lanes(a3) + tail_dot(xu, w3, i, k);
 }
-/* Two activation rows against the same 4 weight rows: each weight vector is widened once. (Written
- * out with fixed rows like dot4, this ran 1.4x slower at 16 rows on an EPYC: kept as it is.) */
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
-                          int32_t out_a[4], int32_t out_b[4]) {
-    __m256i acc_a[4], acc_b[4];
-    for (int r = 0; r < 4; r++) acc_a[r] = acc_b[r] = _mm256_setzero_si256();
+/* Two activation rows against the same 4 weight rows, by llama.cpp's sign trick: with the signed
+ * q = u - 128 (u ^ 0x80), q * w = |w| * sign(q, w), and _mm256_maddubs_epi16(|w| as u8, sign(q, w))
+ * sums pairs of those exactly in int16 (|q| <= 127, |w| <= 128: 2 * 127 * 128 < 32768), which
+ * _mm256_madd_epi16 with ones widens to int32. 32 products in 4 instructions instead of 16 in
+ * 3 plus a widening per operand: 1.7x the multiply rate (L1-resident, Zen 3), 1.1-1.4x on
+ * 2-8 rows of 7B matrices (tools/bench_int8_kernel.py). The result is returned as sum u * w
+ * (q * w plus the block's 128 * sum w), the integers every other path produces. */
+static inline __m256i signed_activations(const uint8_t *p) {
+    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x80));
+}
+static inline __m256i signed_pair_dot(__m256i abs_w, __m256i w, __m256i q) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(q, w)), _mm256_set1_epi16(1));
+}
+#define DOVETAIL_ROW_PAIR_STEP(wr, acc_a, acc_b)                                     \
+    do {                                                                            \
+        __m256i wv = _mm256_loadu_si256((const __m256i *)((wr) + i));               \
+        __m256i abs_w = _mm256_abs_epi8(wv);                                        \
+        acc_a = _mm256_add_epi32(acc_a, signed_pair_dot(abs_w, wv, qa));            \
+        acc_b = _mm256_add_epi32(acc_b, signed_pair_dot(abs_w, wv, qb));            \
+    } while (0)
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, const int32_t *offset,
+                          int64_t k, int count, int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+    const int8_t *rows[4] = {w, w + (count > 1 ? k : 0), w + (count > 2 ? 2 * k : 0), w + (count > 3 ? 3 * k : 0)};
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(xa + i)));
-        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(xb + i)));
-        for (int r = 0; r < count; r++) {
-            __m256i wr = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + r * k + i)));
-            acc_a[r] = _mm256_add_epi32(acc_a[r], _mm256_madd_epi16(a, wr));
-            acc_b[r] = _mm256_add_epi32(acc_b[r], _mm256_madd_epi16(b, wr));
-        }
+    for (; i + 32 <= k; i += 32) {
+        if (prefetch && (i & 63) == 0) prefetch_next_block(w, k, i);
+        __m256i qa = signed_activations(xa + i), qb = signed_activations(xb + i);
+        DOVETAIL_ROW_PAIR_STEP(rows[0], a0, b0);
+        DOVETAIL_ROW_PAIR_STEP(rows[1], a1, b1);
+        DOVETAIL_ROW_PAIR_STEP(rows[2], a2, b2);
+        DOVETAIL_ROW_PAIR_STEP(rows[3], a3, b3);
     }
+    __m256i acc_a[4] = {a0, a1, a2, a3}, acc_b[4] = {b0, b1, b2, b3};
     for (int r = 0; r < 4; r++) {
-        int32_t sum_a = r < count ? sum_lanes(acc_a[r]) : 0, sum_b = r < count ? sum_lanes(acc_b[r]) : 0;
-        for (int64_t j = i; r < count && j < k; j++) {
-            sum_a += (int32_t)xa[j] * (int32_t)w[r * k + j];
-            sum_b += (int32_t)xb[j] * (int32_t)w[r * k + j];
+        int32_t sum_a = sum_lanes(acc_a[r]), sum_b = sum_lanes(acc_b[r]);
+        for (int64_t j = i; j < k; j++) {
+            sum_a += ((int32_t)xa[j] - 128) * (int32_t)rows[r][j];
+            sum_b += ((int32_t)xb[j] - 128) * (int32_t)rows[r][j];
         }
-        out_a[r] = sum_a;
-        out_b[r] = sum_b;
+        int32_t back_to_unsigned = offset[r < count ? r : 0];
+        out_a[r] = sum_a + back_to_unsigned;
+        out_b[r] = sum_b + back_to_unsigned;
     }
 }
+#undef DOVETAIL_ROW_PAIR_STEP
 #else
 static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
     for (int r = 0; r < 4; r++) {
@@ -224,8 +245,9 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
         out[r] = sum;
     }
 }
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
-                          int32_t out_a[4], int32_t out_b[4]) {
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, const int32_t *offset,
+                          int64_t k, int count, int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+    (void)offset, (void)prefetch;
     dot4(xa, w, k, count, out_a);
     dot4(xb, w, k, count, out_b);
 }
@@ -254,7 +276,7 @@ void dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t 
         int32_t acc[4], acc_b[4];
         int64_t m = 0;
         for (; m + 2 <= rows; m += 2) {
-            dot4x2(xu + m * k, xu + (m + 1) * k, w + n0 * k, k, count, acc, acc_b);
+            dot4x2(xu + m * k, xu + (m + 1) * k, w + n0 * k, w_offset + n0, k, count, m == 0, acc, acc_b);
             store_row(acc, m, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
             store_row(acc_b, m + 1, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
         }

@@ -43,25 +43,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DOVETAIL_KERNEL_DIR") or Path.home() / ".cache" / "dovetail" / "kernels")
 
 
-def _compile(compiler: str, flags: list[str], target: Path) -> None:
+def _compile(compiler: str, flags: list[str], target: Path, source: Path = SOURCE) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+        done = subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")
         os.replace(built, target)  # atomic: a concurrent worker sees the whole library or none
 
 
-def build(compiler: str, flags: list[str], directory: Path) -> ctypes.CDLL:
-    """Compile (once per source, flags, compiler and CPU) and load the library."""
+def build(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> ctypes.CDLL:
+    """Compile (once per source, flags, compiler and CPU) and load the library. ``source``: another
+    version of ``int8_gemv.c`` (tools/bench_int8_kernel.py compares two)."""
     # The CPU's flags are in the key: -march=native builds for this CPU only.
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu_flags())).encode()
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu_flags())).encode()
                          + compiler.encode()).hexdigest()[:16]
     target = directory / f"int8_gemv-{key}.so"
     if not target.exists():
-        _compile(compiler, flags, target)
+        _compile(compiler, flags, target, source)
     library = ctypes.CDLL(str(target))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.dovetail_quantize_rows.argtypes = [pointer, pointer, pointer, i64, i64]
@@ -77,10 +78,15 @@ def build(compiler: str, flags: list[str], directory: Path) -> ctypes.CDLL:
     return library
 
 
+def find_compiler() -> str | None:
+    """$CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @cache
 def load_library() -> ctypes.CDLL | None:
     """The built library (int8 and fp32 kernels), or None when there is no compiler or the build fails."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding) and fp32 ones on MKL or "
                     "F.linear; install gcc for the faster, exact kernels")

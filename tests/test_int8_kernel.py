@@ -78,6 +78,7 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
     torch.manual_seed(1)
     layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))  # 200: 16-byte steps and a tail
     rows = torch.randn(9, 200)  # under INT_MM_MIN_ROWS: the GEMV kernel of each build; pairs and a single
+    # 200 columns: the AVX2 pair path's 32-byte steps and an 8-column tail, the one-row path's 16-byte steps
     expected = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, native)(rows)
     for arch, simd in builds.items():
         flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
@@ -85,6 +86,26 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
         assert library.dovetail_int8_simd() == simd and library.dovetail_int8_has_vnni() == 0
         got = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, library)(rows)
         assert torch.equal(got, expected), arch
+
+
+@pytest.mark.parametrize("rows_in_call", [2, 3, 5])
+def test_extreme_operands_stay_exact(kernel, rows_in_call):
+    """The AVX2 pair path sums two products in int16 (|w| * |q| * 2 <= 128 * 127 * 2): weights at
+    -128 and 127 against activations at +-127, the bound, must not saturate anywhere."""
+    generator = torch.Generator().manual_seed(2)
+    in_features, out_features = 1000, 11  # 31 steps of 32 and a tail of 8; 11 outputs: a block of 3
+    values = torch.where(torch.rand(out_features, in_features, generator=generator) < 0.5,
+                         torch.tensor(-128, dtype=torch.int8), torch.tensor(127, dtype=torch.int8))
+    values[1] = -128  # one row all -128, one all 127: the largest same-sign pair sums
+    values[2] = 127
+    signs = torch.where(torch.rand(rows_in_call, in_features, generator=generator) < 0.5, -1.0, 1.0)
+    rows = signs * 3.0  # every activation quantizes to +-127
+    rows[0] = torch.where(values[1] < 0, -3.0, 3.0)  # row 0 against weight row 1: every product +128 * 127
+    scales = torch.full((out_features,), 1e-3)
+    out = int8_kernel.Int8Weights(values, scales, None)(rows)
+    sums = (rows.sign().to(torch.int64) * 127) @ values.to(torch.int64).T
+    assert int(sums[0, 1]) == 128 * 127 * in_features
+    assert torch.equal(out, sums.to(torch.int32).to(torch.float32) * (3.0 / 127.0) * scales)
 
 
 def test_a_cpu_without_vnni_or_avx2_uses_fbgemm(monkeypatch, tmp_path, caplog):

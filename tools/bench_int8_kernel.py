@@ -1,0 +1,123 @@
+"""The int8 kernel in this working tree against the same file at a git revision, side by side.
+
+    python -m tools.bench_int8_kernel [--baseline HEAD] [--rows 1,2,3,4,8,16,32] [--threads 2]
+
+For kernel work (``cpu_worker/int8_gemv.c``): both versions are built for this CPU and called
+the way a layer calls them (``dovetail_int8_forward``: quantize the rows, then the linear) on
+llama2-7b's matrix shapes. Each shape cycles through enough distinct matrices (>= 96 MB) that
+the weights stream from memory as in a real model rather than from the last-level cache. The
+two versions take turns on every repeat (a shared machine's noise hits both) and must give
+the same bits; prints the median ms per call and baseline / this tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from cpu_worker import int8_kernel
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))  # (out, in): attention, MLP up/gate, MLP down
+STREAMED_BYTES = 96 << 20  # the matrices a call cycles through: three times a 32 MB last-level cache
+
+
+def baseline_source(revision: str, directory: Path) -> Path:
+    """``int8_gemv.c`` as it was at ``revision``, written under ``directory``."""
+    relative = int8_kernel.SOURCE.relative_to(REPO).as_posix()
+    done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise click.ClickException(f"cannot read {relative} at {revision}: {done.stderr.strip()}")
+    path = directory / "baseline" / "int8_gemv.c"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(done.stdout)
+    return path
+
+
+def forward(library: ctypes.CDLL, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+            out: torch.Tensor, threads: int) -> None:
+    values, scales, offsets = weight
+    rows, k = x.shape
+    if library.dovetail_int8_forward(x.data_ptr(), values.data_ptr(), scales.data_ptr(), offsets.data_ptr(), None,
+                                     out.data_ptr(), rows, values.shape[0], k, threads) != 0:
+        raise MemoryError("int8 forward: no scratch memory")
+
+
+def compare(libraries: dict[str, ctypes.CDLL], shape: tuple[int, int], row_counts: list[int], repeats: int,
+            threads: int) -> list[tuple[int, dict[str, float]]]:
+    n, k = shape
+    generator = torch.Generator().manual_seed(0)
+    count = max(1, -(-STREAMED_BYTES // (n * k)))
+    weights = []
+    for _ in range(count):
+        values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        weights.append((values, torch.rand(n, generator=generator) / 100 + 1e-3,
+                        int8_kernel.weight_offsets(values, next(iter(libraries.values())))))
+    results = []
+    for rows in row_counts:
+        x = torch.randn(rows, k, generator=generator)
+        outs = {name: torch.empty(rows, n) for name in libraries}
+        times: dict[str, list[float]] = {name: [] for name in libraries}
+        calls = 0
+        for repeat in range(repeats + 1):
+            for name, library in libraries.items():
+                # Every call takes the least recently used matrix, so no version reads one the other just cached.
+                weight = weights[calls % count]
+                calls += 1
+                started = time.perf_counter()
+                forward(library, x, weight, outs[name], threads)
+                if repeat:  # the first round warms up
+                    times[name].append((time.perf_counter() - started) * 1e3)
+        # Same weights for a bit-for-bit check (the timed calls rotate through different ones).
+        for name, library in libraries.items():
+            forward(library, x, weights[0], outs[name], threads)
+        first, *others = outs.values()
+        if any(not torch.equal(first, other) for other in others):
+            raise click.ClickException(f"{n}x{k}, {rows} rows: the two kernels give different bits")
+        results.append((rows, {name: statistics.median(values) for name, values in times.items()}))
+    return results
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--baseline", default="HEAD", show_default=True, help="git revision whose int8_gemv.c is compared")
+@click.option("--rows", default="1,2,3,4,8,16,32", show_default=True, help="rows per call (comma-separated)")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=3), default=24, show_default=True,
+              help="timed calls per version, shape and row count")
+def main(baseline: str, rows: str, threads: int, repeats: int) -> None:
+    try:
+        row_counts = [int(part) for part in rows.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not a list of integers: {rows!r}", param_hint="--rows") from None
+    if not row_counts or min(row_counts) < 1:
+        raise click.BadParameter("give at least one row count, each >= 1", param_hint="--rows")
+    compiler = int8_kernel.find_compiler()
+    if compiler is None:
+        raise click.ClickException("no C compiler (set CC or install gcc): nothing to build")
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        libraries = {
+            f"baseline ({baseline})": int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch),
+                                                        baseline_source(baseline, Path(scratch))),
+            "this tree": int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch)),
+        }
+        simd = {2: "AVX512-VNNI", 1: "AVX2"}.get(libraries["this tree"].dovetail_int8_simd(), "plain C")
+        print(f"int8 kernel, {simd} path, {threads} threads, median of {repeats} calls; ms per call")
+        print(f"python -m tools.bench_int8_kernel --baseline {baseline} --rows {rows} --threads {threads}")
+        print("| shape (out x in) | rows | baseline ms | this tree ms | baseline / this tree |")
+        print("|---|---|---|---|---|")
+        for shape in SHAPES:
+            for count, medians in compare(libraries, shape, row_counts, repeats, threads):
+                old, new = medians.values()
+                print(f"| {shape[0]}x{shape[1]} | {count} | {old:.2f} | {new:.2f} | {old / new:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
