@@ -1,5 +1,6 @@
-"""Our int8 linear kernel (``int8_gemv.c``, which also holds the fp32 row kernel of ``fp32_rows``),
-built for this CPU on first use and cached.
+"""Our native kernels, built for this CPU on first use and cached as one library: the int8
+linear (``int8_gemv.c``, which also holds the fp32 row kernel of ``fp32_rows``) and exact
+attention (``attention.c``, used by ``exact_attention``).
 
 Why compiled here: it is built with ``-march=native`` (AVX512-VNNI where the CPU has it) and
 links to the OpenMP runtime torch already loaded, so its threads are torch's. A C compiler is
@@ -27,6 +28,8 @@ from .cores import cpu_flags
 log = logging.getLogger("dovetail.cpu_worker")
 
 SOURCE = Path(__file__).with_name("int8_gemv.c")
+ATTENTION_SOURCE = Path(__file__).with_name("attention.c")
+SOURCES = (SOURCE, ATTENTION_SOURCE)
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
@@ -43,26 +46,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DOVETAIL_KERNEL_DIR") or Path.home() / ".cache" / "dovetail" / "kernels")
 
 
-def _compile(compiler: str, flags: list[str], target: Path, source: Path = SOURCE) -> None:
+def _compile(compiler: str, flags: list[str], target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        done = subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
+        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")
         os.replace(built, target)  # atomic: a concurrent worker sees the whole library or none
 
 
-def build(compiler: str, flags: list[str], directory: Path, source: Path = SOURCE) -> ctypes.CDLL:
-    """Compile (once per source, flags, compiler and CPU) and load the library. ``source``: another
-    version of ``int8_gemv.c`` (tools/bench_int8_kernel.py compares two)."""
+def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path, ...] = SOURCES) -> ctypes.CDLL:
+    """Compile (once per sources, flags, compiler and CPU) and load the library. ``sources``: other
+    versions of the files (tools/bench_int8_kernel.py compares two int8_gemv.c)."""
     # The CPU's flags are in the key: -march=native builds for this CPU only.
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu_flags())).encode()
-                         + compiler.encode()).hexdigest()[:16]
-    target = directory / f"int8_gemv-{key}.so"
+    parts = [source.read_bytes() for source in sources]
+    parts += [" ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(), compiler.encode()]
+    key = hashlib.sha256(b"".join(parts)).hexdigest()[:16]
+    target = directory / f"dovetail-kernels-{key}.so"
     if not target.exists():
-        _compile(compiler, flags, target, source)
+        _compile(compiler, flags, target, sources)
     library = ctypes.CDLL(str(target))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.dovetail_quantize_rows.argtypes = [pointer, pointer, pointer, i64, i64]
@@ -75,6 +79,9 @@ def build(compiler: str, flags: list[str], directory: Path, source: Path = SOURC
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
     library.dovetail_fp32_linear.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
+    library.dovetail_attention.argtypes = [pointer, pointer, pointer, i64, i64, pointer, pointer, pointer, i64, i64,
+                                           i64, i64, ctypes.c_float, ctypes.c_int]
+    library.dovetail_attention.restype = ctypes.c_int
     return library
 
 
@@ -95,7 +102,7 @@ def load_library() -> ctypes.CDLL | None:
         return build(compiler, FLAGS, cache_dir())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding) and fp32 ones on MKL or "
-                    "F.linear: %s", SOURCE.name, error)
+                    "F.linear: %s", " and ".join(source.name for source in SOURCES), error)
         return None
 
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import exact_attention
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -256,10 +258,16 @@ class Attention(nn.Module):
             all_k = keys[:, :, :end]
             all_v = values[:, :, :end]
         gqa = self.num_heads != self.num_kv_heads
+        # Decode steps and tree rows on the exact kernel where it applies (fp32, CPU): the prefix
+        # is read once for the whole tree, each node rounding as its later decode will.
+        exact = keys is not None and values is not None and exact_attention.applies(q, keys)
         if paths is not None and keys is not None and values is not None:
-            out = self._attend_per_row(q, k, v, keys, values, start, paths)
-        elif length == 1 and keys is not None and mask is None:
-            out = _attend_one(q, all_k, all_v, gqa)
+            if exact:
+                out = exact_attention.attend(q, keys, values, start, paths, start)
+            else:
+                out = self._attend_per_row(q, k, v, keys, values, start, paths)
+        elif length == 1 and keys is not None and values is not None and mask is None:
+            out = exact_attention.attend(q, keys, values, start + 1) if exact else _attend_one(q, all_k, all_v, gqa)
         elif mask is not None:
             out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, enable_gqa=gqa)
         elif length == 1 or start == 0:
@@ -272,7 +280,8 @@ class Attention(nn.Module):
 
     def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                         values: torch.Tensor, start: int, paths: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Tree attention that equals one-token decoding bit for bit: for each row, its path's
+        """Tree attention that equals one-token decoding bit for bit where the exact kernel does
+        not apply (a bf16 cache, no compiler): for each row, its path's
         key/value rows are laid right after the cached prefix (slots start, start + 1, ...) as
         a decode would have them, and the row attends there with the decode's own call. A
         batched masked call reads the prefix once but rounds differently (~1e-6), which an

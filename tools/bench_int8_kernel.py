@@ -104,8 +104,9 @@ def main(baseline: str, rows: str, threads: int, repeats: int) -> None:
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as scratch:
         libraries = {
-            f"baseline ({baseline})": int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch),
-                                                        baseline_source(baseline, Path(scratch))),
+            f"baseline ({baseline})": int8_kernel.build(
+                compiler, int8_kernel.FLAGS, Path(scratch),
+                (baseline_source(baseline, Path(scratch)), *int8_kernel.SOURCES[1:])),
             "this tree": int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch)),
         }
         simd = {2: "AVX512-VNNI", 1: "AVX2"}.get(libraries["this tree"].dovetail_int8_simd(), "plain C")

@@ -1,0 +1,160 @@
+/* Exact attention for decoding and tree verification, fp32: every query row's result is the same
+ * bits whether it is one decode step or one node of a tree verified with others.
+ *
+ * Why our own: a tree node must round exactly as the one-token decode of the same prefix does
+ * (DESIGN.md, losslessness). torch's scaled_dot_product_attention rounds a batched, masked call
+ * differently from a one-row call, so tree rows used to attend one at a time, each re-reading
+ * the whole cached prefix: at a 1024-token context that costs 3.2 ms per row per 7B layer
+ * (one row's single-query SDPA reads its 33 MB of keys and values at ~10 GB/s). Here the shared
+ * prefix is read once for every row and query head of a KV head, and each row's sums run over
+ * its keys in one fixed order (the prefix, then its own path, root first), which is exactly
+ * the order a later decode of that node sees them in, as committed slots.
+ *
+ * Per (row, head): s_j = scale * dot(q, k_j), dot in 8 lanes over head_dim then a fixed tree;
+ * m = max_j s_j; p_j = exp(s_j - m) by one polynomial (dovetail_exp, elementwise, so vector and
+ * scalar code give the same bits); out = (sum_j p_j v_j, j ascending) * (1 / sum_j p_j, j
+ * ascending). Built with -ffp-contract=off: no fused multiply-add changes a rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DOVETAIL_LANES 8
+
+/* exp(x) to ~2 ulp for x <= 0 (softmax arguments), by range reduction x = n ln2 + r and a
+ * degree-6 polynomial (Cephes' expf); arguments below -87 give exp(-87) ~ 1.6e-38, not 0
+ * (negligible beside the row's largest term, 1). The AVX2 and plain C versions do the same IEEE
+ * operations in the same order, so they give the same bits. */
+#define EXP_LOW -87.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HIGH 0.693359375f /* ln2 split in two: n * high is exact */
+#define EXP_LN2_LOW -2.12194440e-4f
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float dovetail_exp(float x) {
+    x = x < EXP_LOW ? EXP_LOW : x;
+    float n = floorf(x * EXP_LOG2E + 0.5f);
+    float r = (x - n * EXP_LN2_HIGH) - n * EXP_LN2_LOW;
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 6; i++) p = p * r + EXP_POLY[i];
+    p = ((p * r) * r + r) + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline __m256 dovetail_exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LOW));
+    __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_HIGH))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_LOW)));
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_POLY[i]));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* s[j] = exp(s[j] - max_j s[j]) over one row's n scores (the max is exact in any order). */
+static void softmax_numerators(float *s, int64_t n) {
+    float top = -INFINITY;
+    int64_t j = 0;
+#if defined(__AVX2__)
+    __m256 lanes = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
+    float lane[8];
+    _mm256_storeu_ps(lane, lanes);
+    for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
+#endif
+    for (; j < n; j++) top = s[j] > top ? s[j] : top;
+    j = 0;
+#if defined(__AVX2__)
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, dovetail_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
+#endif
+    for (; j < n; j++) s[j] = dovetail_exp(s[j] - top);
+}
+
+static inline float dot_fixed(const float *a, const float *b, int64_t d) {
+    float lane[DOVETAIL_LANES] = {0};
+    int64_t i = 0;
+    for (; i + DOVETAIL_LANES <= d; i += DOVETAIL_LANES)
+        for (int l = 0; l < DOVETAIL_LANES; l++) lane[l] += a[i + l] * b[i + l];
+    float sum = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    for (; i < d; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static inline void add_scaled(float *acc, const float *v, float p, int64_t d) {
+    for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
+}
+
+/* q, out: [heads, rows, head_dim]. keys, values: one layer's cache, [kv_heads, max_len, head_dim].
+ * Row r attends to slots [0, shared) and then extra[extra_start[r] .. extra_start[r + 1]) in that
+ * order (a decode: rows = 1, shared = its length, no extra slots; a tree: shared = the committed
+ * prefix, extra = the node's path). Returns 0, or -1 if scratch memory could not be allocated. */
+int dovetail_attention(const float *q, const float *keys, const float *values, int64_t max_len, int64_t shared,
+                       const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, float scale, int threads) {
+    int64_t group = heads / kv_heads, queries = group * rows;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t n = shared + extra_start[r + 1] - extra_start[r];
+        longest = n > longest ? n : longest;
+    }
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|| : failed)
+    for (int64_t g = 0; g < kv_heads; g++) {
+        float *scores = (float *)malloc((size_t)(queries * longest) * sizeof(float));
+        float *acc = (float *)calloc((size_t)(queries * head_dim), sizeof(float));
+        if (scores == NULL || acc == NULL) {
+            free(scores);
+            free(acc);
+            failed = 1;
+            continue;
+        }
+        const float *k_head = keys + g * max_len * head_dim, *v_head = values + g * max_len * head_dim;
+        /* query index t = h_in_group * rows + r: the rows of one head are adjacent in q */
+        const float *q_group = q + g * group * rows * head_dim;
+        float *out_group = out + g * group * rows * head_dim;
+        /* Scores: each shared key is read once for every query of the group. */
+        for (int64_t j = 0; j < shared; j++) {
+            const float *k = k_head + j * head_dim;
+            for (int64_t t = 0; t < queries; t++) scores[t * longest + j] = dot_fixed(q_group + t * head_dim, k, head_dim) * scale;
+        }
+        for (int64_t t = 0; t < queries; t++) {
+            int64_t r = t % rows;
+            for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
+                scores[t * longest + shared + e - extra_start[r]] =
+                    dot_fixed(q_group + t * head_dim, k_head + extra[e] * head_dim, head_dim) * scale;
+        }
+        /* Softmax numerators in place; the denominators later, in the same ascending order. */
+        for (int64_t t = 0; t < queries; t++) {
+            int64_t r = t % rows;
+            softmax_numerators(scores + t * longest, shared + extra_start[r + 1] - extra_start[r]);
+        }
+        for (int64_t j = 0; j < shared; j++) {
+            const float *v = v_head + j * head_dim;
+            for (int64_t t = 0; t < queries; t++) add_scaled(acc + t * head_dim, v, scores[t * longest + j], head_dim);
+        }
+        for (int64_t t = 0; t < queries; t++) {
+            int64_t r = t % rows, n = shared + extra_start[r + 1] - extra_start[r];
+            const float *s = scores + t * longest;
+            for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
+                add_scaled(acc + t * head_dim, v_head + extra[e] * head_dim, s[shared + e - extra_start[r]], head_dim);
+            float total = 0.0f;
+            for (int64_t j = 0; j < n; j++) total += s[j];
+            float inverse = 1.0f / total;
+            float *o = out_group + t * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) o[i] = acc[t * head_dim + i] * inverse;
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,116 @@
+"""Exact attention (cpu_worker/attention.c): close to torch's attention, a tree row equal bit for
+bit to the decode of its path, the same bits at any thread count, and the engine's tree logits
+equal to its decode logits with the kernel and with torch's per-row fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_int8 import worst_tree_vs_decode_gap
+
+from cpu_worker import exact_attention, int8_kernel
+from cpu_worker.server import build_engine
+
+from tree_paths import path_to
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    exact_attention.clear_cache()
+    assert exact_attention.available(), "the native library did not build (it needs a C compiler)"
+
+
+def cache(kv_heads: int, head_dim: int, length: int = 300, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, kv_heads, length, head_dim, generator=generator),
+            torch.randn(1, kv_heads, length, head_dim, generator=generator))
+
+
+def tree_paths(parents: list[int]) -> list[torch.Tensor]:
+    return [torch.as_tensor(path_to(parents, node)) for node in range(len(parents))]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 20), (6, 3, 128)])
+@pytest.mark.parametrize("sharpness", [1.0, 30.0])  # 30: peaked softmaxes, exp far into underflow
+def test_a_decode_step_matches_torch_attention(heads, kv_heads, head_dim, sharpness):
+    keys, values = cache(kv_heads, head_dim)
+    q = torch.randn(1, heads, 1, head_dim, generator=torch.Generator().manual_seed(1)) * sharpness
+    for length in (1, 7, 131):
+        expected = F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length],
+                                                  enable_gqa=heads != kv_heads)
+        got = exact_attention.attend(q, keys, values, length)
+        assert torch.allclose(got, expected, atol=2e-6, rtol=1e-5), (length, (got - expected).abs().max())
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3], [-1]])
+def test_a_tree_row_equals_the_decode_of_its_path_bit_for_bit(parents):
+    heads, kv_heads, head_dim, start = 8, 4, 64, 100
+    keys, values = cache(kv_heads, head_dim)
+    q = torch.randn(1, heads, len(parents), head_dim, generator=torch.Generator().manual_seed(2))
+    paths = tree_paths(parents)
+    tree = exact_attention.attend(q, keys, values, start, paths, start)
+    for row, path in enumerate(paths):
+        # The decode of this node: its ancestors committed after the prefix, in path order.
+        committed_keys, committed_values = keys.clone(), values.clone()
+        committed_keys[:, :, start:start + len(path)] = keys[:, :, start + path]
+        committed_values[:, :, start:start + len(path)] = values[:, :, start + path]
+        decode = exact_attention.attend(q[:, :, row:row + 1], committed_keys, committed_values, start + len(path))
+        assert torch.equal(decode[0, :, 0], tree[0, :, row]), f"row {row}"
+        expected = F.scaled_dot_product_attention(q[:, :, row:row + 1], committed_keys[:, :, :start + len(path)],
+                                                  committed_values[:, :, :start + len(path)], enable_gqa=True)
+        assert torch.allclose(decode, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    keys, values = cache(8, 64)
+    q = torch.randn(1, 16, 5, 64, generator=torch.Generator().manual_seed(3))
+    paths = tree_paths([-1, 0, 0, 1, 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = exact_attention.attend(q, keys, values, 200, paths, 200)
+        torch.set_num_threads(3)
+        three = exact_attention.attend(q, keys, values, 200, paths, 200)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
+def test_gradients_or_other_dtypes_keep_torch_attention():
+    keys, values = cache(2, 16)
+    q = torch.randn(1, 2, 1, 16)
+    assert exact_attention.applies(q, keys)
+    assert not exact_attention.applies(q.requires_grad_(), keys)
+    assert not exact_attention.applies(q.detach().bfloat16(), keys.bfloat16())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("force_torch", [False, True])
+def test_engine_tree_logits_equal_decode_logits_on_either_attention(demo_target, monkeypatch, precision,
+                                                                     force_torch):
+    if force_torch:
+        monkeypatch.setenv(exact_attention.FORCE_VARIABLE, "torch")
+    exact_attention.clear_cache()
+    try:
+        assert exact_attention.available() is not force_torch
+        engine, _ = build_engine(str(demo_target), precision, 128)  # as the cpu_worker runs it
+        assert engine.exact_tree
+        assert worst_tree_vs_decode_gap(engine, trials=2) == 0.0
+    finally:
+        monkeypatch.delenv(exact_attention.FORCE_VARIABLE, raising=False)
+        exact_attention.clear_cache()
+
+
+def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
+    """The AVX2 exponential and the plain C one must round alike (a row's tail, past its last
+    multiple of 8, always takes the plain one)."""
+    compiler = int8_kernel.find_compiler()
+    assert compiler is not None
+    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
+    plain = int8_kernel.build(compiler, flags, tmp_path)
+    keys, values = cache(4, 64, seed=4)
+    q = torch.randn(1, 8, 6, 64, generator=torch.Generator().manual_seed(5)) * 8
+    paths = tree_paths([-1, 0, 0, 1, 3, 4])
+    native = exact_attention.attend(q, keys, values, 93, paths, 93)
+    assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, 93, library=plain))

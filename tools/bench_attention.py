@@ -1,0 +1,190 @@
+"""Exact attention: our kernel (cpu_worker/attention.c) against torch's, side by side.
+
+    python -m tools.bench_attention [--contexts 256,1024,2048] [--trees 1,4,8,16] [--threads 2]
+                                    [--target DIR] [--prompt 256]
+
+1. One layer at llama2-7b's attention shape (32 heads of 128, fp32 cache): ms for a decode step
+   (T = 1) and for a T-node tree at each context length, on the kernel and on torch's exact
+   path (one single-query call per row, ``Attention._attend_per_row``), plus torch's batched
+   masked call for reference (one pass, but not exact).
+2. With --target (e.g. a stand-in with few layers, ``inflate.py ... --layers 6``): the engine
+   as the cpu_worker builds it, decode and t_verify(T) after a --prompt-token prefix, kernel
+   against ``DOVETAIL_ATTENTION=torch``, and the worst tree-vs-decode logit gap of each (0: exact).
+The candidates take turns on every repeat (a shared machine's noise hits all); medians.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+
+from cpu_worker import exact_attention
+from cpu_worker.llama import Attention, LlamaSpec
+from cpu_worker.server import build_engine
+from cpu_worker.verify_cost import measure_verify_ms, measurement_tree
+
+HEADS, HEAD_DIM = 32, 128
+
+
+def parse_sizes(text: str, name: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not a list of integers: {text!r}", param_hint=name) from None
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter("give at least one size, each >= 1", param_hint=name)
+    return sizes
+
+
+def medians(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for run in candidates.values():
+        run()
+    for _ in range(repeats):
+        for name, run in candidates.items():
+            started = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - started) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def paths_of(parents: list[int]) -> list[torch.Tensor]:
+    paths = []
+    for node in range(len(parents)):
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(torch.as_tensor(path[::-1]))
+    return paths
+
+
+@torch.inference_mode()
+def layer_table(contexts: list[int], trees: list[int], repeats: int) -> None:
+    # Only the attention step is timed: hidden_size 1 keeps the unused projections tiny.
+    spec = LlamaSpec(vocab_size=1, hidden_size=1, intermediate_size=1, num_layers=1, num_heads=HEADS,
+                     num_kv_heads=HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, rope_theta=1e4,
+                     max_position_embeddings=max(contexts) + max(trees))
+    attention = Attention(spec)
+    print("\none layer, 32 heads x 128, fp32 cache; ms (median)")
+    print("| context | T | kernel | torch exact (per row) | torch masked (not exact) | torch exact / kernel |")
+    print("|---|---|---|---|---|---|")
+    for context in contexts:
+        length = context + max(trees)
+        keys, values = torch.randn(1, HEADS, length, HEAD_DIM), torch.randn(1, HEADS, length, HEAD_DIM)
+        for size in trees:
+            results = time_tree(attention, keys, values, context, size, repeats)
+            print(f"| {context} | {size} | {results['kernel']:.2f} | {results['per row']:.2f} | "
+                  f"{results['masked']:.2f} | {results['per row'] / results['kernel']:.2f}x |", flush=True)
+
+
+def time_tree(attention: Attention, keys: torch.Tensor, values: torch.Tensor, context: int, size: int,
+              repeats: int) -> dict[str, float]:
+    """Median ms of one layer's attention for a ``size``-node tree after ``context`` cached tokens."""
+    paths = paths_of(measurement_tree(size))
+    q = torch.randn(1, HEADS, size, HEAD_DIM)
+    k, v = keys[:, :, context:context + size].clone(), values[:, :, context:context + size].clone()
+    mask = torch.zeros(size, context + size, dtype=torch.bool)
+    mask[:, :context] = True
+    for row, path in enumerate(paths):
+        mask[row, context + path] = True
+    seen_keys, seen_values = keys[:, :, :context + size], values[:, :, :context + size]
+    return medians({
+        "kernel": lambda: exact_attention.attend(q, keys, values, context, paths, context),
+        "per row": lambda: attention._attend_per_row(q, k, v, keys, values, context, paths),
+        "masked": lambda: F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask),
+    }, repeats)
+
+
+def set_attention(kernel: bool) -> None:
+    if kernel:
+        os.environ.pop(exact_attention.FORCE_VARIABLE, None)
+    else:
+        os.environ[exact_attention.FORCE_VARIABLE] = "torch"
+    exact_attention.clear_cache()
+    assert exact_attention.available() is kernel
+
+
+@torch.inference_mode()
+def engine_table(target: Path, precision: str, prompt: int, trees: list[int], repeats: int) -> None:
+    engine, linear_kernel = build_engine(str(target), precision, prompt + 2 * max(trees) + 8)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(engine.spec.vocab_size, (prompt,), generator=generator).tolist()
+    tokens = torch.randint(engine.spec.vocab_size, (max(trees),), generator=generator).tolist()
+
+    def decode_ms() -> float:
+        engine.prefill(prefix)
+        best = float("inf")
+        for token in tokens[:8]:
+            started = time.perf_counter()
+            engine.decode(token)
+            best = min(best, (time.perf_counter() - started) * 1e3)
+        engine.reset()
+        return best
+
+    def gap() -> float:
+        worst = 0.0
+        size = min(8, max(trees))
+        chain = tokens[:size]
+        engine.prefill(prefix)
+        tree = engine.tree_logits(chain, [-1] + list(range(size - 1)))[1]
+        engine.prefill(prefix)
+        for index, token in enumerate(chain):
+            worst = max(worst, float((engine.decode(token).logits - tree[index]).abs().max()))
+        engine.reset()
+        return worst
+
+    rows: dict[str, list[list[float]]] = {"kernel": [], "torch": []}
+    gaps = {}
+    for _ in range(repeats):
+        for name in rows:
+            set_attention(name == "kernel")
+            rows[name].append([decode_ms(), *measure_verify_ms(engine, trees, repeats=1)])
+    for name in rows:
+        set_attention(name == "kernel")
+        gaps[name] = gap()
+    set_attention(True)
+    best = {name: [min(column) for column in zip(*values, strict=True)] for name, values in rows.items()}
+    print(f"\n{target.name} ({precision}, linears on {linear_kernel}), {prompt}-token prefix; best ms of {repeats}")
+    print("| attention | decode | " + " | ".join(f"verify T={size}" for size in trees)
+          + " | worst tree-decode logit gap |")
+    print("|---|---|" + "---|" * len(trees) + "---|")
+    for name, values in best.items():
+        print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in values) + f" | {gaps[name]:.1e} |")
+    ratios = [torch_ms / kernel_ms for torch_ms, kernel_ms in zip(best["torch"], best["kernel"], strict=True)]
+    print("| torch / kernel | " + " | ".join(f"{ratio:.2f}x" for ratio in ratios) + " | |")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--contexts", default="256,1024,2048", show_default=True, help="cached tokens (comma-separated)")
+@click.option("--trees", default="1,4,8,16", show_default=True, help="tree sizes T (comma-separated)")
+@click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="also time this target's decode and verification on either attention")
+@click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True)
+@click.option("--prompt", type=click.IntRange(min=1), default=256, show_default=True,
+              help="prefix tokens before the engine's decode and verification")
+def main(contexts: str, trees: str, threads: int, repeats: int, target: Path | None, precision: str,
+         prompt: int) -> None:
+    context_sizes, tree_sizes = parse_sizes(contexts, "--contexts"), parse_sizes(trees, "--trees")
+    torch.set_num_threads(threads)
+    if not exact_attention.available():
+        raise click.ClickException("the exact attention kernel is not available (no C compiler, or "
+                                   f"{exact_attention.FORCE_VARIABLE}=torch)")
+    print(f"python -m tools.bench_attention --contexts {contexts} --trees {trees} --threads {threads}"
+          + (f" --target {target} --precision {precision} --prompt {prompt}" if target else ""))
+    layer_table(context_sizes, tree_sizes, repeats)
+    if target is not None:
+        engine_table(target, precision, prompt, tree_sizes, repeats)
+
+
+if __name__ == "__main__":
+    main()
