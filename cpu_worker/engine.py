@@ -86,8 +86,8 @@ class TargetEngine:
     def __init__(self, model: LlamaDecoder, max_len: int | None = None, activation_dtype: torch.dtype = torch.float32,
                  exact_tree: bool | None = None, aux_layers: Sequence[int] | None = None,
                  kv_dtype: torch.dtype | None = None):
-        """``exact_tree``: verify a tree row by row in attention so every node's logits equal
-        a decode's bit for bit (default: when the linear layers are batch-invariant, i.e. int8
+        """``exact_tree``: verify a tree with exact attention (the kernel of ``exact_attention``,
+        else row by row) so every node's logits equal a decode's bit for bit (default: when the linear layers are batch-invariant, i.e. int8
         W8A8 or fp32 packed; ``F.linear`` rounds differently per batch size anyway, so exact
         attention would buy nothing there). ``aux_layers`` (an EAGLE-3 head's, increasing): feature rows are
         the residual streams entering those layers, concatenated, instead of the last layer's

@@ -367,7 +367,7 @@ class LlamaDecoder(nn.Module):
         ``logits_rows`` selects, all rows by default). Features: [S, d] after the final norm;
         with ``aux_layers`` (EAGLE-3 heads; increasing layer indices) [S, len * d] instead, the
         residual streams entering those layers (before their input norm), concatenated in order.
-        ``paths``: tree rows attend one by one, exactly as decoding would (Attention.forward)."""
+        ``paths``: tree rows attend exactly as decoding would (Attention.forward)."""
         cos, sin = rotary.lookup(positions)
         x = self.embed_tokens(tokens).unsqueeze(0)
         streams: list[torch.Tensor] = []
