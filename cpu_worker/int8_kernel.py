@@ -95,14 +95,14 @@ def load_library() -> ctypes.CDLL | None:
     """The built library (int8 and fp32 kernels), or None when there is no compiler or the build fails."""
     compiler = find_compiler()
     if compiler is None:
-        log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding) and fp32 ones on MKL or "
-                    "F.linear; install gcc for the faster, exact kernels")
+        log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
+                    "F.linear, and tree attention row by row; install gcc for the faster, exact kernels")
         return None
     try:
         return build(compiler, FLAGS, cache_dir())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding) and fp32 ones on MKL or "
-                    "F.linear: %s", " and ".join(source.name for source in SOURCES), error)
+        log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
+                    "F.linear, and tree attention row by row: %s", " and ".join(source.name for source in SOURCES), error)
         return None
 
 
