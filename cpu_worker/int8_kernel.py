@@ -102,7 +102,8 @@ def load_library() -> ctypes.CDLL | None:
         return build(compiler, FLAGS, cache_dir())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
-                    "F.linear, and tree attention row by row: %s", " and ".join(source.name for source in SOURCES), error)
+                    "F.linear, and tree attention row by row: %s",
+                    " and ".join(source.name for source in SOURCES), error)
         return None
 
 
