@@ -24,6 +24,8 @@ import torch
 from . import int8_kernel
 
 FORCE_VARIABLE = "DOVETAIL_ATTENTION"
+# A decode step's extra slots (none): made once, as every layer of every step would make them.
+_NO_EXTRA_SLOTS = torch.zeros(2, dtype=torch.int64)
 
 
 @cache
@@ -53,11 +55,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: in
     assert library is not None
     _, heads, rows, head_dim = q.shape
     kv_heads, max_len = keys.shape[1], keys.shape[2]
+    # The kernel trusts its slot indices: a row must see at least one key, all inside the cache.
+    if not (paths is not None or shared >= 1) or shared > max_len:
+        raise ValueError(f"attention over {shared} shared slots of a {max_len}-slot cache")
     queries = q[0].contiguous()
     out = torch.empty_like(queries)
     if paths is None:
-        extra = torch.zeros(1, dtype=torch.int64)
-        extra_start = torch.zeros(rows + 1, dtype=torch.int64)
+        extra = extra_start = _NO_EXTRA_SLOTS if rows == 1 else torch.zeros(rows + 1, dtype=torch.int64)
     else:
         extra = torch.cat(list(paths)).to(torch.int64) + start
         extra_start = torch.zeros(rows + 1, dtype=torch.int64)

@@ -114,3 +114,14 @@ def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
     paths = tree_paths([-1, 0, 0, 1, 3, 4])
     native = exact_attention.attend(q, keys, values, 93, paths, 93)
     assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, 93, library=plain))
+
+
+def test_slot_counts_outside_the_cache_are_refused_before_the_kernel_reads_them():
+    keys, values = cache(2, 16, length=10)
+    q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(ValueError, match="0 shared slots"):
+        exact_attention.attend(q, keys, values, 0)
+    with pytest.raises(ValueError, match="11 shared slots of a 10-slot cache"):
+        exact_attention.attend(q, keys, values, 11)
+    assert torch.allclose(exact_attention.attend(q, keys, values, 10),
+                          F.scaled_dot_product_attention(q, keys, values), atol=2e-6)
