@@ -95,9 +95,11 @@ static inline void add_scaled(float *acc, const float *v, float p, int64_t d) {
 }
 
 /* q, out: [heads, rows, head_dim]. keys, values: one layer's cache, [kv_heads, max_len, head_dim].
- * Row r attends to slots [0, shared) and then extra[extra_start[r] .. extra_start[r + 1]) in that
- * order (a decode: rows = 1, shared = its length, no extra slots; a tree: shared = the committed
- * prefix, extra = the node's path). Returns 0, or -1 if scratch memory could not be allocated. */
+ * Row r attends to slots [0, shared) and then to shared + extra[e] for e in extra_start[r] ..
+ * extra_start[r + 1] - 1, in that order (a decode: rows = 1, shared = its length, no extra slots;
+ * a tree: shared = the committed prefix, the tree's rows at the slots after it in node order,
+ * extra = each node's path of node indices, root first). Returns 0, or -1 if scratch memory
+ * could not be allocated. */
 int dovetail_attention(const float *q, const float *keys, const float *values, int64_t max_len, int64_t shared,
                        const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, float scale, int threads) {
@@ -131,7 +133,7 @@ int dovetail_attention(const float *q, const float *keys, const float *values, i
             int64_t r = t % rows;
             for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
                 scores[t * longest + shared + e - extra_start[r]] =
-                    dot_fixed(q_group + t * head_dim, k_head + extra[e] * head_dim, head_dim) * scale;
+                    dot_fixed(q_group + t * head_dim, k_head + (shared + extra[e]) * head_dim, head_dim) * scale;
         }
         /* Softmax numerators in place; the denominators later, in the same ascending order. */
         for (int64_t t = 0; t < queries; t++) {
@@ -146,7 +148,8 @@ int dovetail_attention(const float *q, const float *keys, const float *values, i
             int64_t r = t % rows, n = shared + extra_start[r + 1] - extra_start[r];
             const float *s = scores + t * longest;
             for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
-                add_scaled(acc + t * head_dim, v_head + extra[e] * head_dim, s[shared + e - extra_start[r]], head_dim);
+                add_scaled(acc + t * head_dim, v_head + (shared + extra[e]) * head_dim, s[shared + e - extra_start[r]],
+                           head_dim);
             float total = 0.0f;
             for (int64_t j = 0; j < n; j++) total += s[j];
             float inverse = 1.0f / total;

@@ -15,6 +15,7 @@ import torch
 from ipc.tree import tree_depths, validate_parents
 
 from .acceptance import accept_path
+from .exact_attention import TreePaths
 from .fp32_packed import PackedFp32Linear
 from .fp32_rows import RowInvariantFp32Linear
 from .int8 import RowwiseInt8Linear
@@ -162,7 +163,7 @@ class TargetEngine:
         tokens_tensor = torch.as_tensor(tokens, dtype=torch.long)
         if self.exact_tree:
             features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, None,
-                                          paths=[torch.as_tensor(path) for path in tree_paths(parents)],
+                                          paths=TreePaths.from_paths(tree_paths(parents)),
                                           aux_layers=self.aux_layers)
         else:
             mask = torch.cat([torch.ones(size, prefix, dtype=torch.bool), tree_ancestor_mask(parents)], dim=1)

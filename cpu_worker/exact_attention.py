@@ -17,6 +17,7 @@ import ctypes
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -26,6 +27,28 @@ from . import int8_kernel
 FORCE_VARIABLE = "DOVETAIL_ATTENTION"
 # A decode step's extra slots (none): made once, as every layer of every step would make them.
 _NO_EXTRA_SLOTS = torch.zeros(2, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class TreePaths:
+    """A tree's rows as attention reads them, made once per tree and used by every layer: each
+    node's path of node indices, root first (``rows``, for torch's row-by-row path), and the
+    same paths concatenated with where each row's starts (``flat``, ``offsets``: the kernel's)."""
+
+    rows: tuple[torch.Tensor, ...]
+    flat: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreePaths:
+        rows = tuple(torch.as_tensor(path, dtype=torch.int64) for path in paths)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.as_tensor([len(path) for path in rows]), 0)
+        return cls(rows=rows, flat=torch.cat(rows), offsets=offsets)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
 
 
 @cache
@@ -44,28 +67,29 @@ def applies(q: torch.Tensor, keys: torch.Tensor) -> bool:
             and available())
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: int,
-           paths: Sequence[torch.Tensor] | None = None, start: int = 0,
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: int, tree: TreePaths | None = None,
            library: ctypes.CDLL | None = None) -> torch.Tensor:
     """q [1, heads, rows, head_dim] over one layer's cache ``keys``/``values`` [1, kv_heads,
-    max_len, head_dim]: every row sees slots [0, shared), then (a tree) slots start + path[i]
-    of its own path, root first. Returns [1, heads, rows, head_dim]. ``library``: another build
-    (tests compare builds)."""
+    max_len, head_dim]: every row sees slots [0, shared), then (a tree, whose rows sit at the
+    slots after ``shared`` in node order) slot shared + n for each node n of its path, root
+    first. Returns [1, heads, rows, head_dim]. ``library``: another build (tests compare builds)."""
     library = library or int8_kernel.load_library()
     assert library is not None
     _, heads, rows, head_dim = q.shape
     kv_heads, max_len = keys.shape[1], keys.shape[2]
     # The kernel trusts its slot indices: a row must see at least one key, all inside the cache.
-    if not (paths is not None or shared >= 1) or shared > max_len:
-        raise ValueError(f"attention over {shared} shared slots of a {max_len}-slot cache")
+    used = shared + (tree.size if tree is not None else 0)
+    if used < 1 or used > max_len:
+        raise ValueError(f"attention over {shared} shared slots and {used - shared} tree rows of a "
+                         f"{max_len}-slot cache")
+    if tree is not None and tree.size != rows:
+        raise ValueError(f"{rows} query rows for a {tree.size}-node tree")
     queries = q[0].contiguous()
     out = torch.empty_like(queries)
-    if paths is None:
-        extra = extra_start = _NO_EXTRA_SLOTS if rows == 1 else torch.zeros(rows + 1, dtype=torch.int64)
+    if tree is not None:
+        extra, extra_start = tree.flat, tree.offsets
     else:
-        extra = torch.cat(list(paths)).to(torch.int64) + start
-        extra_start = torch.zeros(rows + 1, dtype=torch.int64)
-        extra_start[1:] = torch.cumsum(torch.as_tensor([len(path) for path in paths]), 0)
+        extra = extra_start = _NO_EXTRA_SLOTS if rows == 1 else torch.zeros(rows + 1, dtype=torch.int64)
     if library.dovetail_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), max_len, shared,
                                   extra.data_ptr(), extra_start.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
                                   head_dim, 1.0 / math.sqrt(head_dim), torch.get_num_threads()) != 0:

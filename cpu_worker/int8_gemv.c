@@ -112,9 +112,9 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
 
 /* The same for two activation rows at once: each weight load feeds two products, and eight
  * independent accumulators hide the dot product's latency (trees verify several rows). */
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, const int32_t *offset,
-                          int64_t k, int count, int prefetch, int32_t out_a[4], int32_t out_b[4]) {
-    (void)offset, (void)prefetch;  /* the sums are of u * w already; the weights come from L1 or L2 */
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
+                          int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+    (void)prefetch; /* the weights come from L1 or L2 */
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();
     __m512i a3 = _mm512_setzero_si512(), b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
     __m512i b2 = _mm512_setzero_si512(), b3 = _mm512_setzero_si512();
@@ -193,8 +193,9 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
  * sums pairs of those exactly in int16 (|q| <= 127, |w| <= 128: 2 * 127 * 128 < 32768), which
  * _mm256_madd_epi16 with ones widens to int32. 32 products in 4 instructions instead of 16 in
  * 3 plus a widening per operand: 1.7x the multiply rate (L1-resident, Zen 3), 1.1-1.4x on
- * 2-8 rows of 7B matrices (tools/bench_int8_kernel.py). The result is returned as sum u * w
- * (q * w plus the block's 128 * sum w), the integers every other path produces. */
+ * 2-8 rows of 7B matrices (tools/bench_int8_kernel.py). Its sums are of q * w already, so the
+ * epilogue skips the offset correction (DOT4X2_SUMS_SIGNED). */
+#define DOT4X2_SUMS_SIGNED 1
 static inline __m256i signed_activations(const uint8_t *p) {
     return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x80));
 }
@@ -208,8 +209,8 @@ static inline __m256i signed_pair_dot(__m256i abs_w, __m256i w, __m256i q) {
         acc_a = _mm256_add_epi32(acc_a, signed_pair_dot(abs_w, wv, qa));            \
         acc_b = _mm256_add_epi32(acc_b, signed_pair_dot(abs_w, wv, qb));            \
     } while (0)
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, const int32_t *offset,
-                          int64_t k, int count, int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
+                          int prefetch, int32_t out_a[4], int32_t out_b[4]) {
     const int8_t *rows[4] = {w, w + (count > 1 ? k : 0), w + (count > 2 ? 2 * k : 0), w + (count > 3 ? 3 * k : 0)};
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int64_t i = 0;
@@ -228,9 +229,8 @@ static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w,
             sum_a += ((int32_t)xa[j] - 128) * (int32_t)rows[r][j];
             sum_b += ((int32_t)xb[j] - 128) * (int32_t)rows[r][j];
         }
-        int32_t back_to_unsigned = offset[r < count ? r : 0];
-        out_a[r] = sum_a + back_to_unsigned;
-        out_b[r] = sum_b + back_to_unsigned;
+        out_a[r] = sum_a;
+        out_b[r] = sum_b;
     }
 }
 #undef DOVETAIL_ROW_PAIR_STEP
@@ -245,20 +245,26 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
         out[r] = sum;
     }
 }
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, const int32_t *offset,
-                          int64_t k, int count, int prefetch, int32_t out_a[4], int32_t out_b[4]) {
-    (void)offset, (void)prefetch;
+static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
+                          int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+    (void)prefetch;
     dot4(xa, w, k, count, out_a);
     dot4(xb, w, k, count, out_b);
 }
 #endif
 
+#ifndef DOT4X2_SUMS_SIGNED
+#define DOT4X2_SUMS_SIGNED 0 /* dot4x2 sums u * w, like dot4 */
+#endif
+
+/* acc[r] - w_offset[n0 + r] is sum q * w; w_offset NULL: acc is that sum already. */
 static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int count, const float *x_scale,
                              const float *w_scale, const int32_t *w_offset, const float *bias, float *y,
                              int64_t n_out) {
     float *out = y + m * n_out + n0;
     for (int r = 0; r < count; r++) {
-        float value = (float)(acc[r] - w_offset[n0 + r]) * x_scale[m] * w_scale[n0 + r];
+        int32_t sum = w_offset ? acc[r] - w_offset[n0 + r] : acc[r];
+        float value = (float)sum * x_scale[m] * w_scale[n0 + r];
         out[r] = bias ? value + bias[n0 + r] : value;
     }
 }
@@ -269,6 +275,7 @@ void dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t 
                           const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
                           int64_t k, int threads) {
     int64_t blocks = (n_out + 3) / 4;
+    const int32_t *pair_offset = DOT4X2_SUMS_SIGNED ? NULL : w_offset;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < blocks; block++) {
         int64_t n0 = block * 4;
@@ -276,9 +283,9 @@ void dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t 
         int32_t acc[4], acc_b[4];
         int64_t m = 0;
         for (; m + 2 <= rows; m += 2) {
-            dot4x2(xu + m * k, xu + (m + 1) * k, w + n0 * k, w_offset + n0, k, count, m == 0, acc, acc_b);
-            store_row(acc, m, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
-            store_row(acc_b, m + 1, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
+            dot4x2(xu + m * k, xu + (m + 1) * k, w + n0 * k, k, count, m == 0, acc, acc_b);
+            store_row(acc, m, n0, count, x_scale, w_scale, pair_offset, bias, y, n_out);
+            store_row(acc_b, m + 1, n0, count, x_scale, w_scale, pair_offset, bias, y, n_out);
         }
         if (m < rows) {
             dot4(xu + m * k, w + n0 * k, k, count, acc);

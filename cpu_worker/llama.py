@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import exact_attention
+from .exact_attention import TreePaths
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -215,7 +216,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
-                mask: torch.Tensor | None = None, paths: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, paths: TreePaths | None = None) -> torch.Tensor:
         """x [B, S, d]; cos/sin [S, head_dim] for the S tokens' positions.
 
         With a cache, ``keys``/``values`` are this layer's views [B, kv, max_len, hd] (B = 1
@@ -223,9 +224,9 @@ class Attention(nn.Module):
         every slot before them. ``keys=None``: no cache, the S tokens are the whole sequence
         (``start`` must be 0). ``mask``: bool [S, start + S] (True = may attend) or None for
         a causal continuation. ``paths`` (a tree, with a cache; replaces ``mask``): each row's
-        ancestors and itself, root first, as a tensor of row indices (made once per tree, used by
-        every layer); each row then attends exactly as a
-        one-token decode at its position would, bit for bit (see ``_attend_per_row``).
+        ancestors and itself, root first (``TreePaths``, made once per tree, used by every
+        layer); each row then attends exactly as a one-token decode at its position would, bit
+        for bit (``exact_attention``, else ``_attend_per_row``).
         """
         batch, length, _ = x.shape
         if self.qkv_proj is not None:
@@ -260,14 +261,16 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         # Decode steps and tree rows on the exact kernel where it applies (fp32, CPU): the prefix
         # is read once for the whole tree, each node rounding as its later decode will.
-        exact = keys is not None and values is not None and exact_attention.applies(q, keys)
         if paths is not None and keys is not None and values is not None:
-            if exact:
-                out = exact_attention.attend(q, keys, values, start, paths, start)
+            if exact_attention.applies(q, keys):
+                out = exact_attention.attend(q, keys, values, start, paths)
             else:
                 out = self._attend_per_row(q, k, v, keys, values, start, paths)
         elif length == 1 and keys is not None and values is not None and mask is None:
-            out = exact_attention.attend(q, keys, values, start + 1) if exact else _attend_one(q, all_k, all_v, gqa)
+            if exact_attention.applies(q, keys):
+                out = exact_attention.attend(q, keys, values, start + 1)
+            else:
+                out = _attend_one(q, all_k, all_v, gqa)
         elif mask is not None:
             out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, enable_gqa=gqa)
         elif length == 1 or start == 0:
@@ -279,7 +282,7 @@ class Attention(nn.Module):
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, length, -1))
 
     def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                        values: torch.Tensor, start: int, paths: Sequence[torch.Tensor]) -> torch.Tensor:
+                        values: torch.Tensor, start: int, paths: TreePaths) -> torch.Tensor:
         """Tree attention that equals one-token decoding bit for bit where the exact kernel does
         not apply (a bf16 cache, no compiler): for each row, its path's
         key/value rows are laid right after the cached prefix (slots start, start + 1, ...) as
@@ -288,7 +291,7 @@ class Attention(nn.Module):
         int8 target's per-row activation rounding can amplify into a different token."""
         gqa = self.num_heads != self.num_kv_heads
         outs = []
-        for row, path in enumerate(paths):
+        for row, path in enumerate(paths.rows):
             end = start + len(path)
             keys[:, :, start:end] = k.index_select(2, path)
             values[:, :, start:end] = v.index_select(2, path)
@@ -341,7 +344,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
-                mask: torch.Tensor | None = None, paths: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, paths: TreePaths | None = None) -> torch.Tensor:
         """x [B, S, d] -> [B, S, d]; cache arguments as in ``Attention.forward`` (None: no cache)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask, paths)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -361,7 +364,7 @@ class LlamaDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 rotary: RotaryTable, start: int, mask: torch.Tensor | None,
                 logits_rows: slice | torch.Tensor | None = None,
-                paths: Sequence[torch.Tensor] | None = None,
+                paths: TreePaths | None = None,
                 aux_layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [S]. Returns (features, logits [R, vocab] for the rows
         ``logits_rows`` selects, all rows by default). Features: [S, d] after the final norm;

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from test_int8 import worst_tree_vs_decode_gap
 
 from cpu_worker import exact_attention, int8_kernel
+from cpu_worker.engine import tree_paths
 from cpu_worker.server import build_engine
-
-from tree_paths import path_to
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,8 +26,8 @@ def cache(kv_heads: int, head_dim: int, length: int = 300, seed: int = 0) -> tup
             torch.randn(1, kv_heads, length, head_dim, generator=generator))
 
 
-def tree_paths(parents: list[int]) -> list[torch.Tensor]:
-    return [torch.as_tensor(path_to(parents, node)) for node in range(len(parents))]
+def tree_of(parents: list[int]) -> exact_attention.TreePaths:
+    return exact_attention.TreePaths.from_paths(tree_paths(parents))
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 20), (6, 3, 128)])
@@ -48,9 +47,9 @@ def test_a_tree_row_equals_the_decode_of_its_path_bit_for_bit(parents):
     heads, kv_heads, head_dim, start = 8, 4, 64, 100
     keys, values = cache(kv_heads, head_dim)
     q = torch.randn(1, heads, len(parents), head_dim, generator=torch.Generator().manual_seed(2))
-    paths = tree_paths(parents)
-    tree = exact_attention.attend(q, keys, values, start, paths, start)
-    for row, path in enumerate(paths):
+    paths = tree_of(parents)
+    tree = exact_attention.attend(q, keys, values, start, paths)
+    for row, path in enumerate(paths.rows):
         # The decode of this node: its ancestors committed after the prefix, in path order.
         committed_keys, committed_values = keys.clone(), values.clone()
         committed_keys[:, :, start:start + len(path)] = keys[:, :, start + path]
@@ -65,13 +64,13 @@ def test_a_tree_row_equals_the_decode_of_its_path_bit_for_bit(parents):
 def test_the_thread_count_does_not_change_a_bit():
     keys, values = cache(8, 64)
     q = torch.randn(1, 16, 5, 64, generator=torch.Generator().manual_seed(3))
-    paths = tree_paths([-1, 0, 0, 1, 1])
+    paths = tree_of([-1, 0, 0, 1, 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = exact_attention.attend(q, keys, values, 200, paths, 200)
+        one = exact_attention.attend(q, keys, values, 200, paths)
         torch.set_num_threads(3)
-        three = exact_attention.attend(q, keys, values, 200, paths, 200)
+        three = exact_attention.attend(q, keys, values, 200, paths)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, three)
@@ -111,9 +110,9 @@ def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
     plain = int8_kernel.build(compiler, flags, tmp_path)
     keys, values = cache(4, 64, seed=4)
     q = torch.randn(1, 8, 6, 64, generator=torch.Generator().manual_seed(5)) * 8
-    paths = tree_paths([-1, 0, 0, 1, 3, 4])
-    native = exact_attention.attend(q, keys, values, 93, paths, 93)
-    assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, 93, library=plain))
+    paths = tree_of([-1, 0, 0, 1, 3, 4])
+    native = exact_attention.attend(q, keys, values, 93, paths)
+    assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, library=plain))
 
 
 def test_slot_counts_outside_the_cache_are_refused_before_the_kernel_reads_them():
@@ -121,7 +120,12 @@ def test_slot_counts_outside_the_cache_are_refused_before_the_kernel_reads_them(
     q = torch.randn(1, 2, 1, 16)
     with pytest.raises(ValueError, match="0 shared slots"):
         exact_attention.attend(q, keys, values, 0)
-    with pytest.raises(ValueError, match="11 shared slots of a 10-slot cache"):
+    with pytest.raises(ValueError, match="11 shared slots and 0 tree rows of a 10-slot cache"):
         exact_attention.attend(q, keys, values, 11)
+    tree = tree_of([-1, 0, 1])
+    with pytest.raises(ValueError, match="8 shared slots and 3 tree rows of a 10-slot cache"):
+        exact_attention.attend(torch.randn(1, 2, 3, 16), keys, values, 8, tree)
+    with pytest.raises(ValueError, match="1 query rows for a 3-node tree"):
+        exact_attention.attend(q, keys, values, 5, tree)
     assert torch.allclose(exact_attention.attend(q, keys, values, 10),
                           F.scaled_dot_product_attention(q, keys, values), atol=2e-6)

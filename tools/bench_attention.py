@@ -16,9 +16,6 @@ The candidates take turns on every repeat (a shared machine's noise hits all); m
 from __future__ import annotations
 
 import os
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -26,14 +23,20 @@ import torch
 import torch.nn.functional as F
 
 from cpu_worker import exact_attention
+from cpu_worker.engine import tree_paths
+from cpu_worker.exact_attention import TreePaths
 from cpu_worker.llama import Attention, LlamaSpec
 from cpu_worker.server import build_engine
 from cpu_worker.verify_cost import measure_verify_ms, measurement_tree
+from tools.bench_fp32_kernel import tree_vs_decode_gap
+from tools.bench_int8 import interleaved_ms
+from tools.bench_kv_dtype import decode_ms
 
 HEADS, HEAD_DIM = 32, 128
 
 
 def parse_sizes(text: str, name: str) -> list[int]:
+    """A comma-separated list of positive integers from option ``name``."""
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -41,29 +44,6 @@ def parse_sizes(text: str, name: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise click.BadParameter("give at least one size, each >= 1", param_hint=name)
     return sizes
-
-
-def medians(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for run in candidates.values():
-        run()
-    for _ in range(repeats):
-        for name, run in candidates.items():
-            started = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - started) * 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def paths_of(parents: list[int]) -> list[torch.Tensor]:
-    paths = []
-    for node in range(len(parents)):
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        paths.append(torch.as_tensor(path[::-1]))
-    return paths
 
 
 @torch.inference_mode()
@@ -88,17 +68,17 @@ def layer_table(contexts: list[int], trees: list[int], repeats: int) -> None:
 def time_tree(attention: Attention, keys: torch.Tensor, values: torch.Tensor, context: int, size: int,
               repeats: int) -> dict[str, float]:
     """Median ms of one layer's attention for a ``size``-node tree after ``context`` cached tokens."""
-    paths = paths_of(measurement_tree(size))
+    tree = TreePaths.from_paths(tree_paths(measurement_tree(size)))
     q = torch.randn(1, HEADS, size, HEAD_DIM)
     k, v = keys[:, :, context:context + size].clone(), values[:, :, context:context + size].clone()
     mask = torch.zeros(size, context + size, dtype=torch.bool)
     mask[:, :context] = True
-    for row, path in enumerate(paths):
+    for row, path in enumerate(tree.rows):
         mask[row, context + path] = True
     seen_keys, seen_values = keys[:, :, :context + size], values[:, :, :context + size]
-    return medians({
-        "kernel": lambda: exact_attention.attend(q, keys, values, context, paths, context),
-        "per row": lambda: attention._attend_per_row(q, k, v, keys, values, context, paths),
+    return interleaved_ms({
+        "kernel": lambda: exact_attention.attend(q, keys, values, context, tree),
+        "per row": lambda: attention._attend_per_row(q, k, v, keys, values, context, tree),
         "masked": lambda: F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask),
     }, repeats)
 
@@ -114,45 +94,22 @@ def set_attention(kernel: bool) -> None:
 
 @torch.inference_mode()
 def engine_table(target: Path, precision: str, prompt: int, trees: list[int], repeats: int) -> None:
-    engine, linear_kernel = build_engine(str(target), precision, prompt + 2 * max(trees) + 8)
+    engine, linear_kernel = build_engine(str(target), precision, prompt + max(trees) + 8)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(engine.spec.vocab_size, (prompt,), generator=generator).tolist()
-    tokens = torch.randint(engine.spec.vocab_size, (max(trees),), generator=generator).tolist()
-
-    def decode_ms() -> float:
-        engine.prefill(prefix)
-        best = float("inf")
-        for token in tokens[:8]:
-            started = time.perf_counter()
-            engine.decode(token)
-            best = min(best, (time.perf_counter() - started) * 1e3)
-        engine.reset()
-        return best
-
-    def gap() -> float:
-        worst = 0.0
-        size = min(8, max(trees))
-        chain = tokens[:size]
-        engine.prefill(prefix)
-        tree = engine.tree_logits(chain, [-1] + list(range(size - 1)))[1]
-        engine.prefill(prefix)
-        for index, token in enumerate(chain):
-            worst = max(worst, float((engine.decode(token).logits - tree[index]).abs().max()))
-        engine.reset()
-        return worst
-
     rows: dict[str, list[list[float]]] = {"kernel": [], "torch": []}
     gaps = {}
     for _ in range(repeats):
         for name in rows:
             set_attention(name == "kernel")
-            rows[name].append([decode_ms(), *measure_verify_ms(engine, trees, repeats=1)])
+            rows[name].append([decode_ms(engine, prompt, steps=8), *measure_verify_ms(engine, trees, repeats=1)])
     for name in rows:
         set_attention(name == "kernel")
-        gaps[name] = gap()
+        gaps[name] = tree_vs_decode_gap(engine, prefix, size=min(8, max(trees)))
     set_attention(True)
     best = {name: [min(column) for column in zip(*values, strict=True)] for name, values in rows.items()}
-    print(f"\n{target.name} ({precision}, linears on {linear_kernel}), {prompt}-token prefix; best ms of {repeats}")
+    print(f"\n{target.name} ({precision}, linears on {linear_kernel}), {prompt}-token prefix; best ms of {repeats} "
+          "(decode: the median of 8 steps)")
     print("| attention | decode | " + " | ".join(f"verify T={size}" for size in trees)
           + " | worst tree-decode logit gap |")
     print("|---|---|" + "---|" * len(trees) + "---|")

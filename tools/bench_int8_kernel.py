@@ -23,6 +23,7 @@ import click
 import torch
 
 from cpu_worker import int8_kernel
+from tools.bench_attention import parse_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))  # (out, in): attention, MLP up/gate, MLP down
@@ -92,12 +93,7 @@ def compare(libraries: dict[str, ctypes.CDLL], shape: tuple[int, int], row_count
 @click.option("--repeats", type=click.IntRange(min=3), default=24, show_default=True,
               help="timed calls per version, shape and row count")
 def main(baseline: str, rows: str, threads: int, repeats: int) -> None:
-    try:
-        row_counts = [int(part) for part in rows.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"not a list of integers: {rows!r}", param_hint="--rows") from None
-    if not row_counts or min(row_counts) < 1:
-        raise click.BadParameter("give at least one row count, each >= 1", param_hint="--rows")
+    row_counts = parse_sizes(rows, "--rows")
     compiler = int8_kernel.find_compiler()
     if compiler is None:
         raise click.ClickException("no C compiler (set CC or install gcc): nothing to build")
