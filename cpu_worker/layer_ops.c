@@ -1,0 +1,67 @@
+/* A decoder layer's small fp32 steps in one call each: RMSNorm, and rotary + KV-cache write.
+ *
+ * Why our own: at a decode step these are a few thousand floats, and torch runs them as chains
+ * of small ops (its CPU rms_norm is ten of them: pow, mean, add, rsqrt, mul, ... at ~2-10 us
+ * each; rotary is slice, neg, cat, mul, mul, add, then the cache writes). At the 1B shape that
+ * glue was 14-19 ms of a 100 ms token on a 2-core EPYC, beside linears that stream the weights.
+ *
+ * Every row is computed on its own, in one fixed order (no row's value depends on the others in
+ * its call or on the thread count), so a tree node gets the bits its later decode step gets.
+ * Built with -ffp-contract=off: no fused multiply-add changes a rounding, so the AVX2 code the
+ * compiler makes of the 8-lane loops gives the plain C build's bits.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LAYER_OPS_LANES 8
+/* Below this many floats a call stays on one thread: waking the pool costs more than it saves. */
+#define LAYER_OPS_PARALLEL_MIN 65536
+
+/* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), x and out [rows, dim] (may alias). The
+ * sum of squares runs in 8 lanes and a fixed tree, like attention.c's dot products. */
+void dovetail_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps,
+                       int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= LAYER_OPS_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * dim;
+        float lane[LAYER_OPS_LANES] = {0};
+        int64_t i = 0;
+        for (; i + LAYER_OPS_LANES <= dim; i += LAYER_OPS_LANES)
+            for (int l = 0; l < LAYER_OPS_LANES; l++) lane[l] += row[i + l] * row[i + l];
+        float sum = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+        for (; i < dim; i++) sum += row[i] * row[i];
+        float inverse = 1.0f / sqrtf(sum / (float)dim + eps);
+        float *o = out + r * dim;
+        for (i = 0; i < dim; i++) o[i] = weight[i] * (row[i] * inverse);
+    }
+}
+
+/* One head row rotated (Llama's rotate-half rotary): out = x * cos + rotate_half(x) * sin, where
+ * rotate_half(x) = [-x2, x1]. The same products and sums as torch's apply_rope, so the same bits. */
+static inline void rotate(const float *x, const float *cos, const float *sin, float *out, int64_t head_dim) {
+    int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    for (int64_t i = half; i < head_dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+/* The fused q/k/v projection's output split for attention. qkv: [rows, (heads + 2 kv_heads),
+ * head_dim], heads first, then keys, then values; cos/sin: [rows, head_dim] (each row's
+ * position). Writes the rotated queries to q [heads, rows, head_dim], and each row's rotated
+ * keys and its values to slot start + r of one layer's cache, keys/values [kv_heads, max_len,
+ * head_dim]. */
+void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, float *q, float *keys, float *values,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len,
+                       int64_t start, int threads) {
+    int64_t width = (heads + 2 * kv_heads) * head_dim;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= LAYER_OPS_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) rotate(row + h * head_dim, c, s, q + (h * rows + r) * head_dim, head_dim);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            int64_t slot = (g * max_len + start + r) * head_dim;
+            rotate(row + (heads + g) * head_dim, c, s, keys + slot, head_dim);
+            memcpy(values + slot, row + (heads + kv_heads + g) * head_dim, (size_t)head_dim * sizeof(float));
+        }
+    }
+}

@@ -1,0 +1,88 @@
+"""A decoder layer's small fp32 steps on our native kernel (``layer_ops.c``): RMSNorm, and the
+fused q/k/v output's rotary and KV-cache write.
+
+Why: at a decode step these act on a few thousand floats, and torch runs each as a chain of
+small ops whose dispatch, not arithmetic, is the cost (see ``layer_ops.c``). One foreign call
+each does the same work. Every row is computed on its own in a fixed order, so a tree node's
+values equal its later decode step's bit for bit, as with the linears and attention.
+
+Used for fp32 tensors on the CPU without autograd, whenever the library builds; training
+(autograd) and CUDA drafts keep torch's ops, and ``DOVETAIL_LAYER_OPS=torch`` forces them (for
+comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+
+import torch
+
+from . import int8_kernel
+
+FORCE_VARIABLE = "DOVETAIL_LAYER_OPS"
+
+
+@cache
+def available() -> bool:
+    """Whether these steps run on the kernel in this process."""
+    if os.environ.get(FORCE_VARIABLE, "").lower() == "torch":
+        return False
+    return int8_kernel.load_library() is not None
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """fp32 CPU tensors, none wanting a gradient (and no gradient being recorded), and the kernel built."""
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        return False
+    return all(tensor.dtype == torch.float32 and tensor.device.type == "cpu" for tensor in tensors) and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension; fp32 CPU tensors.
+    ``library``: another build (tests compare builds)."""
+    library = library or int8_kernel.load_library()
+    assert library is not None
+    rows = x.contiguous()
+    out = torch.empty_like(rows)
+    dim = rows.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"an RMSNorm weight of shape {tuple(weight.shape)} for rows of {dim}")
+    library.dovetail_rms_norm(rows.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), rows.numel() // dim,
+                              dim, eps, torch.get_num_threads())
+    return out
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             start: int, heads: int, kv_heads: int, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A fused q/k/v projection's output [1, S, (heads + 2 kv_heads) * head_dim] for S tokens at
+    cache slots [start, start + S): their keys, rotated by ``cos``/``sin`` [S, head_dim], and their
+    values go to one layer's cache ``keys``/``values`` [1, kv_heads, max_len, head_dim]
+    (contiguous); returns the rotated queries [1, heads, S, head_dim]."""
+    library = library or int8_kernel.load_library()
+    assert library is not None
+    _, length, width = qkv.shape
+    head_dim = keys.shape[-1]
+    max_len = keys.shape[2]
+    if qkv.shape[0] != 1 or width != (heads + 2 * kv_heads) * head_dim or keys.shape[:2] != (1, kv_heads) \
+            or values.shape != keys.shape:
+        raise ValueError(f"q/k/v rows of width {width} do not fit {heads} + 2 x {kv_heads} heads of {head_dim} "
+                         f"or a cache of shape {tuple(keys.shape)}")
+    if cos.shape != (length, head_dim) or sin.shape != (length, head_dim):
+        raise ValueError(f"cos/sin of shapes {tuple(cos.shape)}, {tuple(sin.shape)} for {length} rows of {head_dim}")
+    if start < 0 or start + length > max_len:
+        raise ValueError(f"slots [{start}, {start + length}) outside a {max_len}-slot cache")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("rope_qkv writes into a contiguous cache layer")
+    rows = qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty(1, heads, length, head_dim)
+    library.dovetail_rope_qkv(rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), keys.data_ptr(),
+                              values.data_ptr(), length, heads, kv_heads, head_dim, max_len, start,
+                              torch.get_num_threads())
+    return q
+
+
+def clear_cache() -> None:
+    available.cache_clear()
