@@ -17,6 +17,8 @@ deeper for the same T).
   sampling a close estimate (a smaller tree can accept a token the larger one rejected).
   This holds per beam width only: a top_k 4 tree is not part of the top_k 8 one (their beams
   keep different nodes), so each top_k learns from its own trees.
+- The first cycles verify the deepest tree whose measured cycle costs at most ``PROBE_BUDGET``
+  times the cheapest one (``first_shape``): as large as it can be without paying much for it.
 - Larger trees are learnt by probing: every ``explore_every``-th cycle verifies a larger
   tree (alternately one and two sizes up, one and two levels deeper, or the largest tree that
   costs at most ``PROBE_BUDGET`` times the best cycle when that is larger; every other pair of
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 # Tree sizes the planner chooses from (T, root included) and the target measures (1 is a
 # plain decode step: the --mode ar baseline).
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-START = TreeShape(tree_tokens=16, depth=6, top_k=8)  # EAGLE-2's default, until data says otherwise
 SEEN_ENOUGH = 2.0  # observed cycles of a size (or depth) before their mean replaces the measurement
 SEEN_DECAY = 0.9
 PROBE_BUDGET = 1.3  # a probe may cost up to this many times the best shape's cycle
@@ -170,10 +171,22 @@ class TreePlanner:
         self.seen_draft: dict[tuple[int, int], tuple[float, float]] = {}
         self.ipc_ms = 0.0
         self.cycles = 0
-        start = TreeShape.clamped(min(START.tree_tokens, self.envelope.tree_tokens),
-                                  min(START.depth, bounds.max_depth), bounds.top_k)
-        self.best: Cell = (start.tree_tokens, start.depth, bounds.top_k)
+        self.best: Cell = self.first_shape()
         self.chosen: Counter[Cell] = Counter()
+
+    def first_shape(self) -> Cell:
+        """Where to start before any acceptance is known: the deepest, then largest, tree of the
+        widest beam whose measured cycle costs at most ``PROBE_BUDGET`` times the cheapest one.
+        One verified tree rates every smaller tree of its beam, so the first cycles rate the
+        whole affordable region; a fixed large start (EAGLE-2's T = 16, depth 6) would instead
+        spend its first cycles at 2-3x a decode step where verification grows steeply with T
+        (2 EPYC cores, int8), and where it is nearly flat (MKL's packed fp32 on a Xeon) it starts
+        large and deep."""
+        budget = PROBE_BUDGET * min(self.cycle_ms(cell) for cell in self.cells)
+        affordable = [cell for cell in self.cells if cell[2] == self.bounds.top_k and self.cycle_ms(cell) <= budget]
+        if not affordable:  # a beam too narrow for any cell of its width: the cheapest cell
+            return min(self.cells, key=self.cycle_ms)
+        return max(affordable, key=lambda cell: (cell[1], cell[0]))
 
     # --- the model -------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -79,5 +80,6 @@ def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo
     # (Whether it says "drafting cannot pay" depends on timings, so tests/test_tree_planner.py
     # checks that verdict on fixed costs.)
     # Drafting is measured for both beam widths the planner tries (--tree-top-k 8 and 4).
+    # The first tree is the deepest one the measured costs make cheap (tree_planner.first_shape).
     assert all("t_draft(depth) ms top_k 4: 1:" in log and "; top_k 8: 1:" in log
-               and "tree: starting with T=16 depth=6 top_k=8" in log for log in logs)
+               and re.search(r"tree: starting with T=\d+ depth=\d+ top_k=8", log) for log in logs)

@@ -219,6 +219,28 @@ def test_a_probe_reaches_the_largest_tree_that_costs_little_more():
             assert probe == (4, 3, 4)
 
 
+def test_the_first_shape_is_the_deepest_tree_that_costs_little_more_than_the_cheapest():
+    """Before any acceptance is known: on costs like the 7B int8 stand-in's on 2 EPYC cores
+    (t_verify rising ~60 ms a node), a small tree, not EAGLE-2's 16-node start at ~2.5x a decode
+    step; where verification is nearly flat (MKL's packed fp32 on a Xeon: T = 16 at 1.7x a
+    decode step), a large, deep one."""
+    from dovetail_runtime.tree_planner import PROBE_BUDGET
+
+    bounds = AutoTree(max_tree_tokens=64, max_depth=10, top_k=8)
+    draft = {depth: 25.0 + 35.0 * depth for depth in range(1, 11)}
+    steep = TreePlanner(bounds, {size: 380.0 + 60.0 * size for size in bounds.tree_sizes}, draft)
+    size, depth, top_k = steep.best
+    assert top_k == 8 and size <= 4 and depth >= 1, steep.best
+    cheapest = min(steep.cycle_ms(cell) for cell in steep.cells)
+    assert steep.cycle_ms(steep.best) <= PROBE_BUDGET * cheapest
+    deeper = [cell for cell in steep.cells if cell[2] == 8 and cell[1] > depth]
+    assert all(steep.cycle_ms(cell) > PROBE_BUDGET * cheapest for cell in deeper)
+    flat = TreePlanner(bounds, {size: 600.0 + 10.0 * size for size in bounds.tree_sizes},
+                       {depth: 10.0 * depth for depth in range(1, 11)})
+    assert flat.best[0] >= 8 and flat.best[1] >= 6 and flat.best[2] == 8, flat.best
+    assert flat.cycle_ms(flat.best) <= PROBE_BUDGET * min(flat.cycle_ms(cell) for cell in flat.cells)
+
+
 def test_the_planner_moves_up_when_deeper_drafts_start_paying():
     bounds = AutoTree(max_tree_tokens=32, max_depth=10, top_k=2)
     cheap_verify, cheap_draft = (lambda size: 100.0 + 5.0 * size), (lambda depth: 5.0 * depth)
