@@ -90,6 +90,9 @@ static inline float dot_fixed(const float *a, const float *b, int64_t d) {
     return sum;
 }
 
+/* The same sum for other kernels of the library (layer_ops.c's RMSNorm), so both reduce alike. */
+float dovetail_dot_fixed(const float *a, const float *b, int64_t d) { return dot_fixed(a, b, d); }
+
 static inline void add_scaled(float *acc, const float *v, float p, int64_t d) {
     for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
 }

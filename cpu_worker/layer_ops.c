@@ -7,33 +7,29 @@
  *
  * Every row is computed on its own, in one fixed order (no row's value depends on the others in
  * its call or on the thread count), so a tree node gets the bits its later decode step gets.
- * Built with -ffp-contract=off: no fused multiply-add changes a rounding, so the AVX2 code the
- * compiler makes of the 8-lane loops gives the plain C build's bits.
+ * Built with -ffp-contract=off: no fused multiply-add changes a rounding, so the vector code the
+ * compiler makes gives the plain C build's bits.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LAYER_OPS_LANES 8
+/* attention.c's fixed-order dot product: 8 lanes, then a fixed tree, then the tail in order. */
+float dovetail_dot_fixed(const float *a, const float *b, int64_t d);
+
 /* Below this many floats a call stays on one thread: waking the pool costs more than it saves. */
 #define LAYER_OPS_PARALLEL_MIN 65536
 
 /* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), x and out [rows, dim] (may alias). The
- * sum of squares runs in 8 lanes and a fixed tree, like attention.c's dot products. */
+ * sum of squares is attention.c's fixed-order dot product of the row with itself. */
 void dovetail_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps,
                        int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= LAYER_OPS_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * dim;
-        float lane[LAYER_OPS_LANES] = {0};
-        int64_t i = 0;
-        for (; i + LAYER_OPS_LANES <= dim; i += LAYER_OPS_LANES)
-            for (int l = 0; l < LAYER_OPS_LANES; l++) lane[l] += row[i + l] * row[i + l];
-        float sum = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-        for (; i < dim; i++) sum += row[i] * row[i];
-        float inverse = 1.0f / sqrtf(sum / (float)dim + eps);
+        float inverse = 1.0f / sqrtf(dovetail_dot_fixed(row, row, dim) / (float)dim + eps);
         float *o = out + r * dim;
-        for (i = 0; i < dim; i++) o[i] = weight[i] * (row[i] * inverse);
+        for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (row[i] * inverse);
     }
 }
 

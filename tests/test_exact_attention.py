@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_int8 import worst_tree_vs_decode_gap
+from test_int8 import forced_tree_vs_decode_gap
 
 from cpu_worker import exact_attention, int8_kernel
 from cpu_worker.engine import tree_paths
-from cpu_worker.server import build_engine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,17 +87,9 @@ def test_gradients_or_other_dtypes_keep_torch_attention():
 @pytest.mark.parametrize("force_torch", [False, True])
 def test_engine_tree_logits_equal_decode_logits_on_either_attention(demo_target, monkeypatch, precision,
                                                                      force_torch):
-    if force_torch:
-        monkeypatch.setenv(exact_attention.FORCE_VARIABLE, "torch")
-    exact_attention.clear_cache()
-    try:
-        assert exact_attention.available() is not force_torch
-        engine, _ = build_engine(str(demo_target), precision, 128)  # as the cpu_worker runs it
-        assert engine.exact_tree
-        assert worst_tree_vs_decode_gap(engine, trials=2) == 0.0
-    finally:
-        monkeypatch.delenv(exact_attention.FORCE_VARIABLE, raising=False)
-        exact_attention.clear_cache()
+    engine, gap = forced_tree_vs_decode_gap(demo_target, precision, monkeypatch, exact_attention, force_torch)
+    assert engine.exact_tree
+    assert gap == 0.0
 
 
 def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):

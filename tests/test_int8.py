@@ -18,6 +18,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
 from cpu_worker.loading import load_target_model
 from cpu_worker.precision import apply_precision
+from cpu_worker.server import build_engine
 
 from runtime_harness import dovetail_run
 from tree_paths import path_to
@@ -81,6 +82,23 @@ def worst_tree_vs_decode_gap(engine: TargetEngine, trials: int = 4, size: int = 
                 logits = engine.decode(tokens[step]).logits
             worst = max(worst, float((logits - tree[node]).abs().max()))
     return worst
+
+
+def forced_tree_vs_decode_gap(target, precision: str, monkeypatch, switch, force_torch: bool
+                              ) -> tuple[TargetEngine, float]:
+    """The engine the cpu_worker builds, with ``switch`` (a module with FORCE_VARIABLE,
+    available() and clear_cache(): exact_attention, layer_ops) on its kernel or forced to torch,
+    and its worst_tree_vs_decode_gap."""
+    if force_torch:
+        monkeypatch.setenv(switch.FORCE_VARIABLE, "torch")
+    switch.clear_cache()
+    try:
+        assert switch.available() is not force_torch
+        engine, _ = build_engine(str(target), precision, 128)
+        return engine, worst_tree_vs_decode_gap(engine, trials=2)
+    finally:
+        monkeypatch.delenv(switch.FORCE_VARIABLE, raising=False)
+        switch.clear_cache()
 
 
 def test_tree_logits_equal_decode_logits_bit_for_bit_at_int8(demo_target):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_int8 import worst_tree_vs_decode_gap
+from test_int8 import forced_tree_vs_decode_gap
 
 from cpu_worker import int8_kernel, layer_ops
 from cpu_worker.llama import RMSNorm, apply_rope
@@ -111,16 +111,7 @@ def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
 @pytest.mark.parametrize("force_torch", [False, True])
 def test_engine_tree_logits_equal_decode_logits_with_either_layer_ops(demo_target, monkeypatch, precision,
                                                                        force_torch):
-    if force_torch:
-        monkeypatch.setenv(layer_ops.FORCE_VARIABLE, "torch")
-    layer_ops.clear_cache()
-    try:
-        assert layer_ops.available() is not force_torch
-        engine, _ = build_engine(str(demo_target), precision, 128)
-        assert worst_tree_vs_decode_gap(engine, trials=2) == 0.0
-    finally:
-        monkeypatch.delenv(layer_ops.FORCE_VARIABLE, raising=False)
-        layer_ops.clear_cache()
+    assert forced_tree_vs_decode_gap(demo_target, precision, monkeypatch, layer_ops, force_torch)[1] == 0.0
 
 
 def test_engine_logits_with_the_kernel_stay_close_to_torch_s_ops(demo_target, monkeypatch):

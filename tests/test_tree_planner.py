@@ -221,7 +221,7 @@ def test_a_probe_reaches_the_largest_tree_that_costs_little_more():
 
 def test_the_first_shape_is_the_deepest_tree_that_costs_little_more_than_the_cheapest():
     """Before any acceptance is known: on costs like the 7B int8 stand-in's on 2 EPYC cores
-    (t_verify rising ~60 ms a node), a small tree, not EAGLE-2's 16-node start at ~2.5x a decode
+    (t_verify rising ~60 ms a node), a small tree, not EAGLE-2's 16-node start at ~3x a decode
     step; where verification is nearly flat (MKL's packed fp32 on a Xeon: T = 16 at 1.7x a
     decode step), a large, deep one."""
     from dovetail_runtime.tree_planner import PROBE_BUDGET
