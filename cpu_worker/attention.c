@@ -97,15 +97,29 @@ static inline void add_scaled(float *acc, const float *v, float p, int64_t d) {
     for (int64_t i = 0; i < d; i++) acc[i] += p * v[i];
 }
 
-/* q, out: [heads, rows, head_dim]. keys, values: one layer's cache, [kv_heads, max_len, head_dim].
+/* Cache row `slot` of one head as fp32: the row itself (an fp32 cache), or (a bf16 cache) its exact
+ * widening into `scratch`. A bf16 value is the top half of an fp32 one, so every later sum sees
+ * the same floats whichever kernel call, decode or tree, reads the row. */
+static inline const float *cache_row(const void *head, int64_t slot, int64_t head_dim, int bf16, float *scratch) {
+    if (!bf16) return (const float *)head + slot * head_dim;
+    const uint16_t *row = (const uint16_t *)head + slot * head_dim;
+    for (int64_t i = 0; i < head_dim; i++) {
+        uint32_t bits = (uint32_t)row[i] << 16;
+        memcpy(scratch + i, &bits, sizeof bits);
+    }
+    return scratch;
+}
+
+/* q, out: [heads, rows, head_dim], fp32. keys, values: one layer's cache, [kv_heads, max_len,
+ * head_dim], fp32 or (bf16 != 0) bf16; either way the arithmetic is fp32.
  * Row r attends to slots [0, shared) and then to shared + extra[e] for e in extra_start[r] ..
  * extra_start[r + 1] - 1, in that order (a decode: rows = 1, shared = its length, no extra slots;
  * a tree: shared = the committed prefix, the tree's rows at the slots after it in node order,
  * extra = each node's path of node indices, root first). Returns 0, or -1 if scratch memory
  * could not be allocated. */
-int dovetail_attention(const float *q, const float *keys, const float *values, int64_t max_len, int64_t shared,
-                       const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, float scale, int threads) {
+int dovetail_attention(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
+                       int64_t shared, const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int threads) {
     int64_t group = heads / kv_heads, queries = group * rows;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -113,30 +127,35 @@ int dovetail_attention(const float *q, const float *keys, const float *values, i
         longest = n > longest ? n : longest;
     }
     int failed = 0;
+    size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(|| : failed)
     for (int64_t g = 0; g < kv_heads; g++) {
         float *scores = (float *)malloc((size_t)(queries * longest) * sizeof(float));
         float *acc = (float *)calloc((size_t)(queries * head_dim), sizeof(float));
-        if (scores == NULL || acc == NULL) {
+        float *row = (float *)malloc((size_t)head_dim * sizeof(float)); /* a bf16 row widened */
+        if (scores == NULL || acc == NULL || row == NULL) {
             free(scores);
             free(acc);
+            free(row);
             failed = 1;
             continue;
         }
-        const float *k_head = keys + g * max_len * head_dim, *v_head = values + g * max_len * head_dim;
+        const char *k_head = (const char *)keys + (size_t)(g * max_len * head_dim) * element;
+        const char *v_head = (const char *)values + (size_t)(g * max_len * head_dim) * element;
         /* query index t = h_in_group * rows + r: the rows of one head are adjacent in q */
         const float *q_group = q + g * group * rows * head_dim;
         float *out_group = out + g * group * rows * head_dim;
         /* Scores: each shared key is read once for every query of the group. */
         for (int64_t j = 0; j < shared; j++) {
-            const float *k = k_head + j * head_dim;
+            const float *k = cache_row(k_head, j, head_dim, bf16, row);
             for (int64_t t = 0; t < queries; t++) scores[t * longest + j] = dot_fixed(q_group + t * head_dim, k, head_dim) * scale;
         }
         for (int64_t t = 0; t < queries; t++) {
             int64_t r = t % rows;
             for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
                 scores[t * longest + shared + e - extra_start[r]] =
-                    dot_fixed(q_group + t * head_dim, k_head + (shared + extra[e]) * head_dim, head_dim) * scale;
+                    dot_fixed(q_group + t * head_dim, cache_row(k_head, shared + extra[e], head_dim, bf16, row),
+                              head_dim) * scale;
         }
         /* Softmax numerators in place; the denominators later, in the same ascending order. */
         for (int64_t t = 0; t < queries; t++) {
@@ -144,15 +163,15 @@ int dovetail_attention(const float *q, const float *keys, const float *values, i
             softmax_numerators(scores + t * longest, shared + extra_start[r + 1] - extra_start[r]);
         }
         for (int64_t j = 0; j < shared; j++) {
-            const float *v = v_head + j * head_dim;
+            const float *v = cache_row(v_head, j, head_dim, bf16, row);
             for (int64_t t = 0; t < queries; t++) add_scaled(acc + t * head_dim, v, scores[t * longest + j], head_dim);
         }
         for (int64_t t = 0; t < queries; t++) {
             int64_t r = t % rows, n = shared + extra_start[r + 1] - extra_start[r];
             const float *s = scores + t * longest;
             for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
-                add_scaled(acc + t * head_dim, v_head + (shared + extra[e]) * head_dim, s[shared + e - extra_start[r]],
-                           head_dim);
+                add_scaled(acc + t * head_dim, cache_row(v_head, shared + extra[e], head_dim, bf16, row),
+                           s[shared + e - extra_start[r]], head_dim);
             float total = 0.0f;
             for (int64_t j = 0; j < n; j++) total += s[j];
             float inverse = 1.0f / total;
@@ -161,6 +180,7 @@ int dovetail_attention(const float *q, const float *keys, const float *values, i
         }
         free(scores);
         free(acc);
+        free(row);
     }
     return failed ? -1 : 0;
 }

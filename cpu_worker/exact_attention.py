@@ -1,4 +1,5 @@
-"""Exact fp32 attention on our native kernel (``attention.c``): decode steps and tree rows.
+"""Exact attention on our native kernel (``attention.c``): decode steps and tree rows, fp32
+queries over an fp32 or bf16 KV cache, fp32 arithmetic.
 
 A tree node must attend exactly as the one-token decode of the same prefix would, bit for bit
 (an int8 target's per-row rounding can turn a 1e-6 difference into another token). torch's
@@ -7,8 +8,9 @@ rows attend one at a time (``Attention._attend_per_row``), each re-reading the w
 prefix. The kernel reads the prefix once for all rows and sums every row's keys in the order a
 later decode sees them, so decoding and verification both call it and agree.
 
-Used for fp32 queries over an fp32 cache on the CPU, without autograd, whenever the library
-builds; ``DOVETAIL_ATTENTION=torch`` forces torch's attention (for comparisons).
+Used for fp32 queries over an fp32 or bf16 cache on the CPU, without autograd, whenever the
+library builds (a bf16 cache halves the bytes a step reads; its rows are widened exactly, so
+decode and tree still agree); ``DOVETAIL_ATTENTION=torch`` forces torch's attention (for comparisons).
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ def available() -> bool:
     return int8_kernel.load_library() is not None
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the kernel widens a bf16 row exactly, then works in fp32
+
+
 def applies(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether this call can take the kernel: fp32 on the CPU, one sequence, a contiguous cache
-    layer, no gradient wanted; then ``available()``."""
-    return (q.dtype == torch.float32 and keys.dtype == torch.float32 and q.device.type == "cpu"
+    """Whether this call can take the kernel: fp32 queries on the CPU over an fp32 or bf16 cache,
+    one sequence, a contiguous cache layer, no gradient wanted; then ``available()``."""
+    return (q.dtype == torch.float32 and keys.dtype in CACHE_DTYPES and q.device.type == "cpu"
             and keys.shape[0] == 1 and q.shape[0] == 1 and keys.is_contiguous() and not q.requires_grad
             and available())
 
@@ -84,15 +89,20 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: in
                          f"{max_len}-slot cache")
     if tree is not None and tree.size != rows:
         raise ValueError(f"{rows} query rows for a {tree.size}-node tree")
+    if keys.dtype not in CACHE_DTYPES or values.dtype != keys.dtype or values.shape != keys.shape \
+            or not values.is_contiguous():
+        raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} and values {values.dtype} {tuple(values.shape)}: "
+                         "the kernel reads one contiguous fp32 or bf16 cache layer")
     queries = q[0].contiguous()
     out = torch.empty_like(queries)
     if tree is not None:
         extra, extra_start = tree.flat, tree.offsets
     else:
         extra = extra_start = _NO_EXTRA_SLOTS if rows == 1 else torch.zeros(rows + 1, dtype=torch.int64)
-    if library.dovetail_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), max_len, shared,
-                                  extra.data_ptr(), extra_start.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
-                                  head_dim, 1.0 / math.sqrt(head_dim), torch.get_num_threads()) != 0:
+    if library.dovetail_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                  int(keys.dtype == torch.bfloat16), max_len, shared, extra.data_ptr(),
+                                  extra_start.data_ptr(), out.data_ptr(), rows, heads, kv_heads, head_dim,
+                                  1.0 / math.sqrt(head_dim), torch.get_num_threads()) != 0:
         raise MemoryError(f"attention: no memory for {rows} rows' scores")
     return out.unsqueeze(0)
 

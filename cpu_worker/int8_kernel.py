@@ -81,12 +81,12 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
     library.dovetail_fp32_linear.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
-    library.dovetail_attention.argtypes = [pointer, pointer, pointer, i64, i64, pointer, pointer, pointer, i64, i64,
-                                           i64, i64, ctypes.c_float, ctypes.c_int]
+    library.dovetail_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, i64, i64, pointer, pointer,
+                                           pointer, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     library.dovetail_attention.restype = ctypes.c_int
     library.dovetail_rms_norm.argtypes = [pointer, pointer, pointer, i64, i64, ctypes.c_float, ctypes.c_int]
-    library.dovetail_rope_qkv.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, i64, i64, i64, i64,
-                                          i64, i64, ctypes.c_int]
+    library.dovetail_rope_qkv.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int, i64, i64,
+                                          i64, i64, i64, i64, ctypes.c_int]
     return library
 
 

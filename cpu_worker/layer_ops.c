@@ -41,23 +41,43 @@ static inline void rotate(const float *x, const float *cos, const float *sin, fl
     for (int64_t i = half; i < head_dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+/* fp32 -> bf16 rounded to nearest even, as torch's conversion rounds (NaN stays a NaN). */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* One head row into cache slot `slot` of a fp32 or (bf16 != 0) bf16 cache. */
+static inline void store_row(void *cache, int64_t slot, const float *row, int64_t head_dim, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + slot, row, (size_t)head_dim * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + slot;
+    for (int64_t i = 0; i < head_dim; i++) out[i] = to_bf16(row[i]);
+}
+
 /* The fused q/k/v projection's output split for attention. qkv: [rows, (heads + 2 kv_heads),
  * head_dim], heads first, then keys, then values; cos/sin: [rows, head_dim] (each row's
  * position). Writes the rotated queries to q [heads, rows, head_dim], and each row's rotated
  * keys and its values to slot start + r of one layer's cache, keys/values [kv_heads, max_len,
- * head_dim]. */
-void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, float *q, float *keys, float *values,
-                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len,
+ * head_dim], fp32 or (bf16 != 0) bf16, rounded as torch rounds a copy into it. */
+void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, float *q, void *keys, void *values,
+                       int bf16, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len,
                        int64_t start, int threads) {
     int64_t width = (heads + 2 * kv_heads) * head_dim;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= LAYER_OPS_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
+        float rotated[head_dim];
         for (int64_t h = 0; h < heads; h++) rotate(row + h * head_dim, c, s, q + (h * rows + r) * head_dim, head_dim);
         for (int64_t g = 0; g < kv_heads; g++) {
             int64_t slot = (g * max_len + start + r) * head_dim;
-            rotate(row + (heads + g) * head_dim, c, s, keys + slot, head_dim);
-            memcpy(values + slot, row + (heads + kv_heads + g) * head_dim, (size_t)head_dim * sizeof(float));
+            rotate(row + (heads + g) * head_dim, c, s, rotated, head_dim);
+            store_row(keys, slot, rotated, head_dim, bf16);
+            store_row(values, slot, row + (heads + kv_heads + g) * head_dim, head_dim, bf16);
         }
     }
 }

@@ -22,6 +22,7 @@ import torch
 from . import int8_kernel
 
 FORCE_VARIABLE = "DOVETAIL_LAYER_OPS"
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # rope_qkv rounds into a bf16 cache as torch's copy does
 
 
 @cache
@@ -59,7 +60,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
     """A fused q/k/v projection's output [1, S, (heads + 2 kv_heads) * head_dim] for S tokens at
     cache slots [start, start + S): their keys, rotated by ``cos``/``sin`` [S, head_dim], and their
     values go to one layer's cache ``keys``/``values`` [1, kv_heads, max_len, head_dim]
-    (contiguous); returns the rotated queries [1, heads, S, head_dim]."""
+    (contiguous, fp32 or bf16); returns the rotated queries [1, heads, S, head_dim], fp32."""
     library = library or int8_kernel.load_library()
     assert library is not None
     _, length, width = qkv.shape
@@ -73,14 +74,15 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
         raise ValueError(f"cos/sin of shapes {tuple(cos.shape)}, {tuple(sin.shape)} for {length} rows of {head_dim}")
     if start < 0 or start + length > max_len:
         raise ValueError(f"slots [{start}, {start + length}) outside a {max_len}-slot cache")
-    if not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("rope_qkv writes into a contiguous cache layer")
+    if not (keys.is_contiguous() and values.is_contiguous()) or keys.dtype not in CACHE_DTYPES \
+            or values.dtype != keys.dtype:
+        raise ValueError(f"rope_qkv writes into a contiguous fp32 or bf16 cache layer, not {keys.dtype}/{values.dtype}")
     rows = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty(1, heads, length, head_dim)
     library.dovetail_rope_qkv(rows.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), keys.data_ptr(),
-                              values.data_ptr(), length, heads, kv_heads, head_dim, max_len, start,
-                              torch.get_num_threads())
+                              values.data_ptr(), int(keys.dtype == torch.bfloat16), length, heads, kv_heads,
+                              head_dim, max_len, start, torch.get_num_threads())
     return q
 
 

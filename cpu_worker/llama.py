@@ -231,7 +231,7 @@ class Attention(nn.Module):
         """
         batch, length, _ = x.shape
         in_cache = False  # whether k and v are already in their cache slots
-        if self.qkv_proj is not None and _fp32_cache_layer(keys, values) and layer_ops.applies(x):
+        if self.qkv_proj is not None and _native_cache_layer(keys, values) and layer_ops.applies(x):
             # One call rotates q and k and writes this call's keys and values to their slots.
             assert keys is not None and values is not None
             q = layer_ops.rope_qkv(self.qkv_proj(x), cos, sin, keys, values, start, self.num_heads, self.num_kv_heads)
@@ -250,11 +250,16 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-        if keys is not None and keys.dtype != q.dtype:
-            # A cache in another dtype (bf16 KV for an fp32/int8 target): attention runs in the
-            # cache's dtype and reads every key and value from the cache, this call's own rows
-            # included, so each is rounded once, as stored, and a tree node sees exactly the
-            # values a later one-token decode reads back.
+        # Decode steps and tree rows on the exact kernel where it applies (fp32 queries over an fp32
+        # or bf16 cache, CPU): the prefix is read once for the whole tree, each node rounding as its
+        # later decode will.
+        kernel = (keys is not None and (paths is not None or (length == 1 and mask is None))
+                  and exact_attention.applies(q, keys))
+        if keys is not None and keys.dtype != q.dtype and not kernel:
+            # A cache in another dtype (bf16 KV for an fp32/int8 target) off the kernel: attention
+            # runs in the cache's dtype and reads every key and value from the cache, this call's
+            # own rows included, so each is rounded once, as stored, and a tree node sees exactly
+            # the values a later one-token decode reads back. (The kernel reads them back too.)
             q = q.to(keys.dtype)
         if keys is None or values is None:
             if start != 0:
@@ -268,15 +273,13 @@ class Attention(nn.Module):
             all_k = keys[:, :, :end]
             all_v = values[:, :, :end]
         gqa = self.num_heads != self.num_kv_heads
-        # Decode steps and tree rows on the exact kernel where it applies (fp32, CPU): the prefix
-        # is read once for the whole tree, each node rounding as its later decode will.
         if paths is not None and keys is not None and values is not None:
-            if exact_attention.applies(q, keys):
+            if kernel:
                 out = exact_attention.attend(q, keys, values, start, paths)
             else:
                 out = self._attend_per_row(q, k, v, keys, values, start, paths)
         elif length == 1 and keys is not None and values is not None and mask is None:
-            if exact_attention.applies(q, keys):
+            if kernel:
                 out = exact_attention.attend(q, keys, values, start + 1)
             else:
                 out = _attend_one(q, all_k, all_v, gqa)
@@ -293,7 +296,7 @@ class Attention(nn.Module):
     def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                         values: torch.Tensor, start: int, paths: TreePaths) -> torch.Tensor:
         """Tree attention that equals one-token decoding bit for bit where the exact kernel does
-        not apply (a bf16 cache, no compiler): for each row, its path's
+        not apply (no compiler, or torch forced): for each row, its path's
         key/value rows are laid right after the cached prefix (slots start, start + 1, ...) as
         a decode would have them, and the row attends there with the decode's own call. A
         batched masked call reads the prefix once but rounds differently (~1e-6), which an
@@ -313,10 +316,11 @@ class Attention(nn.Module):
         return torch.cat(outs, dim=2)
 
 
-def _fp32_cache_layer(keys: torch.Tensor | None, values: torch.Tensor | None) -> bool:
-    """A one-sequence fp32 cache layer that ``layer_ops.rope_qkv`` can write into."""
-    return (keys is not None and values is not None and keys.dtype == torch.float32 and keys.shape[0] == 1
-            and keys.is_contiguous() and values.is_contiguous())
+def _native_cache_layer(keys: torch.Tensor | None, values: torch.Tensor | None) -> bool:
+    """A one-sequence fp32 or bf16 cache layer that ``layer_ops.rope_qkv`` can write into."""
+    return (keys is not None and values is not None and keys.dtype in layer_ops.CACHE_DTYPES
+            and values.dtype == keys.dtype and keys.shape[0] == 1 and keys.is_contiguous()
+            and values.is_contiguous())
 
 
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Exact attention (cpu_worker/attention.c): close to torch's attention, a tree row equal bit for
-bit to the decode of its path, the same bits at any thread count, and the engine's tree logits
-equal to its decode logits with the kernel and with torch's per-row fallback."""
+bit to the decode of its path, a bf16 cache read as its exact fp32 widening, the same bits at any
+thread count, and the engine's tree logits equal to its decode logits with the kernel and with
+torch's per-row fallback, over an fp32 or a bf16 cache."""
 
 from __future__ import annotations
 
@@ -60,6 +61,23 @@ def test_a_tree_row_equals_the_decode_of_its_path_bit_for_bit(parents):
         assert torch.allclose(decode, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 3, 3, 6], [-1]])
+def test_a_bf16_cache_is_read_as_its_exact_fp32_widening(parents):
+    """The kernel widens each bf16 row exactly and then does the fp32 arithmetic: the same bits as
+    over the widened cache, for a decode step and for a tree (so tree rows still equal decodes)."""
+    keys, values = (each.bfloat16() for each in cache(4, 64, seed=6))
+    wide_keys, wide_values = keys.float(), values.float()
+    q = torch.randn(1, 8, len(parents), 64, generator=torch.Generator().manual_seed(7))
+    paths = tree_of(parents)
+    assert exact_attention.applies(q, keys)
+    assert torch.equal(exact_attention.attend(q, keys, values, 100, paths),
+                       exact_attention.attend(q, wide_keys, wide_values, 100, paths))
+    assert torch.equal(exact_attention.attend(q[:, :, :1], keys, values, 131),
+                       exact_attention.attend(q[:, :, :1], wide_keys, wide_values, 131))
+    with pytest.raises(ValueError, match="one contiguous fp32 or bf16 cache layer"):
+        exact_attention.attend(q[:, :, :1], keys, wide_values, 131)
+
+
 def test_the_thread_count_does_not_change_a_bit():
     keys, values = cache(8, 64)
     q = torch.randn(1, 16, 5, 64, generator=torch.Generator().manual_seed(3))
@@ -85,10 +103,12 @@ def test_gradients_or_other_dtypes_keep_torch_attention():
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 @pytest.mark.parametrize("force_torch", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
 def test_engine_tree_logits_equal_decode_logits_on_either_attention(demo_target, monkeypatch, precision,
-                                                                     force_torch):
-    engine, gap = forced_tree_vs_decode_gap(demo_target, precision, monkeypatch, exact_attention, force_torch)
-    assert engine.exact_tree
+                                                                     force_torch, kv_dtype):
+    engine, gap = forced_tree_vs_decode_gap(demo_target, precision, monkeypatch, exact_attention, force_torch,
+                                            kv_dtype)
+    assert engine.exact_tree and engine.kv_dtype == (torch.bfloat16 if kv_dtype == "bf16" else torch.float32)
     assert gap == 0.0
 
 
@@ -102,6 +122,9 @@ def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
     keys, values = cache(4, 64, seed=4)
     q = torch.randn(1, 8, 6, 64, generator=torch.Generator().manual_seed(5)) * 8
     paths = tree_of([-1, 0, 0, 1, 3, 4])
+    native = exact_attention.attend(q, keys, values, 93, paths)
+    assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, library=plain))
+    keys, values = keys.bfloat16(), values.bfloat16()  # the plain widening of a bf16 row too
     native = exact_attention.attend(q, keys, values, 93, paths)
     assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, library=plain))
 

@@ -84,17 +84,17 @@ def worst_tree_vs_decode_gap(engine: TargetEngine, trials: int = 4, size: int = 
     return worst
 
 
-def forced_tree_vs_decode_gap(target, precision: str, monkeypatch, switch, force_torch: bool
-                              ) -> tuple[TargetEngine, float]:
-    """The engine the cpu_worker builds, with ``switch`` (a module with FORCE_VARIABLE,
-    available() and clear_cache(): exact_attention, layer_ops) on its kernel or forced to torch,
-    and its worst_tree_vs_decode_gap."""
+def forced_tree_vs_decode_gap(target, precision: str, monkeypatch, switch, force_torch: bool,
+                              kv_dtype: str = "auto") -> tuple[TargetEngine, float]:
+    """The engine the cpu_worker builds (with that ``--kv-dtype``), with ``switch`` (a module with
+    FORCE_VARIABLE, available() and clear_cache(): exact_attention, layer_ops) on its kernel or
+    forced to torch, and its worst_tree_vs_decode_gap."""
     if force_torch:
         monkeypatch.setenv(switch.FORCE_VARIABLE, "torch")
     switch.clear_cache()
     try:
         assert switch.available() is not force_torch
-        engine, _ = build_engine(str(target), precision, 128)
+        engine, _ = build_engine(str(target), precision, 128, kv_dtype)
         return engine, worst_tree_vs_decode_gap(engine, trials=2)
     finally:
         monkeypatch.delenv(switch.FORCE_VARIABLE, raising=False)

@@ -80,6 +80,26 @@ def test_rope_qkv_equals_torch_rotary_and_cache_writes_bit_for_bit(heads, kv_hea
     assert bool((outside == 7.0).all())
 
 
+def test_rope_qkv_rounds_into_a_bf16_cache_as_torch_s_copy_does():
+    heads, kv_heads, head_dim, length, start = 8, 2, 64, 6, 3
+    qkv = rows(length, (heads + 2 * kv_heads) * head_dim, seed=11, scale=40.0).unsqueeze(0)
+    qkv[0, 0, -4:] = torch.tensor([0.0, -0.0, 1e-40, 3.4e38])  # zeros, a subnormal, one that rounds to inf
+    angles = rows(length, head_dim // 2, seed=12)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    keys, values = (torch.zeros(1, kv_heads, 20, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    q = layer_ops.rope_qkv(qkv, cos, sin, keys, values, start, heads, kv_heads)
+    split = qkv.view(1, length, -1, head_dim).transpose(1, 2)
+    rotated = apply_rope(split[:, :heads + kv_heads], cos, sin)
+    expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
+    expected_keys[:, :, start:start + length] = rotated[:, heads:]
+    expected_values[:, :, start:start + length] = split[:, heads + kv_heads:]
+    assert q.dtype == torch.float32 and torch.equal(q, rotated[:, :heads])
+    assert torch.equal(keys.view(torch.int16), expected_keys.view(torch.int16))
+    assert torch.equal(values.view(torch.int16), expected_values.view(torch.int16))
+    with pytest.raises(ValueError, match="contiguous fp32 or bf16 cache layer"):
+        layer_ops.rope_qkv(qkv, cos, sin, keys.half(), values.half(), start, heads, kv_heads)
+
+
 def test_rope_qkv_refuses_shapes_and_slots_it_would_read_or_write_past():
     keys, values = torch.zeros(1, 2, 10, 16), torch.zeros(1, 2, 10, 16)
     qkv, cos, sin = torch.zeros(1, 3, 8 * 16), torch.zeros(3, 16), torch.zeros(3, 16)
@@ -104,6 +124,11 @@ def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
     caches = [(torch.zeros(1, 2, 8, 36), torch.zeros(1, 2, 8, 36)) for _ in range(2)]
     native = layer_ops.rope_qkv(qkv, cos, sin, *caches[0], 4, 4, 2)
     assert torch.equal(native, layer_ops.rope_qkv(qkv, cos, sin, *caches[1], 4, 4, 2, library=plain))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    caches = [(torch.zeros(1, 2, 8, 36, dtype=torch.bfloat16), torch.zeros(1, 2, 8, 36, dtype=torch.bfloat16))
+              for _ in range(2)]
+    layer_ops.rope_qkv(qkv, cos, sin, *caches[0], 4, 4, 2)
+    layer_ops.rope_qkv(qkv, cos, sin, *caches[1], 4, 4, 2, library=plain)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
