@@ -244,10 +244,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "two tokens nearly tie.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto",
               help="The target's KV cache dtype. bf16 halves its memory and the bytes attention reads per step; "
-                   "attention then runs in bf16 on the cached keys and values, exact for an int8 target. auto: "
-                   "bf16 for an int8 target on a CPU with native bf16 (AVX512-BF16/AMX), else the activations' "
-                   "dtype. bf16 K/V keeps an exact target (int8, packed fp32) exact against --mode ar with the "
-                   "same --kv-dtype; with a target verified to float tolerance it amplifies ~1e-6 to ~1e-2.")
+                   "attention reads the cached keys and values back (our kernel widens them to fp32 exactly). "
+                   "auto: bf16 for an int8 target (where the native library builds or the CPU has native bf16), "
+                   "else the activations' dtype. bf16 K/V keeps an exact target (int8, packed fp32) exact "
+                   "against --mode ar with the same --kv-dtype; with a target verified to float tolerance it "
+                   "amplifies ~1e-6 to ~1e-2.")
 @click.option("--draft-device", default="auto",
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8"]), default="auto",

@@ -141,8 +141,11 @@ def test_kv_cache_dtype_choice(monkeypatch):
     from cpu_worker import precision
     from cpu_worker.precision import kv_cache_dtype
 
-    for native, int8_auto in ((True, torch.bfloat16), (False, torch.float32)):
+    # int8: bf16 where bf16 attention is cheap (our exact kernel, or native bf16), else fp32.
+    for native, kernel, int8_auto in ((True, True, torch.bfloat16), (True, False, torch.bfloat16),
+                                      (False, True, torch.bfloat16), (False, False, torch.float32)):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(precision.exact_attention, "available", lambda kernel=kernel: kernel)
         assert kv_cache_dtype("int8") == int8_auto
         assert kv_cache_dtype("fp32") == torch.float32  # its tree rows are not exact: bf16 K/V amplifies that
         assert kv_cache_dtype("bf16") == torch.bfloat16

@@ -1,12 +1,14 @@
 """Decode speed of a CPU target with an fp32 vs a bf16 KV cache, at several context lengths.
 
-    python -m tools.bench_kv_dtype --target DIR [--dtype int8] [--contexts 256,2000] [--steps 24] [--rounds 3]
+    python -m tools.bench_kv_dtype --target DIR [--dtype int8] [--contexts 256,1024,2000] [--steps 40]
 
-For each context length the engine is prefilled to that length once per KV dtype, then runs
-``--steps`` one-token decodes; the rounds alternate between the dtypes (a shared machine's noise
-hits both) and the table keeps each one's best round (median ms per step within the round).
-A bf16 cache reads half the bytes per step; attention then runs in bf16 (queries rounded),
-which costs or pays depending on the CPU's bf16 support: this prints which.
+For each context length one engine per KV dtype is prefilled with the same random prompt, then
+they decode ``--steps`` tokens step by step in turn (the order alternating each step), so a
+shared machine's noise hits both alike; the table gives each one's median ms per step and the
+median of the per-step ratios to the first dtype. A bf16 cache reads half the bytes per step.
+With the native library (a C compiler) attention reads it on our exact kernel, widening each
+row to fp32 (cheap on any x86 CPU); without it, torch's attention runs in bf16 (queries
+rounded), which costs or pays depending on the CPU's bf16 support. This prints which it was.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_worker import exact_attention
 from cpu_worker.engine import TargetEngine
 from cpu_worker.loading import load_target_model
 from cpu_worker.precision import activation_dtype
@@ -38,14 +41,35 @@ def decode_ms(engine: TargetEngine, context: int, steps: int, seed: int = 0) -> 
     return statistics.median(times)
 
 
+def interleaved_ms(engines: dict[str, TargetEngine], context: int, steps: int, seed: int = 0
+                   ) -> dict[str, list[float]]:
+    """ms of each of ``steps`` decodes per engine, continuing one ``context``-token random prompt,
+    the engines taking turns every step (first one first on even steps, last one first on odd)."""
+    generator = torch.Generator().manual_seed(seed)
+    some = next(iter(engines.values()))
+    prompt = torch.randint(0, some.spec.vocab_size, (context,), generator=generator).tolist()
+    tokens = {}
+    for name, engine in engines.items():
+        engine.reset()
+        tokens[name] = int(engine.prefill(prompt).logits.argmax())
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for step in range(steps):
+        order = list(engines) if step % 2 == 0 else list(reversed(engines))
+        for name in order:
+            started = time.perf_counter()
+            result = engines[name].decode(tokens[name])
+            times[name].append((time.perf_counter() - started) * 1e3)
+            tokens[name] = int(result.logits.argmax())
+    return times
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--dtype", default="int8", help="target precision (fp32, int8, bf16)")
-    parser.add_argument("--contexts", default="256,2000")
-    parser.add_argument("--kv", default="fp32,bf16", help="KV dtypes to compare")
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contexts", default="256,1024,2000")
+    parser.add_argument("--kv", default="fp32,bf16", help="KV dtypes to compare (the first is the reference)")
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -56,22 +80,22 @@ def main() -> int:
     max_len = max(contexts) + args.steps + 1
     engines = {name: TargetEngine(model, max_len=max_len, activation_dtype=activation_dtype(args.dtype),
                                   kv_dtype=dtype) for name, dtype in kv_dtypes.items()}
-    best: dict[tuple[int, str], float] = {}
-    for context in contexts:
-        for _ in range(args.rounds):
-            for name, engine in engines.items():
-                ms = decode_ms(engine, context, args.steps)
-                best[context, name] = min(best.get((context, name), float("inf")), ms)
+    reference = next(iter(engines))
+    attention = "the exact kernel" if exact_attention.available() else "torch's (no library, or forced)"
     print(f"command: python -m tools.bench_kv_dtype {' '.join(sys.argv[1:])}"
-          f"  (torch threads {torch.get_num_threads()})")
-    print("| context | KV dtype | KV bytes read per step MB | decode ms/step (best round, median) | tok/s |")
-    print("|---|---|---|---|---|")
+          f"  (torch threads {torch.get_num_threads()}; attention on {attention})")
+    print(f"| context | KV dtype | KV bytes read per step MB | decode ms/step (median) | tok/s | {reference}/this, "
+          "per-step median |")
+    print("|---|---|---|---|---|---|")
     spec = model.spec
     for context in contexts:
+        times = interleaved_ms(engines, context, args.steps)
         for name, engine in engines.items():
             per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * engine.cache.keys.element_size()
-            ms = best[context, name]
-            print(f"| {context} | {name} | {per_token * context / 1e6:.1f} | {ms:.2f} | {1e3 / ms:.1f} |")
+            ms = statistics.median(times[name])
+            ratio = statistics.median(ref / this for ref, this in zip(times[reference], times[name]))
+            print(f"| {context} | {name} | {per_token * context / 1e6:.1f} | {ms:.2f} | {1e3 / ms:.1f} "
+                  f"| {ratio:.3f}x |", flush=True)
     return 0
 
 
