@@ -796,8 +796,8 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin the target worker (and the sweep) to these cores, e.g. 0-7,16-23.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True,
-              help="The target's KV cache dtype, as dovetail-run's --kv-dtype (auto: bf16 for int8 targets on "
-                   "CPUs with native bf16, else the activations' dtype).")
+              help="The target's KV cache dtype, as dovetail-run's --kv-dtype (auto: bf16 for int8 targets where "
+                   "the native library builds or the CPU has native bf16, else the activations' dtype).")
 @click.option("--draft-device", default="auto", help="Draft device: auto (CUDA if present, else CPU), cpu, cuda:N.")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=1800.0,
               help="Seconds to wait for the workers to load (a 13B target loads for minutes).")
