@@ -80,6 +80,16 @@ static void softmax_numerators(float *s, int64_t n) {
     for (; j < n; j++) s[j] = dovetail_exp(s[j] - top);
 }
 
+/* x[j] = exp(x[j]) in place for arguments <= 0, the same bits in vector and scalar code (layer_ops.c's
+ * SiLU takes its exponentials here, so there is one exp in the library). */
+void dovetail_exp_nonpositive(float *x, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX2__)
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, dovetail_exp8(_mm256_loadu_ps(x + j)));
+#endif
+    for (; j < n; j++) x[j] = dovetail_exp(x[j]);
+}
+
 static inline float dot_fixed(const float *a, const float *b, int64_t d) {
     float lane[DOVETAIL_LANES] = {0};
     int64_t i = 0;

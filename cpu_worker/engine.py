@@ -20,6 +20,7 @@ from .fp32_packed import PackedFp32Linear
 from .fp32_rows import RowInvariantFp32Linear
 from .int8 import RowwiseInt8Linear
 from .llama import KVCache, LlamaDecoder, RotaryTable
+from .native_layers import NativeLayers
 from .sampling import Sampler
 
 
@@ -112,6 +113,8 @@ class TargetEngine:
         self.dtype = activation_dtype
         self.kv_dtype = activation_dtype if kv_dtype is None else kv_dtype
         self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_len, self.kv_dtype)
+        # Decode steps and trees through every layer in one foreign call, where the layers allow it.
+        model.layer_loop = NativeLayers.build(model)
         self.rotary = RotaryTable(spec, max_len, activation_dtype)
         self.committed = 0
 

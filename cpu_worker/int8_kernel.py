@@ -1,7 +1,8 @@
 """Our native kernels, built for this CPU on first use and cached as one library: the int8
 linear (``int8_gemv.c``, which also holds the fp32 row kernel of ``fp32_rows``), exact
-attention (``attention.c``, used by ``exact_attention``) and a layer's small steps
-(``layer_ops.c``: RMSNorm, rotary and the KV-cache write, used by ``layer_ops``).
+attention (``attention.c``, used by ``exact_attention``), a layer's small steps
+(``layer_ops.c``: RMSNorm, rotary and the KV-cache write, SiLU, used by ``layer_ops``) and the
+loop over a target's layers that chains them (``decoder_layers.c``, used by ``native_layers``).
 
 Why compiled here: it is built with ``-march=native`` (AVX512-VNNI where the CPU has it) and
 links to the OpenMP runtime torch already loaded, so its threads are torch's. A C compiler is
@@ -31,7 +32,8 @@ log = logging.getLogger("dovetail.cpu_worker")
 SOURCE = Path(__file__).with_name("int8_gemv.c")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.c")
 LAYER_OPS_SOURCE = Path(__file__).with_name("layer_ops.c")
-SOURCES = (SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE)
+DECODER_LAYERS_SOURCE = Path(__file__).with_name("decoder_layers.c")
+SOURCES = (SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE, DECODER_LAYERS_SOURCE)
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
@@ -87,6 +89,12 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     library.dovetail_rms_norm.argtypes = [pointer, pointer, pointer, i64, i64, ctypes.c_float, ctypes.c_int]
     library.dovetail_rope_qkv.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int, i64, i64,
                                           i64, i64, i64, i64, ctypes.c_int]
+    library.dovetail_silu_mul.argtypes = [pointer, pointer, i64, pointer, i64, i64, ctypes.c_int]
+    library.dovetail_decoder_scratch.argtypes = [pointer, i64]
+    library.dovetail_decoder_scratch.restype = i64
+    library.dovetail_decoder_layers.argtypes = [pointer, pointer, i64, pointer, pointer, pointer, pointer, pointer,
+                                                ctypes.c_int, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
+    library.dovetail_decoder_layers.restype = ctypes.c_int
     return library
 
 

@@ -17,6 +17,9 @@
 /* attention.c's fixed-order dot product: 8 lanes, then a fixed tree, then the tail in order. */
 float dovetail_dot_fixed(const float *a, const float *b, int64_t d);
 
+/* attention.c's exp, in place, for arguments <= 0 (vector and scalar code give the same bits). */
+void dovetail_exp_nonpositive(float *x, int64_t n);
+
 /* Below this many floats a call stays on one thread: waking the pool costs more than it saves. */
 #define LAYER_OPS_PARALLEL_MIN 65536
 
@@ -75,9 +78,38 @@ void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, flo
         for (int64_t h = 0; h < heads; h++) rotate(row + h * head_dim, c, s, q + (h * rows + r) * head_dim, head_dim);
         for (int64_t g = 0; g < kv_heads; g++) {
             int64_t slot = (g * max_len + start + r) * head_dim;
-            rotate(row + (heads + g) * head_dim, c, s, rotated, head_dim);
-            store_row(keys, slot, rotated, head_dim, bf16);
+            if (bf16) {
+                rotate(row + (heads + g) * head_dim, c, s, rotated, head_dim);
+                store_row(keys, slot, rotated, head_dim, bf16);
+            } else {
+                rotate(row + (heads + g) * head_dim, c, s, (float *)keys + slot, head_dim); /* straight into the cache */
+            }
             store_row(values, slot, row + (heads + kv_heads + g) * head_dim, head_dim, bf16);
+        }
+    }
+}
+
+/* out[r] = silu(gate[r]) * up[r], rows of `width`: gate row r at gate + r * stride, up's likewise
+ * (the fused gate/up projection's halves: stride 2 * width; separate tensors: width), out
+ * [rows, width]. silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|) (never overflows):
+ * 1 / (1 + e) for g >= 0, e / (1 + e) below. Elementwise, so a row's bits depend on nothing else
+ * in its call. */
+#define SILU_CHUNK 256
+void dovetail_silu_mul(const float *gate, const float *up, int64_t stride, float *out, int64_t rows, int64_t width,
+                       int threads) {
+    int64_t chunks = (width + SILU_CHUNK - 1) / SILU_CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= LAYER_OPS_PARALLEL_MIN)
+    for (int64_t t = 0; t < rows * chunks; t++) {
+        int64_t r = t / chunks, from = (t % chunks) * SILU_CHUNK;
+        int64_t n = width - from < SILU_CHUNK ? width - from : SILU_CHUNK;
+        const float *g = gate + r * stride + from, *u = up + r * stride + from;
+        float e[SILU_CHUNK];
+        for (int64_t i = 0; i < n; i++) e[i] = -fabsf(g[i]);
+        dovetail_exp_nonpositive(e, n);
+        float *o = out + r * width + from;
+        for (int64_t i = 0; i < n; i++) {
+            float sigmoid = g[i] >= 0.0f ? 1.0f / (1.0f + e[i]) : e[i] / (1.0f + e[i]);
+            o[i] = (g[i] * sigmoid) * u[i];
         }
     }
 }

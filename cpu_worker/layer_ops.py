@@ -1,5 +1,5 @@
-"""A decoder layer's small fp32 steps on our native kernel (``layer_ops.c``): RMSNorm, and the
-fused q/k/v output's rotary and KV-cache write.
+"""A decoder layer's small fp32 steps on our native kernel (``layer_ops.c``): RMSNorm, the
+fused q/k/v output's rotary and KV-cache write, and the fused gate/up output's SiLU.
 
 Why: at a decode step these act on a few thousand floats, and torch runs each as a chain of
 small ops whose dispatch, not arithmetic, is the cost (see ``layer_ops.c``). One foreign call
@@ -84,6 +84,24 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
                               values.data_ptr(), int(keys.dtype == torch.bfloat16), length, heads, kv_heads,
                               head_dim, max_len, start, torch.get_num_threads())
     return q
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``silu(gate) * up``, fp32 CPU tensors of one shape [..., width] (the two halves of a fused
+    gate/up output are read in place). ``library``: another build (tests compare builds)."""
+    library = library or int8_kernel.load_library()
+    assert library is not None
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    width = gate.shape[-1]
+    gates, ups = gate.reshape(-1, width), up.reshape(-1, width)  # views where the layout allows
+    if gates.stride() != ups.stride() or gates.stride(-1) != 1:
+        gates, ups = gates.contiguous(), ups.contiguous()
+    out = torch.empty(gate.shape)
+    rows = gates.shape[0]
+    library.dovetail_silu_mul(gates.data_ptr(), ups.data_ptr(), gates.stride(0) if rows > 1 else width,
+                              out.data_ptr(), rows, width, torch.get_num_threads())
+    return out
 
 
 def clear_cache() -> None:

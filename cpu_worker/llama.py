@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -348,8 +348,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if layer_ops.applies(gate, up):
+            # One call, the kernel ``native_layers`` chains too: every path gives the same bits.
+            return self.down_proj(layer_ops.silu_mul(gate, up))
+        if self.gate_up_proj is not None:
             return self.down_proj(F.silu(gate).mul_(up))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -371,6 +377,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LayerLoop(Protocol):
+    """Runs the decoder layers of some forwards elsewhere, with the layers' bits
+    (``native_layers.NativeLayers``: one foreign call)."""
+
+    def applies(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                paths: TreePaths | None) -> bool: ...
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+            paths: TreePaths | None, first: int, end: int) -> torch.Tensor: ...
+
+
 class LlamaDecoder(nn.Module):
     """The whole causal LM: embeddings, decoder layers, final norm, lm_head."""
 
@@ -381,6 +398,9 @@ class LlamaDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Set by the target engine where the layers qualify (``native_layers``); forwards it
+        # applies to skip the Python layers.
+        self.layer_loop: LayerLoop | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 rotary: RotaryTable, start: int, mask: torch.Tensor | None,
@@ -395,10 +415,20 @@ class LlamaDecoder(nn.Module):
         cos, sin = rotary.lookup(positions)
         x = self.embed_tokens(tokens).unsqueeze(0)
         streams: list[torch.Tensor] = []
-        for index, layer in enumerate(self.layers):
-            if aux_layers and index in aux_layers:
-                streams.append(x)  # layers return new tensors: keeping a reference copies nothing
-            x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask, paths)
+        loop = self.layer_loop
+        if loop is not None and loop.applies(x, cache, mask, paths):
+            # The layers between aux layers in one call each (every layer in one without them).
+            first = 0
+            for cut in [*(aux_layers or ()), len(self.layers)]:
+                x = loop.run(x, cos, sin, cache, start, paths, first, cut)  # a new tensor each time
+                if cut < len(self.layers):
+                    streams.append(x)
+                first = cut
+        else:
+            for index, layer in enumerate(self.layers):
+                if aux_layers and index in aux_layers:
+                    streams.append(x)  # layers return new tensors: keeping a reference copies nothing
+                x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask, paths)
         # Logits exactly as without aux rows, so --mode ar on the same worker rounds alike.
         features = self.norm(x)[0]
         head_input = features if logits_rows is None else features[logits_rows]

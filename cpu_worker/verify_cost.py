@@ -36,7 +36,7 @@ def cache_dir() -> Path:
 # The engine's sources whose changes change what a verification costs.
 ENGINE_SOURCES = ("engine.py", "llama.py", "int8.py", "int8_kernel.py", "int8_gemv.c", "attention.c",
                   "exact_attention.py", "layer_ops.c", "layer_ops.py", "fusion.py", "fp32_packed.py",
-                  "fp32_rows.py", "precision.py")
+                  "fp32_rows.py", "precision.py", "decoder_layers.c", "native_layers.py")
 
 
 def _engine_code_digest() -> str:

@@ -1,0 +1,165 @@
+"""A target's decoder layers in one foreign call per forward (``decoder_layers.c``), for decode
+steps and tree verification.
+
+Why: a decode step of a small target spends a tenth of its time between the linear layers, in
+torch ops and foreign calls that each cost microseconds (``decoder_layers.c`` has the numbers).
+The C loop calls the very kernels the Python layers call, in the same order, and does the two
+steps torch did (the residual add, the attention output's transpose) exactly, so its rows carry
+the Python path's bits: decode and tree still agree, and so do prefill (still in Python) and
+decode.
+
+It takes a model whose every decoder layer is fused (q/k/v, gate/up) on our kernels (int8 W8A8
+on the GEMV kernel, or fp32 on the row kernel), with RMSNorms, and a call that is a decode step
+or a tree over a one-sequence fp32 or bf16 cache. Anything else (prefill, masks, autograd,
+fbgemm or MKL linears, torch's attention forced) runs the Python layers.
+``DOVETAIL_NATIVE_LAYERS=python`` forces them (for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+
+import torch
+
+from . import exact_attention, int8_kernel, layer_ops
+from .exact_attention import TreePaths
+from .fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
+from .int8 import RowwiseInt8Linear
+from .llama import DecoderLayer, KVCache, LlamaDecoder, RMSNorm
+
+FORCE_VARIABLE = "DOVETAIL_NATIVE_LAYERS"
+_LINEAR_INT8, _LINEAR_FP32 = 0, 1
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_out", ctypes.c_int64),
+                ("k", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("max_len", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
+    """The C view of a linear layer on one of our kernels, and the most rows a call of it may
+    have there and keep its Python bits; None for any other layer."""
+    if isinstance(module, RowwiseInt8Linear) and module.kernel != "fbgemm":
+        weights = module._int8
+        limit = weights.matmul_min_rows - 1 if weights.matmul_min_rows is not None else MAX_KERNEL_ROWS
+        bias = None if weights.bias is None else weights.bias.data_ptr()
+        return _Linear(_LINEAR_INT8, weights.values.data_ptr(), weights.scales.data_ptr(), weights.offsets.data_ptr(),
+                       bias, weights.out_features, weights.in_features), limit
+    if isinstance(module, RowInvariantFp32Linear):
+        bias = None if module.bias is None else module.bias.data_ptr()
+        return _Linear(_LINEAR_FP32, module.weight.data_ptr(), None, None, bias, module.out_features,
+                       module.in_features), MAX_KERNEL_ROWS
+    return None
+
+
+def _norm_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    if isinstance(module, RMSNorm) and module.weight.dtype == torch.float32 and module.weight.is_contiguous():
+        return module.weight
+    return None
+
+
+class NativeLayers:
+    """The C descriptors of a model's decoder layers, built once (the weights never move), and
+    a scratch buffer that grows to the largest call."""
+
+    def __init__(self, model: LlamaDecoder, layers: ctypes.Array[_Layer], max_rows: int,
+                 library: ctypes.CDLL):
+        self._model = model  # the descriptors point into its tensors: keep them alive
+        self._layers = layers
+        self._layer_size = ctypes.sizeof(_Layer)
+        self.max_rows = max_rows
+        self._library = library
+        self._scratch = torch.empty(0)
+        self._no_extra = torch.zeros(max_rows + 1, dtype=torch.int64)
+
+    @classmethod
+    def build(cls, model: LlamaDecoder) -> NativeLayers | None:
+        """The model's layers on the C loop, or None when a layer or this process does not qualify."""
+        if os.environ.get(FORCE_VARIABLE, "").lower() == "python":
+            return None
+        library = int8_kernel.load_library()
+        if library is None or not (layer_ops.available() and exact_attention.available()):
+            return None
+        described = []
+        max_rows = MAX_KERNEL_ROWS
+        for layer in model.layers:
+            if not isinstance(layer, DecoderLayer):
+                return None
+            attention, mlp = layer.self_attn, layer.mlp
+            if attention.qkv_proj is None or mlp.gate_up_proj is None:
+                return None
+            linears = [_linear(attention.qkv_proj), _linear(attention.o_proj), _linear(mlp.gate_up_proj),
+                       _linear(mlp.down_proj)]
+            norms = [_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm)]
+            if any(item is None for item in linears) or any(norm is None for norm in norms):
+                return None
+            views = [item for item in linears if item is not None]
+            max_rows = min([max_rows, *(limit for _, limit in views)])
+            input_norm, post_norm = (norm.data_ptr() for norm in norms if norm is not None)
+            described.append(_Layer(input_norm, post_norm, *(view for view, _ in views)))
+        if not described or max_rows < 1:
+            return None
+        return cls(model, (_Layer * len(described))(*described), max_rows, library)
+
+    def applies(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, paths: TreePaths | None) -> bool:
+        """Whether this forward can take the C loop: a decode step (one row, no mask) or a tree
+        (``paths``) of at most ``max_rows`` fp32 rows without autograd, over a contiguous
+        one-sequence fp32 or bf16 cache."""
+        rows = x.shape[1]
+        kind = paths is not None or (rows == 1 and mask is None)
+        keys, values = cache.keys, cache.values
+        return (kind and x.shape[0] == 1 and rows <= self.max_rows and x.dtype == torch.float32
+                and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
+                and keys.dtype in layer_ops.CACHE_DTYPES and values.dtype == keys.dtype and keys.shape[1] == 1
+                and keys.is_contiguous() and values.is_contiguous())
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+            paths: TreePaths | None, first: int, end: int) -> torch.Tensor:
+        """x [1, S, d] through layers [first, end); returns a new tensor (x is left as it was).
+        The rows go to cache slots start.. as ``Attention.forward`` puts them; a tree (``paths``)
+        attends as it does there, a decode step to slots [0, start + 1)."""
+        spec = self._model.spec
+        rows = x.shape[1]
+        if rows > self.max_rows or not 0 <= first <= end <= len(self._layers):
+            raise ValueError(f"{rows} rows through layers [{first}, {end}) of {len(self._layers)} "
+                             f"(at most {self.max_rows} rows)")
+        used = start + rows
+        if start < 0 or used > cache.max_len:
+            raise ValueError(f"slots [{start}, {used}) outside a {cache.max_len}-slot cache")
+        if paths is not None and paths.size != rows:
+            raise ValueError(f"{rows} rows for a {paths.size}-node tree")
+        out = x[0].contiguous().clone()
+        if first == end:
+            return out.unsqueeze(0)
+        shape = _Shape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
+                       cache.max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
+        needed = self._library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed)
+        if paths is not None:
+            shared, extra, extra_start = start, paths.flat, paths.offsets
+        else:
+            shared, extra, extra_start = start + 1, self._no_extra, self._no_extra
+        cos, sin = cos.contiguous(), sin.contiguous()
+        layers = ctypes.byref(self._layers, first * self._layer_size)
+        if self._library.dovetail_decoder_layers(
+                out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
+                cache.keys[first].data_ptr(), cache.values[first].data_ptr(), int(cache.keys.dtype == torch.bfloat16),
+                start, shared, extra.data_ptr(), extra_start.data_ptr(), rows, self._scratch.data_ptr(),
+                torch.get_num_threads()) != 0:
+            raise MemoryError(f"decoder layers: no memory for {rows} rows' scratch")
+        return out.unsqueeze(0)
