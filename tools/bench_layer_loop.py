@@ -5,10 +5,10 @@ foreign call (``cpu_worker/native_layers.py``) against the Python layers, side b
 
 One engine (built as the cpu_worker builds it) is prefilled with a random prompt; then it takes
 turns, step by step, with the C loop on and off (which goes first alternates), so a shared
-machine's noise hits both alike. Decode steps continue one sequence (each path adds a token per step); each tree size is verified
-``--steps`` times without committing. Both paths give the same bits (tests/test_native_layers.py),
-which this checks again on every tree. The table gives each path's median ms and the median of
-the per-step ratios.
+machine's noise hits both alike. Decode steps continue one sequence (each path adds a token per
+step); each tree size is verified ``--steps`` times without committing. Both paths give the
+same bits (tests/test_native_layers.py), which this checks again on every tree. The table gives
+each path's median ms and the median of the per-step ratios.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     trees = [int(size) for size in args.trees.split(",") if size]
-    engine, kernel = build_engine(str(args.target), args.dtype, args.context + 2 * args.steps + max(trees, default=1) + 1,
-                                  args.kv_dtype)
+    # Each step adds a token on either path, and the largest tree sits past them.
+    max_len = args.context + 2 * args.steps + max(trees, default=1) + 1
+    engine, kernel = build_engine(str(args.target), args.dtype, max_len, args.kv_dtype)
     if engine.model.layer_loop is None:
         print(f"the C loop does not apply to this engine ({args.dtype}, linears on {kernel}); nothing to compare")
         return 1
