@@ -24,14 +24,16 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
     """Every output of a prefill, decode steps, a tree, its verification and a decode after it,
     with the C loop on or off."""
     engine.model.layer_loop = loop if native else None
+    vocab = engine.spec.vocab_size
+    tree = [token % vocab for token in TREE_TOKENS]
     outputs = []
-    step = engine.prefill(PROMPT)
+    step = engine.prefill([token % vocab for token in PROMPT])
     outputs += [step.features, step.logits]
     for token in (3, 99, 250):
-        step = engine.decode(token)
+        step = engine.decode(token % vocab)
         outputs += [step.features, step.logits]
-    outputs += list(engine.tree_logits(TREE_TOKENS, TREE_PARENTS))
-    outcome = engine.verify(TREE_TOKENS, TREE_PARENTS)
+    outputs += list(engine.tree_logits(tree, TREE_PARENTS))
+    outcome = engine.verify(tree, TREE_PARENTS)
     outputs.append(outcome.features)
     step = engine.decode(outcome.tokens[-1])
     outputs += [step.features, step.logits, engine.cache.keys[:, :, :, :engine.committed].float(),
@@ -47,6 +49,15 @@ def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtyp
     native, python = session(engine, True, loop), session(engine, False, loop)
     assert len(native) == len(python)
     for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3-rope", "llama-mha"])  # qkv biases; scaled rotary; MHA
+def test_the_c_loop_gives_the_python_layers_bits_on_other_families(tiny_models, family):
+    engine = TargetEngine(load_target_model(tiny_models[family], "int8"), max_len=64)
+    loop = engine.model.layer_loop
+    assert loop is not None
+    for a, b in zip(session(engine, True, loop), session(engine, False, loop), strict=True):
         assert torch.equal(a, b)
 
 
