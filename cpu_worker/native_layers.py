@@ -84,6 +84,7 @@ class NativeLayers:
         self.max_rows = max_rows
         self._library = library
         self._scratch = torch.empty(0)
+        self._shapes: dict[int, _Shape] = {}  # by cache length: built once, not per forward
         self._no_extra = torch.zeros(max_rows + 1, dtype=torch.int64)
 
     @classmethod
@@ -145,8 +146,11 @@ class NativeLayers:
         out = x[0].contiguous().clone()
         if first == end:
             return out.unsqueeze(0)
-        shape = _Shape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
-                       cache.max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
+        shape = self._shapes.get(cache.max_len)
+        if shape is None:
+            shape = self._shapes[cache.max_len] = _Shape(
+                spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
+                cache.max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
         needed = self._library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed)

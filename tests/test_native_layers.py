@@ -22,7 +22,11 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 5]
 
 def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> list[torch.Tensor]:
     """Every output of a prefill, decode steps, a tree, its verification and a decode after it,
-    with the C loop on or off."""
+    with the C loop on or off (on: each decode and tree must reach it, or the comparison says nothing)."""
+    calls = []
+    if native and loop is not None:
+        original = loop.run
+        loop.run = lambda *args: calls.append(1) or original(*args)  # type: ignore[method-assign]
     engine.model.layer_loop = loop if native else None
     vocab = engine.spec.vocab_size
     tree = [token % vocab for token in TREE_TOKENS]
@@ -38,6 +42,10 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
     step = engine.decode(outcome.tokens[-1])
     outputs += [step.features, step.logits, engine.cache.keys[:, :, :, :engine.committed].float(),
                 engine.cache.values[:, :, :, :engine.committed].float()]
+    if native and loop is not None:
+        del loop.run  # the class's method again
+        calls_per_forward = 1 + len(engine.aux_layers or ())
+        assert len(calls) == 6 * calls_per_forward  # 3 decodes, the tree, its verification, 1 decode
     return outputs
 
 

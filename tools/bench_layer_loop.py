@@ -25,6 +25,7 @@ import torch
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
+from cpu_worker.verify_cost import measurement_tree
 
 T = TypeVar("T")
 
@@ -33,11 +34,6 @@ def timed(action: Callable[..., T], *args: object) -> tuple[float, T]:
     started = time.perf_counter()
     result = action(*args)
     return (time.perf_counter() - started) * 1e3, result
-
-
-def binary_tree(size: int) -> list[int]:
-    """Parents of a tree of ``size`` nodes, two children per node (breadth first)."""
-    return [-1] + [(node - 1) // 2 for node in range(1, size)]
 
 
 def compare(engine: TargetEngine, steps: int, trees: list[int]) -> dict[str, tuple[list[float], list[float]]]:
@@ -55,7 +51,7 @@ def compare(engine: TargetEngine, steps: int, trees: list[int]) -> dict[str, tup
             token = int(result.logits.argmax())
     results["decode"] = (native, python)
     for size in trees:
-        parents = binary_tree(size)
+        parents = measurement_tree(size)  # the shape the tree planner times
         tokens = [(token + node) % engine.spec.vocab_size for node in range(size)]
         native, python = [], []
         for step in range(steps):
