@@ -80,6 +80,8 @@ def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo
     # (Whether it says "drafting cannot pay" depends on timings, so tests/test_tree_planner.py
     # checks that verdict on fixed costs.)
     # Drafting is measured for both beam widths the planner tries (--tree-top-k 8 and 4).
-    # The first tree is the deepest one the measured costs make cheap (tree_planner.first_shape).
+    # The first tree is the deepest one the measured costs make cheap (tree_planner.first_shape):
+    # usually of the wider beam, but the narrower one's when a noisy measurement makes every
+    # top_k 8 cell dearer than the budget (tests/test_tree_planner.py checks both on fixed costs).
     assert all("t_draft(depth) ms top_k 4: 1:" in log and "; top_k 8: 1:" in log
-               and re.search(r"tree: starting with T=\d+ depth=\d+ top_k=8", log) for log in logs)
+               and re.search(r"tree: starting with T=\d+ depth=\d+ top_k=[48] ", log) for log in logs)

@@ -241,6 +241,27 @@ def test_the_first_shape_is_the_deepest_tree_that_costs_little_more_than_the_che
     assert flat.cycle_ms(flat.best) <= PROBE_BUDGET * min(flat.cycle_ms(cell) for cell in flat.cells)
 
 
+def test_the_first_shape_falls_back_to_the_narrower_beam_when_no_wide_cell_is_affordable():
+    """The timings of a CI run on the 9M demo (2 busy cores): top_k 8 measured 9.9 ms at depth 1,
+    top_k 4 5.8 ms, verification 3.6-4.9 ms up to T = 4. No top_k 8 cell is within the probe
+    budget of the cheapest cell, so the start is the cheapest cell, of the narrower beam."""
+    from dovetail_runtime.tree_planner import PROBE_BUDGET
+
+    bounds = AutoTree(max_tree_tokens=64, max_depth=10, top_k=8)
+    verify = {1: 3.6, 2: 3.9, 3: 4.4, 4: 4.9, 6: 6.0, 8: 7.1, 12: 8.2, 16: 10.3, 24: 14.4, 32: 17.9, 48: 23.7,
+              64: 30.1}
+    by_top_k = {4: {depth: 5.8 + 5.0 * (depth - 1) for depth in range(1, 11)},
+                8: {depth: 9.9 + 10.0 * (depth - 1) for depth in range(1, 11)}}
+    planner = TreePlanner(bounds, verify, by_top_k[8], draft_ms_by_top_k=by_top_k)
+    cheapest = min(planner.cells, key=planner.cycle_ms)
+    assert all(planner.cycle_ms(cell) > PROBE_BUDGET * planner.cycle_ms(cheapest)
+               for cell in planner.cells if cell[2] == 8)
+    assert planner.best == cheapest and planner.best[2] == 4, planner.best
+    # The same costs with the wide beam as cheap as the narrow one: the start is of the wide beam.
+    even = TreePlanner(bounds, verify, by_top_k[4], draft_ms_by_top_k={4: by_top_k[4], 8: by_top_k[4]})
+    assert even.best[2] == 8, even.best
+
+
 def test_the_planner_moves_up_when_deeper_drafts_start_paying():
     bounds = AutoTree(max_tree_tokens=32, max_depth=10, top_k=2)
     cheap_verify, cheap_draft = (lambda size: 100.0 + 5.0 * size), (lambda depth: 5.0 * depth)
