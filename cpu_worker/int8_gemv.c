@@ -4,17 +4,18 @@
  * Why our own: torch's int8 kernels (fbgemm's dynamic linear, weight-only int8pack) reach 55% of
  * the read bandwidth when decoding one row, llama.cpp's Q8_0 88% (tools/bench_llamacpp.py). A
  * decode step is a stream over the weights; this kernel reads each weight byte once and reuses a
- * block of 4 weight rows (L1-resident) for every activation row of the call. Calls of 24 rows
- * or more go to torch's int8 GEMM instead (int8_kernel.py), with the same integers.
+ * block of 4 weight rows (L1-resident) for every activation row of the call; the weights are
+ * [n_out, k] or packed per block (see block_row). On VNNI CPUs calls of 24 rows or more go to
+ * torch's int8 GEMM instead (int8_kernel.py), with the same integers.
  *
  * Row independence (what makes Dovetail lossless at int8): a row's quantization uses only that
  * row, integer sums are exact, and the float epilogue is elementwise (built with
  * -ffp-contract=off, so no fused multiply-add depends on how the compiler vectorised it).
  * The AVX512-VNNI, AVX2 and plain C paths give the same bits.
  *
- * VNNI multiplies unsigned by signed bytes, so activations are stored as u = q + 128 and
- * 128 * sum_k w[n, k] (precomputed per row) is subtracted: |acc| <= K * 255 * 127 fits int32
- * for K < 66,000.
+ * VNNI multiplies unsigned by signed bytes, so activations are stored as u = q + 128 and the VNNI
+ * and plain C paths subtract 128 * sum_k w[n, k] (precomputed per row; the AVX2 path sums q * w
+ * directly): |acc| <= K * 255 * 127 fits int32 for K < 66,000.
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,36 +74,60 @@ void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, i
     }
 }
 
+/* Two weight layouts. Rows: w[n_out, k] as the model holds it. Packed (packed != 0; needs
+ * n_out % 4 == 0 and k % 64 == 0): each block of 4 output rows is one contiguous run of
+ * 64-byte chunks, row r's columns [64c, 64c + 64) at 256c + 64r (int8_kernel.pack_blocks).
+ * Why packed: a block's 4 rows are then one sequential stream per thread instead of 4 streams
+ * that restart every k bytes. Where rows are short the hardware prefetcher never gets going on
+ * the latter: on a 2-core EPYC, k = 2048 (the 1B stand-in) streamed at 0.67-0.74x of a plain
+ * read in row layout, packed at ~1.0x (tools/bench_int8_kernel.py). The sums are the same
+ * integers either way. */
+
+/* Row r (< 4) of a block, from column i (a multiple of 32 in SIMD loops). */
+static inline const int8_t *block_row(const int8_t *block, int r, int64_t i, int64_t k, int packed) {
+    return packed ? block + ((i >> 6) << 8) + ((int64_t)r << 6) + (i & 63) : block + r * k + i;
+}
+
+#ifndef DOVETAIL_PACKED_AHEAD /* bytes; a build flag for tuning: 512-8192 timed within noise of 1024 (EPYC) */
+#define DOVETAIL_PACKED_AHEAD 1024
+#endif
 #if DOVETAIL_VNNI || defined(__AVX2__)
-/* The next block's four weight rows, a line ahead each (from column i): eight streams in flight
- * instead of four (+10% at 2 threads with VNNI, part of the AVX2 one-row gain). */
-static inline void prefetch_next_block(const int8_t *w, int64_t k, int64_t i) {
-    for (int r = 4; r < 8; r++) _mm_prefetch((const char *)(w + r * k + i), _MM_HINT_T0);
+/* Keep more lines in flight than the loads alone ask for. Rows: the next block's four rows, a
+ * line ahead each from column i (eight streams instead of four: +10% at 2 threads with VNNI,
+ * part of the AVX2 one-row gain). Packed: the stream's next 4 lines, 1 KB ahead. */
+static inline void prefetch_ahead(const int8_t *block, int64_t k, int64_t i, int packed) {
+    if (packed) {
+        const char *ahead = (const char *)(block + 4 * i + DOVETAIL_PACKED_AHEAD);
+        for (int line = 0; line < 4; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    } else {
+        for (int r = 4; r < 8; r++) _mm_prefetch((const char *)(block + r * k + i), _MM_HINT_T0);
+    }
 }
 #endif
 
 #if DOVETAIL_VNNI
 /* acc for output rows n0..n0+3 (count valid) and one activation row. */
-static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
+static inline __attribute__((always_inline)) void dot4_impl(const uint8_t *xu, const int8_t *w, int64_t k, int count,
+                                                            int32_t out[4], const int packed) {
     __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
     __m512i acc2 = _mm512_setzero_si512(), acc3 = _mm512_setzero_si512();
-    const int8_t *w1 = w + (count > 1 ? k : 0), *w2 = w + (count > 2 ? 2 * k : 0), *w3 = w + (count > 3 ? 3 * k : 0);
+    int r1 = count > 1 ? 1 : 0, r2 = count > 2 ? 2 : 0, r3 = count > 3 ? 3 : 0;
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
-        prefetch_next_block(w, k, i);
+        prefetch_ahead(w, k, i, packed);
         __m512i xv = _mm512_loadu_si512((const void *)(xu + i));
-        acc0 = _mm512_dpbusd_epi32(acc0, xv, _mm512_loadu_si512((const void *)(w + i)));
-        acc1 = _mm512_dpbusd_epi32(acc1, xv, _mm512_loadu_si512((const void *)(w1 + i)));
-        acc2 = _mm512_dpbusd_epi32(acc2, xv, _mm512_loadu_si512((const void *)(w2 + i)));
-        acc3 = _mm512_dpbusd_epi32(acc3, xv, _mm512_loadu_si512((const void *)(w3 + i)));
+        acc0 = _mm512_dpbusd_epi32(acc0, xv, _mm512_loadu_si512((const void *)block_row(w, 0, i, k, packed)));
+        acc1 = _mm512_dpbusd_epi32(acc1, xv, _mm512_loadu_si512((const void *)block_row(w, r1, i, k, packed)));
+        acc2 = _mm512_dpbusd_epi32(acc2, xv, _mm512_loadu_si512((const void *)block_row(w, r2, i, k, packed)));
+        acc3 = _mm512_dpbusd_epi32(acc3, xv, _mm512_loadu_si512((const void *)block_row(w, r3, i, k, packed)));
     }
-    if (i < k) {
+    if (i < k) { /* rows layout only: packed k is a multiple of 64 */
         __mmask64 mask = (~(__mmask64)0) >> (64 - (k - i));
         __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + i);
         acc0 = _mm512_dpbusd_epi32(acc0, xv, _mm512_maskz_loadu_epi8(mask, w + i));
-        acc1 = _mm512_dpbusd_epi32(acc1, xv, _mm512_maskz_loadu_epi8(mask, w1 + i));
-        acc2 = _mm512_dpbusd_epi32(acc2, xv, _mm512_maskz_loadu_epi8(mask, w2 + i));
-        acc3 = _mm512_dpbusd_epi32(acc3, xv, _mm512_maskz_loadu_epi8(mask, w3 + i));
+        acc1 = _mm512_dpbusd_epi32(acc1, xv, _mm512_maskz_loadu_epi8(mask, w + r1 * k + i));
+        acc2 = _mm512_dpbusd_epi32(acc2, xv, _mm512_maskz_loadu_epi8(mask, w + r2 * k + i));
+        acc3 = _mm512_dpbusd_epi32(acc3, xv, _mm512_maskz_loadu_epi8(mask, w + r3 * k + i));
     }
     out[0] = _mm512_reduce_add_epi32(acc0);
     out[1] = _mm512_reduce_add_epi32(acc1);
@@ -112,18 +137,21 @@ static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count
 
 /* The same for two activation rows at once: each weight load feeds two products, and eight
  * independent accumulators hide the dot product's latency (trees verify several rows). */
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
-                          int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+static inline __attribute__((always_inline)) void dot4x2_impl(const uint8_t *xa, const uint8_t *xb, const int8_t *w,
+                                                              int64_t k, int count, int prefetch, int32_t out_a[4],
+                                                              int32_t out_b[4], const int packed) {
     (void)prefetch; /* the weights come from L1 or L2 */
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();
     __m512i a3 = _mm512_setzero_si512(), b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
     __m512i b2 = _mm512_setzero_si512(), b3 = _mm512_setzero_si512();
-    const int8_t *w1 = w + (count > 1 ? k : 0), *w2 = w + (count > 2 ? 2 * k : 0), *w3 = w + (count > 3 ? 3 * k : 0);
+    int r1 = count > 1 ? 1 : 0, r2 = count > 2 ? 2 : 0, r3 = count > 3 ? 3 : 0;
     for (int64_t i = 0; i < k; i += 64) {
         __mmask64 mask = k - i >= 64 ? ~(__mmask64)0 : (~(__mmask64)0) >> (64 - (k - i));
         __m512i xva = _mm512_maskz_loadu_epi8(mask, xa + i), xvb = _mm512_maskz_loadu_epi8(mask, xb + i);
-        __m512i wv0 = _mm512_maskz_loadu_epi8(mask, w + i), wv1 = _mm512_maskz_loadu_epi8(mask, w1 + i);
-        __m512i wv2 = _mm512_maskz_loadu_epi8(mask, w2 + i), wv3 = _mm512_maskz_loadu_epi8(mask, w3 + i);
+        __m512i wv0 = _mm512_maskz_loadu_epi8(mask, block_row(w, 0, i, k, packed));
+        __m512i wv1 = _mm512_maskz_loadu_epi8(mask, block_row(w, r1, i, k, packed));
+        __m512i wv2 = _mm512_maskz_loadu_epi8(mask, block_row(w, r2, i, k, packed));
+        __m512i wv3 = _mm512_maskz_loadu_epi8(mask, block_row(w, r3, i, k, packed));
         a0 = _mm512_dpbusd_epi32(a0, xva, wv0);
         b0 = _mm512_dpbusd_epi32(b0, xvb, wv0);
         a1 = _mm512_dpbusd_epi32(a1, xva, wv1);
@@ -143,79 +171,73 @@ static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w,
     out_b[3] = _mm512_reduce_add_epi32(b3);
 }
 #elif defined(__AVX2__)
-/* AVX2 without VNNI: u8 and s8 widened to int16, and _mm256_madd_epi16 sums each pair of
- * products exactly in int32 (|a * b| <= 255 * 128). The same integers as the VNNI path. Plain C
- * compiles to 32-bit multiplies here: 1.3-2.7x slower at one row and 2.6-4x at eight (7B shapes). */
+/* AVX2 without VNNI, by llama.cpp's sign trick: with the signed q = u - 128 (u ^ 0x80),
+ * q * w = |w| * sign(q, w), and _mm256_maddubs_epi16(|w| as u8, sign(q, w)) sums pairs of those
+ * exactly in int16 (|q| <= 127, |w| <= 128: 2 * 127 * 128 < 32768), which _mm256_madd_epi16 with
+ * ones widens to int32: 32 products in 5 operations per weight load. Against widening u8 and s8
+ * to int16 for _mm256_madd_epi16 (16 products in 4): 1.7x the multiply rate (L1-resident, Zen 3),
+ * 1.1-1.4x on 2-8 rows of 7B matrices and 1.05-1.08x on one (tools/bench_int8_kernel.py). Its
+ * sums are of q * w already, so the epilogue skips the offset correction (DOT_SUMS_SIGNED). */
+#define DOT_SUMS_SIGNED 1
 static inline int32_t sum_lanes(__m256i v) {
     __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
     half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
     return _mm_cvtsi128_si32(half);
 }
-/* Rows past count alias row 0 (their sums are discarded), so the loops have a fixed shape and
- * the accumulators stay in registers (a loop over count kept them in memory: 13 GB/s at 1B). */
-static inline __m256i widen_w(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
-static inline __m256i widen_x(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
-static inline int32_t tail_dot(const uint8_t *xu, const int8_t *w, int64_t from, int64_t k) {
-    int32_t sum = 0;
-    for (int64_t j = from; j < k; j++) sum += (int32_t)xu[j] * (int32_t)w[j];
-    return sum;
-}
-static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
-    const int8_t *w1 = w + (count > 1 ? k : 0), *w2 = w + (count > 2 ? 2 * k : 0), *w3 = w + (count > 3 ? 3 * k : 0);
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    __m256i a2 = _mm256_setzero_si256(), a3 = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 64 <= k; i += 64) {
-        prefetch_next_block(w, k, i);
-        for (int64_t j = i; j < i + 64; j += 16) {
-            __m256i x = widen_x(xu + j);
-            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x, widen_w(w + j)));
-            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x, widen_w(w1 + j)));
-            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x, widen_w(w2 + j)));
-            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x, widen_w(w3 + j)));
-        }
-    }
-    for (; i + 16 <= k; i += 16) {
-        __m256i x = widen_x(xu + i);
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x, widen_w(w + i)));
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x, widen_w(w1 + i)));
-        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x, widen_w(w2 + i)));
-        a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x, widen_w(w3 + i)));
-    }
-    out[0] = sum_lanes(a0) + tail_dot(xu, w, i, k);
-    out[1] = sum_lanes(a1) + tail_dot(xu, w1, i, k);
-    out[2] = sum_lanes(a2) + tail_dot(xu, w2, i, k);
-    out[3] = sum_lanes(a3) + tail_dot(xu, w3, i, k);
-}
-/* Two activation rows against the same 4 weight rows, by llama.cpp's sign trick: with the signed
- * q = u - 128 (u ^ 0x80), q * w = |w| * sign(q, w), and _mm256_maddubs_epi16(|w| as u8, sign(q, w))
- * sums pairs of those exactly in int16 (|q| <= 127, |w| <= 128: 2 * 127 * 128 < 32768), which
- * _mm256_madd_epi16 with ones widens to int32. 32 products in 4 instructions instead of 16 in
- * 3 plus a widening per operand: 1.7x the multiply rate (L1-resident, Zen 3), 1.1-1.4x on
- * 2-8 rows of 7B matrices (tools/bench_int8_kernel.py). Its sums are of q * w already, so the
- * epilogue skips the offset correction (DOT4X2_SUMS_SIGNED). */
-#define DOT4X2_SUMS_SIGNED 1
 static inline __m256i signed_activations(const uint8_t *p) {
     return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x80));
 }
 static inline __m256i signed_pair_dot(__m256i abs_w, __m256i w, __m256i q) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(q, w)), _mm256_set1_epi16(1));
 }
-#define DOVETAIL_ROW_PAIR_STEP(wr, acc_a, acc_b)                                     \
+static inline __m256i load_row(const int8_t *block, int r, int64_t i, int64_t k, int packed) {
+    return _mm256_loadu_si256((const __m256i *)block_row(block, r, i, k, packed));
+}
+/* The columns past the last multiple of 32 (rows layout only), by the scalar rule. */
+static inline int32_t tail_dot(const uint8_t *xu, const int8_t *row, int64_t from, int64_t k) {
+    int32_t sum = 0;
+    for (int64_t j = from; j < k; j++) sum += ((int32_t)xu[j] - 128) * (int32_t)row[j];
+    return sum;
+}
+/* Rows past count alias row 0 (their sums are discarded), so the loops have a fixed shape and
+ * the accumulators stay in registers (a loop over count kept them in memory: 13 GB/s at 1B). */
+static inline __attribute__((always_inline)) void dot4_impl(const uint8_t *xu, const int8_t *w, int64_t k, int count,
+                                                            int32_t out[4], const int packed) {
+    int r1 = count > 1 ? 1 : 0, r2 = count > 2 ? 2 : 0, r3 = count > 3 ? 3 : 0;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        if ((i & 63) == 0) prefetch_ahead(w, k, i, packed);
+        __m256i q = signed_activations(xu + i);
+        __m256i w0 = load_row(w, 0, i, k, packed), w1 = load_row(w, r1, i, k, packed);
+        __m256i w2 = load_row(w, r2, i, k, packed), w3 = load_row(w, r3, i, k, packed);
+        a0 = _mm256_add_epi32(a0, signed_pair_dot(_mm256_abs_epi8(w0), w0, q));
+        a1 = _mm256_add_epi32(a1, signed_pair_dot(_mm256_abs_epi8(w1), w1, q));
+        a2 = _mm256_add_epi32(a2, signed_pair_dot(_mm256_abs_epi8(w2), w2, q));
+        a3 = _mm256_add_epi32(a3, signed_pair_dot(_mm256_abs_epi8(w3), w3, q));
+    }
+    out[0] = sum_lanes(a0) + tail_dot(xu, w, i, k);
+    out[1] = sum_lanes(a1) + tail_dot(xu, w + r1 * k, i, k);
+    out[2] = sum_lanes(a2) + tail_dot(xu, w + r2 * k, i, k);
+    out[3] = sum_lanes(a3) + tail_dot(xu, w + r3 * k, i, k);
+}
+/* Two activation rows against the same 4 weight rows: each weight load and |w| feed both. */
+#define DOVETAIL_ROW_PAIR_STEP(r, acc_a, acc_b)                                      \
     do {                                                                            \
-        __m256i wv = _mm256_loadu_si256((const __m256i *)((wr) + i));               \
+        __m256i wv = load_row(w, r, i, k, packed);                                  \
         __m256i abs_w = _mm256_abs_epi8(wv);                                        \
         acc_a = _mm256_add_epi32(acc_a, signed_pair_dot(abs_w, wv, qa));            \
         acc_b = _mm256_add_epi32(acc_b, signed_pair_dot(abs_w, wv, qb));            \
     } while (0)
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
-                          int prefetch, int32_t out_a[4], int32_t out_b[4]) {
-    const int8_t *rows[4] = {w, w + (count > 1 ? k : 0), w + (count > 2 ? 2 * k : 0), w + (count > 3 ? 3 * k : 0)};
+static inline __attribute__((always_inline)) void dot4x2_impl(const uint8_t *xa, const uint8_t *xb, const int8_t *w,
+                                                              int64_t k, int count, int prefetch, int32_t out_a[4],
+                                                              int32_t out_b[4], const int packed) {
+    int rows[4] = {0, count > 1 ? 1 : 0, count > 2 ? 2 : 0, count > 3 ? 3 : 0};
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) {
-        if (prefetch && (i & 63) == 0) prefetch_next_block(w, k, i);
+        if (prefetch && (i & 63) == 0) prefetch_ahead(w, k, i, packed);
         __m256i qa = signed_activations(xa + i), qb = signed_activations(xb + i);
         DOVETAIL_ROW_PAIR_STEP(rows[0], a0, b0);
         DOVETAIL_ROW_PAIR_STEP(rows[1], a1, b1);
@@ -224,38 +246,53 @@ static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w,
     }
     __m256i acc_a[4] = {a0, a1, a2, a3}, acc_b[4] = {b0, b1, b2, b3};
     for (int r = 0; r < 4; r++) {
-        int32_t sum_a = sum_lanes(acc_a[r]), sum_b = sum_lanes(acc_b[r]);
-        for (int64_t j = i; j < k; j++) {
-            sum_a += ((int32_t)xa[j] - 128) * (int32_t)rows[r][j];
-            sum_b += ((int32_t)xb[j] - 128) * (int32_t)rows[r][j];
-        }
-        out_a[r] = sum_a;
-        out_b[r] = sum_b;
+        out_a[r] = sum_lanes(acc_a[r]) + tail_dot(xa, w + rows[r] * k, i, k);
+        out_b[r] = sum_lanes(acc_b[r]) + tail_dot(xb, w + rows[r] * k, i, k);
     }
 }
 #undef DOVETAIL_ROW_PAIR_STEP
 #else
-static inline void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4]) {
+static inline __attribute__((always_inline)) void dot4_impl(const uint8_t *xu, const int8_t *w, int64_t k, int count,
+                                                            int32_t out[4], const int packed) {
     for (int r = 0; r < 4; r++) {
         int32_t sum = 0;
         if (r < count) {
-            const int8_t *wr = w + r * k;
-            for (int64_t i = 0; i < k; i++) sum += (int32_t)xu[i] * (int32_t)wr[i];
+            for (int64_t i = 0; i < k; i += 64) {
+                const int8_t *chunk = block_row(w, r, i, k, packed);
+                for (int64_t j = 0; j < 64 && i + j < k; j++) sum += (int32_t)xu[i + j] * (int32_t)chunk[j];
+            }
         }
         out[r] = sum;
     }
 }
-static inline void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count,
-                          int prefetch, int32_t out_a[4], int32_t out_b[4]) {
+static inline __attribute__((always_inline)) void dot4x2_impl(const uint8_t *xa, const uint8_t *xb, const int8_t *w,
+                                                              int64_t k, int count, int prefetch, int32_t out_a[4],
+                                                              int32_t out_b[4], const int packed) {
     (void)prefetch;
-    dot4(xa, w, k, count, out_a);
-    dot4(xb, w, k, count, out_b);
+    dot4_impl(xa, w, k, count, out_a, packed);
+    dot4_impl(xb, w, k, count, out_b, packed);
 }
 #endif
 
-#ifndef DOT4X2_SUMS_SIGNED
-#define DOT4X2_SUMS_SIGNED 0 /* dot4x2 sums u * w, like dot4 */
+#ifndef DOT_SUMS_SIGNED
+#define DOT_SUMS_SIGNED 0 /* the dot kernels sum u * w */
 #endif
+
+/* Each dot kernel is written once with `packed` a parameter (always inlined) and called where it
+ * is a constant, so each layout gets its own loop with the addressing folded in. */
+static void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32_t out[4], int packed) {
+    if (packed)
+        dot4_impl(xu, w, k, count, out, 1);
+    else
+        dot4_impl(xu, w, k, count, out, 0);
+}
+static void dot4x2(const uint8_t *xa, const uint8_t *xb, const int8_t *w, int64_t k, int count, int prefetch,
+                   int32_t out_a[4], int32_t out_b[4], int packed) {
+    if (packed)
+        dot4x2_impl(xa, xb, w, k, count, prefetch, out_a, out_b, 1);
+    else
+        dot4x2_impl(xa, xb, w, k, count, prefetch, out_a, out_b, 0);
+}
 
 /* acc[r] - w_offset[n0 + r] is sum q * w; w_offset NULL: acc is that sum already. */
 static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int count, const float *x_scale,
@@ -269,36 +306,42 @@ static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int co
     }
 }
 
-/* y[rows, n_out] from u8 activations xu[rows, k] and int8 weights w[n_out, k]. Threads split the
- * output rows in blocks of 4; each block's weights are read from memory once for all rows. */
-void dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
-                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
-                          int64_t k, int threads) {
+/* y[rows, n_out] from u8 activations xu[rows, k] and int8 weights w (rows [n_out, k], or packed:
+ * see block_row). Threads split the output rows in blocks of 4; each block's weights are read
+ * from memory once for all rows. Returns -1 (nothing computed) for a packed shape that cannot be. */
+int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
+                         const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
+                         int64_t k, int packed, int threads) {
+    if (packed && (n_out % 4 != 0 || k % 64 != 0)) return -1;
     int64_t blocks = (n_out + 3) / 4;
-    const int32_t *pair_offset = DOT4X2_SUMS_SIGNED ? NULL : w_offset;
+    const int32_t *offset = DOT_SUMS_SIGNED ? NULL : w_offset;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < blocks; block++) {
         int64_t n0 = block * 4;
+        const int8_t *weights = w + n0 * k; /* both layouts: a block is 4 * k bytes */
         int count = (int)(n_out - n0 < 4 ? n_out - n0 : 4);
         int32_t acc[4], acc_b[4];
         int64_t m = 0;
         for (; m + 2 <= rows; m += 2) {
-            dot4x2(xu + m * k, xu + (m + 1) * k, w + n0 * k, k, count, m == 0, acc, acc_b);
-            store_row(acc, m, n0, count, x_scale, w_scale, pair_offset, bias, y, n_out);
-            store_row(acc_b, m + 1, n0, count, x_scale, w_scale, pair_offset, bias, y, n_out);
+            dot4x2(xu + m * k, xu + (m + 1) * k, weights, k, count, m == 0, acc, acc_b, packed);
+            store_row(acc, m, n0, count, x_scale, w_scale, offset, bias, y, n_out);
+            store_row(acc_b, m + 1, n0, count, x_scale, w_scale, offset, bias, y, n_out);
         }
         if (m < rows) {
-            dot4(xu + m * k, w + n0 * k, k, count, acc);
-            store_row(acc, m, n0, count, x_scale, w_scale, w_offset, bias, y, n_out);
+            dot4(xu + m * k, weights, k, count, acc, packed);
+            store_row(acc, m, n0, count, x_scale, w_scale, offset, bias, y, n_out);
         }
     }
+    return 0;
 }
 
 /* One call per layer from Python: quantize the rows, then the linear (a decode step makes
- * hundreds of these calls, so fewer foreign calls and tensors per call matter). Returns 0, or
- * -1 if the scratch could not be allocated. */
+ * hundreds of these calls, so fewer foreign calls and tensors per call matter). Returns 0, -1 if
+ * the scratch could not be allocated, or -2 for a packed shape that cannot be. */
 int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
-                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int threads) {
+                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int packed,
+                          int threads) {
+    if (packed && (n_out % 4 != 0 || k % 64 != 0)) return -2;
     uint8_t stack_rows[4 * 16384];
     float stack_scales[4];
     int small = rows <= 4 && k <= 16384;
@@ -312,7 +355,7 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
         return -1;
     }
     dovetail_quantize_rows(x, xu, x_scale, rows, k);
-    dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads);
+    dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, packed, threads);
     if (!small) {
         free(xu);
         free(x_scale);

@@ -76,9 +76,10 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     library.dovetail_quantize_rows.argtypes = [pointer, pointer, pointer, i64, i64]
     library.dovetail_weight_offsets.argtypes = [pointer, pointer, i64, i64]
     library.dovetail_int8_linear.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, pointer,
-                                             i64, i64, i64, ctypes.c_int]
+                                             i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    library.dovetail_int8_linear.restype = ctypes.c_int
     library.dovetail_int8_forward.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer,
-                                              i64, i64, i64, ctypes.c_int]
+                                              i64, i64, i64, ctypes.c_int, ctypes.c_int]
     library.dovetail_int8_forward.restype = ctypes.c_int
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
@@ -160,25 +161,85 @@ def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> 
     return offsets
 
 
+BLOCK_ROWS, CHUNK_BYTES = 4, 64  # the packed layout: blocks of 4 output rows in 64-byte column chunks
+# Rows shorter than this stream faster packed; rows of a 4 KB page or more as they are. Measured
+# on a 2-core EPYC (Zen 3, AVX2), [N, K] time over packed, one row: k = 2048 1.28-1.43x, k = 3072
+# 1.02-1.07x, k = 4096 0.94-1.02x, k = 5632-11008 0.86-0.99x (/work/notes/bench/pack_ab.log).
+PACK_BELOW_IN_FEATURES = 4096
+LAYOUT_VARIABLE = "DOVETAIL_INT8_LAYOUT"  # auto (default), rows or packed: force a layout for comparisons
+
+
+def can_pack(out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape has a packed layout (every real model's does)."""
+    return out_features % BLOCK_ROWS == 0 and in_features % CHUNK_BYTES == 0
+
+
+def packs_by_default(library: ctypes.CDLL, out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape is held packed on this library: every call on the GEMV kernel
+    (no VNNI), rows shorter than ``PACK_BELOW_IN_FEATURES``, a shape with a packed layout; or as
+    $DOVETAIL_INT8_LAYOUT forces (rows, packed) where the CPU and shape allow."""
+    if library.dovetail_int8_simd() == 2 or not can_pack(out_features, in_features):
+        return False
+    forced = os.environ.get(LAYOUT_VARIABLE, "auto").lower()
+    return forced == "packed" or (forced != "rows" and in_features < PACK_BELOW_IN_FEATURES)
+
+
+def pack_blocks(values: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> the kernel's packed layout, flat: each block of 4 output rows one contiguous
+    run of 64-byte chunks, row r's columns [64c, 64c + 64) at 256c + 64r within its block."""
+    out_features, in_features = values.shape
+    blocks = values.view(out_features // BLOCK_ROWS, BLOCK_ROWS, in_features // CHUNK_BYTES, CHUNK_BYTES)
+    return blocks.transpose(1, 2).contiguous().view(-1)
+
+
+def unpack_blocks(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of ``pack_blocks``: a new [N, K] tensor."""
+    blocks = packed.view(out_features // BLOCK_ROWS, in_features // CHUNK_BYTES, BLOCK_ROWS, CHUNK_BYTES)
+    return blocks.transpose(1, 2).reshape(out_features, in_features)
+
+
 class Int8Weights:
     """An int8 weight [N, K] with its scales, offsets and bias, and their addresses, kept for
-    the layer's lifetime: a forward is then one foreign call and one output tensor."""
+    the layer's lifetime: a forward is then one foreign call and one output tensor.
+
+    Where every call runs on the GEMV kernel (CPUs without VNNI), rows are shorter than
+    ``PACK_BELOW_IN_FEATURES`` and the shape allows, the weight is held packed (``pack_blocks``):
+    each thread then reads one sequential stream instead of four short ones (int8_gemv.c). With
+    VNNI it stays [N, K], which torch's int8 GEMM reads for calls of ``INT_MM_MIN_ROWS`` or more.
+    ``pack``: force either layout (benchmarks, tests); None: ``packs_by_default``."""
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 library: ctypes.CDLL | None = None):
+                 library: ctypes.CDLL | None = None, pack: bool | None = None):
         library = library or load()
         assert library is not None
         self._library = library
-        self.values = values.contiguous()
+        values = values.contiguous()
+        self.out_features, self.in_features = values.shape
         self.scales = scales.to(torch.float32).contiguous()
-        self.offsets = weight_offsets(self.values, library)
+        self.offsets = weight_offsets(values, library)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        self.out_features, self.in_features = self.values.shape
         self._forward = library.dovetail_int8_forward
         # None: every call on the GEMV kernel (CPUs without VNNI, see INT_MM_MIN_ROWS).
         self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 else None
-        self._pointers = (self.values.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+        if pack is None:
+            pack = packs_by_default(library, self.out_features, self.in_features)
+        if pack and not can_pack(self.out_features, self.in_features):
+            raise ValueError(f"a {self.out_features}x{self.in_features} weight cannot be packed "
+                             f"(needs out % {BLOCK_ROWS} == 0 and in % {CHUNK_BYTES} == 0)")
+        if pack and self.matmul_min_rows is not None:
+            raise ValueError("packed weights run on the GEMV kernel only; this CPU sends large calls to torch's GEMM")
+        self.packed = bool(pack)
+        # What the kernel reads: [N, K], or packed flat.
+        self.stored = pack_blocks(values) if self.packed else values
+        self._pointers = (self.stored.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                           None if self.bias is None else self.bias.data_ptr())
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The int8 weight [N, K] (a new tensor when held packed)."""
+        if self.packed:
+            return unpack_blocks(self.stored, self.out_features, self.in_features)
+        return self.stored
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """[M, K] fp32 contiguous rows -> [M, N]."""
@@ -187,7 +248,7 @@ class Int8Weights:
             return self._matmul(rows)
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         if self._forward(rows.data_ptr(), *self._pointers, out.data_ptr(), count, self.out_features,
-                         self.in_features, torch.get_num_threads()) != 0:
+                         self.in_features, int(self.packed), torch.get_num_threads()) != 0:
             raise MemoryError(f"int8 linear: no memory for {count} x {self.in_features} quantized rows")
         return out
 

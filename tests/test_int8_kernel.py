@@ -161,3 +161,102 @@ def test_a_layer_too_wide_for_exact_int32_sums_uses_fbgemm(kernel):
     alone = torch.cat([layer(rows[index:index + 1]) for index in range(3)])
     assert torch.equal(layer(rows), alone)
     assert RowwiseInt8Linear(torch.randn(8, wide - 1) * 0.01).kernel == kernel
+
+
+# ---- the packed weight layout (int8_gemv.c, block_row; int8_kernel.pack_blocks) ----
+
+def test_pack_blocks_lays_each_block_s_rows_out_in_64_byte_chunks_in_turn():
+    out_features, in_features = 8, 192
+    values = (torch.arange(out_features * in_features) % 251 - 125).to(torch.int8).reshape(out_features, in_features)
+    packed = int8_kernel.pack_blocks(values)
+    assert packed.shape == (out_features * in_features,)
+    for row in range(out_features):
+        for column in range(in_features):
+            block, r, chunk, byte = row // 4, row % 4, column // 64, column % 64
+            assert packed[block * 4 * in_features + chunk * 256 + r * 64 + byte] == values[row, column]
+    assert torch.equal(int8_kernel.unpack_blocks(packed, out_features, in_features), values)
+
+
+def _forward(library, rows: torch.Tensor, stored: torch.Tensor, weights: int8_kernel.Int8Weights,
+             packed: bool) -> torch.Tensor:
+    out = torch.empty(rows.shape[0], weights.out_features)
+    status = library.dovetail_int8_forward(rows.data_ptr(), stored.data_ptr(), weights.scales.data_ptr(),
+                                           weights.offsets.data_ptr(), weights.bias.data_ptr(), out.data_ptr(),
+                                           rows.shape[0], weights.out_features, weights.in_features, int(packed), 2)
+    assert status == 0
+    return out
+
+
+@pytest.mark.parametrize("rows_in_call", [1, 2, 3, 8, 9])
+def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_path, rows_in_call):
+    """Every build (native, and AVX2 / plain C where the CPU runs them) with the weight packed
+    gives the bits of the native build with it as [N, K]: single rows, pairs and both mixed.
+    Called directly, so the VNNI path's packed loops are checked too where this CPU has VNNI
+    (Int8Weights keeps [N, K] there)."""
+    compiler = int8_kernel.find_compiler()
+    assert compiler is not None
+    native = int8_kernel.load()
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randint(-128, 128, (12, 320), dtype=torch.int8, generator=generator)  # 3 blocks, 5 chunks
+    weights = int8_kernel.Int8Weights(values, torch.rand(12, generator=generator) / 50 + 1e-3,
+                                      torch.randn(12, generator=generator), native, pack=False)
+    rows = torch.randn(rows_in_call, 320, generator=generator) * 2
+    expected = _forward(native, rows, values, weights, packed=False)
+    assert torch.equal(expected, reference_for(rows, values, weights))
+    packed = int8_kernel.pack_blocks(values)
+    libraries = {"native": native, "x86-64-v2": None}
+    if "avx2" in cpu_flags():
+        libraries["x86-64-v3"] = None
+    for arch in list(libraries):
+        if libraries[arch] is None:
+            flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
+            libraries[arch] = int8_kernel.build(compiler, flags, tmp_path / arch)
+    for arch, library in libraries.items():
+        assert torch.equal(_forward(library, rows, packed, weights, packed=True), expected), arch
+        assert torch.equal(_forward(library, rows, values, weights, packed=False), expected), arch
+
+
+def reference_for(rows: torch.Tensor, values: torch.Tensor, weights: int8_kernel.Int8Weights) -> torch.Tensor:
+    maxima = rows.abs().amax(dim=1, keepdim=True)
+    quantized = torch.round(rows * torch.where(maxima > 0, 127.0 / maxima, 0.0)).clamp(-127, 127).to(torch.int64)
+    sums = (quantized @ values.to(torch.int64).T).to(torch.int32)
+    return sums.to(torch.float32) * (maxima / 127.0) * weights.scales + weights.bias
+
+
+def test_weights_are_packed_where_rows_are_short_and_the_gemv_takes_every_call(kernel, monkeypatch):
+    library = int8_kernel.load()
+    generator = torch.Generator().manual_seed(4)
+
+    def weights(out_features: int, in_features: int, **kwargs) -> int8_kernel.Int8Weights:
+        values = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+        held = int8_kernel.Int8Weights(values, torch.rand(out_features, generator=generator) + 0.01, None, library,
+                                       **kwargs)
+        assert torch.equal(held.values, values)  # [N, K] whichever layout holds it
+        return held
+
+    short, long = int8_kernel.PACK_BELOW_IN_FEATURES - 64, int8_kernel.PACK_BELOW_IN_FEATURES
+    if library.dovetail_int8_simd() == 2:  # VNNI: torch's GEMM reads [N, K] for large calls
+        assert not weights(8, short).packed
+        with pytest.raises(ValueError, match="GEMV kernel only"):
+            weights(8, short, pack=True)
+        return
+    assert weights(8, short).packed and not weights(8, long).packed
+    assert not weights(6, short).packed and not weights(8, short + 32).packed  # shapes with no packed layout
+    with pytest.raises(ValueError, match="cannot be packed"):
+        weights(6, short, pack=True)
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "rows")
+    assert not weights(8, short).packed
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "packed")
+    assert weights(8, long).packed and not weights(6, long).packed
+    held = weights(8, long)
+    as_rows = int8_kernel.Int8Weights(held.values, held.scales, None, library, pack=False)
+    rows = torch.randn(3, long, generator=generator)
+    assert torch.equal(held(rows), as_rows(rows))
+
+
+def test_the_kernel_refuses_a_packed_call_of_a_shape_that_has_no_packed_layout(kernel):
+    library = int8_kernel.load()
+    x, weight = torch.randn(1, 100), torch.zeros(6 * 100, dtype=torch.int8)
+    scales, offsets, out = torch.ones(6), torch.zeros(6, dtype=torch.int32), torch.empty(1, 6)
+    assert library.dovetail_int8_forward(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                         None, out.data_ptr(), 1, 6, 100, 1, 1) == -2

@@ -60,6 +60,23 @@ def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtyp
         assert torch.equal(a, b)
 
 
+def test_an_engine_with_packed_int8_weights_gives_the_row_layout_s_bits(demo_target, monkeypatch):
+    """The same session on two engines: int8 weights as the kernel packs them on this CPU, and
+    all as [N, K]. Prefill, decodes, a tree and its verification agree bit for bit."""
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "rows")
+    as_rows, _ = build_engine(str(demo_target), "int8", 128, "bf16")
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "packed")
+    packed, _ = build_engine(str(demo_target), "int8", 128, "bf16")
+    layouts = {engine: [module._int8.packed for module in engine.model.modules() if hasattr(module, "_int8")]
+               for engine in (as_rows, packed)}
+    assert not any(layouts[as_rows])
+    if int8_kernel.load().dovetail_int8_simd() != 2:  # with VNNI nothing is packed (torch's GEMM reads [N, K])
+        assert all(layouts[packed]), "the demo target's shapes all have a packed layout"
+    for a, b in zip(session(packed, True, packed.model.layer_loop), session(as_rows, True, as_rows.model.layer_loop),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama3-rope", "llama-mha"])  # qkv biases; scaled rotary; MHA
 def test_the_c_loop_gives_the_python_layers_bits_on_other_families(tiny_models, family):
     engine = TargetEngine(load_target_model(tiny_models[family], "int8"), max_len=64)

@@ -26,7 +26,9 @@ from cpu_worker import int8_kernel
 from tools.bench_attention import parse_sizes
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))  # (out, in): attention, MLP up/gate, MLP down
+# (out, in): llama2-7b's attention, MLP up/gate, MLP down; llama-1b's fused qkv and gate/up, down.
+SHAPES = "4096x4096,11008x4096,4096x11008"
+SHAPES_1B = "6144x2048,11264x2048,2048x5632"
 STREAMED_BYTES = 96 << 20  # the matrices a call cycles through: three times a 32 MB last-level cache
 
 
@@ -42,16 +44,35 @@ def baseline_source(revision: str, directory: Path) -> Path:
     return path
 
 
-def forward(library: ctypes.CDLL, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-            out: torch.Tensor, threads: int) -> None:
-    values, scales, offsets = weight
-    rows, k = x.shape
-    if library.dovetail_int8_forward(x.data_ptr(), values.data_ptr(), scales.data_ptr(), offsets.data_ptr(), None,
-                                     out.data_ptr(), rows, values.shape[0], k, threads) != 0:
-        raise MemoryError("int8 forward: no scratch memory")
+class Kernel:
+    """One build of the kernel, called the way ``int8_kernel.Int8Weights`` calls it: with the
+    weight in the layout that version would hold it in (versions before the packed layout take
+    [N, K] and have no ``packed`` argument)."""
+
+    def __init__(self, library: ctypes.CDLL, source: Path):
+        self.library = library
+        self.has_layouts = "int packed" in source.read_text()
+        if not self.has_layouts:  # the argument types of an older version
+            pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+            library.dovetail_int8_forward.argtypes = [pointer] * 6 + [i64, i64, i64, ctypes.c_int]
+
+    def packs(self, out_features: int, in_features: int) -> bool:
+        """Whether this version holds such a weight packed (as Int8Weights would)."""
+        return self.has_layouts and int8_kernel.packs_by_default(self.library, out_features, in_features)
+
+    def forward(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                out: torch.Tensor, threads: int) -> None:
+        values, packed, scales, offsets = weight
+        rows, k = x.shape
+        packs = self.packs(*values.shape)
+        stored = packed if packs else values
+        layout = (int(packs),) if self.has_layouts else ()
+        if self.library.dovetail_int8_forward(x.data_ptr(), stored.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                              None, out.data_ptr(), rows, values.shape[0], k, *layout, threads) != 0:
+            raise MemoryError("int8 forward: no scratch memory")
 
 
-def compare(libraries: dict[str, ctypes.CDLL], shape: tuple[int, int], row_counts: list[int], repeats: int,
+def compare(libraries: dict[str, Kernel], shape: tuple[int, int], row_counts: list[int], repeats: int,
             threads: int) -> list[tuple[int, dict[str, float]]]:
     n, k = shape
     generator = torch.Generator().manual_seed(0)
@@ -59,8 +80,10 @@ def compare(libraries: dict[str, ctypes.CDLL], shape: tuple[int, int], row_count
     weights = []
     for _ in range(count):
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
-        weights.append((values, torch.rand(n, generator=generator) / 100 + 1e-3,
-                        int8_kernel.weight_offsets(values, next(iter(libraries.values())))))
+        packs = any(kernel.packs(n, k) for kernel in libraries.values())
+        weights.append((values, int8_kernel.pack_blocks(values) if packs else values,
+                        torch.rand(n, generator=generator) / 100 + 1e-3,
+                        int8_kernel.weight_offsets(values, next(iter(libraries.values())).library)))
     results = []
     for rows in row_counts:
         x = torch.randn(rows, k, generator=generator)
@@ -73,12 +96,12 @@ def compare(libraries: dict[str, ctypes.CDLL], shape: tuple[int, int], row_count
                 weight = weights[calls % count]
                 calls += 1
                 started = time.perf_counter()
-                forward(library, x, weight, outs[name], threads)
+                library.forward(x, weight, outs[name], threads)
                 if repeat:  # the first round warms up
                     times[name].append((time.perf_counter() - started) * 1e3)
         # Same weights for a bit-for-bit check (the timed calls rotate through different ones).
         for name, library in libraries.items():
-            forward(library, x, weights[0], outs[name], threads)
+            library.forward(x, weights[0], outs[name], threads)
         first, *others = outs.values()
         if any(not torch.equal(first, other) for other in others):
             raise click.ClickException(f"{n}x{k}, {rows} rows: the two kernels give different bits")
@@ -90,30 +113,40 @@ def compare(libraries: dict[str, ctypes.CDLL], shape: tuple[int, int], row_count
 @click.option("--baseline", default="HEAD", show_default=True, help="git revision whose int8_gemv.c is compared")
 @click.option("--rows", default="1,2,3,4,8,16,32", show_default=True, help="rows per call (comma-separated)")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--shapes", default=SHAPES, show_default=True,
+              help=f"weight shapes OUTxIN, comma-separated (llama-1b's: {SHAPES_1B})")
 @click.option("--repeats", type=click.IntRange(min=3), default=24, show_default=True,
               help="timed calls per version, shape and row count")
-def main(baseline: str, rows: str, threads: int, repeats: int) -> None:
+def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int) -> None:
     row_counts = parse_sizes(rows, "--rows")
+    try:
+        weight_shapes = [(int(out), int(in_)) for out, in_ in (shape.lower().split("x") for shape in shapes.split(","))]
+    except ValueError:
+        raise click.BadParameter(f"expected OUTxIN,OUTxIN...; got {shapes!r}", param_hint="--shapes") from None
     compiler = int8_kernel.find_compiler()
     if compiler is None:
         raise click.ClickException("no C compiler (set CC or install gcc): nothing to build")
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as scratch:
+        old_source = baseline_source(baseline, Path(scratch))
         libraries = {
-            f"baseline ({baseline})": int8_kernel.build(
-                compiler, int8_kernel.FLAGS, Path(scratch),
-                (baseline_source(baseline, Path(scratch)), *int8_kernel.SOURCES[1:])),
-            "this tree": int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch)),
+            f"baseline ({baseline})": Kernel(int8_kernel.build(
+                compiler, int8_kernel.FLAGS, Path(scratch), (old_source, *int8_kernel.SOURCES[1:])), old_source),
+            "this tree": Kernel(int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch)), int8_kernel.SOURCE),
         }
-        simd = {2: "AVX512-VNNI", 1: "AVX2"}.get(libraries["this tree"].dovetail_int8_simd(), "plain C")
+        simd = {2: "AVX512-VNNI", 1: "AVX2"}.get(libraries["this tree"].library.dovetail_int8_simd(), "plain C")
         print(f"int8 kernel, {simd} path, {threads} threads, median of {repeats} calls; ms per call")
-        print(f"python -m tools.bench_int8_kernel --baseline {baseline} --rows {rows} --threads {threads}")
-        print("| shape (out x in) | rows | baseline ms | this tree ms | baseline / this tree |")
-        print("|---|---|---|---|---|")
-        for shape in SHAPES:
+        print(f"python -m tools.bench_int8_kernel --baseline {baseline} --rows {rows} --shapes {shapes} "
+              f"--threads {threads}")
+        print("| shape (out x in) | layouts (baseline, this tree) | rows | baseline ms | this tree ms | "
+              "baseline / this tree |")
+        print("|---|---|---|---|---|---|")
+        for shape in weight_shapes:
+            layouts = ", ".join("packed" if kernel.packs(*shape) else "[N, K]" for kernel in libraries.values())
             for count, medians in compare(libraries, shape, row_counts, repeats, threads):
                 old, new = medians.values()
-                print(f"| {shape[0]}x{shape[1]} | {count} | {old:.2f} | {new:.2f} | {old / new:.2f}x |", flush=True)
+                print(f"| {shape[0]}x{shape[1]} | {layouts} | {count} | {old:.2f} | {new:.2f} | {old / new:.2f}x |",
+                      flush=True)
 
 
 if __name__ == "__main__":
