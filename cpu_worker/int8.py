@@ -57,7 +57,9 @@ class RowwiseInt8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         quantized = _quantize_per_row(weight.detach())
-        self._build(quantized.int_repr(), quantized.q_per_channel_scales(), bias)
+        values, scales = quantized.int_repr(), quantized.q_per_channel_scales()
+        del quantized  # its int8 storage, before _build may add a packed copy (load-time peak)
+        self._build(values, scales, bias)
 
     @classmethod
     def concatenate(cls, layers: Sequence[RowwiseInt8Linear]) -> RowwiseInt8Linear:
@@ -105,14 +107,15 @@ class RowwiseInt8Linear(nn.Module):
         return torch.ops.quantized.linear_unpack(self._packed)[0].q_per_channel_scales()
 
     def int8_weight(self) -> torch.Tensor:
-        """The int8 weight values [out, in], whichever kernel holds them."""
+        """The int8 weight values [out, in], whichever kernel holds them (a new tensor where
+        they are held packed or prepacked)."""
         if self.kernel != "fbgemm":
             return self._int8.values
         return torch.ops.quantized.linear_unpack(self._packed)[0].int_repr()
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: the int8 weight and its scales (the packed form holds the same)."""
+        """Resident bytes: the int8 weight and its scales (any layout, fbgemm's prepacked one too)."""
         return self.out_features * (self.in_features + 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

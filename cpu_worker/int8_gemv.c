@@ -11,7 +11,8 @@
  * Row independence (what makes Dovetail lossless at int8): a row's quantization uses only that
  * row, integer sums are exact, and the float epilogue is elementwise (built with
  * -ffp-contract=off, so no fused multiply-add depends on how the compiler vectorised it).
- * The AVX512-VNNI, AVX2 and plain C paths give the same bits.
+ * The AVX512-VNNI, AVX2 and plain C paths give the same bits for activations u = q + 128 in 1..255
+ * (|q| <= 127, which dovetail_quantize_rows guarantees; the AVX2 sign trick cannot negate -128).
  *
  * VNNI multiplies unsigned by signed bytes, so activations are stored as u = q + 128 and the VNNI
  * and plain C paths subtract 128 * sum_k w[n, k] (precomputed per row; the AVX2 path sums q * w
@@ -306,8 +307,8 @@ static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int co
     }
 }
 
-/* y[rows, n_out] from u8 activations xu[rows, k] and int8 weights w (rows [n_out, k], or packed:
- * see block_row). Threads split the output rows in blocks of 4; each block's weights are read
+/* y[rows, n_out] from u8 activations xu[rows, k] (each in 1..255: q + 128 with |q| <= 127) and
+ * int8 weights w (rows [n_out, k], or packed: see block_row). Threads split the output rows in blocks of 4; each block's weights are read
  * from memory once for all rows. Returns -1 (nothing computed) for a packed shape that cannot be. */
 int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,

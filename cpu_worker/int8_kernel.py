@@ -42,7 +42,8 @@ FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
 # rows, 2.3x at one). Without VNNI, torch's int8 GEMM is a slow generic path (AMD EPYC, AVX2: 2
 # GMAC/s, 274 ms for 32 x 4096 x 4096), so there every call stays on the GEMV kernel.
 INT_MM_MIN_ROWS = 24
-# The GEMV's int32 sums of (q + 128) * w stay exact while in_features * 255 * 127 < 2**31.
+# The GEMV's int32 sums of (q + 128) * w (VNNI and plain C; AVX2 sums q * w) stay exact while
+# in_features * 255 * 127 < 2**31.
 MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
 
 
@@ -180,8 +181,22 @@ def packs_by_default(library: ctypes.CDLL, out_features: int, in_features: int) 
     $DOVETAIL_INT8_LAYOUT forces (rows, packed) where the CPU and shape allow."""
     if library.dovetail_int8_simd() == 2 or not can_pack(out_features, in_features):
         return False
-    forced = os.environ.get(LAYOUT_VARIABLE, "auto").lower()
-    return forced == "packed" or (forced != "rows" and in_features < PACK_BELOW_IN_FEATURES)
+    forced = forced_layout()
+    return forced == "packed" or (forced == "auto" and in_features < PACK_BELOW_IN_FEATURES)
+
+
+def forced_layout() -> str:
+    """$DOVETAIL_INT8_LAYOUT: auto, rows or packed; anything else is auto, said once."""
+    value = os.environ.get(LAYOUT_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in ("auto", "rows", "packed"):
+        _warn_layout_once(value)
+        return "auto"
+    return value
+
+
+@cache
+def _warn_layout_once(value: str) -> None:
+    log.warning("%s=%r is not auto, rows or packed; int8 weights take the automatic layout", LAYOUT_VARIABLE, value)
 
 
 def pack_blocks(values: torch.Tensor) -> torch.Tensor:
@@ -247,8 +262,11 @@ class Int8Weights:
         if self.matmul_min_rows is not None and count >= self.matmul_min_rows:
             return self._matmul(rows)
         out = torch.empty(count, self.out_features, dtype=torch.float32)
-        if self._forward(rows.data_ptr(), *self._pointers, out.data_ptr(), count, self.out_features,
-                         self.in_features, int(self.packed), torch.get_num_threads()) != 0:
+        status = self._forward(rows.data_ptr(), *self._pointers, out.data_ptr(), count, self.out_features,
+                               self.in_features, int(self.packed), torch.get_num_threads())
+        if status == -2:  # unreachable: the constructor only packs shapes that have the layout
+            raise ValueError(f"int8 linear: {self.out_features}x{self.in_features} has no packed layout")
+        if status != 0:
             raise MemoryError(f"int8 linear: no memory for {count} x {self.in_features} quantized rows")
         return out
 

@@ -37,6 +37,18 @@ def kernel() -> str:
     return name
 
 
+@pytest.fixture(scope="module")
+def gemv_library(kernel, tmp_path_factory):
+    """A build whose every call runs on the GEMV kernel, so weights may be held packed: the native
+    one, or on a VNNI CPU (whose large calls go to torch's GEMM) its AVX2 build."""
+    native = int8_kernel.load()
+    if native.dovetail_int8_simd() != 2:
+        return native
+    compiler = int8_kernel.find_compiler()
+    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v3"]
+    return int8_kernel.build(compiler, flags, tmp_path_factory.mktemp("avx2"))
+
+
 @pytest.mark.parametrize("in_features", [64, 100, 256, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_kernel_computes_exactly_the_integer_reference(kernel, in_features, bias):
@@ -64,6 +76,17 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(kernel):
         assert torch.equal(layer(rows[:count]), alone[:count]), f"a call of {count} rows changed a row"
 
 
+def test_a_row_gets_the_same_bits_whatever_shares_its_call_with_packed_weights(gemv_library):
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randint(-127, 128, (516, 768), dtype=torch.int8, generator=generator)
+    weights = int8_kernel.Int8Weights(values, torch.rand(516, generator=generator) / 100 + 1e-4,
+                                      torch.randn(516, generator=generator), gemv_library, pack=True)
+    rows = torch.randn(40, 768, generator=generator)
+    alone = torch.cat([weights(rows[index:index + 1]) for index in range(40)])
+    for count in (2, 3, 7, 16, 33, 40):
+        assert torch.equal(weights(rows[:count]), alone[:count]), f"a call of {count} rows changed a row"
+
+
 def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_path):
     """On a CPU with AVX512-VNNI (this machine) the native build is the VNNI path, so this
     compares all three code paths: AVX2 (-march=x86-64-v3, built where the CPU can run it) and
@@ -76,9 +99,9 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
     if "avx2" in cpu_flags():
         builds["x86-64-v3"] = 1
     torch.manual_seed(1)
-    layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))  # 200: 16-byte steps and a tail
+    layer = RowwiseInt8Linear(torch.randn(130, 200) * 0.05, torch.randn(130))  # 200: 32-byte steps and a tail
     rows = torch.randn(9, 200)  # under INT_MM_MIN_ROWS: the GEMV kernel of each build; pairs and a single
-    # 200 columns: the AVX2 pair path's 32-byte steps and an 8-column tail, the one-row path's 16-byte steps
+    # 200 columns: the AVX2 paths' 32-byte steps and an 8-column tail
     expected = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, native)(rows)
     for arch, simd in builds.items():
         flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
@@ -88,12 +111,14 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
         assert torch.equal(got, expected), arch
 
 
-@pytest.mark.parametrize("rows_in_call", [2, 3, 5])
-def test_extreme_operands_stay_exact(kernel, rows_in_call):
-    """The AVX2 pair path sums two products in int16 (|w| * |q| * 2 <= 128 * 127 * 2): weights at
-    -128 and 127 against activations at +-127, the bound, must not saturate anywhere."""
+@pytest.mark.parametrize("rows_in_call", [1, 2, 3, 5])
+@pytest.mark.parametrize(("in_features", "out_features", "pack"), [(1000, 11, False), (1024, 12, True)])
+def test_extreme_operands_stay_exact(kernel, gemv_library, rows_in_call, in_features, out_features, pack):
+    """The AVX2 paths sum two products in int16 (|w| * |q| * 2 <= 128 * 127 * 2): weights at
+    -128 and 127 against activations at +-127, the bound, must not saturate anywhere, in either
+    weight layout (1024 columns and 12 outputs: packable) and with a tail (1000 and 11: not)."""
     generator = torch.Generator().manual_seed(2)
-    in_features, out_features = 1000, 11  # 31 steps of 32 and a tail of 8; 11 outputs: a block of 3
+    # 1000: 31 steps of 32 and a tail of 8; 11 outputs: a last block of 3
     values = torch.where(torch.rand(out_features, in_features, generator=generator) < 0.5,
                          torch.tensor(-128, dtype=torch.int8), torch.tensor(127, dtype=torch.int8))
     values[1] = -128  # one row all -128, one all 127: the largest same-sign pair sums
@@ -102,7 +127,7 @@ def test_extreme_operands_stay_exact(kernel, rows_in_call):
     rows = signs * 3.0  # every activation quantizes to +-127
     rows[0] = torch.where(values[1] < 0, -3.0, 3.0)  # row 0 against weight row 1: every product +128 * 127
     scales = torch.full((out_features,), 1e-3)
-    out = int8_kernel.Int8Weights(values, scales, None)(rows)
+    out = int8_kernel.Int8Weights(values, scales, None, gemv_library if pack else None, pack=pack)(rows)
     sums = (rows.sign().to(torch.int64) * 127) @ values.to(torch.int64).T
     assert int(sums[0, 1]) == 128 * 127 * in_features
     assert torch.equal(out, sums.to(torch.int32).to(torch.float32) * (3.0 / 127.0) * scales)
@@ -221,6 +246,13 @@ def reference_for(rows: torch.Tensor, values: torch.Tensor, weights: int8_kernel
     quantized = torch.round(rows * torch.where(maxima > 0, 127.0 / maxima, 0.0)).clamp(-127, 127).to(torch.int64)
     sums = (quantized @ values.to(torch.int64).T).to(torch.int32)
     return sums.to(torch.float32) * (maxima / 127.0) * weights.scales + weights.bias
+
+
+def test_an_unknown_layout_setting_takes_the_automatic_layout_and_says_so(kernel, monkeypatch, caplog):
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "pakced")
+    with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+        assert int8_kernel.forced_layout() == "auto"
+    assert "'pakced' is not auto, rows or packed" in caplog.text
 
 
 def test_weights_are_packed_where_rows_are_short_and_the_gemv_takes_every_call(kernel, monkeypatch):

@@ -1,13 +1,15 @@
 """The int8 kernel in this working tree against the same file at a git revision, side by side.
 
-    python -m tools.bench_int8_kernel [--baseline HEAD] [--rows 1,2,3,4,8,16,32] [--threads 2]
+    python -m tools.bench_int8_kernel [--baseline HEAD] [--rows 1,2,3,4,8,16,32] [--shapes OUTxIN,...] [--threads 2]
 
 For kernel work (``cpu_worker/int8_gemv.c``): both versions are built for this CPU and called
 the way a layer calls them (``dovetail_int8_forward``: quantize the rows, then the linear) on
-llama2-7b's matrix shapes. Each shape cycles through enough distinct matrices (>= 96 MB) that
-the weights stream from memory as in a real model rather than from the last-level cache. The
-two versions take turns on every repeat (a shared machine's noise hits both) and must give
-the same bits; prints the median ms per call and baseline / this tree.
+llama2-7b's matrix shapes by default, each weight in the layout that version holds it in (the
+baseline's int8_gemv.c links with this tree's other sources; only its linear is called). Each
+shape cycles through enough distinct matrices (>= 96 MB) that the weights stream from memory as
+in a real model rather than from the last-level cache. The two versions take turns on every
+repeat (a shared machine's noise hits both) and must give the same bits; prints the median ms
+per call and baseline / this tree.
 """
 
 from __future__ import annotations

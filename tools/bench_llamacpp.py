@@ -4,7 +4,8 @@ The issue's bar for the CPU target: fp32 and int8 decoding at least as fast as l
 and Q8_0, the engine a user would otherwise pick. Rounds alternate between the two engines
 (these machines are shared and noisy), each engine decodes ``--tokens`` tokens per round on the
 same threads, and the table gives medians, the per-round ratio and each engine against the read
-bandwidth measured in the same run.
+bandwidth measured in the same run. ``--prompt-tokens N`` also times a prefill of N tokens per
+round against llama-bench's pp test (time to first token).
 
 llama.cpp is not a dependency: bring a ``llama-bench`` binary and GGUF files of the same model.
 For an inflated stand-in (``../shared/testbed/inflate.py``), from a llama.cpp checkout::
@@ -51,6 +52,8 @@ class PairResult:
     llama_bytes: int = 0
     llama_type: str = ""
     kernel: str | None = None
+    ours_prefill_tps: list[float] = field(default_factory=list)
+    llama_prefill_tps: list[float] = field(default_factory=list)
 
 
 def parse_pair(_context: click.Context, _parameter: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, Path]]:
@@ -81,6 +84,14 @@ def ours_decode_tps(engine: TargetEngine, tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def ours_prefill_tps(engine: TargetEngine, tokens: int) -> float:
+    """A prefill of ``tokens`` tokens into an empty context, as llama-bench's pp test."""
+    prompt = torch.randint(0, engine.spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    start = time.perf_counter()
+    engine.prefill(prompt.tolist())
+    return tokens / (time.perf_counter() - start)
+
+
 def peak_rss_kb(pid: int) -> int:
     """VmHWM of a running process (kB; 0 once it is gone)."""
     try:
@@ -92,10 +103,12 @@ def peak_rss_kb(pid: int) -> int:
     return 0
 
 
-def llama_bench_round(binary: Path, gguf: Path, tokens: int, threads: int) -> tuple[float, float, dict]:
-    """(tokens/s, peak RSS GB, llama-bench's JSON record) of one tg run in a child process."""
-    command = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
-               "-o", "json"]
+def llama_bench_round(binary: Path, gguf: Path, tokens: int, threads: int,
+                      prompt_tokens: int = 0) -> tuple[float, float, dict]:
+    """(tokens/s, peak RSS GB, llama-bench's JSON record) of one tg run in a child process, or
+    of one pp run of ``prompt_tokens`` (a prefill) when that is given."""
+    test = ["-p", str(prompt_tokens), "-n", "0"] if prompt_tokens else ["-p", "0", "-n", str(tokens)]
+    command = [str(binary), "-m", str(gguf), *test, "-t", str(threads), "-r", "1", "-o", "json"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
         # Polled, not read from rusage: Linux carries a forked child's peak RSS (ours, with a model
@@ -120,7 +133,8 @@ def streamed_fraction(record: dict, dims: Dims) -> float:
 
 def run_pair(target: Path, precision: str, gguf: Path, binary: Path, options: dict, dims: Dims) -> PairResult:
     result = PairResult(precision, gguf)
-    engine, result.kernel = build_engine(str(target), precision, 64 + options["tokens"], options["kv_dtype"])
+    max_len = max(64 + options["tokens"], options["prompt_tokens"] + 1)
+    engine, result.kernel = build_engine(str(target), precision, max_len, options["kv_dtype"])
     result.ours_rss_gb = psutil.Process().memory_info().rss / 1e9
     result.ours_bytes = dims.streamed_bytes(precision)
     # First-call costs out of the numbers, and the GGUF in the page cache before llama.cpp is timed.
@@ -136,6 +150,13 @@ def run_pair(target: Path, precision: str, gguf: Path, binary: Path, options: di
         result.llama_type = str(record.get("model_type", ""))
         print(f"   {precision} round {round_index + 1}: ours {ours:.2f} tok/s, llama.cpp {llama:.2f} tok/s "
               f"({ours / llama:.2f}x)", flush=True)
+        if options["prompt_tokens"]:
+            ours = ours_prefill_tps(engine, options["prompt_tokens"])
+            llama, _, _ = llama_bench_round(binary, gguf, 0, options["threads"], options["prompt_tokens"])
+            result.ours_prefill_tps.append(ours)
+            result.llama_prefill_tps.append(llama)
+            print(f"   {precision} round {round_index + 1}, prefill of {options['prompt_tokens']}: ours {ours:.1f} "
+                  f"tok/s, llama.cpp {llama:.1f} tok/s ({ours / llama:.2f}x)", flush=True)
     del engine
     gc.collect()
     return result
@@ -153,6 +174,15 @@ def print_table(results: list[PairResult], bandwidth_gbs: float, threads: int) -
               f"{100 * ours * r.ours_bytes / 1e9 / bandwidth_gbs:.0f}% | "
               f"{100 * llama * r.llama_bytes / 1e9 / bandwidth_gbs:.0f}% | "
               f"{r.ours_rss_gb:.2f} / {r.llama_rss_gb:.2f} |")
+    prefills = [r for r in results if r.ours_prefill_tps]
+    if prefills:
+        print("\n| prefill | ours tok/s | llama.cpp tok/s | ours / llama.cpp (median of rounds) |")
+        print("|---|---|---|---|")
+        for r in prefills:
+            ratio = statistics.median(mine / theirs for mine, theirs in zip(r.ours_prefill_tps, r.llama_prefill_tps,
+                                                                             strict=True))
+            print(f"| {r.precision} / {r.llama_type} | {statistics.median(r.ours_prefill_tps):.1f} | "
+                  f"{statistics.median(r.llama_prefill_tps):.1f} | {ratio:.2f}x |")
     print(f"\nread bandwidth {bandwidth_gbs:.1f} GB/s ({threads} threads, a 1 GB sum); bytes per token: "
           + ", ".join(f"{r.precision} ours {r.ours_bytes / 1e9:.2f} GB, llama.cpp {r.llama_bytes / 1e9:.2f} GB"
                       for r in results))
@@ -173,13 +203,16 @@ def print_table(results: list[PairResult], bandwidth_gbs: float, threads: int) -
               help="Alternating rounds per pair (the table gives medians).")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True,
               help="This engine's KV cache dtype, as dovetail-run's (llama.cpp keeps its default, f16).")
+@click.option("--prompt-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also time a prefill of this many tokens each round (llama-bench's pp test); 0: decode only.")
 def main(target: Path, binary: Path, pairs: list[tuple[str, Path]], threads: int, tokens: int, rounds: int,
-         kv_dtype: str) -> None:
-    """Decode tokens/s of this engine and llama.cpp at the same bits, alternating rounds."""
+         kv_dtype: str, prompt_tokens: int) -> None:
+    """Decode (and prefill) tokens/s of this engine and llama.cpp at the same bits, alternating rounds."""
     torch.set_num_threads(threads)
     dims = Dims.from_config(json.loads((target / "config.json").read_text()))
     bandwidth_gbs, _ = measure_bandwidth(threads)
-    options = {"tokens": tokens, "rounds": rounds, "threads": threads, "kv_dtype": kv_dtype}
+    options = {"tokens": tokens, "rounds": rounds, "threads": threads, "kv_dtype": kv_dtype,
+               "prompt_tokens": prompt_tokens}
     print(f"{target.name}: {dims.linear_params / 1e9:.2f}B streamed parameters, {threads} threads, "
           f"{tokens} tokens per round, {rounds} rounds; read bandwidth {bandwidth_gbs:.1f} GB/s", flush=True)
     results = [run_pair(target, precision, gguf, binary, options, dims) for precision, gguf in pairs]
