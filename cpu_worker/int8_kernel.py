@@ -165,7 +165,7 @@ def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> 
 BLOCK_ROWS, CHUNK_BYTES = 4, 64  # the packed layout: blocks of 4 output rows in 64-byte column chunks
 # Rows shorter than this stream faster packed; rows of a 4 KB page or more as they are. Measured
 # on a 2-core EPYC (Zen 3, AVX2), [N, K] time over packed, one row: k = 2048 1.28-1.43x, k = 3072
-# 1.02-1.07x, k = 4096 0.94-1.02x, k = 5632-11008 0.86-0.99x (/work/notes/bench/pack_ab.log).
+# 1.02-1.07x, k = 4096 0.94-1.02x, k = 5632-11008 0.86-0.99x (python -m tools.bench_int8_kernel --layouts).
 PACK_BELOW_IN_FEATURES = 4096
 LAYOUT_VARIABLE = "DOVETAIL_INT8_LAYOUT"  # auto (default), rows or packed: force a layout for comparisons
 

@@ -1,6 +1,7 @@
 """The int8 kernel in this working tree against the same file at a git revision, side by side.
 
     python -m tools.bench_int8_kernel [--baseline HEAD] [--rows 1,2,3,4,8,16,32] [--shapes OUTxIN,...] [--threads 2]
+    python -m tools.bench_int8_kernel --layouts [--rows 1] [--shapes ...]   # this tree: [N, K] vs packed
 
 For kernel work (``cpu_worker/int8_gemv.c``): both versions are built for this CPU and called
 the way a layer calls them (``dovetail_int8_forward``: quantize the rows, then the linear) on
@@ -9,7 +10,8 @@ baseline's int8_gemv.c links with this tree's other sources; only its linear is 
 shape cycles through enough distinct matrices (>= 96 MB) that the weights stream from memory as
 in a real model rather than from the last-level cache. The two versions take turns on every
 repeat (a shared machine's noise hits both) and must give the same bits; prints the median ms
-per call and baseline / this tree.
+per call and baseline / this tree. ``--layouts`` instead compares this tree's kernel on weights
+held as [N, K] and packed (the measurement behind ``int8_kernel.PACK_BELOW_IN_FEATURES``).
 """
 
 from __future__ import annotations
@@ -51,15 +53,18 @@ class Kernel:
     weight in the layout that version would hold it in (versions before the packed layout take
     [N, K] and have no ``packed`` argument)."""
 
-    def __init__(self, library: ctypes.CDLL, source: Path):
+    def __init__(self, library: ctypes.CDLL, source: Path, layout: bool | None = None):
         self.library = library
         self.has_layouts = "int packed" in source.read_text()
+        self.layout = layout  # True / False: always packed / [N, K]; None: as Int8Weights chooses
         if not self.has_layouts:  # the argument types of an older version
             pointer, i64 = ctypes.c_void_p, ctypes.c_int64
             library.dovetail_int8_forward.argtypes = [pointer] * 6 + [i64, i64, i64, ctypes.c_int]
 
     def packs(self, out_features: int, in_features: int) -> bool:
-        """Whether this version holds such a weight packed (as Int8Weights would)."""
+        """Whether this version holds such a weight packed (as Int8Weights would, unless forced)."""
+        if self.layout is not None:
+            return self.layout
         return self.has_layouts and int8_kernel.packs_by_default(self.library, out_features, in_features)
 
     def forward(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -119,7 +124,9 @@ def compare(libraries: dict[str, Kernel], shape: tuple[int, int], row_counts: li
               help=f"weight shapes OUTxIN, comma-separated (llama-1b's: {SHAPES_1B})")
 @click.option("--repeats", type=click.IntRange(min=3), default=24, show_default=True,
               help="timed calls per version, shape and row count")
-def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int) -> None:
+@click.option("--layouts", is_flag=True,
+              help="Compare this tree's kernel on [N, K] and packed weights instead of two revisions.")
+def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int, layouts: bool) -> None:
     row_counts = parse_sizes(rows, "--rows")
     try:
         weight_shapes = [(int(out), int(in_)) for out, in_ in (shape.lower().split("x") for shape in shapes.split(","))]
@@ -129,25 +136,32 @@ def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int) -> N
     if compiler is None:
         raise click.ClickException("no C compiler (set CC or install gcc): nothing to build")
     torch.set_num_threads(threads)
+    if layouts and (unpackable := [shape for shape in weight_shapes if not int8_kernel.can_pack(*shape)]):
+        raise click.BadParameter(f"{unpackable} have no packed layout (out % 4, in % 64)", param_hint="--shapes")
     with tempfile.TemporaryDirectory() as scratch:
-        old_source = baseline_source(baseline, Path(scratch))
-        libraries = {
-            f"baseline ({baseline})": Kernel(int8_kernel.build(
-                compiler, int8_kernel.FLAGS, Path(scratch), (old_source, *int8_kernel.SOURCES[1:])), old_source),
-            "this tree": Kernel(int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch)), int8_kernel.SOURCE),
-        }
-        simd = {2: "AVX512-VNNI", 1: "AVX2"}.get(libraries["this tree"].library.dovetail_int8_simd(), "plain C")
+        this_tree = int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch))
+        if layouts:
+            names = ("[N, K]", "packed")
+            libraries = {names[0]: Kernel(this_tree, int8_kernel.SOURCE, layout=False),
+                         names[1]: Kernel(this_tree, int8_kernel.SOURCE, layout=True)}
+            command = f"--layouts --rows {rows} --shapes {shapes} --threads {threads}"
+        else:
+            names = (f"baseline ({baseline})", "this tree")
+            old_source = baseline_source(baseline, Path(scratch))
+            libraries = {names[0]: Kernel(int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch),
+                                                            (old_source, *int8_kernel.SOURCES[1:])), old_source),
+                         names[1]: Kernel(this_tree, int8_kernel.SOURCE)}
+            command = f"--baseline {baseline} --rows {rows} --shapes {shapes} --threads {threads}"
+        simd = {2: "AVX512-VNNI", 1: "AVX2"}.get(this_tree.dovetail_int8_simd(), "plain C")
         print(f"int8 kernel, {simd} path, {threads} threads, median of {repeats} calls; ms per call")
-        print(f"python -m tools.bench_int8_kernel --baseline {baseline} --rows {rows} --shapes {shapes} "
-              f"--threads {threads}")
-        print("| shape (out x in) | layouts (baseline, this tree) | rows | baseline ms | this tree ms | "
-              "baseline / this tree |")
+        print(f"python -m tools.bench_int8_kernel {command}")
+        print(f"| shape (out x in) | layouts | rows | {names[0]} ms | {names[1]} ms | {names[0]} / {names[1]} |")
         print("|---|---|---|---|---|---|")
         for shape in weight_shapes:
-            layouts = ", ".join("packed" if kernel.packs(*shape) else "[N, K]" for kernel in libraries.values())
+            held = ", ".join("packed" if kernel.packs(*shape) else "[N, K]" for kernel in libraries.values())
             for count, medians in compare(libraries, shape, row_counts, repeats, threads):
                 old, new = medians.values()
-                print(f"| {shape[0]}x{shape[1]} | {layouts} | {count} | {old:.2f} | {new:.2f} | {old / new:.2f}x |",
+                print(f"| {shape[0]}x{shape[1]} | {held} | {count} | {old:.2f} | {new:.2f} | {old / new:.2f}x |",
                       flush=True)
 
 
