@@ -80,9 +80,9 @@ void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, i
  * 64-byte chunks, row r's columns [64c, 64c + 64) at 256c + 64r (int8_kernel.pack_blocks).
  * Why packed: a block's 4 rows are then one sequential stream per thread instead of 4 streams
  * that restart every k bytes. Where rows are short the hardware prefetcher never gets going on
- * the latter: on a 2-core EPYC, k = 2048 (the 1B stand-in) streamed at 0.67-0.74x of a plain
- * read in row layout, packed at ~1.0x (tools/bench_int8_kernel.py). The sums are the same
- * integers either way. */
+ * the latter: on a 2-core EPYC, k = 2048 (the 1B stand-in) streamed at 0.67-0.74x of a torch
+ * sum() of the same bytes in row layout, and packed is 1.2-1.4x faster there (python -m
+ * tools.bench_int8_kernel --layouts). The sums are the same integers either way. */
 
 /* Row r (< 4) of a block, from column i (a multiple of 32 in SIMD loops). */
 static inline const int8_t *block_row(const int8_t *block, int r, int64_t i, int64_t k, int packed) {
