@@ -308,8 +308,9 @@ static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int co
 }
 
 /* y[rows, n_out] from u8 activations xu[rows, k] (each in 1..255: q + 128 with |q| <= 127) and
- * int8 weights w (rows [n_out, k], or packed: see block_row). Threads split the output rows in blocks of 4; each block's weights are read
- * from memory once for all rows. Returns -1 (nothing computed) for a packed shape that cannot be. */
+ * int8 weights w (rows [n_out, k], or packed: see block_row). Threads split the output rows in
+ * blocks of 4; each block's weights are read from memory once for all rows. Returns -1 (nothing
+ * computed) for a packed shape that cannot be. */
 int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
                          int64_t k, int packed, int threads) {
@@ -342,7 +343,6 @@ int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *
 int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
                           const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int packed,
                           int threads) {
-    if (packed && (n_out % 4 != 0 || k % 64 != 0)) return -2;
     uint8_t stack_rows[4 * 16384];
     float stack_scales[4];
     int small = rows <= 4 && k <= 16384;
@@ -356,12 +356,12 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
         return -1;
     }
     dovetail_quantize_rows(x, xu, x_scale, rows, k);
-    dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, packed, threads);
+    int refused = dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, packed, threads);
     if (!small) {
         free(xu);
         free(x_scale);
     }
-    return 0;
+    return refused ? -2 : 0;
 }
 
 /* ---- fp32 rows: y[m, n] = dot(x[m], w[n]) (+ bias[n]), each row's bits independent of its call-mates ----

@@ -5,7 +5,9 @@ fbgemm when it cannot be built."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,12 +24,25 @@ from cpu_worker.precision import activation_dtype
 def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:
     """The kernel's arithmetic in torch: symmetric per-row int8 activations, int32 sums, then
     the same float epilogue in the same order."""
+    return integer_reference(rows, layer._int8.values, layer._int8.scales, layer.bias)
+
+
+def integer_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
     maxima = rows.abs().amax(dim=1, keepdim=True)
     inverse = torch.where(maxima > 0, 127.0 / maxima, torch.zeros_like(maxima))
     quantized = torch.round(rows * inverse).clamp(-127, 127).to(torch.int64)
-    sums = (quantized @ layer._int8.values.to(torch.int64).T).to(torch.int32)
-    out = sums.to(torch.float32) * (maxima / 127.0) * layer._int8.scales
-    return out + layer.bias if layer.bias is not None else out
+    sums = (quantized @ values.to(torch.int64).T).to(torch.int32)
+    out = sums.to(torch.float32) * (maxima / 127.0) * scales
+    return out + bias if bias is not None else out
+
+
+def build_for(arch: str, directory: Path) -> ctypes.CDLL:
+    """The kernel library built for ``-march=arch`` instead of this CPU."""
+    compiler = int8_kernel.find_compiler()
+    assert compiler is not None
+    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
+    return int8_kernel.build(compiler, flags, directory)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +59,7 @@ def gemv_library(kernel, tmp_path_factory):
     native = int8_kernel.load()
     if native.dovetail_int8_simd() != 2:
         return native
-    compiler = int8_kernel.find_compiler()
-    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v3"]
-    return int8_kernel.build(compiler, flags, tmp_path_factory.mktemp("avx2"))
+    return build_for("x86-64-v3", tmp_path_factory.mktemp("avx2"))
 
 
 @pytest.mark.parametrize("in_features", [64, 100, 256, 1000])
@@ -91,8 +104,6 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
     """On a CPU with AVX512-VNNI (this machine) the native build is the VNNI path, so this
     compares all three code paths: AVX2 (-march=x86-64-v3, built where the CPU can run it) and
     plain C (-march=x86-64-v2) against it; elsewhere, the paths this CPU has."""
-    compiler = int8_kernel.shutil.which("cc") or int8_kernel.shutil.which("gcc")
-    assert compiler is not None
     native = int8_kernel.load()
     assert native is not None and native.dovetail_int8_has_vnni() == (kernel == "dovetail-vnni")
     builds = {"x86-64-v2": 0}
@@ -104,8 +115,7 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
     # 200 columns: the AVX2 paths' 32-byte steps and an 8-column tail
     expected = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, native)(rows)
     for arch, simd in builds.items():
-        flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
-        library = int8_kernel.build(compiler, flags, tmp_path / arch)
+        library = build_for(arch, tmp_path / arch)
         assert library.dovetail_int8_simd() == simd and library.dovetail_int8_has_vnni() == 0
         got = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, library)(rows)
         assert torch.equal(got, expected), arch
@@ -218,8 +228,6 @@ def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_pa
     gives the bits of the native build with it as [N, K]: single rows, pairs and both mixed.
     Called directly, so the VNNI path's packed loops are checked too where this CPU has VNNI
     (Int8Weights keeps [N, K] there)."""
-    compiler = int8_kernel.find_compiler()
-    assert compiler is not None
     native = int8_kernel.load()
     generator = torch.Generator().manual_seed(3)
     values = torch.randint(-128, 128, (12, 320), dtype=torch.int8, generator=generator)  # 3 blocks, 5 chunks
@@ -227,25 +235,14 @@ def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_pa
                                       torch.randn(12, generator=generator), native, pack=False)
     rows = torch.randn(rows_in_call, 320, generator=generator) * 2
     expected = _forward(native, rows, values, weights, packed=False)
-    assert torch.equal(expected, reference_for(rows, values, weights))
+    assert torch.equal(expected, integer_reference(rows, values, weights.scales, weights.bias))
     packed = int8_kernel.pack_blocks(values)
-    libraries = {"native": native, "x86-64-v2": None}
+    libraries = {"native": native, "x86-64-v2": build_for("x86-64-v2", tmp_path / "v2")}
     if "avx2" in cpu_flags():
-        libraries["x86-64-v3"] = None
-    for arch in list(libraries):
-        if libraries[arch] is None:
-            flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
-            libraries[arch] = int8_kernel.build(compiler, flags, tmp_path / arch)
+        libraries["x86-64-v3"] = build_for("x86-64-v3", tmp_path / "v3")
     for arch, library in libraries.items():
         assert torch.equal(_forward(library, rows, packed, weights, packed=True), expected), arch
         assert torch.equal(_forward(library, rows, values, weights, packed=False), expected), arch
-
-
-def reference_for(rows: torch.Tensor, values: torch.Tensor, weights: int8_kernel.Int8Weights) -> torch.Tensor:
-    maxima = rows.abs().amax(dim=1, keepdim=True)
-    quantized = torch.round(rows * torch.where(maxima > 0, 127.0 / maxima, 0.0)).clamp(-127, 127).to(torch.int64)
-    sums = (quantized @ values.to(torch.int64).T).to(torch.int32)
-    return sums.to(torch.float32) * (maxima / 127.0) * weights.scales + weights.bias
 
 
 def test_an_unknown_layout_setting_takes_the_automatic_layout_and_says_so(kernel, monkeypatch, caplog):
