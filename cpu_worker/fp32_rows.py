@@ -21,6 +21,8 @@ from torch.nn import functional as F
 from ipc.tree import MAX_TREE_TOKENS
 
 from . import int8_kernel
+from .huge_pages import on_huge_pages
+from .loading import release_freed_memory
 
 MAX_KERNEL_ROWS = MAX_TREE_TOKENS  # every tree the protocol allows is verified in one call on the kernel
 
@@ -35,9 +37,12 @@ class RowInvariantFp32Linear(nn.Module):
             raise RuntimeError("the fp32 row kernel needs the compiled kernel library (a C compiler)")
         self._function = library.dovetail_fp32_linear
         if isinstance(weight, nn.Parameter) and weight.dtype == torch.float32 and weight.is_contiguous():
-            self.weight = weight  # the same parameter: a tied lm_head stays tied, and nothing is copied
+            self.weight = weight  # the same parameter: a tied lm_head stays tied
         else:
             self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous(), requires_grad=False)
+        # Every call streams the weight: onto huge pages (1.08x a 1B fp32 decode step on the EPYC).
+        # Swapping .data keeps the parameter, so whatever shares it (a tied embedding) follows.
+        self.weight.data = on_huge_pages(self.weight.data)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(),
                                                            requires_grad=False)
         self.out_features, self.in_features = self.weight.shape
@@ -62,14 +67,17 @@ class RowInvariantFp32Linear(nn.Module):
 
 def use_fp32_row_kernel(model: nn.Module) -> bool:
     """Swap every fp32 ``nn.Linear`` under ``model`` for a RowInvariantFp32Linear (sharing its
-    weight: no copy). False, and nothing changed, when the kernel library cannot be built."""
+    weight, which moves onto huge pages). False, and nothing changed, when the kernel library cannot be built."""
     if int8_kernel.load_library() is None:
         return False
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32]
-    for name in names:
+    for count, name in enumerate(names, 1):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         dense = getattr(parent, child)
         setattr(parent, child, RowInvariantFp32Linear(dense.weight, dense.bias))
+        if count % 16 == 0:
+            release_freed_memory()  # the weights' old homes (moved onto huge pages), as we go
+    release_freed_memory()
     return bool(names)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .cores import cpu_flags
+from .huge_pages import on_huge_pages
 
 log = logging.getLogger("dovetail.cpu_worker")
 
@@ -244,8 +245,8 @@ class Int8Weights:
         if pack and self.matmul_min_rows is not None:
             raise ValueError("packed weights run on the GEMV kernel only; this CPU sends large calls to torch's GEMM")
         self.packed = bool(pack)
-        # What the kernel reads: [N, K], or packed flat.
-        self.stored = pack_blocks(values) if self.packed else values
+        # What the kernel reads: [N, K], or packed flat; on huge pages, as a stream (huge_pages.py).
+        self.stored = on_huge_pages(pack_blocks(values) if self.packed else values)
         self._pointers = (self.stored.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                           None if self.bias is None else self.bias.data_ptr())
 
