@@ -18,6 +18,7 @@ import torch
 
 from cpu_worker.engine import TargetEngine, greedy_decode
 from cpu_worker.loading import load_target_model
+from tools.bench_real import measure_bandwidth
 
 TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -32,18 +33,6 @@ def random_llama_110m(directory: Path) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
     return directory
-
-
-def memory_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth from summing a buffer far larger than the caches (bytes read / time)."""
-    buffer = torch.ones(megabytes * 1024 * 1024 // 4, dtype=torch.float32)
-    buffer.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return buffer.numel() * 4 / min(times) / 1e9
 
 
 def engine_decode_tps(engine: TargetEngine, prompt: list[int], tokens: int) -> float:
@@ -88,7 +77,7 @@ def verify_latency_ms(engine: TargetEngine, prefix: list[int], size: int, repeat
 def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
     if threads:
         torch.set_num_threads(threads)
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = measure_bandwidth(None)[0]
     print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth:.1f} GB/s")
     with tempfile.TemporaryDirectory() as scratch:
         for name in models.split(","):
