@@ -97,7 +97,7 @@ static inline const int8_t *block_row(const int8_t *block, int r, int64_t i, int
  * line ahead each from column i (eight streams instead of four). Packed: the stream's next 4
  * lines, 1 KB ahead. Together 1.16x on a 1B decode's linears (2-core EPYC, 88-90% of a sum()).
  * always_inline is load-bearing: as a plain function GCC 12 finds it "looping const" (a prefetch
- * has no semantic effect) and deletes every call, which it did from a6d3fc9 to 1fd0a3b;
+ * has no semantic effect) and deletes every call, as it did from a6d3fc9 until b3e12a3;
  * tests/test_int8_kernel.py checks the built assembly still prefetches. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const int8_t *block, int64_t k, int64_t i,
                                                                  int packed) {
