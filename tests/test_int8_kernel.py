@@ -38,12 +38,16 @@ def integer_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Te
     return out + bias if bias is not None else out
 
 
+def flags_for(arch: str) -> list[str]:
+    """The library's build flags with ``-march=arch`` instead of this CPU's."""
+    return [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
+
+
 def build_for(arch: str, directory: Path) -> ctypes.CDLL:
     """The kernel library built for ``-march=arch`` instead of this CPU."""
     compiler = int8_kernel.find_compiler()
     assert compiler is not None
-    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
-    return int8_kernel.build(compiler, flags, directory)
+    return int8_kernel.build(compiler, flags_for(arch), directory)
 
 
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3", "icelake-server"])
@@ -53,10 +57,9 @@ def test_the_built_dot_kernels_keep_their_software_prefetches(arch, tmp_path):
     linears). The assembly the build flags give must still prefetch (AVX2, and VNNI)."""
     compiler = int8_kernel.find_compiler()
     assert compiler is not None, "no C compiler: the int8 kernel cannot be built"
-    flags = [flag for flag in int8_kernel.FLAGS if flag not in ("-shared", "-march=native")]
+    flags = [flag for flag in flags_for(arch) if flag != "-shared"] + ["-S"]
     assembly = tmp_path / "int8_gemv.s"
-    subprocess.run([compiler, *flags, f"-march={arch}", "-S", str(int8_kernel.SOURCE), "-o", str(assembly)],
-                   check=True, capture_output=True)
+    subprocess.run([compiler, *flags, str(int8_kernel.SOURCE), "-o", str(assembly)], check=True, capture_output=True)
     assert "prefetcht0" in assembly.read_text()
 
 
