@@ -4,7 +4,8 @@ The issue's bar for the CPU target: fp32 and int8 decoding at least as fast as l
 and Q8_0, the engine a user would otherwise pick. Rounds alternate between the two engines
 (these machines are shared and noisy), each engine decodes ``--tokens`` tokens per round on the
 same threads, and the table gives medians, the per-round ratio and each engine against the read
-bandwidth measured in the same run. ``--prompt-tokens N`` also times a prefill of N tokens per
+bandwidth measured just before each round (a host whose bandwidth drifts by a quarter within a run
+would otherwise move the roofline fraction by as much). ``--prompt-tokens N`` also times a prefill of N tokens per
 round against llama-bench's pp test (time to first token).
 
 llama.cpp is not a dependency: bring a ``llama-bench`` binary and GGUF files of the same model.
@@ -54,6 +55,15 @@ class PairResult:
     kernel: str | None = None
     ours_prefill_tps: list[float] = field(default_factory=list)
     llama_prefill_tps: list[float] = field(default_factory=list)
+    bandwidth_gbs: list[float] = field(default_factory=list)  # read roofline measured before each round
+
+    def roofline_fractions(self) -> tuple[float, float]:
+        """(ours, llama.cpp): median over rounds of the bytes streamed per second against that
+        round's read bandwidth."""
+        ours = [tps * self.ours_bytes / 1e9 / gbs for tps, gbs in zip(self.ours_tps, self.bandwidth_gbs, strict=True)]
+        llama = [tps * self.llama_bytes / 1e9 / gbs
+                 for tps, gbs in zip(self.llama_tps, self.bandwidth_gbs, strict=True)]
+        return statistics.median(ours), statistics.median(llama)
 
 
 def parse_pair(_context: click.Context, _parameter: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, Path]]:
@@ -141,15 +151,17 @@ def run_pair(target: Path, precision: str, gguf: Path, binary: Path, options: di
     ours_decode_tps(engine, 4)
     llama_bench_round(binary, gguf, 8, options["threads"])
     for round_index in range(options["rounds"]):
+        bandwidth = measure_bandwidth(options["threads"], megabytes=512, repeats=3)[0]
         ours = ours_decode_tps(engine, options["tokens"])
         llama, rss_gb, record = llama_bench_round(binary, gguf, options["tokens"], options["threads"])
         result.ours_tps.append(ours)
         result.llama_tps.append(llama)
+        result.bandwidth_gbs.append(bandwidth)
         result.llama_rss_gb = max(result.llama_rss_gb, rss_gb)
         result.llama_bytes = int(int(record["model_size"]) * streamed_fraction(record, dims))
         result.llama_type = str(record.get("model_type", ""))
         print(f"   {precision} round {round_index + 1}: ours {ours:.2f} tok/s, llama.cpp {llama:.2f} tok/s "
-              f"({ours / llama:.2f}x)", flush=True)
+              f"({ours / llama:.2f}x); read bandwidth {bandwidth:.1f} GB/s", flush=True)
         if options["prompt_tokens"]:
             ours = ours_prefill_tps(engine, options["prompt_tokens"])
             llama, _, _ = llama_bench_round(binary, gguf, 0, options["threads"], options["prompt_tokens"])
@@ -162,7 +174,7 @@ def run_pair(target: Path, precision: str, gguf: Path, binary: Path, options: di
     return result
 
 
-def print_table(results: list[PairResult], bandwidth_gbs: float, threads: int) -> None:
+def print_table(results: list[PairResult], threads: int) -> None:
     print("\n| ours | llama.cpp | ours tok/s | llama.cpp tok/s | ours / llama.cpp (median of rounds) | "
           "ours % of read bw | llama.cpp % of read bw | RSS ours / llama.cpp GB |")
     print("|---|---|---|---|---|---|---|---|")
@@ -170,9 +182,9 @@ def print_table(results: list[PairResult], bandwidth_gbs: float, threads: int) -
         ours, llama = statistics.median(r.ours_tps), statistics.median(r.llama_tps)
         ratio = statistics.median(mine / theirs for mine, theirs in zip(r.ours_tps, r.llama_tps, strict=True))
         kernel = f" ({r.kernel})" if r.kernel else ""
+        ours_roofline, llama_roofline = r.roofline_fractions()
         print(f"| {r.precision}{kernel} | {r.llama_type} | {ours:.2f} | {llama:.2f} | {ratio:.2f}x | "
-              f"{100 * ours * r.ours_bytes / 1e9 / bandwidth_gbs:.0f}% | "
-              f"{100 * llama * r.llama_bytes / 1e9 / bandwidth_gbs:.0f}% | "
+              f"{100 * ours_roofline:.0f}% | {100 * llama_roofline:.0f}% | "
               f"{r.ours_rss_gb:.2f} / {r.llama_rss_gb:.2f} |")
     prefills = [r for r in results if r.ours_prefill_tps]
     if prefills:
@@ -183,7 +195,9 @@ def print_table(results: list[PairResult], bandwidth_gbs: float, threads: int) -
                                                                              strict=True))
             print(f"| {r.precision} / {r.llama_type} | {statistics.median(r.ours_prefill_tps):.1f} | "
                   f"{statistics.median(r.llama_prefill_tps):.1f} | {ratio:.2f}x |")
-    print(f"\nread bandwidth {bandwidth_gbs:.1f} GB/s ({threads} threads, a 1 GB sum); bytes per token: "
+    measured = [gbs for r in results for gbs in r.bandwidth_gbs]
+    print(f"\nread bandwidth {min(measured):.1f}-{max(measured):.1f} GB/s ({threads} threads, best of 3 sums of "
+          f"512 MB on huge pages before each round; % of read bw: median over rounds); bytes per token: "
           + ", ".join(f"{r.precision} ours {r.ours_bytes / 1e9:.2f} GB, llama.cpp {r.llama_bytes / 1e9:.2f} GB"
                       for r in results))
 
@@ -210,13 +224,12 @@ def main(target: Path, binary: Path, pairs: list[tuple[str, Path]], threads: int
     """Decode (and prefill) tokens/s of this engine and llama.cpp at the same bits, alternating rounds."""
     torch.set_num_threads(threads)
     dims = Dims.from_config(json.loads((target / "config.json").read_text()))
-    bandwidth_gbs, _ = measure_bandwidth(threads)
     options = {"tokens": tokens, "rounds": rounds, "threads": threads, "kv_dtype": kv_dtype,
                "prompt_tokens": prompt_tokens}
     print(f"{target.name}: {dims.linear_params / 1e9:.2f}B streamed parameters, {threads} threads, "
-          f"{tokens} tokens per round, {rounds} rounds; read bandwidth {bandwidth_gbs:.1f} GB/s", flush=True)
+          f"{tokens} tokens per round, {rounds} rounds", flush=True)
     results = [run_pair(target, precision, gguf, binary, options, dims) for precision, gguf in pairs]
-    print_table(results, bandwidth_gbs, threads)
+    print_table(results, threads)
 
 
 if __name__ == "__main__":
