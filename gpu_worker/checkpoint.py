@@ -303,6 +303,17 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
     ``midlayer.*``, ``norm``, ``lm_head`` [draft vocab, H], ``d2t``, ``t2d``; the embedding
     from the folder if it has one, else from the target's."""
     spec = _spec_with_weight_biases(config, state, "midlayer.")
+    # Published heads have one decoder layer whatever their config copied from the target; a
+    # deeper Dovetail head's plain layers are post_layers.0.. (their count decides).
+    post = {int(key.split(".")[1]) for key in state if key.startswith("post_layers.")}
+    if post != set(range(len(post))):
+        raise DraftCheckpointError(f"EAGLE-3 head {draft_dir}: post_layers {sorted(post)} are not numbered 0..")
+    if spec.num_layers != 1 + len(post):
+        if post:
+            raise DraftCheckpointError(
+                f"EAGLE-3 head {draft_dir}: config.json says num_hidden_layers {spec.num_layers}, its weights hold "
+                f"{1 + len(post)} decoder layers (midlayer and post_layers.0-{len(post) - 1})")
+        spec = dataclasses.replace(spec, num_layers=1)
     for name in ("fc.weight", "lm_head.weight"):
         if name not in state:
             raise DraftCheckpointError(f"EAGLE-3 head {draft_dir} has no {name}")

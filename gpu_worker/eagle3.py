@@ -16,6 +16,10 @@ layers a < b < c), reduced by ``fc`` to the head's width H, or the head's own ea
         x = g + u + Attn([b; a])
         out = x + MLP(post_attention_layernorm(x))
 
+A deeper head (``num_hidden_layers`` L > 1, Dovetail's; published heads have one layer) follows
+that layer with L - 1 plain Llama decoder layers at width H (``post_layers``, each with its own
+KV cache layer): out = post_layers(out).
+
 ``out`` (pre-norm) is what the next draft step takes as its feature; the draft distribution is
 ``log_softmax(lm_head(norm(out)))`` over the reduced draft vocabulary, whose id d is target id
 ``d + d2t[d]``; ``t2d[t]`` says whether target id t is in the draft vocabulary.
@@ -27,7 +31,8 @@ The embedding is the target's and is not part of the head's files (``file_state_
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +40,7 @@ from torch import nn
 
 from cpu_worker.fusion import fuse_projections
 from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
-from cpu_worker.llama import MLP, Attention, KVCache, LlamaSpec, RMSNorm
+from cpu_worker.llama import MLP, Attention, DecoderLayer, KVCache, LlamaSpec, RMSNorm
 
 # The layer rule and the names are torch-free (the coordinator reads them): one copy, there.
 from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY
@@ -61,7 +66,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    """fc over three target layers + one decoder layer + norm + lm_head over a draft vocabulary."""
+    """fc over three target layers + the EAGLE-3 decoder layer (+ any plain ones after it) + norm
+    + lm_head over a draft vocabulary."""
 
     d2t: torch.Tensor  # [Vd] int64: target id of draft id d is d + d2t[d]
     t2d: torch.Tensor  # [V] bool: target id in the draft vocabulary
@@ -70,8 +76,8 @@ class Eagle3Head(nn.Module):
         super().__init__()
         if fusion not in EAGLE3_FUSIONS:
             raise ValueError(f"unknown EAGLE-3 fusion {fusion!r}; supported: {', '.join(EAGLE3_FUSIONS)}")
-        if spec.num_layers != 1:
-            raise ValueError(f"an EAGLE-3 head has one decoder layer, the config says {spec.num_layers}")
+        if spec.num_layers < 1:
+            raise ValueError(f"an EAGLE-3 head has at least one decoder layer, the config says {spec.num_layers}")
         if not 0 < draft_vocab_size <= spec.vocab_size:
             raise ValueError(f"draft vocabulary size {draft_vocab_size} must be in 1..{spec.vocab_size} "
                              "(the target's vocabulary size)")
@@ -90,6 +96,8 @@ class Eagle3Head(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc: nn.Linear | RowwiseInt8Linear = nn.Linear(self.feature_size, d, bias=False)
         self.midlayer = Eagle3Layer(spec)
+        # Empty for a published (one-layer) head, so its files load unchanged.
+        self.post_layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers - 1))
         self.norm = RMSNorm(d, spec.rms_norm_eps)
         self.lm_head: nn.Linear | RowwiseInt8Linear = nn.Linear(d, draft_vocab_size, bias=False)
         # Identity mapping until a vocabulary is set: draft id d is target id d.
@@ -145,17 +153,37 @@ class Eagle3Head(nn.Module):
         raise ValueError(f"feature rows of width {width}: expected {self.feature_size} (3 target layers) "
                          f"or {self.hidden_size} (the head's own output)")
 
-    def layer(self, g: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              keys: torch.Tensor | None, values: torch.Tensor | None, start: int,
-              mask: torch.Tensor | None) -> torch.Tensor:
-        """g [B, S, H] (already reduced), tokens [B, S] -> outputs [B, S, H]; cache and mask
-        arguments as in ``cpu_worker.llama.Attention.forward`` (keys=None: no cache)."""
+    def layers(self, g: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor | None, values: torch.Tensor | None, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """g [B, S, H] (already reduced), tokens [B, S] -> outputs [B, S, H] through every
+        decoder layer; keys/values [L, B, kv_heads, max_len, hd] (None: no cache), start and mask
+        as in ``cpu_worker.llama.Attention.forward``."""
         attn = self.midlayer.self_attn
-        return self.layer_with(g, tokens, lambda x: attn(x, cos, sin, keys, values, start, mask))
+        x = self.layer_with(g, tokens, lambda h: attn(h, cos, sin, None if keys is None else keys[0],
+                                                      None if values is None else values[0], start, mask))
+        for index, layer in enumerate(self.plain_layers, 1):
+            x = layer(x, cos, sin, None if keys is None else keys[index], None if values is None else values[index],
+                      start, mask)
+        return x
+
+    @property
+    def plain_layers(self) -> list[DecoderLayer]:
+        """``post_layers`` typed: the plain decoder layers after the EAGLE-3 one."""
+        return [cast(DecoderLayer, layer) for layer in self.post_layers]
+
+    def post_layers_with(self, x: torch.Tensor, attends: Sequence[Callable[[torch.Tensor], torch.Tensor]]
+                         ) -> torch.Tensor:
+        """The plain layers after the EAGLE-3 one, each attention given as ``attends[i]`` (normed
+        input [B, S, H] -> [B, S, H] after o_proj), as ``layer_with`` takes the first's."""
+        for layer, attend in zip(self.plain_layers, attends, strict=True):
+            x = x + attend(layer.input_layernorm(x))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
 
     def layer_with(self, g: torch.Tensor, tokens: torch.Tensor,
                    attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The layer's equations with the attention given as ``attend`` (attention input
+        """The EAGLE-3 layer's equations with the attention given as ``attend`` (attention input
         [B, S, 2H] -> [B, S, H] after o_proj): training-time test supplies its own key set."""
         mid = self.midlayer
         b = mid.input_layernorm(self.embed_tokens(tokens).to(g.dtype))
@@ -176,14 +204,14 @@ class Eagle3Head(nn.Module):
         (True = may attend) or None for a causal continuation. Returns pre-norm outputs [S, H].
         """
         g = self.reduce(features).unsqueeze(0)
-        return self.layer(g, tokens.unsqueeze(0), cos, sin, cache.keys[0], cache.values[0], start, mask)[0]
+        return self.layers(g, tokens.unsqueeze(0), cos, sin, cache.keys, cache.values, start, mask)[0]
 
     def log_probs(self, output: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [S, draft_vocab] in fp32 (half-precision log_softmax loses ranks)."""
         return torch.log_softmax(self.lm_head(self.norm(output)).float(), dim=-1)
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
-        return KVCache(1, self.spec.num_kv_heads, self.spec.head_dim, max_len, dtype, device)
+        return KVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, max_len, dtype, device)
 
     # -- files and int8 -----------------------------------------------------------------------
 
@@ -196,6 +224,7 @@ class Eagle3Head(nn.Module):
         """Every projection in W8A8 int8, per token (``cpu_worker.int8``): a row's output never
         depends on the other rows of its call, as for ``DraftHead.quantize_int8``."""
         quantize_linears(self.midlayer)
+        quantize_linears(self.post_layers)
         for name in ("fc", "lm_head"):
             module = getattr(self, name)
             if isinstance(module, nn.Linear):

@@ -1,6 +1,7 @@
 """The EAGLE-3 head module against a reference forward written here from the equations (plain
-torch ops): with a KV cache, incremental calls and a tree mask, for both fusions; the draft
-vocabulary mapping; int8 rows independent of their call-mates; the aux-layer rule's errors."""
+torch ops): with a KV cache, incremental calls and a tree mask, for both fusions and for a deeper
+head (plain layers after the EAGLE-3 one); the draft vocabulary mapping; int8 rows independent of
+their call-mates; the aux-layer rule's errors."""
 
 from __future__ import annotations
 
@@ -15,15 +16,16 @@ from gpu_worker.eagle3 import Eagle3Head, resolve_aux_layers
 H, TARGET_H, VOCAB, DRAFT_VOCAB, HEADS, HEAD_DIM, FFN = 32, 24, 97, 40, 4, 8, 48
 
 
-def tiny_spec(kv_heads: int) -> LlamaSpec:
-    return LlamaSpec(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_layers=1, num_heads=HEADS,
+def tiny_spec(kv_heads: int, layers: int = 1) -> LlamaSpec:
+    return LlamaSpec(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_layers=layers, num_heads=HEADS,
                      num_kv_heads=kv_heads, head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_theta=10000.0,
                      max_position_embeddings=256)
 
 
-def tiny_eagle3(fusion: str, kv_heads: int = 4, seed: int = 0) -> Eagle3Head:
+def tiny_eagle3(fusion: str, kv_heads: int = 4, seed: int = 0, layers: int = 1) -> Eagle3Head:
     torch.manual_seed(seed)
-    head = Eagle3Head(tiny_spec(kv_heads), target_hidden_size=TARGET_H, draft_vocab_size=DRAFT_VOCAB, fusion=fusion)
+    head = Eagle3Head(tiny_spec(kv_heads, layers), target_hidden_size=TARGET_H, draft_vocab_size=DRAFT_VOCAB,
+                      fusion=fusion)
     with torch.no_grad():
         for name, parameter in head.named_parameters():
             # Non-trivial norms too, so a swapped norm cannot pass.
@@ -52,6 +54,30 @@ def ref_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def ref_attention(w: dict[str, torch.Tensor], prefix: str, x_in: torch.Tensor, kv_heads: int,
+                  positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Rotary multi-head attention of rows x_in [n, width] (row r sees rows c with allowed[r, c]),
+    o_proj applied."""
+    n = x_in.shape[0]
+    q = (x_in @ w[f"{prefix}self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM).transpose(0, 1)
+    k = (x_in @ w[f"{prefix}self_attn.k_proj.weight"].T).view(n, kv_heads, HEAD_DIM).transpose(0, 1)
+    v = (x_in @ w[f"{prefix}self_attn.v_proj.weight"].T).view(n, kv_heads, HEAD_DIM).transpose(0, 1)
+    q, k = ref_rope(q, positions), ref_rope(k, positions)
+    group = HEADS // kv_heads
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(HEAD_DIM)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, HEADS * HEAD_DIM)
+    return attn @ w[f"{prefix}self_attn.o_proj.weight"].T
+
+
+def ref_mlp(w: dict[str, torch.Tensor], prefix: str, x: torch.Tensor) -> torch.Tensor:
+    m = ref_rms(x, w[f"{prefix}post_attention_layernorm.weight"])
+    gate = m @ w[f"{prefix}mlp.gate_proj.weight"].T
+    up = m @ w[f"{prefix}mlp.up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ w[f"{prefix}mlp.down_proj.weight"].T
+
+
 def ref_forward(state: dict[str, torch.Tensor], fusion: str, kv_heads: int, features: list[torch.Tensor],
                 tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """All rows at once, no cache: row r attends to rows c with allowed[r, c]. features[r] is a
@@ -61,28 +87,22 @@ def ref_forward(state: dict[str, torch.Tensor], fusion: str, kv_heads: int, feat
     e = w["embed_tokens.weight"][tokens]
     a = ref_rms(g, w["midlayer.hidden_norm.weight"])
     b = ref_rms(e, w["midlayer.input_layernorm.weight"])
-    x_in = torch.cat([b, a], dim=-1)
-    n = len(features)
-    q = (x_in @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM).transpose(0, 1)
-    k = (x_in @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, HEAD_DIM).transpose(0, 1)
-    v = (x_in @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kv_heads, HEAD_DIM).transpose(0, 1)
-    q, k = ref_rope(q, positions), ref_rope(k, positions)
-    group = HEADS // kv_heads
-    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    scores = (q @ k.transpose(1, 2)) / math.sqrt(HEAD_DIM)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, HEADS * HEAD_DIM)
-    x = g + attn @ w["midlayer.self_attn.o_proj.weight"].T
+    x = g + ref_attention(w, "midlayer.", torch.cat([b, a], dim=-1), kv_heads, positions, allowed)
     if fusion == "dgf-eagle3":
         h1 = a @ w["W_1"]
         h2 = torch.nn.functional.silu(b @ w["W_2"])
         z = torch.sigmoid(torch.cat([h1, h2], -1) @ w["W_z"])
         x = x + z * h1 + (1 - z) * h2
-    m = ref_rms(x, w["midlayer.post_attention_layernorm.weight"])
-    gate = m @ w["midlayer.mlp.gate_proj.weight"].T
-    up = m @ w["midlayer.mlp.up_proj.weight"].T
-    mlp = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
-    return x + mlp
+    x = x + ref_mlp(w, "midlayer.", x)
+    # A deeper head: plain pre-norm Llama layers after it, same positions and mask.
+    layer = 0
+    while f"post_layers.{layer}.input_layernorm.weight" in w:
+        prefix = f"post_layers.{layer}."
+        x = x + ref_attention(w, prefix, ref_rms(x, w[f"{prefix}input_layernorm.weight"]), kv_heads, positions,
+                              allowed)
+        x = x + ref_mlp(w, prefix, x)
+        layer += 1
+    return x
 
 
 def ref_log_probs(state: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -148,8 +168,10 @@ def scenario(head: Eagle3Head, kv_heads: int) -> tuple[torch.Tensor, torch.Tenso
 
 @pytest.mark.parametrize("fusion", ["eagle3", "dgf-eagle3"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_forward_with_cache_and_tree_mask_matches_the_equations(fusion, kv_heads):
-    head = tiny_eagle3(fusion, kv_heads)
+@pytest.mark.parametrize("layers", [1, 3])
+def test_forward_with_cache_and_tree_mask_matches_the_equations(fusion, kv_heads, layers):
+    head = tiny_eagle3(fusion, kv_heads, layers=layers)
+    assert len(head.post_layers) == layers - 1
     got, expected = scenario(head, kv_heads)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(head.log_probs(got), ref_log_probs(head.state_dict(), expected), rtol=1e-4, atol=1e-4)
@@ -195,9 +217,9 @@ def test_draft_vocabulary_maps_both_ways():
         head.set_draft_vocab(torch.tensor([1, 1, 2]))
 
 
-@pytest.mark.parametrize("fusion", ["eagle3", "dgf-eagle3"])
-def test_int8_rows_do_not_depend_on_their_call_mates(fusion):
-    head = tiny_eagle3(fusion).quantize_int8()
+@pytest.mark.parametrize("fusion,layers", [("eagle3", 1), ("dgf-eagle3", 1), ("dgf-eagle3", 2)])
+def test_int8_rows_do_not_depend_on_their_call_mates(fusion, layers):
+    head = tiny_eagle3(fusion, layers=layers).quantize_int8()
     gen = torch.Generator().manual_seed(5)
     rows = torch.randn(6, 3 * TARGET_H, generator=gen)
     rows[2] *= 40  # one large row: a per-call scale would change every other row's rounding
@@ -218,7 +240,7 @@ def test_int8_rows_do_not_depend_on_their_call_mates(fusion):
                                   head.new_cache(8, torch.float32), 0, None)
             assert torch.equal(single[0], layer[r])
     # And int8 stays close to the float head.
-    float_head = tiny_eagle3(fusion)
+    float_head = tiny_eagle3(fusion, layers=layers)
     with torch.no_grad():
         assert torch.allclose(float_head.reduce(rows), together, rtol=0.05, atol=0.05 * float(together.abs().max()))
 

@@ -353,24 +353,59 @@ def test_a_random_dgf_head_still_reads_last_layer_rows(tmp_path):
     assert feature_layout(folder, read_config(DEMO_TARGET)) == FeatureLayout(256)
 
 
-@pytest.mark.parametrize("fusion", ["eagle3", "dgf-eagle3"])
-def test_a_head_written_by_dovetail_train_loads_for_the_runtime(tmp_path, fusion):
-    """dovetail-train's EAGLE-3 folders (tools.train.eagle3_io) load through --draft's loader
-    with every tensor as written, and say which layers they read."""
+def saved_trained_head(folder: Path, fusion: str, layers: int, draft_ids: list[int], seed: int = 0) -> Path:
+    """A random head in the shape dovetail-train writes, saved as it saves one."""
     import dataclasses
 
     from cpu_worker.loading import load_spec
-    from gpu_worker.checkpoint import load_head
     from gpu_worker.eagle3 import Eagle3Head
     from tools.train.eagle3_io import save_eagle3_head
 
-    torch.manual_seed(0)
-    spec = dataclasses.replace(load_spec(DEMO_TARGET), num_layers=1)
-    trained = Eagle3Head(spec, target_hidden_size=256, draft_vocab_size=300, fusion=fusion)
-    trained.set_draft_vocab(torch.randperm(8192)[:300])
-    folder = save_eagle3_head(trained, tmp_path / fusion, DEMO_TARGET, (1, 3, 4))
+    torch.manual_seed(seed)
+    spec = dataclasses.replace(load_spec(DEMO_TARGET), num_layers=layers)
+    trained = Eagle3Head(spec, target_hidden_size=256, draft_vocab_size=len(draft_ids), fusion=fusion)
+    trained.set_draft_vocab(torch.tensor(draft_ids))
+    return save_eagle3_head(trained, folder, DEMO_TARGET, tuple(DEMO_AUX))
+
+
+@pytest.mark.parametrize("fusion,layers", [("eagle3", 1), ("dgf-eagle3", 1), ("dgf-eagle3", 2)])
+def test_a_head_written_by_dovetail_train_loads_for_the_runtime(tmp_path, fusion, layers):
+    """dovetail-train's EAGLE-3 folders (tools.train.eagle3_io) load through --draft's loader
+    with every tensor as written, and say which layers they read; a deeper head keeps its depth."""
+    from safetensors.torch import load_file
+
+    from gpu_worker.checkpoint import DraftCheckpointError, load_head
+    from gpu_worker.eagle3 import Eagle3Head
+
+    folder = saved_trained_head(tmp_path / fusion, fusion, layers, torch.randperm(8192)[:300].tolist())
     assert feature_layout(folder, read_config(DEMO_TARGET)).aux_layers == (1, 3, 4)
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == layers
     head = load_head(folder, DEMO_TARGET)
     assert isinstance(head, Eagle3Head) and head.fusion == fusion
-    for name, tensor in trained.file_state_dict().items():
+    assert head.spec.num_layers == layers and len(head.post_layers) == layers - 1
+    written = load_file(str(folder / "model.safetensors"))
+    assert written.keys() == head.file_state_dict().keys()
+    for name, tensor in written.items():
         assert torch.equal(head.state_dict()[name], tensor), name
+    if layers > 1:  # a config that disagrees with the weights is named
+        edit_config(folder, num_hidden_layers=layers + 1)
+        with pytest.raises(DraftCheckpointError, match=f"num_hidden_layers {layers + 1}, its weights hold {layers}"):
+            load_head(folder, DEMO_TARGET)
+    else:  # a one-layer head whose config copied the target's depth still loads as published ones do
+        edit_config(folder, num_hidden_layers=6)
+        assert load_head(folder, DEMO_TARGET).spec.num_layers == 1
+
+
+def test_a_deeper_dgf_eagle3_head_is_lossless_end_to_end(tmp_path):
+    """A two-layer dgf-eagle3 head (Dovetail's own depth) through the real workers: greedy
+    dovetail gives --mode ar's tokens, with drafts accepted."""
+    folder = saved_trained_head(tmp_path / "deep", "dgf-eagle3", 2, frequent_ids(24), seed=5)
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in TEST_PROMPTS[:2]))
+    done = dovetail_run("--target", str(DEMO_TARGET), "--draft", str(folder), "--compare-ar",
+                        "--prompt-file", str(prompt_file), "--max-new-tokens", "32", "--json",
+                        "--tree-tokens", "16", "--depth", "6", "--tree-top-k", "8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) == 2 and all(line["ar"]["same_tokens"] is True for line in lines)
+    assert sum(line["stats"]["new_tokens"] - 1 - line["stats"]["cycles"] for line in lines) > 0

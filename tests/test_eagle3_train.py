@@ -71,9 +71,9 @@ def test_aux_layer_errors_name_the_option_and_the_key(deep_target, tiny_corpus, 
         assert result.exit_code != 0 and "torch sees no CUDA device" in result.output
 
 
-def tiny_eagle3(kv_heads: int, fusion: str, vocab: int = 50, seed: int = 0) -> Eagle3Head:
+def tiny_eagle3(kv_heads: int, fusion: str, vocab: int = 50, seed: int = 0, layers: int = 1) -> Eagle3Head:
     torch.manual_seed(seed)
-    spec = LlamaSpec(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+    spec = LlamaSpec(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4,
                      num_kv_heads=kv_heads, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
                      max_position_embeddings=128)
     head = Eagle3Head(spec, target_hidden_size=16, draft_vocab_size=20, fusion=fusion)
@@ -84,10 +84,10 @@ def tiny_eagle3(kv_heads: int, fusion: str, vocab: int = 50, seed: int = 0) -> E
     return head.eval()
 
 
-@pytest.mark.parametrize("fusion,kv_heads", [("eagle3", 4), ("dgf-eagle3", 2)])
-def test_training_time_test_equals_step_by_step_inference(fusion, kv_heads):
+@pytest.mark.parametrize("fusion,kv_heads,layers", [("eagle3", 4, 1), ("dgf-eagle3", 2, 1), ("dgf-eagle3", 2, 2)])
+def test_training_time_test_equals_step_by_step_inference(fusion, kv_heads, layers):
     steps, lengths = 4, (9, 6)  # two windows, the second padded
-    head = tiny_eagle3(kv_heads, fusion)
+    head = tiny_eagle3(kv_heads, fusion, layers=layers)
     gen = torch.Generator().manual_seed(1)
     rows_len = max(lengths)
     rows = torch.randn(2, rows_len, 48, generator=gen)
@@ -180,6 +180,28 @@ def test_a_trained_head_evaluates_greedily_identical_to_the_target(deep_target, 
     for row in report["results"]:
         assert row["files"] > 0 and row["cycles"] > 0
         assert row["tau"] >= 1.0
+
+
+def test_a_deeper_head_trains_from_the_cli_and_stays_lossless(tmp_path, deep_target, tiny_corpus, aux_features):
+    """--layers 2: the EAGLE-3 layer and one plain layer, trained end to end by the CLI (its
+    own key sets in the training-time test), written with its depth and greedy-exact in eval."""
+    out = tmp_path / "deep"
+    result = CliRunner().invoke(train_cli, [
+        "train", "--target", str(deep_target), "--features", str(aux_features), "--out", str(out),
+        "--recipe", "dgf-eagle3", "--layers", "2", "--draft-vocab", "60", "--ttt-steps", "2", "--batch-size", "4",
+        "--steps", "6", "--lr", "5e-3", "--warmup", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    head, _ = load_eagle3_head(out, deep_target)
+    assert len(head.post_layers) == 1
+    fresh = new_eagle3_head(deep_target, "dgf-eagle3", head.target_draft_ids(), seed=0, layers=2)
+    trained_weight = head.post_layers[0].mlp.down_proj.weight
+    assert not torch.equal(trained_weight, fresh.post_layers[0].mlp.down_proj.weight)  # the plain layer learned
+    result = CliRunner().invoke(train_cli, [
+        "eval", "--target", str(deep_target), "--draft", str(out), "--input", str(tiny_corpus),
+        "--pattern", "*.txt", "--split", "all", "--prompt-tokens", "24", "--new-tokens", "16",
+        "--tree-tokens", "8", "--depth", "4", "--tree-top-k", "3", "--json", "--threads", "1"])
+    assert result.exit_code == 0, result.output  # a divergence from greedy raises LosslessError
 
 
 def test_training_stops_and_resumes_to_the_uninterrupted_result(tmp_path, deep_target, aux_features):

@@ -164,7 +164,9 @@ def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_fiel
 @click.option("--ttt-steps", type=click.IntRange(min=1), default=7, help="eagle3 recipes: training-time-test "
               "steps (EAGLE-3 unrolls 7).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", help="eagle3 recipes: where to train.")
-@click.option("--layers", type=click.IntRange(min=1), default=1, help="Decoder layers in the head.")
+@click.option("--layers", type=click.IntRange(min=1), default=1,
+              help="Decoder layers in the head (eagle3 recipes: the EAGLE-3 layer, then plain ones; published "
+                   "EAGLE-3 heads have 1).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Windows per step.")
 @click.option("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, betas 0.9/0.95).")
 @click.option("--warmup", type=click.IntRange(min=0), default=100, help="Linear warmup steps.")
@@ -201,13 +203,11 @@ def train(target, train_dir, heldout_dir, out_dir, recipe, fusion, draft_vocab, 
     if recipe != "eagle1":
         from .eagle3_trainer import Eagle3Config, StopTraining, train_eagle3
 
-        if layers != 1:
-            raise click.UsageError(f"--recipe {recipe}: an EAGLE-3 head has one decoder layer (--layers 1)")
-        eagle3 = Eagle3Config(fusion=recipe, draft_vocab=draft_vocab, ttt_steps=ttt_steps, batch_size=batch_size,
-                              lr=lr, min_lr_ratio=min_lr_ratio, warmup=warmup, weight_decay=weight_decay, clip=clip,
-                              epochs=epochs, steps=steps, max_tokens=max_tokens, eval_every=eval_every,
-                              eval_tokens=eval_tokens, save_every=save_every, seed=seed, bf16=bf16,
-                              save_dtype=save_dtype, device=device)
+        eagle3 = Eagle3Config(fusion=recipe, layers=layers, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
+                              batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio, warmup=warmup,
+                              weight_decay=weight_decay, clip=clip, epochs=epochs, steps=steps,
+                              max_tokens=max_tokens, eval_every=eval_every, eval_tokens=eval_tokens,
+                              save_every=save_every, seed=seed, bf16=bf16, save_dtype=save_dtype, device=device)
         import signal
 
         stop_requested = False

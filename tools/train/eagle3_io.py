@@ -1,6 +1,7 @@
 """EAGLE-3 head folders: ``config.json`` + ``model.safetensors`` in the published layout.
 
-The config holds the head's Llama fields (``num_hidden_layers`` 1), ``draft_vocab_size``,
+The config holds the head's Llama fields (``num_hidden_layers`` 1 as published, more for
+Dovetail's deeper heads, whose plain layers are ``post_layers.*``), ``draft_vocab_size``,
 ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` (vLLM's key: the target layers the
 rows come from) and, for Dovetail's own heads, ``dovetail_fusion``. The weights are
 ``Eagle3Head.file_state_dict()``: no embedding (it is the target's).
@@ -32,7 +33,7 @@ def is_eagle3_folder(folder: Path | str) -> bool:
 
 def head_config(head: Eagle3Head, target_config: dict[str, Any], aux_layers: tuple[int, ...]) -> dict[str, Any]:
     config = {key: target_config[key] for key in _SPEC_FIELDS if key in target_config}
-    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=head.spec.num_layers,
                   hidden_size=head.hidden_size, vocab_size=head.vocab_size,
                   draft_vocab_size=head.draft_vocab_size, target_hidden_size=head.feature_size // 3,
                   tie_word_embeddings=False, dovetail_fusion=head.fusion)

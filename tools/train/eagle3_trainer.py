@@ -42,6 +42,7 @@ STATE_NAME = "train_state.pt"  # head, optimizer and step: a stopped run resumes
 @dataclass
 class Eagle3Config:
     fusion: str = "eagle3"
+    layers: int = 1  # decoder layers: the EAGLE-3 one, then layers - 1 plain ones (Dovetail's deeper head)
     draft_vocab: int = 4096
     ttt_steps: int = 7
     batch_size: int = 4
@@ -85,11 +86,12 @@ def vocab_coverage(data: FeatureSet, target_ids: torch.Tensor, vocab_size: int) 
     return float(inside[tokens].float().mean()) if tokens.numel() else 0.0
 
 
-def new_eagle3_head(target_dir: Path, fusion: str, draft_ids: torch.Tensor, seed: int) -> Eagle3Head:
-    """A fresh head on the target's shape; embedding frozen from the target, lm_head started
-    from the target's rows of the draft vocabulary (trainable, as in EAGLE-3)."""
+def new_eagle3_head(target_dir: Path, fusion: str, draft_ids: torch.Tensor, seed: int, layers: int = 1) -> Eagle3Head:
+    """A fresh head on the target's shape with ``layers`` decoder layers; embedding frozen from
+    the target, lm_head started from the target's rows of the draft vocabulary (trainable, as in
+    EAGLE-3)."""
     torch.manual_seed(seed)
-    spec = dataclasses.replace(load_spec(target_dir), num_layers=1, sliding_window=None)
+    spec = dataclasses.replace(load_spec(target_dir), num_layers=layers, sliding_window=None)
     head = Eagle3Head(spec, target_hidden_size=spec.hidden_size, draft_vocab_size=int(draft_ids.numel()),
                       fusion=fusion)
     head.set_draft_vocab(draft_ids)
@@ -236,7 +238,7 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     draft_ids = select_draft_vocab(data, config.draft_vocab, spec.vocab_size)
     coverage = vocab_coverage(data, draft_ids, spec.vocab_size)
     device = config.device
-    head = new_eagle3_head(target_dir, config.fusion, draft_ids, config.seed).to(device)
+    head = new_eagle3_head(target_dir, config.fusion, draft_ids, config.seed, config.layers).to(device)
     head.train()
     target_head = load_target_frozen(target_dir)["lm_head.weight"].float().to(device)
     parameters = [p for p in head.parameters() if p.requires_grad]
@@ -256,7 +258,7 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     pairs, done, elapsed = 0, 0, 0.0
     if resume and state_path.exists():
         state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["config"] != _settings(config):
+        if {"layers": 1, **state["config"]} != _settings(config):  # states from before --layers: one layer
             raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
         head.load_state_dict(state["head"], strict=False)
         optimizer.load_state_dict(state["optimizer"])

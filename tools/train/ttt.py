@@ -16,6 +16,7 @@ inference forward (KV cache + tree mask).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -55,17 +56,22 @@ def ttt_forward(head: Eagle3Head, rows: torch.Tensor, tokens: torch.Tensor, step
     if tokens.shape[1] < length + steps - 1:
         raise ValueError(f"tokens need {length + steps - 1} columns for {steps} steps over {length} rows")
     g = head.reduce(rows)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
+    # Every decoder layer keeps its own steps' keys and values (a deeper head's plain layers too).
+    attentions = [head.midlayer.self_attn, *(layer.self_attn for layer in head.plain_layers)]
+    keys: list[list[torch.Tensor]] = [[] for _ in attentions]
+    values: list[list[torch.Tensor]] = [[] for _ in attentions]
     outs = []
-    attn = head.midlayer.self_attn
     for step in range(steps):
         cos_k = cos[step:step + length].to(g.dtype)
         sin_k = sin[step:step + length].to(g.dtype)
-
-        def attend(x: torch.Tensor, cos_k: torch.Tensor = cos_k, sin_k: torch.Tensor = sin_k) -> torch.Tensor:
-            return ttt_attention(attn, x, cos_k, sin_k, keys, values)
-
-        g = head.layer_with(g, tokens[:, step:step + length], attend)
+        attends = [partial(_attend_layer, attn, cos_k, sin_k, layer_keys, layer_values)
+                   for attn, layer_keys, layer_values in zip(attentions, keys, values, strict=True)]
+        g = head.layer_with(g, tokens[:, step:step + length], attends[0])
+        g = head.post_layers_with(g, attends[1:])
         outs.append(g)
     return outs
+
+
+def _attend_layer(attn: Attention, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+                  values: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return ttt_attention(attn, x, cos, sin, keys, values)
