@@ -5,8 +5,8 @@ and Q8_0, the engine a user would otherwise pick. Rounds alternate between the t
 (these machines are shared and noisy), each engine decodes ``--tokens`` tokens per round on the
 same threads, and the table gives medians, the per-round ratio and each engine against the read
 bandwidth measured just before each round (a host whose bandwidth drifts by a quarter within a run
-would otherwise move the roofline fraction by as much). ``--prompt-tokens N`` also times a prefill of N tokens per
-round against llama-bench's pp test (time to first token).
+would otherwise move the roofline fraction by as much). ``--prompt-tokens N`` also times a prefill
+of N tokens per round against llama-bench's pp test (time to first token).
 
 llama.cpp is not a dependency: bring a ``llama-bench`` binary and GGUF files of the same model.
 For an inflated stand-in (``../shared/testbed/inflate.py``), from a llama.cpp checkout::
