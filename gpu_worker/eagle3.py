@@ -153,18 +153,14 @@ class Eagle3Head(nn.Module):
         raise ValueError(f"feature rows of width {width}: expected {self.feature_size} (3 target layers) "
                          f"or {self.hidden_size} (the head's own output)")
 
-    def layers(self, g: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor | None, values: torch.Tensor | None, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """g [B, S, H] (already reduced), tokens [B, S] -> outputs [B, S, H] through every
-        decoder layer; keys/values [L, B, kv_heads, max_len, hd] (None: no cache), start and mask
-        as in ``cpu_worker.llama.Attention.forward``."""
+    def layers(self, g: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """g [B, S, H] (already reduced), tokens [B, S] -> outputs [B, S, H] through every decoder
+        layer, layer l on ``cache`` layer l; start and mask as in ``cpu_worker.llama.Attention.forward``."""
         attn = self.midlayer.self_attn
-        x = self.layer_with(g, tokens, lambda h: attn(h, cos, sin, None if keys is None else keys[0],
-                                                      None if values is None else values[0], start, mask))
+        x = self.layer_with(g, tokens, lambda h: attn(h, cos, sin, cache.keys[0], cache.values[0], start, mask))
         for index, layer in enumerate(self.plain_layers, 1):
-            x = layer(x, cos, sin, None if keys is None else keys[index], None if values is None else values[index],
-                      start, mask)
+            x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask)
         return x
 
     @property
@@ -204,7 +200,7 @@ class Eagle3Head(nn.Module):
         (True = may attend) or None for a causal continuation. Returns pre-norm outputs [S, H].
         """
         g = self.reduce(features).unsqueeze(0)
-        return self.layers(g, tokens.unsqueeze(0), cos, sin, cache.keys, cache.values, start, mask)[0]
+        return self.layers(g, tokens.unsqueeze(0), cos, sin, cache, start, mask)[0]
 
     def log_probs(self, output: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [S, draft_vocab] in fp32 (half-precision log_softmax loses ranks)."""
