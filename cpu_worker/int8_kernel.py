@@ -164,9 +164,15 @@ def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> 
 
 
 BLOCK_ROWS, CHUNK_BYTES = 4, 64  # the packed layout: blocks of 4 output rows in 64-byte column chunks
-# Rows shorter than this stream faster packed; rows of a 4 KB page or more as they are. Measured
-# on a 2-core EPYC (Zen 3, AVX2), [N, K] time over packed, one row: k = 2048 1.28-1.43x, k = 3072
-# 1.02-1.07x, k = 4096 0.94-1.02x, k = 5632-11008 0.86-0.99x (python -m tools.bench_int8_kernel --layouts).
+# On the AVX2 path rows shorter than this stream faster packed, rows of a 4 KB page or more as they
+# are. Measured on a 2-core EPYC (Zen 3, AVX2), [N, K] time over packed, one row: k = 2048
+# 1.28-1.43x, k = 3072 1.02-1.07x, k = 4096 0.94-1.02x, k = 5632-11008 0.86-0.99x (python -m
+# tools.bench_int8_kernel --layouts). On the VNNI path (without AMX) every shape is packed and
+# every call runs on the GEMV kernel: on a 2-core EPYC (Zen 4, AVX512-VNNI), packed was 1.26-1.87x
+# faster than [N, K] at k = 2048 and 1.08-1.20x at k = 4096 (1-4 rows), 11008x4096 1.18x (one
+# row) and 1.55x (two) on huge pages; and there the GEMV beat torch's int8 GEMM up to 64-128 rows
+# and was 1.05-1.4x slower at 256 (7B and 1B shapes; the GEMM repacks its weight every call, so
+# handing it a packed weight a slice at a time cost it 1.2-2.3x more).
 PACK_BELOW_IN_FEATURES = 4096
 LAYOUT_VARIABLE = "DOVETAIL_INT8_LAYOUT"  # auto (default), rows or packed: force a layout for comparisons
 
@@ -177,13 +183,18 @@ def can_pack(out_features: int, in_features: int) -> bool:
 
 
 def packs_by_default(library: ctypes.CDLL, out_features: int, in_features: int) -> bool:
-    """Whether a weight of this shape is held packed on this library: every call on the GEMV kernel
-    (no VNNI), rows shorter than ``PACK_BELOW_IN_FEATURES``, a shape with a packed layout; or as
-    $DOVETAIL_INT8_LAYOUT forces (rows, packed) where the CPU and shape allow."""
-    if library.dovetail_int8_simd() == 2 or not can_pack(out_features, in_features):
+    """Whether a weight of this shape is held packed on this library: a shape with a packed layout,
+    on the VNNI path always, elsewhere when its rows are shorter than ``PACK_BELOW_IN_FEATURES``;
+    or as $DOVETAIL_INT8_LAYOUT forces (rows, packed) where the shape allows."""
+    if not can_pack(out_features, in_features):
         return False
     forced = forced_layout()
-    return forced == "packed" or (forced == "auto" and in_features < PACK_BELOW_IN_FEATURES)
+    if forced != "auto":
+        return forced == "packed"
+    if library.dovetail_int8_simd() == 2:
+        # With AMX, oneDNN's int8 GEMM (16x the MACs per cycle of VNNI) should take many-row calls: [N, K].
+        return "amx_int8" not in cpu_flags()
+    return in_features < PACK_BELOW_IN_FEATURES
 
 
 def forced_layout() -> str:
@@ -218,11 +229,11 @@ class Int8Weights:
     """An int8 weight [N, K] with its scales, offsets and bias, and their addresses, kept for
     the layer's lifetime: a forward is then one foreign call and one output tensor.
 
-    Where every call runs on the GEMV kernel (CPUs without VNNI), rows are shorter than
-    ``PACK_BELOW_IN_FEATURES`` and the shape allows, the weight is held packed (``pack_blocks``):
-    each thread then reads one sequential stream instead of four short ones (int8_gemv.c). With
-    VNNI it stays [N, K], which torch's int8 GEMM reads for calls of ``INT_MM_MIN_ROWS`` or more.
-    ``pack``: force either layout (benchmarks, tests); None: ``packs_by_default``."""
+    Where ``packs_by_default`` says so the weight is held packed (``pack_blocks``): each thread
+    then reads one sequential stream instead of four short ones (int8_gemv.c), and every call
+    runs on the GEMV kernel. A weight held [N, K] on a VNNI CPU sends calls of
+    ``INT_MM_MIN_ROWS`` rows or more to torch's int8 GEMM instead. ``pack``: force either layout
+    (benchmarks, tests); None: ``packs_by_default``."""
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  library: ctypes.CDLL | None = None, pack: bool | None = None):
@@ -235,16 +246,14 @@ class Int8Weights:
         self.offsets = weight_offsets(values, library)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self._forward = library.dovetail_int8_forward
-        # None: every call on the GEMV kernel (CPUs without VNNI, see INT_MM_MIN_ROWS).
-        self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 else None
         if pack is None:
             pack = packs_by_default(library, self.out_features, self.in_features)
         if pack and not can_pack(self.out_features, self.in_features):
             raise ValueError(f"a {self.out_features}x{self.in_features} weight cannot be packed "
                              f"(needs out % {BLOCK_ROWS} == 0 and in % {CHUNK_BYTES} == 0)")
-        if pack and self.matmul_min_rows is not None:
-            raise ValueError("packed weights run on the GEMV kernel only; this CPU sends large calls to torch's GEMM")
         self.packed = bool(pack)
+        # None: every call on the GEMV kernel (packed weights; CPUs without VNNI, see INT_MM_MIN_ROWS).
+        self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 and not self.packed else None
         # What the kernel reads: [N, K], or packed flat; on huge pages, as a stream (huge_pages.py).
         self.stored = on_huge_pages(pack_blocks(values) if self.packed else values)
         self._pointers = (self.stored.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),

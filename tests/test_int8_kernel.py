@@ -70,16 +70,6 @@ def kernel() -> str:
     return name
 
 
-@pytest.fixture(scope="module")
-def gemv_library(kernel, tmp_path_factory):
-    """A build whose every call runs on the GEMV kernel, so weights may be held packed: the native
-    one, or on a VNNI CPU (whose large calls go to torch's GEMM) its AVX2 build."""
-    native = int8_kernel.load()
-    if native.dovetail_int8_simd() != 2:
-        return native
-    return build_for("x86-64-v3", tmp_path_factory.mktemp("avx2"))
-
-
 @pytest.mark.parametrize("in_features", [64, 100, 256, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_kernel_computes_exactly_the_integer_reference(kernel, in_features, bias):
@@ -107,11 +97,11 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(kernel):
         assert torch.equal(layer(rows[:count]), alone[:count]), f"a call of {count} rows changed a row"
 
 
-def test_a_row_gets_the_same_bits_whatever_shares_its_call_with_packed_weights(gemv_library):
+def test_a_row_gets_the_same_bits_whatever_shares_its_call_with_packed_weights(kernel):
     generator = torch.Generator().manual_seed(5)
     values = torch.randint(-127, 128, (516, 768), dtype=torch.int8, generator=generator)
     weights = int8_kernel.Int8Weights(values, torch.rand(516, generator=generator) / 100 + 1e-4,
-                                      torch.randn(516, generator=generator), gemv_library, pack=True)
+                                      torch.randn(516, generator=generator), pack=True)
     rows = torch.randn(40, 768, generator=generator)
     alone = torch.cat([weights(rows[index:index + 1]) for index in range(40)])
     for count in (2, 3, 7, 16, 33, 40):
@@ -141,7 +131,7 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
 
 @pytest.mark.parametrize("rows_in_call", [1, 2, 3, 5])
 @pytest.mark.parametrize(("in_features", "out_features", "pack"), [(1000, 11, False), (1024, 12, True)])
-def test_extreme_operands_stay_exact(kernel, gemv_library, rows_in_call, in_features, out_features, pack):
+def test_extreme_operands_stay_exact(kernel, rows_in_call, in_features, out_features, pack):
     """The AVX2 paths sum two products in int16 (|w| * |q| * 2 <= 128 * 127 * 2): weights at
     -128 and 127 against activations at +-127, the bound, must not saturate anywhere, in either
     weight layout (1024 columns and 12 outputs: packable) and with a tail (1000 and 11: not)."""
@@ -155,7 +145,7 @@ def test_extreme_operands_stay_exact(kernel, gemv_library, rows_in_call, in_feat
     rows = signs * 3.0  # every activation quantizes to +-127
     rows[0] = torch.where(values[1] < 0, -3.0, 3.0)  # row 0 against weight row 1: every product +128 * 127
     scales = torch.full((out_features,), 1e-3)
-    out = int8_kernel.Int8Weights(values, scales, None, gemv_library if pack else None, pack=pack)(rows)
+    out = int8_kernel.Int8Weights(values, scales, None, pack=pack)(rows)
     sums = (rows.sign().to(torch.int64) * 127) @ values.to(torch.int64).T
     assert int(sums[0, 1]) == 128 * 127 * in_features
     assert torch.equal(out, sums.to(torch.int32).to(torch.float32) * (3.0 / 127.0) * scales)
@@ -244,8 +234,7 @@ def _forward(library, rows: torch.Tensor, stored: torch.Tensor, weights: int8_ke
 def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_path, rows_in_call):
     """Every build (native, and AVX2 / plain C where the CPU runs them) with the weight packed
     gives the bits of the native build with it as [N, K]: single rows, pairs and both mixed.
-    Called directly, so the VNNI path's packed loops are checked too where this CPU has VNNI
-    (Int8Weights keeps [N, K] there)."""
+    Called directly, so the VNNI path's packed loops are checked too where this CPU has VNNI."""
     native = int8_kernel.load()
     generator = torch.Generator().manual_seed(3)
     values = torch.randint(-128, 128, (12, 320), dtype=torch.int8, generator=generator)  # 3 blocks, 5 chunks
@@ -270,7 +259,7 @@ def test_an_unknown_layout_setting_takes_the_automatic_layout_and_says_so(kernel
     assert "'pakced' is not auto, rows or packed" in caplog.text
 
 
-def test_weights_are_packed_where_rows_are_short_and_the_gemv_takes_every_call(kernel, monkeypatch):
+def test_weights_are_packed_on_vnni_and_where_rows_are_short_and_the_gemv_takes_every_call(kernel, monkeypatch):
     library = int8_kernel.load()
     generator = torch.Generator().manual_seed(4)
 
@@ -282,12 +271,11 @@ def test_weights_are_packed_where_rows_are_short_and_the_gemv_takes_every_call(k
         return held
 
     short, long = int8_kernel.PACK_BELOW_IN_FEATURES - 64, int8_kernel.PACK_BELOW_IN_FEATURES
-    if library.dovetail_int8_simd() == 2:  # VNNI: torch's GEMM reads [N, K] for large calls
-        assert not weights(8, short).packed
-        with pytest.raises(ValueError, match="GEMV kernel only"):
-            weights(8, short, pack=True)
-        return
-    assert weights(8, short).packed and not weights(8, long).packed
+    vnni = library.dovetail_int8_simd() == 2
+    if vnni and "amx_int8" in cpu_flags():  # oneDNN's AMX GEMM takes large calls, and it reads [N, K]
+        assert not weights(8, short).packed and not weights(8, long).packed
+    else:  # VNNI: every shape packed; AVX2: rows under PACK_BELOW_IN_FEATURES
+        assert weights(8, short).packed and weights(8, long).packed == vnni
     assert not weights(6, short).packed and not weights(8, short + 32).packed  # shapes with no packed layout
     with pytest.raises(ValueError, match="cannot be packed"):
         weights(6, short, pack=True)
@@ -297,8 +285,12 @@ def test_weights_are_packed_where_rows_are_short_and_the_gemv_takes_every_call(k
     assert weights(8, long).packed and not weights(6, long).packed
     held = weights(8, long)
     as_rows = int8_kernel.Int8Weights(held.values, held.scales, None, library, pack=False)
-    rows = torch.randn(3, long, generator=generator)
-    assert torch.equal(held(rows), as_rows(rows))
+    # Packed: every call on the GEMV; [N, K] on a VNNI CPU: many rows on torch's int8 GEMM. Same bits.
+    assert held.matmul_min_rows is None
+    assert as_rows.matmul_min_rows == (int8_kernel.INT_MM_MIN_ROWS if vnni else None)
+    for count in (3, int8_kernel.INT_MM_MIN_ROWS + 6):
+        rows = torch.randn(count, long, generator=generator)
+        assert torch.equal(held(rows), as_rows(rows))
 
 
 def test_the_kernel_refuses_a_packed_call_of_a_shape_that_has_no_packed_layout(kernel):
