@@ -334,7 +334,19 @@ int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *
             store_row(acc_b, m + 1, n0, count, x_scale, w_scale, offset, bias, y, n_out);
         }
         if (m < rows) {
+#if DOVETAIL_VNNI
+            /* A packed single row takes the pair loop with itself as the second row: its eight
+             * accumulators streamed a one-row call 1.07-1.25x faster than dot4's four (with or
+             * without its prefetches) on a 2-core EPYC (Zen 4), at the speed of a sum() of the
+             * bytes; the extra products are free where memory is the bound. [N, K] rows keep
+             * dot4, whose prefetch of the next block's rows pays there at k = 2048. */
+            if (packed)
+                dot4x2(xu + m * k, xu + m * k, weights, k, count, m == 0, acc, acc_b, packed);
+            else
+                dot4(xu + m * k, weights, k, count, acc, packed);
+#else
             dot4(xu + m * k, weights, k, count, acc, packed);
+#endif
             store_row(acc, m, n0, count, x_scale, w_scale, offset, bias, y, n_out);
         }
     }
