@@ -18,7 +18,7 @@
 
 /* The library's kernels (int8_gemv.c, attention.c, layer_ops.c). */
 int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
-                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int packed,
+                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int layout,
                           int threads);
 void dovetail_fp32_linear(const float *x, const float *w, const float *bias, float *y, int64_t rows,
                           int64_t n_out, int64_t k, int threads);
@@ -36,11 +36,12 @@ void dovetail_silu_mul(const float *gate, const float *up, int64_t stride, float
 #define LINEAR_INT8 0
 #define LINEAR_FP32 1
 #define LINEAR_INT8_PACKED 2 /* int8 in the kernel's packed layout (int8_gemv.c, block_row) */
+#define LINEAR_INT8_TILES 3  /* int8 in the kernel's tile layout (int8_gemv.c, TILE_OUT) */
 
 /* One linear layer as its module holds it (native_layers.py fills these; the layout must match). */
 typedef struct {
-    int64_t kind;            /* LINEAR_INT8, LINEAR_INT8_PACKED (dovetail_int8_forward), LINEAR_FP32 */
-    const void *weight;      /* [n_out, k], int8 or fp32; or int8 packed */
+    int64_t kind;            /* LINEAR_INT8, _PACKED, _TILES (dovetail_int8_forward), LINEAR_FP32 */
+    const void *weight;      /* [n_out, k], int8 or fp32; or int8 packed or in tiles */
     const float *scales;     /* int8: per-output-row weight scales */
     const int32_t *offsets;  /* int8: 128 * each weight row's sum */
     const float *bias;       /* [n_out] or NULL */
@@ -58,9 +59,11 @@ typedef struct {
 } dovetail_shape;
 
 static int linear(const dovetail_linear *layer, const float *x, float *y, int64_t rows, int threads) {
-    if (layer->kind == LINEAR_INT8 || layer->kind == LINEAR_INT8_PACKED)
+    if (layer->kind != LINEAR_FP32) {
+        int layout = layer->kind == LINEAR_INT8_TILES ? 2 : (layer->kind == LINEAR_INT8_PACKED ? 1 : 0);
         return dovetail_int8_forward(x, (const int8_t *)layer->weight, layer->scales, layer->offsets, layer->bias, y,
-                                     rows, layer->n_out, layer->k, layer->kind == LINEAR_INT8_PACKED, threads);
+                                     rows, layer->n_out, layer->k, layout, threads);
+    }
     dovetail_fp32_linear(x, (const float *)layer->weight, layer->bias, y, rows, layer->n_out, layer->k, threads);
     return 0;
 }

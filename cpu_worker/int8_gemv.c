@@ -368,6 +368,226 @@ static void dot4x3(const uint8_t *xa, const uint8_t *xb, const uint8_t *xc, cons
 }
 #endif
 
+/* ---- The tile layout (layout 2): AMX tiles, or VNNI on the same bytes ----
+ * Each block of 16 output rows is one contiguous run of 1 KB tiles, one per 64 columns: byte
+ * 64g + 4j + b of tile c holds w[16 * block + j, 64c + 4g + b] (g < 16 groups of 4 columns, j < 16
+ * rows, b < 4); int8_kernel.pack_tiles. That is the B operand of AMX's TDPBUSD as one tile load
+ * reads it, and for VNNI each 64-byte line is the 4-column dot of 16 output rows against one
+ * broadcast group of 4 activation bytes: a block's 16 sums in one register. Needs n_out % 16 == 0
+ * and k % 64 == 0. The integer sums are those of the other layouts, so are the bits.
+ * Why: with AMX (Sapphire Rapids on), one TDPBUSD multiplies up to 16 activation rows by a 1 KB
+ * tile in about the time VNNI takes for one row, so a tree of 16 rows streams its weights at
+ * nearly the cost of a decode step; the GEMV's row pairs cost 2.3x one row at 16 rows, torch's
+ * int8 GEMM repacks its weight every call (2.4x one GEMV row at any count; numbers in
+ * int8_kernel.TILES_NOTE). */
+#define TILE_OUT 16
+#define TILE_BYTES 1024
+static int tiles_amx_min_rows = 1; /* calls of fewer rows take the VNNI loop (dovetail_int8_tiles_amx_from) */
+
+void dovetail_int8_tiles_amx_from(int rows) { tiles_amx_min_rows = rows; }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && DOVETAIL_VNNI
+#define DOVETAIL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+static int amx_permission = 0; /* 0: not asked yet, 1: granted, -1: refused */
+/* Linux hands out AMX state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+int dovetail_int8_amx_ready(void) {
+    if (amx_permission == 0) amx_permission = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_permission == 1;
+}
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tmm0, tmm1: two blocks' int32 sums (rows x 16); tmm2: activations (rows x 64 u8); tmm3, tmm4:
+ * the two blocks' weight tiles. Per thread: the configuration is thread state. */
+static void amx_configure(int rows) {
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.rows[t] = (uint8_t)(t < 3 ? rows : 16);
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+#ifndef DOVETAIL_TILES_AHEAD /* bytes of a block's stream prefetched ahead of the tile loads */
+#define DOVETAIL_TILES_AHEAD 1024
+#endif
+#ifndef DOVETAIL_TILES_LINES
+#define DOVETAIL_TILES_LINES 16
+#endif
+static inline __attribute__((always_inline)) void prefetch_tile(const int8_t *tile) {
+    for (int line = 0; line < DOVETAIL_TILES_LINES; line++) _mm_prefetch((const char *)(tile + 64 * line), _MM_HINT_T0);
+}
+/* y for output blocks b0 (and b0 + 1 when two) over every activation group of 16 rows; xu holds
+ * groups * 16 rows (padded). */
+static inline void amx_block_pair(const uint8_t *xu, int64_t rows, const int8_t *w, int64_t k, int64_t b0, int two,
+                                  int32_t sums[2][TILE_OUT * TILE_OUT], const float *x_scale, const float *w_scale,
+                                  const int32_t *w_offset, const float *bias, float *y, int64_t n_out) {
+    const int8_t *w0 = w + b0 * TILE_OUT * k, *w1 = w0 + TILE_OUT * k;
+    int64_t chunks = k / 64;
+    for (int64_t m0 = 0; m0 < rows; m0 += TILE_OUT) {
+        const uint8_t *a = xu + m0 * k;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            for (int64_t c = 0; c < chunks; c++) {
+                prefetch_tile(w0 + c * TILE_BYTES + DOVETAIL_TILES_AHEAD);
+                prefetch_tile(w1 + c * TILE_BYTES + DOVETAIL_TILES_AHEAD);
+                _tile_loadd(2, a + 64 * c, k);
+                _tile_loadd(3, w0 + c * TILE_BYTES, 64);
+                _tile_loadd(4, w1 + c * TILE_BYTES, 64);
+                _tile_dpbusd(0, 2, 3);
+                _tile_dpbusd(1, 2, 4);
+            }
+        } else {
+            for (int64_t c = 0; c < chunks; c++) {
+                prefetch_tile(w0 + c * TILE_BYTES + DOVETAIL_TILES_AHEAD);
+                _tile_loadd(2, a + 64 * c, k);
+                _tile_loadd(3, w0 + c * TILE_BYTES, 64);
+                _tile_dpbusd(0, 2, 3);
+            }
+        }
+        _tile_stored(0, sums[0], 64);
+        if (two) _tile_stored(1, sums[1], 64);
+        int64_t m_end = rows < m0 + TILE_OUT ? rows : m0 + TILE_OUT;
+        for (int s = 0; s <= two; s++)
+            for (int64_t m = m0; m < m_end; m++) {
+                int64_t n0 = (b0 + s) * TILE_OUT;
+                const int32_t *acc = sums[s] + (m - m0) * TILE_OUT;
+                float *out = y + m * n_out + n0;
+                for (int j = 0; j < TILE_OUT; j++) { /* store_row's arithmetic, in its order */
+                    float value = (float)(acc[j] - w_offset[n0 + j]) * x_scale[m] * w_scale[n0 + j];
+                    out[j] = bias ? value + bias[n0 + j] : value;
+                }
+            }
+    }
+}
+
+/* Returns -1 when a padded copy of the activations could not be allocated. */
+static int tiles_linear_amx(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
+                            const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
+                            int64_t k, int threads) {
+    /* A tile's rows are fixed per configuration: above 16 rows every group is 16, the last
+     * padded with zeros (u = 128) whose sums are never stored. */
+    uint8_t *padded = NULL;
+    if (rows > TILE_OUT && rows % TILE_OUT != 0) {
+        int64_t full = (rows + TILE_OUT - 1) / TILE_OUT * TILE_OUT;
+        padded = (uint8_t *)malloc((size_t)(full * k));
+        if (padded == NULL) return -1;
+        memcpy(padded, xu, (size_t)(rows * k));
+        memset(padded + rows * k, 128, (size_t)((full - rows) * k));
+        xu = padded;
+    }
+    int tile_rows = rows < TILE_OUT ? (int)rows : TILE_OUT;
+    int64_t blocks = n_out / TILE_OUT, pairs = (blocks + 1) / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        int32_t sums[2][TILE_OUT * TILE_OUT];
+        amx_configure(tile_rows);
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < pairs; pair++)
+            amx_block_pair(xu, rows, w, k, 2 * pair, 2 * pair + 1 < blocks, sums, x_scale, w_scale, w_offset, bias,
+                           y, n_out);
+        _tile_release();
+    }
+    free(padded);
+    return 0;
+}
+#else
+#define DOVETAIL_AMX 0
+int dovetail_int8_amx_ready(void) { return 0; }
+#endif
+
+#if DOVETAIL_VNNI
+/* Up to 4 activation rows against one block of the tile layout: each 64-byte weight line feeds
+ * every row's broadcast 4 bytes; four accumulators per row hide the dot product's latency. */
+static inline __attribute__((always_inline)) void tiles_dot_vnni(const uint8_t *xu, int64_t k, const int8_t *block,
+                                                                 const int count, int32_t out[4][TILE_OUT]) {
+    __m512i acc[4][4];
+    for (int m = 0; m < 4; m++)
+        for (int a = 0; a < 4; a++) acc[m][a] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < k / 64; c++) {
+        const int8_t *tile = block + c * TILE_BYTES;
+        for (int g = 0; g < 16; g++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(tile + 64 * g));
+            for (int m = 0; m < count; m++) {
+                int32_t group;
+                memcpy(&group, xu + m * k + 64 * c + 4 * g, sizeof group);
+                acc[m][g & 3] = _mm512_dpbusd_epi32(acc[m][g & 3], _mm512_set1_epi32(group), wv);
+            }
+        }
+    }
+    for (int m = 0; m < count; m++) {
+        __m512i total = _mm512_add_epi32(_mm512_add_epi32(acc[m][0], acc[m][1]),
+                                         _mm512_add_epi32(acc[m][2], acc[m][3]));
+        _mm512_storeu_si512((void *)out[m], total);
+    }
+}
+#endif
+
+/* The sums of `count` (<= 4) rows against one block of the tile layout. */
+static void tiles_dot(const uint8_t *xu, int64_t k, const int8_t *block, int count, int32_t out[4][TILE_OUT]) {
+#if DOVETAIL_VNNI
+    switch (count) { /* a constant count per copy, so the row loop unrolls */
+    case 1: tiles_dot_vnni(xu, k, block, 1, out); return;
+    case 2: tiles_dot_vnni(xu, k, block, 2, out); return;
+    case 3: tiles_dot_vnni(xu, k, block, 3, out); return;
+    default: tiles_dot_vnni(xu, k, block, 4, out); return;
+    }
+#else
+    for (int m = 0; m < count; m++)
+        for (int j = 0; j < TILE_OUT; j++) {
+            int32_t sum = 0;
+            for (int64_t c = 0; c < k / 64; c++)
+                for (int g = 0; g < 16; g++)
+                    for (int b = 0; b < 4; b++)
+                        sum += (int32_t)xu[m * k + 64 * c + 4 * g + b] *
+                               (int32_t)block[c * TILE_BYTES + 64 * g + 4 * j + b];
+            out[m][j] = sum;
+        }
+#endif
+}
+
+/* The tile layout without AMX (or below tiles_amx_min_rows): blocks split over threads, rows in fours. */
+static void tiles_linear_dot(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
+                             const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
+                             int64_t k, int threads) {
+    int64_t blocks = n_out / TILE_OUT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t n0 = block * TILE_OUT;
+        int32_t sums[4][TILE_OUT];
+        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+            int count = (int)(rows - m0 < 4 ? rows - m0 : 4);
+            tiles_dot(xu + m0 * k, k, w + n0 * k, count, sums);
+            for (int m = 0; m < count; m++) {
+                float *out = y + (m0 + m) * n_out + n0;
+                for (int j = 0; j < TILE_OUT; j++) { /* store_row's arithmetic, in its order */
+                    float value = (float)(sums[m][j] - w_offset[n0 + j]) * x_scale[m0 + m] * w_scale[n0 + j];
+                    out[j] = bias ? value + bias[n0 + j] : value;
+                }
+            }
+        }
+    }
+}
+
+static int tiles_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
+                        const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k,
+                        int threads) {
+#if DOVETAIL_AMX
+    if (rows >= tiles_amx_min_rows && dovetail_int8_amx_ready())
+        return tiles_linear_amx(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads);
+#endif
+    tiles_linear_dot(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads);
+    return 0;
+}
+
 /* acc[r] - w_offset[n0 + r] is sum q * w; w_offset NULL: acc is that sum already. */
 static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int count, const float *x_scale,
                              const float *w_scale, const int32_t *w_offset, const float *bias, float *y,
@@ -381,12 +601,18 @@ static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int co
 }
 
 /* y[rows, n_out] from u8 activations xu[rows, k] (each in 1..255: q + 128 with |q| <= 127) and
- * int8 weights w (rows [n_out, k], or packed: see block_row). Threads split the output rows in
- * blocks of 4; each block's weights are read from memory once for all rows. Returns -1 (nothing
- * computed) for a packed shape that cannot be. */
+ * int8 weights w in `layout`: 0 rows [n_out, k], 1 packed (see block_row), 2 tiles (see
+ * TILE_OUT). Threads split the output rows in blocks; each block's weights are read from memory
+ * once for all rows. Returns 0; -1 (nothing computed) for a shape the layout cannot hold; -3
+ * when scratch memory could not be allocated. */
 int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
-                         int64_t k, int packed, int threads) {
+                         int64_t k, int layout, int threads) {
+    if (layout == 2) {
+        if (n_out % TILE_OUT != 0 || k % 64 != 0) return -1;
+        return tiles_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads) == 0 ? 0 : -3;
+    }
+    int packed = layout == 1;
     if (packed && (n_out % 4 != 0 || k % 64 != 0)) return -1;
     int64_t blocks = (n_out + 3) / 4;
     const int32_t *offset = DOT_SUMS_SIGNED ? NULL : w_offset;
@@ -421,10 +647,11 @@ int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *
 }
 
 /* One call per layer from Python: quantize the rows, then the linear (a decode step makes
- * hundreds of these calls, so fewer foreign calls and tensors per call matter). Returns 0, -1 if
- * the scratch could not be allocated, or -2 for a packed shape that cannot be. */
+ * hundreds of these calls, so fewer foreign calls and tensors per call matter). `layout` as
+ * dovetail_int8_linear's. Returns 0, -1 if scratch memory could not be allocated, or -2 for a
+ * shape the layout cannot hold. */
 int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
-                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int packed,
+                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int layout,
                           int threads) {
     uint8_t stack_rows[4 * 16384];
     float stack_scales[4];
@@ -439,12 +666,12 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
         return -1;
     }
     dovetail_quantize_rows(x, xu, x_scale, rows, k);
-    int refused = dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, packed, threads);
+    int status = dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, layout, threads);
     if (!small) {
         free(xu);
         free(x_scale);
     }
-    return refused ? -2 : 0;
+    return status == 0 ? 0 : (status == -1 ? -2 : -1);
 }
 
 /* ---- fp32 rows: y[m, n] = dot(x[m], w[n]) (+ bias[n]), each row's bits independent of its call-mates ----

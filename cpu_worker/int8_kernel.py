@@ -85,6 +85,8 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     library.dovetail_int8_forward.restype = ctypes.c_int
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
+    library.dovetail_int8_amx_ready.restype = ctypes.c_int
+    library.dovetail_int8_tiles_amx_from.argtypes = [ctypes.c_int]
     library.dovetail_fp32_linear.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
     library.dovetail_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, i64, i64, pointer, pointer,
                                            pointer, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -145,11 +147,14 @@ def clear_cache() -> None:
 
 
 def kernel_name() -> str:
-    """What int8 layers run on in this process: dovetail-vnni, dovetail-avx2, dovetail-portable
-    (plain C, only where torch has no fbgemm) or fbgemm."""
+    """What int8 layers run on in this process: dovetail-amx (AMX tiles; VNNI for what they cannot
+    hold), dovetail-vnni, dovetail-avx2, dovetail-portable (plain C, only where torch has no
+    fbgemm) or fbgemm."""
     library = load()
     if library is None:
         return "fbgemm"
+    if library.dovetail_int8_amx_ready():
+        return "dovetail-amx"
     return {2: "dovetail-vnni", 1: "dovetail-avx2"}.get(library.dovetail_int8_simd(), "dovetail-portable")
 
 
@@ -164,6 +169,7 @@ def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> 
 
 
 BLOCK_ROWS, CHUNK_BYTES = 4, 64  # the packed layout: blocks of 4 output rows in 64-byte column chunks
+TILE_OUT, TILE_COLUMNS = 16, 64  # the tile layout: blocks of 16 output rows in 1 KB tiles of 64 columns
 # On the AVX2 path rows shorter than this stream faster packed, rows of a 4 KB page or more as they
 # are. Measured on a 2-core EPYC (Zen 3, AVX2), [N, K] time over packed, one row: k = 2048
 # 1.28-1.43x, k = 3072 1.02-1.07x, k = 4096 0.94-1.02x, k = 5632-11008 0.86-0.99x (python -m
@@ -174,7 +180,14 @@ BLOCK_ROWS, CHUNK_BYTES = 4, 64  # the packed layout: blocks of 4 output rows in
 # and was 1.05-1.4x slower at 256 (7B and 1B shapes; the GEMM repacks its weight every call, so
 # handing it a packed weight a slice at a time cost it 1.2-2.3x more).
 PACK_BELOW_IN_FEATURES = 4096
-LAYOUT_VARIABLE = "DOVETAIL_INT8_LAYOUT"  # auto (default), rows or packed: force a layout for comparisons
+# TILES_NOTE: with AMX every shape with a tile layout is held in it and every call runs on AMX
+# tiles. 2-core Xeon (AMX, AVX512-VNNI), ms per 4096x4096 matrix at 1 / 4 / 16 / 64 / 256 rows,
+# distinct matrices on huge pages: tiles 0.51 / 0.53 / 0.65 / 1.27 / 3.7; [N, K] GEMV 0.54 /
+# 0.67 / 1.25 / 3.4 / 12.6 (packed no better); torch._int_mm 1.3 / 1.4 / 1.55 / 2.1 at 1-64;
+# bf16 F.linear (AMX) 1.4-1.5 up to 32. 4096x11008: tiles 1.41 / 1.47 / 2.04 / 3.5 / 11.7, the
+# GEMV 1.44 / 1.88 / 3.35 / 9.8 / 56 (/work/scratch-style A/B: python -m tools.bench_int8_kernel).
+LAYOUT_VARIABLE = "DOVETAIL_INT8_LAYOUT"  # auto (default), rows, packed or tiles: force a layout for comparisons
+LAYOUTS = ("rows", "packed", "tiles")  # int8_gemv.c's layout codes 0, 1, 2
 
 
 def can_pack(out_features: int, in_features: int) -> bool:
@@ -182,25 +195,42 @@ def can_pack(out_features: int, in_features: int) -> bool:
     return out_features % BLOCK_ROWS == 0 and in_features % CHUNK_BYTES == 0
 
 
-def packs_by_default(library: ctypes.CDLL, out_features: int, in_features: int) -> bool:
-    """Whether a weight of this shape is held packed on this library: a shape with a packed layout,
-    on the VNNI path always, elsewhere when its rows are shorter than ``PACK_BELOW_IN_FEATURES``;
-    or as $DOVETAIL_INT8_LAYOUT forces (rows, packed) where the shape allows."""
-    if not can_pack(out_features, in_features):
-        return False
+def can_tile(out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape has a tile layout (every real model's does)."""
+    return out_features % TILE_OUT == 0 and in_features % TILE_COLUMNS == 0
+
+
+def fits_layout(layout: str, out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape can be held in ``layout`` (rows always can)."""
+    if layout == "packed":
+        return can_pack(out_features, in_features)
+    if layout == "tiles":
+        return can_tile(out_features, in_features)
+    return True
+
+
+def default_layout(library: ctypes.CDLL, out_features: int, in_features: int) -> str:
+    """How a weight of this shape is held on this library: in tiles where AMX is usable, packed on
+    the VNNI path and on AVX2 where rows are shorter than ``PACK_BELOW_IN_FEATURES``, else [N, K]
+    rows; or as $DOVETAIL_INT8_LAYOUT forces where the shape allows (rows otherwise)."""
     forced = forced_layout()
     if forced != "auto":
-        return forced == "packed"
+        return forced if fits_layout(forced, out_features, in_features) else "rows"
+    if library.dovetail_int8_amx_ready():
+        # AMX streams 1-16 rows at the cost of one: see TILES_NOTE. A shape without tiles stays
+        # [N, K], where torch's int8 GEMM (oneDNN, AMX) takes its large calls.
+        return "tiles" if can_tile(out_features, in_features) else "rows"
+    if not can_pack(out_features, in_features):
+        return "rows"
     if library.dovetail_int8_simd() == 2:
-        # With AMX, oneDNN's int8 GEMM (16x the MACs per cycle of VNNI) should take many-row calls: [N, K].
-        return "amx_int8" not in cpu_flags()
-    return in_features < PACK_BELOW_IN_FEATURES
+        return "packed"
+    return "packed" if in_features < PACK_BELOW_IN_FEATURES else "rows"
 
 
 def forced_layout() -> str:
-    """$DOVETAIL_INT8_LAYOUT: auto, rows or packed; anything else is auto, said once."""
+    """$DOVETAIL_INT8_LAYOUT: auto, rows, packed or tiles; anything else is auto, said once."""
     value = os.environ.get(LAYOUT_VARIABLE, "auto").strip().lower() or "auto"
-    if value not in ("auto", "rows", "packed"):
+    if value not in ("auto", *LAYOUTS):
         _warn_layout_once(value)
         return "auto"
     return value
@@ -208,7 +238,8 @@ def forced_layout() -> str:
 
 @cache
 def _warn_layout_once(value: str) -> None:
-    log.warning("%s=%r is not auto, rows or packed; int8 weights take the automatic layout", LAYOUT_VARIABLE, value)
+    log.warning("%s=%r is not auto, rows, packed or tiles; int8 weights take the automatic layout",
+                LAYOUT_VARIABLE, value)
 
 
 def pack_blocks(values: torch.Tensor) -> torch.Tensor:
@@ -225,18 +256,32 @@ def unpack_blocks(packed: torch.Tensor, out_features: int, in_features: int) -> 
     return blocks.transpose(1, 2).reshape(out_features, in_features)
 
 
+def pack_tiles(values: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> the kernel's tile layout, flat: each block of 16 output rows one contiguous
+    run of 1 KB tiles, one per 64 columns, w[16b + j, 64c + 4g + i] at byte 64g + 4j + i of tile c
+    (AMX's B operand, int8_gemv.c)."""
+    out_features, in_features = values.shape
+    groups = values.view(out_features // TILE_OUT, TILE_OUT, in_features // TILE_COLUMNS, TILE_COLUMNS // 4, 4)
+    return groups.permute(0, 2, 3, 1, 4).contiguous().view(-1)
+
+
+def unpack_tiles(tiles: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of ``pack_tiles``: a new [N, K] tensor."""
+    groups = tiles.view(out_features // TILE_OUT, in_features // TILE_COLUMNS, TILE_COLUMNS // 4, TILE_OUT, 4)
+    return groups.permute(0, 3, 1, 2, 4).reshape(out_features, in_features)
+
+
 class Int8Weights:
     """An int8 weight [N, K] with its scales, offsets and bias, and their addresses, kept for
     the layer's lifetime: a forward is then one foreign call and one output tensor.
 
-    Where ``packs_by_default`` says so the weight is held packed (``pack_blocks``): each thread
-    then reads one sequential stream instead of four short ones (int8_gemv.c), and every call
-    runs on the GEMV kernel. A weight held [N, K] on a VNNI CPU sends calls of
-    ``INT_MM_MIN_ROWS`` rows or more to torch's int8 GEMM instead. ``pack``: force either layout
-    (benchmarks, tests); None: ``packs_by_default``."""
+    The weight is held in the layout ``default_layout`` picks (``layout`` forces one: benchmarks,
+    tests): in tiles (AMX) or packed (``pack_blocks``: each thread then reads one sequential
+    stream instead of four short ones), every call runs on our kernel. A weight held [N, K] on a
+    VNNI CPU sends calls of ``INT_MM_MIN_ROWS`` rows or more to torch's int8 GEMM instead."""
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 library: ctypes.CDLL | None = None, pack: bool | None = None):
+                 library: ctypes.CDLL | None = None, layout: str | None = None):
         library = library or load()
         assert library is not None
         self._library = library
@@ -246,24 +291,31 @@ class Int8Weights:
         self.offsets = weight_offsets(values, library)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self._forward = library.dovetail_int8_forward
-        if pack is None:
-            pack = packs_by_default(library, self.out_features, self.in_features)
-        if pack and not can_pack(self.out_features, self.in_features):
-            raise ValueError(f"a {self.out_features}x{self.in_features} weight cannot be packed "
-                             f"(needs out % {BLOCK_ROWS} == 0 and in % {CHUNK_BYTES} == 0)")
-        self.packed = bool(pack)
-        # None: every call on the GEMV kernel (packed weights; CPUs without VNNI, see INT_MM_MIN_ROWS).
-        self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 and not self.packed else None
-        # What the kernel reads: [N, K], or packed flat; on huge pages, as a stream (huge_pages.py).
-        self.stored = on_huge_pages(pack_blocks(values) if self.packed else values)
+        if layout is None:
+            layout = default_layout(library, self.out_features, self.in_features)
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown int8 layout {layout!r} (one of {', '.join(LAYOUTS)})")
+        if not fits_layout(layout, self.out_features, self.in_features):
+            raise ValueError(f"a {self.out_features}x{self.in_features} weight cannot be held {layout} "
+                             f"(packed needs out % {BLOCK_ROWS} == 0, tiles out % {TILE_OUT} == 0, "
+                             f"and both in % {CHUNK_BYTES} == 0)")
+        self.layout = layout
+        self.layout_code = LAYOUTS.index(layout)
+        # None: every call on our kernel (packed or tiles; CPUs without VNNI, see INT_MM_MIN_ROWS).
+        self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 and layout == "rows" else None
+        # What the kernel reads: [N, K], packed or tiles flat; on huge pages, as a stream (huge_pages.py).
+        arranged = {"rows": lambda v: v, "packed": pack_blocks, "tiles": pack_tiles}[layout](values)
+        self.stored = on_huge_pages(arranged)
         self._pointers = (self.stored.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                           None if self.bias is None else self.bias.data_ptr())
 
     @property
     def values(self) -> torch.Tensor:
-        """The int8 weight [N, K] (a new tensor when held packed)."""
-        if self.packed:
+        """The int8 weight [N, K] (a new tensor when held packed or in tiles)."""
+        if self.layout == "packed":
             return unpack_blocks(self.stored, self.out_features, self.in_features)
+        if self.layout == "tiles":
+            return unpack_tiles(self.stored, self.out_features, self.in_features)
         return self.stored
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
@@ -273,9 +325,9 @@ class Int8Weights:
             return self._matmul(rows)
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         status = self._forward(rows.data_ptr(), *self._pointers, out.data_ptr(), count, self.out_features,
-                               self.in_features, int(self.packed), torch.get_num_threads())
-        if status == -2:  # unreachable: the constructor only packs shapes that have the layout
-            raise ValueError(f"int8 linear: {self.out_features}x{self.in_features} has no packed layout")
+                               self.in_features, self.layout_code, torch.get_num_threads())
+        if status == -2:  # unreachable: the constructor only takes layouts the shape has
+            raise ValueError(f"int8 linear: {self.out_features}x{self.in_features} has no {self.layout} layout")
         if status != 0:
             raise MemoryError(f"int8 linear: no memory for {count} x {self.in_features} quantized rows")
         return out

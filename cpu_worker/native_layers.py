@@ -30,7 +30,8 @@ from .int8 import RowwiseInt8Linear
 from .llama import DecoderLayer, KVCache, LlamaDecoder, RMSNorm
 
 FORCE_VARIABLE = "DOVETAIL_NATIVE_LAYERS"
-_LINEAR_INT8, _LINEAR_FP32, _LINEAR_INT8_PACKED = 0, 1, 2  # decoder_layers.c's LINEAR_*
+_LINEAR_INT8, _LINEAR_FP32, _LINEAR_INT8_PACKED, _LINEAR_INT8_TILES = 0, 1, 2, 3  # decoder_layers.c's LINEAR_*
+_INT8_KINDS = {"rows": _LINEAR_INT8, "packed": _LINEAR_INT8_PACKED, "tiles": _LINEAR_INT8_TILES}
 
 
 class _Linear(ctypes.Structure):
@@ -57,7 +58,7 @@ def _linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
         weights = module._int8
         limit = weights.matmul_min_rows - 1 if weights.matmul_min_rows is not None else MAX_KERNEL_ROWS
         bias = None if weights.bias is None else weights.bias.data_ptr()
-        return _Linear(_LINEAR_INT8_PACKED if weights.packed else _LINEAR_INT8, weights.stored.data_ptr(),
+        return _Linear(_INT8_KINDS[weights.layout], weights.stored.data_ptr(),
                        weights.scales.data_ptr(), weights.offsets.data_ptr(), bias, weights.out_features,
                        weights.in_features), limit
     if isinstance(module, RowInvariantFp32Linear):

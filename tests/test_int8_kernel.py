@@ -101,7 +101,7 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call_with_packed_weights(k
     generator = torch.Generator().manual_seed(5)
     values = torch.randint(-127, 128, (516, 768), dtype=torch.int8, generator=generator)
     weights = int8_kernel.Int8Weights(values, torch.rand(516, generator=generator) / 100 + 1e-4,
-                                      torch.randn(516, generator=generator), pack=True)
+                                      torch.randn(516, generator=generator), layout="packed")
     rows = torch.randn(40, 768, generator=generator)
     alone = torch.cat([weights(rows[index:index + 1]) for index in range(40)])
     for count in (2, 3, 7, 16, 33, 40):
@@ -113,7 +113,7 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
     compares all three code paths: AVX2 (-march=x86-64-v3, built where the CPU can run it) and
     plain C (-march=x86-64-v2) against it; elsewhere, the paths this CPU has."""
     native = int8_kernel.load()
-    assert native is not None and native.dovetail_int8_has_vnni() == (kernel == "dovetail-vnni")
+    assert native is not None and native.dovetail_int8_has_vnni() == (kernel in ("dovetail-vnni", "dovetail-amx"))
     builds = {"x86-64-v2": 0}
     if "avx2" in cpu_flags():
         builds["x86-64-v3"] = 1
@@ -130,11 +130,12 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
 
 
 @pytest.mark.parametrize("rows_in_call", [1, 2, 3, 5])
-@pytest.mark.parametrize(("in_features", "out_features", "pack"), [(1000, 11, False), (1024, 12, True)])
-def test_extreme_operands_stay_exact(kernel, rows_in_call, in_features, out_features, pack):
+@pytest.mark.parametrize(("in_features", "out_features", "layout"),
+                         [(1000, 11, "rows"), (1024, 12, "packed"), (1024, 32, "tiles")])
+def test_extreme_operands_stay_exact(kernel, rows_in_call, in_features, out_features, layout):
     """The AVX2 paths sum two products in int16 (|w| * |q| * 2 <= 128 * 127 * 2): weights at
     -128 and 127 against activations at +-127, the bound, must not saturate anywhere, in either
-    weight layout (1024 columns and 12 outputs: packable) and with a tail (1000 and 11: not)."""
+    weight layout (1024 columns and 12 outputs: packable; 32: in tiles) and with a tail (1000 and 11: not)."""
     generator = torch.Generator().manual_seed(2)
     # 1000: 31 steps of 32 and a tail of 8; 11 outputs: a last block of 3
     values = torch.where(torch.rand(out_features, in_features, generator=generator) < 0.5,
@@ -145,7 +146,7 @@ def test_extreme_operands_stay_exact(kernel, rows_in_call, in_features, out_feat
     rows = signs * 3.0  # every activation quantizes to +-127
     rows[0] = torch.where(values[1] < 0, -3.0, 3.0)  # row 0 against weight row 1: every product +128 * 127
     scales = torch.full((out_features,), 1e-3)
-    out = int8_kernel.Int8Weights(values, scales, None, pack=pack)(rows)
+    out = int8_kernel.Int8Weights(values, scales, None, layout=layout)(rows)
     sums = (rows.sign().to(torch.int64) * 127) @ values.to(torch.int64).T
     assert int(sums[0, 1]) == 128 * 127 * in_features
     assert torch.equal(out, sums.to(torch.int32).to(torch.float32) * (3.0 / 127.0) * scales)
@@ -221,11 +222,12 @@ def test_pack_blocks_lays_each_block_s_rows_out_in_64_byte_chunks_in_turn():
 
 
 def _forward(library, rows: torch.Tensor, stored: torch.Tensor, weights: int8_kernel.Int8Weights,
-             packed: bool) -> torch.Tensor:
+             layout: str) -> torch.Tensor:
     out = torch.empty(rows.shape[0], weights.out_features)
     status = library.dovetail_int8_forward(rows.data_ptr(), stored.data_ptr(), weights.scales.data_ptr(),
                                            weights.offsets.data_ptr(), weights.bias.data_ptr(), out.data_ptr(),
-                                           rows.shape[0], weights.out_features, weights.in_features, int(packed), 2)
+                                           rows.shape[0], weights.out_features, weights.in_features,
+                                           int8_kernel.LAYOUTS.index(layout), 2)
     assert status == 0
     return out
 
@@ -239,27 +241,69 @@ def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_pa
     generator = torch.Generator().manual_seed(3)
     values = torch.randint(-128, 128, (12, 320), dtype=torch.int8, generator=generator)  # 3 blocks, 5 chunks
     weights = int8_kernel.Int8Weights(values, torch.rand(12, generator=generator) / 50 + 1e-3,
-                                      torch.randn(12, generator=generator), native, pack=False)
+                                      torch.randn(12, generator=generator), native, layout="rows")
     rows = torch.randn(rows_in_call, 320, generator=generator) * 2
-    expected = _forward(native, rows, values, weights, packed=False)
+    expected = _forward(native, rows, values, weights, "rows")
     assert torch.equal(expected, integer_reference(rows, values, weights.scales, weights.bias))
     packed = int8_kernel.pack_blocks(values)
     libraries = {"native": native, "x86-64-v2": build_for("x86-64-v2", tmp_path / "v2")}
     if "avx2" in cpu_flags():
         libraries["x86-64-v3"] = build_for("x86-64-v3", tmp_path / "v3")
     for arch, library in libraries.items():
-        assert torch.equal(_forward(library, rows, packed, weights, packed=True), expected), arch
-        assert torch.equal(_forward(library, rows, values, weights, packed=False), expected), arch
+        assert torch.equal(_forward(library, rows, packed, weights, "packed"), expected), arch
+        assert torch.equal(_forward(library, rows, values, weights, "rows"), expected), arch
+
+
+def test_tiles_hold_the_weight_and_unpack_to_it():
+    values = torch.arange(32 * 128, dtype=torch.int32).remainder(251).sub(125).to(torch.int8).view(32, 128)
+    tiles = int8_kernel.pack_tiles(values)
+    # w[16b + j, 64c + 4g + i] at byte 1024 * (b * chunks + c) + 64g + 4j + i (AMX's B operand)
+    for n, k in [(0, 0), (5, 3), (17, 64 + 4 * 7 + 2), (31, 127)]:
+        b, j, c, g, i = n // 16, n % 16, k // 64, (k % 64) // 4, k % 4
+        assert tiles[1024 * (b * 2 + c) + 64 * g + 4 * j + i] == values[n, k]
+    assert torch.equal(int8_kernel.unpack_tiles(tiles, 32, 128), values)
+
+
+@pytest.mark.parametrize("rows_in_call", [1, 2, 3, 4, 5, 8, 16, 17, 33])
+def test_tiled_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_path, rows_in_call):
+    """Every path over the tile layout gives the bits of the native build on [N, K] weights: AMX
+    (one call, 16-row groups, a padded last group) where this CPU has it, the VNNI loop (native
+    with AMX turned off, or an icelake-server build), AVX2 and plain C builds (the portable loop).
+    48 outputs: an odd block after a pair; 320 columns: 5 tiles per block."""
+    native = int8_kernel.load()
+    generator = torch.Generator().manual_seed(6)
+    values = torch.randint(-128, 128, (48, 320), dtype=torch.int8, generator=generator)
+    weights = int8_kernel.Int8Weights(values, torch.rand(48, generator=generator) / 50 + 1e-3,
+                                      torch.randn(48, generator=generator), native, layout="rows")
+    rows = torch.randn(rows_in_call, 320, generator=generator) * 2
+    expected = _forward(native, rows, values, weights, "rows")
+    assert torch.equal(expected, integer_reference(rows, values, weights.scales, weights.bias))
+    tiles = int8_kernel.pack_tiles(values)
+    assert torch.equal(_forward(native, rows, tiles, weights, "tiles"), expected), "native"
+    native.dovetail_int8_tiles_amx_from(1 << 30)  # the VNNI (or portable) loop even where AMX is
+    try:
+        assert torch.equal(_forward(native, rows, tiles, weights, "tiles"), expected), "native without AMX"
+    finally:
+        native.dovetail_int8_tiles_amx_from(1)
+    libraries = {"x86-64-v2": build_for("x86-64-v2", tmp_path / "v2")}
+    if "avx2" in cpu_flags():
+        libraries["x86-64-v3"] = build_for("x86-64-v3", tmp_path / "v3")
+    if {"avx512_vnni", "avx512bw"} <= cpu_flags():
+        libraries["icelake-server"] = build_for("icelake-server", tmp_path / "icelake")
+    for arch, library in libraries.items():
+        assert not library.dovetail_int8_amx_ready(), arch
+        assert torch.equal(_forward(library, rows, tiles, weights, "tiles"), expected), arch
 
 
 def test_an_unknown_layout_setting_takes_the_automatic_layout_and_says_so(kernel, monkeypatch, caplog):
     monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "pakced")
     with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
         assert int8_kernel.forced_layout() == "auto"
-    assert "'pakced' is not auto, rows or packed" in caplog.text
+    assert "'pakced' is not auto, rows, packed or tiles" in caplog.text
 
 
-def test_weights_are_packed_on_vnni_and_where_rows_are_short_and_the_gemv_takes_every_call(kernel, monkeypatch):
+def test_weights_are_tiled_with_amx_packed_on_vnni_and_where_rows_are_short_and_calls_stay_on_our_kernel(
+        kernel, monkeypatch):
     library = int8_kernel.load()
     generator = torch.Generator().manual_seed(4)
 
@@ -271,31 +315,46 @@ def test_weights_are_packed_on_vnni_and_where_rows_are_short_and_the_gemv_takes_
         return held
 
     short, long = int8_kernel.PACK_BELOW_IN_FEATURES - 64, int8_kernel.PACK_BELOW_IN_FEATURES
-    vnni = library.dovetail_int8_simd() == 2
-    if vnni and "amx_int8" in cpu_flags():  # oneDNN's AMX GEMM takes large calls, and it reads [N, K]
-        assert not weights(8, short).packed and not weights(8, long).packed
+    vnni, amx = library.dovetail_int8_simd() == 2, bool(library.dovetail_int8_amx_ready())
+    assert amx == (kernel == "dovetail-amx")
+    if amx:  # every shape with tiles in them; the others [N, K], where oneDNN's AMX GEMM takes large calls
+        assert weights(16, short).layout == weights(16, long).layout == "tiles"
+        assert weights(8, long).layout == "rows"
     else:  # VNNI: every shape packed; AVX2: rows under PACK_BELOW_IN_FEATURES
-        assert weights(8, short).packed and weights(8, long).packed == vnni
-    assert not weights(6, short).packed and not weights(8, short + 32).packed  # shapes with no packed layout
-    with pytest.raises(ValueError, match="cannot be packed"):
-        weights(6, short, pack=True)
+        assert weights(16, short).layout == weights(8, short).layout == "packed"
+        assert weights(8, long).layout == ("packed" if vnni else "rows")
+    assert weights(6, short).layout == weights(8, short + 32).layout == "rows"  # shapes with no other layout
+    with pytest.raises(ValueError, match="cannot be held packed"):
+        weights(6, short, layout="packed")
+    with pytest.raises(ValueError, match="cannot be held tiles"):
+        weights(8, short, layout="tiles")
+    with pytest.raises(ValueError, match="unknown int8 layout"):
+        weights(8, short, layout="columns")
     monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "rows")
-    assert not weights(8, short).packed
+    assert weights(16, short).layout == "rows"
     monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "packed")
-    assert weights(8, long).packed and not weights(6, long).packed
-    held = weights(8, long)
-    as_rows = int8_kernel.Int8Weights(held.values, held.scales, None, library, pack=False)
-    # Packed: every call on the GEMV; [N, K] on a VNNI CPU: many rows on torch's int8 GEMM. Same bits.
-    assert held.matmul_min_rows is None
-    assert as_rows.matmul_min_rows == (int8_kernel.INT_MM_MIN_ROWS if vnni else None)
-    for count in (3, int8_kernel.INT_MM_MIN_ROWS + 6):
-        rows = torch.randn(count, long, generator=generator)
-        assert torch.equal(held(rows), as_rows(rows))
+    assert weights(8, long).layout == "packed" and weights(6, long).layout == "rows"
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "tiles")
+    assert weights(16, long).layout == "tiles" and weights(8, long).layout == "rows"
+    for layout in ("packed", "tiles"):
+        held = weights(16, long, layout=layout)
+        as_rows = int8_kernel.Int8Weights(held.values, held.scales, None, library, layout="rows")
+        # Packed or tiles: every call on our kernel; [N, K] on a VNNI CPU: many rows on torch's int8 GEMM. Same bits.
+        assert held.matmul_min_rows is None
+        assert as_rows.matmul_min_rows == (int8_kernel.INT_MM_MIN_ROWS if vnni else None)
+        for count in (3, int8_kernel.INT_MM_MIN_ROWS + 6):
+            rows = torch.randn(count, long, generator=generator)
+            assert torch.equal(held(rows), as_rows(rows)), (layout, count)
 
 
-def test_the_kernel_refuses_a_packed_call_of_a_shape_that_has_no_packed_layout(kernel):
+@pytest.mark.parametrize(("layout", "out_features", "in_features"), [("packed", 6, 128), ("packed", 8, 100),
+                                                                      ("tiles", 8, 128), ("tiles", 16, 100)])
+def test_the_kernel_refuses_a_call_of_a_shape_its_layout_cannot_hold(kernel, layout, out_features, in_features):
     library = int8_kernel.load()
-    x, weight = torch.randn(1, 100), torch.zeros(6 * 100, dtype=torch.int8)
-    scales, offsets, out = torch.ones(6), torch.zeros(6, dtype=torch.int32), torch.empty(1, 6)
+    x, weight = torch.randn(1, in_features), torch.zeros(out_features * in_features, dtype=torch.int8)
+    scales, offsets = torch.ones(out_features), torch.zeros(out_features, dtype=torch.int32)
+    out = torch.full((1, out_features), 7.0)
     assert library.dovetail_int8_forward(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                         None, out.data_ptr(), 1, 6, 100, 1, 1) == -2
+                                         None, out.data_ptr(), 1, out_features, in_features,
+                                         int8_kernel.LAYOUTS.index(layout), 1) == -2
+    assert torch.equal(out, torch.full((1, out_features), 7.0))  # nothing written

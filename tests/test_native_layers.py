@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu_worker import int8_kernel, layer_ops
+from cpu_worker import int8_kernel, layer_ops, server
 from cpu_worker.engine import TargetEngine
 from cpu_worker.loading import load_target_model
 from cpu_worker.native_layers import NativeLayers
@@ -50,8 +50,12 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
 
 
 @pytest.mark.parametrize(("precision", "kv_dtype"), [("int8", "bf16"), ("int8", "fp32"), ("fp32", "fp32")])
-def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype):
-    engine, _ = build_engine(str(demo_target), precision, 128, kv_dtype)
+def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype, monkeypatch):
+    # fp32 on our row kernel, as where MKL's packed rows depend on their call-mates (AMD): on an
+    # Intel CPU MKL's packed sgemm would take the layers, and with it the Python loop.
+    monkeypatch.setattr(server, "pack_fp32_linears", lambda model: False)
+    engine, kernel = build_engine(str(demo_target), precision, 128, kv_dtype)
+    assert kernel != "mkl-packed"
     loop = engine.model.layer_loop
     assert isinstance(loop, NativeLayers), "the cpu_worker's engine should take the C loop here"
     native, python = session(engine, True, loop), session(engine, False, loop)
@@ -60,19 +64,20 @@ def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtyp
         assert torch.equal(a, b)
 
 
-def test_an_engine_with_packed_int8_weights_gives_the_row_layout_s_bits(demo_target, monkeypatch):
-    """The same session on two engines: int8 weights as the kernel packs them on this CPU, and
-    all as [N, K]. Prefill, decodes, a tree and its verification agree bit for bit."""
+@pytest.mark.parametrize("layout", ["packed", "tiles"])
+def test_an_engine_with_packed_or_tiled_int8_weights_gives_the_row_layout_s_bits(demo_target, monkeypatch, layout):
+    """The same session on two engines: int8 weights all packed (or all in tiles: AMX where the
+    CPU has it, else the VNNI or plain C loop over the same bytes), and all as [N, K]. Prefill,
+    decodes, a tree and its verification agree bit for bit."""
     monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "rows")
     as_rows, _ = build_engine(str(demo_target), "int8", 128, "bf16")
-    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "packed")
-    packed, _ = build_engine(str(demo_target), "int8", 128, "bf16")
-    layouts = {engine: [module._int8.packed for module in engine.model.modules() if hasattr(module, "_int8")]
-               for engine in (as_rows, packed)}
-    assert not any(layouts[as_rows])
-    if int8_kernel.load().dovetail_int8_simd() != 2:  # with VNNI nothing is packed (torch's GEMM reads [N, K])
-        assert all(layouts[packed]), "the demo target's shapes all have a packed layout"
-    for a, b in zip(session(packed, True, packed.model.layer_loop), session(as_rows, True, as_rows.model.layer_loop),
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, layout)
+    other, _ = build_engine(str(demo_target), "int8", 128, "bf16")
+    layouts = {engine: [module._int8.layout for module in engine.model.modules() if hasattr(module, "_int8")]
+               for engine in (as_rows, other)}
+    assert set(layouts[as_rows]) == {"rows"}
+    assert set(layouts[other]) == {layout}, "the demo target's shapes all have packed and tile layouts"
+    for a, b in zip(session(other, True, other.model.layer_loop), session(as_rows, True, as_rows.model.layer_loop),
                     strict=True):
         assert torch.equal(a, b)
 

@@ -1,7 +1,7 @@
 """The int8 kernel in this working tree against the same file at a git revision, side by side.
 
     python -m tools.bench_int8_kernel [--baseline HEAD] [--rows 1,2,3,4,8,16,32] [--shapes OUTxIN,...] [--threads 2]
-    python -m tools.bench_int8_kernel --layouts [--rows 1] [--shapes ...]   # this tree: [N, K] vs packed
+    python -m tools.bench_int8_kernel --layouts [--rows 1] [--shapes ...]   # this tree: [N, K], packed, tiles
 
 For kernel work (``cpu_worker/int8_gemv.c``): both versions are built for this CPU and called
 the way a layer calls them (``dovetail_int8_forward``: quantize the rows, then the linear) on
@@ -10,8 +10,9 @@ baseline's int8_gemv.c links with this tree's other sources; only its linear is 
 shape cycles through enough distinct matrices (>= 96 MB) that the weights stream from memory as
 in a real model rather than from the last-level cache. The two versions take turns on every
 repeat (a shared machine's noise hits both) and must give the same bits; prints the median ms
-per call and baseline / this tree. ``--layouts`` instead compares this tree's kernel on weights
-held as [N, K] and packed (the measurement behind ``int8_kernel.PACK_BELOW_IN_FEATURES``).
+per call and the first / each other. ``--layouts`` instead compares this tree's kernel on weights
+held as [N, K], packed and in tiles (the last where this CPU has AMX: the measurements behind
+``int8_kernel.PACK_BELOW_IN_FEATURES`` and ``TILES_NOTE``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ import click
 import torch
 
 from cpu_worker import int8_kernel
+from cpu_worker.huge_pages import on_huge_pages
 from tools.bench_attention import parse_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 # (out, in): llama2-7b's attention, MLP up/gate, MLP down; llama-1b's fused qkv and gate/up, down.
 SHAPES = "4096x4096,11008x4096,4096x11008"
 SHAPES_1B = "6144x2048,11264x2048,2048x5632"
-STREAMED_BYTES = 96 << 20  # the matrices a call cycles through: three times a 32 MB last-level cache
+STREAMED_BYTES = 96 << 20  # the matrices a call cycles through: at least three times a 32 MB last-level cache
+LAYOUT_NAMES = {"rows": "[N, K]", "packed": "packed", "tiles": "tiles"}
 
 
 def baseline_source(revision: str, directory: Path) -> Path:
@@ -51,46 +54,64 @@ def baseline_source(revision: str, directory: Path) -> Path:
 class Kernel:
     """One build of the kernel, called the way ``int8_kernel.Int8Weights`` calls it: with the
     weight in the layout that version would hold it in (versions before the packed layout take
-    [N, K] and have no ``packed`` argument)."""
+    [N, K] and have no layout argument; versions before the tile layout held [N, K] where AMX is)."""
 
-    def __init__(self, library: ctypes.CDLL, source: Path, layout: bool | None = None):
+    def __init__(self, library: ctypes.CDLL, source: Path, layout: str | None = None):
         self.library = library
-        self.has_layouts = "int packed" in source.read_text()
-        self.layout = layout  # True / False: always packed / [N, K]; None: as Int8Weights chooses
-        if not self.has_layouts:  # the argument types of an older version
+        text = source.read_text()
+        self.layouts = int8_kernel.LAYOUTS if "int layout" in text else ("rows", "packed") if "int packed" in text \
+            else ("rows",)
+        self.layout = layout  # None: as Int8Weights chooses
+        if len(self.layouts) == 1:  # the argument types of a version before layouts
             pointer, i64 = ctypes.c_void_p, ctypes.c_int64
             library.dovetail_int8_forward.argtypes = [pointer] * 6 + [i64, i64, i64, ctypes.c_int]
 
-    def packs(self, out_features: int, in_features: int) -> bool:
-        """Whether this version holds such a weight packed (as Int8Weights would, unless forced)."""
+    def layout_for(self, out_features: int, in_features: int) -> str:
+        """The layout this version holds such a weight in (as Int8Weights would, unless forced)."""
         if self.layout is not None:
             return self.layout
-        return self.has_layouts and int8_kernel.packs_by_default(self.library, out_features, in_features)
+        chosen = int8_kernel.default_layout(self.library, out_features, in_features)
+        return chosen if chosen in self.layouts else "rows"
 
-    def forward(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                out: torch.Tensor, threads: int) -> None:
-        values, packed, scales, offsets = weight
+    def forward(self, x: torch.Tensor, weight: dict[str, torch.Tensor], out: torch.Tensor, threads: int) -> None:
         rows, k = x.shape
-        packs = self.packs(*values.shape)
-        stored = packed if packs else values
-        layout = (int(packs),) if self.has_layouts else ()
-        if self.library.dovetail_int8_forward(x.data_ptr(), stored.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                              None, out.data_ptr(), rows, values.shape[0], k, *layout, threads) != 0:
+        n = weight["scales"].shape[0]
+        layout = self.layout_for(n, k)
+        code = (int8_kernel.LAYOUTS.index(layout),) if len(self.layouts) > 1 else ()
+        if self.library.dovetail_int8_forward(x.data_ptr(), weight[layout].data_ptr(), weight["scales"].data_ptr(),
+                                              weight["offsets"].data_ptr(), None, out.data_ptr(), rows, n, k, *code,
+                                              threads) != 0:
             raise MemoryError("int8 forward: no scratch memory")
+
+
+def streamed_bytes() -> int:
+    """``STREAMED_BYTES``, or three times this CPU's last-level cache where that is larger (a
+    Xeon's can be hundreds of MB: weights cycled through it would not come from memory)."""
+    largest = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = size.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            largest = max(largest, int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(STREAMED_BYTES, 3 * largest)
 
 
 def compare(libraries: dict[str, Kernel], shape: tuple[int, int], row_counts: list[int], repeats: int,
             threads: int) -> list[tuple[int, dict[str, float]]]:
     n, k = shape
     generator = torch.Generator().manual_seed(0)
-    count = max(1, -(-STREAMED_BYTES // (n * k)))
+    count = max(1, -(-streamed_bytes() // (n * k)))
     weights = []
+    held = {kernel.layout_for(n, k) for kernel in libraries.values()}
+    arrange = {"rows": lambda v: v, "packed": int8_kernel.pack_blocks, "tiles": int8_kernel.pack_tiles}
     for _ in range(count):
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
-        packs = any(kernel.packs(n, k) for kernel in libraries.values())
-        weights.append((values, int8_kernel.pack_blocks(values) if packs else values,
-                        torch.rand(n, generator=generator) / 100 + 1e-3,
-                        int8_kernel.weight_offsets(values, next(iter(libraries.values())).library)))
+        weight = {layout: on_huge_pages(arrange[layout](values)) for layout in held}
+        weight["scales"] = torch.rand(n, generator=generator) / 100 + 1e-3
+        weight["offsets"] = int8_kernel.weight_offsets(values, next(iter(libraries.values())).library)
+        weights.append(weight)
     results = []
     for rows in row_counts:
         x = torch.randn(rows, k, generator=generator)
@@ -111,7 +132,7 @@ def compare(libraries: dict[str, Kernel], shape: tuple[int, int], row_counts: li
             library.forward(x, weights[0], outs[name], threads)
         first, *others = outs.values()
         if any(not torch.equal(first, other) for other in others):
-            raise click.ClickException(f"{n}x{k}, {rows} rows: the two kernels give different bits")
+            raise click.ClickException(f"{n}x{k}, {rows} rows: the kernels give different bits")
         results.append((rows, {name: statistics.median(values) for name, values in times.items()}))
     return results
 
@@ -125,7 +146,8 @@ def compare(libraries: dict[str, Kernel], shape: tuple[int, int], row_counts: li
 @click.option("--repeats", type=click.IntRange(min=3), default=24, show_default=True,
               help="timed calls per version, shape and row count")
 @click.option("--layouts", is_flag=True,
-              help="Compare this tree's kernel on [N, K] and packed weights instead of two revisions.")
+              help="Compare this tree's kernel on [N, K], packed and (with AMX) tile weights instead of two "
+                   "revisions.")
 def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int, layouts: bool) -> None:
     row_counts = parse_sizes(rows, "--rows")
     try:
@@ -141,28 +163,32 @@ def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int, layo
     with tempfile.TemporaryDirectory() as scratch:
         this_tree = int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch))
         if layouts:
-            names = ("[N, K]", "packed")
-            libraries = {names[0]: Kernel(this_tree, int8_kernel.SOURCE, layout=False),
-                         names[1]: Kernel(this_tree, int8_kernel.SOURCE, layout=True)}
+            held = ["rows", "packed"]
+            if this_tree.dovetail_int8_amx_ready() and all(int8_kernel.can_tile(*shape) for shape in weight_shapes):
+                held.append("tiles")
+            libraries = {LAYOUT_NAMES[layout]: Kernel(this_tree, int8_kernel.SOURCE, layout) for layout in held}
             command = f"--layouts --rows {rows} --shapes {shapes} --threads {threads}"
         else:
-            names = (f"baseline ({baseline})", "this tree")
             old_source = baseline_source(baseline, Path(scratch))
-            libraries = {names[0]: Kernel(int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch),
-                                                            (old_source, *int8_kernel.SOURCES[1:])), old_source),
-                         names[1]: Kernel(this_tree, int8_kernel.SOURCE)}
+            libraries = {f"baseline ({baseline})": Kernel(int8_kernel.build(
+                compiler, int8_kernel.FLAGS, Path(scratch), (old_source, *int8_kernel.SOURCES[1:])), old_source),
+                "this tree": Kernel(this_tree, int8_kernel.SOURCE)}
             command = f"--baseline {baseline} --rows {rows} --shapes {shapes} --threads {threads}"
-        simd = {2: "AVX512-VNNI", 1: "AVX2"}.get(this_tree.dovetail_int8_simd(), "plain C")
+        simd = "AMX" if this_tree.dovetail_int8_amx_ready() else \
+            {2: "AVX512-VNNI", 1: "AVX2"}.get(this_tree.dovetail_int8_simd(), "plain C")
+        names = list(libraries)
         print(f"int8 kernel, {simd} path, {threads} threads, median of {repeats} calls; ms per call")
         print(f"python -m tools.bench_int8_kernel {command}")
-        print(f"| shape (out x in) | layouts | rows | {names[0]} ms | {names[1]} ms | {names[0]} / {names[1]} |")
-        print("|---|---|---|---|---|---|")
+        print("| shape (out x in) | layouts | rows | " + " | ".join(f"{name} ms" for name in names) + " | "
+              + " | ".join(f"{names[0]} / {name}" for name in names[1:]) + " |")
+        print("|---" * (3 + 2 * len(names) - 1) + "|")
         for shape in weight_shapes:
-            held = ", ".join("packed" if kernel.packs(*shape) else "[N, K]" for kernel in libraries.values())
+            held_as = ", ".join(LAYOUT_NAMES[kernel.layout_for(*shape)] for kernel in libraries.values())
             for count, medians in compare(libraries, shape, row_counts, repeats, threads):
-                old, new = medians.values()
-                print(f"| {shape[0]}x{shape[1]} | {held} | {count} | {old:.2f} | {new:.2f} | {old / new:.2f}x |",
-                      flush=True)
+                first, *others = medians.values()
+                print(f"| {shape[0]}x{shape[1]} | {held_as} | {count} | "
+                      + " | ".join(f"{value:.2f}" for value in medians.values()) + " | "
+                      + " | ".join(f"{first / other:.2f}x" for other in others) + " |", flush=True)
 
 
 if __name__ == "__main__":
