@@ -66,6 +66,44 @@ void dovetail_quantize_rows(const float *x, uint8_t *xu, float *scale, int64_t r
     }
 }
 
+/* Load time: symmetric per-row int8 weights, as torch.quantize_per_channel gives them (it is
+ * 10x slower: half of a 7B target's load). scale[n] = max|w[n]| / 127 in fp32, at least 1e-12;
+ * q = nearbyint(w * (1 / scale)) clamped to [-128, 127], fbgemm's Quantize arithmetic (checked
+ * against torch in tests/test_int8_kernel.py). w: [n_rows, k] fp32. */
+void dovetail_quantize_weight_rows(const float *w, int8_t *q, float *scale, int64_t n_rows, int64_t k, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < n_rows; n++) {
+        const float *row = w + n * k;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            float a = fabsf(row[i]);
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / 127.0f;
+        s = s < 1e-12f ? 1e-12f : s;
+        scale[n] = s;
+        float inverse = 1.0f / s;
+        int8_t *out = q + n * k;
+        for (int64_t i = 0; i < k; i++) {
+            float v = nearbyintf(row[i] * inverse);
+            out[i] = (int8_t)(v > 127.0f ? 127.0f : (v < -128.0f ? -128.0f : v));
+        }
+    }
+}
+
+/* [n_rows, k] int8 -> the tile layout (int8_kernel.pack_tiles, TILE_OUT below): four bytes at
+ * a time; needs n_rows % 16 == 0 and k % 64 == 0. */
+void dovetail_pack_tiles(const int8_t *w, int8_t *tiles, int64_t n_rows, int64_t k, int threads) {
+    int64_t blocks = n_rows / 16, chunks = k / 64;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t c = 0; c < chunks; c++) {
+            int8_t *tile = tiles + (b * chunks + c) * 1024;
+            for (int g = 0; g < 16; g++)
+                for (int j = 0; j < 16; j++) memcpy(tile + 64 * g + 4 * j, w + (b * 16 + j) * k + 64 * c + 4 * g, 4);
+        }
+}
+
 /* 128 * sum_k w[n, k] per output row: the correction for the +128 offset of the activations. */
 void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, int64_t k) {
     for (int64_t n = 0; n < n_rows; n++) {

@@ -17,7 +17,7 @@ from test_int8 import worst_tree_vs_decode_gap
 from cpu_worker import int8_kernel
 from cpu_worker.cores import cpu_flags
 from cpu_worker.engine import TargetEngine
-from cpu_worker.int8 import RowwiseInt8Linear
+from cpu_worker.int8 import RowwiseInt8Linear, _quantize_per_row, _torch_quantize_rows
 from cpu_worker.loading import load_target_model
 from cpu_worker.precision import activation_dtype
 
@@ -252,6 +252,31 @@ def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_pa
     for arch, library in libraries.items():
         assert torch.equal(_forward(library, rows, packed, weights, "packed"), expected), arch
         assert torch.equal(_forward(library, rows, values, weights, "rows"), expected), arch
+
+
+def test_the_library_quantizes_weights_as_torch_does(kernel):
+    """The loader's quantizer (C) gives torch.quantize_per_channel's int8 values and scales bit
+    for bit: random rows, an all-zero row, a row whose products land on .5 (ties to even), an
+    outlier row, negative maxima, and fp16 and bf16 sources converted as the loader does."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(70, 333, generator=generator) * 0.02
+    weight[3] = 0.0
+    weight[4] = torch.arange(333) * 0.5 - 80.0  # scale 127/127 = 1: every other product a tie, to even
+    weight[4, 0] = -127.0
+    weight[5, 7] = 40.0  # one outlier
+    weight[6] = -weight[6].abs()
+    for source in (weight, weight.half(), weight.bfloat16()):
+        values, scales = _quantize_per_row(source, rows_per_chunk=32)  # chunks of 32: 70 rows in three
+        expected_values, expected_scales = _torch_quantize_rows(source.float())
+        assert values.dtype == torch.int8 and scales.dtype == torch.float64
+        assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales), source.dtype
+    assert values[3].abs().sum() == 0
+
+
+def test_the_library_packs_tiles_as_torch_does(kernel):
+    values = torch.randint(-128, 128, (48, 320), dtype=torch.int8, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(int8_kernel.pack_tiles_natively(values, int8_kernel.load_library()),
+                       int8_kernel.pack_tiles(values))
 
 
 def test_tiles_hold_the_weight_and_unpack_to_it():
