@@ -646,6 +646,7 @@ static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int co
 int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
                          int64_t k, int layout, int threads) {
+    if (rows <= 0) return 0; /* nothing to compute (and no tile configuration of zero rows) */
     if (layout == 2) {
         if (n_out % TILE_OUT != 0 || k % 64 != 0) return -1;
         return tiles_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads) == 0 ? 0 : -3;

@@ -273,6 +273,13 @@ def test_the_library_quantizes_weights_as_torch_does(kernel):
     assert values[3].abs().sum() == 0
 
 
+@pytest.mark.parametrize("layout", ["rows", "packed", "tiles"])
+def test_a_call_of_no_rows_returns_no_rows(kernel, layout):
+    values = torch.randint(-127, 128, (32, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(10))
+    weights = int8_kernel.Int8Weights(values, torch.rand(32) + 0.01, None, layout=layout)
+    assert weights(torch.empty(0, 128)).shape == (0, 32)
+
+
 def test_the_library_packs_tiles_as_torch_does(kernel):
     values = torch.randint(-128, 128, (48, 320), dtype=torch.int8, generator=torch.Generator().manual_seed(8))
     assert torch.equal(int8_kernel.pack_tiles_natively(values, int8_kernel.load_library()),
