@@ -5,7 +5,8 @@
  * the read bandwidth when decoding one row, llama.cpp's Q8_0 88% (tools/bench_llamacpp.py). A
  * decode step is a stream over the weights; this kernel reads each weight byte once and reuses a
  * block of 4 weight rows (L1-resident) for every activation row of the call; the weights are
- * [n_out, k] or packed per block (see block_row). On VNNI CPUs calls of 24 rows or more go to
+ * [n_out, k] or packed per block (see block_row), or, on CPUs with AMX, in tiles for AMX's tile
+ * multiply (see TILE_OUT). On VNNI CPUs calls of 24 rows or more on [n_out, k] weights go to
  * torch's int8 GEMM instead (int8_kernel.py), with the same integers.
  *
  * Row independence (what makes Dovetail lossless at int8): a row's quantization uses only that
@@ -415,9 +416,9 @@ static void dot4x3(const uint8_t *xa, const uint8_t *xb, const uint8_t *xc, cons
  * and k % 64 == 0. The integer sums are those of the other layouts, so are the bits.
  * Why: with AMX (Sapphire Rapids on), one TDPBUSD multiplies up to 16 activation rows by a 1 KB
  * tile in about the time VNNI takes for one row, so a tree of 16 rows streams its weights at
- * nearly the cost of a decode step; the GEMV's row pairs cost 2.3x one row at 16 rows, torch's
- * int8 GEMM repacks its weight every call (2.4x one GEMV row at any count; numbers in
- * int8_kernel.TILES_NOTE). */
+ * nearly the cost of a decode step; the GEMV's row pairs cost 2.3x one row at 16 rows, and
+ * torch's int8 GEMM repacks its weight every call (2.4x one GEMV row for a one-row call;
+ * numbers in int8_kernel.TILES_NOTE). */
 #define TILE_OUT 16
 #define TILE_BYTES 1024
 static int tiles_amx_min_rows = 1; /* calls of fewer rows take the VNNI loop (dovetail_int8_tiles_amx_from) */

@@ -183,11 +183,12 @@ TILE_OUT, TILE_COLUMNS = 16, 64  # the tile layout: blocks of 16 output rows in 
 # handing it a packed weight a slice at a time cost it 1.2-2.3x more).
 PACK_BELOW_IN_FEATURES = 4096
 # TILES_NOTE: with AMX every shape with a tile layout is held in it and every call runs on AMX
-# tiles. 2-core Xeon (AMX, AVX512-VNNI), ms per 4096x4096 matrix at 1 / 4 / 16 / 64 / 256 rows,
-# distinct matrices on huge pages: tiles 0.51 / 0.53 / 0.65 / 1.27 / 3.7; [N, K] GEMV 0.54 /
-# 0.67 / 1.25 / 3.4 / 12.6 (packed no better); torch._int_mm 1.3 / 1.4 / 1.55 / 2.1 at 1-64;
-# bf16 F.linear (AMX) 1.4-1.5 up to 32. 4096x11008: tiles 1.41 / 1.47 / 2.04 / 3.5 / 11.7, the
-# GEMV 1.44 / 1.88 / 3.35 / 9.8 / 56 (/work/scratch-style A/B: python -m tools.bench_int8_kernel).
+# tiles. 2-core Xeon (AMX, AVX512-VNNI), ms per call at 1 / 4 / 8 / 16 / 32 rows (python -m
+# tools.bench_int8_kernel --layouts): 4096x4096 tiles 0.54 / 0.57 / 0.60 / 0.66 / 0.86, [N, K]
+# 0.55 / 0.69 / 0.89 / 1.28 / 2.05 (packed no faster); 4096x11008 tiles 1.37 / 1.50 / 1.62 / 1.85
+# / 2.42, [N, K] 1.47 / 1.83 / 2.44 / 3.49 / 5.59. A scratch A/B in one process, 4096x4096: tiles
+# 1.27 ms at 64 rows and 3.7 at 256, the GEMV 3.4 and 12.6; torch._int_mm 1.3 at one row, 2.1 at
+# 64 (it repacks its weight every call); bf16 F.linear (oneDNN, AMX) 1.4-1.5 at 1-32 rows.
 LAYOUT_VARIABLE = "DOVETAIL_INT8_LAYOUT"  # auto (default), rows, packed or tiles: force a layout for comparisons
 LAYOUTS = ("rows", "packed", "tiles")  # int8_gemv.c's layout codes 0, 1, 2
 
