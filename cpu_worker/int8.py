@@ -90,6 +90,8 @@ class RowwiseInt8Linear(nn.Module):
             self._int8 = int8_kernel.Int8Weights(values, scales, self.bias)
             return
         with warnings.catch_warnings():
+            # torch's wording: "... quantize_per_channel and other quantized tensor creation functions ... deprecated"
+            warnings.filterwarnings("ignore", message=".*quantize_per_channel.*deprecated")
             warnings.filterwarnings("ignore", message=".*_make_per_channel_quantized_tensor.*deprecated")
             quantized = torch._make_per_channel_quantized_tensor(
                 values, scales.to(torch.float64), torch.zeros(self.out_features, dtype=torch.long), 0)
