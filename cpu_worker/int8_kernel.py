@@ -77,8 +77,6 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.dovetail_quantize_rows.argtypes = [pointer, pointer, pointer, i64, i64]
     library.dovetail_weight_offsets.argtypes = [pointer, pointer, i64, i64]
-    library.dovetail_quantize_weight_rows.argtypes = [pointer, pointer, pointer, i64, i64, ctypes.c_int]
-    library.dovetail_pack_tiles.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
     library.dovetail_int8_linear.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, pointer,
                                              i64, i64, i64, ctypes.c_int, ctypes.c_int]
     library.dovetail_int8_linear.restype = ctypes.c_int
@@ -87,8 +85,11 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     library.dovetail_int8_forward.restype = ctypes.c_int
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
-    library.dovetail_int8_amx_ready.restype = ctypes.c_int
-    library.dovetail_int8_tiles_amx_from.argtypes = [ctypes.c_int]
+    if hasattr(library, "dovetail_pack_tiles"):  # not in older int8_gemv.c (tools/bench_int8_kernel.py builds those)
+        library.dovetail_quantize_weight_rows.argtypes = [pointer, pointer, pointer, i64, i64, ctypes.c_int]
+        library.dovetail_pack_tiles.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
+        library.dovetail_int8_amx_ready.restype = ctypes.c_int
+        library.dovetail_int8_tiles_amx_from.argtypes = [ctypes.c_int]
     library.dovetail_fp32_linear.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
     library.dovetail_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, i64, i64, pointer, pointer,
                                            pointer, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]

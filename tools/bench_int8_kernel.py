@@ -70,7 +70,8 @@ class Kernel:
         """The layout this version holds such a weight in (as Int8Weights would, unless forced)."""
         if self.layout is not None:
             return self.layout
-        chosen = int8_kernel.default_layout(self.library, out_features, in_features)
+        # The choice is this tree's rule for this CPU (an older library may lack what it asks).
+        chosen = int8_kernel.default_layout(int8_kernel.load_library() or self.library, out_features, in_features)
         return chosen if chosen in self.layouts else "rows"
 
     def forward(self, x: torch.Tensor, weight: dict[str, torch.Tensor], out: torch.Tensor, threads: int) -> None:
