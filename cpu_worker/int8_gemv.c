@@ -47,15 +47,21 @@ int dovetail_int8_simd(void) {
 #endif
 }
 
+/* max_i |row[i]| (exact in any order). */
+static inline float absolute_max(const float *row, int64_t k) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        float a = fabsf(row[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
 /* Per-row symmetric quantization: q = round(x * 127 / max|x|) as u8 = q + 128; scale[m] = max|x| / 127. */
 void dovetail_quantize_rows(const float *x, uint8_t *xu, float *scale, int64_t rows, int64_t k) {
     for (int64_t m = 0; m < rows; m++) {
         const float *row = x + m * k;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            float a = fabsf(row[i]);
-            amax = a > amax ? a : amax;
-        }
+        float amax = absolute_max(row, k);
         float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         scale[m] = amax / 127.0f;
         uint8_t *out = xu + m * k;
@@ -75,12 +81,7 @@ void dovetail_quantize_weight_rows(const float *w, int8_t *q, float *scale, int6
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < n_rows; n++) {
         const float *row = w + n * k;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            float a = fabsf(row[i]);
-            amax = a > amax ? a : amax;
-        }
-        float s = amax / 127.0f;
+        float s = absolute_max(row, k) / 127.0f;
         s = s < 1e-12f ? 1e-12f : s;
         scale[n] = s;
         float inverse = 1.0f / s;

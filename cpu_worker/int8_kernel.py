@@ -317,9 +317,11 @@ class Int8Weights:
         # None: every call on our kernel (packed or tiles; CPUs without VNNI, see INT_MM_MIN_ROWS).
         self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 and layout == "rows" else None
         # What the kernel reads: [N, K], packed or tiles flat; on huge pages, as a stream (huge_pages.py).
-        arranged = {"rows": lambda v: v, "packed": pack_blocks,
-                    "tiles": lambda v: pack_tiles_natively(v, library)}[layout](values)
-        self.stored = on_huge_pages(arranged)
+        if layout == "tiles":
+            values = pack_tiles_natively(values, library)
+        elif layout == "packed":
+            values = pack_blocks(values)
+        self.stored = on_huge_pages(values)
         self._pointers = (self.stored.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                           None if self.bias is None else self.bias.data_ptr())
 

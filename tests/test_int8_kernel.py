@@ -232,19 +232,27 @@ def _forward(library, rows: torch.Tensor, stored: torch.Tensor, weights: int8_ke
     return out
 
 
+def _row_layout_case(seed: int, out_features: int, rows_in_call: int
+                     ) -> tuple[ctypes.CDLL, torch.Tensor, int8_kernel.Int8Weights, torch.Tensor, torch.Tensor]:
+    """A random [out_features, 320] weight held [N, K] on the native build, rows for it, and the
+    native build's output, itself checked against the integer reference."""
+    native = int8_kernel.load()
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(-128, 128, (out_features, 320), dtype=torch.int8, generator=generator)
+    weights = int8_kernel.Int8Weights(values, torch.rand(out_features, generator=generator) / 50 + 1e-3,
+                                      torch.randn(out_features, generator=generator), native, layout="rows")
+    rows = torch.randn(rows_in_call, 320, generator=generator) * 2
+    expected = _forward(native, rows, values, weights, "rows")
+    assert torch.equal(expected, integer_reference(rows, values, weights.scales, weights.bias))
+    return native, values, weights, rows, expected
+
+
 @pytest.mark.parametrize("rows_in_call", [1, 2, 3, 8, 9])
 def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_path, rows_in_call):
     """Every build (native, and AVX2 / plain C where the CPU runs them) with the weight packed
     gives the bits of the native build with it as [N, K]: single rows, pairs and both mixed.
     Called directly, so the VNNI path's packed loops are checked too where this CPU has VNNI."""
-    native = int8_kernel.load()
-    generator = torch.Generator().manual_seed(3)
-    values = torch.randint(-128, 128, (12, 320), dtype=torch.int8, generator=generator)  # 3 blocks, 5 chunks
-    weights = int8_kernel.Int8Weights(values, torch.rand(12, generator=generator) / 50 + 1e-3,
-                                      torch.randn(12, generator=generator), native, layout="rows")
-    rows = torch.randn(rows_in_call, 320, generator=generator) * 2
-    expected = _forward(native, rows, values, weights, "rows")
-    assert torch.equal(expected, integer_reference(rows, values, weights.scales, weights.bias))
+    native, values, weights, rows, expected = _row_layout_case(3, 12, rows_in_call)  # 3 blocks, 5 chunks
     packed = int8_kernel.pack_blocks(values)
     libraries = {"native": native, "x86-64-v2": build_for("x86-64-v2", tmp_path / "v2")}
     if "avx2" in cpu_flags():
@@ -302,14 +310,7 @@ def test_tiled_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_pat
     (one call, 16-row groups, a padded last group) where this CPU has it, the VNNI loop (native
     with AMX turned off, or an icelake-server build), AVX2 and plain C builds (the portable loop).
     48 outputs: an odd block after a pair; 320 columns: 5 tiles per block."""
-    native = int8_kernel.load()
-    generator = torch.Generator().manual_seed(6)
-    values = torch.randint(-128, 128, (48, 320), dtype=torch.int8, generator=generator)
-    weights = int8_kernel.Int8Weights(values, torch.rand(48, generator=generator) / 50 + 1e-3,
-                                      torch.randn(48, generator=generator), native, layout="rows")
-    rows = torch.randn(rows_in_call, 320, generator=generator) * 2
-    expected = _forward(native, rows, values, weights, "rows")
-    assert torch.equal(expected, integer_reference(rows, values, weights.scales, weights.bias))
+    native, values, weights, rows, expected = _row_layout_case(6, 48, rows_in_call)
     tiles = int8_kernel.pack_tiles(values)
     assert torch.equal(_forward(native, rows, tiles, weights, "tiles"), expected), "native"
     native.dovetail_int8_tiles_amx_from(1 << 30)  # the VNNI (or portable) loop even where AMX is
