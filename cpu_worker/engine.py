@@ -17,7 +17,7 @@ from ipc.tree import tree_depths, validate_parents
 from .acceptance import accept_path
 from .exact_attention import TreePaths
 from .fp32_packed import PackedFp32Linear
-from .fp32_rows import RowInvariantFp32Linear
+from .fp32_rows import RowInvariantFp32Linear, prompt_rows
 from .int8 import RowwiseInt8Linear
 from .llama import KVCache, LlamaDecoder, RotaryTable
 from .native_layers import NativeLayers
@@ -38,8 +38,8 @@ def tree_paths(parents: Sequence[int]) -> list[list[int]]:
 
 def has_batch_invariant_linears(model: torch.nn.Module) -> bool:
     """True when every linear layer gives a row the same bits whatever shares its call: int8
-    W8A8 by construction, fp32 on MKL's packed sgemm (checked when packed, ``fp32_packed``) or on
-    our row kernel (``fp32_rows``).
+    W8A8 by construction, fp32 on our row kernel (``fp32_rows``) or on MKL's packed sgemm
+    (checked when packed, ``fp32_packed``).
     ``F.linear`` does not promise it: fp32 differs by batch size here, and oneDNN's bf16
     kernels matched row by row on some runs and not on others (first calls)."""
     invariant = (RowwiseInt8Linear, PackedFp32Linear, RowInvariantFp32Linear)
@@ -133,7 +133,10 @@ class TargetEngine:
         if len(token_ids) == 0:
             raise ValueError("prefill needs at least one token")
         self.reset()
-        return self.extend(token_ids)
+        # Every mode prefills a prompt in this one call, so its rows may take a faster GEMM whose
+        # bits depend on the row count (fp32); decodes and trees never do.
+        with prompt_rows():
+            return self.extend(token_ids)
 
     @torch.inference_mode()
     def extend(self, token_ids: Sequence[int]) -> StepOutput:

@@ -1,4 +1,7 @@
 """fp32 linear layers on MKL's packed sgemm: a row's result never depends on its call-mates.
+The fallback exact kernel: the worker takes our row kernel (``fp32_rows``) wherever a C
+compiler is found, which on a 2-core Xeon decodes a 1B stand-in 1.11x and verifies 8-node
+trees 1.30x faster than this one (``python -m tools.bench_fp32_kernel``); this one where none is.
 
 Why: ``F.linear`` picks a different kernel for one row (a GEMV) than for a tree's T rows (a
 GEMM), so a node's logits differ from the decode logits of the same prefix by float rounding
@@ -15,8 +18,7 @@ promised: packing for a batch hint of one row gives a one-row path that rounds d
 ``pack_fp32_linears`` checks every weight shape of the model at load (row by row against the
 whole call, and against ``F.linear`` up to a prefill's rows) before it swaps anything.
 Where MKL is absent (non-x86 builds) or a check fails (AMD CPUs: MKL takes another path there),
-the model goes to our own row-invariant kernel (``fp32_rows``), or, without a C compiler, keeps
-``F.linear`` and its trees are verified to float tolerance.
+a model without our row kernel keeps ``F.linear``, and its trees are verified to float tolerance.
 """
 
 from __future__ import annotations

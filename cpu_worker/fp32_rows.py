@@ -1,18 +1,26 @@
-"""fp32 linear layers on our own kernel (``int8_gemv.c``: ``dovetail_fp32_linear``), for CPUs
-where MKL's packed sgemm is not row-independent (AMD: checked at load, ``fp32_packed``).
+"""fp32 linear layers on our own kernel (``fp32_rows.c``: ``dovetail_fp32_linear``), the fp32
+target's exact path wherever a C compiler is found.
 
 Every row of a call is reduced in one fixed order whatever the row or thread count, so a tree
 node's logits equal the decode logits of the same prefix bit for bit, and an fp32 target stays
-exactly lossless. The kernel streams the weight once per call and reuses each block of 4 weight
-rows from cache for every row, which is what decoding and small trees need. Calls of more than
-``MAX_KERNEL_ROWS`` rows (the largest tree the protocol allows, so only a long prompt's prefill)
-go to ``F.linear``: a prefill's rows are computed by the same call in ``--mode ar`` and in
-Dovetail, so they need not match a decode's bits, only be fast. Prompts of up to that many
-tokens prefill on this kernel, which is slower than a GEMM there (1.7x ``F.linear``'s time at
-256 rows of 4096x4096 on the EPYC, 1.25x at 64), the price of exact trees of every size.
+exactly lossless. The kernel streams the weight once per call and runs up to 4 rows at a time
+over each L1-resident chunk of it, which is what decoding and small trees need: on a 2-core
+Xeon (AVX-512), 4096x4096, 1 / 4 / 8 / 16 rows cost 2.23 / 2.25 / 2.66 / 3.63 ms against MKL's
+packed sgemm's 2.41 / 2.93 / 3.51 / 4.39 (``fp32_packed``, the other exact kernel) and
+``F.linear``'s 2.16 / 4.42 / 6.38 / 7.10.
+
+A prompt is different: its rows are computed by the same call in ``--mode ar`` and in Dovetail,
+so they need not match a decode's bits, only be fast, and from 64 rows on a GEMM is faster
+(at 256 rows ``F.linear`` took 28 ms where this kernel took 79). Inside ``prompt_rows()`` (the
+engine's prefill) calls of ``PROMPT_GEMM_ROWS`` rows or more go to ``F.linear``; so do calls
+of more than ``MAX_KERNEL_ROWS`` rows anywhere (no tree is that large).
 """
 
 from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -25,10 +33,25 @@ from .huge_pages import on_huge_pages
 from .loading import release_freed_memory
 
 MAX_KERNEL_ROWS = MAX_TREE_TOKENS  # every tree the protocol allows is verified in one call on the kernel
+PROMPT_GEMM_ROWS = 64  # a prompt call from this many rows on takes F.linear (64 rows: 10.6 ms there, 11.8 here)
+
+_in_prompt = contextvars.ContextVar("dovetail_fp32_prompt_rows", default=False)
+
+
+@contextmanager
+def prompt_rows() -> Iterator[None]:
+    """Calls inside compute a prompt's rows: rows every mode computes in this same call, so they
+    may take a GEMM whose bits depend on the row count (from ``PROMPT_GEMM_ROWS`` rows on)."""
+    token = _in_prompt.set(True)
+    try:
+        yield
+    finally:
+        _in_prompt.reset(token)
 
 
 class RowInvariantFp32Linear(nn.Module):
-    """``y = x W^T + b`` in fp32; rows of up to ``MAX_KERNEL_ROWS`` on ``dovetail_fp32_linear``."""
+    """``y = x W^T + b`` in fp32 on ``dovetail_fp32_linear`` (a prompt's calls of ``PROMPT_GEMM_ROWS``
+    rows or more, and any of more than ``MAX_KERNEL_ROWS``, on ``F.linear``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -52,7 +75,7 @@ class RowInvariantFp32Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
-        if count > MAX_KERNEL_ROWS:
+        if count > MAX_KERNEL_ROWS or (count >= PROMPT_GEMM_ROWS and _in_prompt.get()):
             return F.linear(x, self.weight, self.bias)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.to(torch.float32).contiguous()

@@ -1,5 +1,5 @@
 """Our native kernels, built for this CPU on first use and cached as one library: the int8
-linear (``int8_gemv.c``, which also holds the fp32 row kernel of ``fp32_rows``), exact
+linear (``int8_gemv.c``), the fp32 row kernel (``fp32_rows.c``, used by ``fp32_rows``), exact
 attention (``attention.c``, used by ``exact_attention``), a layer's small steps
 (``layer_ops.c``: RMSNorm, rotary and the KV-cache write, SiLU, used by ``layer_ops``) and the
 loop over a target's layers that chains them (``decoder_layers.c``, used by ``native_layers``).
@@ -34,7 +34,8 @@ SOURCE = Path(__file__).with_name("int8_gemv.c")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.c")
 LAYER_OPS_SOURCE = Path(__file__).with_name("layer_ops.c")
 DECODER_LAYERS_SOURCE = Path(__file__).with_name("decoder_layers.c")
-SOURCES = (SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE, DECODER_LAYERS_SOURCE)
+FP32_SOURCE = Path(__file__).with_name("fp32_rows.c")
+SOURCES = (SOURCE, FP32_SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE, DECODER_LAYERS_SOURCE)
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
@@ -91,6 +92,8 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
         library.dovetail_int8_amx_ready.restype = ctypes.c_int
         library.dovetail_int8_tiles_amx_from.argtypes = [ctypes.c_int]
     library.dovetail_fp32_linear.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
+    if hasattr(library, "dovetail_fp32_simd"):  # not where int8_gemv.c held the fp32 kernel (bench baselines)
+        library.dovetail_fp32_simd.restype = ctypes.c_int
     library.dovetail_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, i64, i64, pointer, pointer,
                                            pointer, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     library.dovetail_attention.restype = ctypes.c_int

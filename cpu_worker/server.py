@@ -12,6 +12,7 @@ entering three target layers side by side (3 * hidden floats).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -113,21 +114,36 @@ class TargetService:
                 m.MeasureVerifyCost: self.measure_verify_cost}
 
 
+FP32_KERNEL_VARIABLE = "DOVETAIL_FP32_KERNEL"  # auto (default), dovetail or mkl: force one, for comparisons
+
+
+def forced_fp32_kernel() -> str:
+    """$DOVETAIL_FP32_KERNEL: auto, dovetail (our row kernel or else F.linear) or mkl (MKL's
+    packed sgemm or else F.linear); anything else is auto, said in the log."""
+    value = os.environ.get(FP32_KERNEL_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in ("auto", "dovetail", "mkl"):
+        log.warning("%s=%r is not auto, dovetail or mkl; fp32 takes the automatic kernel", FP32_KERNEL_VARIABLE, value)
+        return "auto"
+    return value
+
+
 def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str = "auto",
                  aux_layers: list[int] | None = None) -> tuple[TargetEngine, str | None]:
     """The target engine exactly as the cpu_worker runs it (benchmarks time this one too), and
-    its linear layers' kernel (fp32: mkl-packed, dovetail-fp32 or F.linear; int8: dovetail-vnni,
-    dovetail-avx2, dovetail-portable or fbgemm; None for bf16)."""
+    its linear layers' kernel (fp32: dovetail-fp32, mkl-packed or F.linear; int8: dovetail-amx,
+    dovetail-vnni, dovetail-avx2, dovetail-portable or fbgemm; None for bf16)."""
     model = load_target_model(target, precision)
     kernel = None
     if precision == "fp32":
-        # Fewer, larger GEMMs (q/k/v and gate/up fused: 0.94x the time per token at 1B), then
-        # MKL's packed sgemm: rows independent of their call-mates (exact trees), trees cheaper.
+        # Fewer, larger GEMMs (q/k/v and gate/up fused: 0.94x the time per token at 1B), then a
+        # kernel whose rows never depend on their call-mates (exact trees): ours, faster than MKL's
+        # packed sgemm for one row and for trees (fp32_rows.py); MKL's where no C compiler is found.
         fuse_layers(model, dense=True)
-        if pack_fp32_linears(model):
+        wanted = forced_fp32_kernel()
+        if wanted != "mkl" and use_fp32_row_kernel(model):
+            kernel = "dovetail-fp32"
+        elif wanted != "dovetail" and pack_fp32_linears(model):
             kernel = "mkl-packed"
-        elif use_fp32_row_kernel(model):
-            kernel = "dovetail-fp32"  # MKL's packed rows depend on their call-mates here (AMD): ours do not
         else:
             kernel = "F.linear"
             log.warning("fp32 linears run on F.linear (no exact row kernel here): trees are verified to float "

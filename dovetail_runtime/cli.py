@@ -236,11 +236,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
 @click.option("--target-dtype", type=click.Choice(TARGET_PRECISIONS), default="fp32",
-              help="Target precision on the CPU. int8 (W8A8, per-token) and fp32 (MKL packed sgemm where a "
-                   "load-time check passes, else our row kernel) give exactly --mode ar's tokens; the startup log "
-                   "says 'trees verified bit-exact'. bf16, and fp32 without a C compiler or MKL, verify trees with "
-                   "batched kernels that round differently "
-                   "from one-token decoding (bf16 ~1e-2, fp32 ~1e-6), so they can differ from --mode ar where "
+              help="Target precision on the CPU. int8 (W8A8, per-token) and fp32 (our row kernel; without a C "
+                   "compiler, MKL's packed sgemm where a load-time check passes) give exactly --mode ar's "
+                   "tokens; the startup log says 'trees verified bit-exact'. bf16, and fp32 without a C "
+                   "compiler or MKL, verify trees with batched kernels that round differently from one-token "
+                   "decoding (bf16 ~1e-2, fp32 ~1e-6), so they can differ from --mode ar where "
                    "two tokens nearly tie.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto",
               help="The target's KV cache dtype. bf16 halves its memory and the bytes attention reads per step; "

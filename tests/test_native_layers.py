@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu_worker import int8_kernel, layer_ops, server
+from cpu_worker import int8_kernel, layer_ops
 from cpu_worker.engine import TargetEngine
 from cpu_worker.loading import load_target_model
 from cpu_worker.native_layers import NativeLayers
@@ -50,12 +50,9 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
 
 
 @pytest.mark.parametrize(("precision", "kv_dtype"), [("int8", "bf16"), ("int8", "fp32"), ("fp32", "fp32")])
-def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype, monkeypatch):
-    # fp32 on our row kernel, as where MKL's packed rows depend on their call-mates (AMD): on an
-    # Intel CPU MKL's packed sgemm would take the layers, and with it the Python loop.
-    monkeypatch.setattr(server, "pack_fp32_linears", lambda model: False)
+def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype):
     engine, kernel = build_engine(str(demo_target), precision, 128, kv_dtype)
-    assert kernel != "mkl-packed"
+    assert kernel == ("dovetail-fp32" if precision == "fp32" else int8_kernel.kernel_name())
     loop = engine.model.layer_loop
     assert isinstance(loop, NativeLayers), "the cpu_worker's engine should take the C loop here"
     native, python = session(engine, True, loop), session(engine, False, loop)

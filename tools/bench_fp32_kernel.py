@@ -1,21 +1,23 @@
-"""fp32 target: F.linear against the worker's exact fp32 kernel, one decode step and tree verification.
+"""fp32 target: F.linear against the exact fp32 kernels, a prompt, one decode step and tree verification.
 
     python -m tools.bench_fp32_kernel --target DIR [--trees 2,4,8,16] [--steps 16] [--rounds 3]
 
-Loads the target twice at fp32 (so it needs twice its fp32 size in RAM: use a stand-in with
-few layers, ``inflate.py ... --layers 6``; per-layer costs are what is compared). One copy
-gets the worker's exact kernel: MKL's packed sgemm (``cpu_worker.fp32_packed``), or, where its
-rows fail the check (AMD CPUs), our row kernel (``cpu_worker.fp32_rows``). Rounds alternate
-between the two (a shared machine's noise hits both): per round, the median ms of ``--steps``
-decodes after a 256-token prompt, and t_verify(T) for each tree size
-(``verify_cost.measure_verify_ms``). Prints each kernel's best round, exact / F.linear, and
-the worst |tree - decode| logit of each (the exact kernel's should be 0).
+Loads the target once per kernel at fp32 (so it needs that many times its fp32 size in RAM:
+use a stand-in with few layers, ``inflate.py ... --layers 6``; per-layer costs are what is
+compared): ``F.linear``; our row kernel (``cpu_worker.fp32_rows``, the worker's choice where a
+C compiler is found); and MKL's packed sgemm (``cpu_worker.fp32_packed``) where this torch has
+it and its rows pass the load-time check (not on AMD CPUs). Rounds alternate between them (a
+shared machine's noise hits all): per round, the ms of a 256-token prefill, the median ms of
+``--steps`` decodes after it, and t_verify(T) for each tree size
+(``verify_cost.measure_verify_ms``). Prints each kernel's best round, each against F.linear,
+and the worst |tree - decode| logit of each (the exact kernels' should be 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +28,15 @@ from cpu_worker.fp32_rows import use_fp32_row_kernel
 from cpu_worker.loading import load_target_model
 from cpu_worker.verify_cost import measure_verify_ms
 from tools.bench_kv_dtype import decode_ms
+
+
+def prefill_ms(engine: TargetEngine, context: int, seed: int = 0) -> float:
+    """ms of one prefill of a ``context``-token random prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, engine.spec.vocab_size, (context,), generator=generator).tolist()
+    started = time.perf_counter()
+    engine.prefill(prompt)
+    return (time.perf_counter() - started) * 1e3
 
 
 def tree_vs_decode_gap(engine: TargetEngine, prefix: list[int], size: int = 8) -> float:
@@ -53,32 +64,35 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     sizes = [int(size) for size in args.trees.split(",")]
     engines = {"F.linear": TargetEngine(load_target_model(args.target), max_len=512)}
-    exact_model = load_target_model(args.target)
-    if pack_fp32_linears(exact_model):
-        exact = "mkl packed"
-    elif use_fp32_row_kernel(exact_model):
-        exact = "dovetail-fp32"
-    else:
-        print("neither MKL packing nor our row kernel is available here (see the log): nothing to compare")
+    for name, convert in (("dovetail-fp32", use_fp32_row_kernel), ("mkl-packed", pack_fp32_linears)):
+        model = load_target_model(args.target)
+        if convert(model):
+            engines[name] = TargetEngine(model, max_len=512)
+        else:
+            print(f"{name}: not available here (see the log)", file=sys.stderr)
+        del model
+    if len(engines) == 1:
+        print("neither our row kernel nor MKL packing is available here (see the log): nothing to compare")
         return 1
-    engines[exact] = TargetEngine(exact_model, max_len=512)
     best: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
         for name, engine in engines.items():
-            row = [decode_ms(engine, 256, args.steps, seed=round_index)] + measure_verify_ms(engine, sizes)
+            row = [prefill_ms(engine, 256, seed=round_index), decode_ms(engine, 256, args.steps, seed=round_index)]
+            row += measure_verify_ms(engine, sizes)
             best[name] = row if name not in best else [min(a, b) for a, b in zip(best[name], row)]
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     prefix = list(range(1, 65))
-    header = ["kernel", "decode ms"] + [f"verify T={size} ms" for size in sizes] + ["verify T=max / decode",
-                                                                                   "worst |tree - decode| logit"]
+    header = ["kernel", "prefill 256 ms", "decode ms"] + [f"verify T={size} ms" for size in sizes]
+    header += ["verify T=max / decode", "worst |tree - decode| logit"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name, engine in engines.items():
         row = best[name]
         print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in row)
-              + f" | {row[-1] / row[0]:.2f} | {tree_vs_decode_gap(engine, prefix):.2e} |")
-    ratio = [p / d for p, d in zip(best[exact], best["F.linear"])]
-    print(f"| {exact} / F.linear | " + " | ".join(f"{value:.2f}" for value in ratio) + " | | |")
+              + f" | {row[-1] / row[1]:.2f} | {tree_vs_decode_gap(engine, prefix):.2e} |")
+    for name in list(engines)[1:]:
+        ratio = [p / d for p, d in zip(best[name], best["F.linear"])]
+        print(f"| {name} / F.linear | " + " | ".join(f"{value:.2f}" for value in ratio) + " | | |")
     print(f"threads {torch.get_num_threads()}, target {args.target}, best of {args.rounds} rounds")
     return 0
 

@@ -51,6 +51,16 @@ def baseline_source(revision: str, directory: Path) -> Path:
     return path
 
 
+def baseline_sources(old_source: Path) -> tuple[Path, ...]:
+    """The library's sources with ``old_source`` as its int8_gemv.c; without this tree's
+    fp32_rows.c where the old file still held the fp32 kernel (before 2026-12), so no symbol is
+    defined twice."""
+    others: tuple[Path, ...] = int8_kernel.SOURCES[1:]
+    if "dovetail_fp32_linear" in old_source.read_text():
+        others = tuple(source for source in others if source != int8_kernel.FP32_SOURCE)
+    return (old_source, *others)
+
+
 class Kernel:
     """One build of the kernel, called the way ``int8_kernel.Int8Weights`` calls it: with the
     weight in the layout that version would hold it in (versions before the packed layout take
@@ -172,7 +182,7 @@ def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int, layo
         else:
             old_source = baseline_source(baseline, Path(scratch))
             libraries = {f"baseline ({baseline})": Kernel(int8_kernel.build(
-                compiler, int8_kernel.FLAGS, Path(scratch), (old_source, *int8_kernel.SOURCES[1:])), old_source),
+                compiler, int8_kernel.FLAGS, Path(scratch), baseline_sources(old_source)), old_source),
                 "this tree": Kernel(this_tree, int8_kernel.SOURCE)}
             command = f"--baseline {baseline} --rows {rows} --shapes {shapes} --threads {threads}"
         simd = "AMX" if this_tree.dovetail_int8_amx_ready() else \

@@ -1,0 +1,148 @@
+/* fp32 rows: y[m, n] = dot(x[m], w[n]) (+ bias[n]), each row's bits independent of its call-mates.
+ *
+ * Why: an fp32 target's tree rows must round exactly as a one-row decode does (DESIGN.md,
+ * losslessness); F.linear picks another kernel for one row than for T rows, and MKL's packed
+ * sgemm keeps rows independent only on some CPUs (cpu_worker/fp32_packed.py).
+ *
+ * The order: every (m, n) is one chain of F32_LANES partial sums over k, one vector step at a
+ * time (a fused multiply-add where the CPU has FMA, else a multiply then an add), then those
+ * lanes summed in a fixed halving tree, then the tail of k in order, then the bias. Which rows
+ * share a call, how they are grouped and how many threads run only decide which chains run side
+ * by side, never the order inside one. Built with -ffp-contract=off, so the plain C path's
+ * multiply and add stay two roundings whatever the compiler schedules.
+ *
+ * The speed: a decode step is a stream over the weights, a tree verification the same stream
+ * with more arithmetic per byte. Threads split the output rows in blocks of 4 weight rows; a
+ * block is streamed from memory once (the next block is prefetched while this one is used), in
+ * chunks of F32_CHUNK floats that stay in L1 while up to F32_GROUP activation rows at a time run
+ * over them, their accumulators kept in registers and parked between chunks. */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define F32_LANES 16
+#define F32_GROUP 4 /* 16 accumulators of the 32 zmm registers; 6 rows a group measured no faster */
+typedef __m512 f32_vector;
+static inline f32_vector vector_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline f32_vector vector_madd(f32_vector sum, f32_vector a, f32_vector b) { return _mm512_fmadd_ps(a, b, sum); }
+static inline f32_vector vector_zero(void) { return _mm512_setzero_ps(); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define F32_LANES 8
+#define F32_GROUP 2 /* 8 accumulators of the 16 ymm registers */
+typedef __m256 f32_vector;
+static inline f32_vector vector_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline f32_vector vector_madd(f32_vector sum, f32_vector a, f32_vector b) { return _mm256_fmadd_ps(a, b, sum); }
+static inline f32_vector vector_zero(void) { return _mm256_setzero_ps(); }
+#else
+#define F32_LANES 4
+#define F32_GROUP 2
+typedef float f32_vector __attribute__((vector_size(16)));
+static inline f32_vector vector_load(const float *p) {
+    f32_vector v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline f32_vector vector_madd(f32_vector sum, f32_vector a, f32_vector b) { return sum + a * b; }
+static inline f32_vector vector_zero(void) { return (f32_vector){0}; }
+#endif
+
+#define F32_BLOCK 4       /* weight rows a block */
+#define F32_CHUNK 256     /* floats of k a chunk: 4 weight rows x 1 KB stay in L1 (128 was slower, 512-1024 too) */
+#define F32_MAX_GROUPED 64 /* activation rows whose accumulators are parked at once (16 KB of stack) */
+
+/* Which kernel this build runs: 2 AVX-512 with FMA, 1 AVX2 with FMA, 0 plain C (4 lanes). */
+int dovetail_fp32_simd(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float vector_sum(f32_vector v) {
+    float lane[F32_LANES];
+    memcpy(lane, &v, sizeof lane);
+    for (int width = F32_LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) lane[i] += lane[i + width];
+    return lane[0];
+}
+
+/* rows_here (a constant where inlined) activation rows against the block's weight rows over
+ * k in [i0, i1), continuing the chains in sums. prefetch: also fetch the next block's lines. */
+static inline __attribute__((always_inline)) void run_chunk(const float *x, int rows_here, int64_t k,
+                                                             const float *const weight_rows[F32_BLOCK], int64_t i0,
+                                                             int64_t i1, f32_vector sums[][F32_BLOCK], int prefetch) {
+    f32_vector acc[F32_GROUP][F32_BLOCK];
+    for (int m = 0; m < rows_here; m++)
+        for (int r = 0; r < F32_BLOCK; r++) acc[m][r] = sums[m][r];
+    for (int64_t i = i0; i < i1; i += F32_LANES) {
+        f32_vector w[F32_BLOCK];
+        for (int r = 0; r < F32_BLOCK; r++) w[r] = vector_load(weight_rows[r] + i);
+        if (prefetch && i % 16 == 0) /* one 64-byte line of each next row; the block's rows are consecutive */
+            for (int r = 0; r < F32_BLOCK; r++) __builtin_prefetch(weight_rows[0] + (F32_BLOCK + r) * k + i, 0, 3);
+        for (int m = 0; m < rows_here; m++) {
+            f32_vector xv = vector_load(x + m * k + i);
+            for (int r = 0; r < F32_BLOCK; r++) acc[m][r] = vector_madd(acc[m][r], xv, w[r]);
+        }
+    }
+    for (int m = 0; m < rows_here; m++)
+        for (int r = 0; r < F32_BLOCK; r++) sums[m][r] = acc[m][r];
+}
+
+/* Rows [0, rows) (at most F32_MAX_GROUPED) of x against one block, in groups of F32_GROUP, the
+ * remainder as one smaller group, each a separately inlined copy with its own constant count. */
+static void run_block_rows(const float *x, int64_t rows, int64_t k, const float *const weight_rows[F32_BLOCK],
+                           int64_t i0, int64_t i1, f32_vector sums[][F32_BLOCK], int prefetch) {
+    int64_t m = 0;
+    for (; m + F32_GROUP <= rows; m += F32_GROUP)
+        run_chunk(x + m * k, F32_GROUP, k, weight_rows, i0, i1, sums + m, prefetch && m == 0);
+    int first = prefetch && m == 0;
+    switch (rows - m) {
+#if F32_GROUP > 3
+    case 3: run_chunk(x + m * k, 3, k, weight_rows, i0, i1, sums + m, first); break;
+#endif
+#if F32_GROUP > 2
+    case 2: run_chunk(x + m * k, 2, k, weight_rows, i0, i1, sums + m, first); break;
+#endif
+    case 1: run_chunk(x + m * k, 1, k, weight_rows, i0, i1, sums + m, first); break;
+    default: break;
+    }
+}
+
+/* y[rows, n_out] from x[rows, k] and w[n_out, k] (row-major fp32), bias optional. */
+void dovetail_fp32_linear(const float *x, const float *w, const float *bias, float *y, int64_t rows,
+                          int64_t n_out, int64_t k, int threads) {
+    int64_t blocks = (n_out + F32_BLOCK - 1) / F32_BLOCK;
+    int64_t k_vectors = k / F32_LANES * F32_LANES;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+        int64_t n0 = block * F32_BLOCK;
+        int count = (int)(n_out - n0 < F32_BLOCK ? n_out - n0 : F32_BLOCK);
+        const float *weight_rows[F32_BLOCK];
+        for (int r = 0; r < F32_BLOCK; r++) weight_rows[r] = w + (n0 + (r < count ? r : 0)) * k; /* extras alias */
+        int prefetch = block + 1 < blocks;
+        f32_vector sums[F32_MAX_GROUPED][F32_BLOCK];
+        for (int64_t m0 = 0; m0 < rows; m0 += F32_MAX_GROUPED) {
+            int64_t rows_here = rows - m0 < F32_MAX_GROUPED ? rows - m0 : F32_MAX_GROUPED;
+            const float *xm = x + m0 * k;
+            for (int64_t m = 0; m < rows_here; m++)
+                for (int r = 0; r < F32_BLOCK; r++) sums[m][r] = vector_zero();
+            for (int64_t i0 = 0; i0 < k_vectors; i0 += F32_CHUNK) {
+                int64_t i1 = i0 + F32_CHUNK < k_vectors ? i0 + F32_CHUNK : k_vectors;
+                run_block_rows(xm, rows_here, k, weight_rows, i0, i1, sums, prefetch && m0 == 0);
+            }
+            for (int64_t m = 0; m < rows_here; m++) {
+                float *out = y + (m0 + m) * n_out + n0;
+                for (int r = 0; r < count; r++) {
+                    float sum = vector_sum(sums[m][r]);
+                    for (int64_t j = k_vectors; j < k; j++) sum += xm[m * k + j] * weight_rows[r][j];
+                    out[r] = bias ? sum + bias[n0 + r] : sum;
+                }
+            }
+        }
+    }
+}
