@@ -30,7 +30,7 @@ class Server:
         self.process = subprocess.Popen([str(BIN / "dovetail-run"), "--log-level", "info", *args],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
         self.log: list[str] = []
-        self.endpoints: list[str] = []
+        self._endpoints: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
         if not self._ready.wait(startup_s):
@@ -41,9 +41,17 @@ class Server:
         for line in self.process.stderr:
             self.log.append(line)
             if line.startswith("dovetail serving on "):
-                self.endpoints = line.removeprefix("dovetail serving on ").split()
+                self._endpoints = line.removeprefix("dovetail serving on ").split()
                 self._ready.set()
         self._ready.set()
+
+    @property
+    def endpoints(self) -> list[str]:
+        """What the server bound; a server that exited before serving raises, with its log."""
+        if not self._endpoints and self.process.poll() is not None:
+            raise RuntimeError(f"dovetail-run exited with {self.process.returncode} before serving:\n"
+                               + "".join(self.log[-40:]))
+        return self._endpoints
 
     @property
     def pid(self) -> int:
