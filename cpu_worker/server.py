@@ -156,6 +156,15 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
     return engine, kernel
 
 
+def verify_cost_label(precision: str, kernel: str | None) -> str:
+    """The precision as the verify-cost cache keys it: each kernel's timings apart (their trees
+    cost differently), and so int8 weights in a forced layout (DOVETAIL_INT8_LAYOUT)."""
+    label = f"{precision}/{kernel}" if kernel else precision
+    if precision == "int8" and int8_kernel.forced_layout() != "auto":
+        label += f"/{int8_kernel.forced_layout()}"
+    return label
+
+
 def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
     placement = apply_placement(settings.get("threads"), settings.get("cores"))
     precision = settings.get("dtype", "fp32")
@@ -163,8 +172,7 @@ def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
                                   settings.get("kv_dtype", "auto"), settings.get("aux_layers"))
     rings = settings["rings"]
     kv_name = str(engine.kv_dtype).removeprefix("torch.")
-    # The verify-cost cache keeps each kernel's timings apart: their trees cost differently.
-    cost_precision = f"{precision}/{kernel}" if kernel else precision
+    cost_precision = verify_cost_label(precision, kernel)
     service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]),
                             cost_key=cache_key(settings["target"], f"{cost_precision}/kv-{kv_name}",
                                                placement.intra_op_threads, placement.cores))

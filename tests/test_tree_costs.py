@@ -53,6 +53,23 @@ def test_verify_cost_cache_round_trips_and_keys_on_what_matters(tmp_path, demo_t
     assert json.loads(cache.path.read_text())[key] == {"1": 3.0}
 
 
+def test_each_kernel_and_forced_int8_layout_keeps_its_own_verify_costs(monkeypatch):
+    """The label the cpu_worker keys its t_verify(T) cache with: one per fp32 kernel (ours, MKL's
+    and F.linear's trees cost differently) and per int8 layout forced for a comparison."""
+    from cpu_worker import int8_kernel
+    from cpu_worker.server import verify_cost_label
+
+    monkeypatch.delenv(int8_kernel.LAYOUT_VARIABLE, raising=False)
+    labels = {verify_cost_label("fp32", kernel) for kernel in ("dovetail-fp32", "mkl-packed", "F.linear")}
+    assert len(labels) == 3 and verify_cost_label("bf16", None) == "bf16"
+    automatic = verify_cost_label("int8", "dovetail-amx")
+    assert automatic == "int8/dovetail-amx"
+    for layout in int8_kernel.LAYOUTS:
+        monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, layout)
+        assert verify_cost_label("int8", "dovetail-amx") == f"int8/dovetail-amx/{layout}"
+    assert verify_cost_label("fp32", "dovetail-fp32") == "fp32/dovetail-fp32"  # int8 layouts only
+
+
 def test_draft_cost_is_measured_per_depth(demo_target, demo_draft):
     drafter = Drafter.from_pretrained(demo_draft, demo_target, max_len=64, device="cpu", dtype="fp32",
                                       scratch_len=5 * 4)
