@@ -49,7 +49,7 @@ static inline f32_vector vector_zero(void) { return (f32_vector){0}; }
 #endif
 
 #define F32_BLOCK 4       /* weight rows a block */
-#define F32_CHUNK 256     /* floats of k a chunk: 4 weight rows x 1 KB stay in L1 (128 was slower, 512-1024 too) */
+#define F32_CHUNK 256     /* floats of k a chunk: 4 weight rows x 1 KB stay in L1 (512, 1024: slower at 16-32 rows) */
 #define F32_MAX_GROUPED 64 /* activation rows whose accumulators are parked at once (16 KB of stack) */
 
 /* Which kernel this build runs: 2 AVX-512 with FMA, 1 AVX2 with FMA, 0 plain C (4 lanes). */
