@@ -70,6 +70,14 @@ class RowwiseInt8Linear(nn.Module):
             raise ValueError("only layers reading the same input width can be concatenated")
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
+        if all(layer.kernel != "fbgemm" for layer in layers):
+            # Our kernel's weights join as they are held (no unpacking and packing again).
+            weights = int8_kernel.Int8Weights.concatenate([layer._int8 for layer in layers])
+            fused.out_features, fused.in_features = weights.out_features, weights.in_features
+            fused.bias = None if weights.bias is None else nn.Parameter(weights.bias, requires_grad=False)
+            fused.kernel = layers[0].kernel
+            fused._int8 = weights
+            return fused
         bias = None
         if any(layer.bias is not None for layer in layers):
             bias = torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features)

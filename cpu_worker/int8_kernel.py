@@ -20,13 +20,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from .cores import cpu_flags
-from .huge_pages import on_huge_pages
+from .huge_pages import empty_on_huge_pages
 
 log = logging.getLogger("dovetail.cpu_worker")
 
@@ -272,10 +273,12 @@ def pack_tiles(values: torch.Tensor) -> torch.Tensor:
     return groups.permute(0, 2, 3, 1, 4).contiguous().view(-1)
 
 
-def pack_tiles_natively(values: torch.Tensor, library: ctypes.CDLL) -> torch.Tensor:
-    """``pack_tiles`` by the library (4 bytes a copy; torch's permuted copy took 7 s of a 7B load)."""
+def pack_tiles_natively(values: torch.Tensor, library: ctypes.CDLL, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``pack_tiles`` by the library (4 bytes a copy; torch's permuted copy took 7 s of a 7B load),
+    into ``out`` (flat int8 of the same size: a weight's huge pages) where given."""
     out_features, in_features = values.shape
-    tiles = torch.empty(out_features * in_features, dtype=torch.int8)
+    tiles = torch.empty(out_features * in_features, dtype=torch.int8) if out is None else out
+    assert tiles.dtype == torch.int8 and tiles.is_contiguous() and tiles.numel() == out_features * in_features
     library.dovetail_pack_tiles(values.contiguous().data_ptr(), tiles.data_ptr(), out_features, in_features,
                                 torch.get_num_threads())
     return tiles
@@ -315,18 +318,67 @@ class Int8Weights:
             raise ValueError(f"a {self.out_features}x{self.in_features} weight cannot be held {layout} "
                              f"(packed needs out % {BLOCK_ROWS} == 0, tiles out % {TILE_OUT} == 0, "
                              f"and both in % {CHUNK_BYTES} == 0)")
+        # What the kernel reads: [N, K], packed or tiles flat; on huge pages, as a stream
+        # (huge_pages.py), written there directly.
+        stored = empty_on_huge_pages((values.numel(),) if layout != "rows" else tuple(values.shape), torch.int8)
+        if layout == "tiles":
+            pack_tiles_natively(values, library, stored)
+        elif layout == "packed":
+            stored.view(self.out_features // BLOCK_ROWS, self.in_features // CHUNK_BYTES, BLOCK_ROWS,
+                        CHUNK_BYTES).copy_(values.view(self.out_features // BLOCK_ROWS, BLOCK_ROWS,
+                                                       self.in_features // CHUNK_BYTES, CHUNK_BYTES).transpose(1, 2))
+        else:
+            stored.copy_(values)
+        self._hold(stored, layout)
+
+    def _hold(self, stored: torch.Tensor, layout: str) -> None:
+        """Keep ``stored`` (the weight's bytes in ``layout``) and the addresses a call passes."""
         self.layout = layout
         self.layout_code = LAYOUTS.index(layout)
         # None: every call on our kernel (packed or tiles; CPUs without VNNI, see INT_MM_MIN_ROWS).
-        self.matmul_min_rows = INT_MM_MIN_ROWS if library.dovetail_int8_simd() == 2 and layout == "rows" else None
-        # What the kernel reads: [N, K], packed or tiles flat; on huge pages, as a stream (huge_pages.py).
-        if layout == "tiles":
-            values = pack_tiles_natively(values, library)
-        elif layout == "packed":
-            values = pack_blocks(values)
-        self.stored = on_huge_pages(values)
+        vnni = self._library.dovetail_int8_simd() == 2
+        self.matmul_min_rows = INT_MM_MIN_ROWS if vnni and layout == "rows" else None
+        self.stored = stored
         self._pointers = (self.stored.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
                           None if self.bias is None else self.bias.data_ptr())
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[Int8Weights]) -> Int8Weights:
+        """The parts' output rows stacked, in order (a decoder layer's q/k/v, gate/up). Why not from
+        their values: each layout keeps a block of rows (4 packed, 16 in tiles) as one contiguous
+        run, so where every part has the fused shape's layout and whole blocks, the fused bytes
+        are the parts' bytes one after another; unpacking and packing them again took 7 s of a
+        7B load. Otherwise (parts held in different layouts, or a fused shape this CPU would hold
+        in another) it is built from their values."""
+        first = parts[0]
+        if any(part.in_features != first.in_features or part._library is not first._library for part in parts):
+            raise ValueError("only weights of one input width, on one library, can be concatenated")
+        scales = torch.cat([part.scales for part in parts])
+        biases = [part.bias for part in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(part.out_features) for b, part in zip(biases, parts)])
+        out_features = sum(part.out_features for part in parts)
+        layout = first.layout
+        block = {"rows": 1, "packed": BLOCK_ROWS, "tiles": TILE_OUT}[layout]
+        joinable = all(part.layout == layout and part.out_features % block == 0 for part in parts) \
+            and default_layout(first._library, out_features, first.in_features) == layout
+        if not joinable:
+            return cls(torch.cat([part.values for part in parts]), scales, bias, first._library)
+        fused = cls.__new__(cls)
+        fused._library = first._library
+        fused._forward = first._forward
+        fused.out_features, fused.in_features = out_features, first.in_features
+        fused.scales = scales
+        fused.offsets = torch.cat([part.offsets for part in parts])
+        fused.bias = bias
+        shape = (out_features * first.in_features,) if layout != "rows" else (out_features, first.in_features)
+        stored = empty_on_huge_pages(shape, torch.int8)
+        flat, start = stored.view(-1), 0
+        for part in parts:
+            flat[start:start + part.stored.numel()].copy_(part.stored.view(-1))
+            start += part.stored.numel()
+        fused._hold(stored, layout)
+        return fused
 
     @property
     def values(self) -> torch.Tensor:

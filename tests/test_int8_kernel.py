@@ -391,3 +391,34 @@ def test_the_kernel_refuses_a_call_of_a_shape_its_layout_cannot_hold(kernel, lay
                                          None, out.data_ptr(), 1, out_features, in_features,
                                          int8_kernel.LAYOUTS.index(layout), 1) == -2
     assert torch.equal(out, torch.full((1, out_features), 7.0))  # nothing written
+
+
+@pytest.mark.parametrize("layout", int8_kernel.LAYOUTS)
+def test_concatenated_weights_join_their_bytes_and_equal_weights_built_whole(kernel, monkeypatch, layout):
+    """A decoder layer's q/k/v (gate/up) fused at load: the parts' held bytes joined in order
+    equal a weight built from the stacked values (bytes, scales, offsets, bias, every output);
+    parts held in different layouts are rebuilt from their values instead, with the same result."""
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, layout)
+    generator = torch.Generator().manual_seed(11)
+    outs = (32, 16, 48)
+    values = [torch.randint(-127, 128, (out, 128), dtype=torch.int8, generator=generator) for out in outs]
+    scales = [torch.rand(out, generator=generator) / 50 + 1e-3 for out in outs]
+    biases = [torch.randn(outs[0], generator=generator), None, torch.randn(outs[2], generator=generator)]
+    parts = [int8_kernel.Int8Weights(v, s, b) for v, s, b in zip(values, scales, biases)]
+    assert all(part.layout == layout for part in parts)
+    with monkeypatch.context() as patch:  # joined as held: no part is unpacked to its values
+        patch.setattr(int8_kernel.Int8Weights, "values", property(lambda self: pytest.fail("unpacked")))
+        fused = int8_kernel.Int8Weights.concatenate(parts)
+    whole = int8_kernel.Int8Weights(torch.cat(values), torch.cat(scales),
+                                    torch.cat([biases[0], torch.zeros(outs[1]), biases[2]]))
+    assert fused.layout == whole.layout == layout and fused.out_features == sum(outs)
+    assert torch.equal(fused.stored, whole.stored) and torch.equal(fused.offsets, whole.offsets)
+    assert torch.equal(fused.scales, whole.scales) and torch.equal(fused.bias, whole.bias)
+    rows = torch.randn(5, 128, generator=generator)
+    assert torch.equal(fused(rows), whole(rows))
+    assert torch.equal(fused(rows), torch.cat([part(rows) for part in parts], dim=1))
+    other = "rows" if layout != "rows" else "packed"
+    mixed = [parts[0], int8_kernel.Int8Weights(values[1], scales[1], None, layout=other), parts[2]]
+    rebuilt = int8_kernel.Int8Weights.concatenate(mixed)
+    assert rebuilt.layout == layout and torch.equal(rebuilt.stored, whole.stored)
+    assert torch.equal(rebuilt(rows), whole(rows))
