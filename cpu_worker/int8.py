@@ -150,30 +150,36 @@ class RowwiseInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-row, {self.kernel}"
 
 
+# The source dtypes the library's quantizer reads as they are (int8_gemv.c's dtype codes).
+_QUANTIZER_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def _quantize_per_row(weight: torch.Tensor, rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel (row): the int8 values [out, in] and fp64 scales [out],
-    converted to fp32 a chunk of rows at a time: a loader quantising a 7B-sized matrix from fp16
-    then holds the fp16 source and the int8 result, not also a whole fp32 copy and its absolute
-    values (+0.5 GB at peak). The kernel library's quantizer where it builds (torch's
-    ``quantize_per_channel`` arithmetic, 10x faster: it was half of a 7B target's load), else
-    torch's."""
+    """Symmetric int8 per output channel (row): the int8 values [out, in] and fp64 scales [out].
+    The kernel library's quantizer where it builds (torch's ``quantize_per_channel`` arithmetic,
+    10x faster: it was half of a 7B target's load) reads fp32, fp16 or bf16 rows as they are,
+    widening each exactly as it goes; else torch's, on fp32 copies a chunk of rows at a time (a
+    loader quantising a 7B-sized matrix from fp16 then holds the fp16 source and the int8 result,
+    not also a whole fp32 copy and its absolute values: +0.5 GB at peak)."""
     out_features, in_features = weight.shape
     scales = torch.empty(out_features, dtype=torch.float64)
     values = torch.empty(weight.shape, dtype=torch.int8)
     library = int8_kernel.load_library()
+    if library is not None and weight.dtype in _QUANTIZER_DTYPES:
+        source = weight.contiguous()
+        row_scales = torch.empty(out_features, dtype=torch.float32)
+        status = library.dovetail_quantize_weight_rows(source.data_ptr(), _QUANTIZER_DTYPES[weight.dtype],
+                                                       values.data_ptr(), row_scales.data_ptr(), out_features,
+                                                       in_features, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"quantizing a {out_features}x{in_features} weight: no memory for a row buffer")
+        scales.copy_(row_scales)
+        return values, scales
     for first in range(0, out_features, rows_per_chunk):
         rows = slice(first, first + rows_per_chunk)
-        chunk = weight[rows].to(torch.float32).contiguous()
-        count = chunk.shape[0]
         # Rows quantise independently, so chunks give the whole matrix's bits.
-        if library is not None:
-            chunk_scales = torch.empty(count, dtype=torch.float32)
-            library.dovetail_quantize_weight_rows(chunk.data_ptr(), values[rows].data_ptr(), chunk_scales.data_ptr(),
-                                                  count, in_features, torch.get_num_threads())
-            scales[rows] = chunk_scales.double()
-        else:
-            chunk_values, scales[rows] = _torch_quantize_rows(chunk)
-            values[rows] = chunk_values
+        chunk_values, scales[rows] = _torch_quantize_rows(weight[rows].to(torch.float32).contiguous())
+        values[rows] = chunk_values
     return values, scales
 
 

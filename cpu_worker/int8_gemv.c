@@ -33,6 +33,9 @@
 #include <immintrin.h>
 #endif
 #endif
+#if defined(__F16C__)
+#include <immintrin.h> /* fp16 weights widened by _mm256_cvtph_ps at load */
+#endif
 
 int dovetail_int8_has_vnni(void) { return DOVETAIL_VNNI; }
 
@@ -73,24 +76,78 @@ void dovetail_quantize_rows(const float *x, uint8_t *xu, float *scale, int64_t r
     }
 }
 
+/* An fp16 value as fp32, exactly (normal, subnormal, zero, inf and nan alike): the plain C
+ * twin of F16C's conversion, so every build widens a checkpoint's weights to the same floats. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13); /* rebias 15 -> 127 */
+    } else {
+        float value = (float)mantissa * 5.9604644775390625e-8f; /* mantissa * 2^-24: exact (zero included) */
+        memcpy(&bits, &value, sizeof bits);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* k values of a row stored as fp16 (dtype 1) or bf16 (dtype 2) into fp32, exactly. */
+static void widen_row(const uint16_t *row, int dtype, int64_t k, float *out) {
+    int64_t i = 0;
+    if (dtype == 2) {
+        for (; i < k; i++) {
+            uint32_t bits = (uint32_t)row[i] << 16;
+            memcpy(out + i, &bits, sizeof bits);
+        }
+        return;
+    }
+#if defined(__F16C__)
+    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + i))));
+#endif
+    for (; i < k; i++) out[i] = half_to_float(row[i]);
+}
+
+/* fp16 rows as fp32 (tests: every one of the 65536 values against torch's conversion). */
+void dovetail_widen_half(const uint16_t *h, float *out, int64_t n) { widen_row(h, 1, n, out); }
+
 /* Load time: symmetric per-row int8 weights, as torch.quantize_per_channel gives them (it is
  * 10x slower: half of a 7B target's load). scale[n] = max|w[n]| / 127 in fp32, at least 1e-12;
  * q = nearbyint(w * (1 / scale)) clamped to [-128, 127], fbgemm's Quantize arithmetic (checked
- * against torch in tests/test_int8_kernel.py). w: [n_rows, k] fp32. */
-void dovetail_quantize_weight_rows(const float *w, int8_t *q, float *scale, int64_t n_rows, int64_t k, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < n_rows; n++) {
-        const float *row = w + n * k;
-        float s = absolute_max(row, k) / 127.0f;
-        s = s < 1e-12f ? 1e-12f : s;
-        scale[n] = s;
-        float inverse = 1.0f / s;
-        int8_t *out = q + n * k;
-        for (int64_t i = 0; i < k; i++) {
-            float v = nearbyintf(row[i] * inverse);
-            out[i] = (int8_t)(v > 127.0f ? 127.0f : (v < -128.0f ? -128.0f : v));
+ * against torch in tests/test_int8_kernel.py). w: [n_rows, k], fp32 (dtype 0), or fp16 (1) or
+ * bf16 (2) as a checkpoint stores it, widened here a row at a time (exactly, as torch widens it):
+ * converting a 7B model to fp32 first was 4.4 s of its 32 s load. Returns -1 if a row buffer
+ * could not be allocated. */
+int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *scale, int64_t n_rows, int64_t k,
+                                  int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(|| : failed)
+    {
+        float *wide = dtype == 0 ? NULL : (float *)malloc((size_t)k * sizeof(float));
+        if (dtype != 0 && wide == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < n_rows; n++) {
+            if (dtype != 0 && wide == NULL) continue;
+            const float *row = (const float *)w + n * k;
+            if (dtype != 0) {
+                widen_row((const uint16_t *)w + n * k, dtype, k, wide);
+                row = wide;
+            }
+            float s = absolute_max(row, k) / 127.0f;
+            s = s < 1e-12f ? 1e-12f : s;
+            scale[n] = s;
+            float inverse = 1.0f / s;
+            int8_t *out = q + n * k;
+            for (int64_t i = 0; i < k; i++) {
+                float v = nearbyintf(row[i] * inverse);
+                out[i] = (int8_t)(v > 127.0f ? 127.0f : (v < -128.0f ? -128.0f : v));
+            }
         }
+        free(wide);
     }
+    return failed ? -1 : 0;
 }
 
 /* [n_rows, k] int8 -> the tile layout (int8_kernel.pack_tiles, TILE_OUT below): four bytes at

@@ -88,7 +88,10 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
     if hasattr(library, "dovetail_pack_tiles"):  # not in older int8_gemv.c (tools/bench_int8_kernel.py builds those)
-        library.dovetail_quantize_weight_rows.argtypes = [pointer, pointer, pointer, i64, i64, ctypes.c_int]
+        library.dovetail_quantize_weight_rows.argtypes = [pointer, ctypes.c_int, pointer, pointer, i64, i64,
+                                                          ctypes.c_int]
+        library.dovetail_quantize_weight_rows.restype = ctypes.c_int
+        library.dovetail_widen_half.argtypes = [pointer, pointer, i64]
         library.dovetail_pack_tiles.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
         library.dovetail_int8_amx_ready.restype = ctypes.c_int
         library.dovetail_int8_tiles_amx_from.argtypes = [ctypes.c_int]

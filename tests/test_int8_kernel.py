@@ -265,7 +265,7 @@ def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_pa
 def test_the_library_quantizes_weights_as_torch_does(kernel):
     """The loader's quantizer (C) gives torch.quantize_per_channel's int8 values and scales bit
     for bit: random rows, an all-zero row, a row whose products land on .5 (ties to even), an
-    outlier row, negative maxima, and fp16 and bf16 sources converted as the loader does."""
+    outlier row, negative maxima, and fp16 and bf16 sources, which it reads as they are."""
     generator = torch.Generator().manual_seed(9)
     weight = torch.randn(70, 333, generator=generator) * 0.02
     weight[3] = 0.0
@@ -274,11 +274,25 @@ def test_the_library_quantizes_weights_as_torch_does(kernel):
     weight[5, 7] = 40.0  # one outlier
     weight[6] = -weight[6].abs()
     for source in (weight, weight.half(), weight.bfloat16()):
-        values, scales = _quantize_per_row(source, rows_per_chunk=32)  # chunks of 32: 70 rows in three
+        values, scales = _quantize_per_row(source)
         expected_values, expected_scales = _torch_quantize_rows(source.float())
         assert values.dtype == torch.int8 and scales.dtype == torch.float64
         assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales), source.dtype
     assert values[3].abs().sum() == 0
+
+
+def test_every_fp16_value_widens_as_torch_widens_it_on_every_build(kernel, tmp_path):
+    """The quantizer reads fp16 checkpoints as they are: F16C where the build has it, a plain C
+    conversion elsewhere (and for a row's last values). All 65536 halves: normals, subnormals,
+    zeros and infinities bit for bit, NaNs as NaNs (F16C quiets a signalling one)."""
+    halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    expected = halves.float()
+    for library in (int8_kernel.load_library(), build_for("x86-64-v2", tmp_path / "plain")):
+        widened = torch.empty(halves.numel(), dtype=torch.float32)
+        library.dovetail_widen_half(halves.data_ptr(), widened.data_ptr(), halves.numel())
+        nan = torch.isnan(expected)
+        assert torch.equal(torch.isnan(widened), nan)
+        assert torch.equal(widened[~nan].view(torch.int32), expected[~nan].view(torch.int32))
 
 
 @pytest.mark.parametrize("layout", ["rows", "packed", "tiles"])
