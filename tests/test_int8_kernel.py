@@ -278,6 +278,10 @@ def test_the_library_quantizes_weights_as_torch_does(kernel):
         expected_values, expected_scales = _torch_quantize_rows(source.float())
         assert values.dtype == torch.int8 and scales.dtype == torch.float64
         assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales), source.dtype
+        with pytest.MonkeyPatch.context() as patch:  # no library: torch's, on fp32 chunks of 32 rows
+            patch.setattr(int8_kernel, "load_library", lambda: None)
+            chunked_values, chunked_scales = _quantize_per_row(source, rows_per_chunk=32)
+        assert torch.equal(chunked_values, expected_values) and torch.equal(chunked_scales, expected_scales)
     assert values[3].abs().sum() == 0
 
 
