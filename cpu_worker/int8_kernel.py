@@ -253,12 +253,17 @@ def _warn_layout_once(value: str) -> None:
                 LAYOUT_VARIABLE, value)
 
 
-def pack_blocks(values: torch.Tensor) -> torch.Tensor:
+def pack_blocks(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] int8 -> the kernel's packed layout, flat: each block of 4 output rows one contiguous
-    run of 64-byte chunks, row r's columns [64c, 64c + 64) at 256c + 64r within its block."""
+    run of 64-byte chunks, row r's columns [64c, 64c + 64) at 256c + 64r within its block; into
+    ``out`` (flat int8 of the same size: a weight's huge pages) where given."""
     out_features, in_features = values.shape
     blocks = values.view(out_features // BLOCK_ROWS, BLOCK_ROWS, in_features // CHUNK_BYTES, CHUNK_BYTES)
-    return blocks.transpose(1, 2).contiguous().view(-1)
+    if out is None:
+        return blocks.transpose(1, 2).contiguous().view(-1)
+    out.view(out_features // BLOCK_ROWS, in_features // CHUNK_BYTES, BLOCK_ROWS, CHUNK_BYTES).copy_(
+        blocks.transpose(1, 2))
+    return out
 
 
 def unpack_blocks(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -327,9 +332,7 @@ class Int8Weights:
         if layout == "tiles":
             pack_tiles_natively(values, library, stored)
         elif layout == "packed":
-            stored.view(self.out_features // BLOCK_ROWS, self.in_features // CHUNK_BYTES, BLOCK_ROWS,
-                        CHUNK_BYTES).copy_(values.view(self.out_features // BLOCK_ROWS, BLOCK_ROWS,
-                                                       self.in_features // CHUNK_BYTES, CHUNK_BYTES).transpose(1, 2))
+            pack_blocks(values, stored)
         else:
             stored.copy_(values)
         self._hold(stored, layout)
