@@ -4,10 +4,10 @@ target's exact path wherever a C compiler is found.
 Every row of a call is reduced in one fixed order whatever the row or thread count, so a tree
 node's logits equal the decode logits of the same prefix bit for bit, and an fp32 target stays
 exactly lossless. The kernel streams the weight once per call and runs up to 4 rows at a time
-over each L1-resident chunk of it, which is what decoding and small trees need: on a 2-core
-Xeon (AVX-512), 4096x4096, 1 / 4 / 8 / 16 rows cost 2.23 / 2.25 / 2.66 / 3.63 ms against MKL's
-packed sgemm's 2.41 / 2.93 / 3.51 / 4.39 (``fp32_packed``, the other exact kernel) and
-``F.linear``'s 2.16 / 4.42 / 6.38 / 7.10.
+(AVX-512; 2 with AVX2 or plain C) over each L1-resident chunk of it, which is what decoding and
+small trees need: on a 2-core Xeon (AVX-512), 4096x4096, 1 / 4 / 8 / 16 rows cost 2.23 / 2.25
+/ 2.66 / 3.63 ms against MKL's packed sgemm's 2.41 / 2.93 / 3.51 / 4.39 (``fp32_packed``, the
+other exact kernel) and ``F.linear``'s 2.16 / 4.42 / 6.38 / 7.10.
 
 A prompt is different: its rows are computed by the same call in ``--mode ar`` and in Dovetail,
 so they need not match a decode's bits, only be fast, and from 64 rows on a GEMM is faster

@@ -87,11 +87,12 @@ def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path,
     library.dovetail_int8_forward.restype = ctypes.c_int
     library.dovetail_int8_has_vnni.restype = ctypes.c_int
     library.dovetail_int8_simd.restype = ctypes.c_int
-    if hasattr(library, "dovetail_pack_tiles"):  # not in older int8_gemv.c (tools/bench_int8_kernel.py builds those)
+    if hasattr(library, "dovetail_widen_half"):  # the quantizer that reads fp16/bf16 (older ones take fp32 only)
         library.dovetail_quantize_weight_rows.argtypes = [pointer, ctypes.c_int, pointer, pointer, i64, i64,
                                                           ctypes.c_int]
         library.dovetail_quantize_weight_rows.restype = ctypes.c_int
         library.dovetail_widen_half.argtypes = [pointer, pointer, i64]
+    if hasattr(library, "dovetail_pack_tiles"):  # not in older int8_gemv.c (tools/bench_int8_kernel.py builds those)
         library.dovetail_pack_tiles.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
         library.dovetail_int8_amx_ready.restype = ctypes.c_int
         library.dovetail_int8_tiles_amx_from.argtypes = [ctypes.c_int]
@@ -362,7 +363,8 @@ class Int8Weights:
         scales = torch.cat([part.scales for part in parts])
         biases = [part.bias for part in parts]
         bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(part.out_features) for b, part in zip(biases, parts)])
+            [b if b is not None else torch.zeros(part.out_features, dtype=torch.float32)
+             for b, part in zip(biases, parts)])
         out_features = sum(part.out_features for part in parts)
         layout = first.layout
         block = {"rows": 1, "packed": BLOCK_ROWS, "tiles": TILE_OUT}[layout]

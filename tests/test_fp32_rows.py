@@ -61,7 +61,8 @@ def test_the_thread_count_does_not_change_a_row():
 
 
 # (-march, the x86 flags a CPU needs to run that build, dovetail_fp32_simd's answer)
-BUILDS = [("x86-64-v2", set(), 0), ("x86-64-v3", {"avx2", "fma"}, 1), ("icelake-server", {"avx512f", "avx512bw"}, 2)]
+BUILDS = [("x86-64-v2", set(), 0), ("x86-64-v3", {"avx2", "fma", "f16c", "bmi2", "movbe"}, 1),
+          ("skylake-avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}, 2)]
 
 
 def _linear(library: ctypes.CDLL, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -127,15 +128,26 @@ def test_a_prompt_s_rows_from_64_on_take_f_linear_and_no_other_call_does():
 
 
 def test_the_engine_prefills_a_long_prompt_on_f_linear_and_decodes_on_the_kernel(demo_target):
-    """A 100-token prompt's features are F.linear's exactly (the same call in every mode); the
-    decode after it, and a tree, stay on the kernel (tree nodes equal decodes)."""
+    """A 100-token prompt's features are F.linear's exactly (the same call in every mode); after
+    it, a tree of more than PROMPT_GEMM_ROWS nodes stays on the kernel: every node's logits equal
+    the decode of its path (a root and 69 children, so each path is two decodes)."""
     model = load_target_model(demo_target)
     assert use_fp32_row_kernel(model)
-    engine = TargetEngine(model, max_len=160)
-    reference = TargetEngine(load_target_model(demo_target), max_len=160)
-    prompt = [(37 * index + 11) % model.spec.vocab_size for index in range(100)]
+    engine = TargetEngine(model, max_len=200)
+    reference = TargetEngine(load_target_model(demo_target), max_len=200)
+    vocab = model.spec.vocab_size
+    prompt = [(37 * index + 11) % vocab for index in range(100)]
     assert torch.equal(engine.prefill(prompt).features, reference.prefill(prompt).features)
-    assert worst_tree_vs_decode_gap(engine) == 0.0
+    size = PROMPT_GEMM_ROWS + 6
+    tokens = [(53 * index + 7) % vocab for index in range(size)]
+    _, tree = engine.tree_logits(tokens, [-1] + [0] * (size - 1))
+    engine.prefill(prompt)
+    root = engine.decode(tokens[0]).logits
+    assert torch.equal(root, tree[0])
+    for node in range(1, size):
+        engine.prefill(prompt)
+        engine.decode(tokens[0])
+        assert torch.equal(engine.decode(tokens[node]).logits, tree[node]), node
 
 
 def test_calls_longer_than_any_tree_go_to_f_linear():
