@@ -161,6 +161,14 @@ static inline const float *cache_row(const void *head, int64_t slot, int64_t hea
     return scratch;
 }
 
+#if DOVETAIL_KEY_BLOCKS
+/* Cache rows [j, j + KEY_BLOCK) of one head as fp32, each bf16 row widened into its own row of scratch. */
+static inline void cache_block(const void *head, int64_t j, int64_t head_dim, int bf16, float *scratch,
+                               const float *out[KEY_BLOCK]) {
+    for (int i = 0; i < KEY_BLOCK; i++) out[i] = cache_row(head, j + i, head_dim, bf16, scratch + i * head_dim);
+}
+#endif
+
 /* q, out: [heads, rows, head_dim], fp32. keys, values: one layer's cache, [kv_heads, max_len,
  * head_dim], fp32 or (bf16 != 0) bf16; either way the arithmetic is fp32.
  * Row r attends to slots [0, shared) and then to shared + extra[e] for e in extra_start[r] ..
@@ -196,20 +204,18 @@ int dovetail_attention(const float *q, const void *keys, const void *values, int
         /* query index t = h_in_group * rows + r: the rows of one head are adjacent in q */
         const float *q_group = q + g * group * rows * head_dim;
         float *out_group = out + g * group * rows * head_dim;
-        /* Scores: each shared key is read once for every query of the group (a block of them at a
-         * time where the vector path applies; the rest one by one, the same bits either way). */
-        int64_t j = 0;
+        /* Shared slots [0, blocked) go KEY_BLOCK at a time (the vector path), the rest one by one:
+         * the same bits either way. Each is read once for every query of the group. */
+        int64_t blocked = DOVETAIL_KEY_BLOCKS && head_dim % 8 == 0 ? shared / KEY_BLOCK * KEY_BLOCK : 0;
 #if DOVETAIL_KEY_BLOCKS
-        if (head_dim % 8 == 0) {
-            for (; j + KEY_BLOCK <= shared; j += KEY_BLOCK) {
-                const float *k[KEY_BLOCK];
-                for (int i = 0; i < KEY_BLOCK; i++) k[i] = cache_row(k_head, j + i, head_dim, bf16, row + i * head_dim);
-                for (int64_t t = 0; t < queries; t++)
-                    _mm256_storeu_ps(scores + t * longest + j, scores8(q_group + t * head_dim, k, head_dim, scale));
-            }
+        for (int64_t j = 0; j < blocked; j += KEY_BLOCK) {
+            const float *k[KEY_BLOCK];
+            cache_block(k_head, j, head_dim, bf16, row, k);
+            for (int64_t t = 0; t < queries; t++)
+                _mm256_storeu_ps(scores + t * longest + j, scores8(q_group + t * head_dim, k, head_dim, scale));
         }
 #endif
-        for (; j < shared; j++) {
+        for (int64_t j = blocked; j < shared; j++) {
             const float *k = cache_row(k_head, j, head_dim, bf16, row);
             for (int64_t t = 0; t < queries; t++) scores[t * longest + j] = dot_fixed(q_group + t * head_dim, k, head_dim) * scale;
         }
@@ -225,18 +231,15 @@ int dovetail_attention(const float *q, const void *keys, const void *values, int
             int64_t r = t % rows;
             softmax_numerators(scores + t * longest, shared + extra_start[r + 1] - extra_start[r]);
         }
-        j = 0;
 #if DOVETAIL_KEY_BLOCKS
-        if (head_dim % 8 == 0) {
-            for (; j + KEY_BLOCK <= shared; j += KEY_BLOCK) {
-                const float *v[KEY_BLOCK];
-                for (int i = 0; i < KEY_BLOCK; i++) v[i] = cache_row(v_head, j + i, head_dim, bf16, row + i * head_dim);
-                for (int64_t t = 0; t < queries; t++)
-                    add_scaled8(acc + t * head_dim, v, scores + t * longest + j, head_dim);
-            }
+        for (int64_t j = 0; j < blocked; j += KEY_BLOCK) {
+            const float *v[KEY_BLOCK];
+            cache_block(v_head, j, head_dim, bf16, row, v);
+            for (int64_t t = 0; t < queries; t++)
+                add_scaled8(acc + t * head_dim, v, scores + t * longest + j, head_dim);
         }
 #endif
-        for (; j < shared; j++) {
+        for (int64_t j = blocked; j < shared; j++) {
             const float *v = cache_row(v_head, j, head_dim, bf16, row);
             for (int64_t t = 0; t < queries; t++) add_scaled(acc + t * head_dim, v, scores[t * longest + j], head_dim);
         }
