@@ -12,16 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_worker.acceptance import accept_path
+from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.kernels.fp32_packed import PackedFp32Linear
+from cpu_worker.kernels.fp32_rows import RowInvariantFp32Linear, prompt_rows
+from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from cpu_worker.model.llama import KVCache, LlamaDecoder, RotaryTable
+from cpu_worker.native_layers import NativeLayers
+from cpu_worker.sampling import Sampler
 from ipc.tree import tree_depths, validate_parents
-
-from .acceptance import accept_path
-from .exact_attention import TreePaths
-from .fp32_packed import PackedFp32Linear
-from .fp32_rows import RowInvariantFp32Linear, prompt_rows
-from .int8 import RowwiseInt8Linear
-from .llama import KVCache, LlamaDecoder, RotaryTable
-from .native_layers import NativeLayers
-from .sampling import Sampler
 
 
 class ContextOverflowError(ValueError):

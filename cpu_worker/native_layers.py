@@ -23,11 +23,11 @@ import os
 
 import torch
 
-from . import exact_attention, int8_kernel, layer_ops
-from .exact_attention import TreePaths
-from .fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
-from .int8 import RowwiseInt8Linear
-from .llama import DecoderLayer, KVCache, LlamaDecoder, RMSNorm
+from cpu_worker.kernels import exact_attention, int8_kernel, layer_ops
+from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
+from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaDecoder, RMSNorm
 
 FORCE_VARIABLE = "DOVETAIL_NATIVE_LAYERS"
 _LINEAR_INT8, _LINEAR_FP32, _LINEAR_INT8_PACKED, _LINEAR_INT8_TILES = 0, 1, 2, 3  # decoder_layers.c's LINEAR_*

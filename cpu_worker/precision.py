@@ -2,7 +2,7 @@
 
 Lossless means equal to the target as it runs at that precision, in ``--mode ar``: every
 kernel here gives a row the same result whatever other rows share its call (see
-``cpu_worker.int8`` for why torch's own dynamic int8 does not).
+``cpu_worker.kernels.int8`` for why torch's own dynamic int8 does not).
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from cpu_worker.cores import cpu_flags
+from cpu_worker.kernels import exact_attention
+from cpu_worker.kernels.int8 import quantize_linears
+from cpu_worker.model.fusion import fuse_projections
+from cpu_worker.model.llama import LlamaDecoder
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
-
-from . import exact_attention
-from .cores import cpu_flags
-from .fusion import fuse_projections
-from .int8 import quantize_linears
-from .llama import LlamaDecoder
 
 log = logging.getLogger(__name__)
 

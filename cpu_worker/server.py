@@ -16,19 +16,18 @@ import os
 import time
 from typing import Any
 
+from cpu_worker.engine import ContextOverflowError, TargetEngine
+from cpu_worker.kernels import int8_kernel
+from cpu_worker.kernels.fp32_packed import pack_fp32_linears
+from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
+from cpu_worker.model.loading import fuse_layers, load_target_model, weight_bytes
+from cpu_worker.precision import activation_dtype, kv_cache_dtype
+from cpu_worker.sampling import Sampler
+from cpu_worker.threads import apply_placement
+from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
 from ipc import messages as m
 from ipc.shm_ring import ShmRing
 from ipc.worker_loop import Handlers, SequenceError, worker_main
-
-from . import int8_kernel
-from .engine import ContextOverflowError, TargetEngine
-from .fp32_packed import pack_fp32_linears
-from .fp32_rows import use_fp32_row_kernel
-from .loading import fuse_layers, load_target_model, weight_bytes
-from .precision import activation_dtype, kv_cache_dtype
-from .sampling import Sampler
-from .threads import apply_placement
-from .verify_cost import VerifyCostCache, cache_key, measure_verify_ms
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cores import CoreSpecError
+from cpu_worker.cores import CoreSpecError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import TargetEngine
+from cpu_worker.engine import TargetEngine
 
 CACHE_FILE = "verify_cost.json"
 # A prefix like a short prompt's: attention is a small part of a verification at real sizes.
@@ -34,9 +34,10 @@ def cache_dir() -> Path:
 
 
 # The engine's sources whose changes change what a verification costs.
-ENGINE_SOURCES = ("engine.py", "llama.py", "int8.py", "int8_kernel.py", "int8_gemv.c", "fp32_rows.c",
-                  "attention.c", "exact_attention.py", "layer_ops.c", "layer_ops.py", "fusion.py", "fp32_packed.py",
-                  "fp32_rows.py", "precision.py", "decoder_layers.c", "native_layers.py")
+ENGINE_SOURCES = ("engine.py", "model/llama.py", "kernels/int8.py", "kernels/int8_kernel.py", "native/int8_gemv.c",
+                  "native/fp32_rows.c", "native/attention.c", "kernels/exact_attention.py", "native/layer_ops.c",
+                  "kernels/layer_ops.py", "model/fusion.py", "kernels/fp32_packed.py", "kernels/fp32_rows.py",
+                  "precision.py", "native/decoder_layers.c", "native_layers.py")
 
 
 def _engine_code_digest() -> str:

@@ -311,7 +311,7 @@ def run_main(target, draft, binds, http_address, api_key_file, api_key, cpu_thre
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
     (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
     """
-    from cpu_worker.model_dir import ModelLoadError
+    from cpu_worker.model.model_dir import ModelLoadError
 
     from .coordinator import Coordinator, RuntimeSettings, TooManyRestarts
     from .preflight import PreflightError, check_settings
@@ -386,7 +386,7 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
     start the workers and serve until SIGINT/SIGTERM. The exit status."""
     import zmq
 
-    from cpu_worker.model_dir import ModelLoadError
+    from cpu_worker.model.model_dir import ModelLoadError
     from ipc.channels import RouterServer
     from ipc.curve import CurveError
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from cpu_worker.model_dir import ModelLoadError, context_limit, read_config, resolve_model_dir
+from cpu_worker.model.model_dir import ModelLoadError, context_limit, read_config, resolve_model_dir
 from gpu_worker.head_layout import FeatureLayout, feature_layout
 from ipc import messages as m
 from ipc.channels import RuntimeDir

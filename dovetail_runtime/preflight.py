@@ -11,7 +11,7 @@ import glob
 import os
 import re
 
-from cpu_worker.model_dir import ModelLoadError, resolve_model_dir
+from cpu_worker.model.model_dir import ModelLoadError, resolve_model_dir
 
 from .coordinator import RuntimeSettings
 

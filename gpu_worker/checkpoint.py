@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from cpu_worker.fusion import fuse_projections
-from cpu_worker.llama import LlamaSpec
-from cpu_worker.loading import ModelLoadError, iter_tensors, release_freed_memory, tensor_shapes
-from cpu_worker.loading import read_tensors as read_checkpoint_tensors
+from cpu_worker.kernels.huge_pages import release_freed_memory
+from cpu_worker.model.fusion import fuse_projections
+from cpu_worker.model.llama import LlamaSpec
+from cpu_worker.model.loading import ModelLoadError, iter_tensors, tensor_shapes
+from cpu_worker.model.loading import read_tensors as read_checkpoint_tensors
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead

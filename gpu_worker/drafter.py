@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cpu_worker.int8 import RowwiseInt8Linear
-from cpu_worker.llama import KVCache, LlamaSpec, RotaryTable
+from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from cpu_worker.model.llama import KVCache, LlamaSpec, RotaryTable
 from ipc.tree import TreeShape
 
 from .checkpoint import AnyHead, draft_fusion, head_spec, load_head

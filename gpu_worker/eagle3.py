@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_worker.fusion import fuse_projections
-from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
-from cpu_worker.llama import MLP, Attention, DecoderLayer, KVCache, LlamaSpec, RMSNorm
+from cpu_worker.kernels.int8 import RowwiseInt8Linear, quantize_linears
+from cpu_worker.model.fusion import fuse_projections
+from cpu_worker.model.llama import MLP, Attention, DecoderLayer, KVCache, LlamaSpec, RMSNorm
 
 # The layer rule and the names are torch-free (the coordinator reads them): one copy, there.
 from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY
@@ -156,7 +156,7 @@ class Eagle3Head(nn.Module):
     def layers(self, g: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                start: int, mask: torch.Tensor | None) -> torch.Tensor:
         """g [B, S, H] (already reduced), tokens [B, S] -> outputs [B, S, H] through every decoder
-        layer, layer l on ``cache`` layer l; start and mask as in ``cpu_worker.llama.Attention.forward``."""
+        layer, layer l on ``cache`` layer l; start and mask as in ``cpu_worker.model.llama.Attention.forward``."""
         attn = self.midlayer.self_attn
         x = self.layer_with(g, tokens, lambda h: attn(h, cos, sin, cache.keys[0], cache.values[0], start, mask))
         for index, layer in enumerate(self.plain_layers, 1):
@@ -217,7 +217,7 @@ class Eagle3Head(nn.Module):
 
     @torch.no_grad()
     def quantize_int8(self) -> Eagle3Head:
-        """Every projection in W8A8 int8, per token (``cpu_worker.int8``): a row's output never
+        """Every projection in W8A8 int8, per token (``cpu_worker.kernels.int8``): a row's output never
         depends on the other rows of its call, as for ``DraftHead.quantize_int8``."""
         quantize_linears(self.midlayer)
         quantize_linears(self.post_layers)

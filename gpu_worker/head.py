@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_worker.fusion import fuse_projections
-from cpu_worker.int8 import RowwiseInt8Linear, quantize_linears
-from cpu_worker.llama import DecoderLayer, KVCache, LlamaSpec, RMSNorm
+from cpu_worker.kernels.int8 import RowwiseInt8Linear, quantize_linears
+from cpu_worker.model.fusion import fuse_projections
+from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaSpec, RMSNorm
 
 FUSIONS = ("dgf", "fc")
 
@@ -59,7 +59,7 @@ class DraftHead(nn.Module):
 
     @torch.no_grad()
     def quantize_int8(self) -> DraftHead:
-        """Every projection in W8A8 int8, per-token (``cpu_worker.int8``), for drafting on a CPU:
+        """Every projection in W8A8 int8, per-token (``cpu_worker.kernels.int8``), for drafting on a CPU:
         there the draft shares the memory bus with the target, so its bytes per step matter."""
         quantize_linears(self.layers)
         head = self.lm_head

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cpu_worker.int8 import RowwiseInt8Linear
+from cpu_worker.kernels.int8 import RowwiseInt8Linear
 
 from .head import DraftHead
 

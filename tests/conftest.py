@@ -111,7 +111,7 @@ def save_random_head(directory: Path, target_dir: Path, layers: int = 1, fusion:
     """An untrained draft head for ``target_dir`` (embedding and lm_head come from the target)."""
     import dataclasses
 
-    from cpu_worker.loading import load_spec
+    from cpu_worker.model.loading import load_spec
     from gpu_worker.checkpoint import save_head
     from gpu_worker.head import DraftHead
 

@@ -1,4 +1,4 @@
-"""Malformed client input for tests/test_fuzz.py, made deterministically from a seeded RNG.
+"""Malformed client input for tests/system/test_fuzz.py, made deterministically from a seeded RNG.
 
 Each case carries what the server must answer, known by construction: a case is a valid message
 or body with exactly one thing wrong (so the first error found is that one), bytes that cannot

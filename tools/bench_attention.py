@@ -1,4 +1,4 @@
-"""Exact attention: our kernel (cpu_worker/attention.c) against torch's, side by side.
+"""Exact attention: our kernel (cpu_worker/native/attention.c) against torch's, side by side.
 
     python -m tools.bench_attention [--contexts 256,1024,2048] [--trees 1,4,8,16] [--threads 2]
                                     [--target DIR] [--prompt 256]
@@ -22,10 +22,10 @@ import click
 import torch
 import torch.nn.functional as F
 
-from cpu_worker import exact_attention
 from cpu_worker.engine import tree_paths
-from cpu_worker.exact_attention import TreePaths
-from cpu_worker.llama import Attention, LlamaSpec
+from cpu_worker.kernels import exact_attention
+from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.model.llama import Attention, LlamaSpec
 from cpu_worker.server import build_engine
 from cpu_worker.verify_cost import measure_verify_ms, measurement_tree
 from tools.bench_fp32_kernel import tree_vs_decode_gap

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from cpu_worker.llama import LlamaSpec
+from cpu_worker.model.llama import LlamaSpec
 from gpu_worker.device import resolve_device, resolve_dtype
 from gpu_worker.drafter import Drafter
 from gpu_worker.head import DraftHead

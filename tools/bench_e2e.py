@@ -17,9 +17,9 @@ import click
 import msgspec
 
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+from gpu_worker.train.corpus import stdlib_files
 from ipc import messages as m
 from ipc.tree import TreeShape
-from tools.train.corpus import stdlib_files
 
 FALLBACK_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):",
                     "for i in range(10):", "def parse_args(argv=None):", "class Config(dict):"]
@@ -27,7 +27,7 @@ FALLBACK_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\
 
 def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
     """Beginnings of held-out stdlib files, in sorted path order; the split and the file
-    listing are the training corpus's (tools.train.corpus), so the bench never sees train files."""
+    listing are the training corpus's (gpu_worker.train.corpus), so the bench never sees train files."""
     prompts = []
     for path in stdlib_files("heldout"):
         text = path.read_text(encoding="utf-8", errors="replace")

@@ -4,8 +4,8 @@
 
 Loads the target once per kernel at fp32 (so it needs that many times its fp32 size in RAM:
 use a stand-in with few layers, ``inflate.py ... --layers 6``; per-layer costs are what is
-compared): ``F.linear``; our row kernel (``cpu_worker.fp32_rows``, the worker's choice where a
-C compiler is found); and MKL's packed sgemm (``cpu_worker.fp32_packed``) where this torch has
+compared): ``F.linear``; our row kernel (``cpu_worker.kernels.fp32_rows``, the worker's choice where a
+C compiler is found); and MKL's packed sgemm (``cpu_worker.kernels.fp32_packed``) where this torch has
 it and its rows pass the load-time check (not on AMD CPUs). Rounds alternate between them (a
 shared machine's noise hits all): per round, the ms of a 256-token prefill, the median ms of
 ``--steps`` decodes after it, and t_verify(T) for each tree size
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.fp32_packed import pack_fp32_linears
-from cpu_worker.fp32_rows import use_fp32_row_kernel
-from cpu_worker.loading import load_target_model
+from cpu_worker.kernels.fp32_packed import pack_fp32_linears
+from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
+from cpu_worker.model.loading import load_target_model
 from cpu_worker.verify_cost import measure_verify_ms
 from tools.bench_kv_dtype import decode_ms
 

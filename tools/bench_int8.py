@@ -1,4 +1,4 @@
-"""The int8 target's costs, measured side by side (numbers for cpu_worker/int8.py's choices).
+"""The int8 target's costs, measured side by side (numbers for cpu_worker/kernels/int8.py's choices).
 
     python -m tools.bench_int8 [--threads 2] [--target demo/target-code-9m] [--tree-target DIR]
 
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.int8 import RowwiseInt8Linear
-from cpu_worker.loading import load_target_model
+from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import activation_dtype
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "demo" / "target-code-9m"

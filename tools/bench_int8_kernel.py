@@ -3,7 +3,7 @@
     python -m tools.bench_int8_kernel [--baseline HEAD] [--rows 1,2,3,4,8,16,32] [--shapes OUTxIN,...] [--threads 2]
     python -m tools.bench_int8_kernel --layouts [--rows 1] [--shapes ...]   # this tree: [N, K], packed, tiles
 
-For kernel work (``cpu_worker/int8_gemv.c``): both versions are built for this CPU and called
+For kernel work (``cpu_worker/native/int8_gemv.c``): both versions are built for this CPU and called
 the way a layer calls them (``dovetail_int8_forward``: quantize the rows, then the linear) on
 llama2-7b's matrix shapes by default, each weight in the layout that version holds it in (the
 baseline's int8_gemv.c links with this tree's other sources; only its linear is called). Each
@@ -27,8 +27,8 @@ from pathlib import Path
 import click
 import torch
 
-from cpu_worker import int8_kernel
-from cpu_worker.huge_pages import on_huge_pages
+from cpu_worker.kernels import int8_kernel
+from cpu_worker.kernels.huge_pages import on_huge_pages
 from tools.bench_attention import parse_sizes
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from cpu_worker import exact_attention
 from cpu_worker.engine import TargetEngine
-from cpu_worker.loading import load_target_model
+from cpu_worker.kernels import exact_attention
+from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import activation_dtype
 
 

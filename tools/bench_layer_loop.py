@@ -7,7 +7,7 @@ One engine (built as the cpu_worker builds it) is prefilled with a random prompt
 turns, step by step, with the C loop on and off (which goes first alternates), so a shared
 machine's noise hits both alike. Decode steps continue one sequence (each path adds a token per
 step); each tree size is verified ``--steps`` times without committing. Both paths give the
-same bits (tests/test_native_layers.py), which this checks again on every tree. The table gives
+same bits (tests/unit/test_native_layers.py), which this checks again on every tree. The table gives
 each path's median ms and the median of the per-step ratios.
 """
 

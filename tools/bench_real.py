@@ -45,11 +45,11 @@ from dovetail_runtime.cli import AUTO_MAX_DEPTH, cores_option
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from dovetail_runtime.tokenizer import Tokenizer
 from dovetail_runtime.tree_planner import TREE_SIZES, AutoTree, TreePlanner
+from gpu_worker.train.corpus import stdlib_files
 from ipc import messages as m
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, TreeError, TreeShape
 from tools.bench_e2e import FALLBACK_PROMPTS
-from tools.train.corpus import stdlib_files
 
 REPO = Path(__file__).resolve().parents[1]
 # The shared testbed's script beside the repo; DOVETAIL_INFLATE points elsewhere (a device machine
@@ -489,11 +489,11 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
 def measure_bandwidth(threads: int | None, megabytes: int = 1024, repeats: int = 5) -> tuple[float, float]:
     """(read GB/s, copy GB/s), best of ``repeats``. Read (a sum: every byte read once, nothing
     written) is the roofline of a decode step; copy counts read + written bytes. The buffer sits
-    on huge pages, as the workers' weights do (cpu_worker/huge_pages.py): where the OS grants
+    on huge pages, as the workers' weights do (cpu_worker/kernels/huge_pages.py): where the OS grants
     them a stream reads a few percent faster, and the roofline is the fastest read."""
     import torch
 
-    from cpu_worker.huge_pages import on_huge_pages
+    from cpu_worker.kernels.huge_pages import on_huge_pages
 
     if threads:
         torch.set_num_threads(threads)

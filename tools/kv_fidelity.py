@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.loading import load_target_model
-from tools.train.corpus import stdlib_files
-from tools.train.evaluate import file_prompts
+from cpu_worker.model.loading import load_target_model
+from gpu_worker.train.corpus import stdlib_files
+from gpu_worker.train.evaluate import file_prompts
 
 PROMPT_TOKENS = 256
 SETTINGS = (("fp32", torch.float32), ("int8", torch.float32), ("int8", torch.bfloat16), ("fp32", torch.bfloat16))

@@ -1,0 +1,104 @@
+"""fp32 linear layers on our own kernel (``fp32_rows.c``: ``dovetail_fp32_linear``), the fp32
+target's exact path wherever a C compiler is found.
+
+Every row of a call is reduced in one fixed order whatever the row or thread count, so a tree
+node's logits equal the decode logits of the same prefix bit for bit, and an fp32 target stays
+exactly lossless. The kernel streams the weight once per call and runs up to 4 rows at a time
+(AVX-512; 2 with AVX2 or plain C) over each L1-resident chunk of it, which is what decoding and
+small trees need: on a 2-core Xeon (AVX-512), 4096x4096, 1 / 4 / 8 / 16 rows cost 2.23 / 2.25
+/ 2.66 / 3.63 ms against MKL's packed sgemm's 2.41 / 2.93 / 3.51 / 4.39 (``fp32_packed``, the
+other exact kernel) and ``F.linear``'s 2.16 / 4.42 / 6.38 / 7.10.
+
+A prompt is different: its rows are computed by the same call in ``--mode ar`` and in Dovetail,
+so they need not match a decode's bits, only be fast, and from 64 rows on a GEMM is faster
+(at 256 rows ``F.linear`` took 28 ms where this kernel took 79). Inside ``prompt_rows()`` (the
+engine's prefill) calls of ``PROMPT_GEMM_ROWS`` rows or more go to ``F.linear``; so do calls
+of more than ``MAX_KERNEL_ROWS`` rows anywhere (no tree is that large).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from cpu_worker.kernels import int8_kernel
+from cpu_worker.kernels.huge_pages import on_huge_pages, release_freed_memory
+from ipc.tree import MAX_TREE_TOKENS
+
+MAX_KERNEL_ROWS = MAX_TREE_TOKENS  # every tree the protocol allows is verified in one call on the kernel
+PROMPT_GEMM_ROWS = 64  # a prompt call from this many rows on takes F.linear (64 rows: 10.6 ms there, 11.8 here)
+
+_in_prompt = contextvars.ContextVar("dovetail_fp32_prompt_rows", default=False)
+
+
+@contextmanager
+def prompt_rows() -> Iterator[None]:
+    """Calls inside compute a prompt's rows: rows every mode computes in this same call, so they
+    may take a GEMM whose bits depend on the row count (from ``PROMPT_GEMM_ROWS`` rows on)."""
+    token = _in_prompt.set(True)
+    try:
+        yield
+    finally:
+        _in_prompt.reset(token)
+
+
+class RowInvariantFp32Linear(nn.Module):
+    """``y = x W^T + b`` in fp32 on ``dovetail_fp32_linear`` (a prompt's calls of ``PROMPT_GEMM_ROWS``
+    rows or more, and any of more than ``MAX_KERNEL_ROWS``, on ``F.linear``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        library = int8_kernel.load_library()
+        if library is None:
+            raise RuntimeError("the fp32 row kernel needs the compiled kernel library (a C compiler)")
+        self._function = library.dovetail_fp32_linear
+        if isinstance(weight, nn.Parameter) and weight.dtype == torch.float32 and weight.is_contiguous():
+            self.weight = weight  # the same parameter: a tied lm_head stays tied
+        else:
+            self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous(), requires_grad=False)
+        # Every call streams the weight: onto huge pages (1.08x a 1B fp32 decode step on the EPYC).
+        # Swapping .data keeps the parameter, so whatever shares it (a tied embedding) follows.
+        self.weight.data = on_huge_pages(self.weight.data)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(),
+                                                           requires_grad=False)
+        self.out_features, self.in_features = self.weight.shape
+        self._bias_pointer = None if self.bias is None else self.bias.data_ptr()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        count = rows.shape[0]
+        if count > MAX_KERNEL_ROWS or (count >= PROMPT_GEMM_ROWS and _in_prompt.get()):
+            return F.linear(x, self.weight, self.bias)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.to(torch.float32).contiguous()
+        out = torch.empty(count, self.out_features, dtype=torch.float32)
+        self._function(rows.data_ptr(), self.weight.data_ptr(), self._bias_pointer, out.data_ptr(), count,
+                       self.out_features, self.in_features, torch.get_num_threads())
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp32 row-invariant kernel"
+
+
+def use_fp32_row_kernel(model: nn.Module) -> bool:
+    """Swap every fp32 ``nn.Linear`` under ``model`` for a RowInvariantFp32Linear (sharing its
+    weight, which moves onto huge pages). False, and nothing changed, when the kernel library cannot be built."""
+    if int8_kernel.load_library() is None:
+        return False
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32]
+    for count, name in enumerate(names, 1):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        dense = getattr(parent, child)
+        setattr(parent, child, RowInvariantFp32Linear(dense.weight, dense.bias))
+        if count % 16 == 0:
+            release_freed_memory()  # the weights' old homes (moved onto huge pages), as we go
+    release_freed_memory()
+    return bool(names)

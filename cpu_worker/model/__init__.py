@@ -1,0 +1,1 @@
+"""The model both workers build: Llama-family blocks, fused projections, model folders, the weight streamer."""

@@ -1,0 +1,439 @@
+"""A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2) with an explicit KV cache.
+
+Module names mirror Hugging Face's (``embed_tokens``, ``layers.N.self_attn.q_proj``, ...)
+so checkpoints load by name. The draft head in ``gpu_worker`` reuses these decoder layers,
+both for inference and for training (``gpu_worker.train.forward``).
+
+Inference works on one sequence (batch 1) of S new tokens that sit at cache slots
+``[start, start + S)``; their positions are given explicitly so a draft tree can put
+several nodes at the same position, and the attention mask is explicit whenever the
+new tokens are not a plain causal continuation. Without a cache, ``Attention`` and
+``DecoderLayer`` take [B, S] windows instead: causal attention within each row, positions
+0..S-1 (the draft head's training forward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu_worker.kernels import exact_attention, layer_ops
+from cpu_worker.kernels.exact_attention import TreePaths
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """A model config that this decoder cannot run faithfully."""
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The architecture facts the decoder needs, parsed from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> LlamaSpec:
+        """Parse a transformers PretrainedConfig (either rope field style)."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        legacy_scaling = getattr(config, "rope_scaling", None)
+        if not rope:
+            rope = dict(legacy_scaling or {})
+            rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelConfigError(
+                f"RoPE scaling type {rope_type!r} is not implemented; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0) or 10000.0))
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+        scaling["rope_type"] = rope_type
+        num_heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+        sliding_window = None
+        if model_type == "mistral" or getattr(config, "use_sliding_window", False):
+            sliding_window = getattr(config, "sliding_window", None)
+        return cls(
+            vocab_size=int(config.vocab_size),
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(config.max_position_embeddings),
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            model_type=model_type,
+        )
+
+
+def rope_inverse_frequencies(spec: LlamaSpec) -> torch.Tensor:
+    """inv_freq [head_dim/2] in fp64-then-fp32, with linear or llama3 scaling applied."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).double() / dim))
+    scaling = spec.rope_scaling
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        low_wavelen = old_context / low
+        high_wavelen = old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+class RotaryTable:
+    """cos/sin rows for every position up to ``max_len``, looked up by explicit positions."""
+
+    def __init__(self, spec: LlamaSpec, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        inv_freq = rope_inverse_frequencies(spec).to(device)
+        angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = angles.cos().to(dtype)
+        self.sin = angles.sin().to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, S, head_dim]; cos/sin [S, head_dim] (shared by every row)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if layer_ops.applies(x, self.weight):
+            return layer_ops.rms_norm(x, self.weight, self.eps)  # one call, not torch's chain of ten ops
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in fp32 like the reference implementations, then cast back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class KVCache:
+    """Preallocated keys and values of every layer for one sequence.
+
+    ``keys[layer]`` is [1, kv_heads, max_len, head_dim]. Slots past the committed length
+    may hold stale rows (a rejected tree) or nothing yet; the attention length and mask never
+    read them. Allocated empty, not zeroed: on the CPU the pages of a large allocation are
+    committed only as they are first written, so memory grows with the context actually used
+    (a Llama-3.1-8B at its full 128k context would otherwise commit 32 GB of fp32 KV at once).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes at full context (committed as the sequence fills it)."""
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def gather_rows(self, source: torch.Tensor, destination_start: int) -> None:
+        """Copy slots ``source`` (1-D index tensor) to ``destination_start...`` in every layer."""
+        count = source.numel()
+        end = destination_start + count
+        self.keys[:, :, :, destination_start:end] = self.keys.index_select(3, source)
+        self.values[:, :, :, destination_start:end] = self.values.index_select(3, source)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
+        # Set by ``fusion.fuse_projections`` (which then drops q/k/v_proj): all three in one call.
+        self.qkv_proj: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
+                mask: torch.Tensor | None = None, paths: TreePaths | None = None) -> torch.Tensor:
+        """x [B, S, d]; cos/sin [S, head_dim] for the S tokens' positions.
+
+        With a cache, ``keys``/``values`` are this layer's views [B, kv, max_len, hd] (B = 1
+        in the engine and drafter): the new rows go to slots [start, start + S) and attend to
+        every slot before them. ``keys=None``: no cache, the S tokens are the whole sequence
+        (``start`` must be 0). ``mask``: bool [S, start + S] (True = may attend) or None for
+        a causal continuation. ``paths`` (a tree, with a cache; replaces ``mask``): each row's
+        ancestors and itself, root first (``TreePaths``, made once per tree, used by every
+        layer); each row then attends exactly as a one-token decode at its position would, bit
+        for bit (``exact_attention``, else ``_attend_per_row``).
+        """
+        batch, length, _ = x.shape
+        in_cache = False  # whether k and v are already in their cache slots
+        if self.qkv_proj is not None and _native_cache_layer(keys, values) and layer_ops.applies(x):
+            # One call rotates q and k and writes this call's keys and values to their slots.
+            assert keys is not None and values is not None
+            q = layer_ops.rope_qkv(self.qkv_proj(x), cos, sin, keys, values, start, self.num_heads, self.num_kv_heads)
+            k, v = keys[:, :, start:start + length], values[:, :, start:start + length]
+            in_cache = True
+        elif self.qkv_proj is not None:
+            # One projection, and one rotary pass over the query and key heads side by side
+            # (the same values as two: every element is rotated on its own).
+            heads = self.qkv_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            rotated = apply_rope(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
+            q, k = rotated[:, :self.num_heads], rotated[:, self.num_heads:]
+            v = heads[:, self.num_heads + self.num_kv_heads:]
+        else:
+            q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        # Decode steps and tree rows on the exact kernel where it applies (fp32 queries over an fp32
+        # or bf16 cache, CPU): the prefix is read once for the whole tree, each node rounding as its
+        # later decode will.
+        kernel = (keys is not None and (paths is not None or (length == 1 and mask is None))
+                  and exact_attention.applies(q, keys))
+        if keys is not None and keys.dtype != q.dtype and not kernel:
+            # A cache in another dtype (bf16 KV for an fp32/int8 target) off the kernel: attention
+            # runs in the cache's dtype and reads every key and value from the cache, this call's
+            # own rows included, so each is rounded once, as stored, and a tree node sees exactly
+            # the values a later one-token decode reads back. (The kernel reads them back too.)
+            q = q.to(keys.dtype)
+        if keys is None or values is None:
+            if start != 0:
+                raise ValueError("attention without a KV cache starts at slot 0")
+            all_k, all_v = k, v
+        else:
+            end = start + length
+            if not in_cache:
+                keys[:, :, start:end] = k
+                values[:, :, start:end] = v
+            all_k = keys[:, :, :end]
+            all_v = values[:, :, :end]
+        gqa = self.num_heads != self.num_kv_heads
+        if paths is not None and keys is not None and values is not None:
+            if kernel:
+                out = exact_attention.attend(q, keys, values, start, paths)
+            else:
+                out = self._attend_per_row(q, k, v, keys, values, start, paths)
+        elif length == 1 and keys is not None and values is not None and mask is None:
+            if kernel:
+                out = exact_attention.attend(q, keys, values, start + 1)
+            else:
+                out = _attend_one(q, all_k, all_v, gqa)
+        elif mask is not None:
+            out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, enable_gqa=gqa)
+        elif length == 1 or start == 0:
+            # One new token sees everything; a prefill from slot 0 (or a cache-free window) is plain causal.
+            out = F.scaled_dot_product_attention(q, all_k, all_v, is_causal=length > 1, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, all_k, all_v, attn_mask=causal_mask(start, length, x.device), enable_gqa=gqa)
+        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, length, -1))
+
+    def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                        values: torch.Tensor, start: int, paths: TreePaths) -> torch.Tensor:
+        """Tree attention that equals one-token decoding bit for bit where the exact kernel does
+        not apply (no compiler, or torch forced): for each row, its path's
+        key/value rows are laid right after the cached prefix (slots start, start + 1, ...) as
+        a decode would have them, and the row attends there with the decode's own call. A
+        batched masked call reads the prefix once but rounds differently (~1e-6), which an
+        int8 target's per-row activation rounding can amplify into a different token."""
+        gqa = self.num_heads != self.num_kv_heads
+        # k and v may be views of the very slots this loop overwrites (rope_qkv wrote them there).
+        k, v = k.clone(), v.clone()
+        outs = []
+        for row, path in enumerate(paths.rows):
+            end = start + len(path)
+            keys[:, :, start:end] = k.index_select(2, path)
+            values[:, :, start:end] = v.index_select(2, path)
+            outs.append(_attend_one(q[:, :, row:row + 1], keys[:, :, :end], values[:, :, :end], gqa))
+        # The tree's rows back in node order, where commit_path expects them.
+        keys[:, :, start:start + k.shape[2]] = k
+        values[:, :, start:start + v.shape[2]] = v
+        return torch.cat(outs, dim=2)
+
+
+def _native_cache_layer(keys: torch.Tensor | None, values: torch.Tensor | None) -> bool:
+    """A one-sequence fp32 or bf16 cache layer that ``layer_ops.rope_qkv`` can write into."""
+    return (keys is not None and values is not None and keys.dtype in layer_ops.CACHE_DTYPES
+            and values.dtype == keys.dtype and keys.shape[0] == 1 and keys.is_contiguous()
+            and values.is_contiguous())
+
+
+def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """One query row over every key given: the one call both decoding and exact tree
+    verification make, so both round alike."""
+    return F.scaled_dot_product_attention(q.contiguous(), keys, values, enable_gqa=gqa)
+
+
+def causal_mask(start: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool [length, start + length] for ``length`` new tokens continuing ``start`` cached ones."""
+    rows = torch.arange(length, device=device).unsqueeze(1) + start
+    cols = torch.arange(start + length, device=device).unsqueeze(0)
+    return cols <= rows
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        # Set by ``fusion.fuse_projections`` (which then drops gate/up_proj): both in one call.
+        self.gate_up_proj: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if layer_ops.applies(gate, up):
+            # One call, the kernel ``native_layers`` chains too: every path gives the same bits.
+            return self.down_proj(layer_ops.silu_mul(gate, up))
+        if self.gate_up_proj is not None:
+            return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama block. ``input_norm=False`` drops the attention input norm
+    (the first layer of an EAGLE/DGF draft head has none)."""
+
+    def __init__(self, spec: LlamaSpec, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm: nn.Module = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
+                mask: torch.Tensor | None = None, paths: TreePaths | None = None) -> torch.Tensor:
+        """x [B, S, d] -> [B, S, d]; cache arguments as in ``Attention.forward`` (None: no cache)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, start, mask, paths)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LayerLoop(Protocol):
+    """Runs the decoder layers of some forwards elsewhere, with the layers' bits
+    (``native_layers.NativeLayers``: one foreign call)."""
+
+    def applies(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                paths: TreePaths | None) -> bool: ...
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+            paths: TreePaths | None, first: int, end: int) -> torch.Tensor: ...
+
+
+class LlamaDecoder(nn.Module):
+    """The whole causal LM: embeddings, decoder layers, final norm, lm_head."""
+
+    def __init__(self, spec: LlamaSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Set by the target engine where the layers qualify (``native_layers``); forwards it
+        # applies to skip the Python layers.
+        self.layer_loop: LayerLoop | None = None
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                rotary: RotaryTable, start: int, mask: torch.Tensor | None,
+                logits_rows: slice | torch.Tensor | None = None,
+                paths: TreePaths | None = None,
+                aux_layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [S]. Returns (features, logits [R, vocab] for the rows
+        ``logits_rows`` selects, all rows by default). Features: [S, d] after the final norm;
+        with ``aux_layers`` (EAGLE-3 heads; increasing layer indices) [S, len * d] instead, the
+        residual streams entering those layers (before their input norm), concatenated in order.
+        ``paths``: tree rows attend exactly as decoding would (Attention.forward)."""
+        cos, sin = rotary.lookup(positions)
+        x = self.embed_tokens(tokens).unsqueeze(0)
+        streams: list[torch.Tensor] = []
+        loop = self.layer_loop
+        if loop is not None and loop.applies(x, cache, mask, paths):
+            # The layers between aux layers in one call each (every layer in one without them).
+            first = 0
+            for cut in [*(aux_layers or ()), len(self.layers)]:
+                x = loop.run(x, cos, sin, cache, start, paths, first, cut)  # a new tensor each time
+                if cut < len(self.layers):
+                    streams.append(x)
+                first = cut
+        else:
+            for index, layer in enumerate(self.layers):
+                if aux_layers and index in aux_layers:
+                    streams.append(x)  # layers return new tensors: keeping a reference copies nothing
+                x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask, paths)
+        # Logits exactly as without aux rows, so --mode ar on the same worker rounds alike.
+        features = self.norm(x)[0]
+        head_input = features if logits_rows is None else features[logits_rows]
+        logits = self.lm_head(head_input)
+        if aux_layers:
+            # aux_layers is increasing (checked by the engine), so streams are in its order.
+            features = torch.cat(streams, dim=-1)[0]
+        return features, logits

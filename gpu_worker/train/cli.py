@@ -1,0 +1,371 @@
+"""``dovetail-train``: features -> train -> eval for a draft head (DESIGN.md sections 7, 10)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def check_device(device: str) -> str:
+    """``--device``: cpu, or cuda when torch sees a CUDA device (a clear error otherwise)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False; "
+                               f"this torch is {torch.__version__}); use --device cpu")
+    return device
+
+
+def warn_if_bf16_is_emulated(bf16: bool, device: str) -> bool:
+    """``--bf16`` on a CPU without native bf16 (AVX512-BF16 or AMX): torch then runs the bf16
+    matmuls on a generic path, and a step costs many times an fp32 one; say so before the run.
+    Returns whether it warned."""
+    from cpu_worker.precision import cpu_has_native_bf16
+
+    if not bf16 or device != "cpu" or cpu_has_native_bf16():
+        return False
+    click.echo("warning: --bf16 on a CPU without AVX512-BF16 or AMX: bf16 matmuls run on a slow generic path "
+               f"here ({BF16_EMULATED_NOTE}); --fp32 trains the same head far faster on this CPU", err=True)
+    return True
+
+
+# Measured with dovetail-train train --recipe dgf-eagle3 --batch-size 8 --threads 2 (docs/training.md).
+BF16_EMULATED_NOTE = "on a 2-core AMD EPYC a dgf-eagle3 step of 8 windows took 212 s, against 10-13 s at --fp32"
+
+
+def parse_aux_layers(value: str | None, num_layers: int) -> tuple[int, int, int] | None:
+    """``--aux-layers``: 'auto' (EAGLE's rule {2, L//2, L-3}) or three ids 'a,b,c'; None: not asked."""
+    from gpu_worker.eagle3 import resolve_aux_layers
+
+    if value is None:
+        return None
+    try:
+        override = None if value == "auto" else [int(part) for part in value.split(",")]
+        return resolve_aux_layers(num_layers, override, option="--aux-layers")
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--aux-layers") from None
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GB"
+
+
+@click.group(context_settings=CONTEXT)
+def main() -> None:
+    """Train a draft head for a target model: extract features, train, measure tau."""
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Feature folder (shards + manifest.json); rerun the same command to resume.")
+@click.option("--input", "inputs", multiple=True, help="Text file, folder, glob, .jsonl (text field or "
+              "ShareGPT conversations) or .json list; repeatable.")
+@click.option("--stdlib", is_flag=True, help="Use this Python's standard library (.py files outside "
+              "site-packages: the testbed's corpus) as the input.")
+@click.option("--pattern", default="*.txt", help="File-name glob for folders given with --input "
+              "(--stdlib uses *.py).")
+@click.option("--exclude", multiple=True, help="Glob on paths relative to an input folder to leave out.")
+@click.option("--split", type=click.Choice(["train", "heldout", "all"]), default="all",
+              help="For folders: keep one side of the testbed rule int(sha1(relative path)) % 20 == 0 -> heldout.")
+@click.option("--text-field", default="text", help="JSONL field holding plain text.")
+@click.option("--chat-template/--no-chat-template", default=True,
+              help="Render conversations with the tokenizer's chat template when it has one "
+              "(else plain 'role: content' lines).")
+@click.option("--window", type=click.IntRange(min=2), default=512, help="Tokens per window (each prefilled from "
+              "position 0; the testbed was trained on 512).")
+@click.option("--dtype", type=click.Choice(["fp16", "fp32", "bf16"]), default="fp16", help="Stored feature "
+              "precision; bf16 also runs the target in bf16 (for 7B-13B targets on a GPU).")
+@click.option("--aux-layers", default=None, help="Also store EAGLE-3's three-layer rows: the residual streams "
+              "entering target layers 'a,b,c' (distinct, increasing), or 'auto' for EAGLE's rule {2, L//2, L-3}. "
+              "Needed by --recipe eagle3 / dgf-eagle3.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", help="Where the target runs.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Stop after this many tokens.")
+@click.option("--shuffle-seed", type=int, default=0, help="Shuffle the file order with this seed (so --max-tokens "
+              "samples the whole corpus); -1 keeps the sorted order.")
+@click.option("--shard-tokens", type=click.IntRange(min=1), default=131072, help="Tokens per shard (resume unit).")
+@click.option("--overwrite", is_flag=True, help="Start over if the folder holds features made with other settings.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
+def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_field, chat_template, window, dtype,
+             aux_layers, device, max_tokens, shuffle_seed, shard_tokens, overwrite, threads) -> None:
+    """Run the target over a corpus and store token ids + last hidden states (after the final norm)."""
+    from transformers import AutoTokenizer
+
+    from cpu_worker.model.loading import load_spec, load_target_model, resolve_model_dir
+
+    from .corpus import STDLIB_EXCLUDE, STDLIB_PATTERN, expand_inputs, read_documents, shuffled, stdlib_root
+    from .features import cut_windows, extract_features, folder_bytes
+
+    set_threads(threads)
+    if stdlib:
+        inputs = (str(stdlib_root()),) + tuple(inputs)
+        pattern, exclude = STDLIB_PATTERN, tuple(exclude) + STDLIB_EXCLUDE
+    if not inputs:
+        raise click.UsageError("give --input (repeatable) or --stdlib")
+    target_dir = resolve_model_dir(target)
+    check_device(device)
+    aux = parse_aux_layers(aux_layers, load_spec(target_dir).num_layers)
+    files = expand_inputs(inputs, pattern, exclude, None if split == "all" else split)
+    if not files:
+        raise click.UsageError("the inputs name no files")
+    files = shuffled(files, None if shuffle_seed < 0 else shuffle_seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    from tqdm import tqdm
+
+    with tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True) as bar:  # closed even when capped early
+        documents = read_documents(bar, tokenizer, text_field=text_field, chat_template=chat_template)
+        windows = cut_windows(documents, window, max_tokens)
+    if not windows:
+        raise click.UsageError("the inputs hold no window of 2 or more tokens")
+    config = {"target": str(target_dir.resolve()), "inputs": [str(Path(i).resolve()) for i in inputs],
+              "pattern": pattern, "exclude": list(exclude), "split": split, "text_field": text_field,
+              "chat_template": chat_template, "window": window, "max_tokens": max_tokens,
+              "shuffle_seed": shuffle_seed, "files": len(files)}
+    model = load_target_model(target_dir, precision="bf16" if dtype == "bf16" else "fp32").eval().to(device)
+    manifest = extract_features(model, windows, out_dir, config, dtype=dtype, shard_tokens=shard_tokens,
+                                overwrite=overwrite, aux_layers=aux)
+    click.echo(f"{manifest['tokens']:,} tokens in {manifest['windows']:,} windows from {len(files):,} files "
+               f"({manifest['loss_tokens']:,} with loss), {len(manifest['shards'])} shards; "
+               f"disk use {human_bytes(folder_bytes(out_dir))} in {out_dir}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--features", "train_dir", required=True, type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Training feature folder (from `dovetail-train features`).")
+@click.option("--heldout", "heldout_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Held-out feature folder for periodic evaluation (loss, top-1 agreement).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Head folder: config.json + model.safetensors (use as dovetail-run --draft), plus "
+              "train_state.pt (resume) and train_log.jsonl.")
+@click.option("--recipe", type=click.Choice(["eagle1", "eagle3", "dgf-eagle3"]), default="eagle1",
+              help="eagle1: --fusion head on last-layer features (feature + token loss, teacher-forced); eagle3 / "
+              "dgf-eagle3: EAGLE-3 head on three-layer rows (--aux-layers features), training-time test, "
+              "CE on a --draft-vocab vocabulary.")
+@click.option("--fusion", type=click.Choice(["dgf", "fc"]), default="dgf", help="eagle1 recipe: dgf (Dovetail) "
+              "or fc (EAGLE-1/2).")
+@click.option("--draft-vocab", type=click.IntRange(min=1), default=4096, help="eagle3 recipes: draft vocabulary "
+              "size (the most frequent predicted tokens of the training features; d2t/t2d in the head).")
+@click.option("--ttt-steps", type=click.IntRange(min=1), default=7, help="eagle3 recipes: training-time-test "
+              "steps (EAGLE-3 unrolls 7).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", help="eagle3 recipes: where to train.")
+@click.option("--layers", type=click.IntRange(min=1), default=1,
+              help="Decoder layers in the head (eagle3 recipes: the EAGLE-3 layer, then plain ones; published "
+                   "EAGLE-3 heads have 1).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Windows per step.")
+@click.option("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, betas 0.9/0.95).")
+@click.option("--warmup", type=click.IntRange(min=0), default=100, help="Linear warmup steps.")
+@click.option("--min-lr-ratio", type=float, default=0.1, help="Cosine decays to this fraction of --lr.")
+@click.option("--weight-decay", type=float, default=0.0)
+@click.option("--clip", type=float, default=0.5, help="Gradient-norm clipping.")
+@click.option("--noise", type=float, default=0.1, help="Input-feature noise U(-a, a), a = NOISE x feature RMS.")
+@click.option("--epochs", type=float, default=1.0, help="Passes over the (capped) training windows.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Train exactly this many steps "
+              "(overrides --epochs).")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None,
+              help="Use only the first N tokens of the training features (a fixed budget for ablations).")
+@click.option("--eval-every", type=click.IntRange(min=1), default=200, help="Steps between held-out evaluations.")
+@click.option("--eval-tokens", type=click.IntRange(min=2), default=65536, help="Held-out tokens per evaluation.")
+@click.option("--save-every", type=click.IntRange(min=1), default=200, help="Steps between resumable checkpoints.")
+@click.option("--seed", type=int, default=0)
+@click.option("--bf16/--fp32", "bf16", default=False, help="bf16 autocast for the matmuls (CPUs with avx512_bf16/AMX: "
+              "~30% faster; elsewhere many times slower, and the run says so); weights and optimizer stay fp32.")
+@click.option("--save-dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", help="Precision of the saved head.")
+@click.option("--include-frozen", is_flag=True, help="Also store the embedding and lm_head (else they load from "
+              "the target folder).")
+@click.option("--restart", is_flag=True, help="Ignore an existing train_state.pt in --out.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
+def train(target, train_dir, heldout_dir, out_dir, recipe, fusion, draft_vocab, ttt_steps, device, layers,
+          batch_size, lr, warmup, min_lr_ratio, weight_decay, clip, noise, epochs, steps, max_tokens, eval_every,
+          eval_tokens, save_every, seed, bf16, save_dtype, include_frozen, restart, threads) -> None:
+    """Train a draft head on stored features; the result loads with dovetail-run --draft OUT."""
+    from .trainer import TrainConfig
+    from .trainer import train as run_training
+
+    set_threads(threads)
+    check_device(device)
+    warn_if_bf16_is_emulated(bf16, device)
+    if recipe != "eagle1":
+        from .eagle3_trainer import Eagle3Config, StopTraining, train_eagle3
+
+        eagle3 = Eagle3Config(fusion=recipe, layers=layers, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
+                              batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio, warmup=warmup,
+                              weight_decay=weight_decay, clip=clip, epochs=epochs, steps=steps,
+                              max_tokens=max_tokens, eval_every=eval_every, eval_tokens=eval_tokens,
+                              save_every=save_every, seed=seed, bf16=bf16, save_dtype=save_dtype, device=device)
+        import signal
+
+        stop_requested = False
+
+        def stop(_signum: int, _frame: object) -> None:
+            nonlocal stop_requested
+            if stop_requested:  # asked twice: stop now (the last checkpoint's state stands)
+                raise KeyboardInterrupt
+            stop_requested = True  # at the end of this step: the state saved there resumes exactly
+
+        def between_steps(_step: int) -> None:
+            if stop_requested:
+                raise StopTraining
+
+        # SIGTERM too: a background job started by a script ignores SIGINT.
+        previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            result = train_eagle3(target, train_dir, out_dir, eagle3, heldout_dir=heldout_dir,
+                                  resume=not restart, on_step=between_steps)
+        except ValueError as error:
+            raise click.UsageError(str(error)) from None
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+        stopped = "" if result["finished"] else \
+            f" (stopped early: {result['steps']} of {result['planned_steps']} steps)"
+        click.echo(f"{result['steps']} steps{stopped} in {result['seconds']:.0f} s on {result['train_tokens']:,} "
+                   "tokens "
+                   f"(draft vocabulary covers {result['draft_vocab_coverage']:.2%} of them); head written to {out_dir}")
+        return
+    if device != "cpu":
+        raise click.UsageError("--device cuda is for the eagle3 recipes")
+    config = TrainConfig(fusion=fusion, layers=layers, batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio,
+                         warmup=warmup, weight_decay=weight_decay, clip=clip, noise=noise, epochs=epochs,
+                         steps=steps, max_tokens=max_tokens, eval_every=eval_every, eval_tokens=eval_tokens,
+                         save_every=save_every, seed=seed, bf16=bf16, save_dtype=save_dtype,
+                         include_frozen=include_frozen)
+    summary = run_training(target, train_dir, out_dir, config, heldout_dir=heldout_dir, resume=not restart)
+    click.echo(f"{summary['steps']} steps in {summary['seconds']:.0f} s on {summary['train_tokens']:,} tokens; "
+               f"head written to {out_dir}")
+
+
+def parse_tree(value: str) -> tuple[int, int, int]:
+    try:
+        tree_tokens, depth, top_k = (int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected T,DEPTH,TOP_K such as 16,6,8; got {value!r}") from None
+    return tree_tokens, depth, top_k
+
+
+@main.command("eval", context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--draft", required=True, help="Draft head folder.")
+@click.option("--input", "inputs", multiple=True, help="Files/folders/globs of plain text to take prompts from "
+              "[default: the stdlib held-out split, the testbed protocol].")
+@click.option("--pattern", default="*.py", help="File-name glob for folders given with --input.")
+@click.option("--split", type=click.Choice(["train", "heldout", "all"]), default="heldout",
+              help="For folders: one side of the sha1 % 20 rule.")
+@click.option("--files", type=click.IntRange(min=1), default=None, help="Use the first N eligible files (sorted).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, help="Prompt = the first N tokens.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=128, help="Greedy tokens to generate.")
+@click.option("--tree-tokens", type=click.IntRange(min=1), default=16, help="Tree size T (root included).")
+@click.option("--depth", type=click.IntRange(min=1), default=6, help="Most draft tokens on one path.")
+@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1), default=8,
+              help="The draft tree's beam width: children kept per node and nodes per level.")
+@click.option("--tree", "trees", multiple=True, help="Extra tree settings T,DEPTH,TOP_K (repeatable), e.g. 7,4,4.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
+def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_tokens, tree_tokens, depth, top_k,
+             trees, as_json, threads) -> None:
+    """Greedy tau of a head (testbed protocol by default), checked lossless against the target."""
+    from transformers import AutoTokenizer
+
+    from cpu_worker.engine import TargetEngine
+    from cpu_worker.model.loading import load_target_model, resolve_model_dir
+    from gpu_worker.drafter import Drafter
+    from ipc.tree import TreeShape
+
+    from .corpus import expand_inputs, stdlib_files, stdlib_root
+    from .eagle3_io import is_eagle3_folder
+    from .evaluate import file_prompts, format_table, measure_tau
+
+    set_threads(threads)
+    target_dir = resolve_model_dir(target)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    if inputs:
+        paths, root = expand_inputs(inputs, pattern, (), None if split == "all" else split), None
+    else:
+        root = stdlib_root()
+        paths = stdlib_files(None if split == "all" else split, root)
+    prompts = file_prompts(paths, tokenizer, prompt_tokens, files, root)
+    if not prompts:
+        raise click.UsageError(f"no file has more than {prompt_tokens} tokens")
+    settings = [(tree_tokens, depth, top_k)] + [parse_tree(value) for value in trees]
+    model = load_target_model(target_dir).eval()
+    room = prompt_tokens + new_tokens + max(t for t, _, _ in settings) + 1
+    engine = TargetEngine(model, max_len=room)
+    scratch = max(TreeShape.clamped(*setting).scratch_slots for setting in settings)
+    if is_eagle3_folder(draft):
+        results = eagle3_tau(engine, draft, target_dir, prompts, new_tokens, tokenizer.eos_token_id, settings,
+                             room, scratch)
+    else:
+        drafter = Drafter.from_pretrained(draft, target_dir, max_len=room, device="cpu", scratch_len=scratch)
+        results = measure_tau(engine, drafter, prompts, new_tokens, tokenizer.eos_token_id, settings)
+    if as_json:
+        click.echo(json.dumps({"target": str(target_dir), "draft": str(draft), "prompt_tokens": prompt_tokens,
+                               "new_tokens": new_tokens, "results": [r.as_dict() for r in results]}, indent=1))
+        return
+    click.echo(format_table(results))
+    ties = sum(len(r.near_ties) for r in results)
+    click.echo("lossless: every output equals the target's greedy decode"
+               + (f" ({ties} near-tie divergences, top-2 gap < 1e-4)" if ties else ""))
+
+
+def eagle3_tau(engine, draft, target_dir, prompts, new_tokens, eos, settings, room, scratch):
+    """measure_tau for an EAGLE-3 head: its three-layer rows come from hooks on the in-process target."""
+    from gpu_worker.eagle3 import resolve_aux_layers
+
+    from .eagle3_eval import AuxRows, eagle3_drafter, speculative_greedy_eagle3
+    from .eagle3_io import load_eagle3_head
+    from .evaluate import measure_tau
+
+    head, layers = load_eagle3_head(draft, target_dir)
+    aux = AuxRows(engine.model, resolve_aux_layers(engine.spec.num_layers, layers))
+    drafter = eagle3_drafter(head, room, scratch)
+
+    def speculate(engine, drafter, prompt, new_tokens, eos, tree_tokens, depth, top_k, result):
+        return speculative_greedy_eagle3(engine, aux, drafter, prompt, new_tokens, eos, tree_tokens, depth, top_k,
+                                         result)
+
+    try:
+        return measure_tau(engine, drafter, prompts, new_tokens, eos, settings, speculate=speculate)
+    finally:
+        aux.close()
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--target", required=True, help="Target model folder.")
+@click.option("--draft", default=None, help="Head folder to export instead of the target (its embedding and "
+              "lm_head are left out: they load from --target).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", help="Stored precision.")
+def export(target, draft, out_dir, dtype) -> None:
+    """Write a small copy of a target (weights in --dtype + config + tokenizer) or of a head."""
+    from cpu_worker.model.model_dir import resolve_model_dir
+    from ipc.dtypes import torch_dtype
+
+    from .export import export_head, export_target
+
+    stored = torch_dtype(dtype)
+    target_dir = resolve_model_dir(target)
+    if draft:
+        export_head(Path(draft), target_dir, out_dir, stored)
+    else:
+        export_target(target_dir, out_dir, stored)
+    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
+    click.echo(f"wrote {out_dir} ({human_bytes(size)})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Run the target over a corpus and store token ids + last hidden states in shards.
+
+Documents are cut into windows of ``window`` tokens; each window is prefilled from an empty
+cache (position 0), as the testbed was trained on 512-token windows. The whole corpus is
+tokenized first (cheap next to the target), so the shard plan, the progress total and the
+resume check are all known before the target runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ipc.dtypes import torch_dtype
+
+from .corpus import Document
+from .shards import FORMAT_VERSION, MANIFEST, read_manifest, shard_name, tokens_digest, write_json_atomic, write_shard
+
+
+@dataclass
+class Window:
+    tokens: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # bool [n]
+
+
+@dataclass
+class ShardPlan:
+    index: int
+    windows: list[Window] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.tokens) for w in self.windows)
+
+    def digest(self) -> str:
+        return tokens_digest([w.tokens for w in self.windows])
+
+
+def cut_windows(documents: Iterable[Document], window: int, max_tokens: int | None = None) -> list[Window]:
+    """Consecutive windows of ``window`` tokens per document (the last one shorter); windows
+    under 2 tokens hold no (feature, next feature) pair and are dropped. ``max_tokens`` cuts
+    the stream (the last window shortened to fit)."""
+    windows: list[Window] = []
+    total = 0
+    for document in documents:
+        ids = np.asarray(document.token_ids, dtype=np.int32)
+        mask = np.asarray(document.loss_mask, dtype=bool)
+        for begin in range(0, len(ids), window):
+            piece = ids[begin:begin + window]
+            if max_tokens is not None:
+                piece = piece[:max_tokens - total]
+            if len(piece) < 2:
+                continue
+            windows.append(Window(piece, mask[begin:begin + len(piece)]))
+            total += len(piece)
+            if max_tokens is not None and total >= max_tokens:
+                return windows
+    return windows
+
+
+def plan_shards(windows: list[Window], shard_tokens: int) -> list[ShardPlan]:
+    """Group whole windows into shards of about ``shard_tokens`` tokens."""
+    shards = [ShardPlan(0)]
+    for window in windows:
+        if shards[-1].windows and shards[-1].num_tokens + len(window.tokens) > shard_tokens:
+            shards.append(ShardPlan(len(shards)))
+        shards[-1].windows.append(window)
+    return [shard for shard in shards if shard.windows]
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+@torch.inference_mode()
+def window_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ...] = (),
+                   rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One window from position 0 without a KV cache, on the model's device and dtype.
+
+    Returns (last hidden states after the final norm [n, d], aux rows [n, 3d] or None): an aux
+    row is the residual stream entering each of ``aux_layers`` (before that layer's input
+    norm), concatenated in the order given."""
+    device = target.embed_tokens.weight.device
+    x = target.embed_tokens(tokens.to(device)).unsqueeze(0)
+    n = x.shape[1]
+    if rotary is None:
+        from cpu_worker.model.llama import RotaryTable
+
+        table = RotaryTable(target.spec, n, x.dtype, device)
+        rotary = (table.cos, table.sin)
+    cos, sin = rotary[0][:n], rotary[1][:n]
+    taken = {}
+    for index, layer in enumerate(target.layers):
+        if index in aux_layers:
+            taken[index] = x[0]
+        x = layer(x, cos, sin)  # no cache: causal within the window
+    aux = torch.cat([taken[index] for index in aux_layers], dim=-1) if aux_layers else None
+    return target.norm(x)[0], aux
+
+
+def extract_features(target: Any, windows: list[Window], out_dir: Path, config: dict[str, Any],
+                     dtype: str = "fp16", shard_tokens: int = 131072, overwrite: bool = False,
+                     on_shard: Callable[[int], None] | None = None, progress: bool = True,
+                     aux_layers: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Write (or finish writing) the shards for ``windows`` under ``out_dir``.
+
+    ``target``: a loaded ``LlamaDecoder`` (on any device, in fp32 or bf16). ``config``: what
+    produced the windows (inputs, window size, split, ...); a rerun must pass the same config
+    to resume. ``on_shard`` is called with each shard index after it is stored (tests use it to
+    interrupt a run). ``aux_layers``: also store per token the residual streams entering these
+    target layers (EAGLE-3's three-layer rows, ``aux`` [N, 3d]). ``dtype`` "bf16" stores bf16
+    (the target then runs in bf16 too). Returns the manifest.
+    """
+    from cpu_worker.engine import TargetEngine
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plans = plan_shards(windows, shard_tokens)
+    full_config = dict(config, dtype=dtype, shard_tokens=shard_tokens, version=FORMAT_VERSION)
+    if aux_layers is not None:
+        full_config["aux_layers"] = list(aux_layers)
+    manifest = read_manifest(out_dir)
+    if manifest is not None and manifest["config"] != full_config:
+        if not overwrite:
+            raise ValueError(f"{out_dir / MANIFEST} was written with different settings; use another folder "
+                             f"or --overwrite.\n  stored: {manifest['config']}\n  now:    {full_config}")
+        manifest = None
+    if manifest is None:
+        for stale in out_dir.glob("shard-*.safetensors"):
+            stale.unlink()
+        manifest = {"config": full_config, "hidden_size": int(target.spec.hidden_size), "shards": [],
+                    "complete": False}
+        if aux_layers is not None:
+            manifest["aux_layers"] = list(aux_layers)
+    done = {entry["index"]: entry for entry in manifest["shards"]}
+    # Keep only finished shards whose file is there and whose planned content is unchanged.
+    todo = []
+    kept = []
+    for plan in plans:
+        entry = done.get(plan.index)
+        if entry and entry["digest"] == plan.digest() and (out_dir / entry["file"]).exists():
+            kept.append(entry)
+        else:
+            todo.append(plan)
+    manifest["shards"] = kept
+    manifest["complete"] = False
+    write_json_atomic(out_dir / MANIFEST, manifest)
+
+    total_tokens = sum(p.num_tokens for p in plans)
+    skipped = sum(entry["tokens"] for entry in kept)
+    max_window = max((len(w.tokens) for w in windows), default=1)
+    on_cpu_fp32 = target.embed_tokens.weight.device.type == "cpu" and target.embed_tokens.weight.dtype == torch.float32
+    # The default path (CPU, fp32, last layer only) runs the inference engine, as before; the
+    # others use the cache-free window forward, which runs on any device and dtype.
+    engine = TargetEngine(target, max_len=max_window) if aux_layers is None and on_cpu_fp32 else None
+    rotary = None
+    if engine is None:
+        from cpu_worker.model.llama import RotaryTable
+
+        weight = target.embed_tokens.weight
+        table = RotaryTable(target.spec, max_window, weight.dtype, weight.device)
+        rotary = (table.cos, table.sin)
+    store_dtype = torch_dtype(dtype)
+    started = time.perf_counter()
+    bar = tqdm(total=total_tokens, initial=skipped, unit="tok", unit_scale=True, desc="features",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        for plan in todo:
+            features, aux_rows = [], []
+            for window in plan.windows:
+                if engine is not None:
+                    features.append(engine.prefill(window.tokens.tolist()).features.to(store_dtype))
+                else:
+                    last, aux = window_forward(target, torch.from_numpy(window.tokens).long(), aux_layers or (),
+                                               rotary)
+                    features.append(last.to(device="cpu", dtype=store_dtype))
+                    if aux is not None:
+                        aux_rows.append(aux.to(device="cpu", dtype=store_dtype))
+                bar.update(len(window.tokens))
+            lengths = [len(w.tokens) for w in plan.windows]
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            write_shard(out_dir / shard_name(plan.index), np.concatenate([w.tokens for w in plan.windows]),
+                        torch.cat(features), np.concatenate([w.loss_mask for w in plan.windows]), offsets,
+                        aux=torch.cat(aux_rows) if aux_rows else None)
+            manifest["shards"].append({"index": plan.index, "file": shard_name(plan.index),
+                                       "windows": len(plan.windows), "tokens": plan.num_tokens,
+                                       "digest": plan.digest()})
+            manifest["shards"].sort(key=lambda entry: entry["index"])
+            write_json_atomic(out_dir / MANIFEST, manifest)
+            if on_shard is not None:
+                on_shard(plan.index)
+    finally:
+        bar.close()
+    manifest.update(complete=True, tokens=total_tokens, windows=len(windows),
+                    loss_tokens=int(sum(w.loss_mask.sum() for w in windows)),
+                    seconds_this_run=round(time.perf_counter() - started, 1))
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    return manifest

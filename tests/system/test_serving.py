@@ -1,0 +1,386 @@
+"""dovetail_runtime.serving against a real client socket, with a stand-in coordinator.
+
+The stand-in generates by what the prompt says ("block": until cancelled or released, "hang":
+a worker computing without a cycle, ...) and records what ran and how it ended, so turns,
+cancels, deadlines, drops and shutdown are checked exactly, without models or timing bets.
+tests/system/test_runtime_serving.py checks the same behaviours through real processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from dovetail_runtime.coordinator import TooManyRestarts
+from dovetail_runtime.metrics import ServerMetrics
+from dovetail_runtime.serving import ServeLimits, Serving
+from dovetail_runtime.workers import WorkerFailed
+from ipc import messages as m
+from ipc.channels import Channel, RouterServer, connect_client
+
+WAIT_S = 10.0
+
+
+class StandInTokenizer:
+    def max_chars_per_token(self) -> int:
+        return 4
+
+
+class StandInCoordinator:
+    """What Serving uses of a Coordinator; no workers."""
+
+    def __init__(self) -> None:
+        self.while_waiting: Callable[[], None] | None = None
+        self.tokenizer: StandInTokenizer | None = None
+        self.max_len = 100  # so prompts of more than 400 characters cannot fit
+        self.release = threading.Event()
+        self.ran: list[str] = []
+        self.ended: dict[str, str] = {}
+        self.start_hook: Callable[[], None] | None = None
+        self.metrics = ServerMetrics()
+
+    def start(self) -> None:
+        if self.start_hook is not None:
+            self.start_hook()
+        self.tokenizer = StandInTokenizer()
+
+    def _recover(self) -> None:
+        pass
+
+    def max_prompt_chars(self) -> int | None:
+        return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
+
+    def generate(self, request: m.GenerateRequest, on_text) -> m.GenerateDone | m.ErrorReply:
+        self.ran.append(request.request_id)
+        kind = request.prompt
+        if kind == "boom":
+            raise RuntimeError("boom")
+        if kind == "give up":
+            raise TooManyRestarts("cpu_worker died 4 times in 10 minutes; giving up")
+        if kind == "hang":  # one long worker step: only the wait hook runs meanwhile
+            while not self.release.wait(0.005):
+                self.while_waiting()
+        ids: list[int] = []
+        finish = "length"
+        for index in range(request.max_new_tokens):
+            ids.append(index % 50)
+            if on_text([index % 50], "x" * (200 if kind == "flood" else 1)):
+                finish = "cancelled"
+                break
+            if kind == "block":
+                if self.release.is_set():
+                    break
+                time.sleep(0.005)
+        self.ended[request.request_id] = finish
+        return m.GenerateDone(request_id=request.request_id, token_ids=ids, text="x" * len(ids),
+                              finish_reason=finish)
+
+
+class Harness:
+    def __init__(self, tmp_path, limits: ServeLimits, coordinator: StandInCoordinator | None = None):
+        self.ctx = zmq.Context()
+        self.server = RouterServer(f"ipc://{tmp_path}/serve.sock", ctx=self.ctx)
+        self.coordinator = coordinator or StandInCoordinator()
+        self.stop = threading.Event()
+        self.serving = Serving(self.coordinator, self.server, limits, should_stop=self.stop.is_set)  # type: ignore[arg-type]
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.clients: list[Channel] = []
+
+    def _run(self) -> None:
+        try:
+            self.serving.run(ready=lambda _bound: self.ready.set())
+        except BaseException as error:
+            self.error = error
+
+    def client(self) -> Channel:
+        channel = connect_client(self.server.endpoint, ctx=self.ctx)
+        self.clients.append(channel)
+        return channel
+
+    def wait_for(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.coordinator.release.set()
+        self.stop.set()
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive()
+        for channel in self.clients:
+            channel.close()
+        self.server.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    made: list[Harness] = []
+
+    def make(limits: ServeLimits | None = None, coordinator: StandInCoordinator | None = None) -> Harness:
+        harness = Harness(tmp_path, limits or ServeLimits(), coordinator)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+def send(client: Channel, request_id: str, prompt: str = "x", **fields) -> None:
+    client.send(m.GenerateRequest(request_id=request_id, prompt=prompt, **fields), timeout_ms=2000)
+
+
+def final(client: Channel, request_id: str | None = None) -> m.GenerateDone | m.ErrorReply:
+    """The next final answer on this client (chunks and pongs skipped)."""
+    while True:
+        reply = client.recv(timeout_ms=WAIT_S * 1000)
+        assert reply is not None, "no answer"
+        if isinstance(reply, (m.GenerateDone, m.ErrorReply)):
+            assert request_id is None or reply.request_id == request_id, reply
+            return reply
+
+
+def start_blocker(harness: Harness, stream: bool = True) -> Channel:
+    """A request that runs until cancelled: everything sent after it has to wait."""
+    blocker = harness.client()
+    send(blocker, "blocker", "block", max_new_tokens=1 << 20, stream=stream)
+    harness.wait_for(lambda: harness.coordinator.ran == ["blocker"], "the blocker to run")
+    return blocker
+
+
+def test_a_flooding_client_waits_for_its_own_turn(serve):
+    harness = serve()
+    blocker = start_blocker(harness)
+    flood, single = harness.client(), harness.client()
+    for index in range(6):
+        send(flood, f"flood-{index}", max_new_tokens=3)
+    harness.wait_for(lambda: len(harness.serving.queue) == 6, "the flood to be queued")
+    send(single, "single", max_new_tokens=3)
+    harness.wait_for(lambda: len(harness.serving.queue) == 7, "the single request to be queued")
+    blocker.send(m.Cancel(request_id="blocker"))
+    assert final(blocker, "blocker").finish_reason == "cancelled"
+    assert final(single, "single").finish_reason == "length"
+    for index in range(6):
+        assert final(flood, f"flood-{index}").finish_reason == "length"
+    # One flood request was taken before the single one, then the rest: round-robin.
+    assert harness.coordinator.ran == ["blocker", "flood-0", "single"] + [f"flood-{i}" for i in range(1, 6)]
+
+
+def test_beyond_the_queue_bounds_requests_are_refused_busy_at_once(serve):
+    harness = serve(ServeLimits(max_queue=3, max_queue_per_client=2))
+    blocker = start_blocker(harness)
+    a, b = harness.client(), harness.client()
+    for index in range(3):
+        send(a, f"a{index}")
+    busy = final(a, "a2")
+    assert isinstance(busy, m.ErrorReply) and busy.code == "busy" and "per client" in busy.message
+    send(b, "b0")
+    send(b, "b1")
+    busy = final(b, "b1")
+    assert isinstance(busy, m.ErrorReply) and busy.code == "busy" and "server's limit" in busy.message
+    blocker.send(m.Cancel(request_id="blocker"))
+    assert final(a, "a0").finish_reason == final(b, "b0").finish_reason == final(a, "a1").finish_reason == "length"
+    assert harness.coordinator.ran == ["blocker", "a0", "b0", "a1"]
+
+
+def test_cancels_of_waiting_and_running_requests_are_answered(serve):
+    harness = serve()
+    blocker = start_blocker(harness)
+    client = harness.client()
+    send(client, "a0")
+    send(client, "a1")
+    harness.wait_for(lambda: len(harness.serving.queue) == 2, "two queued")
+    client.send(m.Cancel(request_id="a0"))
+    done = final(client, "a0")
+    assert isinstance(done, m.GenerateDone) and done.finish_reason == "cancelled" and done.token_ids == []
+    client.send(m.Cancel(request_id="nobody-knows-me"))  # ignored
+    blocker.send(m.Cancel(request_id="blocker"))
+    assert final(blocker, "blocker").finish_reason == "cancelled"
+    assert final(client, "a1").finish_reason == "length"
+    assert harness.coordinator.ran == ["blocker", "a1"]
+
+
+def test_deadlines_end_waiting_and_running_requests(serve):
+    harness = serve(ServeLimits(request_timeout_s=30.0))
+    blocker = start_blocker(harness)
+    client = harness.client()
+    send(client, "waits-too-long", deadline_ms=50)
+    late = final(client, "waits-too-long")
+    assert isinstance(late, m.ErrorReply) and late.code == "deadline_exceeded" and "waited its turn" in late.message
+    blocker.send(m.Cancel(request_id="blocker"))
+    final(blocker, "blocker")
+    send(client, "runs-too-long", "block", max_new_tokens=1 << 20, stream=True, deadline_ms=100)
+    late = final(client, "runs-too-long")
+    assert isinstance(late, m.ErrorReply) and late.code == "deadline_exceeded" and "stopped after" in late.message
+    assert harness.coordinator.ended["runs-too-long"] == "cancelled"
+    assert "waits-too-long" not in harness.coordinator.ran
+
+
+def test_the_server_wide_request_timeout_applies_without_a_deadline_of_its_own(serve):
+    harness = serve(ServeLimits(request_timeout_s=0.1))
+    client = harness.client()
+    send(client, "r", "block", max_new_tokens=1 << 20, deadline_ms=60_000)
+    late = final(client, "r")
+    assert isinstance(late, m.ErrorReply) and late.code == "deadline_exceeded"
+
+
+def test_a_client_that_leaves_has_its_requests_cancelled(serve):
+    harness = serve()
+    leaver = harness.client()
+    send(leaver, "leaver-0", "block", max_new_tokens=1 << 20)  # not streaming: nothing is sent meanwhile
+    send(leaver, "leaver-1")
+    harness.wait_for(lambda: harness.coordinator.ran == ["leaver-0"], "the leaver's request to run")
+    stayer = harness.client()
+    send(stayer, "stayer")
+    harness.wait_for(lambda: len(harness.serving.queue) == 2, "both queued")
+    leaver.close()
+    assert final(stayer, "stayer").finish_reason == "length"
+    assert harness.coordinator.ended["leaver-0"] == "cancelled"
+    assert harness.coordinator.ran == ["leaver-0", "stayer"]
+    # Both of the leaver's requests counted as cancelled, though nothing was sent (GET /metrics shows it).
+    assert harness.coordinator.metrics.finished == {"cancelled": 2, "length": 1}
+
+
+def test_a_client_that_stops_reading_is_dropped_and_nobody_else_notices(serve, caplog):
+    harness = serve()
+    silent = harness.client()
+    send(silent, "flood", "flood", max_new_tokens=1 << 20, stream=True)  # chunks nobody reads
+    send(silent, "silent-1")
+    harness.wait_for(lambda: harness.coordinator.ran == ["flood"], "the flood to run")
+    other = harness.client()
+    send(other, "other", max_new_tokens=5)
+    assert final(other, "other").finish_reason == "length"
+    assert harness.coordinator.ended["flood"] == "cancelled"
+    assert harness.coordinator.ran == ["flood", "other"]  # the silent client's second request was dropped
+    # The one in flight and the dropped waiting one: both cancelled.
+    assert harness.coordinator.metrics.finished == {"cancelled": 2, "length": 1}
+    assert any("is not reading its replies: dropped, 1 waiting request(s) and the one in flight cancelled"
+               in record.getMessage() for record in caplog.records)
+    other.send(m.Ping(nonce=3))
+    assert other.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=3)
+
+
+def test_pings_are_answered_while_a_worker_step_takes_long(serve):
+    harness = serve()
+    busy = harness.client()
+    send(busy, "hung", "hang", max_new_tokens=2)
+    harness.wait_for(lambda: harness.coordinator.ran == ["hung"], "the long step")
+    pinger = harness.client()
+    pinger.send(m.Ping(nonce=11))
+    assert pinger.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=11)
+    assert "hung" not in harness.coordinator.ended  # answered during the step, not after it
+    harness.coordinator.release.set()
+    assert final(busy, "hung").finish_reason == "length"
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_without_tokenizing(serve):
+    harness = serve()
+    client = harness.client()
+    send(client, "huge", "y" * 401)
+    refused = final(client, "huge")
+    assert isinstance(refused, m.ErrorReply) and refused.code == "prompt_too_long"
+    assert "401 characters" in refused.message and "not tokenized" in refused.message
+    send(client, "fits", "y" * 400, max_new_tokens=2)
+    assert final(client, "fits").finish_reason == "length"
+    assert harness.coordinator.ran == ["fits"]
+
+
+def test_one_requests_bug_is_answered_internal_and_serving_goes_on(serve):
+    harness = serve()
+    client = harness.client()
+    send(client, "bad", "boom")
+    error = final(client, "bad")
+    assert isinstance(error, m.ErrorReply) and error.code == "internal" and "boom" in error.message
+    send(client, "good", max_new_tokens=2)
+    assert final(client, "good").finish_reason == "length"
+
+
+def test_a_stop_answers_the_running_and_every_waiting_request(serve):
+    harness = serve()
+    blocker = start_blocker(harness)
+    a, b = harness.client(), harness.client()
+    send(a, "a0")
+    send(a, "a1")
+    send(b, "b0")
+    harness.wait_for(lambda: len(harness.serving.queue) == 3, "three queued")
+    harness.stop.set()
+    for client, request_id in ((blocker, "blocker"), (a, "a0"), (a, "a1"), (b, "b0")):
+        reply = final(client, request_id)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "shutting_down", reply
+    harness.thread.join(WAIT_S)
+    assert not harness.thread.is_alive() and harness.error is None
+    assert harness.coordinator.ran == ["blocker"]
+
+
+def test_giving_up_on_workers_answers_everyone_worker_failed(serve):
+    harness = serve()
+    blocker = start_blocker(harness)
+    a, b = harness.client(), harness.client()
+    send(a, "doomed", "give up")
+    send(a, "a1")
+    send(b, "b0")
+    harness.wait_for(lambda: len(harness.serving.queue) == 3, "three queued")
+    blocker.send(m.Cancel(request_id="blocker"))
+    final(blocker, "blocker")
+    for client, request_id in ((a, "doomed"), (b, "b0"), (a, "a1")):
+        reply = final(client, request_id)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "worker_failed" and "giving up" in reply.message
+    harness.thread.join(WAIT_S)
+    assert isinstance(harness.error, TooManyRestarts)
+
+
+def test_clients_are_read_while_the_workers_start(serve):
+    coordinator = StandInCoordinator()
+    started = threading.Event()
+
+    def loading() -> None:  # what WorkerHandle.wait_ready does: wait in slices, calling back
+        started.set()
+        while not coordinator.release.wait(0.005):
+            coordinator.while_waiting()
+
+    coordinator.start_hook = loading
+    harness = serve(coordinator=coordinator)
+    assert started.wait(WAIT_S)
+    client = harness.client()
+    client.send(m.Ping(nonce=5))
+    assert client.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=5)
+    send(client, "early")
+    harness.wait_for(lambda: len(harness.serving.queue) == 1, "the early request to be queued")
+    harness.stop.set()  # a stop during start: the request still gets its answer
+    reply = final(client, "early")
+    assert isinstance(reply, m.ErrorReply) and reply.code == "shutting_down"
+    harness.thread.join(WAIT_S)
+    assert harness.error is None and not harness.ready.is_set()
+
+
+@pytest.mark.parametrize("failure,code,says", [
+    (WorkerFailed("cpu_worker failed to start: out of memory"), "worker_failed", "could not be started"),
+    (ValueError("--max-len 999999 exceeds this model's context of 2048 tokens"), "shutting_down", "could not start"),
+], ids=["worker-failed", "bad-setting"])
+def test_a_failed_start_answers_what_arrived_meanwhile(serve, failure, code, says):
+    coordinator = StandInCoordinator()
+
+    def failing() -> None:
+        while not coordinator.release.wait(0.005):
+            coordinator.while_waiting()
+        raise failure
+
+    coordinator.start_hook = failing
+    harness = serve(coordinator=coordinator)
+    client = harness.client()
+    send(client, "early")
+    harness.wait_for(lambda: len(harness.serving.queue) == 1, "the early request to be queued")
+    coordinator.release.set()
+    reply = final(client, "early")
+    assert isinstance(reply, m.ErrorReply) and reply.code == code and f"{says}: {failure}" in reply.message
+    harness.thread.join(WAIT_S)
+    assert isinstance(harness.error, type(failure))

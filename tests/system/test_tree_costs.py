@@ -1,0 +1,104 @@
+"""What the tree planner is told at startup: t_verify(T) (measured once, cached on disk) and
+t_draft(depth) (measured each start), and how a server reports them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cpu_worker.engine import TargetEngine
+from cpu_worker.model.loading import load_target_model
+from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
+from gpu_worker.draft_cost import measure_draft_ms
+from gpu_worker.drafter import DraftContextError, Drafter
+
+from runtime_harness import BIN
+
+
+def test_verify_cost_is_measured_per_size_and_leaves_the_engine_empty(demo_target):
+    engine = TargetEngine(load_target_model(demo_target), max_len=256)
+    engine.prefill([1, 2, 3])
+    ms = measure_verify_ms(engine, [1, 4, 16, 64])
+    assert len(ms) == 4 and all(value > 0 for value in ms)
+    assert engine.committed == 0
+    with pytest.raises(ValueError, match="cannot hold a 64-node tree"):
+        measure_verify_ms(TargetEngine(load_target_model(demo_target), max_len=40), [64])
+
+
+def test_verify_cost_cache_round_trips_and_keys_on_what_matters(tmp_path, demo_target):
+    cache = VerifyCostCache(tmp_path / "sub" / "costs.json")
+    key = cache_key(demo_target, "int8", 2, [0, 1])
+    assert cache.get(key, [1, 2]) is None
+    cache.put(key, [1, 2], [4.25, 5.5])
+    assert cache.get(key, [1, 2]) == [4.25, 5.5]
+    assert cache.get(key, [1, 2, 4]) is None  # a size never measured: measure again
+    for other in (cache_key(demo_target, "fp32", 2, [0, 1]), cache_key(demo_target, "int8", 1, [0, 1]),
+                  cache_key(demo_target, "int8", 2, [0])):
+        assert other != key and cache.get(other, [1, 2]) is None
+    # The engine's code is in the key too: a fused layer or a new kernel is measured again.
+    import cpu_worker.verify_cost as verify_cost
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify_cost, "_engine_code_digest", lambda: "another revision")
+        assert cache_key(demo_target, "int8", 2, [0, 1]) != key
+    assert all((Path(verify_cost.__file__).parent / name).is_file() for name in verify_cost.ENGINE_SOURCES)
+    cache.path.write_text("{not json")
+    assert cache.get(key, [1, 2]) is None
+    cache.put(key, [1], [3.0])  # a broken file is replaced, not fatal
+    assert json.loads(cache.path.read_text())[key] == {"1": 3.0}
+
+
+def test_each_kernel_and_forced_int8_layout_keeps_its_own_verify_costs(monkeypatch):
+    """The label the cpu_worker keys its t_verify(T) cache with: one per fp32 kernel (ours, MKL's
+    and F.linear's trees cost differently) and per int8 layout forced for a comparison."""
+    from cpu_worker.kernels import int8_kernel
+    from cpu_worker.server import verify_cost_label
+
+    monkeypatch.delenv(int8_kernel.LAYOUT_VARIABLE, raising=False)
+    labels = {verify_cost_label("fp32", kernel) for kernel in ("dovetail-fp32", "mkl-packed", "F.linear")}
+    assert len(labels) == 3 and verify_cost_label("bf16", None) == "bf16"
+    automatic = verify_cost_label("int8", "dovetail-amx")
+    assert automatic == "int8/dovetail-amx"
+    for layout in int8_kernel.LAYOUTS:
+        monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, layout)
+        assert verify_cost_label("int8", "dovetail-amx") == f"int8/dovetail-amx/{layout}"
+    assert verify_cost_label("fp32", "dovetail-fp32") == "fp32/dovetail-fp32"  # int8 layouts only
+
+
+def test_draft_cost_is_measured_per_depth(demo_target, demo_draft):
+    drafter = Drafter.from_pretrained(demo_draft, demo_target, max_len=64, device="cpu", dtype="fp32",
+                                      scratch_len=5 * 4)
+    ms = measure_draft_ms(drafter, [1, 2, 6], top_k=4)
+    assert len(ms) == 3 and all(value > 0 for value in ms)
+    assert ms[2] > ms[0]  # six levels of a 4-layer head cost more than one
+    assert drafter.length == 0
+    with pytest.raises((DraftContextError, ValueError), match="scratch"):
+        measure_draft_ms(drafter, [8], top_k=4)
+
+
+def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo_target, demo_draft):
+    env = {**os.environ, "DOVETAIL_CACHE_DIR": str(tmp_path / "cache")}
+    logs = []
+    for _ in range(2):
+        done = subprocess.run([str(BIN / "dovetail-run"), "--target", str(demo_target), "--draft", str(demo_draft),
+                               "--draft-device", "cpu", "--prompt", "def add(a, b):\n", "--max-new-tokens", "16",
+                               "--json"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        logs.append(done.stderr)
+        assert sum(json.loads(done.stdout)["stats"]["trees"].values()) >= 1
+    assert "measured now, cached in" in logs[0] and "cached in" in logs[1] and "measured now" not in logs[1]
+    assert (tmp_path / "cache" / "verify_cost.json").is_file()
+    # (Whether it says "drafting cannot pay" depends on timings, so tests/unit/test_tree_planner.py
+    # checks that verdict on fixed costs.)
+    # Drafting is measured for both beam widths the planner tries (--tree-top-k 8 and 4).
+    # The first tree is the deepest one the measured costs make cheap (tree_planner.first_shape):
+    # usually of the wider beam, but the narrower one's when a noisy measurement makes every
+    # top_k 8 cell dearer than the budget (tests/unit/test_tree_planner.py checks both on fixed costs).
+    assert all("t_draft(depth) ms top_k 4: 1:" in log and "; top_k 8: 1:" in log
+               and re.search(r"tree: starting with T=\d+ depth=\d+ top_k=[48] ", log) for log in logs)

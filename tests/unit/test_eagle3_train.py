@@ -1,0 +1,287 @@
+"""EAGLE-3 training on a tiny random target: three-layer feature rows, the training-time-test
+forward against step-by-step inference, the frequency draft vocabulary, training lowers the loss,
+and a trained folder round-trips and evaluates greedily identical to the target."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cpu_worker.model.llama import LlamaSpec, RotaryTable
+from gpu_worker.eagle3 import Eagle3Head
+from gpu_worker.train.cli import main as train_cli
+from gpu_worker.train.eagle3_io import load_eagle3_head
+from gpu_worker.train.eagle3_trainer import make_eagle3_batch, new_eagle3_head, select_draft_vocab, ttt_loss
+from gpu_worker.train.shards import FeatureSet, load_features
+from gpu_worker.train.ttt import ttt_forward
+
+from test_train_support import make_tiny_target, tiny_corpus  # noqa: F401 (fixtures)
+
+LAYERS = (0, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def deep_target(tmp_path_factory) -> Path:
+    """The tiny character-level target with 4 layers (three distinct aux layers)."""
+    return make_tiny_target(tmp_path_factory.mktemp("e3-target") / "target", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def aux_features(tmp_path_factory, deep_target, tiny_corpus) -> Path:
+    out = tmp_path_factory.mktemp("e3-features") / "train"
+    result = CliRunner().invoke(train_cli, [
+        "features", "--target", str(deep_target), "--out", str(out), "--input", str(tiny_corpus), "--window", "48",
+        "--aux-layers", ",".join(map(str, LAYERS)), "--dtype", "fp32", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_aux_rows_are_the_residual_streams(deep_target, aux_features):
+    from transformers import AutoModelForCausalLM
+
+    data = load_features(aux_features)
+    assert data.aux is not None and data.aux_layers == LAYERS
+    reference = AutoModelForCausalLM.from_pretrained(str(deep_target), torch_dtype=torch.float32).eval()
+    for window in (0, data.num_windows - 1):
+        tokens, features, _ = data.window(window)
+        begin, end = int(data.offsets[window]), int(data.offsets[window + 1])
+        with torch.no_grad():
+            # transformers: hidden_states[i] is the input of layer i; the last one is after the final norm.
+            states = reference(tokens[None], output_hidden_states=True).hidden_states
+        want = torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
+        torch.testing.assert_close(data.aux[begin:end], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(features, states[-1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_aux_layer_errors_name_the_option_and_the_key(deep_target, tiny_corpus, tmp_path):
+    result = CliRunner().invoke(train_cli, [
+        "features", "--target", str(deep_target), "--out", str(tmp_path / "f"), "--input", str(tiny_corpus),
+        "--aux-layers", "auto"])
+    assert result.exit_code != 0
+    assert "--aux-layers" in result.output and "eagle_aux_hidden_state_layer_ids" in result.output
+    if not torch.cuda.is_available():
+        result = CliRunner().invoke(train_cli, [
+            "features", "--target", str(deep_target), "--out", str(tmp_path / "g"), "--input", str(tiny_corpus),
+            "--device", "cuda"])
+        assert result.exit_code != 0 and "torch sees no CUDA device" in result.output
+
+
+def tiny_eagle3(kv_heads: int, fusion: str, vocab: int = 50, seed: int = 0, layers: int = 1) -> Eagle3Head:
+    torch.manual_seed(seed)
+    spec = LlamaSpec(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4,
+                     num_kv_heads=kv_heads, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     max_position_embeddings=128)
+    head = Eagle3Head(spec, target_hidden_size=16, draft_vocab_size=20, fusion=fusion)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if parameter.dim() == 2 and not name.startswith("W_"):
+                parameter.normal_(0, 0.3)
+    return head.eval()
+
+
+@pytest.mark.parametrize("fusion,kv_heads,layers", [("eagle3", 4, 1), ("dgf-eagle3", 2, 1), ("dgf-eagle3", 2, 2)])
+def test_training_time_test_equals_step_by_step_inference(fusion, kv_heads, layers):
+    steps, lengths = 4, (9, 6)  # two windows, the second padded
+    head = tiny_eagle3(kv_heads, fusion, layers=layers)
+    gen = torch.Generator().manual_seed(1)
+    rows_len = max(lengths)
+    rows = torch.randn(2, rows_len, 48, generator=gen)
+    tokens = torch.randint(0, 50, (2, rows_len + steps - 1), generator=gen)
+    table = RotaryTable(head.spec, 64, torch.float32)
+    with torch.no_grad():
+        outs = ttt_forward(head, rows, tokens, steps, table.cos, table.sin)
+        for b, length in enumerate(lengths):
+            # Inference: step 0 is the committed context; step k the depth-k node of every
+            # position's chain, one masked call per step, keys in slots k * length + j.
+            cache = head.new_cache(steps * length, torch.float32)
+            cos, sin = table.lookup(torch.arange(length))
+            feature = head(rows[b, :length], tokens[b, :length], cos, sin, cache, 0, None)
+            torch.testing.assert_close(outs[0][b, :length], feature, rtol=1e-5, atol=1e-5)
+            for k in range(1, steps):
+                mask = torch.zeros(length, (k + 1) * length, dtype=torch.bool)
+                mask[:, :length] = torch.ones(length, length, dtype=torch.bool).tril()
+                for i in range(1, k + 1):
+                    mask[:, i * length:(i + 1) * length] = torch.eye(length, dtype=torch.bool)
+                cos, sin = table.lookup(torch.arange(length) + k)
+                feature = head(feature, tokens[b, k:k + length], cos, sin, cache, k * length, mask)
+                # Batched and masked calls round differently (different GEMM shapes), by up to
+                # 1.5e-5 on an AVX2 EPYC; a wrong mask or position is off by ~1e-1.
+                torch.testing.assert_close(outs[k][b, :length], feature, rtol=1e-4, atol=5e-5)
+
+
+def test_draft_vocabulary_is_the_most_frequent_predicted_tokens():
+    # Two windows; the first token of each is never predicted, loss-masked tokens do not count.
+    tokens = torch.tensor([9, 5, 5, 5, 7, 7, 3, 9, 9, 9, 9, 7, 1, 2])
+    mask = torch.ones(14, dtype=torch.bool)
+    mask[12] = False  # the 1 is masked out
+    data = FeatureSet(tokens, torch.zeros(14, 4), mask, torch.tensor([0, 7, 14]))
+    # Predicted counts: 9 -> 3 (index 0 is a window start), 5 -> 3, 7 -> 3, 3 -> 1, 2 -> 1.
+    assert select_draft_vocab(data, 3, 12).tolist() == [5, 7, 9]
+    assert select_draft_vocab(data, 4, 12).tolist() == [2, 5, 7, 9]  # 2 and 3 tie: the smaller id
+    assert select_draft_vocab(data, 6, 12).tolist() == [0, 2, 3, 5, 7, 9]  # unseen ids fill in id order
+    assert select_draft_vocab(data, 12, 12).tolist() == list(range(12))
+    with pytest.raises(ValueError, match="--draft-vocab"):
+        select_draft_vocab(data, 13, 12)
+    spec = LlamaSpec(vocab_size=12, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+                     num_kv_heads=4, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64)
+    head = Eagle3Head(spec, target_hidden_size=16, draft_vocab_size=4)
+    head.set_draft_vocab(torch.tensor([9, 3, 7, 5]))
+    assert head.d2t.tolist() == [3, 4, 5, 6]  # draft id d is target id d + d2t[d]
+    assert head.draft_to_target(torch.arange(4)).tolist() == [3, 5, 7, 9]
+    assert head.t2d.nonzero().flatten().tolist() == [3, 5, 7, 9]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, deep_target, aux_features) -> Path:
+    out = tmp_path_factory.mktemp("e3-heads") / "dgf-eagle3"
+    result = CliRunner().invoke(train_cli, [
+        "train", "--target", str(deep_target), "--features", str(aux_features), "--heldout", str(aux_features),
+        "--out", str(out), "--recipe", "dgf-eagle3", "--draft-vocab", "60", "--ttt-steps", "3", "--batch-size", "4",
+        "--steps", "40", "--lr", "5e-3", "--warmup", "5", "--eval-every", "40", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_training_lowers_the_loss_and_the_folder_round_trips(deep_target, aux_features, trained):
+    config = json.loads((trained / "config.json").read_text())
+    assert config["draft_vocab_size"] == 60 and config["eagle_aux_hidden_state_layer_ids"] == list(LAYERS)
+    assert config["dovetail_fusion"] == "dgf-eagle3" and config["num_hidden_layers"] == 1
+    data = load_features(aux_features)
+    batch = make_eagle3_batch(data, list(range(min(8, data.num_windows))), 3)
+    table = RotaryTable(load_eagle3_head(trained, deep_target)[0].spec, 64, torch.float32)
+    from gpu_worker.checkpoint import load_target_frozen
+
+    target_head = load_target_frozen(deep_target)["lm_head.weight"].float()
+    loaded, layers = load_eagle3_head(trained, deep_target)
+    assert layers == LAYERS
+    fresh = new_eagle3_head(deep_target, "dgf-eagle3", loaded.target_draft_ids(), seed=0)
+    with torch.no_grad():
+        before = ttt_loss(fresh, target_head, batch, 3, (table.cos, table.sin))
+        after = ttt_loss(loaded, target_head, batch, 3, (table.cos, table.sin))
+    # The random target is nearly uniform, so compare the CE above its floor (the target's entropy).
+    assert after.excess() < 0.5 * before.excess()
+    assert min(after.top1) > max(before.top1) + 0.2
+    # The saved vocabulary is the training features' most frequent predicted tokens.
+    assert loaded.target_draft_ids().tolist() == select_draft_vocab(data, 60, loaded.vocab_size).tolist()
+
+
+def test_a_trained_head_evaluates_greedily_identical_to_the_target(deep_target, tiny_corpus, trained):
+    result = CliRunner().invoke(train_cli, [
+        "eval", "--target", str(deep_target), "--draft", str(trained), "--input", str(tiny_corpus),
+        "--pattern", "*.txt", "--split", "all", "--prompt-tokens", "24", "--new-tokens", "24",
+        "--tree-tokens", "8", "--depth", "4", "--tree-top-k", "3", "--tree", "4,3,2", "--json", "--threads", "1"])
+    assert result.exit_code == 0, result.output  # a divergence from greedy raises LosslessError
+    report = json.loads(result.stdout)
+    for row in report["results"]:
+        assert row["files"] > 0 and row["cycles"] > 0
+        assert row["tau"] >= 1.0
+
+
+def test_a_deeper_head_trains_from_the_cli_and_stays_lossless(tmp_path, deep_target, tiny_corpus, aux_features):
+    """--layers 2: the EAGLE-3 layer and one plain layer, trained end to end by the CLI (its
+    own key sets in the training-time test), written with its depth and greedy-exact in eval."""
+    out = tmp_path / "deep"
+    result = CliRunner().invoke(train_cli, [
+        "train", "--target", str(deep_target), "--features", str(aux_features), "--out", str(out),
+        "--recipe", "dgf-eagle3", "--layers", "2", "--draft-vocab", "60", "--ttt-steps", "2", "--batch-size", "4",
+        "--steps", "6", "--lr", "5e-3", "--warmup", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+    head, _ = load_eagle3_head(out, deep_target)
+    assert len(head.post_layers) == 1
+    fresh = new_eagle3_head(deep_target, "dgf-eagle3", head.target_draft_ids(), seed=0, layers=2)
+    trained_weight = head.post_layers[0].mlp.down_proj.weight
+    assert not torch.equal(trained_weight, fresh.post_layers[0].mlp.down_proj.weight)  # the plain layer learned
+    result = CliRunner().invoke(train_cli, [
+        "eval", "--target", str(deep_target), "--draft", str(out), "--input", str(tiny_corpus),
+        "--pattern", "*.txt", "--split", "all", "--prompt-tokens", "24", "--new-tokens", "16",
+        "--tree-tokens", "8", "--depth", "4", "--tree-top-k", "3", "--json", "--threads", "1"])
+    assert result.exit_code == 0, result.output  # a divergence from greedy raises LosslessError
+
+
+def test_training_stops_and_resumes_to_the_uninterrupted_result(tmp_path, deep_target, aux_features):
+    """A run stopped between steps saves head, optimizer and step; the same call resumes there
+    and ends with exactly the uninterrupted run's head. A mid-step interrupt keeps the last
+    checkpoint's state, so its resume repeats the steps since and still ends the same."""
+    from gpu_worker.train.eagle3_trainer import STATE_NAME, Eagle3Config, StopTraining, train_eagle3
+
+    config = Eagle3Config(fusion="dgf-eagle3", draft_vocab=60, ttt_steps=2, batch_size=4, steps=7, lr=5e-3,
+                          warmup=2, save_every=3)
+    train_eagle3(deep_target, aux_features, tmp_path / "whole", config, progress=False)
+
+    def stop_at(when: int, error: type[BaseException]):
+        def on_step(step: int) -> None:
+            if step == when:
+                raise error
+        return on_step
+
+    stopped = train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
+                           on_step=stop_at(4, StopTraining))
+    assert stopped["steps"] == 4 and not stopped["finished"]
+    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=False)["step"] == 4
+    # Interrupted hard at step 5: the state of step 4 (the stop) stands, not a half-done update.
+    train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
+                 on_step=stop_at(5, KeyboardInterrupt))
+    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=False)["step"] == 4
+    steps: list[int] = []
+    finished = train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
+                            on_step=steps.append)
+    assert steps == [5, 6, 7] and finished["finished"]
+    whole, _ = load_eagle3_head(tmp_path / "whole", deep_target)
+    resumed, _ = load_eagle3_head(tmp_path / "resumed", deep_target)
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    with pytest.raises(ValueError, match="other settings"):
+        train_eagle3(deep_target, aux_features, tmp_path / "resumed", dataclasses.replace(config, lr=1e-3),
+                     progress=False)
+
+
+def test_sigterm_stops_the_cli_run_at_a_step_boundary(tmp_path, deep_target, aux_features, monkeypatch):
+    """`dovetail-train train` stopped by SIGTERM finishes its step, saves a resumable state and
+    says where it stopped; rerunning the command continues from there."""
+    import os
+    import signal
+
+    from gpu_worker.train import eagle3_trainer
+
+    schedule = eagle3_trainer.lr_at
+
+    def signal_during_step_two(step: int, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return schedule(step, *args)
+
+    monkeypatch.setattr(eagle3_trainer, "lr_at", signal_during_step_two)
+    out = tmp_path / "head"
+    command = ["train", "--target", str(deep_target), "--features", str(aux_features), "--out", str(out),
+               "--recipe", "eagle3", "--draft-vocab", "60", "--ttt-steps", "2", "--batch-size", "4", "--steps", "5",
+               "--warmup", "1", "--threads", "1"]
+    handler = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(train_cli, command)
+    assert result.exit_code == 0, result.output
+    assert "stopped early: 2 of 5 steps" in result.output
+    assert torch.load(out / eagle3_trainer.STATE_NAME, weights_only=False)["step"] == 2
+    assert signal.getsignal(signal.SIGTERM) == handler  # the CLI puts the process's handlers back
+    monkeypatch.setattr(eagle3_trainer, "lr_at", schedule)
+    result = CliRunner().invoke(train_cli, command)
+    assert result.exit_code == 0 and "5 steps in" in result.output and "stopped" not in result.output
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_flagged_before_training(monkeypatch, capsys):
+    """A 2-core EPYC (AVX2 only) ran a dgf-eagle3 step at --bf16 in 212 s: the run says so up front."""
+    from cpu_worker import precision
+    from gpu_worker.train import cli
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert cli.warn_if_bf16_is_emulated(True, "cpu")
+    assert "--fp32" in capsys.readouterr().err
+    assert not cli.warn_if_bf16_is_emulated(False, "cpu")
+    assert not cli.warn_if_bf16_is_emulated(True, "cuda")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert not cli.warn_if_bf16_is_emulated(True, "cpu")
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,145 @@
+"""Exact attention (cpu_worker/native/attention.c): close to torch's attention, a tree row equal bit for
+bit to the decode of its path, a bf16 cache read as its exact fp32 widening, the same bits at any
+thread count, and the engine's tree logits equal to its decode logits with the kernel and with
+torch's per-row fallback, over an fp32 or a bf16 cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_int8 import forced_tree_vs_decode_gap
+
+from cpu_worker.engine import tree_paths
+from cpu_worker.kernels import exact_attention, int8_kernel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    exact_attention.clear_cache()
+    assert exact_attention.available(), "the native library did not build (it needs a C compiler)"
+
+
+def cache(kv_heads: int, head_dim: int, length: int = 300, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, kv_heads, length, head_dim, generator=generator),
+            torch.randn(1, kv_heads, length, head_dim, generator=generator))
+
+
+def tree_of(parents: list[int]) -> exact_attention.TreePaths:
+    return exact_attention.TreePaths.from_paths(tree_paths(parents))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 20), (6, 3, 128)])
+@pytest.mark.parametrize("sharpness", [1.0, 30.0])  # 30: peaked softmaxes, exp far into underflow
+def test_a_decode_step_matches_torch_attention(heads, kv_heads, head_dim, sharpness):
+    keys, values = cache(kv_heads, head_dim)
+    q = torch.randn(1, heads, 1, head_dim, generator=torch.Generator().manual_seed(1)) * sharpness
+    for length in (1, 7, 131):
+        expected = F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length],
+                                                  enable_gqa=heads != kv_heads)
+        got = exact_attention.attend(q, keys, values, length)
+        assert torch.allclose(got, expected, atol=2e-6, rtol=1e-5), (length, (got - expected).abs().max())
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3], [-1]])
+def test_a_tree_row_equals_the_decode_of_its_path_bit_for_bit(parents):
+    heads, kv_heads, head_dim, start = 8, 4, 64, 100
+    keys, values = cache(kv_heads, head_dim)
+    q = torch.randn(1, heads, len(parents), head_dim, generator=torch.Generator().manual_seed(2))
+    paths = tree_of(parents)
+    tree = exact_attention.attend(q, keys, values, start, paths)
+    for row, path in enumerate(paths.rows):
+        # The decode of this node: its ancestors committed after the prefix, in path order.
+        committed_keys, committed_values = keys.clone(), values.clone()
+        committed_keys[:, :, start:start + len(path)] = keys[:, :, start + path]
+        committed_values[:, :, start:start + len(path)] = values[:, :, start + path]
+        decode = exact_attention.attend(q[:, :, row:row + 1], committed_keys, committed_values, start + len(path))
+        assert torch.equal(decode[0, :, 0], tree[0, :, row]), f"row {row}"
+        expected = F.scaled_dot_product_attention(q[:, :, row:row + 1], committed_keys[:, :, :start + len(path)],
+                                                  committed_values[:, :, :start + len(path)], enable_gqa=True)
+        assert torch.allclose(decode, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2, 3, 3, 6], [-1]])
+def test_a_bf16_cache_is_read_as_its_exact_fp32_widening(parents):
+    """The kernel widens each bf16 row exactly and then does the fp32 arithmetic: the same bits as
+    over the widened cache, for a decode step and for a tree (so tree rows still equal decodes)."""
+    keys, values = (each.bfloat16() for each in cache(4, 64, seed=6))
+    wide_keys, wide_values = keys.float(), values.float()
+    q = torch.randn(1, 8, len(parents), 64, generator=torch.Generator().manual_seed(7))
+    paths = tree_of(parents)
+    assert exact_attention.applies(q, keys)
+    assert torch.equal(exact_attention.attend(q, keys, values, 100, paths),
+                       exact_attention.attend(q, wide_keys, wide_values, 100, paths))
+    assert torch.equal(exact_attention.attend(q[:, :, :1], keys, values, 131),
+                       exact_attention.attend(q[:, :, :1], wide_keys, wide_values, 131))
+    with pytest.raises(ValueError, match="one contiguous fp32 or bf16 cache layer"):
+        exact_attention.attend(q[:, :, :1], keys, wide_values, 131)
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    keys, values = cache(8, 64)
+    q = torch.randn(1, 16, 5, 64, generator=torch.Generator().manual_seed(3))
+    paths = tree_of([-1, 0, 0, 1, 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = exact_attention.attend(q, keys, values, 200, paths)
+        torch.set_num_threads(3)
+        three = exact_attention.attend(q, keys, values, 200, paths)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
+def test_gradients_or_other_dtypes_keep_torch_attention():
+    keys, values = cache(2, 16)
+    q = torch.randn(1, 2, 1, 16)
+    assert exact_attention.applies(q, keys)
+    assert not exact_attention.applies(q.requires_grad_(), keys)
+    assert not exact_attention.applies(q.detach().bfloat16(), keys.bfloat16())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("force_torch", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_engine_tree_logits_equal_decode_logits_on_either_attention(demo_target, monkeypatch, precision,
+                                                                     force_torch, kv_dtype):
+    engine, gap = forced_tree_vs_decode_gap(demo_target, precision, monkeypatch, exact_attention, force_torch,
+                                            kv_dtype)
+    assert engine.exact_tree and engine.kv_dtype == (torch.bfloat16 if kv_dtype == "bf16" else torch.float32)
+    assert gap == 0.0
+
+
+def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
+    """The AVX2 exponential and the plain C one must round alike (a row's tail, past its last
+    multiple of 8, always takes the plain one)."""
+    compiler = int8_kernel.find_compiler()
+    assert compiler is not None
+    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
+    plain = int8_kernel.build(compiler, flags, tmp_path)
+    keys, values = cache(4, 64, seed=4)
+    q = torch.randn(1, 8, 6, 64, generator=torch.Generator().manual_seed(5)) * 8
+    paths = tree_of([-1, 0, 0, 1, 3, 4])
+    native = exact_attention.attend(q, keys, values, 93, paths)
+    assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, library=plain))
+    keys, values = keys.bfloat16(), values.bfloat16()  # the plain widening of a bf16 row too
+    native = exact_attention.attend(q, keys, values, 93, paths)
+    assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, library=plain))
+
+
+def test_slot_counts_outside_the_cache_are_refused_before_the_kernel_reads_them():
+    keys, values = cache(2, 16, length=10)
+    q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(ValueError, match="0 shared slots"):
+        exact_attention.attend(q, keys, values, 0)
+    with pytest.raises(ValueError, match="11 shared slots and 0 tree rows of a 10-slot cache"):
+        exact_attention.attend(q, keys, values, 11)
+    tree = tree_of([-1, 0, 1])
+    with pytest.raises(ValueError, match="8 shared slots and 3 tree rows of a 10-slot cache"):
+        exact_attention.attend(torch.randn(1, 2, 3, 16), keys, values, 8, tree)
+    with pytest.raises(ValueError, match="1 query rows for a 3-node tree"):
+        exact_attention.attend(q, keys, values, 5, tree)
+    assert torch.allclose(exact_attention.attend(q, keys, values, 10),
+                          F.scaled_dot_product_attention(q, keys, values), atol=2e-6)

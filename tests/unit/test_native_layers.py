@@ -1,0 +1,159 @@
+"""The target's decoder layers in one foreign call (cpu_worker/native_layers.py, decoder_layers.c):
+the same bits as the Python layers for decode steps, trees and EAGLE-3 feature rows, at int8
+(fp32 and bf16 caches) and fp32; the Python layers wherever the call or the model does not
+qualify; SiLU close to torch's and row-invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpu_worker.engine import TargetEngine
+from cpu_worker.kernels import int8_kernel, layer_ops
+from cpu_worker.model.loading import load_target_model
+from cpu_worker.native_layers import NativeLayers
+from cpu_worker.server import build_engine
+
+PROMPT = [5, 17, 230, 41, 9, 300, 77, 12, 8, 150, 33, 64]
+TREE_TOKENS = [40, 41, 42, 43, 44, 45, 46]
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 5]
+
+
+def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> list[torch.Tensor]:
+    """Every output of a prefill, decode steps, a tree, its verification and a decode after it,
+    with the C loop on or off (on: each decode and tree must reach it, or the comparison says nothing)."""
+    calls = []
+    if native and loop is not None:
+        original = loop.run
+        loop.run = lambda *args: calls.append(1) or original(*args)  # type: ignore[method-assign]
+    engine.model.layer_loop = loop if native else None
+    vocab = engine.spec.vocab_size
+    tree = [token % vocab for token in TREE_TOKENS]
+    outputs = []
+    step = engine.prefill([token % vocab for token in PROMPT])
+    outputs += [step.features, step.logits]
+    for token in (3, 99, 250):
+        step = engine.decode(token % vocab)
+        outputs += [step.features, step.logits]
+    outputs += list(engine.tree_logits(tree, TREE_PARENTS))
+    outcome = engine.verify(tree, TREE_PARENTS)
+    outputs.append(outcome.features)
+    step = engine.decode(outcome.tokens[-1])
+    outputs += [step.features, step.logits, engine.cache.keys[:, :, :, :engine.committed].float(),
+                engine.cache.values[:, :, :, :engine.committed].float()]
+    if native and loop is not None:
+        del loop.run  # the class's method again
+        calls_per_forward = 1 + len(engine.aux_layers or ())
+        assert len(calls) == 6 * calls_per_forward  # 3 decodes, the tree, its verification, 1 decode
+    return outputs
+
+
+@pytest.mark.parametrize(("precision", "kv_dtype"), [("int8", "bf16"), ("int8", "fp32"), ("fp32", "fp32")])
+def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype):
+    engine, kernel = build_engine(str(demo_target), precision, 128, kv_dtype)
+    assert kernel == ("dovetail-fp32" if precision == "fp32" else int8_kernel.kernel_name())
+    loop = engine.model.layer_loop
+    assert isinstance(loop, NativeLayers), "the cpu_worker's engine should take the C loop here"
+    native, python = session(engine, True, loop), session(engine, False, loop)
+    assert len(native) == len(python)
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["packed", "tiles"])
+def test_an_engine_with_packed_or_tiled_int8_weights_gives_the_row_layout_s_bits(demo_target, monkeypatch, layout):
+    """The same session on two engines: int8 weights all packed (or all in tiles: AMX where the
+    CPU has it, else the VNNI or plain C loop over the same bytes), and all as [N, K]. Prefill,
+    decodes, a tree and its verification agree bit for bit."""
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "rows")
+    as_rows, _ = build_engine(str(demo_target), "int8", 128, "bf16")
+    monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, layout)
+    other, _ = build_engine(str(demo_target), "int8", 128, "bf16")
+    layouts = {engine: [module._int8.layout for module in engine.model.modules() if hasattr(module, "_int8")]
+               for engine in (as_rows, other)}
+    assert set(layouts[as_rows]) == {"rows"}
+    assert set(layouts[other]) == {layout}, "the demo target's shapes all have packed and tile layouts"
+    for a, b in zip(session(other, True, other.model.layer_loop), session(as_rows, True, as_rows.model.layer_loop),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3-rope", "llama-mha"])  # qkv biases; scaled rotary; MHA
+def test_the_c_loop_gives_the_python_layers_bits_on_other_families(tiny_models, family):
+    engine = TargetEngine(load_target_model(tiny_models[family], "int8"), max_len=64)
+    loop = engine.model.layer_loop
+    assert loop is not None
+    for a, b in zip(session(engine, True, loop), session(engine, False, loop), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_c_loop_takes_decode_steps_and_trees_only(demo_target):
+    engine, _ = build_engine(str(demo_target), "int8", 128)
+    loop = engine.model.layer_loop
+    assert loop is not None
+    calls = []
+    original = loop.run
+    loop.run = lambda *args: calls.append(args[0].shape[1]) or original(*args)  # type: ignore[method-assign]
+    engine.prefill(PROMPT)
+    assert calls == []  # a prefill runs the Python layers (SDPA's causal attention)
+    engine.decode(3)
+    engine.tree_logits(TREE_TOKENS, TREE_PARENTS)
+    assert calls == [1, len(TREE_TOKENS)]
+    engine.extend([4, 5])  # several new tokens with a causal mask: Python
+    assert calls == [1, len(TREE_TOKENS)]
+
+
+def test_eagle3_feature_rows_through_the_c_loop_equal_the_python_layers(demo_target):
+    model = load_target_model(str(demo_target), "int8")
+    last = model.spec.num_layers - 1
+    engine = TargetEngine(model, max_len=128, aux_layers=[0, 1, last])
+    loop = engine.model.layer_loop
+    assert loop is not None
+    native, python = session(engine, True, loop), session(engine, False, loop)
+    assert native[2].shape[-1] == 3 * model.spec.hidden_size
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_models_or_switches_the_loop_cannot_run_keep_the_python_layers(demo_target, monkeypatch):
+    dense = TargetEngine(load_target_model(str(demo_target)), max_len=64)  # F.linear layers, unfused
+    assert dense.model.layer_loop is None
+    monkeypatch.setenv("DOVETAIL_NATIVE_LAYERS", "python")
+    engine, _ = build_engine(str(demo_target), "int8", 64)
+    assert engine.model.layer_loop is None
+    monkeypatch.delenv("DOVETAIL_NATIVE_LAYERS")
+    engine, _ = build_engine(str(demo_target), "int8", 64)
+    loop = engine.model.layer_loop
+    assert loop is not None
+    x = torch.zeros(1, 1, engine.spec.hidden_size)
+    assert loop.applies(x, engine.cache, None, None)
+    assert not loop.applies(x.double(), engine.cache, None, None)
+    assert not loop.applies(torch.zeros(1, 3, engine.spec.hidden_size), engine.cache, None, None)  # a prefill
+    cos = sin = torch.zeros(1, engine.spec.head_dim)
+    with pytest.raises(ValueError, match=r"slots \[64, 65\) outside a 64-slot cache"):
+        loop.run(x, cos, sin, engine.cache, 64, None, 0, 1)
+    with pytest.raises(ValueError, match="rows through layers"):
+        loop.run(x, cos, sin, engine.cache, 0, None, 0, engine.spec.num_layers + 1)
+
+
+@pytest.mark.parametrize("width", [7, 256, 2051])  # 7 and 2051: tails past the last 8 lanes
+def test_silu_mul_is_close_to_torch_and_row_invariant(width):
+    gate_up = torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(width)) * 6
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # beyond exp's range on both sides
+    gate, up = gate_up.chunk(2, dim=-1)  # views of one tensor, as the fused projection gives them
+    out = layer_ops.silu_mul(gate, up)
+    assert torch.allclose(out, F.silu(gate) * up, rtol=3e-6, atol=1e-30)
+    assert torch.equal(out, torch.cat([layer_ops.silu_mul(gate[r:r + 1], up[r:r + 1]) for r in range(5)]))
+    assert torch.equal(out, layer_ops.silu_mul(gate.contiguous(), up.contiguous()))  # separate tensors
+    assert torch.equal(out[1:4], layer_ops.silu_mul(gate[1:4].t().contiguous().t(), up[1:4]))  # other strides
+
+
+def test_silu_mul_of_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
+    compiler = int8_kernel.find_compiler()
+    assert compiler is not None
+    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
+    plain = int8_kernel.build(compiler, flags, tmp_path)
+    gate_up = torch.randn(300, 2 * 515, generator=torch.Generator().manual_seed(1)) * 5  # on the thread pool
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(layer_ops.silu_mul(gate, up), layer_ops.silu_mul(gate, up, library=plain))

@@ -1,0 +1,309 @@
+"""The tree planner (--tree-tokens auto): what one verified tree says about smaller trees,
+the choice it makes from costs and acceptance, and the startup verdict on drafting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cpu_worker.acceptance import accept_path
+from dovetail_runtime.tree_planner import (
+    AutoTree,
+    TreePlanner,
+    accepted_path,
+    drafting_cannot_pay,
+    interpolate,
+)
+from gpu_worker.tree import build_tree
+from ipc.tree import TreeShape, tree_depths
+
+VOCAB = 6
+
+
+def random_tree(shape: TreeShape, seed: int) -> tuple[list[int], list[int]]:
+    """A real EAGLE-2 tree (nodes in selection order) over a fake head with random log-probs."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def expand(tokens, features, depth, ancestors):
+        return features, torch.randn(tokens.shape[0], VOCAB, generator=generator).log_softmax(-1)
+
+    root = torch.randn(VOCAB, generator=generator).log_softmax(-1)
+    tree = build_tree(0, torch.zeros(2), root, expand, shape)
+    return tree.tokens.tolist(), tree.parents.tolist()
+
+
+def path_tokens(tokens, parents, node) -> tuple[int, ...]:
+    path = []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return tuple(reversed(path))
+
+
+def oracle_pick(seed: int):
+    """A deterministic 'target': its greedy choice after any path of tokens (often a token the
+    random tree holds, so paths get accepted several levels deep)."""
+    def pick(path: tuple[int, ...]) -> int:
+        return random.Random(repr((seed, path))).choice([0, 1, 2, 3, 4, 5, 0, 1])
+    return pick
+
+
+def verify(tokens, parents, target) -> list[int]:
+    nodes, bonus = accept_path(tokens, parents, lambda node: target(path_tokens(tokens, parents, node)))
+    return [tokens[n] for n in nodes[1:]] + [bonus]
+
+
+def test_accepted_path_follows_the_accepted_tokens():
+    tokens, parents = [9, 1, 2, 3, 1], [-1, 0, 0, 1, 3]
+    assert accepted_path(tokens, parents, [1, 3, 1, 5]) == [1, 3, 4]
+    assert accepted_path(tokens, parents, [7]) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_verified_tree_gives_every_smaller_trees_acceptance(seed):
+    """For every (T', d') inside the verified shape, the planner's count equals verifying the
+    smaller tree the drafter would have built (the tree's nodes no deeper than d', first T'-1)."""
+    bounds = AutoTree(max_tree_tokens=32, max_depth=6, top_k=3)
+    shape = TreeShape.clamped(32, 6, 3)
+    tokens, parents = random_tree(shape, seed)
+    target = oracle_pick(seed)
+    planner = TreePlanner(bounds, {1: 1.0, 32: 2.0}, {1: 1.0}, decay=1.0, min_samples=1.0)
+    planner.observe(shape, tokens, parents, verify(tokens, parents, target), 1.0, 1.0, 2.0)
+    depths = tree_depths(parents)
+    checked = 0
+    for (size, depth, top_k), weight in planner.weight.items():
+        if top_k != shape.top_k or depth > shape.depth or size > len(tokens):
+            # Other beam widths learn from their own trees only.
+            assert weight == 0.0
+            continue
+        keep = [0] + [node for node in range(1, len(tokens)) if depths[node] <= depth][:size - 1]
+        if len(keep) < size:
+            assert weight == 0.0  # not observable from this tree
+            continue
+        index = {node: i for i, node in enumerate(keep)}
+        sub_tokens = [tokens[node] for node in keep]
+        sub_parents = [-1] + [index[parents[node]] for node in keep[1:]]
+        # The drafter's own smaller tree is exactly this one (tests/unit/test_draft_tree.py).
+        expected = len(verify(sub_tokens, sub_parents, target)) - 1
+        assert weight == 1.0 and planner.accepted_sum[(size, depth, top_k)] == expected, (size, depth)
+        checked += 1
+    assert checked > 20
+
+
+class World:
+    """A stationary drafting world: peaked draft trees (a fake head), and a target that takes
+    a node's best child with probability ``first`` and its second with ``second``."""
+
+    def __init__(self, first: float, second: float = 0.1, seed: int = 0,
+                 verify=lambda size: 100.0 + 20.0 * size, draft=lambda depth: 15.0 * depth):
+        self.first, self.second, self.rng = first, second, random.Random(seed)
+        self.verify, self.draft = verify, draft
+        self.cycle = 0
+
+    def tree(self, shape: TreeShape) -> tuple[list[int], list[int]]:
+        self.cycle += 1
+        generator = torch.Generator().manual_seed(self.cycle)
+
+        def expand(tokens, features, depth, ancestors):
+            logits = torch.randn(tokens.shape[0], VOCAB, generator=generator) * 2.5
+            return features, logits.log_softmax(-1)
+
+        root = (torch.randn(VOCAB, generator=generator) * 2.5).log_softmax(-1)
+        tree = build_tree(0, torch.zeros(2), root, expand, shape)
+        return tree.tokens.tolist(), tree.parents.tolist()
+
+    def accepted(self, tokens: list[int], parents: list[int]) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for node in range(1, len(tokens)):
+            children.setdefault(parents[node], []).append(tokens[node])
+
+        def pick(node: int) -> int:
+            draw, kids = self.rng.random(), children.get(node, [])
+            if draw < self.first and kids:
+                return kids[0]
+            if draw < self.first + self.second and len(kids) > 1:
+                return kids[1]
+            return VOCAB + 1  # a token the draft did not propose
+
+        nodes, bonus = accept_path(tokens, parents, pick)
+        return [tokens[n] for n in nodes[1:]] + [bonus]
+
+    def run(self, planner: TreePlanner, cycles: int) -> None:
+        for _ in range(cycles):
+            shape = planner.shape()
+            tokens, parents = self.tree(shape)
+            draft, verify = self.draft(shape.depth), self.verify(len(tokens))
+            planner.observe(shape, tokens, parents, self.accepted(tokens, parents), draft, verify, draft + verify)
+
+    def true_rates(self, bounds: AutoTree, cycles: int = 1500) -> dict[tuple[int, int, int], float]:
+        """Tokens per ms of every shape, from envelope trees of each beam width (exact per tree,
+        see above)."""
+        truth = TreePlanner(bounds, {1: 1.0}, {1: 1.0}, decay=1.0, min_samples=1.0)
+        for top_k in bounds.top_ks:
+            envelope = TreeShape.clamped(bounds.envelope.tree_tokens, bounds.envelope.depth, top_k)
+            for _ in range(cycles):
+                tokens, parents = self.tree(envelope)
+                truth.observe(envelope, tokens, parents, self.accepted(tokens, parents), 1.0, 1.0, 2.0)
+        # Shapes with more nodes than candidates at their depth are never observed (nor built).
+        return {cell: tokens / (self.verify(cell[0]) + self.draft(cell[1]))
+                for cell in truth.cells if (tokens := truth.expected_tokens(cell)) is not None}
+
+
+@pytest.mark.parametrize("first", [0.3, 0.6, 0.8, 0.95])
+def test_the_planner_runs_near_the_best_fixed_shape(first):
+    """Over 400 cycles after a 200-cycle start, probes included, the shapes it chose emit at
+    least 90% of the tokens per second of the best fixed shape, top_k 3 or 1 (measured over
+    these worlds and a second seed each: 0.94-0.98)."""
+    bounds = AutoTree(max_tree_tokens=32, max_depth=8, top_k=3)
+    # Costs shaped like the 7B int8 stand-in on 2 cores with a CPU draft (README).
+    world = World(first, seed=int(first * 100), verify=lambda size: 400.0 + 30.0 * size,
+                  draft=lambda depth: 30.0 * depth + 20.0)
+    rates = world.true_rates(bounds, 800)
+    best = max(rates, key=rates.get)
+    verify_ms = {size: world.verify(size) for size in bounds.tree_sizes}
+    draft_ms = {depth: world.draft(depth) for depth in range(1, 9)}
+    planner = TreePlanner(bounds, verify_ms, draft_ms)
+    world.run(planner, 200)
+    planner.chosen.clear()
+    world.run(planner, 400)
+
+    def cost(cell):
+        return world.verify(cell[0]) + world.draft(cell[1])
+
+    tokens = sum(count * rates[cell] * cost(cell) for cell, count in planner.chosen.items())
+    elapsed = sum(count * cost(cell) for cell, count in planner.chosen.items())
+    assert tokens / elapsed >= 0.9 * rates[best], (best, planner.chosen.most_common(3), tokens / elapsed / rates[best])
+    assert len(planner.chosen) > 1  # it explored
+
+
+def test_the_planner_narrows_the_beam_when_a_deep_narrow_tree_pays():
+    """A target that nearly always takes the draft's best child: a chain (top_k 1) reaches deeper
+    than a top_k 3 tree of the same size. The planner, allowed top_k 3, finds it through its
+    probes of the narrower beam (measured: 0.97-0.98 of the best shape's rate, where the best
+    top_k 3 shape gives 0.73-0.75)."""
+    bounds = AutoTree(max_tree_tokens=32, max_depth=8, top_k=3)
+    assert bounds.top_ks == [1, 3]
+    verify, draft = (lambda size: 400.0 + 30.0 * size), (lambda depth: 30.0 * depth + 20.0)
+    world = World(0.95, seed=95, verify=verify, draft=draft)
+    rates = world.true_rates(bounds, 600)
+    assert max(rates, key=rates.get)[2] == 1  # the world's best shape is a chain
+    planner = TreePlanner(bounds, {size: verify(size) for size in bounds.tree_sizes},
+                          {depth: draft(depth) for depth in range(1, 9)})
+    world.run(planner, 400)
+    assert planner.best[2] == 1, planner.describe()
+    narrow = sum(count for (_, _, top_k), count in planner.chosen.items() if top_k == 1)
+    assert narrow > 0.6 * sum(planner.chosen.values())
+
+
+def test_a_probe_reaches_the_largest_tree_that_costs_little_more():
+    """Sitting on a small tree, a probe one step up rates only the next shapes; where verifying
+    a larger tree costs little more (MKL packed fp32: T=16 at 1.7x a decode step), the probe is
+    the deepest tree within PROBE_BUDGET of the best cycle, which rates every tree inside it.
+    Where costs climb steeply it stays one step up."""
+    from dovetail_runtime.tree_planner import PROBE_BUDGET
+
+    bounds = AutoTree(max_tree_tokens=32, max_depth=8, top_k=4)
+    draft = {depth: 10.0 * depth for depth in range(1, 9)}
+    for verify, wide in (({size: 600.0 + 10.0 * size for size in bounds.tree_sizes}, True),
+                         ({size: 500.0 + 150.0 * size for size in bounds.tree_sizes}, False)):
+        planner = TreePlanner(bounds, verify, draft)
+        planner.best = (2, 1, 4)
+        planner.cycles = planner.explore_every  # the first probe: two sizes and two levels up, same beam
+        probe = planner.probe()
+        if wide:
+            assert probe[2] == 4 and probe[1] >= 5 and probe[0] >= 8, probe
+            assert planner.cycle_ms(probe) <= PROBE_BUDGET * planner.cycle_ms(planner.best)
+        else:
+            assert probe == (4, 3, 4)
+
+
+def test_the_first_shape_is_the_deepest_tree_that_costs_little_more_than_the_cheapest():
+    """Before any acceptance is known: on costs like the 7B int8 stand-in's on 2 EPYC cores
+    (t_verify rising ~60 ms a node), a small tree, not EAGLE-2's 16-node start at ~3x a decode
+    step; where verification is nearly flat (MKL's packed fp32 on a Xeon: T = 16 at 1.7x a
+    decode step), a large, deep one."""
+    from dovetail_runtime.tree_planner import PROBE_BUDGET
+
+    bounds = AutoTree(max_tree_tokens=64, max_depth=10, top_k=8)
+    draft = {depth: 25.0 + 35.0 * depth for depth in range(1, 11)}
+    steep = TreePlanner(bounds, {size: 380.0 + 60.0 * size for size in bounds.tree_sizes}, draft)
+    size, depth, top_k = steep.best
+    assert top_k == 8 and size <= 4 and depth >= 1, steep.best
+    cheapest = min(steep.cycle_ms(cell) for cell in steep.cells)
+    assert steep.cycle_ms(steep.best) <= PROBE_BUDGET * cheapest
+    deeper = [cell for cell in steep.cells if cell[2] == 8 and cell[1] > depth]
+    assert all(steep.cycle_ms(cell) > PROBE_BUDGET * cheapest for cell in deeper)
+    flat = TreePlanner(bounds, {size: 600.0 + 10.0 * size for size in bounds.tree_sizes},
+                       {depth: 10.0 * depth for depth in range(1, 11)})
+    assert flat.best[0] >= 8 and flat.best[1] >= 6 and flat.best[2] == 8, flat.best
+    assert flat.cycle_ms(flat.best) <= PROBE_BUDGET * min(flat.cycle_ms(cell) for cell in flat.cells)
+
+
+def test_the_first_shape_falls_back_to_the_narrower_beam_when_no_wide_cell_is_affordable():
+    """The timings of a CI run on the 9M demo (2 busy cores): top_k 8 measured 9.9 ms at depth 1,
+    top_k 4 5.8 ms, verification 3.6-4.9 ms up to T = 4. No top_k 8 cell is within the probe
+    budget of the cheapest cell, so the start is the cheapest cell, of the narrower beam."""
+    from dovetail_runtime.tree_planner import PROBE_BUDGET
+
+    bounds = AutoTree(max_tree_tokens=64, max_depth=10, top_k=8)
+    verify = {1: 3.6, 2: 3.9, 3: 4.4, 4: 4.9, 6: 6.0, 8: 7.1, 12: 8.2, 16: 10.3, 24: 14.4, 32: 17.9, 48: 23.7,
+              64: 30.1}
+    by_top_k = {4: {depth: 5.8 + 5.0 * (depth - 1) for depth in range(1, 11)},
+                8: {depth: 9.9 + 10.0 * (depth - 1) for depth in range(1, 11)}}
+    planner = TreePlanner(bounds, verify, by_top_k[8], draft_ms_by_top_k=by_top_k)
+    cheapest = min(planner.cells, key=planner.cycle_ms)
+    assert all(planner.cycle_ms(cell) > PROBE_BUDGET * planner.cycle_ms(cheapest)
+               for cell in planner.cells if cell[2] == 8)
+    assert planner.best == cheapest and planner.best[2] == 4, planner.best
+    # The same costs with the wide beam as cheap as the narrow one: the start is of the wide beam.
+    even = TreePlanner(bounds, verify, by_top_k[4], draft_ms_by_top_k={4: by_top_k[4], 8: by_top_k[4]})
+    assert even.best[2] == 8, even.best
+
+
+def test_the_planner_moves_up_when_deeper_drafts_start_paying():
+    bounds = AutoTree(max_tree_tokens=32, max_depth=10, top_k=2)
+    cheap_verify, cheap_draft = (lambda size: 100.0 + 5.0 * size), (lambda depth: 5.0 * depth)
+    verify_ms = {size: cheap_verify(size) for size in bounds.tree_sizes}
+    draft_ms = {depth: cheap_draft(depth) for depth in range(1, 11)}
+    planner = TreePlanner(bounds, verify_ms, draft_ms)
+    World(0.15, 0.05, verify=cheap_verify, draft=cheap_draft).run(planner, 200)
+    shallow = planner.best
+    World(0.97, 0.02, seed=1, verify=cheap_verify, draft=cheap_draft).run(planner, 600)
+    assert planner.best[1] >= shallow[1] + 3, (shallow, planner.best)
+
+
+def test_costs_are_rescaled_by_what_cycles_take():
+    bounds = AutoTree(max_tree_tokens=16, max_depth=4, top_k=2)
+    planner = TreePlanner(bounds, dict.fromkeys(bounds.tree_sizes, 100.0), dict.fromkeys(range(1, 5), 10.0))
+    World(0.5, verify=lambda size: 200.0, draft=lambda depth: 10.0).run(planner, 80)
+    assert planner.verify_scale == pytest.approx(2.0, rel=0.02)
+    assert planner.draft_scale == pytest.approx(1.0, rel=0.02)
+
+
+def test_a_size_measured_wrong_at_startup_is_corrected_by_the_cycles_seen():
+    bounds = AutoTree(max_tree_tokens=32, max_depth=8, top_k=3)
+    verify, draft = (lambda size: 400.0 + 30.0 * size), (lambda depth: 30.0 * depth + 20.0)
+    measured = {size: verify(size) for size in bounds.tree_sizes}
+    measured[8] *= 3  # a busy machine during the startup measurement of T = 8
+    planner = TreePlanner(bounds, measured, {depth: draft(depth) for depth in range(1, 9)})
+    World(0.9, verify=verify, draft=draft).run(planner, 300)
+    assert sum(count for (size, _, _), count in planner.chosen.items() if size == 8) > 0  # probed, then seen
+    assert planner.cycle_ms((8, 5, 3)) == pytest.approx(verify(8) + draft(5), rel=0.05)
+
+
+def test_verify_costs_are_made_non_decreasing_and_interpolated():
+    planner = TreePlanner(AutoTree(max_tree_tokens=8), {1: 4.0, 2: 5.0, 4: 4.5, 8: 9.0}, {1: 1.0})
+    assert planner.verify_ms == {1: 4.0, 2: 5.0, 4: 5.0, 8: 9.0}
+    assert interpolate({2: 10.0, 6: 30.0}, 3) == 15.0 and interpolate({2: 10.0}, 64) == 10.0
+
+
+def test_drafting_cannot_pay_is_said_only_when_even_perfect_acceptance_loses():
+    bounds = AutoTree()
+    # The 9M demo on 2 cores: a decode step 4.2 ms, a draft level ~7.5 ms.
+    demo = drafting_cannot_pay({1: 4.2, 2: 4.3, 4: 4.3, 64: 11.6}, {d: 7.5 * d for d in range(1, 11)}, bounds)
+    assert demo is not None and "--mode ar" in demo and "4.2 ms" in demo
+    # A 7B int8 target with a 1-layer head drafting on the same cores.
+    assert drafting_cannot_pay({1: 395.0, 8: 674.0, 64: 2022.0}, {d: 30.0 * d + 20 for d in range(1, 11)},
+                               bounds) is None
