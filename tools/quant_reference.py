@@ -63,6 +63,15 @@ def q4_1(x: torch.Tensor) -> torch.Tensor:
     return (q * _fp16(d) + _fp16(low)).reshape(x.shape)
 
 
+def int16_blocks(x: torch.Tensor) -> torch.Tensor:
+    """Activations kept at 16 bits: per 32 values d = amax / 32767, q = round(x / d) (VNNI's
+    int16 pair products, ``vpdpwssd``, multiply these by weights widened from 8 or 4 bits)."""
+    blocks = _blocks(x, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 32767
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
 def int8_per_row(x: torch.Tensor) -> torch.Tensor:
     """One symmetric scale per row (today's int8: per output channel for weights, per token for inputs)."""
     x = x.float()
@@ -76,7 +85,8 @@ def unchanged(x: torch.Tensor) -> torch.Tensor:
 
 
 ROUNDINGS: dict[str, Rounding] = {
-    "q8_0": q8_0, "q4_0": q4_0, "q4_1": q4_1, "int8-row": int8_per_row, "fp32": unchanged,
+    "q8_0": q8_0, "q4_0": q4_0, "q4_1": q4_1, "int16-b32": int16_blocks, "int8-row": int8_per_row,
+    "fp32": unchanged,
 }
 
 
@@ -96,8 +106,11 @@ FORMATS: dict[str, Format] = {
         Format("int8-row", "int8-row", "int8-row", "int8-row"),  # today's W8A8: per channel, per token
         Format("q8_0", "q8_0", "q8_0", "q8_0"),  # llama.cpp Q8_0 x Q8_0
         Format("w8b32-a32", "q8_0", "fp32", "q8_0"),  # block weights, float activations
+        Format("w8b32-a16", "q8_0", "int16-b32", "q8_0"),  # block weights, 16-bit block activations
         Format("q4_0", "q4_0", "q8_0", "q8_0"),  # llama.cpp Q4_0 x Q8_0
         Format("q4_1", "q4_1", "q8_0", "q8_0"),  # llama.cpp Q4_1 x Q8_1
+        Format("w4b32-a16", "q4_0", "int16-b32", "q8_0"),  # Q4_0 weights, 16-bit block activations
+        Format("w4mb32-a16", "q4_1", "int16-b32", "q8_0"),  # Q4_1 weights, 16-bit block activations
     )
 }
 

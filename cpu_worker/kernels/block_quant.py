@@ -1,0 +1,175 @@
+"""Linear layers on block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1), row-invariant.
+
+Each weight row is held in blocks of 32 along the input, each with an fp16 scale (and, for Q4_1,
+an fp16 minimum), byte for byte as a GGUF file stores them; each input row is quantized per block
+of 32 to int8 with its own scales (``native/block_gemv.c``). A row's result never depends on the
+other rows of its call, so trees verify bit-exactly against decoding, as at today's int8.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cpu_worker.cores import cpu_flags
+from cpu_worker.kernels import int8_kernel
+
+BLOCK = 32
+TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # block_gemv.c's BLOCK_* codes
+BLOCK_SOURCE = int8_kernel.SOURCE.with_name("block_gemv.c")
+_library_handle: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The block kernel, compiled for this CPU on first use (cached beside the int8 kernel)."""
+    global _library_handle
+    if _library_handle is None:
+        compiler = int8_kernel.find_compiler()
+        if compiler is None:
+            raise RuntimeError("block-quantized weights need a C compiler (cc, gcc or clang) for their kernel")
+        _library_handle = build(compiler, int8_kernel.FLAGS)
+    return _library_handle
+
+
+def build(compiler: str, flags: list[str], directory: Path | None = None) -> ctypes.CDLL:
+    """Compile block_gemv.c with ``flags`` (once per source, flags, compiler and CPU) and load it."""
+    parts = [BLOCK_SOURCE.read_bytes(), " ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(),
+             compiler.encode()]
+    key = hashlib.sha256(b"".join(parts)).hexdigest()[:16]
+    target = (directory or int8_kernel.cache_dir()) / f"dovetail-blocks-{key}.so"
+    if not target.exists():
+        int8_kernel._compile(compiler, flags, target, (BLOCK_SOURCE,))
+    handle = ctypes.CDLL(str(target))
+    declare(handle)
+    return handle
+
+
+def declare(handle: ctypes.CDLL) -> None:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    handle.dovetail_block_simd.restype = ctypes.c_int
+    handle.dovetail_quantize_blocks.argtypes = [pointer, pointer, pointer, pointer, size, size]
+    handle.dovetail_quantize_blocks.restype = None
+    handle.dovetail_block_linear.argtypes = [pointer, pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int,
+                                             pointer, pointer, size, size, ctypes.c_int]
+    handle.dovetail_block_linear.restype = ctypes.c_int
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor:
+    rows, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"block-quantized weights need an input width that is a multiple of {BLOCK}, got {k}")
+    return weight.float().reshape(rows, k // BLOCK, BLOCK)
+
+
+def _nibbles(values: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks, 32] of 0..15 -> [rows, blocks * 16] bytes: element j low, j + 16 high (GGUF's order)."""
+    low, high = values[..., :BLOCK // 2], values[..., BLOCK // 2:]
+    return (low | (high << 4)).to(torch.uint8).reshape(values.shape[0], -1)
+
+
+@dataclass
+class BlockWeights:
+    """One weight matrix as blocks: ``data`` [n_out, bytes per row] (uint8), ``scales`` and
+    ``minimums`` [n_out, k / 32] as fp16 (minimums only for Q4_1)."""
+
+    kind: str
+    data: torch.Tensor
+    scales: torch.Tensor
+    minimums: torch.Tensor | None
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.minimums is None else self.minimums.numel() * 2
+        return self.data.numel() + self.scales.numel() * 2 + extra
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
+        """llama.cpp's reference quantizers (``quantize_row_*_ref``), from float weights."""
+        blocks = _blocks(weight.detach())
+        if kind == "q8_0":
+            d = blocks.abs().amax(-1, keepdim=True) / 127
+            q = torch.round(blocks * torch.where(d > 0, 1 / d, 0)).to(torch.int8)
+            return cls(kind, q.view(torch.uint8).reshape(weight.shape[0], -1), d.squeeze(-1).half(), None,
+                       weight.shape[1])
+        if kind == "q4_0":
+            d = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)) / -8
+            q = torch.clamp(torch.trunc(blocks * torch.where(d != 0, 1 / d, 0) + 8.5), max=15).to(torch.uint8)
+            return cls(kind, _nibbles(q), d.squeeze(-1).half(), None, weight.shape[1])
+        if kind == "q4_1":
+            low = blocks.amin(-1, keepdim=True)
+            d = (blocks.amax(-1, keepdim=True) - low) / 15
+            q = torch.clamp(torch.trunc((blocks - low) * torch.where(d > 0, 1 / d, 0) + 0.5), max=15).to(torch.uint8)
+            return cls(kind, _nibbles(q), d.squeeze(-1).half(), low.squeeze(-1).half(), weight.shape[1])
+        raise ValueError(f"unknown block type {kind!r}; known: {', '.join(TYPES)}")
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weights these blocks stand for (tests, references)."""
+        rows, blocks = self.scales.shape
+        if self.kind == "q8_0":
+            values = self.data.view(torch.int8).reshape(rows, blocks, BLOCK).float()
+        else:
+            packed = self.data.reshape(rows, blocks, BLOCK // 2)
+            values = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+            if self.kind == "q4_0":
+                values = values - 8
+        out = values * self.scales.float().unsqueeze(-1)
+        if self.minimums is not None:
+            out = out + self.minimums.float().unsqueeze(-1)
+        return out.reshape(rows, self.in_features)
+
+
+def block_linear(x: torch.Tensor, weights: BlockWeights, bias: torch.Tensor | None = None,
+                 threads: int | None = None) -> torch.Tensor:
+    """x [..., k] float32 -> [..., n_out]: each row's input quantized per block, then the block dot products."""
+    handle = library()
+    k, n_out = weights.in_features, weights.out_features
+    rows = x.reshape(-1, k).float().contiguous()
+    count = rows.shape[0]
+    blocks = k // BLOCK
+    xq = torch.empty(count, k, dtype=torch.int8)
+    xd = torch.empty(count, blocks)
+    xs = torch.empty(count, blocks, dtype=torch.int32)
+    handle.dovetail_quantize_blocks(rows.data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), count, k)
+    out = torch.empty(count, n_out)
+    minimums = None if weights.minimums is None else weights.minimums.data_ptr()
+    status = handle.dovetail_block_linear(
+        xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), count, weights.data.data_ptr(), weights.scales.data_ptr(),
+        minimums, TYPES[weights.kind], None if bias is None else bias.data_ptr(), out.data_ptr(), n_out, k,
+        threads or torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"the block kernel refused a {weights.kind} weight of {n_out}x{k}")
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+class BlockQuantLinear(nn.Module):
+    """``y = x W^T + b`` with W in blocks (Q8_0, Q4_0, Q4_1) and x quantized per block of 32."""
+
+    row_invariant = True  # a row's bits never depend on the rest of its call
+
+    def __init__(self, weights: BlockWeights, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weights = weights
+        self.in_features, self.out_features = weights.in_features, weights.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str) -> BlockQuantLinear:
+        return cls(BlockWeights.quantize(linear.weight, kind), linear.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weights.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = block_linear(x, self.weights, None if self.bias is None else self.bias)
+        return out.to(x.dtype)

@@ -1,0 +1,101 @@
+"""Block-quantized linears (Q8_0, Q4_0, Q4_1 weights; int8 activations per block of 32): a row's
+bits never depend on its call-mates, every build gives the same bits, and the result is the
+dequantized product."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpu_worker.cores import cpu_flags
+from cpu_worker.kernels import block_quant, int8_kernel
+from tools import quant_reference
+
+# (-march flags, the x86 flags a CPU needs to run that build, dovetail_block_simd's answer)
+BUILDS = [(["-march=x86-64-v2"], set(), 0),
+          (["-march=x86-64-v3"], {"avx2", "fma", "f16c", "bmi2", "movbe"}, 1),
+          (["-march=x86-64-v3", "-mavxvnni"], {"avx2", "fma", "f16c", "bmi2", "movbe", "avx_vnni"}, 2),
+          (["-march=x86-64-v4", "-mavx512vnni"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, 2)]
+KINDS = list(block_quant.TYPES)
+
+
+def runnable_builds(directory: Path) -> list[tuple[str, object]]:
+    compiler = int8_kernel.find_compiler()
+    assert compiler is not None, "the kernel tests need a C compiler"
+    built = []
+    for arch, needs, simd in BUILDS:
+        if needs <= cpu_flags():
+            flags = [*arch, "-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+            library = block_quant.build(compiler, flags, directory)
+            assert library.dovetail_block_simd() == simd, arch
+            built.append((" ".join(arch), library))
+    return built
+
+
+def per_block_int8(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the kernel rounds them: per 32 values, fp32 scale max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+@pytest.fixture
+def use_library(monkeypatch):
+    def use(library):
+        monkeypatch.setattr(block_quant, "_library_handle", library)
+    return use
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
+    weight = torch.randn(24, 256) * torch.logspace(-3, 1, 24).unsqueeze(1)
+    weight[0, :32] = 0.0
+    blocks = block_quant.BlockWeights.quantize(weight, kind)
+    assert torch.equal(blocks.dequantize(), getattr(quant_reference, kind)(weight))
+    assert blocks.data.shape == (24, 256 if kind == "q8_0" else 128)
+    assert blocks.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind] * 24 * 256 // 32  # GGUF's block sizes
+
+
+def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_path, use_library):
+    builds = runnable_builds(tmp_path)
+    assert builds[0][0] == "-march=x86-64-v2"
+    generator = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        for n_out, k in ((37, 256), (5, 32), (64, 4096)):
+            blocks = block_quant.BlockWeights.quantize(torch.randn(n_out, k, generator=generator) * 0.05, kind)
+            bias = torch.randn(n_out, generator=generator)
+            rows = torch.randn(11, k, generator=generator) * torch.logspace(-2, 2, 11).unsqueeze(1)
+            rows[3, :32] = 0.0  # a zero block
+            first = None
+            for name, library in builds:
+                use_library(library)
+                alone = torch.cat([block_quant.block_linear(rows[i:i + 1], blocks, bias) for i in range(11)])
+                for count in range(2, 12):
+                    assert torch.equal(block_quant.block_linear(rows[:count], blocks, bias), alone[:count]), \
+                        (name, kind, k, count)
+                assert torch.equal(block_quant.block_linear(rows, blocks, bias, threads=1), alone)
+                if first is None:
+                    first = alone
+                assert torch.equal(alone, first), (name, kind, k)
+            exact = per_block_int8(rows).double() @ blocks.dequantize().double().T + bias.double()
+            torch.testing.assert_close(first.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+
+
+def test_a_block_linear_layer_matches_its_weights_and_says_it_is_row_invariant():
+    linear = torch.nn.Linear(64, 12)
+    layer = block_quant.BlockQuantLinear.from_linear(linear, "q4_1")
+    assert layer.row_invariant
+    x = torch.randn(2, 3, 64)
+    expected = torch.nn.functional.linear(per_block_int8(x.reshape(-1, 64)), layer.weights.dequantize(),
+                                          linear.bias.detach())
+    torch.testing.assert_close(layer(x), expected.reshape(2, 3, 12), rtol=1e-5, atol=1e-5)
+
+
+def test_widths_off_the_block_and_unknown_types_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        block_quant.BlockWeights.quantize(torch.ones(2, 40), "q8_0")
+    with pytest.raises(ValueError, match="unknown block type"):
+        block_quant.BlockWeights.quantize(torch.ones(2, 64), "q5_k")
