@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -45,7 +45,11 @@ int dovetail_block_simd(void) {
 #endif
 }
 
+/* An fp16 scale as fp32, exactly (F16C's conversion is exact too, denormals included). */
 static inline float half_to_float_exact(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
     if (exponent == 0x1f) {
         bits = sign | 0x7f800000u | (mantissa << 13);
@@ -59,6 +63,7 @@ static inline float half_to_float_exact(uint16_t h) {
     float out;
     memcpy(&out, &bits, sizeof out);
     return out;
+#endif
 }
 
 /* Activations: per block of 32, d = max|x| / 127 and q = nearbyint(x / d) in [-127, 127] (all zero

@@ -65,7 +65,10 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_
     generator = torch.Generator().manual_seed(0)
     for kind in KINDS:
         for n_out, k in ((37, 256), (5, 32), (64, 4096)):
-            blocks = block_quant.BlockWeights.quantize(torch.randn(n_out, k, generator=generator) * 0.05, kind)
+            weight = torch.randn(n_out, k, generator=generator) * 0.05
+            weight[1] *= 2e-3  # scales below fp16's normal range: F16C and the plain conversion must agree
+            blocks = block_quant.BlockWeights.quantize(weight, kind)
+            assert (blocks.scales[1].float().abs() < 6.1e-5).any()
             bias = torch.randn(n_out, generator=generator)
             rows = torch.randn(11, k, generator=generator) * torch.logspace(-2, 2, 11).unsqueeze(1)
             rows[3, :32] = 0.0  # a zero block
