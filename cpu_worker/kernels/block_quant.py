@@ -66,6 +66,20 @@ def _blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().reshape(rows, k // BLOCK, BLOCK)
 
 
+def group_by_8(values: torch.Tensor) -> torch.Tensor:
+    """[n_out, blocks] -> [ceil(n_out / 8), blocks, 8], padded with zeros: the kernel reads the 8
+    lanes' scales of a block in one load."""
+    rows, blocks = values.shape
+    padded = torch.zeros((rows + 7) // 8 * 8, blocks, dtype=values.dtype)
+    padded[:rows] = values
+    return padded.reshape(-1, 8, blocks).transpose(1, 2).contiguous()
+
+
+def ungroup(grouped: torch.Tensor, rows: int) -> torch.Tensor:
+    """The inverse of ``group_by_8``."""
+    return grouped.transpose(1, 2).reshape(-1, grouped.shape[1])[:rows]
+
+
 def _nibbles(values: torch.Tensor) -> torch.Tensor:
     """[rows, blocks, 32] of 0..15 -> [rows, blocks * 16] bytes: element j low, j + 16 high (GGUF's order)."""
     low, high = values[..., :BLOCK // 2], values[..., BLOCK // 2:]
@@ -74,8 +88,8 @@ def _nibbles(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class BlockWeights:
-    """One weight matrix as blocks: ``data`` [n_out, bytes per row] (uint8), ``scales`` and
-    ``minimums`` [n_out, k / 32] as fp16 (minimums only for Q4_1)."""
+    """One weight matrix as blocks: ``data`` [n_out, bytes per row] (uint8, GGUF's blocks), ``scales``
+    and ``minimums`` (Q4_1 only) fp16, grouped by 8 outputs (``group_by_8``)."""
 
     kind: str
     data: torch.Tensor
@@ -90,7 +104,14 @@ class BlockWeights:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.minimums is None else self.minimums.numel() * 2
-        return self.data.numel() + self.scales.numel() * 2 + extra
+        return self.data.numel() + self.scales.numel() * 2 + extra  # the padding of a last group of 8 included
+
+    @classmethod
+    def from_blocks(cls, kind: str, data: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None,
+                    in_features: int) -> BlockWeights:
+        """From GGUF-ordered tensors: scales and minimums [n_out, k / 32] fp16."""
+        return cls(kind, data.contiguous(), group_by_8(scales.half()),
+                   None if minimums is None else group_by_8(minimums.half()), in_features)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
@@ -99,22 +120,22 @@ class BlockWeights:
         if kind == "q8_0":
             d = blocks.abs().amax(-1, keepdim=True) / 127
             q = torch.round(blocks * torch.where(d > 0, 1 / d, 0)).to(torch.int8)
-            return cls(kind, q.view(torch.uint8).reshape(weight.shape[0], -1), d.squeeze(-1).half(), None,
-                       weight.shape[1])
+            return cls.from_blocks(kind, q.view(torch.uint8).reshape(weight.shape[0], -1), d.squeeze(-1), None,
+                                   weight.shape[1])
         if kind == "q4_0":
             d = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)) / -8
             q = torch.clamp(torch.trunc(blocks * torch.where(d != 0, 1 / d, 0) + 8.5), max=15).to(torch.uint8)
-            return cls(kind, _nibbles(q), d.squeeze(-1).half(), None, weight.shape[1])
+            return cls.from_blocks(kind, _nibbles(q), d.squeeze(-1), None, weight.shape[1])
         if kind == "q4_1":
             low = blocks.amin(-1, keepdim=True)
             d = (blocks.amax(-1, keepdim=True) - low) / 15
             q = torch.clamp(torch.trunc((blocks - low) * torch.where(d > 0, 1 / d, 0) + 0.5), max=15).to(torch.uint8)
-            return cls(kind, _nibbles(q), d.squeeze(-1).half(), low.squeeze(-1).half(), weight.shape[1])
+            return cls.from_blocks(kind, _nibbles(q), d.squeeze(-1), low.squeeze(-1), weight.shape[1])
         raise ValueError(f"unknown block type {kind!r}; known: {', '.join(TYPES)}")
 
     def dequantize(self) -> torch.Tensor:
         """The float weights these blocks stand for (tests, references)."""
-        rows, blocks = self.scales.shape
+        rows, blocks = self.out_features, self.in_features // BLOCK
         if self.kind == "q8_0":
             values = self.data.view(torch.int8).reshape(rows, blocks, BLOCK).float()
         else:
@@ -122,9 +143,9 @@ class BlockWeights:
             values = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
             if self.kind == "q4_0":
                 values = values - 8
-        out = values * self.scales.float().unsqueeze(-1)
+        out = values * ungroup(self.scales, rows).float().unsqueeze(-1)
         if self.minimums is not None:
-            out = out + self.minimums.float().unsqueeze(-1)
+            out = out + ungroup(self.minimums, rows).float().unsqueeze(-1)
         return out.reshape(rows, self.in_features)
 
 

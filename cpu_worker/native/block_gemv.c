@@ -9,21 +9,27 @@
  * Q8_0 x Q8_0 ~26 (python -m tools.bench_quality; docs/kernels.md).
  *
  * Row independence (what keeps verification lossless): a row's activations are quantized from that
- * row alone, each block's dot product is an exact integer, and the float arithmetic that follows is
- * one fixed sequence per (row, output) whatever the row count, the row's place in the call or the
- * thread count: lane l (0..7) of a block's integer dot holds its products 4l..4l+3; each block adds
- * float(lane) * (d_w * d_x) to an 8-lane accumulator, blocks in order (multiply, then add: built with
- * -ffp-contract=off); then lanes reduce as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), the Q4_1
- * minimum term (its own running sum, blocks in order) is added, then the bias. Every build (VNNI,
- * AVX2, plain C) computes exactly that sequence, so all give the same bits.
+ * row alone, each block's dot product is an exact integer T[m, n, b], and the float arithmetic that
+ * follows is one fixed sequence per (row, output), whatever the row count, the row's place in the call
+ * or the thread count: acc = 0; for each block b in order: acc = acc + float(T) * (d_w * d_x), and for
+ * Q4_1 then acc = acc + (m_w * d_x) * float(S[m, b]) (S: the sum of the activation block's integers);
+ * then the bias. Multiply, then add (built with -ffp-contract=off). Only whole-block integer sums
+ * enter the float sequence, so any way of computing them (VNNI, AVX2's pair sums, plain C, AMX's
+ * tile products) gives the same bits; SIMD paths run 8 outputs side by side, one per lane.
  *
  * Dot products: VNNI multiplies unsigned by signed bytes, so a signed weight block w and activation
  * block x go in as |w| and x * sign(w) (x in [-127, 127], which the quantizer guarantees); Q4_1's
- * weights are unsigned already. AVX2 without VNNI gets the same lane sums from maddubs (pairs; at
- * most 2 * 127 * 128 in magnitude, no saturation) and madd against ones.
+ * weights are unsigned already. AVX2 without VNNI gets the same sums from maddubs (pairs; at most
+ * 2 * 128 * 127 in magnitude, no saturation) and madd against ones.
+ *
+ * Layout: a weight row is k / 32 blocks of 32 bytes (Q8_0) or 16 bytes (Q4_0, Q4_1: element j in
+ * the low nibble of byte j, element j + 16 in its high nibble), GGUF's order; the fp16 scales (and
+ * Q4_1's minimums) are grouped by 8 outputs, [ceil(n_out / 8), k / 32, 8], so the 8 lanes' scales of
+ * a block are one load (a last partial group is padded).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -31,14 +37,19 @@
 #endif
 
 #define QBLOCK 32
+#if defined(__AVX2__) && defined(__F16C__)
+#define BLOCK_SIMD 1 /* 8 outputs side by side */
+#else
+#define BLOCK_SIMD 0
+#endif
 
 enum { BLOCK_Q8_0 = 0, BLOCK_Q4_0 = 1, BLOCK_Q4_1 = 2 };
 
 /* The SIMD path this build runs: 2 VNNI (AVX512-VNNI with VL, or AVX-VNNI), 1 AVX2, 0 plain C. */
 int dovetail_block_simd(void) {
-#if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if BLOCK_SIMD && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
     return 2;
-#elif defined(__AVX2__)
+#elif BLOCK_SIMD
     return 1;
 #else
     return 0;
@@ -89,55 +100,49 @@ void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums
         }
 }
 
-/* One block's 32 weights as bytes, with whether they are signed: Q8_0 as stored, Q4_0 as q - 8,
- * Q4_1 as q (unsigned). Q4 blocks hold 16 bytes: element j in the low nibble of byte j, element
- * j + 16 in its high nibble (llama.cpp's order). */
-static inline void weight_block_bytes(const uint8_t *blocks, int type, int64_t b, int8_t out[QBLOCK]) {
+/* One block's 32 weights as signed integers (Q4_0: q - 8; Q4_1: q, 0..15). */
+static inline void weight_block_values(const uint8_t *row, int type, int64_t b, int32_t out[QBLOCK]) {
     if (type == BLOCK_Q8_0) {
-        memcpy(out, blocks + b * QBLOCK, QBLOCK);
+        const int8_t *q = (const int8_t *)row + b * QBLOCK;
+        for (int j = 0; j < QBLOCK; j++) out[j] = q[j];
         return;
     }
-    const uint8_t *packed = blocks + b * (QBLOCK / 2);
+    const uint8_t *packed = row + b * (QBLOCK / 2);
     int offset = type == BLOCK_Q4_0 ? 8 : 0;
     for (int j = 0; j < QBLOCK / 2; j++) {
-        out[j] = (int8_t)((packed[j] & 0x0f) - offset);
-        out[j + QBLOCK / 2] = (int8_t)((packed[j] >> 4) - offset);
+        out[j] = (packed[j] & 0x0f) - offset;
+        out[j + QBLOCK / 2] = (packed[j] >> 4) - offset;
     }
 }
 
-static inline float reduce_lanes(const float lane[8]) {
-    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+static inline int64_t row_bytes(int type, int64_t k) { return type == BLOCK_Q8_0 ? k : k / 2; }
+
+/* The grouped fp16 value of output n at block b. */
+static inline float grouped(const uint16_t *values, int64_t n, int64_t b, int64_t blocks) {
+    return half_to_float_exact(values[((n >> 3) * blocks + b) * 8 + (n & 7)]);
 }
 
-/* The plain C twin of the SIMD kernel: the same lanes, the same order. */
-static void dot_rows_portable(const uint8_t *w, const uint16_t *wd, const uint16_t *wm, int type, const int8_t *xq,
-                              const float *xd, const int32_t *xs, int64_t blocks, int64_t k, int rows, float *out,
-                              int64_t out_stride) {
-    for (int r = 0; r < rows; r++) {
-        float lane[8] = {0}, minimum = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) {
-            int8_t wb[QBLOCK];
-            weight_block_bytes(w, type, b, wb);
-            const int8_t *xb = xq + r * k + b * QBLOCK;
-            float scale = half_to_float_exact(wd[b]) * xd[r * blocks + b];
-            for (int l = 0; l < 8; l++) {
-                int32_t p = 0;
-                for (int j = 4 * l; j < 4 * l + 4; j++)
-                    p += (type == BLOCK_Q4_1 ? (int32_t)(uint8_t)wb[j] : (int32_t)wb[j]) * (int32_t)xb[j];
-                float term = (float)p * scale;
-                lane[l] = lane[l] + term;
-            }
-            if (type == BLOCK_Q4_1) {
-                float min_scale = half_to_float_exact(wm[b]) * xd[r * blocks + b];
-                float term = min_scale * (float)xs[r * blocks + b];
-                minimum = minimum + term;
-            }
+/* One (row, output) by the reference sequence: the plain C path, and every SIMD path's tail. */
+static float dot_one(const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type, int64_t n,
+                     const int8_t *xq, const float *xd, const int32_t *xs, int64_t blocks) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        int32_t values[QBLOCK], total = 0;
+        weight_block_values(w, type, b, values);
+        for (int j = 0; j < QBLOCK; j++) total += values[j] * (int32_t)xq[b * QBLOCK + j];
+        float scale = grouped(scales, n, b, blocks) * xd[b];
+        float term = (float)total * scale;
+        acc = acc + term;
+        if (type == BLOCK_Q4_1) {
+            float min_scale = grouped(minimums, n, b, blocks) * xd[b];
+            float min_term = min_scale * (float)xs[b];
+            acc = acc + min_term;
         }
-        out[r * out_stride] = reduce_lanes(lane) + minimum;
     }
+    return acc;
 }
 
-#if defined(__AVX2__)
+#if BLOCK_SIMD
 static inline __m256i lane_dot(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
@@ -148,78 +153,93 @@ static inline __m256i lane_dot(__m256i u, __m256i s) {
 #endif
 }
 
-static inline __m256i load_weight_block(const uint8_t *w, int type, int64_t b) {
-    if (type == BLOCK_Q8_0) return _mm256_loadu_si256((const __m256i *)(w + b * QBLOCK));
-    __m128i packed = _mm_loadu_si128((const __m128i *)(w + b * (QBLOCK / 2)));
+static inline __m256i load_weight_block(const uint8_t *row, int type, int64_t b) {
+    if (type == BLOCK_Q8_0) return _mm256_loadu_si256((const __m256i *)(row + b * QBLOCK));
+    __m128i packed = _mm_loadu_si128((const __m128i *)(row + b * (QBLOCK / 2)));
     __m128i mask = _mm_set1_epi8(0x0f);
     __m256i bytes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
     return type == BLOCK_Q4_0 ? _mm256_sub_epi8(bytes, _mm256_set1_epi8(8)) : bytes;
 }
 
-static inline float reduce_vector(__m256 v) {
-    __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l + l+4 */
-    __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));                       /* (0+4)+(2+6), (1+5)+(3+7) */
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+/* Eight vectors of 8 int32 lanes -> one vector of their 8 totals (exact: integer sums). */
+static inline __m256i lane_totals(const __m256i v[8]) {
+    __m256i a01 = _mm256_hadd_epi32(v[0], v[1]), a23 = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i a45 = _mm256_hadd_epi32(v[4], v[5]), a67 = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
-#define MAX_GROUP 4
-/* Up to MAX_GROUP activation rows against one weight row: each weight block is loaded once. */
-static void dot_rows_simd(const uint8_t *w, const uint16_t *wd, const uint16_t *wm, int type, const int8_t *xq,
-                          const float *xd, const int32_t *xs, int64_t blocks, int64_t k, int rows, float *out,
-                          int64_t out_stride) {
-    __m256 acc[MAX_GROUP];
-    float minimum[MAX_GROUP];
-    for (int r = 0; r < rows; r++) {
-        acc[r] = _mm256_setzero_ps();
-        minimum[r] = 0.0f;
-    }
+/* Outputs [n, n + 8) for every row of the call: each weight block is loaded once for all rows;
+ * acc holds the rows' running sums (8 lanes a row). */
+static void dot_group(const uint8_t *w, int64_t stride, const uint16_t *scales, const uint16_t *minimums, int type,
+                      const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int64_t k, int64_t blocks,
+                      float *acc) {
+    for (int64_t m = 0; m < rows; m++) _mm256_storeu_ps(acc + 8 * m, _mm256_setzero_ps());
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i wb = load_weight_block(w, type, b);
-        __m256i magnitude = type == BLOCK_Q4_1 ? wb : _mm256_sign_epi8(wb, wb);
-        float weight_scale = half_to_float_exact(wd[b]);
-        for (int r = 0; r < rows; r++) {
-            __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * QBLOCK));
-            __m256i signed_x = type == BLOCK_Q4_1 ? xb : _mm256_sign_epi8(xb, wb);
-            float scale = weight_scale * xd[r * blocks + b];
-            __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_dot(magnitude, signed_x)), _mm256_set1_ps(scale));
-            acc[r] = _mm256_add_ps(acc[r], term);
+        __m256i magnitude[8], weight[8];
+        for (int j = 0; j < 8; j++) {
+            weight[j] = load_weight_block(w + j * stride, type, b);
+            magnitude[j] = type == BLOCK_Q4_1 ? weight[j] : _mm256_sign_epi8(weight[j], weight[j]);
+        }
+        __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * 8)));
+        __m256 weight_min = type == BLOCK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + b * 8)))
+                                               : _mm256_setzero_ps();
+        for (int64_t m = 0; m < rows; m++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * k + b * QBLOCK)), lanes[8];
+            for (int j = 0; j < 8; j++)
+                lanes[j] = lane_dot(magnitude[j], type == BLOCK_Q4_1 ? x : _mm256_sign_epi8(x, weight[j]));
+            __m256 x_scale = _mm256_set1_ps(xd[m * blocks + b]);
+            __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_totals(lanes)), _mm256_mul_ps(weight_scale, x_scale));
+            __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc + 8 * m), term);
             if (type == BLOCK_Q4_1) {
-                float min_scale = half_to_float_exact(wm[b]) * xd[r * blocks + b];
-                float min_term = min_scale * (float)xs[r * blocks + b];
-                minimum[r] = minimum[r] + min_term;
+                __m256 min_term = _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale),
+                                                _mm256_set1_ps((float)xs[m * blocks + b]));
+                sum = _mm256_add_ps(sum, min_term);
             }
+            _mm256_storeu_ps(acc + 8 * m, sum);
         }
     }
-    for (int r = 0; r < rows; r++) out[r * out_stride] = reduce_vector(acc[r]) + minimum[r];
 }
 #endif
 
-/* y[rows, n_out] for activations quantized by dovetail_quantize_blocks. Weights: per output row,
- * k / 32 blocks of 32 bytes (Q8_0) or 16 bytes (Q4_0, Q4_1), scales[n_out, k / 32] and (Q4_1)
- * minimums[n_out, k / 32] as fp16 bits. bias may be NULL. Returns -1 for an unknown type or a k
- * that is not a multiple of 32. */
+/* y[rows, n_out] for activations quantized by dovetail_quantize_blocks. Weights and grouped scales
+ * as described above; minimums only for Q4_1; bias may be NULL. Returns -1 for an unknown type or
+ * a k that is not a multiple of 32. */
 int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, const uint8_t *w,
                           const uint16_t *scales, const uint16_t *minimums, int type, const float *bias, float *y,
                           int64_t n_out, int64_t k, int threads) {
     if (k % QBLOCK != 0 || type < BLOCK_Q8_0 || type > BLOCK_Q4_1) return -1;
     if (type == BLOCK_Q4_1 && minimums == NULL) return -1;
-    int64_t blocks = k / QBLOCK, row_bytes = type == BLOCK_Q8_0 ? k : k / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < n_out; n++) {
-        const uint8_t *wn = w + n * row_bytes;
-        const uint16_t *dn = scales + n * blocks, *mn = minimums ? minimums + n * blocks : NULL;
-        for (int64_t m = 0; m < rows; m += 4) {
-            int group = rows - m < 4 ? (int)(rows - m) : 4;
-#if defined(__AVX2__)
-            dot_rows_simd(wn, dn, mn, type, xq + m * k, xd + m * blocks, xs + m * blocks, blocks, k, group,
-                          y + m * n_out + n, n_out);
-#else
-            dot_rows_portable(wn, dn, mn, type, xq + m * k, xd + m * blocks, xs + m * blocks, blocks, k, group,
-                              y + m * n_out + n, n_out);
+    int64_t blocks = k / QBLOCK, stride = row_bytes(type, k), groups = (n_out + 7) / 8;
+#pragma omp parallel num_threads(threads)
+    {
+#if BLOCK_SIMD
+        /* The rows' running sums; without it (no memory) the plain sequence computes the same bits. */
+        float *acc = (float *)malloc((size_t)(rows > 0 ? rows : 1) * 8 * sizeof(float));
 #endif
-            if (bias)
-                for (int r = 0; r < group; r++) y[(m + r) * n_out + n] = y[(m + r) * n_out + n] + bias[n];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t first = g * 8, count = n_out - first < 8 ? n_out - first : 8;
+#if BLOCK_SIMD
+            if (count == 8 && acc != NULL) {
+                dot_group(w + first * stride, stride, scales + g * blocks * 8, minimums ? minimums + g * blocks * 8 : NULL,
+                          type, xq, xd, xs, rows, k, blocks, acc);
+                for (int64_t m = 0; m < rows; m++)
+                    for (int j = 0; j < 8; j++) y[m * n_out + first + j] = acc[8 * m + j];
+                continue;
+            }
+#endif
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t n = first; n < first + count; n++)
+                    y[m * n_out + n] = dot_one(w + n * stride, scales, minimums, type, n, xq + m * k, xd + m * blocks,
+                                               xs + m * blocks, blocks);
         }
+#if BLOCK_SIMD
+        free(acc);
+#endif
     }
+    if (bias)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t n = 0; n < n_out; n++) y[m * n_out + n] = y[m * n_out + n] + bias[n];
     return 0;
 }

@@ -57,6 +57,10 @@ def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
     assert torch.equal(blocks.dequantize(), getattr(quant_reference, kind)(weight))
     assert blocks.data.shape == (24, 256 if kind == "q8_0" else 128)
     assert blocks.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind] * 24 * 256 // 32  # GGUF's block sizes
+    scales = block_quant.ungroup(blocks.scales, 24)
+    assert torch.equal(block_quant.BlockWeights.from_blocks(kind, blocks.data, scales, None if blocks.minimums is None
+                                                            else block_quant.ungroup(blocks.minimums, 24),
+                                                            256).dequantize(), blocks.dequantize())
 
 
 def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_path, use_library):
@@ -68,7 +72,7 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_
             weight = torch.randn(n_out, k, generator=generator) * 0.05
             weight[1] *= 2e-3  # scales below fp16's normal range: F16C and the plain conversion must agree
             blocks = block_quant.BlockWeights.quantize(weight, kind)
-            assert (blocks.scales[1].float().abs() < 6.1e-5).any()
+            assert (block_quant.ungroup(blocks.scales, n_out)[1].float().abs() < 6.1e-5).any()
             bias = torch.randn(n_out, generator=generator)
             rows = torch.randn(11, k, generator=generator) * torch.logspace(-2, 2, 11).unsqueeze(1)
             rows[3, :32] = 0.0  # a zero block
