@@ -22,11 +22,15 @@ from typing import Any
 
 import torch
 
-from cpu_worker.kernels.huge_pages import release_freed_memory
-from cpu_worker.model.fusion import fuse_projections
-from cpu_worker.model.llama import LlamaSpec
-from cpu_worker.model.loading import ModelLoadError, iter_tensors, tensor_shapes
-from cpu_worker.model.loading import read_tensors as read_checkpoint_tensors
+from cpu_worker.model import (
+    LlamaSpec,
+    ModelLoadError,
+    fuse_projections,
+    iter_tensors,
+    release_freed_memory,
+    tensor_shapes,
+)
+from cpu_worker.model import read_tensors as read_checkpoint_tensors
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead

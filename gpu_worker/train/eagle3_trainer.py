@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cpu_worker.model.llama import RotaryTable
-from cpu_worker.model.loading import load_spec, resolve_model_dir
+from cpu_worker.model import RotaryTable, load_spec, resolve_model_dir
 from gpu_worker.checkpoint import load_target_frozen
 from gpu_worker.eagle3 import Eagle3Head
 

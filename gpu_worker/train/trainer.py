@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cpu_worker.model.loading import load_spec, resolve_model_dir
+from cpu_worker.model import load_spec, resolve_model_dir
 from gpu_worker.checkpoint import load_target_frozen, save_head
 from gpu_worker.head import DraftHead
 

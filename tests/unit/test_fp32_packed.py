@@ -19,7 +19,7 @@ from torch import nn
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import fp32_packed
 from cpu_worker.kernels.fp32_packed import PackedFp32Linear, pack_fp32_linears, rows_are_independent
-from cpu_worker.model.loading import load_target_model, weight_bytes
+from cpu_worker.target_loading import load_target_model, weight_bytes
 
 from runtime_harness import dovetail_run
 

@@ -16,9 +16,9 @@ from torch import nn
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels.int8 import RowwiseInt8Linear, quantize_linears
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import apply_precision
 from cpu_worker.server import build_engine
+from cpu_worker.target_loading import load_target_model
 
 from runtime_harness import dovetail_run
 from tree_paths import path_to

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from cpu_worker.model.loading import load_target_model
-from gpu_worker.train.cli import main as train_cli
+from cpu_worker.target_loading import load_target_model
+from dovetail_runtime.train_cli import main as train_cli
 from gpu_worker.train.corpus import expand_inputs, folder_files, is_heldout, read_documents
 from gpu_worker.train.data import make_batch
 from gpu_worker.train.features import cut_windows, extract_features
