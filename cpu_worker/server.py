@@ -20,9 +20,9 @@ from cpu_worker.engine import ContextOverflowError, TargetEngine
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.fp32_packed import pack_fp32_linears
 from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
-from cpu_worker.model.loading import fuse_layers, load_target_model, weight_bytes
 from cpu_worker.precision import activation_dtype, kv_cache_dtype
 from cpu_worker.sampling import Sampler
+from cpu_worker.target_loading import fuse_layers, load_target_model, weight_bytes
 from cpu_worker.threads import apply_placement
 from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
 from ipc import messages as m

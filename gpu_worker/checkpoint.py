@@ -22,11 +22,15 @@ from typing import Any
 
 import torch
 
-from cpu_worker.kernels.huge_pages import release_freed_memory
-from cpu_worker.model.fusion import fuse_projections
-from cpu_worker.model.llama import LlamaSpec
-from cpu_worker.model.loading import ModelLoadError, iter_tensors, tensor_shapes
-from cpu_worker.model.loading import read_tensors as read_checkpoint_tensors
+from cpu_worker.model import (
+    LlamaSpec,
+    ModelLoadError,
+    fuse_projections,
+    iter_tensors,
+    release_freed_memory,
+    tensor_shapes,
+)
+from cpu_worker.model import read_tensors as read_checkpoint_tensors
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
@@ -194,7 +198,34 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
         return eagle3.quantize_int8() if quantize else eagle3
     spec = _spec_with_weight_biases(config, shapes, "layers.0.")
     fc_bias = "fc.bias" in shapes  # the weights decide; a config's "bias": false agrees with them
+    frozen_sources = _frozen_sources(draft_dir, target_dir, spec, shapes)
+    with torch.device("meta"):  # no wasted random init: every tensor comes from the files
+        head = DraftHead(spec, fusion=fusion, fc_bias=fc_bias)
+    expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
+    missing = sorted(expected.keys() - shapes.keys())
+    unexpected = sorted(shapes.keys() - expected.keys())
+    if missing or unexpected:
+        raise DraftCheckpointError(
+            f"draft weights in {draft_dir} do not fit a {spec.num_layers}-layer {fusion} head: "
+            f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
+    misshapen = [f"{name} {list(shapes[name])} (expected {list(shape)})"
+                 for name, shape in expected.items() if tuple(shapes[name]) != shape]
+    if misshapen:
+        raise DraftCheckpointError(f"draft weights in {draft_dir} have the wrong shapes: {', '.join(misshapen)}")
 
+    _place_head(head, draft_dir, target_dir, set(shapes.keys() - frozen_sources.keys()), frozen_sources,
+                HeadPlacer(head, device, dtype, quantize))
+    release_freed_memory()
+    head.embed_tokens.weight.requires_grad_(False)
+    if isinstance(head.lm_head, torch.nn.Linear):  # an int8 lm_head holds no float weight
+        head.lm_head.weight.requires_grad_(False)
+    return head.eval()
+
+
+def _frozen_sources(draft_dir: Path, target_dir: Path | str | None, spec: LlamaSpec,
+                    shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """{head name: the target's tensor name} for the embedding/lm_head the draft folder lacks
+    (their shapes added to ``shapes``), every frozen tensor checked against the head's config."""
     frozen_sources: dict[str, str] = {}
     if target_dir is not None:
         target_dir = Path(target_dir)
@@ -220,43 +251,29 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
             source = f"the target folder {target_dir}" if name in frozen_sources else f"the draft folder {draft_dir}"
             _check_tensor("vocab size", spec.vocab_size, name, "rows", int(shapes[name][0]), source)
             _check_tensor("hidden size", spec.hidden_size, name, "columns", int(shapes[name][1]), source)
+    return frozen_sources
 
-    with torch.device("meta"):  # no wasted random init: every tensor comes from the files
-        head = DraftHead(spec, fusion=fusion, fc_bias=fc_bias)
-    expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
-    missing = sorted(expected.keys() - shapes.keys())
-    unexpected = sorted(shapes.keys() - expected.keys())
-    if missing or unexpected:
-        raise DraftCheckpointError(
-            f"draft weights in {draft_dir} do not fit a {spec.num_layers}-layer {fusion} head: "
-            f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
-    misshapen = [f"{name} {list(shapes[name])} (expected {list(shape)})"
-                 for name, shape in expected.items() if tuple(shapes[name]) != shape]
-    if misshapen:
-        raise DraftCheckpointError(f"draft weights in {draft_dir} have the wrong shapes: {', '.join(misshapen)}")
 
-    placer = HeadPlacer(head, device, dtype, quantize)
+def _place_head(head: DraftHead, draft_dir: Path, target_dir: Path | str | None, names: set[str],
+                frozen_sources: dict[str, str], placer: HeadPlacer) -> None:
+    """Every tensor into ``head``: ``names`` from the draft folder, one at a time, then the
+    frozen ones from the target's; the projections fused when int8."""
     try:
-        for name, tensor in iter_tensors(draft_dir, set(shapes.keys() - frozen_sources.keys())):
+        for name, tensor in iter_tensors(draft_dir, names):
             placer.place(name, tensor)
             del tensor
             release_freed_memory()  # the source and its fp32 copy, before the next one comes
         for name, source in frozen_sources.items():
             assert target_dir is not None
-            placer.place(name, read_tensors(target_dir, [source])[source])
+            placer.place(name, read_tensors(Path(target_dir), [source])[source])
             release_freed_memory()
     except ModelLoadError as error:
         raise DraftCheckpointError(str(error)) from None
     unplaced = placer.unplaced()
     if unplaced:  # a name listed in a header whose data never came (a broken index)
         raise DraftCheckpointError(f"draft weights in {draft_dir} lack data for {', '.join(unplaced)}")
-    if quantize:
+    if placer.quantize:
         fuse_projections(head)  # q/k/v and gate/up in one int8 call each, the same bits
-    release_freed_memory()
-    head.embed_tokens.weight.requires_grad_(False)
-    if isinstance(head.lm_head, torch.nn.Linear):  # an int8 lm_head holds no float weight
-        head.lm_head.weight.requires_grad_(False)
-    return head.eval()
 
 
 def load_target_embedding(target_dir: Path | str) -> torch.Tensor:
@@ -296,13 +313,8 @@ def _vocab_maps(draft_dir: Path, state: dict[str, torch.Tensor], vocab: int, dra
     state["d2t"], state["t2d"] = d2t, marked
 
 
-def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: dict[str, torch.Tensor],
-                     fusion: str, target_dir: Path | str | None, device: torch.device | str,
-                     dtype: torch.dtype) -> Eagle3Head:
-    """An ``Eagle3Head`` from a folder in the published EAGLE-3 layout (or Dovetail's own):
-    config with ``draft_vocab_size`` (optional ``target_hidden_size``), weights ``fc``,
-    ``midlayer.*``, ``norm``, ``lm_head`` [draft vocab, H], ``d2t``, ``t2d``; the embedding
-    from the folder if it has one, else from the target's."""
+def _eagle3_spec(draft_dir: Path, config: Any, state: dict[str, torch.Tensor]) -> LlamaSpec:
+    """An EAGLE-3 head's spec: its bias flags and its decoder layers as its weights hold them."""
     spec = _spec_with_weight_biases(config, state, "midlayer.")
     # Published heads have one decoder layer whatever their config copied from the target; a
     # deeper Dovetail head's plain layers are post_layers.0.. (their count decides).
@@ -315,6 +327,17 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
                 f"EAGLE-3 head {draft_dir}: config.json says num_hidden_layers {spec.num_layers}, its weights hold "
                 f"{1 + len(post)} decoder layers (midlayer and post_layers.0-{len(post) - 1})")
         spec = dataclasses.replace(spec, num_layers=1)
+    return spec
+
+
+def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: dict[str, torch.Tensor],
+                     fusion: str, target_dir: Path | str | None, device: torch.device | str,
+                     dtype: torch.dtype) -> Eagle3Head:
+    """An ``Eagle3Head`` from a folder in the published EAGLE-3 layout (or Dovetail's own):
+    config with ``draft_vocab_size`` (optional ``target_hidden_size``), weights ``fc``,
+    ``midlayer.*``, ``norm``, ``lm_head`` [draft vocab, H], ``d2t``, ``t2d``; the embedding
+    from the folder if it has one, else from the target's."""
+    spec = _eagle3_spec(draft_dir, config, state)
     for name in ("fc.weight", "lm_head.weight"):
         if name not in state:
             raise DraftCheckpointError(f"EAGLE-3 head {draft_dir} has no {name}")

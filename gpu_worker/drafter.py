@@ -35,8 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cpu_worker.kernels.int8 import RowwiseInt8Linear
-from cpu_worker.model.llama import KVCache, LlamaSpec, RotaryTable
+from cpu_worker.model import KVCache, LlamaSpec, RotaryTable, RowwiseInt8Linear
 from ipc.tree import TreeShape
 
 from .checkpoint import AnyHead, draft_fusion, head_spec, load_head

@@ -38,9 +38,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_worker.kernels.int8 import RowwiseInt8Linear, quantize_linears
-from cpu_worker.model.fusion import fuse_projections
-from cpu_worker.model.llama import MLP, Attention, DecoderLayer, KVCache, LlamaSpec, RMSNorm
+from cpu_worker.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    KVCache,
+    LlamaSpec,
+    RMSNorm,
+    RowwiseInt8Linear,
+    fuse_projections,
+    quantize_linears,
+)
 
 # The layer rule and the names are torch-free (the coordinator reads them): one copy, there.
 from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY

@@ -16,9 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_worker.kernels.int8 import RowwiseInt8Linear, quantize_linears
-from cpu_worker.model.fusion import fuse_projections
-from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaSpec, RMSNorm
+from cpu_worker.model import (
+    DecoderLayer,
+    KVCache,
+    LlamaSpec,
+    RMSNorm,
+    RowwiseInt8Linear,
+    fuse_projections,
+    quantize_linears,
+)
 
 FUSIONS = ("dgf", "fc")
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cpu_worker.model.model_dir import ModelLoadError, read_config, read_safetensors_header
+
 # Torch-free, so the coordinator can read a head's layout; gpu_worker.eagle3 re-exports these
 # names and the layer rule below (its only copy).
 AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -94,8 +96,7 @@ def safetensors_keys(folder: Path) -> set[str]:
     for file in sorted(folder.glob("*.safetensors")):
         try:
             with file.open("rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(length))
+                header, _ = read_safetensors_header(handle)
         except (OSError, ValueError, struct.error):
             continue
         keys.update(name for name in header if name != "__metadata__")
@@ -112,13 +113,9 @@ def is_eagle3(config: dict[str, Any], keys: set[str]) -> bool:
 def feature_layout(draft_dir: Path, target_config: dict[str, Any]) -> FeatureLayout:
     """The rows the head in ``draft_dir`` reads from a target with ``target_config``."""
     try:
-        config = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HeadLayoutError(f"{draft_dir} has no config.json (not a draft head folder)") from None
-    except (OSError, ValueError) as error:
-        raise HeadLayoutError(f"cannot read {draft_dir / 'config.json'}: {error}") from None
-    if not isinstance(config, dict):
-        raise HeadLayoutError(f"{draft_dir / 'config.json'} is not a JSON object")
+        config = read_config(draft_dir, missing_hint=" (not a draft head folder)")
+    except ModelLoadError as error:
+        raise HeadLayoutError(str(error)) from None
     hidden = int(target_config["hidden_size"])
     if not is_eagle3(config, safetensors_keys(draft_dir)):
         return FeatureLayout(hidden)

@@ -67,19 +67,32 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
         return root_only(root_token)
     if shape.top_k > root_log_probs.shape[-1]:
         raise ValueError(f"top_k {shape.top_k} exceeds the vocabulary size {root_log_probs.shape[-1]}")
+    candidates = _expand_levels(root_feature, root_log_probs, expand, shape, chosen)
+    return _select(root_token, candidates, shape.tree_tokens)
+
+
+@dataclass
+class _Candidates:
+    """Every expanded node, level by level, so ids grow with depth (tie-break shallower): its
+    token, its path's score, and its parent's id (-1 for the root's children)."""
+
+    tokens: list[torch.Tensor]
+    scores: list[torch.Tensor]
+    parents: list[torch.Tensor]
+
+
+def _expand_levels(root_feature: torch.Tensor, root_log_probs: torch.Tensor, expand: ExpandFn, shape: TreeShape,
+                   chosen: Callable[[torch.Tensor], torch.Tensor]) -> _Candidates:
+    """The beam search: the root's top-k children, then each level's k best nodes expanded."""
     device = root_log_probs.device
     k = shape.top_k
-    tree_tokens = shape.tree_tokens
     levels = shape.depth  # TreeShape keeps depth <= T - 1: deeper nodes could never be kept
 
-    # Candidate arrays, appended level by level so ids grow with depth (tie-break shallower).
     beam_log_probs, beam_tokens = root_log_probs.topk(k)
     beam_tokens = chosen(beam_tokens)
     beam_scores = beam_log_probs
     beam_ids = torch.arange(k, device=device)
-    cand_tokens = [beam_tokens]
-    cand_scores = [beam_scores]
-    cand_parents = [torch.full((k,), -1, device=device, dtype=torch.long)]
+    candidates = _Candidates([beam_tokens], [beam_scores], [torch.full((k,), -1, device=device, dtype=torch.long)])
     beam_features = root_feature.unsqueeze(0).expand(k, -1)
     ancestors = torch.zeros(k, max(levels - 1, 0) * k, dtype=torch.bool, device=device)
     eye = torch.eye(k, dtype=torch.bool, device=device)
@@ -93,9 +106,9 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
         child_tokens = chosen(child_tokens)
         scores = (beam_scores.unsqueeze(1) + child_log_probs).reshape(-1)
         child_tokens = child_tokens.reshape(-1)
-        cand_tokens.append(child_tokens)
-        cand_scores.append(scores)
-        cand_parents.append(beam_ids.repeat_interleave(k))
+        candidates.tokens.append(child_tokens)
+        candidates.scores.append(scores)
+        candidates.parents.append(beam_ids.repeat_interleave(k))
         if level + 1 < levels:
             # Stable sort, not topk: equal scores resolve to the earlier child, reproducibly.
             best = torch.sort(scores, descending=True, stable=True).indices[:k]
@@ -106,19 +119,24 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
             beam_features = features[parent_slot]
             ancestors = ancestors[parent_slot]  # a copy: the parent's row, own column set next level
         next_id += k * k
+    return candidates
 
-    all_scores = torch.cat(cand_scores)
+
+def _select(root_token: int, candidates: _Candidates, tree_tokens: int) -> DraftTree:
+    """The root and the ``tree_tokens - 1`` best-scoring candidates, numbered by score."""
+    all_scores = torch.cat(candidates.scores)
+    device = all_scores.device
     keep = min(tree_tokens - 1, int(all_scores.shape[0]))
     # Stable sort: equal scores keep production order, i.e. shallower first.
     kept = torch.sort(all_scores, descending=True, stable=True).indices[:keep]
     node_of = torch.full_like(all_scores, -1, dtype=torch.long)
     node_of[kept] = torch.arange(1, keep + 1, device=device)
-    parent_ids = torch.cat(cand_parents)[kept]
+    parent_ids = torch.cat(candidates.parents)[kept]
     parents = torch.where(parent_ids < 0, 0, node_of[parent_ids.clamp(min=0)])
 
     zero = torch.zeros(1, device=device, dtype=torch.long)
     ints = torch.stack([
-        torch.cat([torch.full_like(zero, int(root_token)), torch.cat(cand_tokens)[kept]]),
+        torch.cat([torch.full_like(zero, int(root_token)), torch.cat(candidates.tokens)[kept]]),
         torch.cat([zero - 1, parents]),
     ]).cpu()  # one transfer for the ints, one for the scores
     scores = torch.cat([zero.float(), all_scores[kept].float()]).cpu()

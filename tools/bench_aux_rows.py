@@ -18,7 +18,7 @@ import click
 import torch
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
 from ipc.shm_ring import ShmRing, get_block, slot_bytes_for
 
 

@@ -25,7 +25,7 @@ import torch
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels.fp32_packed import pack_fp32_linears
 from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
 from cpu_worker.verify_cost import measure_verify_ms
 from tools.bench_kv_dtype import decode_ms
 

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 from pathlib import Path
 from gpu_worker.drafter import Drafter
 from gpu_worker.checkpoint import _hf_config
-from cpu_worker.model.loading import weight_bytes
+from cpu_worker.target_loading import weight_bytes
 draft, target, dtype = sys.argv[1:4]
 _hf_config(Path(draft))  # imports what reading a config needs: the baseline, not the load
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -27,8 +27,8 @@ from torch import nn
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import activation_dtype
+from cpu_worker.target_loading import load_target_model
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "demo" / "target-code-9m"
 

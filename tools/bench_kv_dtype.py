@@ -23,8 +23,8 @@ import torch
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import exact_attention
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import activation_dtype
+from cpu_worker.target_loading import load_target_model
 
 
 def decode_ms(engine: TargetEngine, context: int, steps: int, seed: int = 0) -> float:

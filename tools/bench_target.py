@@ -17,7 +17,7 @@ import click
 import torch
 
 from cpu_worker.engine import TargetEngine, greedy_decode
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
 from tools.bench_real import measure_bandwidth
 
 TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"

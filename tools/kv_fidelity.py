@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
+from dovetail_runtime.draft_eval import file_prompts
 from gpu_worker.train.corpus import stdlib_files
-from gpu_worker.train.evaluate import file_prompts
 
 PROMPT_TOKENS = 256
 SETTINGS = (("fp32", torch.float32), ("int8", torch.float32), ("int8", torch.bfloat16), ("fp32", torch.bfloat16))

@@ -1,10 +1,13 @@
-"""Load a Llama-family checkpoint from a local Hugging Face folder into ``LlamaDecoder``."""
+"""Read a Llama-family checkpoint from a local Hugging Face folder, and place its tensors.
+
+The one weight streamer both workers call: the target's decoder (``load_decoder``; the engine
+side's ``cpu_worker.target_loading`` adds its precisions) and the draft heads
+(``gpu_worker.checkpoint``) read their folders and place their tensors here.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,12 +16,8 @@ from torch import nn
 
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
-from cpu_worker.model.fusion import fuse_projections
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
-from cpu_worker.model.model_dir import ModelLoadError, resolve_model_dir
-from cpu_worker.precision import activation_dtype
-
-log = logging.getLogger(__name__)
+from cpu_worker.model.model_dir import ModelLoadError, read_safetensors_header
 
 _PREFIXES = ("model.",)
 
@@ -104,9 +103,7 @@ def _stream_safetensors(file: Path, names: set[str] | None = None) -> Iterator[t
     stay in this process's resident set until the file is closed, which added a whole 2 GB
     shard to the peak of a 7B int8 load."""
     with open(file, "rb") as handle:
-        (header_size,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_size))
-        base = 8 + header_size
+        header, base = read_safetensors_header(handle)
         entries = sorted((info["data_offsets"][0], name, info) for name, info in header.items()
                          if name != "__metadata__" and (names is None or name in names))
         for start, name, info in entries:
@@ -147,8 +144,7 @@ def tensor_shapes(model_dir: Path, names: set[str] | None = None) -> dict[str, t
     for file in _files_for(model_dir, names):
         if file.suffix == ".safetensors":
             with open(file, "rb") as handle:
-                (header_size,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(header_size))
+                header, _ = read_safetensors_header(handle)
             shapes.update((name, tuple(info["shape"])) for name, info in header.items()
                           if name != "__metadata__" and (names is None or name in names))
         else:
@@ -156,23 +152,29 @@ def tensor_shapes(model_dir: Path, names: set[str] | None = None) -> dict[str, t
     return shapes
 
 
-class _Placer:
-    """Puts checkpoint tensors into a model built on the meta device, converting each to the
-    target precision as it arrives: int8 quantises every linear weight at once, so peak memory
-    stays near the converted model plus one source tensor."""
+class WeightPlacer:
+    """Puts checkpoint tensors into a model built on the meta device, converting each to its
+    final dtype and device as it arrives: ``quantize`` makes every linear weight W8A8 int8 at
+    once, so peak memory stays near the converted model plus one source tensor. ``trainable``
+    keeps each parameter's ``requires_grad`` (a head being trained); else all are frozen."""
 
-    def __init__(self, model: LlamaDecoder, dtype: torch.dtype, quantize: bool):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, quantize: bool, device: torch.device | str = "cpu",
+                 trainable: bool = False):
         self.model = model
         self.dtype = dtype
         self.quantize = quantize
+        self.device = torch.device(device)
+        self.trainable = trainable
 
     def place(self, name: str, tensor: torch.Tensor) -> None:
         module_name, _, attribute = name.rpartition(".")
-        module = self.model.get_submodule(module_name)
+        module = self.model.get_submodule(module_name) if module_name else self.model
         if self.quantize and isinstance(module, (nn.Linear, RowwiseInt8Linear)):
             self._place_quantized(module_name, module, attribute, tensor)
             return
-        setattr(module, attribute, nn.Parameter(tensor.to(self.dtype), requires_grad=False))
+        requires_grad = self.trainable and getattr(module, attribute).requires_grad
+        setattr(module, attribute, nn.Parameter(tensor.to(device=self.device, dtype=self.dtype),
+                                                requires_grad=requires_grad))
 
     def _place_quantized(self, module_name: str, module: nn.Module, attribute: str, tensor: torch.Tensor) -> None:
         bias = module.bias if isinstance(module.bias, torch.Tensor) and not module.bias.is_meta else None
@@ -183,17 +185,21 @@ class _Placer:
         else:  # a bias, before or after its weight
             module.bias = nn.Parameter(tensor.to(torch.float32), requires_grad=False)
 
+    def unplaced(self) -> list[str]:
+        """Names of parameters still on the meta device (none once every tensor came)."""
+        return sorted(name for name, parameter in self.model.named_parameters() if parameter.is_meta)
 
-def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaDecoder:
-    """Build the decoder at ``precision`` (fp32, bf16, int8) tensor by tensor from the checkpoint,
-    converting or quantising each as it is read; every weight must be present."""
-    model_dir = resolve_model_dir(path_or_id)
-    spec = load_spec(model_dir)
-    dtype = activation_dtype(precision)
+
+def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool = False,
+                 spec: LlamaSpec | None = None) -> LlamaDecoder:
+    """The decoder in ``model_dir`` (its ``spec`` read there unless given), built tensor by
+    tensor in ``dtype``, every linear W8A8 int8 when ``quantize``; every weight must be present.
+    Frozen, in eval mode, its projections separate (``fusion`` joins them)."""
+    spec = load_spec(model_dir) if spec is None else spec
     with torch.device("meta"):
         model = LlamaDecoder(spec)
     expected = set(model.state_dict().keys())
-    placer = _Placer(model, dtype, quantize=precision == "int8")
+    placer = WeightPlacer(model, dtype, quantize)
     loaded: set[str] = set()
     for name, tensor in iter_tensors(model_dir):
         for prefix in _PREFIXES:
@@ -205,7 +211,7 @@ def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaD
         if len(loaded) % 16 == 0:
             release_freed_memory()
     if "lm_head.weight" not in loaded and spec.tie_word_embeddings and "embed_tokens.weight" in loaded:
-        if precision == "int8":
+        if quantize:
             placer.place("lm_head.weight", model.embed_tokens.weight)
         else:
             model.lm_head.weight = model.embed_tokens.weight
@@ -214,29 +220,4 @@ def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaD
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{model_dir}: checkpoint lacks {len(missing)} weights: {shown}")
-    if precision == "int8":
-        fuse_layers(model)  # q/k/v and gate/up in one call each, the same bits
-    release_freed_memory()
-    log.info("loaded %s: %s, %d layers, hidden %d, %s, %.2f GB resident", model_dir, spec.model_type,
-             spec.num_layers, spec.hidden_size, precision, weight_bytes(model) / 1e9)
     return model.eval().requires_grad_(False)
-
-
-def fuse_layers(model: LlamaDecoder, dense: bool = False) -> int:
-    """``fusion.fuse_projections`` a layer at a time, trimming the heap as it goes: the separate
-    matrices freed here would otherwise sit in glibc's arenas (+0.9 GB of peak RSS at 7B int8)."""
-    fused = 0
-    for count, layer in enumerate(model.layers, 1):
-        fused += fuse_projections(layer, dense)
-        if count % 2 == 0:
-            release_freed_memory()
-    release_freed_memory()
-    return fused
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy (what one decode step streams from memory)."""
-    total = sum(tensor.numel() * tensor.element_size() for tensor in model.parameters())
-    # Packed and quantised layers hold their weights outside parameters (``nbytes``).
-    total += sum(getattr(module, "nbytes", 0) for module in model.modules())
-    return total

@@ -1,4 +1,4 @@
-"""Finding a model folder and reading its config.json, without torch.
+"""Finding a model folder and reading its config.json and safetensors headers, without torch.
 
 The coordinator (which never imports torch) and both workers resolve ``--target`` and
 ``--draft`` the same way: a local folder, or a hub id found in the local Hugging Face cache
@@ -8,8 +8,9 @@ The coordinator (which never imports torch) and both workers resolve ``--target`
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 class ModelLoadError(ValueError):
@@ -37,13 +38,14 @@ def resolve_model_dir(path_or_id: str | Path) -> Path:
     raise ModelLoadError(f"model folder {path} does not exist")
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
-    """config.json as a dict; ModelLoadError when it is missing or not JSON."""
+def read_config(model_dir: Path, missing_hint: str = "") -> dict[str, Any]:
+    """config.json as a dict; ModelLoadError when it is missing (the message ends with
+    ``missing_hint``) or not JSON."""
     path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ModelLoadError(f"{model_dir} has no config.json") from None
+        raise ModelLoadError(f"{model_dir} has no config.json{missing_hint}") from None
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot read {path}: {error}") from None
     if not isinstance(config, dict):
@@ -59,3 +61,10 @@ def context_limit(config: dict[str, Any]) -> int:
     window = config.get("sliding_window")
     windowed = config.get("model_type") == "mistral" or config.get("use_sliding_window", False)
     return min(limit, int(window)) if window and windowed else limit
+
+
+def read_safetensors_header(handle: BinaryIO) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header ({tensor name: dtype, shape, data_offsets}, and
+    ``__metadata__``) read from ``handle`` at its start, and the offset where the data begins."""
+    (header_size,) = struct.unpack("<Q", handle.read(8))
+    return json.loads(handle.read(header_size)), 8 + header_size

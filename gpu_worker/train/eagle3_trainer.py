@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cpu_worker.model.llama import RotaryTable
-from cpu_worker.model.loading import load_spec, resolve_model_dir
+from cpu_worker.model import RotaryTable, load_spec, resolve_model_dir
 from gpu_worker.checkpoint import load_target_frozen
 from gpu_worker.eagle3 import Eagle3Head
 
@@ -214,6 +213,110 @@ def _settings(config: Eagle3Config) -> dict[str, Any]:
     return {name: value for name, value in dataclasses.asdict(config).items() if name != "device"}
 
 
+class _Eagle3Run:
+    """A training run: the head and its optimizer, where the run stands (``done`` steps,
+    ``pairs`` trained on), its checkpoint (``STATE_NAME``), its log and the head folder."""
+
+    def __init__(self, target_dir: Path, data: FeatureSet, out_dir: Path, config: Eagle3Config):
+        self.target_dir, self.data, self.out_dir, self.config = target_dir, data, out_dir, config
+        spec = load_spec(target_dir)
+        draft_ids = select_draft_vocab(data, config.draft_vocab, spec.vocab_size)
+        self.coverage = vocab_coverage(data, draft_ids, spec.vocab_size)
+        device = config.device
+        self.head = new_eagle3_head(target_dir, config.fusion, draft_ids, config.seed, config.layers).to(device)
+        self.head.train()
+        self.target_head = load_target_frozen(target_dir)["lm_head.weight"].float().to(device)
+        self.parameters = [p for p in self.head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, betas=(0.9, 0.95),
+                                           weight_decay=config.weight_decay)
+        longest = int((data.offsets[1:] - data.offsets[:-1]).max()) + config.ttt_steps
+        table = RotaryTable(self.head.spec, longest, torch.float32, device)
+        self.rotary = (table.cos, table.sin)
+        self.per_epoch = max(1, batches_per_epoch(data.num_windows, config.batch_size))
+        self.total_steps = config.steps or max(1, math.ceil(self.per_epoch * config.epochs))
+        self.pairs, self.done, self.started = 0, 0, 0.0
+        self.last: dict[str, Any] = {}
+
+    def log(self, record: dict[str, Any]) -> None:
+        with (self.out_dir / LOG_NAME).open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def resume_or_start(self, resume: bool) -> None:
+        """Continue from the saved state when asked and there is one (same settings only), else
+        start a fresh log; the run's clock starts here, counting the time already spent."""
+        state_path, config = self.out_dir / STATE_NAME, self.config
+        elapsed = 0.0
+        if resume and state_path.exists():
+            state = torch.load(state_path, map_location=config.device, weights_only=False)
+            if {"layers": 1, **state["config"]} != _settings(config):  # states from before --layers: one layer
+                raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
+            self.head.load_state_dict(state["head"], strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.pairs, self.done, elapsed = state["pairs"], state["step"], state["elapsed"]
+        else:
+            (self.out_dir / LOG_NAME).unlink(missing_ok=True)
+            assert self.data.aux_layers is not None
+            self.log({"kind": "vocab", "draft_vocab": config.draft_vocab, "coverage": round(self.coverage, 5),
+                      "aux_layers": list(self.data.aux_layers)})
+        self.started = time.perf_counter() - elapsed
+
+    def save_state(self) -> None:
+        state_path = self.out_dir / STATE_NAME
+        temporary = state_path.with_suffix(".tmp")
+        torch.save({"config": _settings(self.config), "head": self.head.file_state_dict(),
+                    "optimizer": self.optimizer.state_dict(), "step": self.done, "pairs": self.pairs,
+                    "elapsed": time.perf_counter() - self.started}, temporary)
+        temporary.replace(state_path)
+
+    def write(self, final: bool) -> dict[str, Any]:
+        """The head folder and ``train_summary.json`` as the run stands; returns the summary."""
+        data, config = self.data, self.config
+        assert data.aux_layers is not None
+        dtype = torch.float16 if config.save_dtype == "fp16" else torch.float32
+        save_eagle3_head(self.head, self.out_dir, self.target_dir, data.aux_layers, dtype)
+        summary = {"steps": self.done, "planned_steps": self.total_steps, "finished": final,
+                   "seconds": round(time.perf_counter() - self.started, 1), "train_tokens": data.num_tokens,
+                   "pairs": self.pairs, "draft_vocab_coverage": round(self.coverage, 5), "last": self.last,
+                   "config": dataclasses.asdict(config)}
+        (self.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
+
+    def one_step(self, step: int) -> StepLosses:
+        """Step ``step``: its batch (the epoch's window order), the TTT loss and the update."""
+        config, data = self.config, self.data
+        epoch, index = divmod(step, self.per_epoch)
+        order = epoch_order(data.num_windows, config.seed, epoch)
+        windows = order[index * config.batch_size:(index + 1) * config.batch_size]
+        batch = to_device(make_eagle3_batch(data, windows, config.ttt_steps), config.device)
+        lr = lr_at(step, self.total_steps, config.lr, config.warmup, config.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with torch.autocast(config.device, dtype=torch.bfloat16, enabled=config.bf16):
+            parts = ttt_loss(self.head, self.target_head, batch, config.ttt_steps, self.rotary)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.clip))
+        self.optimizer.step()
+        self.pairs += int(batch.valid[:, :batch.rows.shape[1]].sum())
+        self.last = {"step": step + 1, "lr": lr, "loss": float(parts.loss.detach()), "ce": parts.per_step,
+                     "top1": parts.top1, "grad_norm": grad_norm}
+        return parts
+
+    def after_step(self, step: int, heldout: FeatureSet | None, bar: Any) -> None:
+        """Step ``step``'s log line, held-out evaluation and checkpoint, each when due."""
+        config, total_steps = self.config, self.total_steps
+        if (step + 1) % 20 == 0 or step == 0 or step + 1 == total_steps:
+            self.log(dict(self.last, kind="train", seconds=round(time.perf_counter() - self.started, 1)))
+        if heldout is not None and ((step + 1) % config.eval_every == 0 or step + 1 == total_steps):
+            result = evaluate(self.head, self.target_head, heldout, config.ttt_steps, self.rotary, config.device)
+            self.log(dict(result, kind="eval", step=step + 1, seconds=round(time.perf_counter() - self.started, 1)))
+            bar.write(f"step {step + 1}: held-out CE per step {result['ce']}, top-1 {result['top1']}")
+        self.done = step + 1
+        if self.done % config.save_every == 0 and self.done < total_steps:
+            self.save_state()
+            self.write(final=False)
+
+
 def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eagle3Config,
                  heldout_dir: Path | None = None, progress: bool = True, resume: bool = True,
                  on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -234,105 +337,30 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     heldout = load_features(heldout_dir, config.eval_tokens) if heldout_dir else None
     if heldout is not None and heldout.aux_layers != data.aux_layers:
         raise ValueError(f"held-out rows come from layers {heldout.aux_layers}, training rows from {data.aux_layers}")
-    spec = load_spec(target_dir)
-    draft_ids = select_draft_vocab(data, config.draft_vocab, spec.vocab_size)
-    coverage = vocab_coverage(data, draft_ids, spec.vocab_size)
-    device = config.device
-    head = new_eagle3_head(target_dir, config.fusion, draft_ids, config.seed, config.layers).to(device)
-    head.train()
-    target_head = load_target_frozen(target_dir)["lm_head.weight"].float().to(device)
-    parameters = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    longest = int((data.offsets[1:] - data.offsets[:-1]).max()) + config.ttt_steps
-    table = RotaryTable(head.spec, longest, torch.float32, device)
-    rotary = (table.cos, table.sin)
-    per_epoch = max(1, batches_per_epoch(data.num_windows, config.batch_size))
-    total_steps = config.steps or max(1, math.ceil(per_epoch * config.epochs))
-    log_path = out_dir / LOG_NAME
-    state_path = out_dir / STATE_NAME
-
-    def log(record: dict[str, Any]) -> None:
-        with log_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
-
-    pairs, done, elapsed = 0, 0, 0.0
-    if resume and state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        if {"layers": 1, **state["config"]} != _settings(config):  # states from before --layers: one layer
-            raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
-        head.load_state_dict(state["head"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        pairs, done, elapsed = state["pairs"], state["step"], state["elapsed"]
-    else:
-        log_path.unlink(missing_ok=True)
-        log({"kind": "vocab", "draft_vocab": config.draft_vocab, "coverage": round(coverage, 5),
-             "aux_layers": list(data.aux_layers)})
-    started = time.perf_counter() - elapsed
-    bar = tqdm(total=total_steps, initial=done, desc=f"train {config.fusion}", unit="step", disable=not progress,
-               dynamic_ncols=True)
-    last: dict[str, Any] = {}
-    dtype = torch.float16 if config.save_dtype == "fp16" else torch.float32
-
-    def save_state() -> None:
-        temporary = state_path.with_suffix(".tmp")
-        torch.save({"config": _settings(config), "head": head.file_state_dict(), "optimizer": optimizer.state_dict(),
-                    "step": done, "pairs": pairs, "elapsed": time.perf_counter() - started}, temporary)
-        temporary.replace(state_path)
-
-    def write(final: bool) -> dict[str, Any]:
-        assert data.aux_layers is not None
-        save_eagle3_head(head, out_dir, target_dir, data.aux_layers, dtype)
-        summary = {"steps": done, "planned_steps": total_steps, "finished": final,
-                   "seconds": round(time.perf_counter() - started, 1), "train_tokens": data.num_tokens,
-                   "pairs": pairs, "draft_vocab_coverage": round(coverage, 5), "last": last,
-                   "config": dataclasses.asdict(config)}
-        (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        return summary
-
+    run = _Eagle3Run(target_dir, data, out_dir, config)
+    run.resume_or_start(resume)
+    bar = tqdm(total=run.total_steps, initial=run.done, desc=f"train {config.fusion}", unit="step",
+               disable=not progress, dynamic_ncols=True)
     try:
-        for step in range(done, total_steps):
-            epoch, index = divmod(step, per_epoch)
-            order = epoch_order(data.num_windows, config.seed, epoch)
-            windows = order[index * config.batch_size:(index + 1) * config.batch_size]
-            batch = to_device(make_eagle3_batch(data, windows, config.ttt_steps), device)
-            lr = lr_at(step, total_steps, config.lr, config.warmup, config.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=config.bf16):
-                parts = ttt_loss(head, target_head, batch, config.ttt_steps, rotary)
-            optimizer.zero_grad(set_to_none=True)
-            parts.loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.clip))
-            optimizer.step()
-            pairs += int(batch.valid[:, :batch.rows.shape[1]].sum())
-            last = {"step": step + 1, "lr": lr, "loss": float(parts.loss.detach()), "ce": parts.per_step,
-                    "top1": parts.top1, "grad_norm": grad_norm}
+        for step in range(run.done, run.total_steps):
+            parts = run.one_step(step)
             bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{parts.top1[0]:.3f}", lr=f"{lr:.1e}")
-            if (step + 1) % 20 == 0 or step == 0 or step + 1 == total_steps:
-                log(dict(last, kind="train", seconds=round(time.perf_counter() - started, 1)))
-            if heldout is not None and ((step + 1) % config.eval_every == 0 or step + 1 == total_steps):
-                result = evaluate(head, target_head, heldout, config.ttt_steps, rotary, device)
-                log(dict(result, kind="eval", step=step + 1, seconds=round(time.perf_counter() - started, 1)))
-                bar.write(f"step {step + 1}: held-out CE per step {result['ce']}, top-1 {result['top1']}")
-            done = step + 1
-            if done % config.save_every == 0 and done < total_steps:
-                save_state()
-                write(final=False)
+            bar.set_postfix(loss=f"{run.last['loss']:.3f}", top1=f"{parts.top1[0]:.3f}", lr=f"{run.last['lr']:.1e}")
+            run.after_step(step, heldout, bar)
             if on_step is not None:
-                on_step(done)
+                on_step(run.done)
     except StopTraining:
         # Stopped between steps (a deadline, a machine needed for something else): keep what was
         # learned and exactly where it stopped; the same command resumes from there.
         bar.close()
-        save_state()
-        return write(final=False)
+        run.save_state()
+        return run.write(final=False)
     except KeyboardInterrupt:
         # Stopped mid-step: an update may be half applied, so the state of the last checkpoint
         # stands (a resume repeats the steps since); the head as it is still gets written.
         bar.close()
-        return write(final=False)
+        return run.write(final=False)
     finally:
         bar.close()
-    save_state()
-    return write(final=True)
+    run.save_state()
+    return run.write(final=True)

@@ -19,7 +19,7 @@ def export_target(target_dir: Path, out_dir: Path, dtype: torch.dtype = torch.fl
     (with torch_dtype/dtype updated) and tokenizer files."""
     from safetensors.torch import save_file
 
-    from cpu_worker.model.loading import read_tensors
+    from cpu_worker.model import read_tensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.to(dtype).contiguous() for name, tensor in read_tensors(target_dir).items()}

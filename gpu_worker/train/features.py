@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cpu_worker.model import KVCache, RotaryTable
 from ipc.dtypes import torch_dtype
 
 from .corpus import Document
@@ -91,8 +92,6 @@ def window_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ...
     x = target.embed_tokens(tokens.to(device)).unsqueeze(0)
     n = x.shape[1]
     if rotary is None:
-        from cpu_worker.model.llama import RotaryTable
-
         table = RotaryTable(target.spec, n, x.dtype, device)
         rotary = (table.cos, table.sin)
     cos, sin = rotary[0][:n], rotary[1][:n]
@@ -103,6 +102,56 @@ def window_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ...
         x = layer(x, cos, sin)  # no cache: causal within the window
     aux = torch.cat([taken[index] for index in aux_layers], dim=-1) if aux_layers else None
     return target.norm(x)[0], aux
+
+
+class PrefillRows:
+    """A window's last-layer rows as ``TargetEngine.prefill`` computes them (CPU, fp32): the
+    decoder's own forward from position 0 over a KV cache of ``max_len`` slots, the same calls
+    and so the same bits, without the engine."""
+
+    def __init__(self, target: Any, max_len: int):
+        spec = target.spec
+        limit = spec.max_position_embeddings
+        if spec.sliding_window is not None:  # as the engine: no context that would need the window
+            limit = min(limit, spec.sliding_window)
+        if not 1 <= max_len <= limit:
+            raise ValueError(f"max_len must be in 1..{limit} for this model, got {max_len}")
+        self.target = target
+        self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_len, torch.float32)
+        self.rotary = RotaryTable(spec, max_len, torch.float32)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: list[int]) -> torch.Tensor:
+        count = len(tokens)
+        features, _ = self.target(torch.as_tensor(tokens, dtype=torch.long), torch.arange(count), self.cache,
+                                  self.rotary, 0, None, logits_rows=slice(count - 1, count))
+        return features
+
+
+class WindowRows:
+    """(last-layer rows, aux rows or None) of a window, stored in ``store_dtype`` on the CPU. The
+    default path (CPU, fp32, last layer only) runs as the inference engine's prefill
+    (``PrefillRows``); the others use the cache-free window forward, which runs on any device
+    and dtype."""
+
+    def __init__(self, target: Any, max_len: int, aux_layers: tuple[int, ...] | None, store_dtype: torch.dtype):
+        weight = target.embed_tokens.weight
+        on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.target = target
+        self.aux_layers = aux_layers or ()
+        self.store_dtype = store_dtype
+        self.prefill = PrefillRows(target, max_len) if aux_layers is None and on_cpu_fp32 else None
+        self.rotary = None
+        if self.prefill is None:
+            table = RotaryTable(target.spec, max_len, weight.dtype, weight.device)
+            self.rotary = (table.cos, table.sin)
+
+    def __call__(self, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.prefill is not None:
+            return self.prefill(tokens.tolist()).to(self.store_dtype), None
+        last, aux = window_forward(self.target, torch.from_numpy(tokens).long(), self.aux_layers, self.rotary)
+        stored = None if aux is None else aux.to(device="cpu", dtype=self.store_dtype)
+        return last.to(device="cpu", dtype=self.store_dtype), stored
 
 
 def extract_features(target: Any, windows: list[Window], out_dir: Path, config: dict[str, Any],
@@ -118,76 +167,24 @@ def extract_features(target: Any, windows: list[Window], out_dir: Path, config: 
     target layers (EAGLE-3's three-layer rows, ``aux`` [N, 3d]). ``dtype`` "bf16" stores bf16
     (the target then runs in bf16 too). Returns the manifest.
     """
-    from cpu_worker.engine import TargetEngine
-
     out_dir.mkdir(parents=True, exist_ok=True)
     plans = plan_shards(windows, shard_tokens)
     full_config = dict(config, dtype=dtype, shard_tokens=shard_tokens, version=FORMAT_VERSION)
     if aux_layers is not None:
         full_config["aux_layers"] = list(aux_layers)
-    manifest = read_manifest(out_dir)
-    if manifest is not None and manifest["config"] != full_config:
-        if not overwrite:
-            raise ValueError(f"{out_dir / MANIFEST} was written with different settings; use another folder "
-                             f"or --overwrite.\n  stored: {manifest['config']}\n  now:    {full_config}")
-        manifest = None
-    if manifest is None:
-        for stale in out_dir.glob("shard-*.safetensors"):
-            stale.unlink()
-        manifest = {"config": full_config, "hidden_size": int(target.spec.hidden_size), "shards": [],
-                    "complete": False}
-        if aux_layers is not None:
-            manifest["aux_layers"] = list(aux_layers)
-    done = {entry["index"]: entry for entry in manifest["shards"]}
-    # Keep only finished shards whose file is there and whose planned content is unchanged.
-    todo = []
-    kept = []
-    for plan in plans:
-        entry = done.get(plan.index)
-        if entry and entry["digest"] == plan.digest() and (out_dir / entry["file"]).exists():
-            kept.append(entry)
-        else:
-            todo.append(plan)
-    manifest["shards"] = kept
-    manifest["complete"] = False
+    manifest = _open_manifest(out_dir, full_config, int(target.spec.hidden_size), aux_layers, overwrite)
+    todo = _keep_finished(manifest, plans, out_dir)
     write_json_atomic(out_dir / MANIFEST, manifest)
 
     total_tokens = sum(p.num_tokens for p in plans)
-    skipped = sum(entry["tokens"] for entry in kept)
-    max_window = max((len(w.tokens) for w in windows), default=1)
-    on_cpu_fp32 = target.embed_tokens.weight.device.type == "cpu" and target.embed_tokens.weight.dtype == torch.float32
-    # The default path (CPU, fp32, last layer only) runs the inference engine, as before; the
-    # others use the cache-free window forward, which runs on any device and dtype.
-    engine = TargetEngine(target, max_len=max_window) if aux_layers is None and on_cpu_fp32 else None
-    rotary = None
-    if engine is None:
-        from cpu_worker.model.llama import RotaryTable
-
-        weight = target.embed_tokens.weight
-        table = RotaryTable(target.spec, max_window, weight.dtype, weight.device)
-        rotary = (table.cos, table.sin)
-    store_dtype = torch_dtype(dtype)
+    skipped = sum(entry["tokens"] for entry in manifest["shards"])
+    rows = WindowRows(target, max((len(w.tokens) for w in windows), default=1), aux_layers, torch_dtype(dtype))
     started = time.perf_counter()
     bar = tqdm(total=total_tokens, initial=skipped, unit="tok", unit_scale=True, desc="features",
                disable=not progress, dynamic_ncols=True)
     try:
         for plan in todo:
-            features, aux_rows = [], []
-            for window in plan.windows:
-                if engine is not None:
-                    features.append(engine.prefill(window.tokens.tolist()).features.to(store_dtype))
-                else:
-                    last, aux = window_forward(target, torch.from_numpy(window.tokens).long(), aux_layers or (),
-                                               rotary)
-                    features.append(last.to(device="cpu", dtype=store_dtype))
-                    if aux is not None:
-                        aux_rows.append(aux.to(device="cpu", dtype=store_dtype))
-                bar.update(len(window.tokens))
-            lengths = [len(w.tokens) for w in plan.windows]
-            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-            write_shard(out_dir / shard_name(plan.index), np.concatenate([w.tokens for w in plan.windows]),
-                        torch.cat(features), np.concatenate([w.loss_mask for w in plan.windows]), offsets,
-                        aux=torch.cat(aux_rows) if aux_rows else None)
+            _write_shard(plan, rows, out_dir, bar)
             manifest["shards"].append({"index": plan.index, "file": shard_name(plan.index),
                                        "windows": len(plan.windows), "tokens": plan.num_tokens,
                                        "digest": plan.digest()})
@@ -202,3 +199,54 @@ def extract_features(target: Any, windows: list[Window], out_dir: Path, config: 
                     seconds_this_run=round(time.perf_counter() - started, 1))
     write_json_atomic(out_dir / MANIFEST, manifest)
     return manifest
+
+
+def _open_manifest(out_dir: Path, full_config: dict[str, Any], hidden_size: int,
+                   aux_layers: tuple[int, ...] | None, overwrite: bool) -> dict[str, Any]:
+    """The folder's manifest to resume, or a new one (stale shards removed) when there is none
+    or, with ``overwrite``, when it was written with other settings."""
+    manifest = read_manifest(out_dir)
+    if manifest is not None and manifest["config"] != full_config:
+        if not overwrite:
+            raise ValueError(f"{out_dir / MANIFEST} was written with different settings; use another folder "
+                             f"or --overwrite.\n  stored: {manifest['config']}\n  now:    {full_config}")
+        manifest = None
+    if manifest is None:
+        for stale in out_dir.glob("shard-*.safetensors"):
+            stale.unlink()
+        manifest = {"config": full_config, "hidden_size": hidden_size, "shards": [], "complete": False}
+        if aux_layers is not None:
+            manifest["aux_layers"] = list(aux_layers)
+    return manifest
+
+
+def _keep_finished(manifest: dict[str, Any], plans: list[ShardPlan], out_dir: Path) -> list[ShardPlan]:
+    """Keep in ``manifest`` only finished shards whose file is there and whose planned content is
+    unchanged; returns the plans still to run."""
+    done = {entry["index"]: entry for entry in manifest["shards"]}
+    todo = []
+    kept = []
+    for plan in plans:
+        entry = done.get(plan.index)
+        if entry and entry["digest"] == plan.digest() and (out_dir / entry["file"]).exists():
+            kept.append(entry)
+        else:
+            todo.append(plan)
+    manifest["shards"] = kept
+    manifest["complete"] = False
+    return todo
+
+
+def _write_shard(plan: ShardPlan, rows: WindowRows, out_dir: Path, bar: Any) -> None:
+    features, aux_rows = [], []
+    for window in plan.windows:
+        last, aux = rows(window.tokens)
+        features.append(last)
+        if aux is not None:
+            aux_rows.append(aux)
+        bar.update(len(window.tokens))
+    lengths = [len(w.tokens) for w in plan.windows]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    write_shard(out_dir / shard_name(plan.index), np.concatenate([w.tokens for w in plan.windows]),
+                torch.cat(features), np.concatenate([w.loss_mask for w in plan.windows]), offsets,
+                aux=torch.cat(aux_rows) if aux_rows else None)

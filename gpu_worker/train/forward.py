@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_worker.model.llama import RotaryTable
+from cpu_worker.model import RotaryTable
 from gpu_worker.head import DraftHead
 
 

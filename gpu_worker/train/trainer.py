@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cpu_worker.model.loading import load_spec, resolve_model_dir
+from cpu_worker.model import load_spec, resolve_model_dir
 from gpu_worker.checkpoint import load_target_frozen, save_head
 from gpu_worker.head import DraftHead
 
@@ -108,6 +108,83 @@ def add_noise(batch: Batch, amplitude: float, generator: torch.Generator) -> tor
     return batch.features + noise
 
 
+@dataclass
+class _Run:
+    """A training run's state, what its checkpoint (``STATE_NAME``) holds, and its log."""
+
+    config: TrainConfig
+    head: DraftHead
+    parameters: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator
+    out_dir: Path
+    step: int = 0
+    elapsed: float = 0.0
+
+    def resume_or_start(self, resume: bool) -> None:
+        """Continue from the saved state when asked and there is one (same settings only), else
+        start a fresh log."""
+        state_path, log_path = self.out_dir / STATE_NAME, self.out_dir / LOG_NAME
+        if resume and state_path.exists():
+            state = torch.load(state_path, weights_only=False)
+            if state["config"] != dataclasses.asdict(self.config):
+                raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
+            self.head.load_state_dict(state["head"], strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.generator.set_state(state["generator"])
+            self.step, self.elapsed = state["step"], state["elapsed"]
+        elif log_path.exists():
+            log_path.unlink()
+
+    def save_state(self) -> None:
+        state_path = self.out_dir / STATE_NAME
+        temporary = state_path.with_suffix(".tmp")
+        torch.save({"config": dataclasses.asdict(self.config), "head": trainable_state(self.head),
+                    "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
+                    "step": self.step, "elapsed": self.elapsed}, temporary)
+        temporary.replace(state_path)
+
+    def log(self, record: dict[str, Any]) -> None:
+        with (self.out_dir / LOG_NAME).open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def one_step(self, data: FeatureSet, amplitude: float, rotary: tuple[torch.Tensor, torch.Tensor],
+                 total_steps: int) -> tuple[Any, dict[str, Any]]:
+        """One optimizer step on the run's next batch; returns its loss parts and its log record."""
+        config = self.config
+        batch = batch_at(data, self.step, config.batch_size, config.seed)
+        lr = lr_at(self.step, total_steps, config.lr, config.warmup, config.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+            predicted = train_forward(self.head, add_noise(batch, amplitude, self.generator), batch.tokens, rotary)
+            parts = draft_loss(self.head, predicted, batch.targets, batch.weight)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.clip))
+        self.optimizer.step()
+        self.step += 1
+        return parts, {"step": self.step, "lr": lr, "loss": float(parts.loss.detach()), "feature": parts.feature,
+                       "token": parts.token, "top1": parts.top1, "grad_norm": grad_norm}
+
+    def after_step(self, last: dict[str, Any], heldout: FeatureSet | None, total_steps: int, started: float,
+                   bar: Any) -> None:
+        """The step's log line, held-out evaluation and checkpoint, each when due."""
+        step, config = self.step, self.config
+        if step % 20 == 0 or step == 1 or step == total_steps:
+            self.elapsed = time.perf_counter() - started
+            self.log(dict(last, kind="train", seconds=round(self.elapsed, 1)))
+        if heldout is not None and (step % config.eval_every == 0 or step == total_steps):
+            result = evaluate_loss(self.head, heldout)
+            self.elapsed = time.perf_counter() - started
+            self.log(dict(result, kind="eval", step=step, seconds=round(self.elapsed, 1)))
+            bar.write(f"step {step}: held-out loss {result['loss']:.4f} (feature {result['feature']:.4f}, "
+                      f"token {result['token']:.3f}), top-1 {result['top1']:.3f}")
+        if step % config.save_every == 0 and step < total_steps:
+            self.elapsed = time.perf_counter() - started
+            self.save_state()
+
+
 def train(target: str | Path, train_dir: Path, out_dir: Path, config: TrainConfig,
           heldout_dir: Path | None = None, progress: bool = True, resume: bool = True,
           on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -124,79 +201,31 @@ def train(target: str | Path, train_dir: Path, out_dir: Path, config: TrainConfi
     parameters = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     amplitude = config.noise * data.feature_rms()
-    generator = torch.Generator().manual_seed(config.seed + 1)
-    log_path = out_dir / LOG_NAME
-    state_path = out_dir / STATE_NAME
-    step, elapsed = 0, 0.0
-    if resume and state_path.exists():
-        state = torch.load(state_path, weights_only=False)
-        if state["config"] != dataclasses.asdict(config):
-            raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
-        head.load_state_dict(state["head"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        step, elapsed = state["step"], state["elapsed"]
-    elif log_path.exists():
-        log_path.unlink()
-
-    def save_state() -> None:
-        temporary = state_path.with_suffix(".tmp")
-        torch.save({"config": dataclasses.asdict(config), "head": trainable_state(head),
-                    "optimizer": optimizer.state_dict(), "generator": generator.get_state(), "step": step,
-                    "elapsed": elapsed}, temporary)
-        temporary.replace(state_path)
-
-    def log(record: dict[str, Any]) -> None:
-        with log_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
-
+    run = _Run(config, head, parameters, optimizer, torch.Generator().manual_seed(config.seed + 1), out_dir)
+    run.resume_or_start(resume)
     rotary = rotary_rows(head, int((data.offsets[1:] - data.offsets[:-1]).max()))
-    bar = tqdm(total=total_steps, initial=step, desc=f"train {config.fusion}-{config.layers}", unit="step",
+    bar = tqdm(total=total_steps, initial=run.step, desc=f"train {config.fusion}-{config.layers}", unit="step",
                disable=not progress, dynamic_ncols=True)
     tokens_seen = 0
-    last = {}
-    started = time.perf_counter() - elapsed
+    last: dict[str, Any] = {}
+    started = time.perf_counter() - run.elapsed
     try:
-        while step < total_steps:
-            batch = batch_at(data, step, config.batch_size, config.seed)
-            lr = lr_at(step, total_steps, config.lr, config.warmup, config.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                predicted = train_forward(head, add_noise(batch, amplitude, generator), batch.tokens, rotary)
-                parts = draft_loss(head, predicted, batch.targets, batch.weight)
-            optimizer.zero_grad(set_to_none=True)
-            parts.loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.clip))
-            optimizer.step()
-            step += 1
+        while run.step < total_steps:
+            parts, last = run.one_step(data, amplitude, rotary, total_steps)
             tokens_seen += parts.rows
-            last = {"step": step, "lr": lr, "loss": float(parts.loss.detach()), "feature": parts.feature,
-                    "token": parts.token, "top1": parts.top1, "grad_norm": grad_norm}
             bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{parts.top1:.3f}", lr=f"{lr:.1e}")
-            if step % 20 == 0 or step == 1 or step == total_steps:
-                elapsed = time.perf_counter() - started
-                log(dict(last, kind="train", seconds=round(elapsed, 1)))
-            if heldout is not None and (step % config.eval_every == 0 or step == total_steps):
-                result = evaluate_loss(head, heldout)
-                elapsed = time.perf_counter() - started
-                log(dict(result, kind="eval", step=step, seconds=round(elapsed, 1)))
-                bar.write(f"step {step}: held-out loss {result['loss']:.4f} (feature {result['feature']:.4f}, "
-                          f"token {result['token']:.3f}), top-1 {result['top1']:.3f}")
-            if step % config.save_every == 0 and step < total_steps:
-                elapsed = time.perf_counter() - started
-                save_state()
+            bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{parts.top1:.3f}", lr=f"{last['lr']:.1e}")
+            run.after_step(last, heldout, total_steps, started, bar)
             if on_step is not None:
-                on_step(step)
+                on_step(run.step)
     finally:
         bar.close()
-    elapsed = time.perf_counter() - started
-    save_state()
+    run.elapsed = time.perf_counter() - started
+    run.save_state()
     final = head if config.save_dtype == "fp32" else copy.deepcopy(head).to(torch.float16)
     save_head(final, out_dir, include_frozen=config.include_frozen)
-    summary = {"steps": total_steps, "seconds": round(elapsed, 1), "train_tokens": data.num_tokens,
-               "pairs_per_step": round(tokens_seen / max(1, step), 1), "last": last,
+    summary = {"steps": total_steps, "seconds": round(run.elapsed, 1), "train_tokens": data.num_tokens,
+               "pairs_per_step": round(tokens_seen / max(1, run.step), 1), "last": last,
                "config": dataclasses.asdict(config)}
     (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from cpu_worker.model.llama import Attention, apply_rope
+from cpu_worker.model import Attention, apply_rope
 from gpu_worker.eagle3 import Eagle3Head
 
 

@@ -67,7 +67,7 @@ def test_aux_rows_are_the_residual_streams_entering_the_layers(deep_target):
     from transformers import AutoModelForCausalLM
 
     from cpu_worker.engine import TargetEngine
-    from cpu_worker.model.loading import load_target_model
+    from cpu_worker.target_loading import load_target_model
 
     layers = (0, 2, 5)
     model = load_target_model(deep_target)
@@ -125,7 +125,7 @@ def test_the_tree_holds_target_ids_chosen_over_the_draft_vocabulary(tmp_path):
     """The root's children are the head's top-k draft ids mapped through d2t, and every node is
     in the draft vocabulary (a tree of raw draft ids would sit in 0..Vd-1)."""
     from cpu_worker.engine import TargetEngine
-    from cpu_worker.model.loading import load_target_model
+    from cpu_worker.target_loading import load_target_model
     from gpu_worker.drafter import Drafter
     from ipc.tree import TreeShape
 
@@ -300,7 +300,7 @@ def subset_pair(tmp_path_factory):
     """The test_sampling target shape (8-token vocabulary, sharpened lm_head) with 4 layers, and
     a random EAGLE-3 head whose draft vocabulary is 5 of the 8 tokens."""
     from cpu_worker.engine import TargetEngine
-    from cpu_worker.model.loading import load_target_model
+    from cpu_worker.target_loading import load_target_model
     from gpu_worker.drafter import Drafter
 
     root = tmp_path_factory.mktemp("eagle3-sampling")

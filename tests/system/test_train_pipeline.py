@@ -13,10 +13,10 @@ import torch
 from click.testing import CliRunner
 
 from cpu_worker.engine import TargetEngine, greedy_decode
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
+from dovetail_runtime.train_cli import main as train_cli
 from gpu_worker.checkpoint import load_head
 from gpu_worker.drafter import Drafter
-from gpu_worker.train.cli import main as train_cli
 from gpu_worker.train.shards import load_features
 from gpu_worker.train.trainer import TrainConfig, evaluate_loss, new_head, train
 from ipc.tree import TreeShape

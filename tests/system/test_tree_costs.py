@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
 from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
 from gpu_worker.draft_cost import measure_draft_ms
 from gpu_worker.drafter import DraftContextError, Drafter

@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from cpu_worker.model.llama import LlamaSpec, RotaryTable
+from dovetail_runtime.train_cli import main as train_cli
 from gpu_worker.eagle3 import Eagle3Head
-from gpu_worker.train.cli import main as train_cli
 from gpu_worker.train.eagle3_io import load_eagle3_head
 from gpu_worker.train.eagle3_trainer import make_eagle3_batch, new_eagle3_head, select_draft_vocab, ttt_loss
 from gpu_worker.train.shards import FeatureSet, load_features
@@ -275,7 +275,7 @@ def test_sigterm_stops_the_cli_run_at_a_step_boundary(tmp_path, deep_target, aux
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged_before_training(monkeypatch, capsys):
     """A 2-core EPYC (AVX2 only) ran a dgf-eagle3 step at --bf16 in 212 s: the run says so up front."""
     from cpu_worker import precision
-    from gpu_worker.train import cli
+    from dovetail_runtime import train_cli as cli
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     assert cli.warn_if_bf16_is_emulated(True, "cpu")

@@ -1,27 +1,24 @@
 """fp32 targets on MKL's packed sgemm where its rows are independent of their call-mates (Intel
 CPUs; checked at load), else on our row kernel (``test_fp32_rows``): a tree node's logits equal
-the decode logits of the same prefix bit for bit (``F.linear`` differs by ~1e-6), and dovetail
-gives exactly --mode ar's tokens at fp32. Whether MKL's packed rows are independent depends on
-the CPU (on AMD EPYC they are not), so these tests hold the load-time check to the truth on
-whatever CPU runs them, and test the packing's mechanics with the check's verdict given."""
+the decode logits of the same prefix bit for bit (``F.linear`` differs by ~1e-6), so dovetail
+gives exactly --mode ar's tokens at fp32 (tests/system/test_fp32_runtime.py). Whether MKL's
+packed rows are independent depends on the CPU (on AMD EPYC they are not), so these tests hold
+the load-time check to the truth on whatever CPU runs them, and test the packing's mechanics
+with the check's verdict given."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
 from test_int8 import worst_tree_vs_decode_gap
-from test_runtime_e2e import CODE_PROMPTS
 from torch import nn
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import fp32_packed
 from cpu_worker.kernels.fp32_packed import PackedFp32Linear, pack_fp32_linears, rows_are_independent
-from cpu_worker.model.loading import load_target_model, weight_bytes
-
-from runtime_harness import dovetail_run
+from cpu_worker.target_loading import load_target_model, weight_bytes
 
 
 def rows_match_alone(layer: nn.Module, rows: torch.Tensor) -> bool:
@@ -113,18 +110,3 @@ def test_the_check_catches_a_kernel_whose_rows_depend_on_their_call_mates(monkey
                         lambda self, x: packed_forward(self, x) * (1 + 1e-6 * x.shape[0]))
     ok, why = rows_are_independent(weight)
     assert not ok and "rows share the call" in why
-
-
-def test_fp32_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft):
-    prompt_file = tmp_path / "code.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
-    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--compare-ar", "--json",
-                        "--prompt-file", str(prompt_file), "--max-new-tokens", "64", "--log-level", "info")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert ("target: fp32 (mkl-packed)" in done.stderr or "target: fp32 (dovetail-fp32)" in done.stderr)
-    assert "trees verified bit-exact" in done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(lines) == len(CODE_PROMPTS)
-    for line in lines:
-        assert line["ar"]["same_tokens"], f"fp32 dovetail differs from fp32 ar for {line['prompt']!r}"
-        assert line["stats"]["tau"] > 1.5

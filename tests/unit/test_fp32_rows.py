@@ -25,7 +25,7 @@ from cpu_worker.kernels.fp32_rows import (
     prompt_rows,
     use_fp32_row_kernel,
 )
-from cpu_worker.model.loading import load_target_model, weight_bytes
+from cpu_worker.target_loading import load_target_model, weight_bytes
 from ipc.tree import MAX_TREE_TOKENS
 
 

@@ -10,8 +10,8 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.int8 import RowwiseInt8Linear, quantize_linears
 from cpu_worker.model.fusion import fuse_projections
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import apply_precision
+from cpu_worker.target_loading import load_target_model
 
 
 def _logits(model, tokens: list[int], tree: tuple[list[int], list[int]]) -> torch.Tensor:

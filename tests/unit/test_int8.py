@@ -1,26 +1,23 @@
 """int8 targets stay lossless: W8A8 with per-row activation scales gives a row the same bits
 whatever rows share its call, attention verifies tree rows one by one with the decode's own
-call, so a tree node's logits equal the decode logits of the same prefix bit for bit, and
-dovetail gives exactly --mode ar's tokens at int8."""
+call, so a tree node's logits equal the decode logits of the same prefix bit for bit (that
+dovetail then gives exactly --mode ar's tokens at int8: tests/system/test_int8_runtime.py)."""
 
 from __future__ import annotations
 
-import json
 import random
 import warnings
 
 import pytest
 import torch
-from test_runtime_e2e import CODE_PROMPTS
 from torch import nn
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels.int8 import RowwiseInt8Linear, quantize_linears
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import apply_precision
 from cpu_worker.server import build_engine
+from cpu_worker.target_loading import load_target_model
 
-from runtime_harness import dovetail_run
 from tree_paths import path_to
 
 
@@ -117,24 +114,6 @@ def test_tree_logits_equal_decode_logits_bit_for_bit_at_int8(demo_target):
         TargetEngine(per_tensor_int8(load_target_model(demo_target)), max_len=128, exact_tree=True))
     print(f"int8 worst |tree - decode| logit: batched attention {batched:.4f}, per-tensor scales {per_tensor:.4f}")
     assert batched > 0 and per_tensor > 0.1
-
-
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft, kv_dtype):
-    prompt_file = tmp_path / "code.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
-    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "int8",
-                        "--kv-dtype", kv_dtype, "--compare-ar", "--json", "--prompt-file", str(prompt_file),
-                        "--max-new-tokens", "64", "--max-len", "2048", "--log-level", "info")
-    assert done.returncode == 0, done.stderr[-3000:]
-    # The cache reported at startup: 6 layers x (K, V) x 2048 slots x 4 heads x 64, at 4 or 2 bytes.
-    name, size = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}[kv_dtype]
-    assert f"KV cache {name} {6 * 2 * 2048 * 256 * size / 1e9:.2f} GB" in done.stderr, done.stderr[-3000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(lines) == len(CODE_PROMPTS)
-    for line in lines:
-        assert line["ar"]["same_tokens"], f"int8 dovetail differs from int8 ar for {line['prompt']!r}"
-        assert line["stats"]["tau"] > 1.5
 
 
 def test_kv_cache_dtype_choice(monkeypatch):

@@ -18,8 +18,8 @@ from cpu_worker.cores import cpu_flags
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.int8 import RowwiseInt8Linear, _quantize_per_row, _torch_quantize_rows
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.precision import activation_dtype
+from cpu_worker.target_loading import load_target_model
 
 
 def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:

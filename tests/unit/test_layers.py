@@ -1,4 +1,5 @@
-"""The code's layers (DESIGN.md 11): imports point down, and the coordinator side has no torch."""
+"""The code's layers (DESIGN.md 11): imports point down, between packages and between the rooms
+of cpu_worker; gpu_worker uses only cpu_worker's model box; the coordinator side has no torch."""
 
 from __future__ import annotations
 
@@ -14,24 +15,51 @@ ROOT = Path(__file__).resolve().parents[2]
 MAY_IMPORT = {
     "ipc": {"ipc"},
     "cpu_worker": {"ipc", "cpu_worker"},
-    "gpu_worker": {"ipc", "cpu_worker", "gpu_worker"},  # the head reuses the target's decoder layers
+    "gpu_worker": {"ipc", "cpu_worker", "gpu_worker"},  # the model box only (CPU_WORKER_ROOMS_FOR_GPU)
     "dovetail_runtime": {"ipc", "cpu_worker", "gpu_worker", "dovetail_runtime"},
     "tools": {"ipc", "cpu_worker", "gpu_worker", "dovetail_runtime", "tools"},
 }
 
 
-def imported_packages(path: Path) -> set[str]:
-    """Our top-level packages that a module imports, wherever the import statement sits."""
+# cpu_worker's rooms, bottom up: the C kernels and their loader, the layer kernels, the model both
+# workers build, and the engine side (everything else); cores and threads are leaf utilities.
+CPU_WORKER_ROOMS = ("native", "kernels", "model", "engine")
+LEAF_UTILITIES = {"cpu_worker.cores", "cpu_worker.threads"}
+# What gpu_worker may use of cpu_worker; its server also places its threads with the leaf utilities.
+CPU_WORKER_ROOMS_FOR_GPU = {"model"}
+GPU_SERVER = "gpu_worker/server.py"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The absolute modules a file imports, wherever the statement sits; ``from a import b``
+    counts as ``a.b`` too (b may be a module)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found.update(name.split(".")[0] for name in names if name.split(".")[0] in MAY_IMPORT)
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Our top-level packages that a module imports, wherever the import statement sits."""
+    return {name.split(".")[0] for name in imported_modules(path) if name.split(".")[0] in MAY_IMPORT}
+
+
+def cpu_worker_room(module: str) -> str | None:
+    """The room of a cpu_worker module ("leaf" for cores/threads, None for the package itself)."""
+    parts = module.split(".")
+    if parts[0] != "cpu_worker" or len(parts) == 1:
+        return None
+    if ".".join(parts[:2]) in LEAF_UTILITIES:  # the module, or a name imported from it
+        return "leaf"
+    return parts[1] if parts[1] in CPU_WORKER_ROOMS[:3] else "engine"
+
+
+def cpu_worker_rooms_used(path: Path) -> set[str]:
+    return {room for room in map(cpu_worker_room, imported_modules(path)) if room is not None}
 
 
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))
@@ -48,6 +76,54 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
     module = tmp_path / "bad.py"
     module.write_text("def f():\n    from dovetail_runtime.coordinator import Coordinator\n")
     assert imported_packages(module) == {"dovetail_runtime"}
+
+
+@pytest.mark.parametrize("room", CPU_WORKER_ROOMS[:3])
+def test_cpu_worker_rooms_import_only_rooms_below(room):
+    """native < kernels < model < the engine side: the C loader and the layer kernels never
+    import the model or the engine, the model never imports the engine."""
+    below = set(CPU_WORKER_ROOMS[:CPU_WORKER_ROOMS.index(room) + 1]) | {"leaf"}
+    wrong = {}
+    for path in sorted((ROOT / "cpu_worker" / room).rglob("*.py")):
+        upward = cpu_worker_rooms_used(path) - below
+        if upward:
+            wrong[str(path.relative_to(ROOT))] = sorted(upward)
+    assert wrong == {}, f"modules of cpu_worker/{room} importing rooms above it: {wrong}"
+
+
+def test_gpu_worker_uses_only_the_model_box_of_cpu_worker():
+    wrong = {}
+    for path in sorted((ROOT / "gpu_worker").rglob("*.py")):
+        allowed = CPU_WORKER_ROOMS_FOR_GPU | ({"leaf"} if path == ROOT / GPU_SERVER else set())
+        outside = cpu_worker_rooms_used(path) - allowed
+        if outside:
+            wrong[str(path.relative_to(ROOT))] = sorted(outside)
+    assert wrong == {}, f"gpu_worker modules importing cpu_worker beyond its model box: {wrong}"
+
+
+def test_cpu_worker_never_imports_the_draft_side():
+    wrong = {str(path.relative_to(ROOT)) for path in sorted((ROOT / "cpu_worker").rglob("*.py"))
+             if "gpu_worker" in imported_packages(path)}
+    assert wrong == set()
+
+
+@pytest.mark.parametrize("package", ["ipc", "cpu_worker", "gpu_worker", "dovetail_runtime"])
+def test_installed_packages_never_import_tools(package):
+    """tools/ is run from a checkout and not installed: nothing installed may need it."""
+    wrong = {str(path.relative_to(ROOT)) for path in sorted((ROOT / package).rglob("*.py"))
+             if "tools" in imported_packages(path)}
+    assert wrong == set()
+
+
+def test_the_room_check_names_the_rooms(tmp_path):
+    module = tmp_path / "mixed.py"
+    module.write_text("from cpu_worker.model import LlamaDecoder\nfrom cpu_worker import engine, cores\n"
+                      "import cpu_worker.kernels.int8\nfrom cpu_worker.native import loader\n"
+                      "def f():\n    from cpu_worker.target_loading import load_target_model\n")
+    assert cpu_worker_rooms_used(module) == {"model", "engine", "leaf", "kernels", "native"}
+    assert cpu_worker_room("cpu_worker.model.model_dir") == "model"
+    assert cpu_worker_room("cpu_worker.precision") == "engine"
+    assert cpu_worker_room("cpu_worker.threads.apply_placement") == "leaf"
 
 
 def test_client_cli_and_coordinator_import_no_torch():

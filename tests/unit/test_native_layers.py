@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import int8_kernel, layer_ops
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.server import build_engine
+from cpu_worker.target_loading import load_target_model
 
 PROMPT = [5, 17, 230, 41, 9, 300, 77, 12, 8, 150, 33, 64]
 TREE_TOKENS = [40, 41, 42, 43, 44, 45, 46]

@@ -408,7 +408,7 @@ def tiny_pair(tmp_path_factory):
     """A target with an 8-token vocabulary (lm_head sharpened so few continuations carry the
     mass) and an untrained 1-layer draft head for it."""
     from cpu_worker.engine import TargetEngine
-    from cpu_worker.model.loading import load_target_model
+    from cpu_worker.target_loading import load_target_model
     from gpu_worker.drafter import Drafter
 
     from conftest import save_random_head, save_tiny_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cpu_worker.engine import ContextOverflowError, TargetEngine, greedy_decode
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
 
 from conftest import TINY_FAMILIES, save_tiny_model
 from tree_paths import path_to

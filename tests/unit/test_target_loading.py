@@ -11,8 +11,9 @@ import torch
 
 from cpu_worker.cores import CoreSpecError, parse_core_list
 from cpu_worker.engine import TargetEngine, greedy_decode
-from cpu_worker.model.loading import ModelLoadError, load_target_model
+from cpu_worker.model import ModelLoadError
 from cpu_worker.precision import apply_precision
+from cpu_worker.target_loading import load_target_model
 
 from conftest import TINY_FAMILIES, save_tiny_model
 

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.model.loading import load_target_model
+from cpu_worker.target_loading import load_target_model
+from dovetail_runtime.train_cli import main as train_cli
 from gpu_worker.checkpoint import load_head
-from gpu_worker.train.cli import main as train_cli
 
 from conftest import save_random_head
 from test_train_support import tiny_target  # noqa: F401 (fixture)

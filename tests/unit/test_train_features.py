@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from cpu_worker.model.loading import load_target_model
-from gpu_worker.train.cli import main as train_cli
+from cpu_worker.target_loading import load_target_model
+from dovetail_runtime.train_cli import main as train_cli
 from gpu_worker.train.corpus import expand_inputs, folder_files, is_heldout, read_documents
 from gpu_worker.train.data import make_batch
 from gpu_worker.train.features import cut_windows, extract_features
@@ -114,6 +114,24 @@ def test_features_are_the_targets_final_hidden_states(tmp_path, tiny_target, tin
     torch.testing.assert_close(feats, hidden, rtol=1e-4, atol=1e-4)
     assert data.features.dtype == torch.float32
     assert data.num_tokens == sum(len(w.tokens) for w in windows)
+
+
+def test_stored_features_are_the_engines_prefill_bit_for_bit(tmp_path, demo_target):
+    """Extraction runs on the model box alone (no cpu_worker.engine): its rows equal what the
+    target engine's prefill gives each window, bit for bit, windows of every length included."""
+    from cpu_worker.engine import TargetEngine
+    from gpu_worker.train.features import Window
+
+    model = load_target_model(demo_target).eval()
+    generator = torch.Generator().manual_seed(0)
+    lengths = [2, 7, 64, 130]
+    windows = [Window(torch.randint(0, model.spec.vocab_size, (n,), generator=generator).int().numpy(),
+                      torch.ones(n, dtype=torch.bool).numpy()) for n in lengths]
+    extract_features(model, windows, tmp_path / "f", {}, dtype="fp32", progress=False)
+    data = load_features(tmp_path / "f")
+    engine = TargetEngine(model, max_len=max(lengths))
+    for index, window in enumerate(windows):
+        assert torch.equal(data.window(index)[1], engine.prefill(window.tokens.tolist()).features)
 
 
 def test_text_files_are_wrapped_and_windowed(tiny_target, tiny_corpus):

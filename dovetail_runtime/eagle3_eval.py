@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from cpu_worker.engine import TargetEngine
+from dovetail_runtime.draft_eval import TauResult
 from gpu_worker.drafter import Drafter
 from gpu_worker.eagle3 import Eagle3Head
 from ipc.tree import TreeShape
-
-from .evaluate import TauResult
 
 
 class AuxRows:

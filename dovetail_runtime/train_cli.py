@@ -1,12 +1,22 @@
-"""``dovetail-train``: features -> train -> eval for a draft head (DESIGN.md sections 7, 10)."""
+"""``dovetail-train``: features -> train -> eval for a draft head (DESIGN.md sections 7, 10).
+
+The commands compose what lives below: features and training in ``gpu_worker.train`` (the
+model box alone), ``eval`` in ``dovetail_runtime.draft_eval`` (the whole draft/verify cycle).
+Each command's options arrive as one typed settings object.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
+
+ConfigT = TypeVar("ConfigT")
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 
@@ -101,47 +111,89 @@ def main() -> None:
 @click.option("--shard-tokens", type=click.IntRange(min=1), default=131072, help="Tokens per shard (resume unit).")
 @click.option("--overwrite", is_flag=True, help="Start over if the folder holds features made with other settings.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
-def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_field, chat_template, window, dtype,
-             aux_layers, device, max_tokens, shuffle_seed, shard_tokens, overwrite, threads) -> None:
+def features(**options: Any) -> None:
     """Run the target over a corpus and store token ids + last hidden states (after the final norm)."""
+    run_features(FeatureSettings(**options))
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """``dovetail-train features``' options."""
+
+    target: str
+    out_dir: Path
+    inputs: tuple[str, ...]
+    stdlib: bool
+    pattern: str
+    exclude: tuple[str, ...]
+    split: str
+    text_field: str
+    chat_template: bool
+    window: int
+    dtype: str
+    aux_layers: str | None
+    device: str
+    max_tokens: int | None
+    shuffle_seed: int
+    shard_tokens: int
+    overwrite: bool
+    threads: int
+
+
+def run_features(settings: FeatureSettings) -> None:
+    import torch
     from transformers import AutoTokenizer
 
-    from cpu_worker.model.loading import load_spec, load_target_model, resolve_model_dir
+    from cpu_worker.model import load_decoder, load_spec, resolve_model_dir
+    from gpu_worker.train.corpus import STDLIB_EXCLUDE, STDLIB_PATTERN, expand_inputs, shuffled, stdlib_root
+    from gpu_worker.train.features import extract_features, folder_bytes
 
-    from .corpus import STDLIB_EXCLUDE, STDLIB_PATTERN, expand_inputs, read_documents, shuffled, stdlib_root
-    from .features import cut_windows, extract_features, folder_bytes
-
-    set_threads(threads)
-    if stdlib:
+    set_threads(settings.threads)
+    inputs, pattern, exclude = settings.inputs, settings.pattern, settings.exclude
+    if settings.stdlib:
         inputs = (str(stdlib_root()),) + tuple(inputs)
         pattern, exclude = STDLIB_PATTERN, tuple(exclude) + STDLIB_EXCLUDE
     if not inputs:
         raise click.UsageError("give --input (repeatable) or --stdlib")
-    target_dir = resolve_model_dir(target)
-    check_device(device)
-    aux = parse_aux_layers(aux_layers, load_spec(target_dir).num_layers)
-    files = expand_inputs(inputs, pattern, exclude, None if split == "all" else split)
+    target_dir = resolve_model_dir(settings.target)
+    check_device(settings.device)
+    spec = load_spec(target_dir)
+    aux = parse_aux_layers(settings.aux_layers, spec.num_layers)
+    split = None if settings.split == "all" else settings.split
+    files = expand_inputs(inputs, pattern, exclude, split)
     if not files:
         raise click.UsageError("the inputs name no files")
-    files = shuffled(files, None if shuffle_seed < 0 else shuffle_seed)
+    files = shuffled(files, None if settings.shuffle_seed < 0 else settings.shuffle_seed)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    from tqdm import tqdm
-
-    with tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True) as bar:  # closed even when capped early
-        documents = read_documents(bar, tokenizer, text_field=text_field, chat_template=chat_template)
-        windows = cut_windows(documents, window, max_tokens)
-    if not windows:
-        raise click.UsageError("the inputs hold no window of 2 or more tokens")
+    windows = _windows(files, tokenizer, settings)
     config = {"target": str(target_dir.resolve()), "inputs": [str(Path(i).resolve()) for i in inputs],
-              "pattern": pattern, "exclude": list(exclude), "split": split, "text_field": text_field,
-              "chat_template": chat_template, "window": window, "max_tokens": max_tokens,
-              "shuffle_seed": shuffle_seed, "files": len(files)}
-    model = load_target_model(target_dir, precision="bf16" if dtype == "bf16" else "fp32").eval().to(device)
-    manifest = extract_features(model, windows, out_dir, config, dtype=dtype, shard_tokens=shard_tokens,
-                                overwrite=overwrite, aux_layers=aux)
+              "pattern": pattern, "exclude": list(exclude), "split": settings.split,
+              "text_field": settings.text_field, "chat_template": settings.chat_template, "window": settings.window,
+              "max_tokens": settings.max_tokens, "shuffle_seed": settings.shuffle_seed, "files": len(files)}
+    # The target in bf16 for bf16 features, else in fp32 (no int8 here: features are the target's own).
+    dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
+    model = load_decoder(target_dir, dtype, spec=spec).to(settings.device)
+    manifest = extract_features(model, windows, settings.out_dir, config, dtype=settings.dtype,
+                                shard_tokens=settings.shard_tokens, overwrite=settings.overwrite, aux_layers=aux)
     click.echo(f"{manifest['tokens']:,} tokens in {manifest['windows']:,} windows from {len(files):,} files "
                f"({manifest['loss_tokens']:,} with loss), {len(manifest['shards'])} shards; "
-               f"disk use {human_bytes(folder_bytes(out_dir))} in {out_dir}")
+               f"disk use {human_bytes(folder_bytes(settings.out_dir))} in {settings.out_dir}")
+
+
+def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> list[Any]:
+    """The corpus tokenized and cut into windows, with a progress bar; a usage error when none."""
+    from tqdm import tqdm
+
+    from gpu_worker.train.corpus import read_documents
+    from gpu_worker.train.features import cut_windows
+
+    with tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True) as bar:  # closed even when capped early
+        documents = read_documents(bar, tokenizer, text_field=settings.text_field,
+                                   chat_template=settings.chat_template)
+        windows = cut_windows(documents, settings.window, settings.max_tokens)
+    if not windows:
+        raise click.UsageError("the inputs hold no window of 2 or more tokens")
+    return windows
 
 
 @main.command(context_settings=CONTEXT)
@@ -190,64 +242,104 @@ def features(target, out_dir, inputs, stdlib, pattern, exclude, split, text_fiel
               "the target folder).")
 @click.option("--restart", is_flag=True, help="Ignore an existing train_state.pt in --out.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
-def train(target, train_dir, heldout_dir, out_dir, recipe, fusion, draft_vocab, ttt_steps, device, layers,
-          batch_size, lr, warmup, min_lr_ratio, weight_decay, clip, noise, epochs, steps, max_tokens, eval_every,
-          eval_tokens, save_every, seed, bf16, save_dtype, include_frozen, restart, threads) -> None:
+def train(**options: Any) -> None:
     """Train a draft head on stored features; the result loads with dovetail-run --draft OUT."""
-    from .trainer import TrainConfig
-    from .trainer import train as run_training
-
-    set_threads(threads)
-    check_device(device)
-    warn_if_bf16_is_emulated(bf16, device)
-    if recipe != "eagle1":
-        from .eagle3_trainer import Eagle3Config, StopTraining, train_eagle3
-
-        eagle3 = Eagle3Config(fusion=recipe, layers=layers, draft_vocab=draft_vocab, ttt_steps=ttt_steps,
-                              batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio, warmup=warmup,
-                              weight_decay=weight_decay, clip=clip, epochs=epochs, steps=steps,
-                              max_tokens=max_tokens, eval_every=eval_every, eval_tokens=eval_tokens,
-                              save_every=save_every, seed=seed, bf16=bf16, save_dtype=save_dtype, device=device)
-        import signal
-
-        stop_requested = False
-
-        def stop(_signum: int, _frame: object) -> None:
-            nonlocal stop_requested
-            if stop_requested:  # asked twice: stop now (the last checkpoint's state stands)
-                raise KeyboardInterrupt
-            stop_requested = True  # at the end of this step: the state saved there resumes exactly
-
-        def between_steps(_step: int) -> None:
-            if stop_requested:
-                raise StopTraining
-
-        # SIGTERM too: a background job started by a script ignores SIGINT.
-        previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            result = train_eagle3(target, train_dir, out_dir, eagle3, heldout_dir=heldout_dir,
-                                  resume=not restart, on_step=between_steps)
-        except ValueError as error:
-            raise click.UsageError(str(error)) from None
-        finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
-        stopped = "" if result["finished"] else \
-            f" (stopped early: {result['steps']} of {result['planned_steps']} steps)"
-        click.echo(f"{result['steps']} steps{stopped} in {result['seconds']:.0f} s on {result['train_tokens']:,} "
-                   "tokens "
-                   f"(draft vocabulary covers {result['draft_vocab_coverage']:.2%} of them); head written to {out_dir}")
+    settings = TrainSettings(**options)
+    set_threads(settings.threads)
+    check_device(settings.device)
+    warn_if_bf16_is_emulated(settings.bf16, settings.device)
+    if settings.recipe != "eagle1":
+        run_eagle3_training(settings)
         return
-    if device != "cpu":
+    from gpu_worker.train.trainer import TrainConfig
+    from gpu_worker.train.trainer import train as run_training
+
+    if settings.device != "cpu":
         raise click.UsageError("--device cuda is for the eagle3 recipes")
-    config = TrainConfig(fusion=fusion, layers=layers, batch_size=batch_size, lr=lr, min_lr_ratio=min_lr_ratio,
-                         warmup=warmup, weight_decay=weight_decay, clip=clip, noise=noise, epochs=epochs,
-                         steps=steps, max_tokens=max_tokens, eval_every=eval_every, eval_tokens=eval_tokens,
-                         save_every=save_every, seed=seed, bf16=bf16, save_dtype=save_dtype,
-                         include_frozen=include_frozen)
-    summary = run_training(target, train_dir, out_dir, config, heldout_dir=heldout_dir, resume=not restart)
+    config = config_from(TrainConfig, settings)
+    summary = run_training(settings.target, settings.train_dir, settings.out_dir, config,
+                           heldout_dir=settings.heldout_dir, resume=not settings.restart)
     click.echo(f"{summary['steps']} steps in {summary['seconds']:.0f} s on {summary['train_tokens']:,} tokens; "
-               f"head written to {out_dir}")
+               f"head written to {settings.out_dir}")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """``dovetail-train train``'s options (the recipes' configs take theirs by name)."""
+
+    target: str
+    train_dir: Path
+    heldout_dir: Path | None
+    out_dir: Path
+    recipe: str
+    fusion: str
+    draft_vocab: int
+    ttt_steps: int
+    device: str
+    layers: int
+    batch_size: int
+    lr: float
+    warmup: int
+    min_lr_ratio: float
+    weight_decay: float
+    clip: float
+    noise: float
+    epochs: float
+    steps: int | None
+    max_tokens: int | None
+    eval_every: int
+    eval_tokens: int
+    save_every: int
+    seed: int
+    bf16: bool
+    save_dtype: str
+    include_frozen: bool
+    restart: bool
+    threads: int
+
+
+def config_from(config_type: type[ConfigT], settings: Any, **overrides: Any) -> ConfigT:
+    """A config dataclass with each field taken from the settings field of its name, or from ``overrides``."""
+    names = [field.name for field in dataclasses.fields(config_type)]  # type: ignore[arg-type]
+    values = {name: getattr(settings, name) for name in names if name not in overrides}
+    return config_type(**values, **overrides)
+
+
+def run_eagle3_training(settings: TrainSettings) -> None:
+    """The eagle3 / dgf-eagle3 recipes; SIGTERM or Ctrl-C stops at the end of the step (resumable)."""
+    import signal
+
+    from gpu_worker.train.eagle3_trainer import Eagle3Config, StopTraining, train_eagle3
+
+    eagle3 = config_from(Eagle3Config, settings, fusion=settings.recipe)
+    stop_requested = False
+
+    def stop(_signum: int, _frame: object) -> None:
+        nonlocal stop_requested
+        if stop_requested:  # asked twice: stop now (the last checkpoint's state stands)
+            raise KeyboardInterrupt
+        stop_requested = True  # at the end of this step: the state saved there resumes exactly
+
+    def between_steps(_step: int) -> None:
+        if stop_requested:
+            raise StopTraining
+
+    # SIGTERM too: a background job started by a script ignores SIGINT.
+    previous = {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = train_eagle3(settings.target, settings.train_dir, settings.out_dir, eagle3,
+                              heldout_dir=settings.heldout_dir, resume=not settings.restart, on_step=between_steps)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    stopped = "" if result["finished"] else \
+        f" (stopped early: {result['steps']} of {result['planned_steps']} steps)"
+    click.echo(f"{result['steps']} steps{stopped} in {result['seconds']:.0f} s on {result['train_tokens']:,} "
+               "tokens "
+               f"(draft vocabulary covers {result['draft_vocab_coverage']:.2%} of them); head written to "
+               f"{settings.out_dir}")
 
 
 def parse_tree(value: str) -> tuple[int, int, int]:
@@ -276,45 +368,63 @@ def parse_tree(value: str) -> tuple[int, int, int]:
 @click.option("--tree", "trees", multiple=True, help="Extra tree settings T,DEPTH,TOP_K (repeatable), e.g. 7,4,4.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
-def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_tokens, tree_tokens, depth, top_k,
-             trees, as_json, threads) -> None:
+def evaluate(**options: Any) -> None:
     """Greedy tau of a head (testbed protocol by default), checked lossless against the target."""
+    run_eval(EvalSettings(**options))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """``dovetail-train eval``'s options."""
+
+    target: str
+    draft: str
+    inputs: tuple[str, ...]
+    pattern: str
+    split: str
+    files: int | None
+    prompt_tokens: int
+    new_tokens: int
+    tree_tokens: int
+    depth: int
+    top_k: int
+    trees: tuple[str, ...]
+    as_json: bool
+    threads: int
+
+
+def run_eval(settings: EvalSettings) -> None:
     from transformers import AutoTokenizer
 
     from cpu_worker.engine import TargetEngine
-    from cpu_worker.model.loading import load_target_model, resolve_model_dir
+    from cpu_worker.model import resolve_model_dir
+    from cpu_worker.target_loading import load_target_model
+    from dovetail_runtime.draft_eval import format_table, measure_tau
     from gpu_worker.drafter import Drafter
+    from gpu_worker.train.eagle3_io import is_eagle3_folder
     from ipc.tree import TreeShape
 
-    from .corpus import expand_inputs, stdlib_files, stdlib_root
-    from .eagle3_io import is_eagle3_folder
-    from .evaluate import file_prompts, format_table, measure_tau
-
-    set_threads(threads)
-    target_dir = resolve_model_dir(target)
+    set_threads(settings.threads)
+    target_dir = resolve_model_dir(settings.target)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    if inputs:
-        paths, root = expand_inputs(inputs, pattern, (), None if split == "all" else split), None
-    else:
-        root = stdlib_root()
-        paths = stdlib_files(None if split == "all" else split, root)
-    prompts = file_prompts(paths, tokenizer, prompt_tokens, files, root)
-    if not prompts:
-        raise click.UsageError(f"no file has more than {prompt_tokens} tokens")
-    settings = [(tree_tokens, depth, top_k)] + [parse_tree(value) for value in trees]
+    prompts = _eval_prompts(tokenizer, settings)
+    trees = [(settings.tree_tokens, settings.depth, settings.top_k)] + [parse_tree(value) for value in settings.trees]
     model = load_target_model(target_dir).eval()
-    room = prompt_tokens + new_tokens + max(t for t, _, _ in settings) + 1
+    room = settings.prompt_tokens + settings.new_tokens + max(t for t, _, _ in trees) + 1
     engine = TargetEngine(model, max_len=room)
-    scratch = max(TreeShape.clamped(*setting).scratch_slots for setting in settings)
-    if is_eagle3_folder(draft):
-        results = eagle3_tau(engine, draft, target_dir, prompts, new_tokens, tokenizer.eos_token_id, settings,
+    scratch = max(TreeShape.clamped(*tree).scratch_slots for tree in trees)
+    eos = tokenizer.eos_token_id
+    if is_eagle3_folder(settings.draft):
+        results = eagle3_tau(engine, settings.draft, target_dir, prompts, settings.new_tokens, eos, trees,
                              room, scratch)
     else:
-        drafter = Drafter.from_pretrained(draft, target_dir, max_len=room, device="cpu", scratch_len=scratch)
-        results = measure_tau(engine, drafter, prompts, new_tokens, tokenizer.eos_token_id, settings)
-    if as_json:
-        click.echo(json.dumps({"target": str(target_dir), "draft": str(draft), "prompt_tokens": prompt_tokens,
-                               "new_tokens": new_tokens, "results": [r.as_dict() for r in results]}, indent=1))
+        drafter = Drafter.from_pretrained(settings.draft, target_dir, max_len=room, device="cpu",
+                                          scratch_len=scratch)
+        results = measure_tau(engine, drafter, prompts, settings.new_tokens, eos, trees)
+    if settings.as_json:
+        click.echo(json.dumps({"target": str(target_dir), "draft": str(settings.draft),
+                               "prompt_tokens": settings.prompt_tokens, "new_tokens": settings.new_tokens,
+                               "results": [r.as_dict() for r in results]}, indent=1))
         return
     click.echo(format_table(results))
     ties = sum(len(r.near_ties) for r in results)
@@ -322,13 +432,29 @@ def evaluate(target, draft, inputs, pattern, split, files, prompt_tokens, new_to
                + (f" ({ties} near-tie divergences, top-2 gap < 1e-4)" if ties else ""))
 
 
+def _eval_prompts(tokenizer: Any, settings: EvalSettings) -> list[tuple[str, list[int]]]:
+    """The prompts ``eval`` measures on (the stdlib's held-out files by default); a usage error when none."""
+    from dovetail_runtime.draft_eval import file_prompts
+    from gpu_worker.train.corpus import expand_inputs, stdlib_files, stdlib_root
+
+    split = None if settings.split == "all" else settings.split
+    if settings.inputs:
+        paths, root = expand_inputs(settings.inputs, settings.pattern, (), split), None
+    else:
+        root = stdlib_root()
+        paths = stdlib_files(split, root)
+    prompts = file_prompts(paths, tokenizer, settings.prompt_tokens, settings.files, root)
+    if not prompts:
+        raise click.UsageError(f"no file has more than {settings.prompt_tokens} tokens")
+    return prompts
+
+
 def eagle3_tau(engine, draft, target_dir, prompts, new_tokens, eos, settings, room, scratch):
     """measure_tau for an EAGLE-3 head: its three-layer rows come from hooks on the in-process target."""
+    from dovetail_runtime.draft_eval import measure_tau
+    from dovetail_runtime.eagle3_eval import AuxRows, eagle3_drafter, speculative_greedy_eagle3
     from gpu_worker.eagle3 import resolve_aux_layers
-
-    from .eagle3_eval import AuxRows, eagle3_drafter, speculative_greedy_eagle3
-    from .eagle3_io import load_eagle3_head
-    from .evaluate import measure_tau
+    from gpu_worker.train.eagle3_io import load_eagle3_head
 
     head, layers = load_eagle3_head(draft, target_dir)
     aux = AuxRows(engine.model, resolve_aux_layers(engine.spec.num_layers, layers))
@@ -352,10 +478,9 @@ def eagle3_tau(engine, draft, target_dir, prompts, new_tokens, eos, settings, ro
 @click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", help="Stored precision.")
 def export(target, draft, out_dir, dtype) -> None:
     """Write a small copy of a target (weights in --dtype + config + tokenizer) or of a head."""
-    from cpu_worker.model.model_dir import resolve_model_dir
+    from cpu_worker.model import resolve_model_dir
+    from gpu_worker.train.export import export_head, export_target
     from ipc.dtypes import torch_dtype
-
-    from .export import export_head, export_target
 
     stored = torch_dtype(dtype)
     target_dir = resolve_model_dir(target)

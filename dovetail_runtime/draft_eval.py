@@ -1,4 +1,5 @@
-"""Tau of a draft head, in process (TargetEngine + Drafter, no IPC), per DESIGN.md section 10.
+"""Tau of a draft head, in process (TargetEngine + Drafter, no IPC), per DESIGN.md section 10:
+what ``dovetail-train eval`` measures.
 
 Protocol: prompt = the first ``prompt_tokens`` tokens of each file (the tokenizer's start
 token included; files shorter than that plus one token are skipped), greedy decoding of up

@@ -1,0 +1,30 @@
+"""An int8 target through the whole runtime (dovetail-run processes): dovetail gives exactly
+--mode ar's tokens at int8, with an fp32 or a bf16 KV cache (the in-process checks are in
+tests/unit/test_int8.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_runtime_e2e import CODE_PROMPTS
+
+from runtime_harness import dovetail_run
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft, kv_dtype):
+    prompt_file = tmp_path / "code.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "int8",
+                        "--kv-dtype", kv_dtype, "--compare-ar", "--json", "--prompt-file", str(prompt_file),
+                        "--max-new-tokens", "64", "--max-len", "2048", "--log-level", "info")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The cache reported at startup: 6 layers x (K, V) x 2048 slots x 4 heads x 64, at 4 or 2 bytes.
+    name, size = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}[kv_dtype]
+    assert f"KV cache {name} {6 * 2 * 2048 * 256 * size / 1e9:.2f} GB" in done.stderr, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(lines) == len(CODE_PROMPTS)
+    for line in lines:
+        assert line["ar"]["same_tokens"], f"int8 dovetail differs from int8 ar for {line['prompt']!r}"
+        assert line["stats"]["tau"] > 1.5
