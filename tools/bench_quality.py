@@ -172,7 +172,7 @@ def measure(name: str, engine: TargetEngine, texts: Texts, reference: Reference 
 
 def format_engine(target: Path, format_name: str, max_len: int) -> TargetEngine:
     """A float32 engine whose linear layers round as ``format_name`` does (F.linear underneath)."""
-    from cpu_worker.model.loading import load_target_model
+    from cpu_worker.target_loading import load_target_model
 
     model = load_target_model(target, "fp32")
     quant_reference.apply_format(model, quant_reference.FORMATS[format_name])
