@@ -118,7 +118,7 @@ class Coordinator:
     # --- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Read the target's folder, create the rings, start both workers (they load at once)
+        """Read the target's folder, create the rings, start the workers (both load at once)
         and, for --tree-tokens auto, measure what trees cost here."""
         settings = self.settings
         if settings.mode == "dovetail" and not settings.draft:

@@ -55,7 +55,7 @@ class WorkerHandle(Generic[Info]):
         self.on_wait = on_wait
         self.env = env or {}
         self.module = module
-        self.settings = encode_settings(settings)  # checked here: a worker refuses what it cannot read
+        self.settings_json = encode_settings(settings)  # checked here: a worker refuses what it cannot read
         self.endpoint = runtime_dir.endpoint(name)
         self.allowed_replies = allowed_replies
         self.info_type = info_type
@@ -76,7 +76,7 @@ class WorkerHandle(Generic[Info]):
         self.channel = Channel.bind(self.endpoint, allowed=self.allowed_replies)
         self.ready = False
         command = [sys.executable, "-m", self.module, "--endpoint", self.endpoint,
-                   "--parent-pid", str(os.getpid()), "--settings", self.settings]
+                   "--parent-pid", str(os.getpid()), "--settings", self.settings_json]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
                                         process_group=0)
 

@@ -409,8 +409,9 @@ class DraftInfo(Nested, frozen=True):
 
 class Ready(Message):
     """Handshake: the worker has loaded its model and serves. ``info``: what it reports, a
-    ``TargetInfo`` (cpu_worker) or a ``DraftInfo`` (gpu_worker) as a plain map, read by the
-    coordinator as the one it expects of that worker (``ipc.codec.encode_info``/``decode_info``)."""
+    ``TargetInfo`` (cpu_worker) or a ``DraftInfo`` (gpu_worker) as a plain map, kept undecoded
+    here (one message type for both workers) and read by the coordinator as the one it expects
+    of that worker (``ipc.codec.encode_info``/``decode_info``)."""
 
     worker: WorkerName
     pid: Count
