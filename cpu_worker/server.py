@@ -1,11 +1,11 @@
 """The cpu_worker process: the target engine behind the coordinator's control channel.
 
-    python -m cpu_worker.server --endpoint ipc://... --parent-pid N --settings '{json}'
+    python -m cpu_worker.server --endpoint ipc://... --parent-pid N --settings '{TargetSettings as JSON}'
 
 Feature rows go into the shared-memory rings the coordinator created: a prompt's rows into
 the prefill ring (one slot sized for the whole context), a verification's few rows into the
 cycle ring. Nothing large ever travels inside a message. A row is the last layer's state after
-the final norm, or, for an EAGLE-3 head (settings' ``aux_layers``), the residual streams
+the final norm, or, for an EAGLE-3 head (``TargetSettings.aux_layers``), the residual streams
 entering three target layers side by side (3 * hidden floats).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
 
 from cpu_worker.engine import ContextOverflowError, TargetEngine
 from cpu_worker.kernels import int8_kernel
@@ -164,27 +163,26 @@ def verify_cost_label(precision: str, kernel: str | None) -> str:
     return label
 
 
-def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
-    placement = apply_placement(settings.get("threads"), settings.get("cores"))
-    precision = settings.get("dtype", "fp32")
-    engine, kernel = build_engine(settings["target"], precision, settings["max_len"],
-                                  settings.get("kv_dtype", "auto"), settings.get("aux_layers"))
-    rings = settings["rings"]
+def load_service(settings: m.TargetSettings) -> tuple[m.TargetInfo, Handlers]:
+    placement = apply_placement(settings.threads, settings.cores)
+    precision = settings.dtype
+    engine, kernel = build_engine(settings.target, precision, settings.max_len, settings.kv_dtype,
+                                  list(settings.aux_layers))
     kv_name = str(engine.kv_dtype).removeprefix("torch.")
     cost_precision = verify_cost_label(precision, kernel)
-    service = TargetService(engine, ShmRing.attach(rings["cycle"]), ShmRing.attach(rings["prefill"]),
-                            cost_key=cache_key(settings["target"], f"{cost_precision}/kv-{kv_name}",
+    service = TargetService(engine, ShmRing.attach(settings.rings.cycle), ShmRing.attach(settings.rings.prefill),
+                            cost_key=cache_key(settings.target, f"{cost_precision}/kv-{kv_name}",
                                                placement.intra_op_threads, placement.cores))
-    info = {"threads": placement.intra_op_threads, "cores": placement.cores, "max_len": engine.max_len,
-            "hidden_size": engine.spec.hidden_size, "vocab_size": engine.spec.vocab_size,
-            "dtype": precision, "weight_bytes": weight_bytes(engine.model), "kv_cache_bytes": engine.cache.nbytes,
-            "kv_dtype": kv_name, "exact_tree": engine.exact_tree, "kernel": kernel,
-            "feature_size": engine.feature_size, "aux_layers": list(engine.aux_layers or [])}
+    info = m.TargetInfo(threads=placement.intra_op_threads, cores=placement.cores, max_len=engine.max_len,
+                        hidden_size=engine.spec.hidden_size, vocab_size=engine.spec.vocab_size, dtype=precision,
+                        weight_bytes=weight_bytes(engine.model), kv_cache_bytes=engine.cache.nbytes,
+                        kv_dtype=kv_name, exact_tree=engine.exact_tree, kernel=kernel,
+                        feature_size=engine.feature_size, aux_layers=list(engine.aux_layers or []))
     return info, service.handlers()
 
 
 def main() -> int:
-    return worker_main("cpu_worker", m.TO_CPU_WORKER, load_service)
+    return worker_main("cpu_worker", m.TO_CPU_WORKER, m.TargetSettings, load_service)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ and messages (the workers it starts hold the models).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -14,7 +15,7 @@ import signal
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -27,10 +28,22 @@ from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
 from .api_key import ENV_VAR, ApiKey, ApiKeyError, check_exposure, load_api_key
+from .cli_options import (
+    ClientRequestOptions,
+    OneShotOptions,
+    RunOptions,
+    ServingOptions,
+    client_options,
+    run_options,
+)
 from .tree_planner import TREE_SIZES, AutoTree
 
 if TYPE_CHECKING:
+    from ipc.channels import RouterServer
+
+    from .client import DovetailClient
     from .coordinator import RuntimeSettings
+    from .http_server import HttpFrontend
     from .serving import ServeLimits
 
 log = logging.getLogger("dovetail")
@@ -301,51 +314,71 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "[default: no limit]")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", help="Log level (logs go to stderr).")
 @sampling_options
-def run_main(target, draft, binds, http_address, api_key_file, api_key, cpu_threads, cpu_cores, target_dtype,
-             kv_dtype, draft_device, draft_dtype, draft_threads, draft_cores, tree_tokens,
-             depth, tree_top_k, max_new_tokens, max_len, mode, prompts, prompt_file, stops, as_json, compare_ar,
-             startup_timeout, worker_timeout, max_restarts, max_queue, max_queue_per_client, request_timeout,
-             log_level, temperature, sample_top_k, top_p, seed) -> None:
+def run_main(**values: Any) -> None:
     """Serve a target model on the CPU with a draft head on the GPU (lossless speculative decoding).
 
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
     (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
     """
-    from cpu_worker.model.model_dir import ModelLoadError
-
-    from .coordinator import Coordinator, RuntimeSettings, TooManyRestarts
     from .preflight import PreflightError, check_settings
-    from .serving import ServeLimits
-    from .workers import WorkerFailed
 
-    logging.basicConfig(level=getattr(logging, log_level.upper()), stream=sys.stderr,
+    options = run_options(values)
+    logging.basicConfig(level=getattr(logging, options.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
+    serving, one_shot = options.serving, options.one_shot
     try:
-        key = resolve_api_key(api_key_file, api_key)
+        key = resolve_api_key(serving.api_key_file, serving.api_key)
     except ApiKeyError as error:
         log.error("%s", error)
         sys.exit(2)
-    target, draft = resolve_models(target, draft, mode)
-    all_prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
-    if http_address is not None and all_prompts:
+    target, draft = resolve_models(options.models.target, options.models.draft, options.models.mode)
+    all_prompts = list(one_shot.prompts) + (read_prompt_file(one_shot.prompt_file) if one_shot.prompt_file else [])
+    if serving.http_address is not None and all_prompts:
         raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
-    sampling = make_sampling(temperature, sample_top_k, top_p, seed)
-    settings = RuntimeSettings(target=target, draft=draft if mode == "dovetail" else None, target_dtype=target_dtype,
-                               kv_dtype=kv_dtype, cpu_threads=cpu_threads, cpu_cores=cpu_cores,
-                               draft_device=draft_device, draft_dtype=draft_dtype, draft_threads=draft_threads,
-                               draft_cores=draft_cores,
-                               tree=make_tree(tree_tokens, depth, tree_top_k), mode=mode,
-                               max_len=max_len, log_level=log_level, startup_timeout_s=startup_timeout,
-                               max_restarts=max_restarts, worker_timeout_s=worker_timeout)
+    sampling = make_sampling(**dataclasses.asdict(options.sampling))
+    settings = runtime_settings(options, target, draft)
     try:
         check_settings(settings)  # before anything loads
     except PreflightError as error:
         log.error("%s", error)
         sys.exit(2)
     if not all_prompts:
-        limits = ServeLimits(max_queue=max_queue, max_queue_per_client=max_queue_per_client,
-                             request_timeout_s=request_timeout)
-        sys.exit(serve_clients(settings, list(binds), key, limits, http_address, log_level))
+        sys.exit(serve_clients(settings, list(serving.binds), key, serve_limits(serving), serving.http_address,
+                               options.log_level))
+    sys.exit(run_one_shot(settings, all_prompts, one_shot, sampling))
+
+
+def runtime_settings(options: RunOptions, target: str, draft: str | None) -> RuntimeSettings:
+    """What the coordinator runs, from the options and the resolved model folders."""
+    from .coordinator import RuntimeSettings
+
+    models, placement, tree, workers = options.models, options.placement, options.tree, options.workers
+    return RuntimeSettings(target=target, draft=draft if models.mode == "dovetail" else None,
+                           target_dtype=models.target_dtype, kv_dtype=models.kv_dtype,
+                           cpu_threads=placement.cpu_threads, cpu_cores=placement.cpu_cores,
+                           draft_device=models.draft_device, draft_dtype=models.draft_dtype,
+                           draft_threads=placement.draft_threads, draft_cores=placement.draft_cores,
+                           tree=make_tree(tree.tree_tokens, tree.depth, tree.tree_top_k), mode=models.mode,
+                           max_len=models.max_len, log_level=options.log_level,
+                           startup_timeout_s=workers.startup_timeout, max_restarts=workers.max_restarts,
+                           worker_timeout_s=workers.worker_timeout)
+
+
+def serve_limits(serving: ServingOptions) -> ServeLimits:
+    from .serving import ServeLimits
+
+    return ServeLimits(max_queue=serving.max_queue, max_queue_per_client=serving.max_queue_per_client,
+                       request_timeout_s=serving.request_timeout)
+
+
+def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneShotOptions,
+                 sampling: m.Sampling) -> int:
+    """Start the workers, generate for each prompt, print, stop: the exit status (1 when a
+    prompt failed, 2 when the server could not run)."""
+    from cpu_worker.model.model_dir import ModelLoadError
+
+    from .coordinator import Coordinator, TooManyRestarts
+    from .workers import WorkerFailed
 
     def on_signal(signum, _frame):
         log.info("signal %d: stopping", signum)
@@ -355,15 +388,16 @@ def run_main(target, draft, binds, http_address, api_key_file, api_key, cpu_thre
     coordinator = Coordinator(settings)
     try:
         coordinator.start()
-        failures = run_prompts(coordinator, all_prompts, dict(max_new_tokens=max_new_tokens, stop=list(stops),
-                                                              mode=mode, sampling=sampling), as_json,
-                               compare_ar=compare_ar and mode == "dovetail")
-        sys.exit(1 if failures else 0)
+        params = dict(max_new_tokens=one_shot.max_new_tokens, stop=list(one_shot.stops), mode=settings.mode,
+                      sampling=sampling)
+        failures = run_prompts(coordinator, prompts, params, one_shot.as_json,
+                               compare_ar=one_shot.compare_ar and settings.mode == "dovetail")
+        return 1 if failures else 0
     except KeyboardInterrupt:
-        pass
+        return 0
     except (ModelLoadError, WorkerFailed, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
-        sys.exit(2)
+        return 2
     finally:
         coordinator.close()
 
@@ -387,46 +421,21 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
     import zmq
 
     from cpu_worker.model.model_dir import ModelLoadError
-    from ipc.channels import RouterServer
-    from ipc.curve import CurveError
 
     from .coordinator import Coordinator, TooManyRestarts
     from .serving import Serving
     from .workers import WorkerFailed
 
-    stop = {"asked": False}
-
-    def on_signal(signum, _frame):
-        if stop["asked"]:  # a second signal: stop waiting for anything
-            raise KeyboardInterrupt
-        log.info("signal %d: shutting down", signum)
-        stop["asked"] = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    frontend = None
-    try:
-        endpoints = binds or ([] if http_address is not None else [default_bind()])
-        if http_address is not None:
-            from .http_server import HttpFrontend, parse_address
-
-            check_exposure(endpoints, parse_address(http_address)[0], key)
-            frontend = HttpFrontend(http_address, api_key=key)
-        else:
-            check_exposure(endpoints, None, key)
-        # HTTP requests reach the coordinator as ZMQ clients of an inproc endpoint.
-        server = RouterServer(endpoints + ([frontend.zmq_endpoint] if frontend is not None else []),
-                              curve=key.curve_keys() if key is not None else None)
-    except (EndpointError, ValueError, OSError, CurveError) as error:
-        if frontend is not None:
-            frontend.close()
-        log.error("%s", error)
+    stop = StopSignals()
+    bound = bind_clients(binds, key, http_address)
+    if bound is None:
         return 2
+    server, frontend = bound
     coordinator = Coordinator(settings)
-    serving = Serving(coordinator, server, limits, should_stop=lambda: stop["asked"])
+    serving = Serving(coordinator, server, limits, should_stop=lambda: stop.asked)
 
-    def ready(bound: list[str]) -> None:
-        shown = [endpoint for endpoint in bound if not endpoint.startswith("inproc://")]
+    def ready(endpoints: list[str]) -> None:
+        shown = [endpoint for endpoint in endpoints if not endpoint.startswith("inproc://")]
         if frontend is not None:
             frontend.start(served_model(settings.target, coordinator, settings.mode), log_level)
             shown.append(frontend.url)
@@ -450,6 +459,51 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
         coordinator.close()
         zmq.Context.instance().destroy(linger=0)  # ...and are waited for here (up to the linger)
     return code
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask serving to stop (it answers everyone first); a second one stops
+    waiting for anything."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        log.info("signal %d: shutting down", signum)
+        self.asked = True
+
+
+def bind_clients(binds: list[str], key: ApiKey | None,
+                 http_address: str | None) -> tuple[RouterServer, HttpFrontend | None] | None:
+    """The client socket on ``binds`` (default: dovetail-run's ipc endpoint, unless only HTTP
+    is served) and the HTTP listener, refusing an address beyond loopback without an API key.
+    None, the error logged, when one cannot be bound."""
+    from ipc.channels import RouterServer
+    from ipc.curve import CurveError
+
+    frontend = None
+    try:
+        endpoints = binds or ([] if http_address is not None else [default_bind()])
+        if http_address is not None:
+            from .http_server import HttpFrontend, parse_address
+
+            check_exposure(endpoints, parse_address(http_address)[0], key)
+            frontend = HttpFrontend(http_address, api_key=key)
+        else:
+            check_exposure(endpoints, None, key)
+        # HTTP requests reach the coordinator as ZMQ clients of an inproc endpoint.
+        server = RouterServer(endpoints + ([frontend.zmq_endpoint] if frontend is not None else []),
+                              curve=key.curve_keys() if key is not None else None)
+    except (EndpointError, ValueError, OSError, CurveError) as error:
+        if frontend is not None:
+            frontend.close()
+        log.error("%s", error)
+        return None
+    return server, frontend
 
 
 def stats_line(mode: str, stats: m.RequestStats) -> str:
@@ -520,53 +574,63 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
               help="Seconds the server has to answer, queueing included (else deadline_exceeded). [default: none]")
 @api_key_options
 @sampling_options
-def client_main(endpoint, prompt, chat, system, messages_file, max_new_tokens, stops, mode, as_json, timeout,
-                deadline, api_key_file, api_key, temperature, sample_top_k, top_p, seed) -> None:
+def client_main(**values: Any) -> None:
     """Send a prompt (or a chat) to a running dovetail-run server and stream the completion to stdout.
 
     A server's tcp:// endpoints need its API key when it was started with one (ipc:// never does)."""
     from .client import DovetailClient, GenerationError, HandshakeError
 
-    messages = chat_messages(prompt, chat, system, messages_file)
+    options = client_options(values)
+    connect, request = options.connect, options.request
+    messages = chat_messages(request.prompt, request.chat, request.system, request.messages_file)
     try:
-        key = resolve_api_key(api_key_file, api_key)
+        key = resolve_api_key(connect.api_key_file, connect.api_key)
     except ApiKeyError as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(2)
-    endpoint = endpoint or default_bind()
+    endpoint = connect.endpoint or default_bind()
     path = ipc_path(endpoint)
     if path is not None and not os.path.exists(path):
         click.echo(f"error: no server at {endpoint} (no such socket file; is dovetail-run running?)", err=True)
         sys.exit(1)
     try:
-        client = DovetailClient(endpoint, timeout_s=timeout, api_key=key, connect_timeout_s=min(timeout, 10.0))
+        client = DovetailClient(endpoint, timeout_s=connect.timeout, api_key=key,
+                                connect_timeout_s=min(connect.timeout, 10.0))
     except HandshakeError as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(1)
     with client:
         try:
-            params: dict = dict(max_new_tokens=max_new_tokens, stop=list(stops), mode=mode,
-                                sampling=make_sampling(temperature, sample_top_k, top_p, seed),
-                                deadline_ms=None if deadline is None else max(1, round(deadline * 1000)))
-            if messages is not None:
-                params["messages"], prompt = messages, None
-            if as_json:
-                done = client.generate(prompt, **params)
-                print(json.dumps({"prompt": prompt, "messages": None if messages is None else
-                                  [msgspec.to_builtins(turn) for turn in messages], "text": done.text,
-                                  "token_ids": done.token_ids,
-                                  "finish_reason": done.finish_reason, "stats": msgspec.to_builtins(done.stats)}))
-                return
-            for event in client.events(prompt, **params):
-                if isinstance(event, m.TokenChunk):
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-            sys.stdout.write("\n")
+            stream_or_print(client, request, messages, make_sampling(**dataclasses.asdict(options.sampling)),
+                            options.as_json)
         except (GenerationError, TimeoutError) as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:  # closing the connection cancels the request on the server
             sys.exit(130)
+
+
+def stream_or_print(client: DovetailClient, request: ClientRequestOptions, messages: list[m.ChatMessage] | None,
+                    sampling: m.Sampling, as_json: bool) -> None:
+    """Generate: the text streamed to stdout as it comes, or one JSON object at the end."""
+    prompt = request.prompt
+    params: dict = dict(max_new_tokens=request.max_new_tokens, stop=list(request.stops), mode=request.mode,
+                        sampling=sampling,
+                        deadline_ms=None if request.deadline is None else max(1, round(request.deadline * 1000)))
+    if messages is not None:
+        params["messages"], prompt = messages, None
+    if as_json:
+        done = client.generate(prompt, **params)
+        print(json.dumps({"prompt": prompt, "messages": None if messages is None else
+                          [msgspec.to_builtins(turn) for turn in messages], "text": done.text,
+                          "token_ids": done.token_ids,
+                          "finish_reason": done.finish_reason, "stats": msgspec.to_builtins(done.stats)}))
+        return
+    for event in client.events(prompt, **params):
+        if isinstance(event, m.TokenChunk):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
 
 
 def chat_messages(prompt: str | None, chat: bool, system: str | None,

@@ -28,6 +28,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -96,8 +98,8 @@ class Coordinator:
         self.settings = settings
         self.runtime_dir: RuntimeDir | None = None
         self.rings: list[ShmRing] = []
-        self.cpu: WorkerHandle | None = None
-        self.gpu: WorkerHandle | None = None
+        self.cpu: WorkerHandle[m.TargetInfo] | None = None
+        self.gpu: WorkerHandle[m.DraftInfo] | None = None
         self.tokenizer: Tokenizer | None = None
         self.chat_template: ChatTemplate | None = None
         self.metrics = ServerMetrics()
@@ -116,22 +118,13 @@ class Coordinator:
     # --- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        """Read the target's folder, create the rings, start the workers (both load at once)
+        and, for --tree-tokens auto, measure what trees cost here."""
         settings = self.settings
         if settings.mode == "dovetail" and not settings.draft:
             raise ValueError("dovetail mode needs a draft head (--draft)")
         target_dir = resolve_model_dir(settings.target)
-        config = read_config(target_dir)
-        self.tokenizer = Tokenizer.from_dir(target_dir)
-        self.chat_template = ChatTemplate.from_dir(target_dir, self.tokenizer.special_tokens)
-        if self.chat_template.problem and self.chat_template.source is not None:
-            log.warning("chat requests will be refused: %s", self.chat_template.problem)
-        limit = context_limit(config)
-        self.max_len = settings.max_len or min(limit, DEFAULT_CONTEXT)
-        if self.max_len > limit:
-            raise ValueError(f"--max-len {self.max_len} exceeds this model's context of {limit} tokens")
-        for key in ("hidden_size", "num_hidden_layers"):
-            if not isinstance(config.get(key), int):
-                raise ModelLoadError(f"{target_dir / 'config.json'} has no integer {key}")
+        config, limit = self._read_target(target_dir)
         # The draft head decides what a feature row holds (EAGLE-3: three target layers).
         draft_dir = resolve_model_dir(settings.draft) if settings.draft else None
         layout = feature_layout(draft_dir, config) if draft_dir else FeatureLayout(config["hidden_size"])
@@ -142,47 +135,81 @@ class Coordinator:
                                      CYCLE_RING_SLOTS),
                       ShmRing.create(slot_bytes_for(self.max_len, layout.row_width, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
-        common = {"log_level": settings.log_level, "max_len": self.max_len,
-                  "rings": {"cycle": self.rings[0].name, "prefill": self.rings[1].name}}
-        self.cpu = WorkerHandle("cpu_worker", "cpu_worker.server", {
-            **common, "target": str(target_dir), "threads": settings.cpu_threads, "cores": settings.cpu_cores,
-            "dtype": settings.target_dtype, "aux_layers": list(layout.aux_layers or []),
-            "kv_dtype": settings.kv_dtype}, self.runtime_dir,
-            m.FROM_CPU_WORKER, reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
+        self.cpu = self._target_worker(target_dir, layout)
         if draft_dir is not None:
-            # The draft worker's OpenMP threads must sleep when idle, or they spin on the
-            # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
-            # 16.4 ms/cycle with both workers at the default policy, 8.2 ms with a passive draft
-            # worker, 12.6 ms with both passive (passive wake-ups slow the target's own ops).
-            # So only the draft worker is passive; an OMP_WAIT_POLICY the user set wins.
-            draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-            self.gpu = WorkerHandle("gpu_worker", "gpu_worker.server", {
-                **common, "draft": str(draft_dir), "target": str(target_dir), "device": settings.draft_device,
-                "dtype": settings.draft_dtype, "threads": settings.draft_threads, "cores": settings.draft_cores,
-                "scratch_len": envelope.scratch_slots, "row_width": layout.row_width, "layout": layout.describe()},
-                self.runtime_dir, m.FROM_GPU_WORKER, env=draft_env,
-                reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
+            self.gpu = self._draft_worker(draft_dir, target_dir, layout, envelope)
         for worker in self.workers():
             worker.spawn()
         for worker in self.workers():
             worker.wait_ready(settings.startup_timeout_s)
-        info = self.cpu.info
-        if settings.target_dtype == "bf16" and self.gpu is not None:
+        assert self.cpu.info is not None
+        self._report_target(self.cpu.info, limit)
+        if isinstance(settings.tree, AutoTree) and self.gpu is not None:
+            self.tree = self.plan_trees(settings.tree)
+
+    def _read_target(self, target_dir: Path) -> tuple[dict[str, Any], int]:
+        """The target's config and context limit; loads the tokenizer and chat template and
+        settles the context (``max_len``)."""
+        config = read_config(target_dir)
+        self.tokenizer = Tokenizer.from_dir(target_dir)
+        self.chat_template = ChatTemplate.from_dir(target_dir, self.tokenizer.special_tokens)
+        if self.chat_template.problem and self.chat_template.source is not None:
+            log.warning("chat requests will be refused: %s", self.chat_template.problem)
+        limit = context_limit(config)
+        self.max_len = self.settings.max_len or min(limit, DEFAULT_CONTEXT)
+        if self.max_len > limit:
+            raise ValueError(f"--max-len {self.max_len} exceeds this model's context of {limit} tokens")
+        for key in ("hidden_size", "num_hidden_layers"):
+            if not isinstance(config.get(key), int):
+                raise ModelLoadError(f"{target_dir / 'config.json'} has no integer {key}")
+        return config, limit
+
+    def _rings(self) -> m.RingNames:
+        return m.RingNames(cycle=self.rings[0].name, prefill=self.rings[1].name)
+
+    def _target_worker(self, target_dir: Path, layout: FeatureLayout) -> WorkerHandle[m.TargetInfo]:
+        settings = self.settings
+        worker_settings = m.TargetSettings(
+            log_level=settings.log_level, max_len=self.max_len, rings=self._rings(), target=str(target_dir),
+            threads=settings.cpu_threads, cores=settings.cpu_cores, dtype=settings.target_dtype,
+            aux_layers=list(layout.aux_layers or []), kv_dtype=settings.kv_dtype)
+        assert self.runtime_dir is not None
+        return WorkerHandle("cpu_worker", "cpu_worker.server", worker_settings, self.runtime_dir, m.FROM_CPU_WORKER,
+                            m.TargetInfo, reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
+
+    def _draft_worker(self, draft_dir: Path, target_dir: Path, layout: FeatureLayout,
+                      envelope: TreeShape) -> WorkerHandle[m.DraftInfo]:
+        settings = self.settings
+        worker_settings = m.DraftSettings(
+            log_level=settings.log_level, max_len=self.max_len, rings=self._rings(), draft=str(draft_dir),
+            target=str(target_dir), device=settings.draft_device, dtype=settings.draft_dtype,
+            threads=settings.draft_threads, cores=settings.draft_cores, scratch_len=envelope.scratch_slots,
+            row_width=layout.row_width, layout=layout.describe())
+        # The draft worker's OpenMP threads must sleep when idle, or they spin on the
+        # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
+        # 16.4 ms/cycle with both workers at the default policy, 8.2 ms with a passive draft
+        # worker, 12.6 ms with both passive (passive wake-ups slow the target's own ops).
+        # So only the draft worker is passive; an OMP_WAIT_POLICY the user set wins.
+        draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        assert self.runtime_dir is not None
+        return WorkerHandle("gpu_worker", "gpu_worker.server", worker_settings, self.runtime_dir, m.FROM_GPU_WORKER,
+                            m.DraftInfo, env=draft_env, reply_timeout_s=settings.worker_timeout_s,
+                            on_wait=self._waiting)
+
+    def _report_target(self, info: m.TargetInfo, limit: int) -> None:
+        """Say how the target runs, and when its trees can differ from one-token decoding."""
+        if self.settings.target_dtype == "bf16" and self.gpu is not None:
             log.warning("bf16 target: tree verification rounds differently from one-token decoding (~1e-2), so "
                         "dovetail can differ from --mode ar where two tokens nearly tie; int8 is exact")
-        if (info.get("dtype") == "fp32" and info.get("kv_dtype") == "bfloat16" and not info.get("exact_tree")
-                and self.gpu is not None):
+        if info.dtype == "fp32" and info.kv_dtype == "bfloat16" and not info.exact_tree and self.gpu is not None:
             log.warning("fp32 target with a bf16 KV cache: tree verification differs from one-token decoding by "
                         "~1e-2 (bf16 rounding of K/V amplifies fp32's ~1e-6), so dovetail can differ from --mode "
                         "ar where two tokens nearly tie; an int8 target is exact with it")
-        kernel = f" ({info['kernel']})" if info.get("kernel") else ""
+        kernel = f" ({info.kernel})" if info.kernel else ""
         log.info("target: %s%s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
-                 "%.2f GB at full context, committed as it fills; trees verified %s", info.get("dtype"), kernel,
-                 info.get("weight_bytes", 0) / 1e9, self.max_len, limit, info.get("kv_dtype"),
-                 info.get("kv_cache_bytes", 0) / 1e9,
-                 "bit-exact against decoding" if info.get("exact_tree") else "to float tolerance")
-        if isinstance(settings.tree, AutoTree) and self.gpu is not None:
-            self.tree = self.plan_trees(settings.tree)
+                 "%.2f GB at full context, committed as it fills; trees verified %s", info.dtype, kernel,
+                 info.weight_bytes / 1e9, self.max_len, limit, info.kv_dtype, info.kv_cache_bytes / 1e9,
+                 "bit-exact against decoding" if info.exact_tree else "to float tolerance")
 
     def plan_trees(self, bounds: AutoTree) -> TreeShape | TreePlanner:
         """Ask the workers what verification and drafting cost here; say so when drafting cannot pay."""
@@ -219,7 +246,7 @@ class Coordinator:
         longest token), so that longer prompts are refused untokenized; None before start()."""
         return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
 
-    def workers(self) -> list[WorkerHandle]:
+    def workers(self) -> list[WorkerHandle[Any]]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
 
     def close(self) -> None:
@@ -243,8 +270,10 @@ class Coordinator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _recover(self) -> None:
-        """Restart dead workers (within the restart budget) and reset the live ones."""
+    def recover(self) -> None:
+        """Restart dead workers (within the restart budget: TooManyRestarts beyond it), so that
+        the next request finds both running. Serving calls it after each request; ``generate``
+        calls it first."""
         now = time.monotonic()
         while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
             self._restarts.popleft()
@@ -255,7 +284,7 @@ class Coordinator:
                 raise TooManyRestarts(f"{worker.name} died {len(self._restarts) + 1} times in "
                                       f"{RESTART_WINDOW_S / 60:.0f} minutes; giving up")
             self._restarts.append(now)
-            self.metrics.worker_restarts += 1
+            self.metrics.worker_restarted()
             log.warning("restarting %s", worker.name)
             worker.stop()
             worker.spawn()
@@ -267,7 +296,7 @@ class Coordinator:
                  on_text: Callable[[list[int], str], bool] | None = None) -> m.GenerateDone | m.ErrorReply:
         """Run one request to the end. ``on_text(new_ids, new_text)`` sees each accepted
         chunk and returns True to cancel."""
-        self._recover()
+        self.recover()
         if self.cpu is None or self.tokenizer is None or self.chat_template is None:
             raise RuntimeError("generate() before start()")
         if request.mode == "dovetail" and self.gpu is None:

@@ -199,40 +199,60 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
               api_key: ApiKey | None = None, max_calls: int = MAX_CALLS) -> FastAPI:
     """The FastAPI app, talking to the coordinator at ``endpoint``; with ``api_key`` every
     path but /health needs it (``Authorization: Bearer``)."""
-    zmq_context = context or zmq.asyncio.Context(shadow=zmq.Context.instance())
-    slots = CallSlots(max_calls)
-    nonces = itertools.count(1)
+    routes = Routes(endpoint, model, context or zmq.asyncio.Context(shadow=zmq.Context.instance()),
+                    CallSlots(max_calls))
     app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)
+    app.add_exception_handler(api.ApiError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, _client_left)
+    app.add_exception_handler(Exception, _internal)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    app.get("/v1/models")(routes.models)
+    app.get("/health")(routes.health)
+    app.get("/metrics")(routes.metrics)
+    return app
 
-    @app.exception_handler(api.ApiError)
-    async def _api_error(_request: Request, error: api.ApiError) -> JSONResponse:
-        return error_response(error)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, error: HTTPException) -> JSONResponse:
-        return error_response(api.ApiError(error.status_code, str(error.detail), code=None))
+async def _api_error(_request: Request, error: api.ApiError) -> JSONResponse:
+    return error_response(error)
 
-    @app.exception_handler(ClientDisconnect)
-    async def _client_left(_request: Request, _error: ClientDisconnect) -> Response:
-        return Response(status_code=499)  # it left while sending its body: nobody to answer, nothing wrong here
 
-    @app.exception_handler(Exception)
-    async def _internal(_request: Request, error: Exception) -> JSONResponse:
-        log.exception("HTTP request failed")
-        return error_response(api.ApiError(500, f"internal error: {type(error).__name__}: {error}",
-                                           code="internal"))
+async def _http_error(_request: Request, error: HTTPException) -> JSONResponse:
+    return error_response(api.ApiError(error.status_code, str(error.detail), code=None))
 
-    def check_model(name: str | None) -> None:
+
+async def _client_left(_request: Request, _error: Exception) -> Response:
+    return Response(status_code=499)  # it left while sending its body: nobody to answer, nothing wrong here
+
+
+async def _internal(_request: Request, error: Exception) -> JSONResponse:
+    log.exception("HTTP request failed")
+    return error_response(api.ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal"))
+
+
+class Routes:
+    """The API's endpoints; each HTTP request talks to the coordinator over a Call of its own."""
+
+    def __init__(self, endpoint: str, model: ServedModel, context: zmq.asyncio.Context, slots: CallSlots):
+        self.endpoint = endpoint
+        self.model = model
+        self.context = context
+        self.slots = slots
+        self.nonces = itertools.count(1)
+
+    def check_model(self, name: str | None) -> None:
+        model = self.model
         if name is not None and name != model.name:
             shown = repr(name) if len(name) <= 200 else repr(name[:200]) + "..."  # never echo a megabyte
             raise api.ApiError(404, f"the model {shown} does not exist: this server serves {model.name!r}",
                                code="model_not_found", param="model")
 
-    async def run(request: Request, plan: api.Plan, chat: bool) -> Response:
-        ids = api.ResponseIds.now(plan.request.request_id, model.name)
-        call = Call(zmq_context, endpoint, slots)
+    async def run(self, request: Request, plan: api.Plan, chat: bool) -> Response:
+        ids = api.ResponseIds.now(plan.request.request_id, self.model.name)
+        call = Call(self.context, self.endpoint, self.slots)
         handed_over = False
         try:
             try:
@@ -249,12 +269,12 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
                 assert isinstance(first, m.GenerateDone)
                 return JSONResponse(api.chat_body(ids, first) if chat else api.completion_body(ids, first))
             handed_over = True
-            return CallStream(events(call, first, api.EventStream(ids, chat, plan.include_usage)), call)
+            return CallStream(self.events(call, first, api.EventStream(ids, chat, plan.include_usage)), call)
         finally:
             if not handed_over:
                 call.close()
 
-    async def events(call: Call, reply: m.Message | None, stream: api.EventStream) -> AsyncIterator[bytes]:
+    async def events(self, call: Call, reply: m.Message | None, stream: api.EventStream) -> AsyncIterator[bytes]:
         for event in stream.start():
             yield event
         request_id = stream.meta.id
@@ -272,27 +292,25 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
                 return
             reply = await call.reply_to(request_id)  # a client that leaves cancels this task
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        params = api.parse_request(await read_body(request, model.max_body_bytes), api.CompletionRequest)
-        check_model(params.model)
-        plan = api.plan_completion(params, f"cmpl-{uuid.uuid4().hex}", model.default_mode)
-        return await run(request, plan, chat=False)
+    async def completions(self, request: Request) -> Response:
+        params = api.parse_request(await read_body(request, self.model.max_body_bytes), api.CompletionRequest)
+        self.check_model(params.model)
+        plan = api.plan_completion(params, f"cmpl-{uuid.uuid4().hex}", self.model.default_mode)
+        return await self.run(request, plan, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        params = api.parse_request(await read_body(request, model.max_body_bytes), api.ChatRequest)
-        check_model(params.model)
-        plan = api.plan_chat(params, f"chatcmpl-{uuid.uuid4().hex}", model.default_mode)
-        return await run(request, plan, chat=True)
+    async def chat_completions(self, request: Request) -> Response:
+        params = api.parse_request(await read_body(request, self.model.max_body_bytes), api.ChatRequest)
+        self.check_model(params.model)
+        plan = api.plan_chat(params, f"chatcmpl-{uuid.uuid4().hex}", self.model.default_mode)
+        return await self.run(request, plan, chat=True)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(self) -> dict[str, Any]:
+        model = self.model
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": model.created,
                                             "owned_by": "dovetail", "max_model_len": model.context}]}
 
-    async def probe(message: m.Message, expect: type[m.Message]) -> Any:
-        call = Call(zmq_context, endpoint, slots)
+    async def probe(self, message: m.Message, expect: type[m.Message]) -> Any:
+        call = Call(self.context, self.endpoint, self.slots)
         try:
             await call.send(message)
             deadline = time.monotonic() + PROBE_TIMEOUT_MS / 1000
@@ -305,17 +323,13 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
         finally:
             call.close()
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        await probe(m.Ping(nonce=next(nonces)), m.Pong)
+    async def health(self) -> dict[str, str]:
+        await self.probe(m.Ping(nonce=next(self.nonces)), m.Pong)
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        reply = await probe(m.MetricsRequest(), m.MetricsReply)
-        return PlainTextResponse(prometheus_text(reply, model.name), media_type="text/plain; version=0.0.4")
-
-    return app
+    async def metrics(self) -> PlainTextResponse:
+        reply = await self.probe(m.MetricsRequest(), m.MetricsReply)
+        return PlainTextResponse(prometheus_text(reply, self.model.name), media_type="text/plain; version=0.0.4")
 
 
 # --- serving in a thread ---------------------------------------------------------------------

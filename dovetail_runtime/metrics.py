@@ -9,7 +9,9 @@ imports torch or a web framework.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ipc import messages as m
@@ -46,6 +48,22 @@ class ServerMetrics:
         self.draft_ms += stats.draft_ms
         self.verify_ms += stats.verify_ms
         self.ipc_ms += stats.ipc_ms
+
+    def record_cancelled(self, count: int = 1) -> None:
+        """Count requests cancelled before they ran (their client left): finished, with no tokens."""
+        self.finished["cancelled"] += count
+
+    @contextlib.contextmanager
+    def running_request(self) -> Iterator[None]:
+        """Count a request as running while the block runs (it ends however the block does)."""
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+
+    def worker_restarted(self) -> None:
+        self.worker_restarts += 1
 
     def reply(self, queue_depth: int) -> m.MetricsReply:
         return m.MetricsReply(

@@ -96,8 +96,7 @@ class Serving:
                 self._sweep()
                 item = self.queue.pop()
                 if item is not None and self.server.peer_gone(item.client):
-                    self.coordinator.metrics.record(m.GenerateDone(
-                        request_id=item.request.request_id, token_ids=[], text="", finish_reason="cancelled"))
+                    self.coordinator.metrics.record_cancelled()
                     self._client_left(item.client, taken=1)
                 elif item is not None:
                     self._serve_one(item)
@@ -155,18 +154,16 @@ class Serving:
             self._while_busy()
             return running.outcome is not None
 
-        metrics.running += 1
-        try:
-            reply: m.GenerateDone | m.ErrorReply = self.coordinator.generate(request, on_text)
-        except WorkerFailed as error:  # a worker that could not be restarted before the request
-            reply = error_reply(request.request_id, "worker_failed", str(error))
-        except (ShuttingDown, TooManyRestarts):
-            raise  # run() answers this request with everyone else's
-        except Exception as error:  # one request's bug must not take the server down
-            log.exception("request %s failed unexpectedly", request.request_id)
-            reply = error_reply(request.request_id, "internal", f"{type(error).__name__}: {error}")
-        finally:
-            metrics.running -= 1
+        with metrics.running_request():
+            try:
+                reply: m.GenerateDone | m.ErrorReply = self.coordinator.generate(request, on_text)
+            except WorkerFailed as error:  # a worker that could not be restarted before the request
+                reply = error_reply(request.request_id, "worker_failed", str(error))
+            except (ShuttingDown, TooManyRestarts):
+                raise  # run() answers this request with everyone else's
+            except Exception as error:  # one request's bug must not take the server down
+                log.exception("request %s failed unexpectedly", request.request_id)
+                reply = error_reply(request.request_id, "internal", f"{type(error).__name__}: {error}")
         self.running = None
         if running.outcome == "gone":
             log.info("request %s cancelled: its client is gone", request.request_id)
@@ -178,7 +175,7 @@ class Serving:
                                     f"no answer within the request's deadline; stopped after "
                                     f"{len(reply.token_ids)} new tokens")
             self._answer(item.client, reply)
-        self.coordinator._recover()  # restart a worker that died or was killed, before the next request
+        self.coordinator.recover()  # restart a worker that died or was killed, before the next request
 
     def _while_busy(self) -> None:
         """Called between cycles and while a worker computes or starts."""
@@ -312,9 +309,7 @@ class Serving:
         """Take a departed client's waiting requests out, each counted as cancelled (nobody is
         there to answer)."""
         dropped = self.queue.drop_client(client)
-        for item in dropped:
-            self.coordinator.metrics.record(m.GenerateDone(request_id=item.request.request_id, token_ids=[],
-                                                           text="", finish_reason="cancelled"))
+        self.coordinator.metrics.record_cancelled(len(dropped))
         return dropped
 
     def _drop(self, peer: bytes, why: str) -> None:

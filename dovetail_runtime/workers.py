@@ -12,7 +12,6 @@ alone, which then stops them in order (no KeyboardInterrupt tracebacks from the 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -20,17 +19,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Generic, TypeVar
+
+import msgspec
 
 from ipc.channels import Channel, ChannelTimeout, RuntimeDir
-from ipc.codec import ProtocolError
-from ipc.messages import Message, Ready, Shutdown, WorkerError
+from ipc.codec import ProtocolError, decode_info, encode_settings
+from ipc.messages import Message, Nested, Ready, Shutdown, WorkerError, WorkerSettings
 
 log = logging.getLogger(__name__)
 
 # How often a wait for a reply checks the worker's life and deadline and calls on_wait.
 LIVENESS_MS = 100
 R = TypeVar("R", bound=Message)
+Info = TypeVar("Info", bound=Nested)  # what the worker reports in its Ready
 
 
 class WorkerFailed(RuntimeError):
@@ -41,23 +43,25 @@ class WorkerRequestError(RuntimeError):
     """The worker refused or failed one request and keeps serving."""
 
 
-class WorkerHandle:
-    """A worker process (``python -m <module>``) and the PAIR channel to it."""
+class WorkerHandle(Generic[Info]):
+    """A worker process (``python -m <module> --settings JSON``) and the PAIR channel to it;
+    ``info`` is what it reported in its Ready (an ``info_type``), None until then."""
 
-    def __init__(self, name: str, module: str, settings: dict[str, Any], runtime_dir: RuntimeDir,
-                 allowed_replies: tuple[type[Message], ...], env: dict[str, str] | None = None,
+    def __init__(self, name: str, module: str, settings: WorkerSettings, runtime_dir: RuntimeDir,
+                 allowed_replies: tuple[type[Message], ...], info_type: type[Info], env: dict[str, str] | None = None,
                  reply_timeout_s: float | None = None, on_wait: Callable[[], None] | None = None):
         self.name = name
         self.reply_timeout_s = reply_timeout_s
         self.on_wait = on_wait
         self.env = env or {}
         self.module = module
-        self.settings = settings
+        self.settings_json = encode_settings(settings)  # checked here: a worker refuses what it cannot read
         self.endpoint = runtime_dir.endpoint(name)
         self.allowed_replies = allowed_replies
+        self.info_type = info_type
         self.process: subprocess.Popen | None = None
         self.channel: Channel | None = None
-        self.info: dict[str, Any] = {}
+        self.info: Info | None = None
         self.ready = False  # the process has said Ready (and so reads its channel)
 
     @property
@@ -72,7 +76,7 @@ class WorkerHandle:
         self.channel = Channel.bind(self.endpoint, allowed=self.allowed_replies)
         self.ready = False
         command = [sys.executable, "-m", self.module, "--endpoint", self.endpoint,
-                   "--parent-pid", str(os.getpid()), "--settings", json.dumps(self.settings)]
+                   "--parent-pid", str(os.getpid()), "--settings", self.settings_json]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
                                         process_group=0)
 
@@ -80,7 +84,7 @@ class WorkerHandle:
         if self.on_wait is not None:
             self.on_wait()
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+    def wait_ready(self, timeout_s: float) -> Info:
         """Wait for the Ready handshake; WorkerFailed with the worker's own error otherwise."""
         if self.process is None or self.channel is None:
             raise WorkerFailed(f"{self.name} was not spawned")
@@ -93,10 +97,7 @@ class WorkerHandle:
                 self.stop()
                 raise WorkerFailed(f"{self.name} sent an invalid handshake: {error}") from None
             if isinstance(reply, Ready):
-                self.info = reply.info
-                self.ready = True
-                log.info("%s ready (pid %d): %s", self.name, reply.pid, reply.info)
-                return reply.info
+                return self._ready(reply)
             if isinstance(reply, WorkerError):
                 self.stop()
                 raise WorkerFailed(f"{self.name} failed to start: {reply.message}")
@@ -107,6 +108,17 @@ class WorkerHandle:
             self._waited()
         self.stop()
         raise WorkerFailed(f"{self.name} was not ready within {timeout_s:.0f} s")
+
+    def _ready(self, reply: Ready) -> Info:
+        try:
+            info = decode_info(reply.info, self.info_type)
+        except ProtocolError as error:
+            self.stop()
+            raise WorkerFailed(f"{self.name} sent an invalid handshake: {error}") from None
+        self.info = info
+        self.ready = True
+        log.info("%s ready (pid %d): %s", self.name, reply.pid, msgspec.structs.asdict(info))
+        return info
 
     def request(self, message: Message, expect: type[R]) -> R:
         """Send one request and wait for its reply, noticing a dead worker within LIVENESS_MS

@@ -1,6 +1,6 @@
 """The gpu_worker process: the draft head behind the coordinator's control channel.
 
-    python -m gpu_worker.server --endpoint ipc://... --parent-pid N --settings '{json}'
+    python -m gpu_worker.server --endpoint ipc://... --parent-pid N --settings '{DraftSettings as JSON}'
 
 Feature blocks arrive as RingRefs into the rings the cpu_worker writes; on CUDA the cycle
 ring is registered as page-locked memory so its copies to the GPU are DMA.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -67,36 +66,35 @@ class DraftService:
                 m.MeasureDraftCost: self.measure_draft_cost}
 
 
-def load_service(settings: dict[str, Any]) -> tuple[dict[str, Any], Handlers]:
-    placement = apply_placement(settings.get("threads"), settings.get("cores"))
-    device = resolve_device(settings.get("device", "auto"))
-    dtype = settings.get("dtype") or "auto"
-    drafter = Drafter.from_pretrained(settings["draft"], settings.get("target"), max_len=settings["max_len"],
-                                      device=device, dtype=dtype, scratch_len=settings["scratch_len"])
+def load_service(settings: m.DraftSettings) -> tuple[m.DraftInfo, Handlers]:
+    placement = apply_placement(settings.threads, settings.cores)
+    device = resolve_device(settings.device)
+    drafter = Drafter.from_pretrained(settings.draft, settings.target, max_len=settings.max_len,
+                                      device=device, dtype=settings.dtype or "auto", scratch_len=settings.scratch_len)
     # The coordinator sized the rings and told the cpu_worker what rows to return from the
     # folder's files alone (gpu_worker.head_layout); the loaded head must read exactly those.
-    row_width = settings.get("row_width")
+    row_width = settings.row_width
     if row_width is not None and row_width != drafter.feature_size:
-        raise ValueError(f"the draft head in {settings['draft']} reads target rows of {drafter.feature_size} floats, "
-                         f"but its folder was read as {settings.get('layout') or row_width} (an EAGLE-3 head needs "
+        raise ValueError(f"the draft head in {settings.draft} reads target rows of {drafter.feature_size} floats, "
+                         f"but its folder was read as {settings.layout or row_width} (an EAGLE-3 head needs "
                          "draft_vocab_size in its config.json or safetensors weights with midlayer.* keys)")
-    cycle = ShmRing.attach(settings["rings"]["cycle"])
-    prefill = ShmRing.attach(settings["rings"]["prefill"])
+    cycle = ShmRing.attach(settings.rings.cycle)
+    prefill = ShmRing.attach(settings.rings.prefill)
     # Only the cycle ring is pinned: it is small and crosses every cycle; a prompt's block once.
     pinned = drafter.device.type == "cuda" and cycle.pin_for_cuda()
     service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill})
     activations = str(drafter.dtype).removeprefix("torch.")
     int8 = drafter.head.int8_fusion is not None or not isinstance(drafter.head.lm_head, torch.nn.Linear)
-    info = {"device": str(drafter.device), "dtype": "int8" if int8 else activations,
-            "threads": placement.intra_op_threads, "cores": placement.cores,
-            "layers": drafter.head.spec.num_layers, "ring_pinned": pinned, "scratch_len": drafter.scratch_len,
-            "fusion": drafter.head.fusion, "feature_size": drafter.feature_size,
-            "draft_vocab_size": drafter.draft_vocab_size}
+    info = m.DraftInfo(device=str(drafter.device), dtype="int8" if int8 else activations,
+                       threads=placement.intra_op_threads, cores=placement.cores,
+                       layers=drafter.head.spec.num_layers, ring_pinned=pinned, scratch_len=drafter.scratch_len,
+                       fusion=drafter.head.fusion, feature_size=drafter.feature_size,
+                       draft_vocab_size=drafter.draft_vocab_size)
     return info, service.handlers()
 
 
 def main() -> int:
-    return worker_main("gpu_worker", m.TO_GPU_WORKER, load_service)
+    return worker_main("gpu_worker", m.TO_GPU_WORKER, m.DraftSettings, load_service)
 
 
 if __name__ == "__main__":

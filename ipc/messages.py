@@ -14,9 +14,9 @@ messages into bytes and back.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from msgspec import Meta, Struct, field
+from msgspec import Meta, Raw, Struct, field
 
 from .tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
 
@@ -318,15 +318,104 @@ class DraftCost(Message):
 
 
 # --- worker lifecycle -------------------------------------------------------------------
+# A worker's settings reach it as JSON in its --settings argument (``ipc.codec.encode_settings``,
+# ``decode_settings``); what it reports once loaded travels in ``Ready.info``.
+
+Folder = Annotated[str, Meta(min_length=1, max_length=4096)]  # a model folder
+Name = Annotated[str, Meta(max_length=64)]  # a dtype, device, kernel or log level
+RingName = Annotated[str, Meta(min_length=1, max_length=255)]
+Cores = Annotated[list[Count], Meta(max_length=65536)]
+Layers = Annotated[list[Count], Meta(max_length=1024)]
+
+
+class RingNames(Nested, frozen=True):
+    """The coordinator's two shared-memory rings (ipc.shm_ring): a cycle's few feature rows,
+    and a whole prompt's."""
+
+    cycle: RingName
+    prefill: RingName
+
+
+class WorkerSettings(Nested, frozen=True, kw_only=True):
+    """What the coordinator tells either worker when it starts it. ``threads``/``cores``: its
+    CPU placement (None: torch's own threads, unpinned)."""
+
+    log_level: Name = "info"
+    max_len: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)]  # the context in tokens
+    rings: RingNames
+    threads: Annotated[int, Meta(ge=1, le=65536)] | None = None
+    cores: Cores | None = None
+
+
+class TargetSettings(WorkerSettings, frozen=True, kw_only=True):
+    """The cpu_worker's: the target folder, its precision, and for an EAGLE-3 head the three
+    target layers whose inputs make a feature row."""
+
+    target: Folder
+    dtype: Name = "fp32"
+    aux_layers: Layers = []
+    kv_dtype: Name = "auto"
+
+
+class DraftSettings(WorkerSettings, frozen=True, kw_only=True):
+    """The gpu_worker's: the head folder (and the target's, for an EAGLE head's embeddings),
+    the scratch slots its trees need, and the feature rows the coordinator sized the rings for
+    (``row_width`` floats, ``layout`` in words), which the loaded head must read."""
+
+    draft: Folder
+    target: Folder | None = None
+    device: Name = "auto"
+    dtype: Name = "auto"
+    scratch_len: Count
+    row_width: Dim | None = None
+    layout: Annotated[str, Meta(max_length=1024)] | None = None
+
+
+class TargetInfo(Nested, frozen=True):
+    """The cpu_worker's ``Ready.info``: its placement, context, sizes, precision and kernel
+    (None for bf16), and whether trees verify bit-exact against one-token decoding."""
+
+    threads: Count
+    cores: Cores
+    max_len: Count
+    hidden_size: Dim
+    vocab_size: Dim
+    dtype: Name
+    weight_bytes: Count
+    kv_cache_bytes: Count
+    kv_dtype: Name
+    exact_tree: bool
+    kernel: Name | None
+    feature_size: Dim
+    aux_layers: Layers
+
+
+class DraftInfo(Nested, frozen=True):
+    """The gpu_worker's ``Ready.info``: its device and precision, placement and head shape."""
+
+    device: Name
+    dtype: Name
+    threads: Count
+    cores: Cores
+    layers: Count
+    ring_pinned: bool  # the cycle ring is page-locked memory for CUDA
+    scratch_len: Count
+    fusion: Name
+    feature_size: Dim
+    draft_vocab_size: Dim
+
+
 
 
 class Ready(Message):
-    """Handshake: the worker has loaded its model and serves. ``info``: what it reports
-    (device, dtype, sizes, threads, ...)."""
+    """Handshake: the worker has loaded its model and serves. ``info``: what it reports, a
+    ``TargetInfo`` (cpu_worker) or a ``DraftInfo`` (gpu_worker) as a plain map, kept undecoded
+    here (one message type for both workers) and read by the coordinator as the one it expects
+    of that worker (``ipc.codec.encode_info``/``decode_info``)."""
 
     worker: WorkerName
     pid: Count
-    info: dict[str, Any] = {}
+    info: Raw = Raw(b"\x80")  # an empty map
 
 
 class WorkerError(Message):

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import logging
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ipc.channels import Channel
-from ipc.codec import ProtocolError
-from ipc.messages import Message, Ping, Pong, Ready, Shutdown, WorkerError
+from ipc.codec import ProtocolError, decode_settings, encode_info
+from ipc.messages import Message, Nested, Ping, Pong, Ready, Shutdown, WorkerError, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,9 @@ POLL_MS = 250
 # A request handler returns its reply, or None for fire-and-forget messages (ReleaseSequence).
 Handler = Callable[[Any], Message | None]
 Handlers = dict[type[Message], Handler]
-Loader = Callable[[dict[str, Any]], tuple[dict[str, Any], Handlers]]
+S = TypeVar("S", bound=WorkerSettings)
+# A worker's loader: from its settings, (its ready info, a handler per request type).
+Loader = Callable[[S], tuple[Nested, Handlers]]
 
 
 class SequenceError(ValueError):
@@ -47,20 +48,29 @@ def die_with_parent() -> None:
             pass
 
 
-def worker_main(worker: str, allowed: tuple[type[Message], ...], load: Loader) -> int:
-    """A worker process's entry point: ``--endpoint``, ``--parent-pid`` and ``--settings`` (JSON)
-    from the coordinator, then ``serve``."""
+def worker_main(worker: str, allowed: tuple[type[Message], ...], settings_type: type[S], load: Loader[S]) -> int:
+    """A worker process's entry point: ``--endpoint``, ``--parent-pid`` and ``--settings`` (a
+    ``settings_type`` as JSON) from the coordinator, then ``serve``. Settings it cannot read
+    are its startup error, reported to the coordinator like a model that fails to load."""
     parser = argparse.ArgumentParser(description=f"Dovetail {worker} (started by dovetail-run)")
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--settings", required=True, help="JSON object")
+    parser.add_argument("--settings", required=True, help=f"{settings_type.__name__} as JSON")
     args = parser.parse_args()
     # The coordinator decides when a worker stops (Shutdown, or its death): a stray SIGINT
     # (a terminal's Ctrl-C sent to a whole process group) must not end it with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    settings = json.loads(args.settings)
-    configure_logging(settings.get("log_level", "info"), worker)
-    return serve(worker, args.endpoint, args.parent_pid, allowed, lambda: load(settings))
+
+    def start() -> tuple[Nested, Handlers]:
+        try:
+            settings = decode_settings(args.settings, settings_type)
+        except ProtocolError:
+            configure_logging("info", worker)  # to say why it cannot start
+            raise
+        configure_logging(settings.log_level, worker)
+        return load(settings)
+
+    return serve(worker, args.endpoint, args.parent_pid, allowed, start)
 
 
 def configure_logging(level: str, worker: str) -> None:
@@ -69,19 +79,20 @@ def configure_logging(level: str, worker: str) -> None:
 
 
 def serve(worker: str, endpoint: str, parent_pid: int, allowed: tuple[type[Message], ...],
-          load: Callable[[], tuple[dict[str, Any], Handlers]]) -> int:
+          load: Callable[[], tuple[Nested, Handlers]]) -> int:
     """Run a worker: ``load()`` returns (ready info, handler per request type)."""
     die_with_parent()
     channel = Channel.connect(endpoint, allowed=allowed)
     try:
         try:
             info, handlers = load()
+            ready = Ready(worker=worker, pid=os.getpid(), info=encode_info(info))
         except Exception as error:  # every load failure goes back to the coordinator
             log.error("%s failed to start: %s", worker, error)
             channel.send(WorkerError(worker=worker, message=f"{type(error).__name__}: {error}"[:60000], fatal=True),
                          timeout_ms=5000)
             return 1
-        channel.send(Ready(worker=worker, pid=os.getpid(), info=info), timeout_ms=5000)
+        channel.send(ready, timeout_ms=5000)
         while True:
             try:
                 request = channel.recv(timeout_ms=POLL_MS)

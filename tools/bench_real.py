@@ -419,9 +419,9 @@ def read_worker_memory(coordinator: Coordinator, result: RunResult) -> None:
 def target_weight_bytes(coordinator: Coordinator, target_dir: Path, precision: str) -> tuple[int, str]:
     """The bytes a decode step streams: the cpu_worker's own count when it reports one, else
     an estimate from the config (parameters x bytes per parameter at the precision)."""
-    info = coordinator.cpu.info if coordinator.cpu is not None else {}
-    if isinstance(info.get("weight_bytes"), int):
-        return info["weight_bytes"], "cpu_worker"
+    info = coordinator.cpu.info if coordinator.cpu is not None else None
+    if info is not None:
+        return info.weight_bytes, "cpu_worker"
     config = json.loads((target_dir / "config.json").read_text())
     return Dims.from_config(config).streamed_bytes(precision), "config estimate"
 
@@ -456,7 +456,7 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
         print(f"   workers ready in {time.perf_counter() - started:.1f} s "
               f"(cpu_worker {coordinator.cpu.info}, gpu_worker {coordinator.gpu.info if coordinator.gpu else {}})",
               flush=True)
-        result.threads = coordinator.cpu.info.get("threads")
+        result.threads = coordinator.cpu.info.threads if coordinator.cpu.info is not None else None
         result.weight_bytes, result.weight_bytes_source = target_weight_bytes(coordinator, target_dir,
                                                                               result.precision)
         prompts, note = heldout_prompts(coordinator.tokenizer, options.prompt_count, options.prompt_tokens)

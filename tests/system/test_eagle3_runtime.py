@@ -14,6 +14,7 @@ import torch
 
 from cpu_worker.model.model_dir import read_config
 from gpu_worker.head_layout import FeatureLayout, HeadLayoutError, feature_layout
+from ipc.messages import DraftSettings, RingNames
 
 from conftest import DEMO_TARGET, save_random_head, save_tiny_model
 from eagle3_folders import save_published_eagle3
@@ -211,9 +212,9 @@ def test_the_gpu_worker_refuses_rows_it_was_not_built_for(tmp_path):
     (folder / "config.json").write_text(json.dumps(raw))
     layout = feature_layout(folder, read_config(DEMO_TARGET))
     assert layout.row_width == 256
-    settings = {"draft": str(folder), "target": str(DEMO_TARGET), "max_len": 64, "scratch_len": 8, "device": "cpu",
-                "dtype": "fp32", "threads": 1, "row_width": layout.row_width, "layout": layout.describe(),
-                "rings": {"cycle": "unused", "prefill": "unused"}}
+    settings = DraftSettings(draft=str(folder), target=str(DEMO_TARGET), max_len=64, scratch_len=8, device="cpu",
+                             dtype="fp32", threads=1, row_width=layout.row_width, layout=layout.describe(),
+                             rings=RingNames(cycle="unused", prefill="unused"))
     with pytest.raises(ValueError, match="reads target rows of 768 floats, but its folder was read as last-layer "
                                          "rows of 256"):
         load_service(settings)

@@ -48,7 +48,7 @@ class StandInCoordinator:
             self.start_hook()
         self.tokenizer = StandInTokenizer()
 
-    def _recover(self) -> None:
+    def recover(self) -> None:
         pass
 
     def max_prompt_chars(self) -> int | None:

@@ -8,6 +8,7 @@ import stat
 import time
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -194,8 +195,9 @@ def test_worker_pair_channel_round_trip(ctx, rundir):
     coordinator = Channel.bind(endpoint, allowed=M.FROM_CPU_WORKER, ctx=ctx)
     worker = Channel.connect(endpoint, allowed=M.TO_CPU_WORKER, ctx=ctx)
     assert coordinator.socket.getsockopt(zmq.LINGER) == 0 and worker.socket.getsockopt(zmq.LINGER) == 0
-    worker.send(M.Ready(worker="cpu", pid=os.getpid(), info={"hidden": 64}), timeout_ms=2000)
-    assert coordinator.recv(2000) == M.Ready(worker="cpu", pid=os.getpid(), info={"hidden": 64})
+    info = msgspec.Raw(msgpack.packb({"hidden": 64}))
+    worker.send(M.Ready(worker="cpu", pid=os.getpid(), info=info), timeout_ms=2000)
+    assert coordinator.recv(2000) == M.Ready(worker="cpu", pid=os.getpid(), info=info)
     coordinator.send(M.VerifyRequest(seq_id=1, tokens=[5, 6], parents=[-1, 0]), timeout_ms=2000)
     assert worker.recv(2000) == M.VerifyRequest(seq_id=1, tokens=[5, 6], parents=[-1, 0])
     ring_ref = M.RingRef(ring="dovetail-1-x", slot=0, seq=1, rows=2, cols=64, dtype="float16")

@@ -3,6 +3,7 @@ foreign client can speak, and everything malformed is one ProtocolError naming t
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 
@@ -27,6 +28,20 @@ from ipc.tree import (
 RING = M.RingRef(ring="dovetail-1-abcd", slot=2, seq=7, rows=3, cols=16, dtype="float16")
 STATS = M.RequestStats(new_tokens=2, cycles=1, tau=2.0, tokens_per_s=12.5, prefill_ms=3.25, draft_ms=1.0,
                        verify_ms=4.5, ipc_ms=0.5, wall_ms=160.0, accept_per_depth=[0, 1])
+
+RINGS = M.RingNames(cycle="dovetail-1-cycle", prefill="dovetail-1-prefill")
+TARGET_SETTINGS = M.TargetSettings(log_level="warning", max_len=4096, rings=RINGS, target="/models/llama",
+                                   threads=8, cores=[0, 1, 2, 3, 4, 5, 6, 7], dtype="int8", aux_layers=[2, 16, 29],
+                                   kv_dtype="bf16")
+DRAFT_SETTINGS = M.DraftSettings(max_len=4096, rings=RINGS, draft="/models/head", target="/models/llama",
+                                 device="cuda:0", dtype="fp16", scratch_len=80, row_width=12288,
+                                 layout="EAGLE-3 rows of 3 x 4096")
+TARGET_INFO = M.TargetInfo(threads=8, cores=[0, 1, 2, 3, 4, 5, 6, 7], max_len=4096, hidden_size=4096,
+                           vocab_size=128256, dtype="int8", weight_bytes=7_000_000_000, kv_cache_bytes=536_870_912,
+                           kv_dtype="bfloat16", exact_tree=True, kernel="dovetail-amx", feature_size=12288,
+                           aux_layers=[2, 16, 29])
+DRAFT_INFO = M.DraftInfo(device="cuda:0", dtype="float16", threads=1, cores=[8], layers=1, ring_pinned=True,
+                         scratch_len=80, fusion="eagle3", feature_size=12288, draft_vocab_size=32000)
 
 SAMPLES = [
     M.GenerateRequest(request_id="r1", prompt="def f(x):\n    return x é ☃", max_new_tokens=64,
@@ -58,8 +73,7 @@ SAMPLES = [
     M.VerifyCost(tree_sizes=[1, 2], ms=[400.5, 460.0], cached=True, cache_path="/tmp/x.json"),
     M.MeasureDraftCost(depths=[1, 2, 3], top_k=8),
     M.DraftCost(depths=[1, 2], ms=[30.0, 61.5]),
-    M.Ready(worker="cpu_worker", pid=1234, info={"hidden_size": 5120, "dtype": "float32", "rings": ["a", "b"],
-                                                 "nested": {"ok": True, "n": None}}),
+    M.Ready(worker="cpu_worker", pid=1234, info=codec.encode_info(TARGET_INFO)),
     M.WorkerError(worker="gpu_worker", message="CUDA out of memory", seq_id=9, fatal=True),
     M.WorkerError(worker="gpu_worker", message="boom"),
     M.GenerateRequest(request_id="r3", messages=[M.ChatMessage(role="system", content="Be brief."),
@@ -396,8 +410,8 @@ def test_pickle_is_refused_and_never_executed():
     b"\x91" * 200_000 + b"\x00",  # [[[[...]]]] as the whole message
     b"\x82\xa1x" + b"\x91" * 200_000 + b"\x00" + b"\xa4type\xa4Ping",  # in an unknown field before the tag
     b"\x82\xa1x" + b"\x81\xa1a" * 200_000 + b"\x00" + b"\xa4type\xa4Ping",  # nested maps
-    b"\x84\xa4type\xa5Ready\xa6worker\xa1c\xa3pid\x01\xa4info\x81\xa1a" + b"\x91" * 200_000 + b"\x00",  # Any field
-], ids=["top", "unknown-field", "maps", "any-field"])
+    b"\x84\xa4type\xa5Ready\xa6worker\xa1c\xa3pid\x01\xa4info\x81\xa1a" + b"\x91" * 200_000 + b"\x00",  # Raw field
+], ids=["top", "unknown-field", "maps", "raw-field"])
 def test_deep_nesting_is_refused_not_a_crash(data, allowed):
     # Far deeper than the interpreter's stack: must be a ProtocolError (which the server
     # answers), never a RecursionError escaping the receive loop.
@@ -461,8 +475,8 @@ def test_encode_refuses_what_the_receiver_would_refuse():
 def test_encode_refuses_what_msgpack_cannot_carry():
     with pytest.raises(ProtocolError, match="Ping cannot be encoded"):
         encode(M.Ping(nonce=1 << 70))
-    with pytest.raises(ProtocolError, match="Ready cannot be encoded"):
-        encode(M.Ready(worker="w", pid=1, info={"x": object()}))
+    with pytest.raises(ProtocolError, match="TargetInfo would be refused"):
+        codec.encode_info(msgspec.structs.replace(TARGET_INFO, cores=[object()]))
 
 
 @pytest.mark.parametrize("thing", [object(), M.Sampling(), RING, TreeShape(), {"type": "Ping"}],
@@ -583,3 +597,81 @@ def test_compact_tree_rules():
                              ([-1, 0, 3, 0], "node 2 has parent 3"), ([-1, -1], "node 1 has parent -1")):
         with pytest.raises(TreeError, match=pattern):
             validate_parents(parents)
+
+
+# --- worker settings (a worker's --settings JSON) and ready info (Ready.info) ---------------
+
+
+@pytest.mark.parametrize("settings", [TARGET_SETTINGS, DRAFT_SETTINGS,
+                                      M.TargetSettings(max_len=2, rings=RINGS, target="t")],
+                         ids=["target", "draft", "target-defaults"])
+def test_worker_settings_round_trip_as_json(settings):
+    text = codec.encode_settings(settings)
+    assert json.loads(text) == msgspec.to_builtins(settings)  # a JSON object, every field by name
+    back = codec.decode_settings(text, type(settings))
+    assert back == settings and type(back) is type(settings)
+
+
+def test_settings_left_out_take_what_a_worker_assumed_before():
+    rings = '"rings": {"cycle": "c", "prefill": "p"}'
+    target = codec.decode_settings(f'{{"max_len": 64, {rings}, "target": "/t"}}', M.TargetSettings)
+    assert (target.log_level, target.dtype, target.kv_dtype, target.threads, target.cores, target.aux_layers) == (
+        "info", "fp32", "auto", None, None, [])
+    draft = codec.decode_settings(f'{{"max_len": 64, {rings}, "draft": "/d", "scratch_len": 8}}', M.DraftSettings)
+    assert (draft.target, draft.device, draft.dtype, draft.row_width, draft.layout) == (None, "auto", "auto", None,
+                                                                                        None)
+
+
+RINGS_JSON = '"rings": {"cycle": "c", "prefill": "p"}'
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    (f'{{"max_len": 64, {RINGS_JSON}}}', r"invalid TargetSettings: Object missing required field `target`$"),
+    (f'{{"max_len": "64", {RINGS_JSON}, "target": "t"}}', r"Expected `int`, got `str` - at `\$\.max_len`"),
+    (f'{{"max_len": 0, {RINGS_JSON}, "target": "t"}}', r"Expected `int` >= 1 - at `\$\.max_len`"),
+    (f'{{"max_len": 64, {RINGS_JSON}, "target": "t", "thread": 2}}', r"Object contains unknown field `thread`"),
+    ('{"max_len": 64, "rings": {"cycle": "c"}, "target": "t"}',
+     r"Object missing required field `prefill` - at `\$\.rings`"),
+    (f'{{"max_len": 64, {RINGS_JSON}, "target": "t", "threads": 0}}', r"Expected `int` >= 1 - at `\$\.threads`"),
+    (f'{{"max_len": 64, {RINGS_JSON}, "target": "t", "cores": [-1]}}',
+     r"Expected `int` >= 0 - at `\$\.cores\[0\]`"),
+    (f'{{"max_len": 64, {RINGS_JSON}, "target": ""}}', r"Expected `str` of length >= 1 - at `\$\.target`"),
+    ('["max_len", 64]', r"invalid TargetSettings: Expected `object`, got `array`"),
+    ('{"max_len": 64', r"TargetSettings is not valid JSON"),
+    ("", r"TargetSettings is not valid JSON"),
+], ids=["missing", "type", "range", "unknown", "nested", "threads", "cores", "empty-folder", "array", "cut", "empty"])
+def test_malformed_worker_settings_are_refused_naming_the_field(text, error):
+    with pytest.raises(ProtocolError, match=error):
+        codec.decode_settings(text, M.TargetSettings)
+
+
+def test_settings_a_worker_would_refuse_are_never_sent():
+    with pytest.raises(ProtocolError, match=r"TargetSettings would be refused: Expected `int` >= 1 - at `\$\.threads`"):
+        codec.encode_settings(msgspec.structs.replace(TARGET_SETTINGS, threads=0))
+    with pytest.raises(ProtocolError, match=r"DraftSettings would be refused: .* at `\$\.scratch_len`"):
+        codec.encode_settings(msgspec.structs.replace(DRAFT_SETTINGS, scratch_len="80"))
+
+
+@pytest.mark.parametrize(("info", "group"), [(TARGET_INFO, M.FROM_CPU_WORKER), (DRAFT_INFO, M.FROM_GPU_WORKER)],
+                         ids=["target", "draft"])
+def test_ready_info_round_trips_as_a_plain_map(info, group):
+    ready = M.Ready(worker="w", pid=7, info=codec.encode_info(info))
+    back = decode(encode(ready), group)
+    assert isinstance(back, M.Ready) and codec.decode_info(back.info, type(info)) == info
+    # On the wire: the plain map a worker's info always was, its keys in declaration order.
+    wire = _wire(ready)["info"]
+    assert wire == msgspec.to_builtins(info) and list(wire) == list(type(info).__struct_fields__)
+
+
+def test_ready_info_of_another_worker_or_malformed_is_refused():
+    with pytest.raises(ProtocolError, match=r"invalid TargetInfo: Object contains unknown field `device`"):
+        codec.decode_info(codec.encode_info(DRAFT_INFO), M.TargetInfo)
+    with pytest.raises(ProtocolError, match=r"invalid DraftInfo: Object missing required field `device`"):
+        codec.decode_info(M.Ready(worker="w", pid=1).info, M.DraftInfo)  # a Ready without its info
+    bad = {**msgspec.to_builtins(DRAFT_INFO), "ring_pinned": 1}
+    with pytest.raises(ProtocolError, match=r"Expected `bool`, got `int` - at `\$\.ring_pinned`"):
+        codec.decode_info(msgspec.Raw(_pack(bad)), M.DraftInfo)
+    with pytest.raises(ProtocolError, match="DraftInfo is not valid msgpack"):
+        codec.decode_info(msgspec.Raw(b"\xc1"), M.DraftInfo)
+    with pytest.raises(ProtocolError, match=r"TargetInfo would be refused: Expected `int` >= 0 - at `\$\.threads`"):
+        codec.encode_info(msgspec.structs.replace(TARGET_INFO, threads=-1))

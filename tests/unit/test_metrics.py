@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from dovetail_runtime.metrics import ServerMetrics, prometheus_text
 from ipc import messages as m
 
@@ -36,9 +38,10 @@ def test_counters_add_up_and_render():
                         draft_ms=50.0, verify_ms=200.0, ipc_ms=25.0))
     metrics.record(done("length", prompt_tokens=4, new_tokens=8, cycles=3, tau=7 / 3, draft_ms=10.0))
     metrics.record(m.ErrorReply(request_id="r", code="prompt_too_long", message="x"))
-    metrics.worker_restarts = 2
-    metrics.running = 1
-    reply = metrics.reply(queue_depth=3)
+    metrics.worker_restarted()
+    metrics.worker_restarted()
+    with metrics.running_request():
+        reply = metrics.reply(queue_depth=3)
     assert (reply.prompt_tokens, reply.new_tokens, reply.cycles, reply.cycle_tokens) == (14, 28, 8, 26)
     assert reply.finished == {"stop": 1, "length": 1} and reply.errors == {"prompt_too_long": 1}
 
@@ -58,3 +61,23 @@ def test_counters_add_up_and_render():
     assert samples["dovetail_requests_running{}"] == 1
     assert samples["dovetail_worker_restarts_total{}"] == 2
     assert 'model="my \\"model\\""' in prometheus_text(reply, 'my "model"')  # label values escaped
+
+
+def test_a_running_request_is_counted_until_it_ends_however_it_ends():
+    metrics = ServerMetrics()
+    with metrics.running_request():
+        assert metrics.reply(queue_depth=0).running == 1
+    with pytest.raises(RuntimeError), metrics.running_request():
+        raise RuntimeError("a request's bug")
+    assert metrics.reply(queue_depth=0).running == 0
+
+
+def test_a_request_cancelled_before_it_ran_counts_as_cancelled_with_no_tokens():
+    metrics = ServerMetrics()
+    metrics.record_cancelled()
+    metrics.record_cancelled(2)
+    metrics.record_cancelled(0)
+    metrics.record(done("stop", prompt_tokens=3, new_tokens=2, cycles=1, tau=2.0))
+    reply = metrics.reply(queue_depth=0)
+    assert reply.finished == {"cancelled": 3, "stop": 1}
+    assert (reply.prompt_tokens, reply.new_tokens, reply.cycles, reply.cycle_tokens) == (3, 2, 1, 2)

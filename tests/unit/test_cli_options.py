@@ -1,0 +1,65 @@
+"""dovetail-run's and dovetail-client's options sort into typed groups, each option into exactly one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dovetail_runtime import cli
+from dovetail_runtime.cli_options import (
+    CpuPlacement,
+    ModelOptions,
+    SamplingOptions,
+    check_grouped,
+    client_options,
+    run_options,
+)
+
+
+def parsed(command, args: list[str]) -> dict:
+    """The keywords click hands the command for ``args``."""
+    with command.make_context(command.name or "dovetail", args) as context:
+        return dict(context.params)
+
+
+def test_every_dovetail_run_option_lands_in_its_group():
+    values = parsed(cli.run_main, ["--target", "/t", "--draft", "/d", "--cpu-cores", "0-3", "--draft-threads", "2",
+                                   "--tree-tokens", "auto:32", "--depth", "5", "--prompt", "a", "--prompt", "b",
+                                   "--stop", "\n", "--bind", "127.0.0.1:5555", "--max-queue", "9", "--seed", "3",
+                                   "--log-level", "debug", "--worker-timeout", "12"])
+    options = run_options(values)
+    assert options.models == ModelOptions(target="/t", draft="/d", target_dtype="fp32", kv_dtype="auto",
+                                          draft_device="auto", draft_dtype="auto", max_len=None, mode="dovetail")
+    assert options.placement == CpuPlacement(cpu_threads=None, cpu_cores=[0, 1, 2, 3], draft_threads=2,
+                                             draft_cores=None)
+    assert (options.tree.tree_tokens, options.tree.depth, options.tree.tree_top_k) == (("auto", 32), 5, 8)
+    assert (options.one_shot.prompts, options.one_shot.stops, options.one_shot.max_new_tokens) == (("a", "b"),
+                                                                                                   ("\n",), 128)
+    assert options.serving.binds == ("tcp://127.0.0.1:5555",) and options.serving.max_queue == 9
+    assert (options.workers.worker_timeout, options.workers.startup_timeout, options.workers.max_restarts) == (
+        12.0, 300.0, 3)
+    assert options.sampling == SamplingOptions(temperature=0.0, sample_top_k=0, top_p=1.0, seed=3)
+    assert options.log_level == "debug"
+
+
+def test_every_dovetail_client_option_lands_in_its_group(tmp_path):
+    chat = tmp_path / "chat.json"
+    chat.write_text('[{"role": "user", "content": "hi"}]')
+    options = client_options(parsed(cli.client_main, ["--messages", str(chat), "--json", "--deadline", "2.5",
+                                                      "--mode", "ar", "--temperature", "0.5"]))
+    assert options.as_json and options.connect.endpoint is None and options.connect.timeout == 600.0
+    assert options.request.messages_file == Path(chat) and options.request.prompt is None
+    assert (options.request.mode, options.request.deadline, options.request.chat) == ("ar", 2.5, False)
+    assert options.sampling.temperature == 0.5
+
+
+def test_an_option_in_no_group_or_in_two_is_caught():
+    values = {"cpu_threads": 1, "cpu_cores": None, "draft_threads": None, "draft_cores": None}
+    check_grouped(values, (CpuPlacement,))
+    with pytest.raises(TypeError, match=r"options in no group: \['new_flag'\]"):
+        check_grouped({**values, "new_flag": True}, (CpuPlacement,))
+    with pytest.raises(TypeError, match=r"groups without their option: \['cpu_threads'\]"):
+        check_grouped({k: v for k, v in values.items() if k != "cpu_threads"}, (CpuPlacement,))
+    with pytest.raises(TypeError, match=r"in two groups: \['cpu_threads'\]"):
+        check_grouped(values, (CpuPlacement,), "cpu_threads")
