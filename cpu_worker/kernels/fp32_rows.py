@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.huge_pages import on_huge_pages, release_freed_memory
+from cpu_worker.native import library as native
 from ipc.tree import MAX_TREE_TOKENS
 
 MAX_KERNEL_ROWS = MAX_TREE_TOKENS  # every tree the protocol allows is verified in one call on the kernel
@@ -53,7 +53,7 @@ class RowInvariantFp32Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        library = int8_kernel.load_library()
+        library = native.load()
         if library is None:
             raise RuntimeError("the fp32 row kernel needs the compiled kernel library (a C compiler)")
         self._function = library.dovetail_fp32_linear
@@ -89,7 +89,7 @@ class RowInvariantFp32Linear(nn.Module):
 def use_fp32_row_kernel(model: nn.Module) -> bool:
     """Swap every fp32 ``nn.Linear`` under ``model`` for a RowInvariantFp32Linear (sharing its
     weight, which moves onto huge pages). False, and nothing changed, when the kernel library cannot be built."""
-    if int8_kernel.load_library() is None:
+    if native.load() is None:
         return False
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32]

@@ -15,6 +15,8 @@
  * scalar code give the same bits); out = (sum_j p_j v_j, j ascending) * (1 / sum_j p_j, j
  * ascending). Built with -ffp-contract=off: no fused multiply-add changes a rounding.
  */
+#include "dovetail.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -174,8 +176,8 @@ static inline void cache_block(const void *head, int64_t j, int64_t head_dim, in
  * Row r attends to slots [0, shared) and then to shared + extra[e] for e in extra_start[r] ..
  * extra_start[r + 1] - 1, in that order (a decode: rows = 1, shared = its length, no extra slots;
  * a tree: shared = the committed prefix, the tree's rows at the slots after it in node order,
- * extra = each node's path of node indices, root first). Returns 0, or -1 if scratch memory
- * could not be allocated. */
+ * extra = each node's path of node indices, root first). Returns 0, or DOVETAIL_NO_MEMORY if scratch
+ * memory could not be allocated. */
 int dovetail_attention(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
                        int64_t shared, const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int threads) {
@@ -259,5 +261,5 @@ int dovetail_attention(const float *q, const void *keys, const void *values, int
         free(acc);
         free(row);
     }
-    return failed ? -1 : 0;
+    return failed ? DOVETAIL_NO_MEMORY : 0;
 }

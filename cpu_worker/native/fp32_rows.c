@@ -16,6 +16,8 @@
  * block is streamed from memory once (the next block is prefetched while this one is used), in
  * chunks of F32_CHUNK floats that stay in L1 while up to F32_GROUP activation rows at a time run
  * over them, their accumulators kept in registers and parked between chunks. */
+#include "dovetail.h"
+
 #include <stdint.h>
 #include <string.h>
 
@@ -52,14 +54,14 @@ static inline f32_vector vector_zero(void) { return (f32_vector){0}; }
 #define F32_CHUNK 256     /* floats of k a chunk: 4 weight rows x 1 KB stay in L1 (512, 1024: slower at 16-32 rows) */
 #define F32_MAX_GROUPED 64 /* activation rows whose accumulators are parked at once (16 KB of stack) */
 
-/* Which kernel this build runs: 2 AVX-512 with FMA, 1 AVX2 with FMA, 0 plain C (4 lanes). */
+/* Which kernel this build runs: AVX-512 with FMA, AVX2 with FMA, or plain C (4 lanes). */
 int dovetail_fp32_simd(void) {
 #if defined(__AVX512F__)
-    return 2;
+    return DOVETAIL_SIMD_AVX512;
 #elif defined(__AVX2__) && defined(__FMA__)
-    return 1;
+    return DOVETAIL_SIMD_AVX2;
 #else
-    return 0;
+    return DOVETAIL_SIMD_PLAIN;
 #endif
 }
 

@@ -19,6 +19,8 @@
  * and plain C paths subtract 128 * sum_k w[n, k] (precomputed per row; the AVX2 path sums q * w
  * directly): |acc| <= K * 255 * 127 fits int32 for K < 66,000.
  */
+#include "dovetail.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,14 +41,14 @@
 
 int dovetail_int8_has_vnni(void) { return DOVETAIL_VNNI; }
 
-/* The dot-product path this build runs: 2 AVX512-VNNI, 1 AVX2, 0 plain C. */
+/* The dot-product path this build runs: AVX512-VNNI (DOVETAIL_SIMD_AVX512), AVX2 or plain C. */
 int dovetail_int8_simd(void) {
 #if DOVETAIL_VNNI
-    return 2;
+    return DOVETAIL_SIMD_AVX512;
 #elif defined(__AVX2__)
-    return 1;
+    return DOVETAIL_SIMD_AVX2;
 #else
-    return 0;
+    return DOVETAIL_SIMD_PLAIN;
 #endif
 }
 
@@ -94,10 +96,10 @@ static inline float half_to_float(uint16_t h) {
     return out;
 }
 
-/* k values of a row stored as fp16 (dtype 1) or bf16 (dtype 2) into fp32, exactly. */
+/* k values of a row stored as fp16 or bf16 (DOVETAIL_DTYPE_*) into fp32, exactly. */
 static void widen_row(const uint16_t *row, int dtype, int64_t k, float *out) {
     int64_t i = 0;
-    if (dtype == 2) {
+    if (dtype == DOVETAIL_DTYPE_BF16) {
         for (; i < k; i++) {
             uint32_t bits = (uint32_t)row[i] << 16;
             memcpy(out + i, &bits, sizeof bits);
@@ -111,27 +113,27 @@ static void widen_row(const uint16_t *row, int dtype, int64_t k, float *out) {
 }
 
 /* fp16 rows as fp32 (tests: every one of the 65536 values against torch's conversion). */
-void dovetail_widen_half(const uint16_t *h, float *out, int64_t n) { widen_row(h, 1, n, out); }
+void dovetail_widen_half(const uint16_t *h, float *out, int64_t n) { widen_row(h, DOVETAIL_DTYPE_FP16, n, out); }
 
 /* Load time: symmetric per-row int8 weights, as torch.quantize_per_channel gives them (it is
  * 10x slower: half of a 7B target's load). scale[n] = max|w[n]| / 127 in fp32, at least 1e-12;
  * q = nearbyint(w * (1 / scale)) clamped to [-128, 127], fbgemm's Quantize arithmetic (checked
- * against torch in tests/test_int8_kernel.py). w: [n_rows, k], fp32 (dtype 0), or fp16 (1) or
- * bf16 (2) as a checkpoint stores it, widened here a row at a time (exactly, as torch widens it):
- * converting a 7B model to fp32 first was 4.4 s of its 32 s load. Returns -1 if a row buffer
- * could not be allocated. */
+ * against torch in tests/unit/test_int8_kernel.py). w: [n_rows, k], fp32, or fp16 or bf16 as a
+ * checkpoint stores it (dtype: DOVETAIL_DTYPE_*), widened here a row at a time (exactly, as torch
+ * widens it): converting a 7B model to fp32 first was 4.4 s of its 32 s load. Returns
+ * DOVETAIL_NO_MEMORY if a row buffer could not be allocated. */
 int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *scale, int64_t n_rows, int64_t k,
                                   int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|| : failed)
     {
-        float *wide = dtype == 0 ? NULL : (float *)malloc((size_t)k * sizeof(float));
-        if (dtype != 0 && wide == NULL) failed = 1;
+        float *wide = dtype == DOVETAIL_DTYPE_FP32 ? NULL : (float *)malloc((size_t)k * sizeof(float));
+        if (dtype != DOVETAIL_DTYPE_FP32 && wide == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < n_rows; n++) {
-            if (dtype != 0 && wide == NULL) continue;
+            if (dtype != DOVETAIL_DTYPE_FP32 && wide == NULL) continue;
             const float *row = (const float *)w + n * k;
-            if (dtype != 0) {
+            if (dtype != DOVETAIL_DTYPE_FP32) {
                 widen_row((const uint16_t *)w + n * k, dtype, k, wide);
                 row = wide;
             }
@@ -147,7 +149,7 @@ int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *sc
         }
         free(wide);
     }
-    return failed ? -1 : 0;
+    return failed ? DOVETAIL_NO_MEMORY : 0;
 }
 
 /* [n_rows, k] int8 -> the tile layout (int8_kernel.pack_tiles, TILE_OUT below): four bytes at
@@ -698,19 +700,19 @@ static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int co
 }
 
 /* y[rows, n_out] from u8 activations xu[rows, k] (each in 1..255: q + 128 with |q| <= 127) and
- * int8 weights w in `layout`: 0 rows [n_out, k], 1 packed (see block_row), 2 tiles (see
- * TILE_OUT). Threads split the output rows in blocks; each block's weights are read from memory
+ * int8 weights w in `layout`: DOVETAIL_LAYOUT_ROWS [n_out, k], _PACKED (see block_row) or _TILES
+ * (see TILE_OUT). Threads split the output rows in blocks; each block's weights are read from memory
  * once for all rows. Returns 0; -1 (nothing computed) for a shape the layout cannot hold; -3
  * when scratch memory could not be allocated. */
 int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
                          int64_t k, int layout, int threads) {
     if (rows <= 0) return 0; /* nothing to compute (and no tile configuration of zero rows) */
-    if (layout == 2) {
+    if (layout == DOVETAIL_LAYOUT_TILES) {
         if (n_out % TILE_OUT != 0 || k % 64 != 0) return -1;
         return tiles_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads) == 0 ? 0 : -3;
     }
-    int packed = layout == 1;
+    int packed = layout == DOVETAIL_LAYOUT_PACKED;
     if (packed && (n_out % 4 != 0 || k % 64 != 0)) return -1;
     int64_t blocks = (n_out + 3) / 4;
     const int32_t *offset = DOT_SUMS_SIGNED ? NULL : w_offset;
@@ -746,8 +748,8 @@ int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *
 
 /* One call per layer from Python: quantize the rows, then the linear (a decode step makes
  * hundreds of these calls, so fewer foreign calls and tensors per call matter). `layout` as
- * dovetail_int8_linear's. Returns 0, -1 if scratch memory could not be allocated, or -2 for a
- * shape the layout cannot hold. */
+ * dovetail_int8_linear's. Returns 0, DOVETAIL_NO_MEMORY if scratch memory could not be allocated,
+ * or DOVETAIL_BAD_SHAPE for a shape the layout cannot hold. */
 int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
                           const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int layout,
                           int threads) {
@@ -761,7 +763,7 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
             free(xu);
             free(x_scale);
         }
-        return -1;
+        return DOVETAIL_NO_MEMORY;
     }
     dovetail_quantize_rows(x, xu, x_scale, rows, k);
     int status = dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, layout, threads);
@@ -769,5 +771,5 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
         free(xu);
         free(x_scale);
     }
-    return status == 0 ? 0 : (status == -1 ? -2 : -1);
+    return status == 0 ? 0 : (status == -1 ? DOVETAIL_BAD_SHAPE : DOVETAIL_NO_MEMORY);
 }

@@ -10,15 +10,12 @@
  * Built with -ffp-contract=off: no fused multiply-add changes a rounding, so the vector code the
  * compiler makes gives the plain C build's bits.
  */
+#include "dovetail.h" /* attention.c's dovetail_dot_fixed (8 lanes, a fixed tree, the tail in order) and
+                        * dovetail_exp_nonpositive (vector and scalar code give the same bits) among them */
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-/* attention.c's fixed-order dot product: 8 lanes, then a fixed tree, then the tail in order. */
-float dovetail_dot_fixed(const float *a, const float *b, int64_t d);
-
-/* attention.c's exp, in place, for arguments <= 0 (vector and scalar code give the same bits). */
-void dovetail_exp_nonpositive(float *x, int64_t n);
 
 /* Below this many floats a call stays on one thread: waking the pool costs more than it saves. */
 #define LAYER_OPS_PARALLEL_MIN 65536
