@@ -2,7 +2,7 @@
 steps and tree verification.
 
 Why: a decode step of a small target spends a tenth of its time between the linear layers, in
-torch ops and foreign calls that each cost microseconds (``decoder_layers.c`` has the numbers).
+torch ops and foreign calls that each cost microseconds (docs/kernels.md has the numbers).
 The C loop calls the very kernels the Python layers call, in the same order, and does the two
 steps torch did (the residual add, the attention output's transpose) exactly, so its rows carry
 the Python path's bits: decode and tree still agree, and so do prefill (still in Python) and

@@ -10,7 +10,7 @@ rows share its call.
 
 Two kernels, the same rule. Ours (``int8_gemv.c`` via ``int8_kernel``: built for this CPU on
 first use, AMX tiles or AVX512-VNNI where present) quantizes each row symmetrically and streams
-the weights once per call; it decodes 1.3-2x faster than fbgemm. For weights held [N, K] on a
+the weights once per call; it decodes faster than fbgemm (docs/kernels.md). For weights held [N, K] on a
 VNNI CPU, calls from 24 rows on (prefill, large trees) send the same quantized rows through
 torch's int8 GEMM (``torch._int_mm``), which gives the same integer sums, and the same float
 epilogue follows, so the path a call takes never changes a row's bits. Where the kernel cannot

@@ -4,8 +4,9 @@
  *
  * Why: at a decode step the work between the linear layers is small, but each layer made about a
  * dozen torch ops and half a dozen foreign calls around it (views, slices, the residual adds, the
- * SiLU, the attention output's transpose). On the 1B stand-in that glue was ~10-14 ms of a ~90 ms
- * token on a 2-core EPYC, the gap to llama.cpp. Here it is a loop in C.
+ * SiLU, the attention output's transpose). On the 1B stand-in that glue was the gap to llama.cpp
+ * (docs/kernels.md, "Decoder layers in one call"; python -m tools.bench_layer_loop). Here it is a
+ * loop in C.
  *
  * Same bits as the Python layers: every step is the same kernel the module calls (RMSNorm,
  * int8 or fp32 row linear, rotary and cache write, exact attention, SiLU from layer_ops.c), and the

@@ -3,7 +3,7 @@
  * Why our own: at a decode step these are a few thousand floats, and torch runs them as chains
  * of small ops (its CPU rms_norm is ten of them: pow, mean, add, rsqrt, mul, ... at ~2-10 us
  * each; rotary is slice, neg, cat, mul, mul, add, then the cache writes). At the 1B shape that
- * glue was 14-19 ms of a 100 ms token on a 2-core EPYC, beside linears that stream the weights.
+ * glue was a sixth of a token, beside linears that stream the weights (docs/kernels.md).
  *
  * Every row is computed on its own, in one fixed order (no row's value depends on the others in
  * its call or on the thread count), so a tree node gets the bits its later decode step gets.
