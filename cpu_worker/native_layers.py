@@ -2,7 +2,7 @@
 steps and tree verification.
 
 Why: a decode step of a small target spends a tenth of its time between the linear layers, in
-torch ops and foreign calls that each cost microseconds (``decoder_layers.c`` has the numbers).
+torch ops and foreign calls that each cost microseconds (docs/kernels.md has the numbers).
 The C loop calls the very kernels the Python layers call, in the same order, and does the two
 steps torch did (the residual add, the attention output's transpose) exactly, so its rows carry
 the Python path's bits: decode and tree still agree, and so do prefill (still in Python) and
@@ -23,32 +23,19 @@ import os
 
 import torch
 
-from cpu_worker.kernels import exact_attention, int8_kernel, layer_ops
+from cpu_worker.kernels import exact_attention, layer_ops
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaDecoder, RMSNorm
+from cpu_worker.native import library as native
+from cpu_worker.native.library import Layer as _Layer
+from cpu_worker.native.library import Linear as _Linear
+from cpu_worker.native.library import Shape as _Shape
 
 FORCE_VARIABLE = "DOVETAIL_NATIVE_LAYERS"
-_LINEAR_INT8, _LINEAR_FP32, _LINEAR_INT8_PACKED, _LINEAR_INT8_TILES = 0, 1, 2, 3  # decoder_layers.c's LINEAR_*
-_INT8_KINDS = {"rows": _LINEAR_INT8, "packed": _LINEAR_INT8_PACKED, "tiles": _LINEAR_INT8_TILES}
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_out", ctypes.c_int64),
-                ("k", ctypes.c_int64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear)]
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("max_len", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+_LINEAR_FP32 = native.LINEAR_FP32
+_INT8_KINDS = {"rows": native.LINEAR_INT8, "packed": native.LINEAR_INT8_PACKED, "tiles": native.LINEAR_INT8_TILES}
 
 
 def _linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
@@ -94,7 +81,7 @@ class NativeLayers:
         """The model's layers on the C loop, or None when a layer or this process does not qualify."""
         if os.environ.get(FORCE_VARIABLE, "").lower() == "python":
             return None
-        library = int8_kernel.load_library()
+        library = native.load()
         if library is None or not (layer_ops.available() and exact_attention.available()):
             return None
         described = []

@@ -37,7 +37,8 @@ def cache_dir() -> Path:
 ENGINE_SOURCES = ("engine.py", "model/llama.py", "kernels/int8.py", "kernels/int8_kernel.py", "native/int8_gemv.c",
                   "native/fp32_rows.c", "native/attention.c", "kernels/exact_attention.py", "native/layer_ops.c",
                   "kernels/layer_ops.py", "model/fusion.py", "kernels/fp32_packed.py", "kernels/fp32_rows.py",
-                  "precision.py", "native/decoder_layers.c", "native_layers.py")
+                  "precision.py", "native/decoder_layers.c", "native_layers.py", "native/dovetail.h", "native/abi.c",
+                  "native/library.py")
 
 
 def _engine_code_digest() -> str:

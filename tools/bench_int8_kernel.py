@@ -6,13 +6,14 @@
 For kernel work (``cpu_worker/native/int8_gemv.c``): both versions are built for this CPU and called
 the way a layer calls them (``dovetail_int8_forward``: quantize the rows, then the linear) on
 llama2-7b's matrix shapes by default, each weight in the layout that version holds it in (the
-baseline's int8_gemv.c links with this tree's other sources; only its linear is called). Each
+baseline is that revision's C sources built into a library of their own, declared here; only its
+linear is called, so any revision with an int8_gemv.c works, before the native folder too). Each
 shape cycles through enough distinct matrices (>= 96 MB) that the weights stream from memory as
 in a real model rather than from the last-level cache. The two versions take turns on every
 repeat (a shared machine's noise hits both) and must give the same bits; prints the median ms
 per call and the first / each other. ``--layouts`` instead compares this tree's kernel on weights
 held as [N, K], packed and in tiles (the last where this CPU has AMX: the measurements behind
-``int8_kernel.PACK_BELOW_IN_FEATURES`` and ``TILES_NOTE``).
+``int8_kernel.PACK_BELOW_IN_FEATURES`` and ``TILES_NOTE``, in docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.huge_pages import on_huge_pages
+from cpu_worker.native import library as native
 from tools.bench_attention import parse_sizes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,58 +39,80 @@ SHAPES = "4096x4096,11008x4096,4096x11008"
 SHAPES_1B = "6144x2048,11264x2048,2048x5632"
 STREAMED_BYTES = 96 << 20  # the matrices a call cycles through: at least three times a 32 MB last-level cache
 LAYOUT_NAMES = {"rows": "[N, K]", "packed": "packed", "tiles": "tiles"}
+# Where int8_gemv.c lived: the native folder, and cpu_worker/ itself before it (until adb11ab).
+SOURCE_FOLDERS = ("cpu_worker/native", "cpu_worker")
 
 
-def baseline_source(revision: str, directory: Path) -> Path:
-    """``int8_gemv.c`` as it was at ``revision``, written under ``directory``."""
-    relative = int8_kernel.SOURCE.relative_to(REPO).as_posix()
-    done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"], capture_output=True, text=True)
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise click.ClickException(f"cannot read {relative} at {revision}: {done.stderr.strip()}")
-    path = directory / "baseline" / "int8_gemv.c"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(done.stdout)
-    return path
+        raise click.ClickException(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
 
 
-def baseline_sources(old_source: Path) -> tuple[Path, ...]:
-    """The library's sources with ``old_source`` as its int8_gemv.c; without this tree's
-    fp32_rows.c where the old file still held the fp32 kernel (before 2026-12), so no symbol is
-    defined twice."""
-    others: tuple[Path, ...] = int8_kernel.SOURCES[1:]
-    if "dovetail_fp32_linear" in old_source.read_text():
-        others = tuple(source for source in others if source != int8_kernel.FP32_SOURCE)
-    return (old_source, *others)
+def baseline_sources(revision: str, directory: Path) -> list[Path]:
+    """The kernel library's C sources as they were at ``revision`` (every .c and .h of the folder
+    that held int8_gemv.c: the library was always all of them), written under ``directory``;
+    returns the .c files, int8_gemv.c first."""
+    names = set(_git("ls-tree", "-r", "--name-only", revision, "--", "cpu_worker").split())
+    folder = next((folder for folder in SOURCE_FOLDERS if f"{folder}/int8_gemv.c" in names), None)
+    if folder is None:
+        raise click.ClickException(f"no int8_gemv.c at {revision}")
+    files = sorted(name for name in names if name.rpartition("/")[0] == folder and name.endswith((".c", ".h")))
+    files.sort(key=lambda name: not name.endswith("/int8_gemv.c"))
+    out = directory / "baseline"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in files:  # .h beside the .c files: their #include "..." finds it there
+        (out / Path(name).name).write_text(_git("show", f"{revision}:{name}"))
+    return [out / Path(name).name for name in files if name.endswith(".c")]
+
+
+def layouts_of(source: Path) -> tuple[str, ...]:
+    """The layouts a version of int8_gemv.c takes (before the packed layout: [N, K] only, and no
+    layout argument)."""
+    text = source.read_text()
+    return int8_kernel.LAYOUTS if "int layout" in text else ("rows", "packed") if "int packed" in text else ("rows",)
+
+
+def build_baseline(compiler: str, revision: str, directory: Path) -> tuple[ctypes.CDLL, Path]:
+    """``revision``'s kernel library built for this CPU (its sources, this tree's flags), with the
+    one function the bench calls declared as that version defines it; and its int8_gemv.c."""
+    sources = baseline_sources(revision, directory)
+    target = directory / "baseline" / "dovetail-kernels-baseline.so"
+    native.compile_library(compiler, native.FLAGS, sources, target)
+    library = ctypes.CDLL(str(target))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    layout = [ctypes.c_int] if len(layouts_of(sources[0])) > 1 else []
+    library.dovetail_int8_forward.argtypes = [pointer] * 6 + [i64, i64, i64, *layout, ctypes.c_int]
+    library.dovetail_int8_forward.restype = ctypes.c_int
+    return library, sources[0]
 
 
 class Kernel:
     """One build of the kernel, called the way ``int8_kernel.Int8Weights`` calls it: with the
     weight in the layout that version would hold it in (versions before the packed layout take
-    [N, K] and have no layout argument; versions before the tile layout held [N, K] where AMX is)."""
+    [N, K] and have no layout argument; versions before the tile layout held [N, K] where AMX is).
+    ``this_tree``: this tree's library, whose rule chooses the layout."""
 
-    def __init__(self, library: ctypes.CDLL, source: Path, layout: str | None = None):
+    def __init__(self, library: ctypes.CDLL, source: Path, this_tree: ctypes.CDLL, layout: str | None = None):
         self.library = library
-        text = source.read_text()
-        self.layouts = int8_kernel.LAYOUTS if "int layout" in text else ("rows", "packed") if "int packed" in text \
-            else ("rows",)
+        self.this_tree = this_tree
+        self.layouts = layouts_of(source)
         self.layout = layout  # None: as Int8Weights chooses
-        if len(self.layouts) == 1:  # the argument types of a version before layouts
-            pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-            library.dovetail_int8_forward.argtypes = [pointer] * 6 + [i64, i64, i64, ctypes.c_int]
 
     def layout_for(self, out_features: int, in_features: int) -> str:
         """The layout this version holds such a weight in (as Int8Weights would, unless forced)."""
         if self.layout is not None:
             return self.layout
-        # The choice is this tree's rule for this CPU (an older library may lack what it asks).
-        chosen = int8_kernel.default_layout(int8_kernel.load_library() or self.library, out_features, in_features)
+        # The choice is this tree's rule for this CPU (an older version may lack the layout it picks).
+        chosen = int8_kernel.default_layout(self.this_tree, out_features, in_features)
         return chosen if chosen in self.layouts else "rows"
 
     def forward(self, x: torch.Tensor, weight: dict[str, torch.Tensor], out: torch.Tensor, threads: int) -> None:
         rows, k = x.shape
         n = weight["scales"].shape[0]
         layout = self.layout_for(n, k)
-        code = (int8_kernel.LAYOUTS.index(layout),) if len(self.layouts) > 1 else ()
+        code = (int8_kernel.LAYOUT_CODES[layout],) if len(self.layouts) > 1 else ()
         if self.library.dovetail_int8_forward(x.data_ptr(), weight[layout].data_ptr(), weight["scales"].data_ptr(),
                                               weight["offsets"].data_ptr(), None, out.data_ptr(), rows, n, k, *code,
                                               threads) != 0:
@@ -121,7 +145,7 @@ def compare(libraries: dict[str, Kernel], shape: tuple[int, int], row_counts: li
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         weight = {layout: on_huge_pages(arrange[layout](values)) for layout in held}
         weight["scales"] = torch.rand(n, generator=generator) / 100 + 1e-3
-        weight["offsets"] = int8_kernel.weight_offsets(values, next(iter(libraries.values())).library)
+        weight["offsets"] = int8_kernel.weight_offsets(values, next(iter(libraries.values())).this_tree)
         weights.append(weight)
     results = []
     for rows in row_counts:
@@ -165,25 +189,25 @@ def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int, layo
         weight_shapes = [(int(out), int(in_)) for out, in_ in (shape.lower().split("x") for shape in shapes.split(","))]
     except ValueError:
         raise click.BadParameter(f"expected OUTxIN,OUTxIN...; got {shapes!r}", param_hint="--shapes") from None
-    compiler = int8_kernel.find_compiler()
+    compiler = native.find_compiler()
     if compiler is None:
         raise click.ClickException("no C compiler (set CC or install gcc): nothing to build")
     torch.set_num_threads(threads)
     if layouts and (unpackable := [shape for shape in weight_shapes if not int8_kernel.can_pack(*shape)]):
         raise click.BadParameter(f"{unpackable} have no packed layout (out % 4, in % 64)", param_hint="--shapes")
     with tempfile.TemporaryDirectory() as scratch:
-        this_tree = int8_kernel.build(compiler, int8_kernel.FLAGS, Path(scratch))
+        this_tree = native.build(compiler, native.FLAGS, Path(scratch))
         if layouts:
             held = ["rows", "packed"]
             if this_tree.dovetail_int8_amx_ready() and all(int8_kernel.can_tile(*shape) for shape in weight_shapes):
                 held.append("tiles")
-            libraries = {LAYOUT_NAMES[layout]: Kernel(this_tree, int8_kernel.SOURCE, layout) for layout in held}
+            source = native.DIRECTORY / "int8_gemv.c"
+            libraries = {LAYOUT_NAMES[layout]: Kernel(this_tree, source, this_tree, layout) for layout in held}
             command = f"--layouts --rows {rows} --shapes {shapes} --threads {threads}"
         else:
-            old_source = baseline_source(baseline, Path(scratch))
-            libraries = {f"baseline ({baseline})": Kernel(int8_kernel.build(
-                compiler, int8_kernel.FLAGS, Path(scratch), baseline_sources(old_source)), old_source),
-                "this tree": Kernel(this_tree, int8_kernel.SOURCE)}
+            old, old_source = build_baseline(compiler, baseline, Path(scratch))
+            libraries = {f"baseline ({baseline})": Kernel(old, old_source, this_tree),
+                         "this tree": Kernel(this_tree, native.DIRECTORY / "int8_gemv.c", this_tree)}
             command = f"--baseline {baseline} --rows {rows} --shapes {shapes} --threads {threads}"
         simd = "AMX" if this_tree.dovetail_int8_amx_ready() else \
             {2: "AVX512-VNNI", 1: "AVX2"}.get(this_tree.dovetail_int8_simd(), "plain C")

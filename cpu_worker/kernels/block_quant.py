@@ -9,54 +9,24 @@ other rows of its call, so trees verify bit-exactly against decoding, as at toda
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from cpu_worker.cores import cpu_flags
-from cpu_worker.kernels import int8_kernel
+from cpu_worker.native import library as native
 
 BLOCK = 32
-TYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # block_gemv.c's BLOCK_* codes
-BLOCK_SOURCE = int8_kernel.SOURCE.with_name("block_gemv.c")
-_library_handle: ctypes.CDLL | None = None
+TYPES = {"q8_0": native.BLOCK_Q8_0, "q4_0": native.BLOCK_Q4_0, "q4_1": native.BLOCK_Q4_1}
 
 
 def library() -> ctypes.CDLL:
-    """The block kernel, compiled for this CPU on first use (cached beside the int8 kernel)."""
-    global _library_handle
-    if _library_handle is None:
-        compiler = int8_kernel.find_compiler()
-        if compiler is None:
-            raise RuntimeError("block-quantized weights need a C compiler (cc, gcc or clang) for their kernel")
-        _library_handle = build(compiler, int8_kernel.FLAGS)
-    return _library_handle
-
-
-def build(compiler: str, flags: list[str], directory: Path | None = None) -> ctypes.CDLL:
-    """Compile block_gemv.c with ``flags`` (once per source, flags, compiler and CPU) and load it."""
-    parts = [BLOCK_SOURCE.read_bytes(), " ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(),
-             compiler.encode()]
-    key = hashlib.sha256(b"".join(parts)).hexdigest()[:16]
-    target = (directory or int8_kernel.cache_dir()) / f"dovetail-blocks-{key}.so"
-    if not target.exists():
-        int8_kernel._compile(compiler, flags, target, (BLOCK_SOURCE,))
-    handle = ctypes.CDLL(str(target))
-    declare(handle)
+    """The native library (block_gemv.c is one of its sources)."""
+    handle = native.load()
+    if handle is None:
+        raise RuntimeError("block-quantized weights need the native kernel library, and it could not be built "
+                           "(no C compiler, or the build failed: the log says which)")
     return handle
-
-
-def declare(handle: ctypes.CDLL) -> None:
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    handle.dovetail_block_simd.restype = ctypes.c_int
-    handle.dovetail_quantize_blocks.argtypes = [pointer, pointer, pointer, pointer, size, size]
-    handle.dovetail_quantize_blocks.restype = None
-    handle.dovetail_block_linear.argtypes = [pointer, pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int,
-                                             pointer, pointer, size, size, ctypes.c_int]
-    handle.dovetail_block_linear.restype = ctypes.c_int
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:

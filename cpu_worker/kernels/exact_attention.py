@@ -24,7 +24,7 @@ from functools import cache
 
 import torch
 
-from cpu_worker.kernels import int8_kernel
+from cpu_worker.native import library as native
 
 FORCE_VARIABLE = "DOVETAIL_ATTENTION"
 # A decode step's extra slots (none): made once, as every layer of every step would make them.
@@ -58,7 +58,7 @@ def available() -> bool:
     """Whether attention runs on the kernel in this process."""
     if os.environ.get(FORCE_VARIABLE, "").lower() == "torch":
         return False
-    return int8_kernel.load_library() is not None
+    return native.load() is not None
 
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the kernel widens a bf16 row exactly, then works in fp32
@@ -78,7 +78,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: in
     max_len, head_dim]: every row sees slots [0, shared), then (a tree, whose rows sit at the
     slots after ``shared`` in node order) slot shared + n for each node n of its path, root
     first. Returns [1, heads, rows, head_dim]. ``library``: another build (tests compare builds)."""
-    library = library or int8_kernel.load_library()
+    library = library or native.load()
     assert library is not None
     _, heads, rows, head_dim = q.shape
     kv_heads, max_len = keys.shape[1], keys.shape[2]

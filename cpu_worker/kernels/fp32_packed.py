@@ -1,24 +1,23 @@
 """fp32 linear layers on MKL's packed sgemm: a row's result never depends on its call-mates.
-The fallback exact kernel: the worker takes our row kernel (``fp32_rows``) wherever a C
-compiler is found, which on a 2-core Xeon decodes a 1B stand-in 1.11x and verifies 8-node
-trees 1.30x faster than this one (``python -m tools.bench_fp32_kernel``); this one where none is.
+The fallback exact kernel: the worker takes our row kernel (``fp32_rows``, faster at decoding
+and verifying) wherever a C compiler is found; this one where none is.
 
 Why: ``F.linear`` picks a different kernel for one row (a GEMV) than for a tree's T rows (a
 GEMM), so a node's logits differ from the decode logits of the same prefix by float rounding
 (~1e-6), and a near-tied token can flip: fp32 Dovetail was lossless only up to that. It is
-also slow exactly where a tree is verified: on a 2-core Xeon at 7B shapes, 4 rows cost 2.1x
-one row, 8 rows 3.1x.
+also slow exactly where a tree is verified (its cost grows with every row).
 
 MKL's ``cblas_sgemm_compute`` on a weight packed once (``cblas_sgemm_pack``, exposed by torch
 as ``mkl::_mkl_reorder_linear_weight`` and ``mkl::_mkl_linear``) runs one blocking for every
-row count, so a row gets the same bits alone or among 64 others, and 4-16 rows cost 0.55-0.7x
-of ``F.linear`` (one row costs 1.08-1.14x: MKL's GEMV is the better one-row kernel). Measured, not
-promised: packing for a batch hint of one row gives a one-row path that rounds differently
+row count, so a row gets the same bits alone or among 64 others, and several rows cost less
+than on ``F.linear`` (one row a little more: MKL's GEMV is the better one-row kernel). Measured,
+not promised: packing for a batch hint of one row gives a one-row path that rounds differently
 (so the hint is ``PACK_ROWS``), and so do matrices with fewer than 256 outputs. So
 ``pack_fp32_linears`` checks every weight shape of the model at load (row by row against the
 whole call, and against ``F.linear`` up to a prefill's rows) before it swaps anything.
 Where MKL is absent (non-x86 builds) or a check fails (AMD CPUs: MKL takes another path there),
 a model without our row kernel keeps ``F.linear``, and its trees are verified to float tolerance.
+The numbers: docs/kernels.md, "MKL packed fp32" (``python -m tools.bench_fp32_kernel``).
 """
 
 from __future__ import annotations

@@ -5,15 +5,14 @@ Every row of a call is reduced in one fixed order whatever the row or thread cou
 node's logits equal the decode logits of the same prefix bit for bit, and an fp32 target stays
 exactly lossless. The kernel streams the weight once per call and runs up to 4 rows at a time
 (AVX-512; 2 with AVX2 or plain C) over each L1-resident chunk of it, which is what decoding and
-small trees need: on a 2-core Xeon (AVX-512), 4096x4096, 1 / 4 / 8 / 16 rows cost 2.23 / 2.25
-/ 2.66 / 3.63 ms against MKL's packed sgemm's 2.41 / 2.93 / 3.51 / 4.39 (``fp32_packed``, the
-other exact kernel) and ``F.linear``'s 2.16 / 4.42 / 6.38 / 7.10.
+small trees need: there it beats MKL's packed sgemm (``fp32_packed``, the other exact kernel)
+and ``F.linear`` from 4 rows on and costs about ``F.linear``'s one row.
 
 A prompt is different: its rows are computed by the same call in ``--mode ar`` and in Dovetail,
-so they need not match a decode's bits, only be fast, and from 64 rows on a GEMM is faster
-(at 256 rows ``F.linear`` took 28 ms where this kernel took 79). Inside ``prompt_rows()`` (the
-engine's prefill) calls of ``PROMPT_GEMM_ROWS`` rows or more go to ``F.linear``; so do calls
-of more than ``MAX_KERNEL_ROWS`` rows anywhere (no tree is that large).
+so they need not match a decode's bits, only be fast, and from 64 rows on a GEMM is faster.
+Inside ``prompt_rows()`` (the engine's prefill) calls of ``PROMPT_GEMM_ROWS`` rows or more go to
+``F.linear``; so do calls of more than ``MAX_KERNEL_ROWS`` rows anywhere (no tree is that large).
+Measurements: docs/kernels.md, "fp32 row kernel" (``python -m tools.bench_fp32_kernel``).
 """
 
 from __future__ import annotations
@@ -26,12 +25,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.huge_pages import on_huge_pages, release_freed_memory
+from cpu_worker.native import library as native
 from ipc.tree import MAX_TREE_TOKENS
 
 MAX_KERNEL_ROWS = MAX_TREE_TOKENS  # every tree the protocol allows is verified in one call on the kernel
-PROMPT_GEMM_ROWS = 64  # a prompt call from this many rows on takes F.linear (64 rows: 10.6 ms there, 11.8 here)
+PROMPT_GEMM_ROWS = 64  # a prompt call from this many rows on takes F.linear (faster there from 64 rows)
 
 _in_prompt = contextvars.ContextVar("dovetail_fp32_prompt_rows", default=False)
 
@@ -53,7 +52,7 @@ class RowInvariantFp32Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        library = int8_kernel.load_library()
+        library = native.load()
         if library is None:
             raise RuntimeError("the fp32 row kernel needs the compiled kernel library (a C compiler)")
         self._function = library.dovetail_fp32_linear
@@ -89,7 +88,7 @@ class RowInvariantFp32Linear(nn.Module):
 def use_fp32_row_kernel(model: nn.Module) -> bool:
     """Swap every fp32 ``nn.Linear`` under ``model`` for a RowInvariantFp32Linear (sharing its
     weight, which moves onto huge pages). False, and nothing changed, when the kernel library cannot be built."""
-    if int8_kernel.load_library() is None:
+    if native.load() is None:
         return False
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32]

@@ -10,7 +10,7 @@ rows share its call.
 
 Two kernels, the same rule. Ours (``int8_gemv.c`` via ``int8_kernel``: built for this CPU on
 first use, AMX tiles or AVX512-VNNI where present) quantizes each row symmetrically and streams
-the weights once per call; it decodes 1.3-2x faster than fbgemm. For weights held [N, K] on a
+the weights once per call; it decodes faster than fbgemm (docs/kernels.md). For weights held [N, K] on a
 VNNI CPU, calls from 24 rows on (prefill, large trees) send the same quantized rows through
 torch's int8 GEMM (``torch._int_mm``), which gives the same integer sums, and the same float
 epilogue follows, so the path a call takes never changes a row's bits. Where the kernel cannot
@@ -40,6 +40,7 @@ from torch import nn
 
 from cpu_worker.cores import cpu_flags
 from cpu_worker.kernels import int8_kernel
+from cpu_worker.native import library as native
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -150,8 +151,9 @@ class RowwiseInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8 per-row, {self.kernel}"
 
 
-# The source dtypes the library's quantizer reads as they are (int8_gemv.c's dtype codes).
-_QUANTIZER_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The source dtypes the library's quantizer reads as they are (dovetail.h's dtype codes).
+_QUANTIZER_DTYPES = {torch.float32: native.DTYPE_FP32, torch.float16: native.DTYPE_FP16,
+                     torch.bfloat16: native.DTYPE_BF16}
 
 
 def _quantize_per_row(weight: torch.Tensor, rows_per_chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +166,7 @@ def _quantize_per_row(weight: torch.Tensor, rows_per_chunk: int = 1024) -> tuple
     out_features, in_features = weight.shape
     scales = torch.empty(out_features, dtype=torch.float64)
     values = torch.empty(weight.shape, dtype=torch.int8)
-    library = int8_kernel.load_library()
+    library = native.load()
     if library is not None and weight.dtype in _QUANTIZER_DTYPES:
         source = weight.contiguous()
         row_scales = torch.empty(out_features, dtype=torch.float32)

@@ -1,139 +1,35 @@
-"""Our native kernels, built for this CPU on first use and cached as one library: the int8
-linear (``int8_gemv.c``), the fp32 row kernel (``fp32_rows.c``, used by ``fp32_rows``), exact
-attention (``attention.c``, used by ``exact_attention``), a layer's small steps
-(``layer_ops.c``: RMSNorm, rotary and the KV-cache write, SiLU, used by ``layer_ops``) and the
-loop over a target's layers that chains them (``decoder_layers.c``, used by ``native_layers``).
+"""Int8 weights on our int8 linear (``cpu_worker/native/int8_gemv.c``): whether int8 layers run on
+it in this process, the layout a weight is held in, and ``Int8Weights``, which holds one and calls
+the kernel. The library itself is built and loaded by ``cpu_worker.native.library``.
 
-Why compiled here: it is built with ``-march=native`` (AVX512-VNNI where the CPU has it) and
-links to the OpenMP runtime torch already loaded, so its threads are torch's. A C compiler is
-the only requirement; without one, or if the build fails, int8 layers use fbgemm (slower when
-decoding, equally exact) and the log says so once. ``DOVETAIL_INT8_KERNEL=fbgemm`` forces that
-path (for comparisons).
+Without a C compiler, or if the build fails, int8 layers use fbgemm (slower when decoding,
+equally exact) and the log says so once. ``DOVETAIL_INT8_KERNEL=fbgemm`` forces that path (for
+comparisons). The measurements behind the rules here: ``docs/kernels.md``, "int8 linear".
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from cpu_worker.cores import cpu_flags
 from cpu_worker.kernels.huge_pages import empty_on_huge_pages
+from cpu_worker.native import library as native
 
 log = logging.getLogger("dovetail.cpu_worker")
 
-SOURCE = Path(__file__).parents[1] / "native" / "int8_gemv.c"
-ATTENTION_SOURCE = Path(__file__).parents[1] / "native" / "attention.c"
-LAYER_OPS_SOURCE = Path(__file__).parents[1] / "native" / "layer_ops.c"
-DECODER_LAYERS_SOURCE = Path(__file__).parents[1] / "native" / "decoder_layers.c"
-FP32_SOURCE = Path(__file__).parents[1] / "native" / "fp32_rows.c"
-SOURCES = (SOURCE, FP32_SOURCE, ATTENTION_SOURCE, LAYER_OPS_SOURCE, DECODER_LAYERS_SOURCE)
-# -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 FORCE_VARIABLE = "DOVETAIL_INT8_KERNEL"
-# From this many rows on, torch's int8 GEMM beats the GEMV kernel on a CPU with AVX512-VNNI (2 threads,
-# 7B shapes: even at 24 rows, 1.15-1.4x at 32, 3-4.5x at 256; the GEMV wins below, 1.1-1.7x at 8-16
-# rows, 2.3x at one). Without VNNI, torch's int8 GEMM is a slow generic path (AMD EPYC, AVX2: 2
-# GMAC/s, 274 ms for 32 x 4096 x 4096), so there every call stays on the GEMV kernel.
+# From this many rows on, torch's int8 GEMM beats the GEMV kernel on a CPU with AVX512-VNNI (the
+# GEMV wins below); without VNNI, torch's int8 GEMM is a slow generic path, so there every call
+# stays on the GEMV kernel.
 INT_MM_MIN_ROWS = 24
 # The GEMV's int32 sums of (q + 128) * w (VNNI and plain C; AVX2 sums q * w) stay exact while
 # in_features * 255 * 127 < 2**31.
 MAX_IN_FEATURES = (2**31 - 1) // (255 * 127)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DOVETAIL_KERNEL_DIR") or Path.home() / ".cache" / "dovetail" / "kernels")
-
-
-def _compile(compiler: str, flags: list[str], target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")
-        os.replace(built, target)  # atomic: a concurrent worker sees the whole library or none
-
-
-def build(compiler: str, flags: list[str], directory: Path, sources: tuple[Path, ...] = SOURCES) -> ctypes.CDLL:
-    """Compile (once per sources, flags, compiler and CPU) and load the library. ``sources``: other
-    versions of the files (tools/bench_int8_kernel.py compares two int8_gemv.c)."""
-    # The CPU's flags are in the key: -march=native builds for this CPU only.
-    parts = [source.read_bytes() for source in sources]
-    parts += [" ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(), compiler.encode()]
-    key = hashlib.sha256(b"".join(parts)).hexdigest()[:16]
-    target = directory / f"dovetail-kernels-{key}.so"
-    if not target.exists():
-        _compile(compiler, flags, target, sources)
-    library = ctypes.CDLL(str(target))
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.dovetail_quantize_rows.argtypes = [pointer, pointer, pointer, i64, i64]
-    library.dovetail_weight_offsets.argtypes = [pointer, pointer, i64, i64]
-    library.dovetail_int8_linear.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, pointer,
-                                             i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    library.dovetail_int8_linear.restype = ctypes.c_int
-    library.dovetail_int8_forward.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer,
-                                              i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    library.dovetail_int8_forward.restype = ctypes.c_int
-    library.dovetail_int8_has_vnni.restype = ctypes.c_int
-    library.dovetail_int8_simd.restype = ctypes.c_int
-    if hasattr(library, "dovetail_widen_half"):  # the quantizer that reads fp16/bf16 (older ones take fp32 only)
-        library.dovetail_quantize_weight_rows.argtypes = [pointer, ctypes.c_int, pointer, pointer, i64, i64,
-                                                          ctypes.c_int]
-        library.dovetail_quantize_weight_rows.restype = ctypes.c_int
-        library.dovetail_widen_half.argtypes = [pointer, pointer, i64]
-    if hasattr(library, "dovetail_pack_tiles"):  # not in older int8_gemv.c (tools/bench_int8_kernel.py builds those)
-        library.dovetail_pack_tiles.argtypes = [pointer, pointer, i64, i64, ctypes.c_int]
-        library.dovetail_int8_amx_ready.restype = ctypes.c_int
-        library.dovetail_int8_tiles_amx_from.argtypes = [ctypes.c_int]
-    library.dovetail_fp32_linear.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, ctypes.c_int]
-    if hasattr(library, "dovetail_fp32_simd"):  # not where int8_gemv.c held the fp32 kernel (bench baselines)
-        library.dovetail_fp32_simd.restype = ctypes.c_int
-    library.dovetail_attention.argtypes = [pointer, pointer, pointer, ctypes.c_int, i64, i64, pointer, pointer,
-                                           pointer, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    library.dovetail_attention.restype = ctypes.c_int
-    library.dovetail_rms_norm.argtypes = [pointer, pointer, pointer, i64, i64, ctypes.c_float, ctypes.c_int]
-    library.dovetail_rope_qkv.argtypes = [pointer, pointer, pointer, pointer, pointer, pointer, ctypes.c_int, i64, i64,
-                                          i64, i64, i64, i64, ctypes.c_int]
-    library.dovetail_silu_mul.argtypes = [pointer, pointer, i64, pointer, i64, i64, ctypes.c_int]
-    library.dovetail_decoder_scratch.argtypes = [pointer, i64]
-    library.dovetail_decoder_scratch.restype = i64
-    library.dovetail_decoder_layers.argtypes = [pointer, pointer, i64, pointer, pointer, pointer, pointer, pointer,
-                                                ctypes.c_int, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
-    library.dovetail_decoder_layers.restype = ctypes.c_int
-    return library
-
-
-def find_compiler() -> str | None:
-    """$CC, else cc or gcc on the PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-@cache
-def load_library() -> ctypes.CDLL | None:
-    """The built library (int8 and fp32 kernels), or None when there is no compiler or the build fails."""
-    compiler = find_compiler()
-    if compiler is None:
-        log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
-                    "F.linear, and tree attention row by row; install gcc for the faster, exact kernels")
-        return None
-    try:
-        return build(compiler, FLAGS, cache_dir())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
-                    "F.linear, and tree attention row by row: %s",
-                    " and ".join(source.name for source in SOURCES), error)
-        return None
 
 
 @cache
@@ -141,10 +37,10 @@ def load() -> ctypes.CDLL | None:
     """The library for int8 layers, or None (fbgemm is used) when forced off, no compiler, or the build fails."""
     if os.environ.get(FORCE_VARIABLE, "").lower() == "fbgemm":
         return None
-    library = load_library()
+    library = native.load()
     if library is None:
         return None
-    if library.dovetail_int8_simd() == 0 and "fbgemm" in torch.backends.quantized.supported_engines:
+    if library.dovetail_int8_simd() == native.SIMD_PLAIN and "fbgemm" in torch.backends.quantized.supported_engines:
         # Neither AVX512-VNNI nor AVX2: the kernel's plain C path is several times slower than fbgemm.
         log.info("int8: this CPU has neither AVX512-VNNI nor AVX2, so int8 layers run on fbgemm")
         return None
@@ -154,7 +50,7 @@ def load() -> ctypes.CDLL | None:
 def clear_cache() -> None:
     """Forget the loaded library and the int8 decision (tests change the compiler or flags)."""
     load.cache_clear()
-    load_library.cache_clear()
+    native.clear_cache()
 
 
 def kernel_name() -> str:
@@ -166,7 +62,8 @@ def kernel_name() -> str:
         return "fbgemm"
     if library.dovetail_int8_amx_ready():
         return "dovetail-amx"
-    return {2: "dovetail-vnni", 1: "dovetail-avx2"}.get(library.dovetail_int8_simd(), "dovetail-portable")
+    return {native.SIMD_AVX512: "dovetail-vnni", native.SIMD_AVX2: "dovetail-avx2"}.get(
+        library.dovetail_int8_simd(), "dovetail-portable")
 
 
 def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -182,24 +79,15 @@ def weight_offsets(values: torch.Tensor, library: ctypes.CDLL | None = None) -> 
 BLOCK_ROWS, CHUNK_BYTES = 4, 64  # the packed layout: blocks of 4 output rows in 64-byte column chunks
 TILE_OUT, TILE_COLUMNS = 16, 64  # the tile layout: blocks of 16 output rows in 1 KB tiles of 64 columns
 # On the AVX2 path rows shorter than this stream faster packed, rows of a 4 KB page or more as they
-# are. Measured on a 2-core EPYC (Zen 3, AVX2), [N, K] time over packed, one row: k = 2048
-# 1.28-1.43x, k = 3072 1.02-1.07x, k = 4096 0.94-1.02x, k = 5632-11008 0.86-0.99x (python -m
-# tools.bench_int8_kernel --layouts). On the VNNI path (without AMX) every shape is packed and
-# every call runs on the GEMV kernel: on a 2-core EPYC (Zen 4, AVX512-VNNI), packed was 1.26-1.87x
-# faster than [N, K] at k = 2048 and 1.08-1.20x at k = 4096 (1-4 rows), 11008x4096 1.18x (one
-# row) and 1.55x (two) on huge pages; and there the GEMV beat torch's int8 GEMM up to 64-128 rows
-# and was 1.05-1.4x slower at 256 (7B and 1B shapes; the GEMM repacks its weight every call, so
-# handing it a packed weight a slice at a time cost it 1.2-2.3x more).
+# are. On the VNNI path (without AMX) every shape is packed and every call runs on the GEMV kernel.
+# Measured with ``python -m tools.bench_int8_kernel --layouts``: docs/kernels.md, "int8 layouts".
 PACK_BELOW_IN_FEATURES = 4096
 # TILES_NOTE: with AMX every shape with a tile layout is held in it and every call runs on AMX
-# tiles. 2-core Xeon (AMX, AVX512-VNNI), ms per call at 1 / 4 / 8 / 16 / 32 rows (python -m
-# tools.bench_int8_kernel --layouts): 4096x4096 tiles 0.54 / 0.57 / 0.60 / 0.66 / 0.86, [N, K]
-# 0.55 / 0.69 / 0.89 / 1.28 / 2.05 (packed no faster); 4096x11008 tiles 1.37 / 1.50 / 1.62 / 1.85
-# / 2.42, [N, K] 1.47 / 1.83 / 2.44 / 3.49 / 5.59. A scratch A/B in one process, 4096x4096: tiles
-# 1.27 ms at 64 rows and 3.7 at 256, the GEMV 3.4 and 12.6; torch._int_mm 1.3 at one row, 2.1 at
-# 64 (it repacks its weight every call); bf16 F.linear (oneDNN, AMX) 1.4-1.5 at 1-32 rows.
+# tiles, which stream 1-16 rows at about the cost of one (docs/kernels.md, "int8 layouts").
 LAYOUT_VARIABLE = "DOVETAIL_INT8_LAYOUT"  # auto (default), rows, packed or tiles: force a layout for comparisons
-LAYOUTS = ("rows", "packed", "tiles")  # int8_gemv.c's layout codes 0, 1, 2
+# dovetail.h's layout codes, by name (in code order).
+LAYOUT_CODES = {"rows": native.LAYOUT_ROWS, "packed": native.LAYOUT_PACKED, "tiles": native.LAYOUT_TILES}
+LAYOUTS = tuple(LAYOUT_CODES)
 
 
 def can_pack(out_features: int, in_features: int) -> bool:
@@ -234,7 +122,7 @@ def default_layout(library: ctypes.CDLL, out_features: int, in_features: int) ->
         return "tiles" if can_tile(out_features, in_features) else "rows"
     if not can_pack(out_features, in_features):
         return "rows"
-    if library.dovetail_int8_simd() == 2:
+    if library.dovetail_int8_simd() == native.SIMD_AVX512:
         return "packed"
     return "packed" if in_features < PACK_BELOW_IN_FEATURES else "rows"
 
@@ -341,9 +229,9 @@ class Int8Weights:
     def _hold(self, stored: torch.Tensor, layout: str) -> None:
         """Keep ``stored`` (the weight's bytes in ``layout``) and the addresses a call passes."""
         self.layout = layout
-        self.layout_code = LAYOUTS.index(layout)
+        self.layout_code = LAYOUT_CODES[layout]
         # None: every call on our kernel (packed or tiles; CPUs without VNNI, see INT_MM_MIN_ROWS).
-        vnni = self._library.dovetail_int8_simd() == 2
+        vnni = self._library.dovetail_int8_simd() == native.SIMD_AVX512
         self.matmul_min_rows = INT_MM_MIN_ROWS if vnni and layout == "rows" else None
         self.stored = stored
         self._pointers = (self.stored.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
@@ -405,7 +293,7 @@ class Int8Weights:
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         status = self._forward(rows.data_ptr(), *self._pointers, out.data_ptr(), count, self.out_features,
                                self.in_features, self.layout_code, torch.get_num_threads())
-        if status == -2:  # unreachable: the constructor only takes layouts the shape has
+        if status == native.BAD_SHAPE:  # unreachable: the constructor only takes layouts the shape has
             raise ValueError(f"int8 linear: {self.out_features}x{self.in_features} has no {self.layout} layout")
         if status != 0:
             raise MemoryError(f"int8 linear: no memory for {count} x {self.in_features} quantized rows")

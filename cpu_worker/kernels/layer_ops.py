@@ -19,7 +19,7 @@ from functools import cache
 
 import torch
 
-from cpu_worker.kernels import int8_kernel
+from cpu_worker.native import library as native
 
 FORCE_VARIABLE = "DOVETAIL_LAYER_OPS"
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # rope_qkv rounds into a bf16 cache as torch's copy does
@@ -30,7 +30,7 @@ def available() -> bool:
     """Whether these steps run on the kernel in this process."""
     if os.environ.get(FORCE_VARIABLE, "").lower() == "torch":
         return False
-    return int8_kernel.load_library() is not None
+    return native.load() is not None
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -43,7 +43,7 @@ def applies(*tensors: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, library: ctypes.CDLL | None = None) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension; fp32 CPU tensors.
     ``library``: another build (tests compare builds)."""
-    library = library or int8_kernel.load_library()
+    library = library or native.load()
     assert library is not None
     rows = x.contiguous()
     out = torch.empty_like(rows)
@@ -61,7 +61,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
     cache slots [start, start + S): their keys, rotated by ``cos``/``sin`` [S, head_dim], and their
     values go to one layer's cache ``keys``/``values`` [1, kv_heads, max_len, head_dim]
     (contiguous, fp32 or bf16); returns the rotated queries [1, heads, S, head_dim], fp32."""
-    library = library or int8_kernel.load_library()
+    library = library or native.load()
     assert library is not None
     _, length, width = qkv.shape
     head_dim = keys.shape[-1]
@@ -89,7 +89,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
     """``silu(gate) * up``, fp32 CPU tensors of one shape [..., width] (the two halves of a fused
     gate/up output are read in place). ``library``: another build (tests compare builds)."""
-    library = library or int8_kernel.load_library()
+    library = library or native.load()
     assert library is not None
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")

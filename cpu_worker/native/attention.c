@@ -4,8 +4,8 @@
  * Why our own: a tree node must round exactly as the one-token decode of the same prefix does
  * (DESIGN.md, losslessness). torch's scaled_dot_product_attention rounds a batched, masked call
  * differently from a one-row call, so tree rows used to attend one at a time, each re-reading
- * the whole cached prefix: at a 1024-token context that costs 3.2 ms per row per 7B layer
- * (one row's single-query SDPA reads its 33 MB of keys and values at ~10 GB/s). Here the shared
+ * the whole cached prefix (at a long context, milliseconds per row per 7B layer: docs/kernels.md,
+ * "Exact attention"; python -m tools.bench_attention). Here the shared
  * prefix is read once for every row and query head of a KV head, and each row's sums run over
  * its keys in one fixed order (the prefix, then its own path, root first), which is exactly
  * the order a later decode of that node sees them in, as committed slots.
@@ -15,6 +15,8 @@
  * scalar code give the same bits); out = (sum_j p_j v_j, j ascending) * (1 / sum_j p_j, j
  * ascending). Built with -ffp-contract=off: no fused multiply-add changes a rounding.
  */
+#include "dovetail.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -114,7 +116,7 @@ static inline void add_scaled(float *acc, const float *v, float p, int64_t d) {
  * are summed as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) by a transpose (a 128-bit
  * half added to the other, then two horizontal adds of neighbours), so no lane is reassociated.
  * Why: a tree's queries each scored the whole prefix one key at a time, with a scalar reduction
- * per score: 1.85 ms per 7B layer at T = 16 against 0.26 for one query (tools/bench_attention). */
+ * per score, 7x one query's time at T = 16 (docs/kernels.md, "Exact attention"). */
 static inline __m256 scores8(const float *q, const float *const k[KEY_BLOCK], int64_t d, float scale) {
     __m256 acc[KEY_BLOCK];
     for (int i = 0; i < KEY_BLOCK; i++) acc[i] = _mm256_setzero_ps();
@@ -174,8 +176,8 @@ static inline void cache_block(const void *head, int64_t j, int64_t head_dim, in
  * Row r attends to slots [0, shared) and then to shared + extra[e] for e in extra_start[r] ..
  * extra_start[r + 1] - 1, in that order (a decode: rows = 1, shared = its length, no extra slots;
  * a tree: shared = the committed prefix, the tree's rows at the slots after it in node order,
- * extra = each node's path of node indices, root first). Returns 0, or -1 if scratch memory
- * could not be allocated. */
+ * extra = each node's path of node indices, root first). Returns 0, or DOVETAIL_NO_MEMORY if scratch
+ * memory could not be allocated. */
 int dovetail_attention(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
                        int64_t shared, const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int threads) {
@@ -259,5 +261,5 @@ int dovetail_attention(const float *q, const void *keys, const void *values, int
         free(acc);
         free(row);
     }
-    return failed ? -1 : 0;
+    return failed ? DOVETAIL_NO_MEMORY : 0;
 }

@@ -27,6 +27,8 @@
  * Q4_1's minimums) are grouped by 8 outputs, [ceil(n_out / 8), k / 32, 8], so the 8 lanes' scales of
  * a block are one load (a last partial group is padded).
  */
+#include "dovetail.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +45,9 @@
 #define BLOCK_SIMD 0
 #endif
 
-enum { BLOCK_Q8_0 = 0, BLOCK_Q4_0 = 1, BLOCK_Q4_1 = 2 };
+#define BLOCK_Q8_0 DOVETAIL_BLOCK_Q8_0
+#define BLOCK_Q4_0 DOVETAIL_BLOCK_Q4_0
+#define BLOCK_Q4_1 DOVETAIL_BLOCK_Q4_1
 
 /* The SIMD path this build runs: 2 VNNI (AVX512-VNNI with VL, or AVX-VNNI), 1 AVX2, 0 plain C. */
 int dovetail_block_simd(void) {

@@ -4,8 +4,9 @@
  *
  * Why: at a decode step the work between the linear layers is small, but each layer made about a
  * dozen torch ops and half a dozen foreign calls around it (views, slices, the residual adds, the
- * SiLU, the attention output's transpose). On the 1B stand-in that glue was ~10-14 ms of a ~90 ms
- * token on a 2-core EPYC, the gap to llama.cpp. Here it is a loop in C.
+ * SiLU, the attention output's transpose). On the 1B stand-in that glue was the gap to llama.cpp
+ * (docs/kernels.md, "Decoder layers in one call"; python -m tools.bench_layer_loop). Here it is a
+ * loop in C.
  *
  * Same bits as the Python layers: every step is the same kernel the module calls (RMSNorm,
  * int8 or fp32 row linear, rotary and cache write, exact attention, SiLU from layer_ops.c), and the
@@ -13,54 +14,16 @@
  * depend on nothing else in its call, and a tree node equals its decode step bit for bit, whichever
  * path either took.
  */
+#include "dovetail.h"
+
 #include <stdint.h>
 #include <string.h>
 
-/* The library's kernels (int8_gemv.c, attention.c, layer_ops.c). */
-int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
-                          const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int layout,
-                          int threads);
-void dovetail_fp32_linear(const float *x, const float *w, const float *bias, float *y, int64_t rows,
-                          int64_t n_out, int64_t k, int threads);
-int dovetail_attention(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
-                       int64_t shared, const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows,
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int threads);
-void dovetail_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps,
-                       int threads);
-void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, float *q, void *keys, void *values,
-                       int bf16, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len,
-                       int64_t start, int threads);
-void dovetail_silu_mul(const float *gate, const float *up, int64_t stride, float *out, int64_t rows, int64_t width,
-                       int threads);
-
-#define LINEAR_INT8 0
-#define LINEAR_FP32 1
-#define LINEAR_INT8_PACKED 2 /* int8 in the kernel's packed layout (int8_gemv.c, block_row) */
-#define LINEAR_INT8_TILES 3  /* int8 in the kernel's tile layout (int8_gemv.c, TILE_OUT) */
-
-/* One linear layer as its module holds it (native_layers.py fills these; the layout must match). */
-typedef struct {
-    int64_t kind;            /* LINEAR_INT8, _PACKED, _TILES (dovetail_int8_forward), LINEAR_FP32 */
-    const void *weight;      /* [n_out, k], int8 or fp32; or int8 packed or in tiles */
-    const float *scales;     /* int8: per-output-row weight scales */
-    const int32_t *offsets;  /* int8: 128 * each weight row's sum */
-    const float *bias;       /* [n_out] or NULL */
-    int64_t n_out, k;
-} dovetail_linear;
-
-typedef struct {
-    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
-    dovetail_linear qkv, o, gate_up, down;
-} dovetail_layer;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, max_len;
-    float eps, scale; /* RMSNorm epsilon; attention's 1 / sqrt(head_dim) */
-} dovetail_shape;
-
 static int linear(const dovetail_linear *layer, const float *x, float *y, int64_t rows, int threads) {
-    if (layer->kind != LINEAR_FP32) {
-        int layout = layer->kind == LINEAR_INT8_TILES ? 2 : (layer->kind == LINEAR_INT8_PACKED ? 1 : 0);
+    if (layer->kind != DOVETAIL_LINEAR_FP32) {
+        int layout = layer->kind == DOVETAIL_LINEAR_INT8_TILES    ? DOVETAIL_LAYOUT_TILES
+                     : layer->kind == DOVETAIL_LINEAR_INT8_PACKED ? DOVETAIL_LAYOUT_PACKED
+                                                                  : DOVETAIL_LAYOUT_ROWS;
         return dovetail_int8_forward(x, (const int8_t *)layer->weight, layer->scales, layer->offsets, layer->bias, y,
                                      rows, layer->n_out, layer->k, layout, threads);
     }
@@ -81,7 +44,8 @@ int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows) {
  * - 1 (dovetail_attention: a decode has shared = start + 1 and no extra slots, a tree shared = start
  * and each node's path). keys/values: the first of these layers' caches [kv_heads, max_len,
  * head_dim] (fp32, or bf16 when bf16 != 0), the next layers' following contiguously. scratch:
- * dovetail_decoder_scratch floats. Returns 0, or -1 when a kernel could not allocate its scratch. */
+ * dovetail_decoder_scratch floats. Returns 0, or DOVETAIL_NO_MEMORY when a kernel could not allocate
+ * its scratch. */
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
                             const float *cos, const float *sin, void *keys, void *values, int bf16, int64_t start,
                             int64_t shared, const int64_t *extra, const int64_t *extra_start, int64_t rows,
@@ -101,23 +65,23 @@ int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t coun
         const dovetail_layer *layer = layers + l;
         void *layer_keys = (char *)keys + l * layer_bytes, *layer_values = (char *)values + l * layer_bytes;
         dovetail_rms_norm(x, layer->input_norm, normed, rows, hidden, shape->eps, threads);
-        if (linear(&layer->qkv, normed, qkv, rows, threads) != 0) return -1;
+        if (linear(&layer->qkv, normed, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
         dovetail_rope_qkv(qkv, cos, sin, q, layer_keys, layer_values, bf16, rows, heads, kv_heads, head_dim,
                           shape->max_len, start, threads);
         if (dovetail_attention(q, layer_keys, layer_values, bf16, shape->max_len, shared, extra, extra_start,
                                attended, rows, heads, kv_heads, head_dim, shape->scale, threads) != 0)
-            return -1;
+            return DOVETAIL_NO_MEMORY;
         for (int64_t h = 0; h < heads; h++) /* [heads, rows, hd] -> [rows, heads * hd], as o_proj reads it */
             for (int64_t r = 0; r < rows; r++)
                 memcpy(merged + r * attention + h * head_dim, attended + (h * rows + r) * head_dim,
                        (size_t)head_dim * sizeof(float));
-        if (linear(&layer->o, merged, projected, rows, threads) != 0) return -1;
+        if (linear(&layer->o, merged, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
         dovetail_rms_norm(x, layer->post_norm, normed, rows, hidden, shape->eps, threads);
-        if (linear(&layer->gate_up, normed, gate_up, rows, threads) != 0) return -1;
+        if (linear(&layer->gate_up, normed, gate_up, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
         dovetail_silu_mul(gate_up, gate_up + shape->intermediate, 2 * shape->intermediate, activated, rows,
                           shape->intermediate, threads);
-        if (linear(&layer->down, activated, projected, rows, threads) != 0) return -1;
+        if (linear(&layer->down, activated, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
     }
     return 0;

@@ -1,8 +1,8 @@
 /* W8A8 int8 linear for decoding and small trees: y[m, n] = acc[m, n] * x_scale[m] * w_scale[n] (+ bias[n]),
  * acc = sum_k xq[m, k] * w[n, k] accumulated exactly in int32.
  *
- * Why our own: torch's int8 kernels (fbgemm's dynamic linear, weight-only int8pack) reach 55% of
- * the read bandwidth when decoding one row, llama.cpp's Q8_0 88% (tools/bench_llamacpp.py). A
+ * Why our own: torch's int8 kernels (fbgemm's dynamic linear, weight-only int8pack) stream the
+ * weights well below the read bandwidth when decoding one row, llama.cpp's Q8_0 near it. A
  * decode step is a stream over the weights; this kernel reads each weight byte once and reuses a
  * block of 4 weight rows (L1-resident) for every activation row of the call; the weights are
  * [n_out, k] or packed per block (see block_row), or, on CPUs with AMX, in tiles for AMX's tile
@@ -18,7 +18,12 @@
  * VNNI multiplies unsigned by signed bytes, so activations are stored as u = q + 128 and the VNNI
  * and plain C paths subtract 128 * sum_k w[n, k] (precomputed per row; the AVX2 path sums q * w
  * directly): |acc| <= K * 255 * 127 fits int32 for K < 66,000.
+ *
+ * The measurements behind each choice here (layouts, prefetch distances, row passes, the AVX2
+ * sign trick): docs/kernels.md, "int8 linear" and "int8 layouts"; python -m tools.bench_int8_kernel.
  */
+#include "dovetail.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,14 +44,14 @@
 
 int dovetail_int8_has_vnni(void) { return DOVETAIL_VNNI; }
 
-/* The dot-product path this build runs: 2 AVX512-VNNI, 1 AVX2, 0 plain C. */
+/* The dot-product path this build runs: AVX512-VNNI (DOVETAIL_SIMD_AVX512), AVX2 or plain C. */
 int dovetail_int8_simd(void) {
 #if DOVETAIL_VNNI
-    return 2;
+    return DOVETAIL_SIMD_AVX512;
 #elif defined(__AVX2__)
-    return 1;
+    return DOVETAIL_SIMD_AVX2;
 #else
-    return 0;
+    return DOVETAIL_SIMD_PLAIN;
 #endif
 }
 
@@ -94,10 +99,10 @@ static inline float half_to_float(uint16_t h) {
     return out;
 }
 
-/* k values of a row stored as fp16 (dtype 1) or bf16 (dtype 2) into fp32, exactly. */
+/* k values of a row stored as fp16 or bf16 (DOVETAIL_DTYPE_*) into fp32, exactly. */
 static void widen_row(const uint16_t *row, int dtype, int64_t k, float *out) {
     int64_t i = 0;
-    if (dtype == 2) {
+    if (dtype == DOVETAIL_DTYPE_BF16) {
         for (; i < k; i++) {
             uint32_t bits = (uint32_t)row[i] << 16;
             memcpy(out + i, &bits, sizeof bits);
@@ -111,27 +116,27 @@ static void widen_row(const uint16_t *row, int dtype, int64_t k, float *out) {
 }
 
 /* fp16 rows as fp32 (tests: every one of the 65536 values against torch's conversion). */
-void dovetail_widen_half(const uint16_t *h, float *out, int64_t n) { widen_row(h, 1, n, out); }
+void dovetail_widen_half(const uint16_t *h, float *out, int64_t n) { widen_row(h, DOVETAIL_DTYPE_FP16, n, out); }
 
 /* Load time: symmetric per-row int8 weights, as torch.quantize_per_channel gives them (it is
  * 10x slower: half of a 7B target's load). scale[n] = max|w[n]| / 127 in fp32, at least 1e-12;
  * q = nearbyint(w * (1 / scale)) clamped to [-128, 127], fbgemm's Quantize arithmetic (checked
- * against torch in tests/test_int8_kernel.py). w: [n_rows, k], fp32 (dtype 0), or fp16 (1) or
- * bf16 (2) as a checkpoint stores it, widened here a row at a time (exactly, as torch widens it):
- * converting a 7B model to fp32 first was 4.4 s of its 32 s load. Returns -1 if a row buffer
- * could not be allocated. */
+ * against torch in tests/unit/test_int8_kernel.py). w: [n_rows, k], fp32, or fp16 or bf16 as a
+ * checkpoint stores it (dtype: DOVETAIL_DTYPE_*), widened here a row at a time (exactly, as torch
+ * widens it): converting a 7B model to fp32 first was 4.4 s of its 32 s load. Returns
+ * DOVETAIL_NO_MEMORY if a row buffer could not be allocated. */
 int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *scale, int64_t n_rows, int64_t k,
                                   int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|| : failed)
     {
-        float *wide = dtype == 0 ? NULL : (float *)malloc((size_t)k * sizeof(float));
-        if (dtype != 0 && wide == NULL) failed = 1;
+        float *wide = dtype == DOVETAIL_DTYPE_FP32 ? NULL : (float *)malloc((size_t)k * sizeof(float));
+        if (dtype != DOVETAIL_DTYPE_FP32 && wide == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < n_rows; n++) {
-            if (dtype != 0 && wide == NULL) continue;
+            if (dtype != DOVETAIL_DTYPE_FP32 && wide == NULL) continue;
             const float *row = (const float *)w + n * k;
-            if (dtype != 0) {
+            if (dtype != DOVETAIL_DTYPE_FP32) {
                 widen_row((const uint16_t *)w + n * k, dtype, k, wide);
                 row = wide;
             }
@@ -147,7 +152,7 @@ int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *sc
         }
         free(wide);
     }
-    return failed ? -1 : 0;
+    return failed ? DOVETAIL_NO_MEMORY : 0;
 }
 
 /* [n_rows, k] int8 -> the tile layout (int8_kernel.pack_tiles, TILE_OUT below): four bytes at
@@ -177,25 +182,23 @@ void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, i
  * 64-byte chunks, row r's columns [64c, 64c + 64) at 256c + 64r (int8_kernel.pack_blocks).
  * Why packed: a block's 4 rows are then one sequential stream per thread instead of 4 streams
  * that restart every k bytes. Where rows are short the hardware prefetcher never gets going on
- * the latter: on a 2-core EPYC, k = 2048 (the 1B stand-in) streamed at 0.67-0.74x of a torch
- * sum() of the same bytes in row layout, and packed is 1.2-1.4x faster there (python -m
- * tools.bench_int8_kernel --layouts). The sums are the same integers either way. */
+ * the latter. The sums are the same integers either way. */
 
 /* Row r (< 4) of a block, from column i (a multiple of 32 in SIMD loops). */
 static inline const int8_t *block_row(const int8_t *block, int r, int64_t i, int64_t k, int packed) {
     return packed ? block + ((i >> 6) << 8) + ((int64_t)r << 6) + (i & 63) : block + r * k + i;
 }
 
-#ifndef DOVETAIL_PACKED_AHEAD /* bytes; a build flag for tuning: 512, 2048 and 4096 were 3-5% slower (EPYC) */
+#ifndef DOVETAIL_PACKED_AHEAD /* bytes; a build flag for tuning (other distances were slower) */
 #define DOVETAIL_PACKED_AHEAD 1024
 #endif
 #if DOVETAIL_VNNI || defined(__AVX2__)
 /* Keep more lines in flight than the loads alone ask for. Rows: the next block's four rows, a
  * line ahead each from column i (eight streams instead of four). Packed: the stream's next 4
- * lines, 1 KB ahead. Together 1.16x on a 1B decode's linears (2-core EPYC, 88-90% of a sum()).
+ * lines, 1 KB ahead.
  * always_inline is load-bearing: as a plain function GCC 12 finds it "looping const" (a prefetch
  * has no semantic effect) and deletes every call, as it did from a6d3fc9 until b3e12a3;
- * tests/test_int8_kernel.py checks the built assembly still prefetches. */
+ * tests/unit/test_int8_kernel.py checks the built assembly still prefetches. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const int8_t *block, int64_t k, int64_t i,
                                                                  int packed) {
     if (packed) {
@@ -274,10 +277,10 @@ static inline __attribute__((always_inline)) void dot4x2_impl(const uint8_t *xa,
 }
 
 /* The same for three activation rows in one pass. A call of 3 rows took a pair pass and then a
- * second pass over each L1-resident block for the third row, while memory idled: 1.3-1.4x the
- * time of 2 rows on a 2-core EPYC (Zen 4). One pass of twelve accumulators costs about what a
- * pair does; a tree of 3 is what the planner picks most on a CPU. (Four rows in one pass were no
- * faster than two pair passes there: the dot products start to count.) */
+ * second pass over each L1-resident block for the third row, while memory idled; one pass of
+ * twelve accumulators costs about what a pair does, and a tree of 3 is what the planner picks
+ * most on a CPU. (Four rows in one pass were no faster than two pair passes: the dot products
+ * start to count.) */
 static inline __attribute__((always_inline)) void dot4x3_impl(const uint8_t *xa, const uint8_t *xb, const uint8_t *xc,
                                                               const int8_t *w, int64_t k, int count, int32_t out_a[4],
                                                               int32_t out_b[4], int32_t out_c[4], const int packed) {
@@ -324,10 +327,8 @@ static inline __attribute__((always_inline)) void dot4x3_impl(const uint8_t *xa,
 /* AVX2 without VNNI, by llama.cpp's sign trick: with the signed q = u - 128 (u ^ 0x80),
  * q * w = |w| * sign(q, w), and _mm256_maddubs_epi16(|w| as u8, sign(q, w)) sums pairs of those
  * exactly in int16 (|q| <= 127, |w| <= 128: 2 * 127 * 128 < 32768), which _mm256_madd_epi16 with
- * ones widens to int32: 32 products in 5 operations per weight load. Against widening u8 and s8
- * to int16 for _mm256_madd_epi16 (16 products in 4): 1.7x the multiply rate (L1-resident, Zen 3),
- * 1.1-1.4x on 2-8 rows of 7B matrices and 1.05-1.08x on one (tools/bench_int8_kernel.py). Its
- * sums are of q * w already, so the epilogue skips the offset correction (DOT_SUMS_SIGNED). */
+ * ones widens to int32: 32 products in 5 operations per weight load, against 16 in 4 when
+ * widening u8 and s8 to int16 for _mm256_madd_epi16. Its sums are of q * w already, so the epilogue skips the offset correction (DOT_SUMS_SIGNED). */
 #define DOT_SUMS_SIGNED 1
 static inline int32_t sum_lanes(__m256i v) {
     __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -434,9 +435,9 @@ static void dot4(const uint8_t *xu, const int8_t *w, int64_t k, int count, int32
     if (packed) {
 #if DOVETAIL_VNNI
         /* VNNI, packed: the pair loop with the row as both operands. Its eight accumulators
-         * streamed a one-row call 1.07-1.25x faster than dot4_impl's four (with or without its
-         * prefetches) on a 2-core EPYC (Zen 4), at the speed of a sum() of the bytes; the extra
-         * products are free where memory is the bound. [N, K] rows keep dot4_impl, whose
+         * stream a one-row call faster than dot4_impl's four (with or without its prefetches),
+         * at the speed of a sum() of the bytes; the extra products are free where memory is
+         * the bound. [N, K] rows keep dot4_impl, whose
          * prefetch of the next block's rows pays there at k = 2048. */
         int32_t twin[4];
         dot4x2_impl(xu, xu, w, k, count, 0, out, twin, 1);
@@ -474,9 +475,8 @@ static void dot4x3(const uint8_t *xa, const uint8_t *xb, const uint8_t *xc, cons
  * and k % 64 == 0. The integer sums are those of the other layouts, so are the bits.
  * Why: with AMX (Sapphire Rapids on), one TDPBUSD multiplies up to 16 activation rows by a 1 KB
  * tile in about the time VNNI takes for one row, so a tree of 16 rows streams its weights at
- * nearly the cost of a decode step; the GEMV's row pairs cost 2.3x one row at 16 rows, and
- * torch's int8 GEMM repacks its weight every call (2.4x one GEMV row for a one-row call;
- * numbers in int8_kernel.TILES_NOTE). */
+ * nearly the cost of a decode step, where the GEMV's cost grows with every pair of rows and
+ * torch's int8 GEMM repacks its weight every call. */
 #define TILE_OUT 16
 #define TILE_BYTES 1024
 static int tiles_amx_min_rows = 1; /* calls of fewer rows take the VNNI loop (dovetail_int8_tiles_amx_from) */
@@ -698,19 +698,19 @@ static inline void store_row(const int32_t acc[4], int64_t m, int64_t n0, int co
 }
 
 /* y[rows, n_out] from u8 activations xu[rows, k] (each in 1..255: q + 128 with |q| <= 127) and
- * int8 weights w in `layout`: 0 rows [n_out, k], 1 packed (see block_row), 2 tiles (see
- * TILE_OUT). Threads split the output rows in blocks; each block's weights are read from memory
+ * int8 weights w in `layout`: DOVETAIL_LAYOUT_ROWS [n_out, k], _PACKED (see block_row) or _TILES
+ * (see TILE_OUT). Threads split the output rows in blocks; each block's weights are read from memory
  * once for all rows. Returns 0; -1 (nothing computed) for a shape the layout cannot hold; -3
  * when scratch memory could not be allocated. */
 int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,
                          const int32_t *w_offset, const float *bias, float *y, int64_t rows, int64_t n_out,
                          int64_t k, int layout, int threads) {
     if (rows <= 0) return 0; /* nothing to compute (and no tile configuration of zero rows) */
-    if (layout == 2) {
+    if (layout == DOVETAIL_LAYOUT_TILES) {
         if (n_out % TILE_OUT != 0 || k % 64 != 0) return -1;
         return tiles_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, threads) == 0 ? 0 : -3;
     }
-    int packed = layout == 1;
+    int packed = layout == DOVETAIL_LAYOUT_PACKED;
     if (packed && (n_out % 4 != 0 || k % 64 != 0)) return -1;
     int64_t blocks = (n_out + 3) / 4;
     const int32_t *offset = DOT_SUMS_SIGNED ? NULL : w_offset;
@@ -746,8 +746,8 @@ int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *
 
 /* One call per layer from Python: quantize the rows, then the linear (a decode step makes
  * hundreds of these calls, so fewer foreign calls and tensors per call matter). `layout` as
- * dovetail_int8_linear's. Returns 0, -1 if scratch memory could not be allocated, or -2 for a
- * shape the layout cannot hold. */
+ * dovetail_int8_linear's. Returns 0, DOVETAIL_NO_MEMORY if scratch memory could not be allocated,
+ * or DOVETAIL_BAD_SHAPE for a shape the layout cannot hold. */
 int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale, const int32_t *w_offset,
                           const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int layout,
                           int threads) {
@@ -761,7 +761,7 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
             free(xu);
             free(x_scale);
         }
-        return -1;
+        return DOVETAIL_NO_MEMORY;
     }
     dovetail_quantize_rows(x, xu, x_scale, rows, k);
     int status = dovetail_int8_linear(xu, x_scale, w, w_scale, w_offset, bias, y, rows, n_out, k, layout, threads);
@@ -769,5 +769,5 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
         free(xu);
         free(x_scale);
     }
-    return status == 0 ? 0 : (status == -1 ? -2 : -1);
+    return status == 0 ? 0 : (status == -1 ? DOVETAIL_BAD_SHAPE : DOVETAIL_NO_MEMORY);
 }

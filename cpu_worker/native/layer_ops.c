@@ -3,22 +3,19 @@
  * Why our own: at a decode step these are a few thousand floats, and torch runs them as chains
  * of small ops (its CPU rms_norm is ten of them: pow, mean, add, rsqrt, mul, ... at ~2-10 us
  * each; rotary is slice, neg, cat, mul, mul, add, then the cache writes). At the 1B shape that
- * glue was 14-19 ms of a 100 ms token on a 2-core EPYC, beside linears that stream the weights.
+ * glue was a sixth of a token, beside linears that stream the weights (docs/kernels.md).
  *
  * Every row is computed on its own, in one fixed order (no row's value depends on the others in
  * its call or on the thread count), so a tree node gets the bits its later decode step gets.
  * Built with -ffp-contract=off: no fused multiply-add changes a rounding, so the vector code the
  * compiler makes gives the plain C build's bits.
  */
+#include "dovetail.h" /* attention.c's dovetail_dot_fixed (8 lanes, a fixed tree, the tail in order) and
+                        * dovetail_exp_nonpositive (vector and scalar code give the same bits) among them */
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-/* attention.c's fixed-order dot product: 8 lanes, then a fixed tree, then the tail in order. */
-float dovetail_dot_fixed(const float *a, const float *b, int64_t d);
-
-/* attention.c's exp, in place, for arguments <= 0 (vector and scalar code give the same bits). */
-void dovetail_exp_nonpositive(float *x, int64_t n);
 
 /* Below this many floats a call stays on one thread: waking the pool costs more than it saves. */
 #define LAYER_OPS_PARALLEL_MIN 65536

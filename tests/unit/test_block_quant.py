@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cpu_worker.cores import cpu_flags
-from cpu_worker.kernels import block_quant, int8_kernel
+from cpu_worker.kernels import block_quant
+from cpu_worker.native import library as native_library
 from tools import quant_reference
 
 # (-march flags, the x86 flags a CPU needs to run that build, dovetail_block_simd's answer)
@@ -22,13 +23,13 @@ KINDS = list(block_quant.TYPES)
 
 
 def runnable_builds(directory: Path) -> list[tuple[str, object]]:
-    compiler = int8_kernel.find_compiler()
+    compiler = native_library.find_compiler()
     assert compiler is not None, "the kernel tests need a C compiler"
     built = []
     for arch, needs, simd in BUILDS:
         if needs <= cpu_flags():
             flags = [*arch, "-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-            library = block_quant.build(compiler, flags, directory)
+            library = native_library.build(compiler, flags, directory / arch[-1].lstrip("-"))
             assert library.dovetail_block_simd() == simd, arch
             built.append((" ".join(arch), library))
     return built
@@ -45,7 +46,7 @@ def per_block_int8(x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def use_library(monkeypatch):
     def use(library):
-        monkeypatch.setattr(block_quant, "_library_handle", library)
+        monkeypatch.setattr(block_quant, "library", lambda: library)
     return use
 
 

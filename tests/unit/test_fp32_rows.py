@@ -25,6 +25,7 @@ from cpu_worker.kernels.fp32_rows import (
     prompt_rows,
     use_fp32_row_kernel,
 )
+from cpu_worker.native import library as native_library
 from cpu_worker.target_loading import load_target_model, weight_bytes
 from ipc.tree import MAX_TREE_TOKENS
 
@@ -99,11 +100,11 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_right_sums(tmp_path):
 def test_the_fp32_kernel_keeps_its_software_prefetch(tmp_path):
     """GCC deletes a prefetch it thinks has no effect (it once did in the int8 kernel): the next
     block's lines must still be fetched in the built code (1.2-1.3x on 4-8 rows here)."""
-    compiler = int8_kernel.find_compiler()
+    compiler = native_library.find_compiler()
     assert compiler is not None
     flags = [flag for flag in flags_for("native") if flag != "-shared"] + ["-S"]
     assembly = tmp_path / "fp32_rows.s"
-    subprocess.run([compiler, *flags, str(int8_kernel.FP32_SOURCE), "-o", str(assembly)], check=True,
+    subprocess.run([compiler, *flags, str(native_library.DIRECTORY / "fp32_rows.c"), "-o", str(assembly)], check=True,
                    capture_output=True)
     assert "prefetcht0" in assembly.read_text()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from cpu_worker.cores import cpu_flags
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.int8 import RowwiseInt8Linear, _quantize_per_row, _torch_quantize_rows
+from cpu_worker.native import library as native_library
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
 
@@ -40,14 +42,14 @@ def integer_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Te
 
 def flags_for(arch: str) -> list[str]:
     """The library's build flags with ``-march=arch`` instead of this CPU's."""
-    return [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
+    return [flag for flag in native_library.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
 
 
 def build_for(arch: str, directory: Path) -> ctypes.CDLL:
     """The kernel library built for ``-march=arch`` instead of this CPU."""
-    compiler = int8_kernel.find_compiler()
+    compiler = native_library.find_compiler()
     assert compiler is not None
-    return int8_kernel.build(compiler, flags_for(arch), directory)
+    return native_library.build(compiler, flags_for(arch), directory)
 
 
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3", "icelake-server"])
@@ -55,11 +57,12 @@ def test_the_built_dot_kernels_keep_their_software_prefetches(arch, tmp_path):
     """A helper whose only effect is a prefetch looks const to GCC, which then deletes its calls:
     every prefetch of the int8 kernel was silently gone for a while (1.16x on a 1B decode's
     linears). The assembly the build flags give must still prefetch (AVX2, and VNNI)."""
-    compiler = int8_kernel.find_compiler()
+    compiler = native_library.find_compiler()
     assert compiler is not None, "no C compiler: the int8 kernel cannot be built"
     flags = [flag for flag in flags_for(arch) if flag != "-shared"] + ["-S"]
     assembly = tmp_path / "int8_gemv.s"
-    subprocess.run([compiler, *flags, str(int8_kernel.SOURCE), "-o", str(assembly)], check=True, capture_output=True)
+    subprocess.run([compiler, *flags, str(native_library.DIRECTORY / "int8_gemv.c"), "-o", str(assembly)], check=True,
+                   capture_output=True)
     assert "prefetcht0" in assembly.read_text()
 
 
@@ -155,11 +158,11 @@ def test_extreme_operands_stay_exact(kernel, rows_in_call, in_features, out_feat
 def test_a_cpu_without_vnni_or_avx2_uses_fbgemm(monkeypatch, tmp_path, caplog):
     """The plain C path is several times slower than fbgemm, so a build that has nothing better
     hands int8 to fbgemm (where torch has it), and says so."""
-    compiler = int8_kernel.shutil.which("cc") or int8_kernel.shutil.which("gcc")
+    compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
-    build = int8_kernel.build
-    plain = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    monkeypatch.setattr(int8_kernel, "build", lambda compiler, flags, directory: build(compiler, plain, tmp_path))
+    build = native_library.build
+    plain = [flag for flag in native_library.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
+    monkeypatch.setattr(native_library, "build", lambda compiler, flags, directory: build(compiler, plain, tmp_path))
     int8_kernel.clear_cache()
     try:
         with caplog.at_level(logging.INFO, logger="dovetail.cpu_worker"):
@@ -227,7 +230,7 @@ def _forward(library, rows: torch.Tensor, stored: torch.Tensor, weights: int8_ke
     status = library.dovetail_int8_forward(rows.data_ptr(), stored.data_ptr(), weights.scales.data_ptr(),
                                            weights.offsets.data_ptr(), weights.bias.data_ptr(), out.data_ptr(),
                                            rows.shape[0], weights.out_features, weights.in_features,
-                                           int8_kernel.LAYOUTS.index(layout), 2)
+                                           int8_kernel.LAYOUT_CODES[layout], 2)
     assert status == 0
     return out
 
@@ -279,7 +282,7 @@ def test_the_library_quantizes_weights_as_torch_does(kernel):
         assert values.dtype == torch.int8 and scales.dtype == torch.float64
         assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales), source.dtype
         with pytest.MonkeyPatch.context() as patch:  # no library: torch's, on fp32 chunks of 32 rows
-            patch.setattr(int8_kernel, "load_library", lambda: None)
+            patch.setattr(native_library, "load", lambda: None)
             chunked_values, chunked_scales = _quantize_per_row(source, rows_per_chunk=32)
         assert torch.equal(chunked_values, expected_values) and torch.equal(chunked_scales, expected_scales)
     assert values[3].abs().sum() == 0
@@ -291,7 +294,7 @@ def test_every_fp16_value_widens_as_torch_widens_it_on_every_build(kernel, tmp_p
     zeros and infinities bit for bit, NaNs as NaNs (F16C quiets a signalling one)."""
     halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
     expected = halves.float()
-    for library in (int8_kernel.load_library(), build_for("x86-64-v2", tmp_path / "plain")):
+    for library in (native_library.load(), build_for("x86-64-v2", tmp_path / "plain")):
         widened = torch.empty(halves.numel(), dtype=torch.float32)
         library.dovetail_widen_half(halves.data_ptr(), widened.data_ptr(), halves.numel())
         nan = torch.isnan(expected)
@@ -308,7 +311,7 @@ def test_a_call_of_no_rows_returns_no_rows(kernel, layout):
 
 def test_the_library_packs_tiles_as_torch_does(kernel):
     values = torch.randint(-128, 128, (48, 320), dtype=torch.int8, generator=torch.Generator().manual_seed(8))
-    assert torch.equal(int8_kernel.pack_tiles_natively(values, int8_kernel.load_library()),
+    assert torch.equal(int8_kernel.pack_tiles_natively(values, native_library.load()),
                        int8_kernel.pack_tiles(values))
 
 
@@ -407,7 +410,7 @@ def test_the_kernel_refuses_a_call_of_a_shape_its_layout_cannot_hold(kernel, lay
     out = torch.full((1, out_features), 7.0)
     assert library.dovetail_int8_forward(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
                                          None, out.data_ptr(), 1, out_features, in_features,
-                                         int8_kernel.LAYOUTS.index(layout), 1) == -2
+                                         int8_kernel.LAYOUT_CODES[layout], 1) == native_library.BAD_SHAPE
     assert torch.equal(out, torch.full((1, out_features), 7.0))  # nothing written
 
 

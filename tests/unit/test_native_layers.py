@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import int8_kernel, layer_ops
+from cpu_worker.native import library as native_library
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.server import build_engine
 from cpu_worker.target_loading import load_target_model
@@ -150,10 +151,10 @@ def test_silu_mul_is_close_to_torch_and_row_invariant(width):
 
 
 def test_silu_mul_of_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
-    compiler = int8_kernel.find_compiler()
+    compiler = native_library.find_compiler()
     assert compiler is not None
-    flags = [flag for flag in int8_kernel.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    plain = int8_kernel.build(compiler, flags, tmp_path)
+    flags = [flag for flag in native_library.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
+    plain = native_library.build(compiler, flags, tmp_path)
     gate_up = torch.randn(300, 2 * 515, generator=torch.Generator().manual_seed(1)) * 5  # on the thread pool
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(layer_ops.silu_mul(gate, up), layer_ops.silu_mul(gate, up, library=plain))

@@ -1,0 +1,247 @@
+"""The native kernel library: this folder's C sources (``dovetail.h`` declares what they export),
+built for this CPU on first use, cached, loaded, its foreign functions declared, and its
+interface checked against this module's mirror of ``dovetail.h``.
+
+Why compiled here: it is built with ``-march=native`` (AVX512-VNNI and AMX where the CPU has
+them) and links to the OpenMP runtime torch already loaded, so its threads are torch's. A C
+compiler is the only requirement; without one, or if the build fails, ``load()`` is None and
+every kernel module takes its torch path (the log says so once).
+
+The check: ``dovetail_abi`` reports the header's ABI version, the size of every struct Python
+passes by pointer and every shared constant; they must equal this module's. A library that
+disagrees (a stale or hand-made file in the cache) is rebuilt once; one that still disagrees is
+an ``AbiMismatch`` naming what differs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+from cpu_worker.cores import cpu_flags
+
+log = logging.getLogger("dovetail.cpu_worker")
+
+DIRECTORY = Path(__file__).parent
+HEADER = DIRECTORY / "dovetail.h"
+SOURCES = tuple(DIRECTORY / name for name in ("int8_gemv.c", "fp32_rows.c", "attention.c", "layer_ops.c",
+                                              "decoder_layers.c", "block_gemv.c", "abi.c"))
+# -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default ~/.cache/dovetail/kernels)
+
+# dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
+ABI_VERSION = 2
+LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
+LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES = 0, 1, 2, 3  # a Linear's kind
+DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2  # a weight's source dtype for the quantizer
+SIMD_PLAIN, SIMD_AVX2, SIMD_AVX512 = 0, 1, 2  # dovetail_int8_simd, dovetail_fp32_simd
+NO_MEMORY, BAD_SHAPE = -1, -2  # statuses
+BLOCK_Q8_0, BLOCK_Q4_0, BLOCK_Q4_1 = 0, 1, 2  # a block-quantized weight's type
+
+
+class AbiMismatch(RuntimeError):
+    """The built library and this module disagree on the interface (after a rebuild)."""
+
+
+class Linear(ctypes.Structure):
+    """dovetail_linear: one linear layer as its module holds it."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n_out", ctypes.c_int64),
+                ("k", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """dovetail_layer: a decoder layer's norms and linears."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Linear), ("o", Linear),
+                ("gate_up", Linear), ("down", Linear)]
+
+
+class Shape(ctypes.Structure):
+    """dovetail_shape: a model's sizes as dovetail_decoder_layers reads them."""
+
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("max_len", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "layout_rows", "layout_packed", "layout_tiles",
+               "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "dtype_fp32", "dtype_fp16",
+               "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
+               "block_q4_0", "block_q4_1")
+
+
+class AbiInfo(ctypes.Structure):
+    """dovetail_abi_info: what dovetail_abi reports."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in _ABI_FIELDS]
+
+
+def expected_abi() -> dict[str, int]:
+    """What dovetail_abi must report for this module's mirror (read at each check: tests swap a mirror)."""
+    return {"version": ABI_VERSION, "linear_size": ctypes.sizeof(Linear), "layer_size": ctypes.sizeof(Layer),
+            "shape_size": ctypes.sizeof(Shape), "layout_rows": LAYOUT_ROWS, "layout_packed": LAYOUT_PACKED,
+            "layout_tiles": LAYOUT_TILES, "linear_int8": LINEAR_INT8, "linear_fp32": LINEAR_FP32,
+            "linear_int8_packed": LINEAR_INT8_PACKED, "linear_int8_tiles": LINEAR_INT8_TILES,
+            "dtype_fp32": DTYPE_FP32, "dtype_fp16": DTYPE_FP16, "dtype_bf16": DTYPE_BF16, "simd_plain": SIMD_PLAIN,
+            "simd_avx2": SIMD_AVX2, "simd_avx512": SIMD_AVX512, "no_memory": NO_MEMORY, "bad_shape": BAD_SHAPE,
+            "block_q8_0": BLOCK_Q8_0, "block_q4_0": BLOCK_Q4_0, "block_q4_1": BLOCK_Q4_1}
+
+
+_P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# Every exported function: (argtypes, restype), in dovetail.h's order.
+SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "dovetail_abi": ([_P, _I64], _I64),
+    "dovetail_int8_has_vnni": ([], _INT),
+    "dovetail_int8_simd": ([], _INT),
+    "dovetail_int8_amx_ready": ([], _INT),
+    "dovetail_int8_tiles_amx_from": ([_INT], None),
+    "dovetail_quantize_rows": ([_P, _P, _P, _I64, _I64], None),
+    "dovetail_widen_half": ([_P, _P, _I64], None),
+    "dovetail_quantize_weight_rows": ([_P, _INT, _P, _P, _I64, _I64, _INT], _INT),
+    "dovetail_pack_tiles": ([_P, _P, _I64, _I64, _INT], None),
+    "dovetail_weight_offsets": ([_P, _P, _I64, _I64], None),
+    "dovetail_int8_linear": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT], _INT),
+    "dovetail_int8_forward": ([_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT], _INT),
+    "dovetail_fp32_simd": ([], _INT),
+    "dovetail_fp32_linear": ([_P, _P, _P, _P, _I64, _I64, _I64, _INT], None),
+    "dovetail_exp_nonpositive": ([_P, _I64], None),
+    "dovetail_dot_fixed": ([_P, _P, _I64], _FLOAT),
+    "dovetail_attention": ([_P, _P, _P, _INT, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _FLOAT, _INT], _INT),
+    "dovetail_rms_norm": ([_P, _P, _P, _I64, _I64, _FLOAT, _INT], None),
+    "dovetail_rope_qkv": ([_P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _I64, _I64, _I64, _I64, _INT], None),
+    "dovetail_silu_mul": ([_P, _P, _I64, _P, _I64, _I64, _INT], None),
+    "dovetail_block_simd": ([], _INT),
+    "dovetail_quantize_blocks": ([_P, _P, _P, _P, _I64, _I64], None),
+    "dovetail_block_linear": ([_P, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _I64, _I64, _INT], _INT),
+    "dovetail_decoder_scratch": ([_P, _I64], _I64),
+    "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT], _INT),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(KERNEL_DIR_VARIABLE) or Path.home() / ".cache" / "dovetail" / "kernels")
+
+
+def find_compiler() -> str | None:
+    """$CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(compiler: str, flags: Sequence[str], sources: Sequence[Path], target: Path) -> None:
+    """``sources`` into the shared library ``target``, replacing it atomically (a concurrent worker
+    sees the whole library or none). RuntimeError with the compiler's message when it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")
+        os.replace(built, target)
+
+
+def target_path(compiler: str, flags: Sequence[str], directory: Path) -> Path:
+    """Where the library for these sources, flags, compiler and CPU is cached under ``directory``."""
+    # The CPU's flags are in the key: -march=native builds for this CPU only.
+    parts = [path.read_bytes() for path in (HEADER, *SOURCES)]
+    parts += [" ".join(flags).encode(), " ".join(sorted(cpu_flags())).encode(), compiler.encode()]
+    return directory / f"dovetail-kernels-{hashlib.sha256(b''.join(parts)).hexdigest()[:16]}.so"
+
+
+def abi_problem(library: ctypes.CDLL) -> str | None:
+    """What in ``library`` disagrees with this module's mirror of dovetail.h, in a few words; None
+    when nothing does."""
+    try:
+        report = library.dovetail_abi
+    except AttributeError:
+        return "it has no dovetail_abi (built from sources older than dovetail.h)"
+    report.argtypes, report.restype = SIGNATURES["dovetail_abi"]
+    info = AbiInfo()
+    size = report(ctypes.byref(info), ctypes.sizeof(info))
+    if size != ctypes.sizeof(info):
+        return f"dovetail_abi_info is {size} bytes in the library, {ctypes.sizeof(info)} in library.py"
+    for name, expected in expected_abi().items():
+        if getattr(info, name) != expected:
+            return f"{name} is {getattr(info, name)} in the library, {expected} in library.py"
+    missing = [name for name in SIGNATURES if not hasattr(library, name)]
+    return f"it lacks {', '.join(missing)}" if missing else None
+
+
+def declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Every function's argument and result types, from ``SIGNATURES``."""
+    for name, (argtypes, restype) in SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+    return library
+
+
+def _open(path: Path, again: bool = False) -> ctypes.CDLL:
+    """``path`` loaded. ``again``: this process already loaded an older file of that name, which
+    the loader would hand back, so a private copy of the new one is loaded (and unlinked)."""
+    if not again:
+        return ctypes.CDLL(str(path))
+    private = path.with_name(f"{path.stem}-{uuid.uuid4().hex[:8]}.so")
+    shutil.copyfile(path, private)
+    try:
+        return ctypes.CDLL(str(private))
+    finally:
+        private.unlink()
+
+
+def build(compiler: str, flags: Sequence[str], directory: Path) -> ctypes.CDLL:
+    """The library for these flags and this compiler, compiled into ``directory`` unless already
+    there, loaded and declared. A cached file that fails the ABI check is rebuilt once;
+    AbiMismatch if the rebuilt one fails it too."""
+    target = target_path(compiler, flags, directory)
+    again = False
+    if target.exists():
+        library = _open(target)
+        problem = abi_problem(library)
+        if problem is None:
+            return declare(library)
+        log.warning("the kernel library %s does not match this code (%s): rebuilding it", target, problem)
+        again = True
+    compile_library(compiler, flags, SOURCES, target)
+    library = _open(target, again)
+    problem = abi_problem(library)
+    if problem is not None:
+        raise AbiMismatch(f"the kernel library built from {DIRECTORY} with {' '.join(flags)} does not match "
+                          f"its Python mirror: {problem}")
+    return declare(library)
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None when there is no compiler or the build fails (AbiMismatch,
+    a disagreement between this folder's files, is raised)."""
+    compiler = find_compiler()
+    if compiler is None:
+        log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
+                    "F.linear, and tree attention row by row; install gcc for the faster, exact kernels")
+        return None
+    try:
+        return build(compiler, FLAGS, cache_dir())
+    except AbiMismatch:
+        raise
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
+                    "F.linear, and tree attention row by row: %s",
+                    " and ".join(source.name for source in SOURCES), error)
+        return None
+
+
+def clear_cache() -> None:
+    """Forget the loaded library (tests change the compiler or flags)."""
+    load.cache_clear()

@@ -1,0 +1,123 @@
+"""The native library's interface (cpu_worker/native/dovetail.h, library.py): the header declares
+what the C files export and library.py declares it with the same arity; a fresh build passes the
+ABI check; a stale cached library is rebuilt; a library and a Python mirror that disagree give
+one clear line naming what differs."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from cpu_worker.native import library as native_library
+from cpu_worker.native.library import AbiMismatch
+
+# A declaration or definition of an exported function: its name and its parameter list.
+FUNCTION = re.compile(r"^(?:int|void|int64_t|float) (dovetail_\w+)\(([^)]*)\)", re.MULTILINE)
+
+
+def compiler() -> str:
+    found = native_library.find_compiler()
+    assert found is not None, "no C compiler: the native library cannot be built"
+    return found
+
+
+def declared() -> dict[str, int]:
+    """dovetail.h's functions and their parameter counts."""
+    text = native_library.HEADER.read_text()
+    return {name: 0 if params.strip() == "void" else params.count(",") + 1 for name, params in FUNCTION.findall(text)}
+
+
+def test_the_header_declares_every_exported_function_and_library_py_each_with_its_arity():
+    defined = {name for source in native_library.SOURCES for name, _ in FUNCTION.findall(source.read_text())}
+    header = declared()
+    assert defined == set(header), "dovetail.h and the C files' exported functions differ"
+    assert set(native_library.SIGNATURES) == set(header), "library.py's SIGNATURES and dovetail.h differ"
+    for name, (argtypes, _) in native_library.SIGNATURES.items():
+        assert len(argtypes) == header[name], name
+    assert all('#include "dovetail.h"' in source.read_text() for source in native_library.SOURCES)
+
+
+def test_the_header_s_constants_are_library_py_s():
+    defines = dict(re.findall(r"#define DOVETAIL_(\w+) \(?(-?\d+)\)?", native_library.HEADER.read_text()))
+    assert defines.pop("ABI_VERSION") == str(native_library.ABI_VERSION)
+    assert defines and {name: int(value) for name, value in defines.items()} == {
+        name: getattr(native_library, name) for name in defines}
+
+
+def test_a_fresh_build_passes_the_abi_check(tmp_path):
+    library = native_library.build(compiler(), native_library.FLAGS, tmp_path)
+    assert native_library.abi_problem(library) is None
+    info = native_library.AbiInfo()
+    assert library.dovetail_abi(ctypes.byref(info), ctypes.sizeof(info)) == ctypes.sizeof(info)
+    assert info.version == native_library.ABI_VERSION and info.layer_size == ctypes.sizeof(native_library.Layer)
+    assert library.dovetail_abi(ctypes.byref(info), ctypes.sizeof(info) - 8) == ctypes.sizeof(info)  # refused
+
+
+def test_a_library_of_another_abi_version_is_one_clear_line(tmp_path):
+    flags = [*native_library.FLAGS, "-DDOVETAIL_ABI_VERSION=99"]
+    with pytest.raises(AbiMismatch) as raised:
+        native_library.build(compiler(), flags, tmp_path)
+    message = str(raised.value)
+    assert f"version is 99 in the library, {native_library.ABI_VERSION} in library.py" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("stale", ["another version", "no report"])
+def test_a_stale_cached_library_is_rebuilt(tmp_path, caplog, stale):
+    """A file at the cache's name that fails the check (built with another ABI version, or from
+    sources without dovetail_abi) is replaced by a fresh build, which this process then loads."""
+    cc = compiler()
+    target = native_library.target_path(cc, native_library.FLAGS, tmp_path)
+    if stale == "another version":
+        native_library.compile_library(cc, [*native_library.FLAGS, "-DDOVETAIL_ABI_VERSION=0"],
+                                       native_library.SOURCES, target)
+    else:
+        native_library.compile_library(cc, native_library.FLAGS, [native_library.DIRECTORY / "fp32_rows.c"], target)
+    assert native_library.abi_problem(ctypes.CDLL(str(target))) is not None
+    with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+        library = native_library.build(cc, native_library.FLAGS, tmp_path)
+    assert "rebuilding it" in caplog.text
+    assert ("version is 0 in the library" if stale == "another version" else "no dovetail_abi") in caplog.text
+    assert native_library.abi_problem(library) is None and library.dovetail_int8_simd() >= 0
+    assert [path.name for path in tmp_path.iterdir()] == [target.name]  # the fresh file, no private copy left
+    fresh = tmp_path / "fresh" / "copy.so"  # the file itself passes now (a copy: this name is loaded already)
+    fresh.parent.mkdir()
+    fresh.write_bytes(target.read_bytes())
+    assert native_library.abi_problem(ctypes.CDLL(str(fresh))) is None
+
+
+class _WiderShape(ctypes.Structure):
+    _fields_ = [*native_library.Shape._fields_, ("extra", ctypes.c_int64)]
+
+
+def test_a_mirror_that_disagrees_with_the_sources_is_rebuilt_once_then_one_clear_line(tmp_path, monkeypatch, caplog):
+    cc = compiler()
+    native_library.build(cc, native_library.FLAGS, tmp_path)  # a good library in the cache
+    monkeypatch.setattr(native_library, "Shape", _WiderShape)
+    compiled: list[Path] = []
+    compile_library = native_library.compile_library
+    monkeypatch.setattr(native_library, "compile_library",
+                        lambda *args: compiled.append(args[-1]) or compile_library(*args))
+    with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"), pytest.raises(AbiMismatch) as raised:
+        native_library.build(cc, native_library.FLAGS, tmp_path)
+    size = ctypes.sizeof(native_library.Shape)
+    assert len(compiled) == 1 and "rebuilding it" in caplog.text
+    message = str(raised.value)
+    assert f"shape_size is {size - 8} in the library, {size} in library.py" in message and "\n" not in message
+
+
+def test_load_raises_a_mismatch_rather_than_falling_back(tmp_path, monkeypatch):
+    """A compiler that fails is a fallback to torch's paths; a library that disagrees with its
+    Python is a broken installation, said as such."""
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(native_library, "ABI_VERSION", native_library.ABI_VERSION + 1)
+    native_library.clear_cache()
+    try:
+        with pytest.raises(AbiMismatch, match="version is"):
+            native_library.load()
+    finally:
+        native_library.clear_cache()
