@@ -107,9 +107,10 @@ class TargetEngine:
                  exact_tree: bool | None = None, aux_layers: Sequence[int] | None = None,
                  kv_dtype: torch.dtype | None = None):
         """``exact_tree``: verify a tree with exact attention (the kernel of ``exact_attention``,
-        else row by row) so every node's logits equal a decode's bit for bit (default: when the
-        linear layers are batch-invariant, i.e. int8 W8A8 or fp32 on an exact kernel; ``F.linear``
-        rounds differently per batch size anyway, so exact attention would buy nothing there).
+        else row by row) so every node's logits equal a decode's bit for bit (default: when every
+        linear layer declares itself row-invariant, ``kernels.linear``: int8 W8A8 or fp32 on an exact
+        kernel; ``F.linear`` rounds differently per batch size anyway, so exact attention would buy
+        nothing there). The kernels are chosen here, once (``choose_kernels``, ``self.kernels``).
         ``aux_layers`` (an EAGLE-3 head's, increasing): feature rows are the residual streams
         entering those layers, concatenated, instead of the last layer's
         state after the final norm (``LlamaDecoder.forward``). ``kv_dtype``: the KV cache's

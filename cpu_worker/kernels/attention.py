@@ -143,7 +143,9 @@ class AutoAttention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                start: int, mask: torch.Tensor | None, paths: TreePaths | None, gqa: bool) -> torch.Tensor:
-        chosen: AttentionKernel = self._exact if exact_attention.applies(q, keys) else self._torch
+        # Only a call the kernel would take asks (asking may build the library).
+        kernel_call = paths is not None or (q.shape[2] == 1 and mask is None)
+        chosen: AttentionKernel = self._exact if kernel_call and exact_attention.applies(q, keys) else self._torch
         return chosen.attend(q, k, v, keys, values, start, mask, paths, gqa)
 
 
