@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from cpu_worker.acceptance import accept_path
+from cpu_worker.kernels import attention as attention_kernels
+from cpu_worker.kernels import layer_ops
+from cpu_worker.kernels.attention import AttentionKernel
 from cpu_worker.kernels.exact_attention import TreePaths
-from cpu_worker.kernels.fp32_packed import PackedFp32Linear
-from cpu_worker.kernels.fp32_rows import RowInvariantFp32Linear, prompt_rows
-from cpu_worker.kernels.int8 import RowwiseInt8Linear
-from cpu_worker.model.llama import KVCache, LlamaDecoder, RotaryTable
+from cpu_worker.kernels.fp32_rows import prompt_rows
+from cpu_worker.kernels.linear import row_invariant_linears
+from cpu_worker.model.llama import Attention, KVCache, LlamaDecoder, RotaryTable
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.sampling import Sampler
 from ipc.tree import tree_depths, validate_parents
@@ -35,15 +37,32 @@ def tree_paths(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
-def has_batch_invariant_linears(model: torch.nn.Module) -> bool:
-    """True when every linear layer gives a row the same bits whatever shares its call: int8
-    W8A8 by construction, fp32 on our row kernel (``fp32_rows``) or on MKL's packed sgemm
-    (checked when packed, ``fp32_packed``).
-    ``F.linear`` does not promise it: fp32 differs by batch size here, and oneDNN's bf16
-    kernels matched row by row on some runs and not on others (first calls)."""
-    invariant = (RowwiseInt8Linear, PackedFp32Linear, RowInvariantFp32Linear)
-    layers = [module for module in model.modules() if isinstance(module, (torch.nn.Linear, *invariant))]
-    return bool(layers) and all(isinstance(module, invariant) for module in layers)
+@dataclass(frozen=True)
+class Kernels:
+    """What an engine chose when it was built: every forward takes these, none re-tests."""
+
+    attention: AttentionKernel  # every layer's (the exact kernel, or torch's)
+    projections: tuple[str, ...]  # each layer's q/k/v projection (``Projection.name``)
+    row_invariant_linears: bool  # every linear layer declares its rows independent of their call-mates
+
+
+def choose_kernels(model: LlamaDecoder, kv_dtype: torch.dtype) -> Kernels:
+    """Fix the kernels of ``model``'s layers for an engine over a ``kv_dtype`` cache (one sequence,
+    contiguous, run without autograd), from what is fixed once the model is built: its activations'
+    dtype and device (its embedding's) and which native kernels this process has. The exact
+    attention kernel and the native rotary + cache write take fp32 activations on the CPU over an
+    fp32 or bf16 cache, where the library builds (or is not forced off); torch's ops otherwise.
+    A model shared by several engines runs with the last one's choice (as ``layer_loop``)."""
+    weight = model.embed_tokens.weight
+    fp32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
+    kernel = attention_kernels.choose(weight.dtype, weight.device, kv_dtype)
+    native_rope = fp32_cpu and kv_dtype in layer_ops.CACHE_DTYPES and layer_ops.available()
+    projections = []
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.choose_kernels(kernel, native_rope)
+            projections.append(module.projection.name)
+    return Kernels(kernel, tuple(projections), row_invariant_linears(model))
 
 
 def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
@@ -88,9 +107,10 @@ class TargetEngine:
                  exact_tree: bool | None = None, aux_layers: Sequence[int] | None = None,
                  kv_dtype: torch.dtype | None = None):
         """``exact_tree``: verify a tree with exact attention (the kernel of ``exact_attention``,
-        else row by row) so every node's logits equal a decode's bit for bit (default: when the
-        linear layers are batch-invariant, i.e. int8 W8A8 or fp32 on an exact kernel; ``F.linear``
-        rounds differently per batch size anyway, so exact attention would buy nothing there).
+        else row by row) so every node's logits equal a decode's bit for bit (default: when every
+        linear layer declares itself row-invariant, ``kernels.linear``: int8 W8A8 or fp32 on an exact
+        kernel; ``F.linear`` rounds differently per batch size anyway, so exact attention would buy
+        nothing there). The kernels are chosen here, once (``choose_kernels``, ``self.kernels``).
         ``aux_layers`` (an EAGLE-3 head's, increasing): feature rows are the residual streams
         entering those layers, concatenated, instead of the last layer's
         state after the final norm (``LlamaDecoder.forward``). ``kv_dtype``: the KV cache's
@@ -106,16 +126,23 @@ class TargetEngine:
         self.aux_layers = check_aux_layers(aux_layers, spec.num_layers)
         self.feature_size = spec.hidden_size * (len(self.aux_layers) if self.aux_layers else 1)
         self.model = model
-        self.exact_tree = has_batch_invariant_linears(model) if exact_tree is None else exact_tree
         self.spec = spec
         self.max_len = max_len
         self.dtype = activation_dtype
         self.kv_dtype = activation_dtype if kv_dtype is None else kv_dtype
+        self.kernels = self.choose_kernels()
+        self.exact_tree = self.kernels.row_invariant_linears if exact_tree is None else exact_tree
         self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_len, self.kv_dtype)
-        # Decode steps and trees through every layer in one foreign call, where the layers allow it.
-        model.layer_loop = NativeLayers.build(model)
         self.rotary = RotaryTable(spec, max_len, activation_dtype)
         self.committed = 0
+
+    def choose_kernels(self) -> Kernels:
+        """Choose the model's kernels for this engine (``choose_kernels``; done when it is built, and
+        again only by whoever changed what they depend on: a bench forcing another attention)."""
+        self.kernels = choose_kernels(self.model, self.kv_dtype)
+        # Decode steps and trees through every layer in one foreign call, where the layers allow it.
+        self.model.layer_loop = NativeLayers.build(self.model)
+        return self.kernels
 
     def reset(self) -> None:
         self.committed = 0

@@ -38,7 +38,8 @@ ENGINE_SOURCES = ("engine.py", "model/llama.py", "kernels/int8.py", "kernels/int
                   "native/fp32_rows.c", "native/attention.c", "kernels/exact_attention.py", "native/layer_ops.c",
                   "kernels/layer_ops.py", "model/fusion.py", "kernels/fp32_packed.py", "kernels/fp32_rows.py",
                   "precision.py", "native/decoder_layers.c", "native_layers.py", "native/dovetail.h", "native/abi.c",
-                  "native/library.py")
+                  "native/library.py", "native/block_gemv.c", "kernels/attention.py", "kernels/linear.py",
+                  "target_loading.py")
 
 
 def _engine_code_digest() -> str:

@@ -5,7 +5,7 @@
 
 1. One layer at llama2-7b's attention shape (32 heads of 128, fp32 cache): ms for a decode step
    (T = 1) and for a T-node tree at each context length, on the kernel and on torch's exact
-   path (one single-query call per row, ``Attention._attend_per_row``), plus torch's batched
+   path (one single-query call per row, ``kernels.attention.attend_per_row``), plus torch's batched
    masked call for reference (one pass, but not exact).
 2. With --target (e.g. a stand-in with few layers, ``inflate.py ... --layers 6``): the engine
    as the cpu_worker builds it, decode and t_verify(T) after a --prompt-token prefix, kernel
@@ -22,10 +22,10 @@ import click
 import torch
 import torch.nn.functional as F
 
-from cpu_worker.engine import tree_paths
+from cpu_worker.engine import TargetEngine, tree_paths
 from cpu_worker.kernels import exact_attention
+from cpu_worker.kernels.attention import attend_per_row
 from cpu_worker.kernels.exact_attention import TreePaths
-from cpu_worker.model.llama import Attention, LlamaSpec
 from cpu_worker.server import build_engine
 from cpu_worker.verify_cost import measure_verify_ms, measurement_tree
 from tools.bench_fp32_kernel import tree_vs_decode_gap
@@ -48,11 +48,6 @@ def parse_sizes(text: str, name: str) -> list[int]:
 
 @torch.inference_mode()
 def layer_table(contexts: list[int], trees: list[int], repeats: int) -> None:
-    # Only the attention step is timed: hidden_size 1 keeps the unused projections tiny.
-    spec = LlamaSpec(vocab_size=1, hidden_size=1, intermediate_size=1, num_layers=1, num_heads=HEADS,
-                     num_kv_heads=HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5, rope_theta=1e4,
-                     max_position_embeddings=max(contexts) + max(trees))
-    attention = Attention(spec)
     print("\none layer, 32 heads x 128, fp32 cache; ms (median)")
     print("| context | T | kernel | torch exact (per row) | torch masked (not exact) | torch exact / kernel |")
     print("|---|---|---|---|---|---|")
@@ -60,13 +55,12 @@ def layer_table(contexts: list[int], trees: list[int], repeats: int) -> None:
         length = context + max(trees)
         keys, values = torch.randn(1, HEADS, length, HEAD_DIM), torch.randn(1, HEADS, length, HEAD_DIM)
         for size in trees:
-            results = time_tree(attention, keys, values, context, size, repeats)
+            results = time_tree(keys, values, context, size, repeats)
             print(f"| {context} | {size} | {results['kernel']:.2f} | {results['per row']:.2f} | "
                   f"{results['masked']:.2f} | {results['per row'] / results['kernel']:.2f}x |", flush=True)
 
 
-def time_tree(attention: Attention, keys: torch.Tensor, values: torch.Tensor, context: int, size: int,
-              repeats: int) -> dict[str, float]:
+def time_tree(keys: torch.Tensor, values: torch.Tensor, context: int, size: int, repeats: int) -> dict[str, float]:
     """Median ms of one layer's attention for a ``size``-node tree after ``context`` cached tokens."""
     tree = TreePaths.from_paths(tree_paths(measurement_tree(size)))
     q = torch.randn(1, HEADS, size, HEAD_DIM)
@@ -78,18 +72,20 @@ def time_tree(attention: Attention, keys: torch.Tensor, values: torch.Tensor, co
     seen_keys, seen_values = keys[:, :, :context + size], values[:, :, :context + size]
     return interleaved_ms({
         "kernel": lambda: exact_attention.attend(q, keys, values, context, tree),
-        "per row": lambda: attention._attend_per_row(q, k, v, keys, values, context, tree),
+        "per row": lambda: attend_per_row(q, k, v, keys, values, context, tree, gqa=False),
         "masked": lambda: F.scaled_dot_product_attention(q, seen_keys, seen_values, attn_mask=mask),
     }, repeats)
 
 
-def set_attention(kernel: bool) -> None:
+def set_attention(kernel: bool, engine: TargetEngine) -> None:
+    """Force torch's attention or not, and have ``engine`` choose its kernels again."""
     if kernel:
         os.environ.pop(exact_attention.FORCE_VARIABLE, None)
     else:
         os.environ[exact_attention.FORCE_VARIABLE] = "torch"
     exact_attention.clear_cache()
     assert exact_attention.available() is kernel
+    assert (engine.choose_kernels().attention.name == "exact") is kernel
 
 
 @torch.inference_mode()
@@ -101,12 +97,12 @@ def engine_table(target: Path, precision: str, prompt: int, trees: list[int], re
     gaps = {}
     for _ in range(repeats):
         for name in rows:
-            set_attention(name == "kernel")
+            set_attention(name == "kernel", engine)
             rows[name].append([decode_ms(engine, prompt, steps=8), *measure_verify_ms(engine, trees, repeats=1)])
     for name in rows:
-        set_attention(name == "kernel")
+        set_attention(name == "kernel", engine)
         gaps[name] = tree_vs_decode_gap(engine, prefix, size=min(8, max(trees)))
-    set_attention(True)
+    set_attention(True, engine)
     best = {name: [min(column) for column in zip(*values, strict=True)] for name, values in rows.items()}
     print(f"\n{target.name} ({precision}, linears on {linear_kernel}), {prompt}-token prefix; best ms of {repeats} "
           "(decode: the median of 8 steps)")

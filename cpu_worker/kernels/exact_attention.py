@@ -4,7 +4,7 @@ queries over an fp32 or bf16 KV cache, fp32 arithmetic.
 A tree node must attend exactly as the one-token decode of the same prefix would, bit for bit
 (an int8 target's per-row rounding can turn a 1e-6 difference into another token). torch's
 batched masked attention does not round like its one-row call, so without this kernel tree
-rows attend one at a time (``Attention._attend_per_row``), each re-reading the whole cached
+rows attend one at a time (``attention.attend_per_row``), each re-reading the whole cached
 prefix. The kernel reads the prefix once for all rows and sums every row's keys in the order a
 later decode sees them, so decoding and verification both call it and agree.
 

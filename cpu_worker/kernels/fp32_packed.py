@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cpu_worker.kernels.huge_pages import release_freed_memory
+from cpu_worker.kernels.linear import LinearKernel
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ def mkl_packing_available() -> bool:
         return False
 
 
-class PackedFp32Linear(nn.Module):
+class PackedFp32Linear(LinearKernel):
     """``y = x W^T + b`` in fp32 on MKL's packed sgemm; W is kept only in packed form."""
+
+    row_invariant = True  # checked for every weight shape before a model is packed (pack_fp32_linears)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

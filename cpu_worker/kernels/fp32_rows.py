@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cpu_worker.kernels.huge_pages import on_huge_pages, release_freed_memory
+from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
 from ipc.tree import MAX_TREE_TOKENS
 
@@ -46,9 +47,11 @@ def prompt_rows() -> Iterator[None]:
         _in_prompt.reset(token)
 
 
-class RowInvariantFp32Linear(nn.Module):
+class RowInvariantFp32Linear(LinearKernel):
     """``y = x W^T + b`` in fp32 on ``dovetail_fp32_linear`` (a prompt's calls of ``PROMPT_GEMM_ROWS``
     rows or more, and any of more than ``MAX_KERNEL_ROWS``, on ``F.linear``)."""
+
+    row_invariant = True  # one fixed order per row (a prompt's GEMM rows: the same call in every mode)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

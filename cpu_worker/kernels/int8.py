@@ -40,6 +40,7 @@ from torch import nn
 
 from cpu_worker.cores import cpu_flags
 from cpu_worker.kernels import int8_kernel
+from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -51,8 +52,10 @@ def _cpu_has_vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
-class RowwiseInt8Linear(nn.Module):
+class RowwiseInt8Linear(LinearKernel):
     """``y = x W^T + b`` with int8 W (per output channel) and int8 x (per row)."""
+
+    row_invariant = True  # per-row scales and exact integer sums, on either kernel
 
     _pin: torch.Tensor  # the [1, in_features] row of +1/-1 that fixes the kernel's quantization range
 

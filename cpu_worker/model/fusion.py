@@ -54,8 +54,7 @@ def fuse_projections(model: nn.Module, dense: bool = False) -> int:
         if isinstance(module, Attention) and module.qkv_proj is None:
             qkv = _concatenate([module.q_proj, module.k_proj, module.v_proj], dense)
             if qkv is not None:
-                module.qkv_proj = qkv
-                del module.q_proj, module.k_proj, module.v_proj
+                module.use_fused(qkv)  # and the fused projection's default kernels
                 fused += 1
         elif isinstance(module, MLP) and module.gate_up_proj is None:
             gate_up = _concatenate([module.gate_proj, module.up_proj], dense)

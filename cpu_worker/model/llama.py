@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_worker.kernels import exact_attention, layer_ops
+from cpu_worker.kernels import attention as attention_kernels
+from cpu_worker.kernels import layer_ops
+from cpu_worker.kernels.attention import AttentionKernel
 from cpu_worker.kernels.exact_attention import TreePaths
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -202,18 +204,144 @@ class KVCache:
         self.values[:, :, :, destination_start:end] = self.values.index_select(3, source)
 
 
+class Projection(Protocol):
+    """How a layer gets its rotated queries and keys and its values [B, heads, S, head_dim]:
+    on the separate q/k/v layers or the fused one, rotated by torch's ops or, with a cache, in
+    the native call that also writes the keys and values to their slots. Chosen once: unfused
+    layers project separately, ``fusion.fuse_projections`` sets the fused default, an engine
+    fixes its own (``Attention.choose_kernels``)."""
+
+    name: str
+
+    def window(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x [B, S, d], no cache involved."""
+        ...
+
+    def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x [B, S, d], with k and v written to slots [start, start + S) of the cache."""
+        ...
+
+
+def _into_slots(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
+                start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, k, v = rows
+    end = start + k.shape[2]
+    keys[:, :, start:end] = k
+    values[:, :, start:end] = v
+    return rows
+
+
+class SeparateProjection:
+    """q, k and v on their own layers, each rotated on its own."""
+
+    name = "separate"
+
+    def window(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, length, _ = x.shape
+        q = attention.q_proj(x).view(batch, length, attention.num_heads, attention.head_dim).transpose(1, 2)
+        k = attention.k_proj(x).view(batch, length, attention.num_kv_heads, attention.head_dim).transpose(1, 2)
+        v = attention.v_proj(x).view(batch, length, attention.num_kv_heads, attention.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _into_slots(self.window(attention, x, cos, sin), keys, values, start)
+
+
+class FusedProjection:
+    """One q/k/v projection, and one rotary pass over the query and key heads side by side
+    (the same values as two: every element is rotated on its own)."""
+
+    name = "fused"
+
+    def window(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert attention.qkv_proj is not None
+        batch, length, _ = x.shape
+        heads = attention.qkv_proj(x).view(batch, length, -1, attention.head_dim).transpose(1, 2)
+        split = attention.num_heads + attention.num_kv_heads
+        rotated = apply_rope(heads[:, :split], cos, sin)
+        return rotated[:, :attention.num_heads], rotated[:, attention.num_heads:], heads[:, split:]
+
+    def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _into_slots(self.window(attention, x, cos, sin), keys, values, start)
+
+
+class NativeRopeProjection(FusedProjection):
+    """The fused projection, then one native call (``layer_ops.rope_qkv``) that rotates q and k and
+    writes this call's keys and values to their slots: fp32 rows on the CPU, a one-sequence
+    contiguous fp32 or bf16 cache, no autograd (whoever picks it has checked)."""
+
+    name = "native-rope"
+
+    def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert attention.qkv_proj is not None
+        q = layer_ops.rope_qkv(attention.qkv_proj(x), cos, sin, keys, values, start, attention.num_heads,
+                               attention.num_kv_heads)
+        end = start + x.shape[1]
+        return q, keys[:, :, start:end], values[:, :, start:end]
+
+
+class AutoFusedProjection(NativeRopeProjection):
+    """A fused layer's default until an engine chooses: the native call where this call allows it,
+    the torch rotary otherwise (a draft head's layers move between devices and dtypes, and train)."""
+
+    name = "fused-auto"
+
+    def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   keys: torch.Tensor, values: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _native_cache_layer(keys, values) and layer_ops.applies(x):
+            return super().into_cache(attention, x, cos, sin, keys, values, start)
+        return _into_slots(self.window(attention, x, cos, sin), keys, values, start)
+
+
+SEPARATE, FUSED, NATIVE_ROPE, AUTO_FUSED = (SeparateProjection(), FusedProjection(), NativeRopeProjection(),
+                                            AutoFusedProjection())
+
+
 class Attention(nn.Module):
     def __init__(self, spec: LlamaSpec):
         super().__init__()
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
+        self.gqa = spec.num_heads != spec.num_kv_heads
         self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
         # Set by ``fusion.fuse_projections`` (which then drops q/k/v_proj): all three in one call.
         self.qkv_proj: nn.Module | None = None
+        # The kernels, chosen once: these defaults test each call (a draft head's layers move and
+        # train); an engine fixes its own (``choose_kernels``).
+        self.projection: Projection = SEPARATE
+        self.kernel: AttentionKernel = attention_kernels.AUTO
+
+    def use_fused(self, qkv: nn.Module) -> None:
+        """q/k/v as the one layer ``qkv`` from now on (``fusion.fuse_projections``)."""
+        self.qkv_proj = qkv
+        del self.q_proj, self.k_proj, self.v_proj
+        self.projection = AUTO_FUSED
+
+    def choose_kernels(self, kernel: AttentionKernel, native_rope: bool) -> None:
+        """Fix this layer's kernels (an engine's choice, ``cpu_worker.engine.choose_kernels``):
+        ``kernel`` attends; a fused layer rotates and writes the cache in one native call where
+        ``native_rope``, with torch's ops otherwise."""
+        self.kernel = kernel
+        if self.qkv_proj is None:
+            self.projection = SEPARATE
+        else:
+            self.projection = NATIVE_ROPE if native_rope else FUSED
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor | None = None, values: torch.Tensor | None = None, start: int = 0,
@@ -227,113 +355,24 @@ class Attention(nn.Module):
         a causal continuation. ``paths`` (a tree, with a cache; replaces ``mask``): each row's
         ancestors and itself, root first (``TreePaths``, made once per tree, used by every
         layer); each row then attends exactly as a one-token decode at its position would, bit
-        for bit (``exact_attention``, else ``_attend_per_row``).
+        for bit (``kernels.attention``: the exact kernel, else row by row).
         """
         batch, length, _ = x.shape
-        in_cache = False  # whether k and v are already in their cache slots
-        if self.qkv_proj is not None and _native_cache_layer(keys, values) and layer_ops.applies(x):
-            # One call rotates q and k and writes this call's keys and values to their slots.
-            assert keys is not None and values is not None
-            q = layer_ops.rope_qkv(self.qkv_proj(x), cos, sin, keys, values, start, self.num_heads, self.num_kv_heads)
-            k, v = keys[:, :, start:start + length], values[:, :, start:start + length]
-            in_cache = True
-        elif self.qkv_proj is not None:
-            # One projection, and one rotary pass over the query and key heads side by side
-            # (the same values as two: every element is rotated on its own).
-            heads = self.qkv_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-            rotated = apply_rope(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
-            q, k = rotated[:, :self.num_heads], rotated[:, self.num_heads:]
-            v = heads[:, self.num_heads + self.num_kv_heads:]
-        else:
-            q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-            k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-        # Decode steps and tree rows on the exact kernel where it applies (fp32 queries over an fp32
-        # or bf16 cache, CPU): the prefix is read once for the whole tree, each node rounding as its
-        # later decode will.
-        kernel = (keys is not None and (paths is not None or (length == 1 and mask is None))
-                  and exact_attention.applies(q, keys))
-        if keys is not None and keys.dtype != q.dtype and not kernel:
-            # A cache in another dtype (bf16 KV for an fp32/int8 target) off the kernel: attention
-            # runs in the cache's dtype and reads every key and value from the cache, this call's
-            # own rows included, so each is rounded once, as stored, and a tree node sees exactly
-            # the values a later one-token decode reads back. (The kernel reads them back too.)
-            q = q.to(keys.dtype)
         if keys is None or values is None:
             if start != 0:
                 raise ValueError("attention without a KV cache starts at slot 0")
-            all_k, all_v = k, v
+            q, k, v = self.projection.window(self, x, cos, sin)
+            out = attention_kernels.attend_causal(q, k, v, 0, mask, self.gqa)
         else:
-            end = start + length
-            if not in_cache:
-                keys[:, :, start:end] = k
-                values[:, :, start:end] = v
-            all_k = keys[:, :, :end]
-            all_v = values[:, :, :end]
-        gqa = self.num_heads != self.num_kv_heads
-        if paths is not None and keys is not None and values is not None:
-            if kernel:
-                out = exact_attention.attend(q, keys, values, start, paths)
-            else:
-                out = self._attend_per_row(q, k, v, keys, values, start, paths)
-        elif length == 1 and keys is not None and values is not None and mask is None:
-            if kernel:
-                out = exact_attention.attend(q, keys, values, start + 1)
-            else:
-                out = _attend_one(q, all_k, all_v, gqa)
-        elif mask is not None:
-            out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=mask, enable_gqa=gqa)
-        elif length == 1 or start == 0:
-            # One new token sees everything; a prefill from slot 0 (or a cache-free window) is plain causal.
-            out = F.scaled_dot_product_attention(q, all_k, all_v, is_causal=length > 1, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, all_k, all_v, attn_mask=causal_mask(start, length, x.device), enable_gqa=gqa)
+            q, k, v = self.projection.into_cache(self, x, cos, sin, keys, values, start)
+            out = self.kernel.attend(q, k, v, keys, values, start, mask, paths, self.gqa)
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, length, -1))
 
-    def _attend_per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                        values: torch.Tensor, start: int, paths: TreePaths) -> torch.Tensor:
-        """Tree attention that equals one-token decoding bit for bit where the exact kernel does
-        not apply (no compiler, or torch forced): for each row, its path's
-        key/value rows are laid right after the cached prefix (slots start, start + 1, ...) as
-        a decode would have them, and the row attends there with the decode's own call. A
-        batched masked call reads the prefix once but rounds differently (~1e-6), which an
-        int8 target's per-row activation rounding can amplify into a different token."""
-        gqa = self.num_heads != self.num_kv_heads
-        # k and v may be views of the very slots this loop overwrites (rope_qkv wrote them there).
-        k, v = k.clone(), v.clone()
-        outs = []
-        for row, path in enumerate(paths.rows):
-            end = start + len(path)
-            keys[:, :, start:end] = k.index_select(2, path)
-            values[:, :, start:end] = v.index_select(2, path)
-            outs.append(_attend_one(q[:, :, row:row + 1], keys[:, :, :end], values[:, :, :end], gqa))
-        # The tree's rows back in node order, where commit_path expects them.
-        keys[:, :, start:start + k.shape[2]] = k
-        values[:, :, start:start + v.shape[2]] = v
-        return torch.cat(outs, dim=2)
 
-
-def _native_cache_layer(keys: torch.Tensor | None, values: torch.Tensor | None) -> bool:
+def _native_cache_layer(keys: torch.Tensor, values: torch.Tensor) -> bool:
     """A one-sequence fp32 or bf16 cache layer that ``layer_ops.rope_qkv`` can write into."""
-    return (keys is not None and values is not None and keys.dtype in layer_ops.CACHE_DTYPES
-            and values.dtype == keys.dtype and keys.shape[0] == 1 and keys.is_contiguous()
-            and values.is_contiguous())
-
-
-def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """One query row over every key given: the one call both decoding and exact tree
-    verification make, so both round alike."""
-    return F.scaled_dot_product_attention(q.contiguous(), keys, values, enable_gqa=gqa)
-
-
-def causal_mask(start: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool [length, start + length] for ``length`` new tokens continuing ``start`` cached ones."""
-    rows = torch.arange(length, device=device).unsqueeze(1) + start
-    cols = torch.arange(start + length, device=device).unsqueeze(0)
-    return cols <= rows
+    return (keys.dtype in layer_ops.CACHE_DTYPES and values.dtype == keys.dtype and keys.shape[0] == 1
+            and keys.is_contiguous() and values.is_contiguous())
 
 
 class MLP(nn.Module):
