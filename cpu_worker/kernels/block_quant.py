@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
 
 BLOCK = 32
@@ -142,7 +143,7 @@ def block_linear(x: torch.Tensor, weights: BlockWeights, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], n_out)
 
 
-class BlockQuantLinear(nn.Module):
+class BlockQuantLinear(LinearKernel):
     """``y = x W^T + b`` with W in blocks (Q8_0, Q4_0, Q4_1) and x quantized per block of 32."""
 
     row_invariant = True  # a row's bits never depend on the rest of its call
