@@ -1,4 +1,5 @@
-"""Target precision on the CPU: fp32 (the reference), bf16, or int8 (W8A8, per-token).
+"""Target precision on the CPU: fp32 (the reference), bf16, int8 (W8A8, per-token), or a block
+format (q8_0, q4_0 alias int4, q4_1: llama.cpp's blocks of 32, activations int8 per block).
 
 Lossless means equal to the target as it runs at that precision, in ``--mode ar``: every
 kernel here gives a row the same result whatever other rows share its call (see
@@ -15,10 +16,11 @@ from torch import nn
 
 from cpu_worker.cores import cpu_flags
 from cpu_worker.kernels import exact_attention
+from cpu_worker.kernels.block_quant import quantize_block_linears
 from cpu_worker.kernels.int8 import quantize_linears
 from cpu_worker.model.fusion import fuse_projections
 from cpu_worker.model.llama import LlamaDecoder
-from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
+from ipc.dtypes import BLOCK_PRECISIONS, KV_DTYPES, TARGET_PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +32,18 @@ def cpu_has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def block_type(precision: str) -> str | None:
+    """The block type (q8_0, q4_0, q4_1) a block precision holds its weights in; None for the others."""
+    return BLOCK_PRECISIONS.get(precision)
+
+
+def is_integer(precision: str) -> bool:
+    """int8 and the block formats: integer weights and activations, fp32 in between."""
+    return precision == "int8" or precision in BLOCK_PRECISIONS
+
+
 def activation_dtype(precision: str) -> torch.dtype:
-    """The dtype of activations and of the KV cache at a target precision."""
+    """The dtype of activations (and, by default, of the KV cache) at a target precision."""
     if precision not in TARGET_PRECISIONS:
         raise ValueError(f"target dtype {precision!r} is not one of {', '.join(TARGET_PRECISIONS)}")
     return torch.bfloat16 if precision == "bf16" else torch.float32
@@ -55,7 +67,7 @@ def kv_cache_dtype(precision: str, requested: str = "auto") -> torch.dtype:
     if requested not in KV_DTYPES:
         raise ValueError(f"KV cache dtype {requested!r} is not one of {', '.join(KV_DTYPES)}")
     if requested == "auto":
-        if precision == "int8" and (exact_attention.available() or cpu_has_native_bf16()):
+        if is_integer(precision) and (exact_attention.available() or cpu_has_native_bf16()):
             return torch.bfloat16
         return activation_dtype(precision)
     activation_dtype(precision)  # the precision's own check
@@ -67,8 +79,12 @@ def apply_precision(model: ModuleT, precision: str) -> tuple[ModuleT, torch.dtyp
     dtype = activation_dtype(precision)
     if precision == "bf16" and not cpu_has_native_bf16():
         log.warning("this CPU has no native bf16 (avx512_bf16/amx_bf16): bf16 will be slow; fp32 is likely faster")
-    if precision == "int8":
-        quantize_linears(model.float())
+    if is_integer(precision):
+        kind = block_type(precision)
+        if kind is None:
+            quantize_linears(model.float())
+        else:
+            quantize_block_linears(model.float(), kind)
         if isinstance(model, LlamaDecoder):
             fuse_projections(model)  # q/k/v and gate/up in one call each, the same bits
         return model, dtype

@@ -16,10 +16,10 @@ import os
 import time
 
 from cpu_worker.engine import ContextOverflowError, TargetEngine
-from cpu_worker.kernels import int8_kernel
+from cpu_worker.kernels import block_quant, int8_kernel
 from cpu_worker.kernels.fp32_packed import pack_fp32_linears
 from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
-from cpu_worker.precision import activation_dtype, kv_cache_dtype
+from cpu_worker.precision import activation_dtype, block_type, kv_cache_dtype
 from cpu_worker.sampling import Sampler
 from cpu_worker.target_loading import fuse_layers, load_target_model, weight_bytes
 from cpu_worker.threads import apply_placement
@@ -129,7 +129,8 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
                  aux_layers: list[int] | None = None) -> tuple[TargetEngine, str | None]:
     """The target engine exactly as the cpu_worker runs it (benchmarks time this one too), and
     its linear layers' kernel (fp32: dovetail-fp32, mkl-packed or F.linear; int8: dovetail-amx,
-    dovetail-vnni, dovetail-avx2, dovetail-portable or fbgemm; None for bf16)."""
+    dovetail-vnni, dovetail-avx2, dovetail-portable or fbgemm; block formats: dovetail-blocks-vnni,
+    -avx2 or -portable; None for bf16)."""
     model = load_target_model(target, precision)
     kernel = None
     if precision == "fp32":
@@ -148,6 +149,8 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
                         "tolerance, so a near-tied token may differ from --mode ar")
     elif precision == "int8":
         kernel = int8_kernel.kernel_name()
+    elif block_type(precision) is not None:
+        kernel = block_quant.kernel_name()
     # aux_layers: an EAGLE-3 head's three target layers (the coordinator read them from its folder).
     engine = TargetEngine(model, max_len=max_len, activation_dtype=activation_dtype(precision),
                           aux_layers=aux_layers, kv_dtype=kv_cache_dtype(precision, kv_dtype))

@@ -1,5 +1,5 @@
 """The target engine's model: the decoder from ``cpu_worker.model`` at a target precision
-(fp32, bf16, int8), its int8 projections fused, and what its weights occupy."""
+(fp32, bf16, int8, the block formats), its integer projections fused, and what its weights occupy."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 from torch import nn
 
+from cpu_worker.kernels.block_quant import BlockQuantLinear
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.model import LlamaDecoder, fuse_projections, load_decoder, load_spec, resolve_model_dir
-from cpu_worker.precision import activation_dtype
+from cpu_worker.precision import activation_dtype, block_type, is_integer
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +21,10 @@ def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaD
     converting or quantising each as it is read; every weight must be present."""
     model_dir = resolve_model_dir(path_or_id)
     spec = load_spec(model_dir)
-    model = load_decoder(model_dir, activation_dtype(precision), quantize=precision == "int8", spec=spec)
-    if precision == "int8":
+    kind = block_type(precision)
+    quantize = BlockQuantLinear.maker(kind) if kind is not None else precision == "int8"
+    model = load_decoder(model_dir, activation_dtype(precision), quantize=quantize, spec=spec)
+    if is_integer(precision):
         fuse_layers(model)  # q/k/v and gate/up in one call each, the same bits
     release_freed_memory()
     log.info("loaded %s: %s, %d layers, hidden %d, %s, %.2f GB resident", model_dir, spec.model_type,

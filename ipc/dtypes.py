@@ -15,8 +15,11 @@ _ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
     "fp32": "float32", "float32": "float32", "float": "float32",
 }
-# Precisions of the CPU target (a target precision is more than a dtype: int8 is W8A8).
-TARGET_PRECISIONS = ("fp32", "bf16", "int8")
+# Precisions of the CPU target (a target precision is more than a dtype: int8 is W8A8 with one scale
+# per weight row and per token; q8_0, q4_0 (alias int4) and q4_1 are llama.cpp's block formats, weights
+# in blocks of 32 times int8 activations per block of 32).
+TARGET_PRECISIONS = ("fp32", "bf16", "int8", "q8_0", "q4_0", "int4", "q4_1")
+BLOCK_PRECISIONS = {"q8_0": "q8_0", "q4_0": "q4_0", "int4": "q4_0", "q4_1": "q4_1"}  # precision -> block type
 # KV cache dtypes of the CPU target (auto: see cpu_worker.precision.kv_cache_dtype).
 KV_DTYPES = ("auto", "fp32", "bf16")
 

@@ -9,6 +9,7 @@ other rows of its call, so trees verify bit-exactly against decoding, as at toda
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,23 @@ class BlockWeights:
             return cls.from_blocks(kind, _nibbles(q), d.squeeze(-1), low.squeeze(-1), weight.shape[1])
         raise ValueError(f"unknown block type {kind!r}; known: {', '.join(TYPES)}")
 
+    @classmethod
+    def concatenate(cls, parts: list[BlockWeights]) -> BlockWeights:
+        """The parts' outputs side by side: rows and their scales joined, every byte kept."""
+        if len({(part.kind, part.in_features) for part in parts}) != 1:
+            raise ValueError("only block weights of one type and input width can be concatenated")
+        first = parts[0]
+
+        def joined(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+            if values[0] is None:
+                return None
+            return torch.cat([ungroup(value, part.out_features) for value, part in zip(values, parts)
+                              if value is not None])
+
+        return cls.from_blocks(first.kind, torch.cat([part.data for part in parts]),
+                               joined([part.scales for part in parts]),  # type: ignore[arg-type]
+                               joined([part.minimums for part in parts]), first.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """The float weights these blocks stand for (tests, references)."""
         rows, blocks = self.out_features, self.in_features // BLOCK
@@ -143,6 +161,22 @@ def block_linear(x: torch.Tensor, weights: BlockWeights, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], n_out)
 
 
+def quantize_block_linears(model: nn.Module, kind: str) -> nn.Module:
+    """Swap every nn.Linear under ``model`` (in place) for a BlockQuantLinear of ``kind``."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, BlockQuantLinear.from_linear(child, kind))
+        else:
+            quantize_block_linears(child, kind)
+    return model
+
+
+def kernel_name() -> str:
+    """The block kernel's path on this CPU, as the startup log names it."""
+    return {2: "dovetail-blocks-vnni", 1: "dovetail-blocks-avx2"}.get(library().dovetail_block_simd(),
+                                                                      "dovetail-blocks-portable")
+
+
 class BlockQuantLinear(LinearKernel):
     """``y = x W^T + b`` with W in blocks (Q8_0, Q4_0, Q4_1) and x quantized per block of 32."""
 
@@ -157,6 +191,19 @@ class BlockQuantLinear(LinearKernel):
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str) -> BlockQuantLinear:
         return cls(BlockWeights.quantize(linear.weight, kind), linear.bias)
+
+    @classmethod
+    def maker(cls, kind: str) -> Callable[[torch.Tensor, torch.Tensor | None], BlockQuantLinear]:
+        """Builds a layer of ``kind`` from a checkpoint's weight as it streams in (``WeightPlacer``)."""
+        return lambda weight, bias: cls(BlockWeights.quantize(weight, kind), bias)
+
+    @classmethod
+    def concatenate(cls, layers: list[BlockQuantLinear]) -> BlockQuantLinear:
+        """One layer whose outputs are ``layers``' side by side, bit for bit (rows are independent)."""
+        biases = [layer.bias for layer in layers]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers)])
+        return cls(BlockWeights.concatenate([layer.weights for layer in layers]), bias)
 
     @property
     def nbytes(self) -> int:

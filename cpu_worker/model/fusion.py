@@ -16,18 +16,22 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from cpu_worker.kernels.block_quant import BlockQuantLinear
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.model.llama import MLP, Attention
 
 
 def _concatenate(layers: Sequence[nn.Module], dense: bool) -> nn.Module | None:
     """One layer computing ``layers`` side by side, or None (left unfused): int8 layers on one
-    kernel always, float ``nn.Linear`` layers of one dtype when ``dense``."""
+    kernel and block layers of one type always, float ``nn.Linear`` layers of one dtype when ``dense``."""
     if all(isinstance(layer, RowwiseInt8Linear) for layer in layers):
         int8_layers = [layer for layer in layers if isinstance(layer, RowwiseInt8Linear)]
         if len({layer.kernel for layer in int8_layers}) == 1:
             return RowwiseInt8Linear.concatenate(int8_layers)
         return None
+    blocks = [layer for layer in layers if isinstance(layer, BlockQuantLinear)]
+    if len(blocks) == len(layers):
+        return BlockQuantLinear.concatenate(blocks) if len({layer.weights.kind for layer in blocks}) == 1 else None
     linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
     if not dense or len(linears) != len(layers) or len({layer.weight.dtype for layer in linears}) != 1 \
             or any(layer.weight.is_meta for layer in linears):

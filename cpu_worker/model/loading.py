@@ -8,7 +8,7 @@ side's ``cpu_worker.target_loading`` adds its precisions) and the draft heads
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from cpu_worker.kernels.linear import is_linear
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.model_dir import ModelLoadError, read_safetensors_header
 
@@ -152,24 +153,30 @@ def tensor_shapes(model_dir: Path, names: set[str] | None = None) -> dict[str, t
     return shapes
 
 
+# Builds a quantized linear layer from a weight as the checkpoint holds it (and its bias, if it came first).
+LinearMaker = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]
+
+
 class WeightPlacer:
     """Puts checkpoint tensors into a model built on the meta device, converting each to its
     final dtype and device as it arrives: ``quantize`` makes every linear weight W8A8 int8 at
-    once, so peak memory stays near the converted model plus one source tensor. ``trainable``
-    keeps each parameter's ``requires_grad`` (a head being trained); else all are frozen."""
+    once (True), or whatever layer a ``LinearMaker`` makes of it (block-quantized weights), so
+    peak memory stays near the converted model plus one source tensor. ``trainable`` keeps each
+    parameter's ``requires_grad`` (a head being trained); else all are frozen."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, quantize: bool, device: torch.device | str = "cpu",
-                 trainable: bool = False):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, quantize: bool | LinearMaker,
+                 device: torch.device | str = "cpu", trainable: bool = False):
         self.model = model
         self.dtype = dtype
-        self.quantize = quantize
+        self.make_linear: LinearMaker | None = RowwiseInt8Linear if quantize is True else (quantize or None)
+        self.quantize = self.make_linear is not None
         self.device = torch.device(device)
         self.trainable = trainable
 
     def place(self, name: str, tensor: torch.Tensor) -> None:
         module_name, _, attribute = name.rpartition(".")
         module = self.model.get_submodule(module_name) if module_name else self.model
-        if self.quantize and isinstance(module, (nn.Linear, RowwiseInt8Linear)):
+        if self.make_linear is not None and is_linear(module):
             self._place_quantized(module_name, module, attribute, tensor)
             return
         requires_grad = self.trainable and getattr(module, attribute).requires_grad
@@ -181,7 +188,8 @@ class WeightPlacer:
         if attribute == "weight":
             parent_name, _, child = module_name.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            setattr(parent, child, RowwiseInt8Linear(tensor, bias))
+            assert self.make_linear is not None
+            setattr(parent, child, self.make_linear(tensor, bias))
         else:  # a bias, before or after its weight
             module.bias = nn.Parameter(tensor.to(torch.float32), requires_grad=False)
 
@@ -190,10 +198,11 @@ class WeightPlacer:
         return sorted(name for name, parameter in self.model.named_parameters() if parameter.is_meta)
 
 
-def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool = False,
+def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMaker = False,
                  spec: LlamaSpec | None = None) -> LlamaDecoder:
     """The decoder in ``model_dir`` (its ``spec`` read there unless given), built tensor by
-    tensor in ``dtype``, every linear W8A8 int8 when ``quantize``; every weight must be present.
+    tensor in ``dtype``, every linear quantized as ``quantize`` says (``WeightPlacer``); every
+    weight must be present.
     Frozen, in eval mode, its projections separate (``fusion`` joins them)."""
     spec = load_spec(model_dir) if spec is None else spec
     with torch.device("meta"):

@@ -1,6 +1,6 @@
-"""An int8 target through the whole runtime (dovetail-run processes): dovetail gives exactly
---mode ar's tokens at int8, with an fp32 or a bf16 KV cache (the in-process checks are in
-tests/unit/test_int8.py)."""
+"""Integer targets through the whole runtime (dovetail-run processes): dovetail gives exactly
+--mode ar's tokens at int8 (with an fp32 or a bf16 KV cache) and in the block formats (the
+in-process checks are in tests/unit/test_int8.py and tests/unit/test_block_quant.py)."""
 
 from __future__ import annotations
 
@@ -27,4 +27,18 @@ def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_d
     assert len(lines) == len(CODE_PROMPTS)
     for line in lines:
         assert line["ar"]["same_tokens"], f"int8 dovetail differs from int8 ar for {line['prompt']!r}"
+        assert line["stats"]["tau"] > 1.5
+
+
+@pytest.mark.parametrize("precision", ["q4_0", "q8_0"])
+def test_block_targets_through_the_runtime_equal_ar(tmp_path, demo_target, demo_draft, precision):
+    prompt_file = tmp_path / "code.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS[:2]))
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", precision,
+                        "--compare-ar", "--json", "--prompt-file", str(prompt_file), "--max-new-tokens", "48",
+                        "--log-level", "info")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"target: {precision} (dovetail-blocks-" in done.stderr and "trees verified bit-exact" in done.stderr
+    for line in map(json.loads, done.stdout.splitlines()):
+        assert line["ar"]["same_tokens"], f"{precision} dovetail differs from {precision} ar for {line['prompt']!r}"
         assert line["stats"]["tau"] > 1.5

@@ -107,3 +107,33 @@ def test_widths_off_the_block_and_unknown_types_are_refused():
         block_quant.BlockWeights.quantize(torch.ones(2, 40), "q8_0")
     with pytest.raises(ValueError, match="unknown block type"):
         block_quant.BlockWeights.quantize(torch.ones(2, 64), "q5_k")
+
+
+@pytest.mark.parametrize("precision", ["q8_0", "q4_0", "q4_1"])
+def test_a_block_target_verifies_trees_bit_exactly_and_loads_as_it_converts(demo_target, precision):
+    from test_int8 import worst_tree_vs_decode_gap
+
+    from cpu_worker.engine import TargetEngine
+    from cpu_worker.precision import apply_precision
+    from cpu_worker.target_loading import load_target_model
+
+    streamed = load_target_model(demo_target, precision)  # quantized tensor by tensor, then fused
+    converted, dtype = apply_precision(load_target_model(demo_target), precision)  # quantized in place
+    engine = TargetEngine(streamed, max_len=128, activation_dtype=dtype)
+    assert engine.exact_tree and engine.kernels.row_invariant_linears
+    assert worst_tree_vs_decode_gap(engine) == 0.0
+    prompt = [1, 450, 1200, 33, 7, 901]
+    other = TargetEngine(converted, max_len=128, activation_dtype=dtype)
+    assert torch.equal(engine.prefill(prompt).logits, other.prefill(prompt).logits)
+    fused = [module for module in streamed.modules() if isinstance(module, block_quant.BlockQuantLinear)]
+    assert streamed.layers[0].self_attn.qkv_proj in fused and streamed.layers[0].mlp.gate_up_proj in fused
+
+
+def test_fused_block_layers_give_the_separate_layers_bits():
+    parts = [block_quant.BlockQuantLinear.from_linear(torch.nn.Linear(64, n), "q4_1") for n in (24, 8, 13)]
+    fused = block_quant.BlockQuantLinear.concatenate(parts)
+    x = torch.randn(5, 64)
+    assert torch.equal(fused(x), torch.cat([part(x) for part in parts], dim=-1))
+    with pytest.raises(ValueError, match="one type"):
+        block_quant.BlockWeights.concatenate([parts[0].weights,
+                                              block_quant.BlockWeights.quantize(torch.randn(4, 64), "q8_0")])

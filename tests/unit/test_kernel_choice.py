@@ -14,9 +14,9 @@ from cpu_worker.kernels import attention, exact_attention, layer_ops
 from cpu_worker.kernels.linear import LinearKernel, row_invariant_linears
 from cpu_worker.model.fusion import fuse_projections
 from cpu_worker.model.llama import AUTO_FUSED, SEPARATE, Attention
-from cpu_worker.model.loading import load_target_model
 from cpu_worker.native_layers import FORCE_VARIABLE as NATIVE_LAYERS_VARIABLE
 from cpu_worker.server import build_engine
+from cpu_worker.target_loading import load_target_model
 
 PROMPT = [5, 17, 230, 41, 9, 300, 77, 12]
 TREE = ([40, 41, 42, 43, 44], [-1, 0, 0, 1, 3])
