@@ -23,7 +23,7 @@ from cpu_worker.precision import activation_dtype, block_type, kv_cache_dtype
 from cpu_worker.sampling import Sampler
 from cpu_worker.target_loading import fuse_layers, load_target_model, weight_bytes
 from cpu_worker.threads import apply_placement
-from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
+from cpu_worker.verify_cost import OnlineCurve, VerifyCostCache, cache_key, measure_verify_ms
 from ipc import messages as m
 from ipc.shm_ring import ShmRing
 from ipc.worker_loop import Handlers, SequenceError, worker_main
@@ -38,6 +38,8 @@ class TargetService:
                  cost_key: str | None = None):
         self.engine = engine
         self.cost_key = cost_key  # what the verify-cost cache files this target's timings under
+        # The cached t_verify(T), kept up to date by the verifications this worker runs.
+        self.curve = OnlineCurve(VerifyCostCache(), cost_key) if cost_key else None
         self.cycle_ring = cycle_ring
         self.prefill_ring = prefill_ring
         self.seq_id: int | None = None
@@ -71,9 +73,12 @@ class TargetService:
             outcome = self.engine.verify(request.tokens, request.parents, sampler)
         except (ContextOverflowError, ValueError) as error:
             raise SequenceError(str(error)) from None
-        return m.VerifyResult(seq_id=request.seq_id, accepted_tokens=outcome.tokens,
-                              features=self.cycle_ring.write(outcome.features),
-                              compute_ms=(time.perf_counter() - started) * 1e3)
+        features = self.cycle_ring.write(outcome.features)
+        compute_ms = (time.perf_counter() - started) * 1e3
+        if self.curve is not None:
+            self.curve.observe(len(request.tokens), compute_ms)
+        return m.VerifyResult(seq_id=request.seq_id, accepted_tokens=outcome.tokens, features=features,
+                              compute_ms=compute_ms)
 
     def decode(self, request: m.DecodeRequest) -> m.DecodeResult:
         sampler = self._active_sampler(request.seq_id)
@@ -82,13 +87,18 @@ class TargetService:
             step = self.engine.decode(request.token)
         except ContextOverflowError as error:
             raise SequenceError(str(error)) from None
-        return m.DecodeResult(seq_id=request.seq_id, token=sampler.pick(step.logits, self.engine.committed),
-                              compute_ms=(time.perf_counter() - started) * 1e3)
+        token = sampler.pick(step.logits, self.engine.committed)
+        compute_ms = (time.perf_counter() - started) * 1e3
+        if self.curve is not None:
+            self.curve.observe(1, compute_ms)  # a decode step is the one-node tree
+        return m.DecodeResult(seq_id=request.seq_id, token=token, compute_ms=compute_ms)
 
     def release(self, request: m.ReleaseSequence) -> None:
         if request.seq_id == self.seq_id:
             self.seq_id = None
             self.engine.reset()
+        if self.curve is not None:
+            self.curve.save()  # between requests: the next start plans with today's costs
 
     def measure_verify_cost(self, request: m.MeasureVerifyCost) -> m.VerifyCost:
         """t_verify(T) from the cache, or measured now (which ends any active sequence)."""
@@ -104,6 +114,7 @@ class TargetService:
             raise SequenceError(str(error)) from None
         if self.cost_key:
             cache.put(self.cost_key, request.tree_sizes, ms)
+            self.curve = OnlineCurve(cache, self.cost_key)  # seeded with what was just measured
         return m.VerifyCost(tree_sizes=request.tree_sizes, ms=ms, cache_path=str(cache.path))
 
     def handlers(self) -> Handlers:

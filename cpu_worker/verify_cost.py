@@ -4,14 +4,22 @@ The tree planner (dovetail_runtime.tree_planner) needs it for T from 1 to 64. Me
 7B target takes tens of seconds, so results are cached on disk per model (path, size and
 modification time of its files), precision, threads, cores, CPU, torch version and the
 engine's own code (a faster kernel or a fused layer changes every T's cost).
+
+The cached curve is not trusted forever: one measured on a busy machine (t_verify(1) 1471 ms
+instead of 315 at a 7B stand-in) would mis-size every later tree. ``OnlineCurve`` follows the
+verifications a worker actually runs, a decaying average per tree size seeded with the cached
+value, and writes it back; sizes no cycle used move by the observed sizes' typical ratio. A
+wrong curve thus corrects itself within a few cycles and stays corrected for the next start.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -119,6 +127,14 @@ class VerifyCostCache:
         values = [entry[str(size)] for size in tree_sizes]
         return [float(v) for v in values] if all(isinstance(v, int | float) and v > 0 for v in values) else None
 
+    def entry(self, key: str) -> dict[int, float]:
+        """Every size's cached ms for ``key`` (empty when none or unreadable)."""
+        entry = self._load().get(key)
+        if not isinstance(entry, dict):
+            return {}
+        return {int(size): float(value) for size, value in entry.items()
+                if size.isdigit() and isinstance(value, int | float) and value > 0}
+
     def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float]) -> None:
         data = self._load()
         entry = data.get(key)
@@ -133,3 +149,54 @@ class VerifyCostCache:
             scratch.replace(self.path)
         except OSError:
             pass  # a read-only home: measure again next time
+
+
+class OnlineCurve:
+    """t_verify(T) as the verifications of this target measure it, written back to the cache.
+
+    Each observed size's estimate is the median of its last ``window`` cycles, the cached value
+    standing in twice until cycles displace it: a curve measured under load comes down after
+    three cycles, while one cycle that shared the CPU with something else moves it not at all.
+    On ``save`` the observed sizes are written, and every other cached size is scaled by the
+    geometric mean of estimate / cached over the observed sizes: a machine that got slower or
+    faster did so for every T."""
+
+    def __init__(self, cache: VerifyCostCache, key: str, window: int = 5, save_every: int = 32):
+        self.cache = cache
+        self.key = key
+        self.window = window
+        self.save_every = save_every
+        self.start = cache.entry(key)  # the curve as cached when this worker started (or last saved)
+        self.recent: dict[int, list[float]] = {}
+        self.pending = 0
+
+    def observe(self, size: int, ms: float) -> None:
+        if size not in self.recent:
+            self.recent[size] = [self.start[size]] * 2 if size in self.start else []
+        values = self.recent[size]
+        values.append(ms)
+        del values[:-self.window]
+        self.pending += 1
+        if self.pending >= self.save_every:
+            self.save()
+
+    def estimate(self, size: int) -> float:
+        return statistics.median(self.recent[size])
+
+    def curve(self) -> dict[int, float]:
+        """The corrected curve: observed sizes' estimates, the rest of the cached ones rescaled."""
+        estimates = {size: self.estimate(size) for size in self.recent}
+        ratios = [math.log(estimates[size] / self.start[size]) for size in estimates if size in self.start]
+        scale = math.exp(sum(ratios) / len(ratios)) if ratios else 1.0
+        corrected = {size: ms * scale for size, ms in self.start.items()}
+        corrected.update(estimates)
+        return corrected
+
+    def save(self) -> None:
+        if self.pending == 0:
+            return
+        curve = self.curve()
+        sizes = sorted(curve)
+        self.cache.put(self.key, sizes, [curve[size] for size in sizes])
+        self.start = dict(curve)
+        self.pending = 0
