@@ -126,10 +126,11 @@ def test_kv_cache_dtype_choice(monkeypatch):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
         monkeypatch.setattr(precision.exact_attention, "available", lambda kernel=kernel: kernel)
         assert kv_cache_dtype("int8") == int8_auto
+        assert kv_cache_dtype("q4_0") == int8_auto == kv_cache_dtype("q8_0")  # block formats: as int8
         assert kv_cache_dtype("fp32") == torch.float32  # its tree rows are not exact: bf16 K/V amplifies that
         assert kv_cache_dtype("bf16") == torch.bfloat16
     assert kv_cache_dtype("fp32", "bf16") == torch.bfloat16 and kv_cache_dtype("bf16", "fp32") == torch.float32
     with pytest.raises(ValueError, match="KV cache dtype 'fp16' is not one of auto, fp32, bf16"):
         kv_cache_dtype("int8", "fp16")
-    with pytest.raises(ValueError, match="target dtype 'int4'"):
-        kv_cache_dtype("int4", "bf16")
+    with pytest.raises(ValueError, match="target dtype 'int3'"):
+        kv_cache_dtype("int3", "bf16")

@@ -1,0 +1,84 @@
+"""The block kernels (Q8_0, Q4_0, Q4_1 weights; int8 activations per block) against today's int8
+W8A8 kernel, side by side in one run: ms per matrix and GB/s of weights read, per row count.
+
+Matrices are distinct and cycled (more bytes than the last-level cache holds), so one row's
+time is a stream from memory, as in decoding; rounds alternate between the kernels (these
+machines are shared and noisy) and the table gives medians::
+
+    python -m tools.bench_block_kernel --shapes 4096x4096,11008x4096 --rows 1,4,8,16 --threads 2
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import click
+import torch
+
+from cpu_worker.kernels import block_quant
+from cpu_worker.kernels.int8 import RowwiseInt8Linear
+
+KINDS = ("int8", "q8_0", "q4_0", "q4_1")
+
+
+def layers_for(kind: str, shape: tuple[int, int], count: int) -> tuple[list[torch.nn.Module], int]:
+    """``count`` random layers of ``kind`` and the bytes one of them holds."""
+    generator = torch.Generator().manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(count):
+        weight = torch.randn(shape, generator=generator) * 0.02
+        if kind == "int8":
+            layers.append(RowwiseInt8Linear(weight))
+        else:
+            layers.append(block_quant.BlockQuantLinear(block_quant.BlockWeights.quantize(weight, kind)))
+    held = getattr(layers[0], "nbytes", 0) or shape[0] * shape[1]
+    return layers, held
+
+
+def time_round(layers: list[torch.nn.Module], x: torch.Tensor) -> float:
+    """ms per call over one pass through every layer."""
+    started = time.perf_counter()
+    for layer in layers:
+        layer(x)
+    return (time.perf_counter() - started) * 1e3 / len(layers)
+
+
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--shapes", default="4096x4096,11008x4096", show_default=True, help="NxK list (outputs x inputs).")
+@click.option("--rows", default="1,2,4,8,16", show_default=True, help="Rows per call.")
+@click.option("--kinds", default=",".join(KINDS), show_default=True)
+@click.option("--rounds", type=click.IntRange(1), default=7, show_default=True)
+@click.option("--bytes-per-set", type=float, default=1.5, show_default=True, help="GB of weights cycled per kind.")
+@click.option("--threads", type=click.IntRange(1), default=None)
+def main(shapes: str, rows: str, kinds: str, rounds: int, bytes_per_set: float, threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    wanted = kinds.split(",")
+    print(f"block kernel: {block_quant.kernel_name()}, {torch.get_num_threads()} threads\n")
+    print("| shape | rows | " + " | ".join(f"{kind} ms" for kind in wanted) + " | "
+          + " | ".join(f"{kind} GB/s" for kind in wanted) + " |")
+    print("|---|---|" + "---|" * (2 * len(wanted)))
+    for text in shapes.split(","):
+        n_out, k = map(int, text.split("x"))
+        count = max(2, int(bytes_per_set * 1e9 / (n_out * k)))
+        sets = {kind: layers_for(kind, (n_out, k), count) for kind in wanted}
+        for row_count in map(int, rows.split(",")):
+            x = torch.randn(row_count, k)
+            calls: dict[str, Callable[[], float]] = {
+                kind: (lambda layers=layers: time_round(layers, x)) for kind, (layers, _) in sets.items()}
+            for call in calls.values():
+                call()  # warm-up
+            times: dict[str, list[float]] = {kind: [] for kind in wanted}
+            for _ in range(rounds):
+                for kind, call in calls.items():
+                    times[kind].append(call())
+            medians = {kind: statistics.median(values) for kind, values in times.items()}
+            rates = {kind: sets[kind][1] / (medians[kind] * 1e-3) / 1e9 for kind in wanted}
+            print(f"| {text} | {row_count} | " + " | ".join(f"{medians[kind]:.3f}" for kind in wanted) + " | "
+                  + " | ".join(f"{rates[kind]:.1f}" for kind in wanted) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
