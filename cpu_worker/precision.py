@@ -14,13 +14,13 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from cpu_worker.cores import cpu_flags
 from cpu_worker.kernels import exact_attention
 from cpu_worker.kernels.block_quant import quantize_block_linears
 from cpu_worker.kernels.int8 import quantize_linears
 from cpu_worker.model.fusion import fuse_projections
 from cpu_worker.model.llama import LlamaDecoder
 from ipc.dtypes import BLOCK_PRECISIONS, KV_DTYPES, TARGET_PRECISIONS
+from ipc.placement import cpu_flags
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
 from cpu_worker.precision import activation_dtype, block_type, kv_cache_dtype
 from cpu_worker.sampling import Sampler
 from cpu_worker.target_loading import fuse_layers, load_target_model, weight_bytes
-from cpu_worker.threads import apply_placement
 from cpu_worker.verify_cost import OnlineCurve, VerifyCostCache, cache_key, measure_verify_ms
 from ipc import messages as m
+from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing
 from ipc.worker_loop import Handlers, SequenceError, worker_main
 

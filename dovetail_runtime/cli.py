@@ -21,10 +21,10 @@ import click
 import msgspec
 from click.core import ParameterSource
 
-from cpu_worker.cores import CoreSpecError, parse_core_list
 from ipc import messages as m
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint
+from ipc.placement import CoreSpecError, parse_core_list
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
 from .api_key import ENV_VAR, ApiKey, ApiKeyError, check_exposure, load_api_key

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from cpu_worker.threads import apply_placement
 from ipc import messages as m
+from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing, get_block
 from ipc.worker_loop import Handlers, SequenceError, worker_main
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-
 import click
 import torch
 
@@ -66,14 +64,12 @@ def main(shapes: str, rows: str, kinds: str, rounds: int, bytes_per_set: float, 
         sets = {kind: layers_for(kind, (n_out, k), count) for kind in wanted}
         for row_count in map(int, rows.split(",")):
             x = torch.randn(row_count, k)
-            calls: dict[str, Callable[[], float]] = {
-                kind: (lambda layers=layers: time_round(layers, x)) for kind, (layers, _) in sets.items()}
-            for call in calls.values():
-                call()  # warm-up
+            for layers, _ in sets.values():
+                time_round(layers, x)  # warm-up
             times: dict[str, list[float]] = {kind: [] for kind in wanted}
             for _ in range(rounds):
-                for kind, call in calls.items():
-                    times[kind].append(call())
+                for kind, (layers, _) in sets.items():
+                    times[kind].append(time_round(layers, x))
             medians = {kind: statistics.median(values) for kind, values in times.items()}
             rates = {kind: sets[kind][1] / (medians[kind] * 1e-3) / 1e9 for kind in wanted}
             print(f"| {text} | {row_count} | " + " | ".join(f"{medians[kind]:.3f}" for kind in wanted) + " | "

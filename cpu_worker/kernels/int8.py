@@ -38,10 +38,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from cpu_worker.cores import cpu_flags
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
+from ipc.placement import cpu_flags
 
 _TINY = torch.finfo(torch.float32).tiny
 

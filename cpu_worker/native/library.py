@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
-from cpu_worker.cores import cpu_flags
+from ipc.placement import cpu_flags
 
 log = logging.getLogger("dovetail.cpu_worker")
 

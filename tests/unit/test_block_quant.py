@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpu_worker.cores import cpu_flags
 from cpu_worker.kernels import block_quant
 from cpu_worker.native import library as native_library
+from ipc.placement import cpu_flags
 from tools import quant_reference
 
 # (-march flags, the x86 flags a CPU needs to run that build, dovetail_block_simd's answer)

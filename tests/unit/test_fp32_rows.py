@@ -15,7 +15,6 @@ from test_int8_kernel import build_for, flags_for
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_worker.cores import cpu_flags
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.fp32_rows import (
@@ -27,6 +26,7 @@ from cpu_worker.kernels.fp32_rows import (
 )
 from cpu_worker.native import library as native_library
 from cpu_worker.target_loading import load_target_model, weight_bytes
+from ipc.placement import cpu_flags
 from ipc.tree import MAX_TREE_TOKENS
 
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 from test_int8 import worst_tree_vs_decode_gap
 
-from cpu_worker.cores import cpu_flags
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.int8 import RowwiseInt8Linear, _quantize_per_row, _torch_quantize_rows
 from cpu_worker.native import library as native_library
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
+from ipc.placement import cpu_flags
 
 
 def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:

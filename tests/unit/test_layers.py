@@ -15,19 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 MAY_IMPORT = {
     "ipc": {"ipc"},
     "cpu_worker": {"ipc", "cpu_worker"},
-    "gpu_worker": {"ipc", "cpu_worker", "gpu_worker"},  # the model box only (CPU_WORKER_ROOMS_FOR_GPU)
+    "gpu_worker": {"ipc", "cpu_worker", "gpu_worker"},  # the model box only (test below)
     "dovetail_runtime": {"ipc", "cpu_worker", "gpu_worker", "dovetail_runtime"},
     "tools": {"ipc", "cpu_worker", "gpu_worker", "dovetail_runtime", "tools"},
 }
 
 
 # cpu_worker's rooms, bottom up: the C kernels and their loader, the layer kernels, the model both
-# workers build, and the engine side (everything else); cores and threads are leaf utilities.
+# workers build, and the engine side (everything else). Where a worker runs (core lists, CPU flags,
+# thread placement) is ipc's: ipc.placement.
 CPU_WORKER_ROOMS = ("native", "kernels", "model", "engine")
-LEAF_UTILITIES = {"cpu_worker.cores", "cpu_worker.threads"}
-# What gpu_worker may use of cpu_worker; its server also places its threads with the leaf utilities.
-CPU_WORKER_ROOMS_FOR_GPU = {"model"}
-GPU_SERVER = "gpu_worker/server.py"
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -49,12 +46,10 @@ def imported_packages(path: Path) -> set[str]:
 
 
 def cpu_worker_room(module: str) -> str | None:
-    """The room of a cpu_worker module ("leaf" for cores/threads, None for the package itself)."""
+    """The room of a cpu_worker module (None for the package itself and for other packages)."""
     parts = module.split(".")
     if parts[0] != "cpu_worker" or len(parts) == 1:
         return None
-    if ".".join(parts[:2]) in LEAF_UTILITIES:  # the module, or a name imported from it
-        return "leaf"
     return parts[1] if parts[1] in CPU_WORKER_ROOMS[:3] else "engine"
 
 
@@ -82,7 +77,7 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
 def test_cpu_worker_rooms_import_only_rooms_below(room):
     """native < kernels < model < the engine side: the C loader and the layer kernels never
     import the model or the engine, the model never imports the engine."""
-    below = set(CPU_WORKER_ROOMS[:CPU_WORKER_ROOMS.index(room) + 1]) | {"leaf"}
+    below = set(CPU_WORKER_ROOMS[:CPU_WORKER_ROOMS.index(room) + 1])
     wrong = {}
     for path in sorted((ROOT / "cpu_worker" / room).rglob("*.py")):
         upward = cpu_worker_rooms_used(path) - below
@@ -94,8 +89,7 @@ def test_cpu_worker_rooms_import_only_rooms_below(room):
 def test_gpu_worker_uses_only_the_model_box_of_cpu_worker():
     wrong = {}
     for path in sorted((ROOT / "gpu_worker").rglob("*.py")):
-        allowed = CPU_WORKER_ROOMS_FOR_GPU | ({"leaf"} if path == ROOT / GPU_SERVER else set())
-        outside = cpu_worker_rooms_used(path) - allowed
+        outside = cpu_worker_rooms_used(path) - {"model"}
         if outside:
             wrong[str(path.relative_to(ROOT))] = sorted(outside)
     assert wrong == {}, f"gpu_worker modules importing cpu_worker beyond its model box: {wrong}"
@@ -117,13 +111,13 @@ def test_installed_packages_never_import_tools(package):
 
 def test_the_room_check_names_the_rooms(tmp_path):
     module = tmp_path / "mixed.py"
-    module.write_text("from cpu_worker.model import LlamaDecoder\nfrom cpu_worker import engine, cores\n"
+    module.write_text("from cpu_worker.model import LlamaDecoder\nfrom cpu_worker import engine\n"
                       "import cpu_worker.kernels.int8\nfrom cpu_worker.native import loader\n"
                       "def f():\n    from cpu_worker.target_loading import load_target_model\n")
-    assert cpu_worker_rooms_used(module) == {"model", "engine", "leaf", "kernels", "native"}
+    assert cpu_worker_rooms_used(module) == {"model", "engine", "kernels", "native"}
     assert cpu_worker_room("cpu_worker.model.model_dir") == "model"
     assert cpu_worker_room("cpu_worker.precision") == "engine"
-    assert cpu_worker_room("cpu_worker.threads.apply_placement") == "leaf"
+    assert cpu_worker_room("ipc.placement.apply_placement") is None
 
 
 def test_client_cli_and_coordinator_import_no_torch():

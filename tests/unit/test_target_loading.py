@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from cpu_worker.cores import CoreSpecError, parse_core_list
 from cpu_worker.engine import TargetEngine, greedy_decode
 from cpu_worker.model import ModelLoadError
 from cpu_worker.precision import apply_precision
 from cpu_worker.target_loading import load_target_model
+from ipc.placement import CoreSpecError, parse_core_list
 
 from conftest import TINY_FAMILIES, save_tiny_model
 
@@ -102,7 +102,7 @@ def test_parse_core_list():
 
 
 def _placement_child(queue) -> None:
-    from cpu_worker.threads import apply_placement, read_placement
+    from ipc.placement import apply_placement, read_placement
 
     placement = apply_placement(threads=2, cores=[0])
     torch.randn(256, 256) @ torch.randn(256, 256)  # let any pool threads appear
@@ -120,7 +120,7 @@ def test_placement_confines_every_thread(tmp_path):
     assert cores == [0] and after_cores == [0]
     assert threads == 2 and thread_count >= 1
     with pytest.raises(CoreSpecError, match="not available"):
-        from cpu_worker.threads import apply_placement
+        from ipc.placement import apply_placement
 
         apply_placement(threads=None, cores=[os.cpu_count() + 100])
 

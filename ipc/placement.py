@@ -1,16 +1,50 @@
-"""CPU placement of the target worker: intra-op thread count and the cores every thread may use."""
+"""Where a worker process runs: the cores users name (``0-3,8``), the CPU's instruction-set flags,
+and the placement both workers apply at startup (every thread pinned to the named cores, torch's
+intra-op thread count). Core lists and flags need no torch: the CLI checks core lists before any
+worker starts, and the kernels' builds read the flags; ``apply_placement`` imports torch itself."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
-
-import torch
-
-from cpu_worker.cores import CoreSpecError
+from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+class CoreSpecError(ValueError):
+    """A core list the user typed that cannot be used."""
+
+
+def parse_core_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]; refuses malformed or empty lists."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise CoreSpecError(f"empty entry in core list {text!r}; use e.g. 0-3,8")
+        low_text, dash, high_text = part.partition("-")
+        try:
+            low = int(low_text)
+            high = int(high_text) if dash else low
+        except ValueError:
+            raise CoreSpecError(f"{part!r} in core list {text!r} is not a core number or a range like 0-3") from None
+        if low < 0 or high < low:
+            raise CoreSpecError(f"bad range {part!r} in core list {text!r}")
+        cores.update(range(low, high + 1))
+    return sorted(cores)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()[2:])
 
 
 def _thread_ids() -> list[int]:
@@ -32,6 +66,8 @@ class Placement:
 def apply_placement(threads: int | None, cores: list[int] | None) -> Placement:
     """Pin every thread of this process (existing and future) to ``cores`` and set torch's
     intra-op thread count (default: one per allowed core)."""
+    import torch
+
     available = sorted(os.sched_getaffinity(0))
     if cores:
         unknown = [core for core in cores if core not in available]
@@ -64,6 +100,8 @@ def apply_placement(threads: int | None, cores: list[int] | None) -> Placement:
 
 
 def read_placement() -> Placement:
+    import torch
+
     union: set[int] = set()
     tids = _thread_ids()
     for tid in tids:
