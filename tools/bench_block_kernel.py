@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+
 import click
 import torch
 
