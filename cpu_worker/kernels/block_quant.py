@@ -58,20 +58,55 @@ def _nibbles(values: torch.Tensor) -> torch.Tensor:
     return (low | (high << 4)).to(torch.uint8).reshape(values.shape[0], -1)
 
 
+def _gguf_values(kind: str, data: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """GGUF-ordered blocks [rows, bytes per row] -> the stored integers [rows, k] (int16: int8 values,
+    or 4-bit q as 0..15)."""
+    if kind == "q8_0":
+        return data.reshape(rows, k).view(torch.int8).to(torch.int16)
+    packed = data.reshape(rows, k // BLOCK, BLOCK // 2).to(torch.int16)
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, k)
+
+
+def interleave(kind: str, values: torch.Tensor) -> torch.Tensor:
+    """The stored integers [rows, k] -> the kernel's layout [groups, bytes per group] (block_gemv.c):
+    per (group of 8 outputs, block), chunk c of 4 inputs of the 8 outputs side by side; 4-bit values
+    two chunks a byte (c low, c + 4 high). Rows are padded to a multiple of 8 with zeros."""
+    rows, k = values.shape
+    groups = (rows + 7) // 8
+    padded = torch.zeros(groups * 8, k, dtype=torch.int16)
+    padded[:rows] = values
+    chunks = padded.reshape(groups, 8, k // BLOCK, 8, 4)  # group, output, block, chunk, input
+    if kind == "q8_0":
+        laid = chunks.permute(0, 2, 3, 1, 4).to(torch.int8).view(torch.uint8)
+    else:
+        paired = chunks[:, :, :, :4] | (chunks[:, :, :, 4:] << 4)  # chunk v low, chunk v + 4 high
+        laid = paired.permute(0, 2, 3, 1, 4).to(torch.uint8)
+    return laid.reshape(groups, -1).contiguous()
+
+
+def deinterleave(kind: str, data: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """The inverse of ``interleave``: the stored integers [rows, k]."""
+    groups = data.shape[0]
+    if kind == "q8_0":
+        chunks = data.view(torch.int8).reshape(groups, k // BLOCK, 8, 8, 4).to(torch.int16)
+    else:
+        paired = data.reshape(groups, k // BLOCK, 4, 8, 4).to(torch.int16)
+        chunks = torch.cat([paired & 0x0F, paired >> 4], dim=2)
+    return chunks.permute(0, 3, 1, 2, 4).reshape(groups * 8, k)[:rows]
+
+
 @dataclass
 class BlockWeights:
-    """One weight matrix as blocks: ``data`` [n_out, bytes per row] (uint8, GGUF's blocks), ``scales``
-    and ``minimums`` (Q4_1 only) fp16, grouped by 8 outputs (``group_by_8``)."""
+    """One weight matrix as blocks: ``data`` in the kernel's layout (``interleave``: groups of 8
+    outputs, one stream each), ``scales`` and ``minimums`` (Q4_1 only) fp16, grouped by 8 outputs
+    (``group_by_8``). Built from GGUF's blocks (``from_blocks``) or from float weights (``quantize``)."""
 
     kind: str
     data: torch.Tensor
     scales: torch.Tensor
     minimums: torch.Tensor | None
     in_features: int
-
-    @property
-    def out_features(self) -> int:
-        return self.data.shape[0]
+    out_features: int
 
     @property
     def nbytes(self) -> int:
@@ -81,61 +116,70 @@ class BlockWeights:
     @classmethod
     def from_blocks(cls, kind: str, data: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None,
                     in_features: int) -> BlockWeights:
-        """From GGUF-ordered tensors: scales and minimums [n_out, k / 32] fp16."""
-        return cls(kind, data.contiguous(), group_by_8(scales.half()),
-                   None if minimums is None else group_by_8(minimums.half()), in_features)
+        """From GGUF-ordered tensors: data [n_out, bytes per row], scales and minimums [n_out, k / 32] fp16."""
+        rows = scales.shape[0]
+        return cls.from_values(kind, _gguf_values(kind, data, rows, in_features), scales, minimums)
+
+    @classmethod
+    def from_values(cls, kind: str, values: torch.Tensor, scales: torch.Tensor,
+                    minimums: torch.Tensor | None) -> BlockWeights:
+        """From the stored integers [n_out, k] and their scales (and minimums) [n_out, k / 32]."""
+        return cls(kind, interleave(kind, values), group_by_8(scales.half()),
+                   None if minimums is None else group_by_8(minimums.half()), values.shape[1], values.shape[0])
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
         """llama.cpp's reference quantizers (``quantize_row_*_ref``), from float weights."""
         blocks = _blocks(weight.detach())
+        rows, k = weight.shape
         if kind == "q8_0":
             d = blocks.abs().amax(-1, keepdim=True) / 127
-            q = torch.round(blocks * torch.where(d > 0, 1 / d, 0)).to(torch.int8)
-            return cls.from_blocks(kind, q.view(torch.uint8).reshape(weight.shape[0], -1), d.squeeze(-1), None,
-                                   weight.shape[1])
+            q = torch.round(blocks * torch.where(d > 0, 1 / d, 0))
+            return cls.from_values(kind, q.to(torch.int16).reshape(rows, k), d.squeeze(-1), None)
         if kind == "q4_0":
             d = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)) / -8
-            q = torch.clamp(torch.trunc(blocks * torch.where(d != 0, 1 / d, 0) + 8.5), max=15).to(torch.uint8)
-            return cls.from_blocks(kind, _nibbles(q), d.squeeze(-1), None, weight.shape[1])
+            q = torch.clamp(torch.trunc(blocks * torch.where(d != 0, 1 / d, 0) + 8.5), max=15)
+            return cls.from_values(kind, q.to(torch.int16).reshape(rows, k), d.squeeze(-1), None)
         if kind == "q4_1":
             low = blocks.amin(-1, keepdim=True)
             d = (blocks.amax(-1, keepdim=True) - low) / 15
-            q = torch.clamp(torch.trunc((blocks - low) * torch.where(d > 0, 1 / d, 0) + 0.5), max=15).to(torch.uint8)
-            return cls.from_blocks(kind, _nibbles(q), d.squeeze(-1), low.squeeze(-1), weight.shape[1])
+            q = torch.clamp(torch.trunc((blocks - low) * torch.where(d > 0, 1 / d, 0) + 0.5), max=15)
+            return cls.from_values(kind, q.to(torch.int16).reshape(rows, k), d.squeeze(-1), low.squeeze(-1))
         raise ValueError(f"unknown block type {kind!r}; known: {', '.join(TYPES)}")
+
+    def values(self) -> torch.Tensor:
+        """The stored integers [n_out, k] (int8 values, or 4-bit q as 0..15)."""
+        return deinterleave(self.kind, self.data, self.out_features, self.in_features)
+
+    def gguf_blocks(self) -> torch.Tensor:
+        """The weights as GGUF orders them: [n_out, bytes per row] (the scales: ``ungroup``)."""
+        values = self.values()
+        if self.kind == "q8_0":
+            return values.to(torch.int8).view(torch.uint8)
+        return _nibbles(values.reshape(self.out_features, -1, BLOCK).to(torch.uint8))
 
     @classmethod
     def concatenate(cls, parts: list[BlockWeights]) -> BlockWeights:
-        """The parts' outputs side by side: rows and their scales joined, every byte kept."""
+        """The parts' outputs side by side: rows and their scales joined, every value kept."""
         if len({(part.kind, part.in_features) for part in parts}) != 1:
             raise ValueError("only block weights of one type and input width can be concatenated")
-        first = parts[0]
-
-        def joined(values: list[torch.Tensor | None]) -> torch.Tensor | None:
-            if values[0] is None:
-                return None
-            return torch.cat([ungroup(value, part.out_features) for value, part in zip(values, parts)
-                              if value is not None])
-
-        return cls.from_blocks(first.kind, torch.cat([part.data for part in parts]),
-                               joined([part.scales for part in parts]),  # type: ignore[arg-type]
-                               joined([part.minimums for part in parts]), first.in_features)
+        minimums = None
+        if parts[0].minimums is not None:
+            minimums = torch.cat([ungroup(part.minimums, part.out_features) for part in parts
+                                  if part.minimums is not None])
+        return cls.from_values(parts[0].kind, torch.cat([part.values() for part in parts]),
+                               torch.cat([ungroup(part.scales, part.out_features) for part in parts]), minimums)
 
     def dequantize(self) -> torch.Tensor:
         """The float weights these blocks stand for (tests, references)."""
-        rows, blocks = self.out_features, self.in_features // BLOCK
-        if self.kind == "q8_0":
-            values = self.data.view(torch.int8).reshape(rows, blocks, BLOCK).float()
-        else:
-            packed = self.data.reshape(rows, blocks, BLOCK // 2)
-            values = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-            if self.kind == "q4_0":
-                values = values - 8
+        rows, k = self.out_features, self.in_features
+        values = self.values().float().reshape(rows, k // BLOCK, BLOCK)
+        if self.kind == "q4_0":
+            values = values - 8
         out = values * ungroup(self.scales, rows).float().unsqueeze(-1)
         if self.minimums is not None:
             out = out + ungroup(self.minimums, rows).float().unsqueeze(-1)
-        return out.reshape(rows, self.in_features)
+        return out.reshape(rows, k)
 
 
 def block_linear(x: torch.Tensor, weights: BlockWeights, bias: torch.Tensor | None = None,

@@ -17,15 +17,18 @@
  * enter the float sequence, so any way of computing them (VNNI, AVX2's pair sums, plain C, AMX's
  * tile products) gives the same bits; SIMD paths run 8 outputs side by side, one per lane.
  *
- * Dot products: VNNI multiplies unsigned by signed bytes, so a signed weight block w and activation
- * block x go in as |w| and x * sign(w) (x in [-127, 127], which the quantizer guarantees); Q4_1's
- * weights are unsigned already. AVX2 without VNNI gets the same sums from maddubs (pairs; at most
- * 2 * 128 * 127 in magnitude, no saturation) and madd against ones.
+ * Dot products: VNNI multiplies unsigned by signed bytes, so a signed weight w and activation x go
+ * in as |w| and x * sign(w) (x in [-127, 127], which the quantizer guarantees); Q4_1's weights are
+ * unsigned already. AVX2 without VNNI gets the same sums from maddubs (pairs; at most 2 * 128 * 127
+ * in magnitude, no saturation) and madd against ones.
  *
- * Layout: a weight row is k / 32 blocks of 32 bytes (Q8_0) or 16 bytes (Q4_0, Q4_1: element j in
- * the low nibble of byte j, element j + 16 in its high nibble), GGUF's order; the fp16 scales (and
- * Q4_1's minimums) are grouped by 8 outputs, [ceil(n_out / 8), k / 32, 8], so the 8 lanes' scales of
- * a block are one load (a last partial group is padded).
+ * Layout (BlockWeights; GGUF's blocks regrouped at load, every byte kept): outputs in groups of 8,
+ * each group one sequential stream of its blocks. In a (group, block), the 32 inputs are 8 chunks of
+ * 4; Q8_0 holds 8 vectors of 32 bytes, vector c = chunk c of the 8 outputs side by side (4 bytes an
+ * output), so one dpbusd against chunk c of x broadcast adds 4 products to each output's lane and a
+ * block's 8 totals need no horizontal sum. Q4_0 and Q4_1 hold 4 such vectors, chunk v in the low
+ * nibbles and chunk v + 4 in the high ones. Scales (and Q4_1's minimums) are fp16, [groups, k / 32, 8].
+ * A last partial group is padded with zero weights and scales.
  */
 #include "dovetail.h"
 
@@ -104,146 +107,147 @@ void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums
         }
 }
 
-/* One block's 32 weights as signed integers (Q4_0: q - 8; Q4_1: q, 0..15). */
-static inline void weight_block_values(const uint8_t *row, int type, int64_t b, int32_t out[QBLOCK]) {
-    if (type == BLOCK_Q8_0) {
-        const int8_t *q = (const int8_t *)row + b * QBLOCK;
-        for (int j = 0; j < QBLOCK; j++) out[j] = q[j];
-        return;
-    }
-    const uint8_t *packed = row + b * (QBLOCK / 2);
-    int offset = type == BLOCK_Q4_0 ? 8 : 0;
-    for (int j = 0; j < QBLOCK / 2; j++) {
-        out[j] = (packed[j] & 0x0f) - offset;
-        out[j + QBLOCK / 2] = (packed[j] >> 4) - offset;
-    }
+/* Bytes of one (group, block): 8 outputs x 32 inputs at 8 or 4 bits. */
+static inline int64_t group_block_bytes(int type) { return type == BLOCK_Q8_0 ? 8 * QBLOCK : 4 * QBLOCK; }
+
+/* Weight (output o of the group, input kk of the block) as a signed integer (Q4_0: q - 8; Q4_1: q). */
+static inline int32_t weight_value(const uint8_t *group_block, int type, int o, int kk) {
+    int chunk = kk >> 2, j = kk & 3;
+    if (type == BLOCK_Q8_0) return ((const int8_t *)group_block)[chunk * 32 + o * 4 + j];
+    uint8_t byte = group_block[(chunk & 3) * 32 + o * 4 + j];
+    int32_t q = chunk < 4 ? (byte & 0x0f) : (byte >> 4);
+    return type == BLOCK_Q4_0 ? q - 8 : q;
 }
 
-static inline int64_t row_bytes(int type, int64_t k) { return type == BLOCK_Q8_0 ? k : k / 2; }
-
-/* The grouped fp16 value of output n at block b. */
-static inline float grouped(const uint16_t *values, int64_t n, int64_t b, int64_t blocks) {
-    return half_to_float_exact(values[((n >> 3) * blocks + b) * 8 + (n & 7)]);
-}
-
-/* One (row, output) by the reference sequence: the plain C path, and every SIMD path's tail. */
-static float dot_one(const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type, int64_t n,
+#if !BLOCK_SIMD
+/* One (row, output) by the reference sequence: the plain C path. */
+static float dot_one(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type, int o,
                      const int8_t *xq, const float *xd, const int32_t *xs, int64_t blocks) {
     float acc = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
-        int32_t values[QBLOCK], total = 0;
-        weight_block_values(w, type, b, values);
-        for (int j = 0; j < QBLOCK; j++) total += values[j] * (int32_t)xq[b * QBLOCK + j];
-        float scale = grouped(scales, n, b, blocks) * xd[b];
+        const uint8_t *block = group + b * group_block_bytes(type);
+        int32_t total = 0;
+        for (int kk = 0; kk < QBLOCK; kk++) total += weight_value(block, type, o, kk) * (int32_t)xq[b * QBLOCK + kk];
+        float scale = half_to_float_exact(scales[b * 8 + o]) * xd[b];
         float term = (float)total * scale;
         acc = acc + term;
         if (type == BLOCK_Q4_1) {
-            float min_scale = grouped(minimums, n, b, blocks) * xd[b];
+            float min_scale = half_to_float_exact(minimums[b * 8 + o]) * xd[b];
             float min_term = min_scale * (float)xs[b];
             acc = acc + min_term;
         }
     }
     return acc;
 }
+#endif
 
 #if BLOCK_SIMD
-static inline __m256i lane_dot(__m256i u, __m256i s) {
+/* acc + the 8 lanes' sums of 4 products u[4l..4l+3] * s[4l..4l+3] (u unsigned, s signed). */
+static inline __m256i add_lane_dots(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
 
-static inline __m256i load_weight_block(const uint8_t *row, int type, int64_t b) {
-    if (type == BLOCK_Q8_0) return _mm256_loadu_si256((const __m256i *)(row + b * QBLOCK));
-    __m128i packed = _mm_loadu_si128((const __m128i *)(row + b * (QBLOCK / 2)));
-    __m128i mask = _mm_set1_epi8(0x0f);
-    __m256i bytes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
-    return type == BLOCK_Q4_0 ? _mm256_sub_epi8(bytes, _mm256_set1_epi8(8)) : bytes;
-}
+#define GROUP_ROWS 4 /* activation rows per pass over a group's weights */
 
-/* Eight vectors of 8 int32 lanes -> one vector of their 8 totals (exact: integer sums). */
-static inline __m256i lane_totals(const __m256i v[8]) {
-    __m256i a01 = _mm256_hadd_epi32(v[0], v[1]), a23 = _mm256_hadd_epi32(v[2], v[3]);
-    __m256i a45 = _mm256_hadd_epi32(v[4], v[5]), a67 = _mm256_hadd_epi32(v[6], v[7]);
-    __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
-}
-
-/* Outputs [n, n + 8) for every row of the call: each weight block is loaded once for all rows;
- * acc holds the rows' running sums (8 lanes a row). */
-static void dot_group(const uint8_t *w, int64_t stride, const uint16_t *scales, const uint16_t *minimums, int type,
-                      const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int64_t k, int64_t blocks,
-                      float *acc) {
-    for (int64_t m = 0; m < rows; m++) _mm256_storeu_ps(acc + 8 * m, _mm256_setzero_ps());
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256i magnitude[8], weight[8];
-        for (int j = 0; j < 8; j++) {
-            weight[j] = load_weight_block(w + j * stride, type, b);
-            magnitude[j] = type == BLOCK_Q4_1 ? weight[j] : _mm256_sign_epi8(weight[j], weight[j]);
+/* Block totals of 8 outputs for `rows` (<= GROUP_ROWS) rows, chunk by chunk. */
+static inline void block_totals(const uint8_t *block, int type, const int8_t *const x[GROUP_ROWS], int rows,
+                                __m256i totals[GROUP_ROWS]) {
+    for (int r = 0; r < rows; r++) totals[r] = _mm256_setzero_si256();
+    const __m256i mask = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
+    for (int c = 0; c < 8; c++) {
+        __m256i w;
+        if (type == BLOCK_Q8_0) {
+            w = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+        } else {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 * (c & 3)));
+            w = _mm256_and_si256(c < 4 ? packed : _mm256_srli_epi16(packed, 4), mask);
+            if (type == BLOCK_Q4_0) w = _mm256_sub_epi8(w, eight);
         }
-        __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * 8)));
-        __m256 weight_min = type == BLOCK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + b * 8)))
-                                               : _mm256_setzero_ps();
-        for (int64_t m = 0; m < rows; m++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * k + b * QBLOCK)), lanes[8];
-            for (int j = 0; j < 8; j++)
-                lanes[j] = lane_dot(magnitude[j], type == BLOCK_Q4_1 ? x : _mm256_sign_epi8(x, weight[j]));
-            __m256 x_scale = _mm256_set1_ps(xd[m * blocks + b]);
-            __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_totals(lanes)), _mm256_mul_ps(weight_scale, x_scale));
-            __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc + 8 * m), term);
-            if (type == BLOCK_Q4_1) {
-                __m256 min_term = _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale),
-                                                _mm256_set1_ps((float)xs[m * blocks + b]));
-                sum = _mm256_add_ps(sum, min_term);
+        if (type == BLOCK_Q4_1) {
+            for (int r = 0; r < rows; r++) {
+                int32_t four;
+                memcpy(&four, x[r] + 4 * c, 4);
+                totals[r] = add_lane_dots(totals[r], w, _mm256_set1_epi32(four));
             }
-            _mm256_storeu_ps(acc + 8 * m, sum);
+        } else {
+            __m256i magnitude = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < rows; r++) {
+                int32_t four;
+                memcpy(&four, x[r] + 4 * c, 4);
+                totals[r] = add_lane_dots(totals[r], magnitude, _mm256_sign_epi8(_mm256_set1_epi32(four), w));
+            }
         }
     }
 }
+
+/* One group of 8 outputs for up to GROUP_ROWS rows: out[r * 8 + lane]. */
+static void dot_group(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type,
+                      const int8_t *xq, const float *xd, const int32_t *xs, int rows, int64_t k, int64_t blocks,
+                      float *out) {
+    __m256 acc[GROUP_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t bytes = group_block_bytes(type);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *x[GROUP_ROWS];
+        for (int r = 0; r < rows; r++) x[r] = xq + r * k + b * QBLOCK;
+        __m256i totals[GROUP_ROWS];
+        block_totals(group + b * bytes, type, x, rows, totals);
+        __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * 8)));
+        for (int r = 0; r < rows; r++) {
+            __m256 x_scale = _mm256_set1_ps(xd[r * blocks + b]);
+            __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(totals[r]), _mm256_mul_ps(weight_scale, x_scale));
+            acc[r] = _mm256_add_ps(acc[r], term);
+            if (type == BLOCK_Q4_1) {
+                __m256 weight_min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + b * 8)));
+                __m256 min_term = _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale),
+                                                _mm256_set1_ps((float)xs[r * blocks + b]));
+                acc[r] = _mm256_add_ps(acc[r], min_term);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
 #endif
 
-/* y[rows, n_out] for activations quantized by dovetail_quantize_blocks. Weights and grouped scales
- * as described above; minimums only for Q4_1; bias may be NULL. Returns -1 for an unknown type or
- * a k that is not a multiple of 32. */
+/* y[rows, n_out] for activations quantized by dovetail_quantize_blocks. Weights, scales and
+ * minimums (Q4_1 only) in the layout above; bias may be NULL. Returns -1 for an unknown type or a k
+ * that is not a multiple of 32. */
 int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, const uint8_t *w,
                           const uint16_t *scales, const uint16_t *minimums, int type, const float *bias, float *y,
                           int64_t n_out, int64_t k, int threads) {
     if (k % QBLOCK != 0 || type < BLOCK_Q8_0 || type > BLOCK_Q4_1) return -1;
     if (type == BLOCK_Q4_1 && minimums == NULL) return -1;
-    int64_t blocks = k / QBLOCK, stride = row_bytes(type, k), groups = (n_out + 7) / 8;
-#pragma omp parallel num_threads(threads)
-    {
+    int64_t blocks = k / QBLOCK, groups = (n_out + 7) / 8, group_bytes = blocks * group_block_bytes(type);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = w + g * group_bytes;
+        const uint16_t *group_scales = scales + g * blocks * 8;
+        const uint16_t *group_mins = minimums ? minimums + g * blocks * 8 : NULL;
+        int count = n_out - g * 8 < 8 ? (int)(n_out - g * 8) : 8;
+        for (int64_t m = 0; m < rows; m += 4) {
+            int chunk = rows - m < 4 ? (int)(rows - m) : 4;
+            float out[4 * 8];
 #if BLOCK_SIMD
-        /* The rows' running sums; without it (no memory) the plain sequence computes the same bits. */
-        float *acc = (float *)malloc((size_t)(rows > 0 ? rows : 1) * 8 * sizeof(float));
+            dot_group(group, group_scales, group_mins, type, xq + m * k, xd + m * blocks, xs + m * blocks, chunk, k,
+                      blocks, out);
+#else
+            for (int r = 0; r < chunk; r++)
+                for (int o = 0; o < count; o++)
+                    out[8 * r + o] = dot_one(group, group_scales, group_mins, type, o, xq + (m + r) * k,
+                                             xd + (m + r) * blocks, xs + (m + r) * blocks, blocks);
 #endif
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            int64_t first = g * 8, count = n_out - first < 8 ? n_out - first : 8;
-#if BLOCK_SIMD
-            if (count == 8 && acc != NULL) {
-                dot_group(w + first * stride, stride, scales + g * blocks * 8, minimums ? minimums + g * blocks * 8 : NULL,
-                          type, xq, xd, xs, rows, k, blocks, acc);
-                for (int64_t m = 0; m < rows; m++)
-                    for (int j = 0; j < 8; j++) y[m * n_out + first + j] = acc[8 * m + j];
-                continue;
-            }
-#endif
-            for (int64_t m = 0; m < rows; m++)
-                for (int64_t n = first; n < first + count; n++)
-                    y[m * n_out + n] = dot_one(w + n * stride, scales, minimums, type, n, xq + m * k, xd + m * blocks,
-                                               xs + m * blocks, blocks);
+            for (int r = 0; r < chunk; r++)
+                for (int o = 0; o < count; o++) {
+                    float value = out[8 * r + o];
+                    y[(m + r) * n_out + g * 8 + o] = bias ? value + bias[g * 8 + o] : value;
+                }
         }
-#if BLOCK_SIMD
-        free(acc);
-#endif
     }
-    if (bias)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t n = 0; n < n_out; n++) y[m * n_out + n] = y[m * n_out + n] + bias[n];
     return 0;
 }

@@ -56,12 +56,22 @@ def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
     weight[0, :32] = 0.0
     blocks = block_quant.BlockWeights.quantize(weight, kind)
     assert torch.equal(blocks.dequantize(), getattr(quant_reference, kind)(weight))
-    assert blocks.data.shape == (24, 256 if kind == "q8_0" else 128)
+    gguf = blocks.gguf_blocks()
+    assert gguf.shape == (24, 256 if kind == "q8_0" else 128)
     assert blocks.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind] * 24 * 256 // 32  # GGUF's block sizes
-    scales = block_quant.ungroup(blocks.scales, 24)
-    assert torch.equal(block_quant.BlockWeights.from_blocks(kind, blocks.data, scales, None if blocks.minimums is None
-                                                            else block_quant.ungroup(blocks.minimums, 24),
-                                                            256).dequantize(), blocks.dequantize())
+    minimums = None if blocks.minimums is None else block_quant.ungroup(blocks.minimums, 24)
+    again = block_quant.BlockWeights.from_blocks(kind, gguf, block_quant.ungroup(blocks.scales, 24), minimums, 256)
+    assert torch.equal(again.data, blocks.data) and torch.equal(again.dequantize(), blocks.dequantize())
+
+
+def test_the_kernel_layout_keeps_every_value_and_pads_a_last_group():
+    for kind in KINDS:
+        values = torch.randint(-127 if kind == "q8_0" else 0, 128 if kind == "q8_0" else 16, (13, 96),
+                               dtype=torch.int16)
+        laid = block_quant.interleave(kind, values)
+        assert laid.shape == (2, 3 * (256 if kind == "q8_0" else 128))  # 16 rows: 3 padded with zeros
+        assert torch.equal(block_quant.deinterleave(kind, laid, 13, 96), values)
+        assert not block_quant.deinterleave(kind, laid, 16, 96)[13:].any()
 
 
 def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_path, use_library):
