@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cpu_worker.kernels.huge_pages import on_huge_pages
 from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
 
@@ -124,7 +125,9 @@ class BlockWeights:
     def from_values(cls, kind: str, values: torch.Tensor, scales: torch.Tensor,
                     minimums: torch.Tensor | None) -> BlockWeights:
         """From the stored integers [n_out, k] and their scales (and minimums) [n_out, k / 32]."""
-        return cls(kind, interleave(kind, values), group_by_8(scales.half()),
+        # On huge pages: a decode streams every byte once, and 4 KB pages cost a TLB miss every 4 KB
+        # (q8_0 at 4096x4096, 2 threads: 0.72 ms on huge pages against 0.82 on 4 KB ones).
+        return cls(kind, on_huge_pages(interleave(kind, values)), group_by_8(scales.half()),
                    None if minimums is None else group_by_8(minimums.half()), values.shape[1], values.shape[0])
 
     @classmethod

@@ -154,11 +154,18 @@ static inline __m256i add_lane_dots(__m256i acc, __m256i u, __m256i s) {
 }
 
 #define GROUP_ROWS 4 /* activation rows per pass over a group's weights */
+#ifndef BLOCK_AHEAD /* bytes; a build flag for tuning */
+#define BLOCK_AHEAD 2048
+#endif
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Block totals of 8 outputs for `rows` (<= GROUP_ROWS) rows, chunk by chunk. */
-static inline void block_totals(const uint8_t *block, int type, const int8_t *const x[GROUP_ROWS], int rows,
-                                __m256i totals[GROUP_ROWS]) {
-    for (int r = 0; r < rows; r++) totals[r] = _mm256_setzero_si256();
+/* Block totals of 8 outputs for `rows` (a constant after inlining: the sums stay in registers)
+ * rows, chunk by chunk; even and odd chunks in separate sums (integers: the same totals), so two
+ * dot products are in flight per row instead of a chain of eight. */
+static ALWAYS_INLINE void block_totals(const uint8_t *block, int type, const int8_t *const x[GROUP_ROWS],
+                                       const int rows, __m256i totals[GROUP_ROWS]) {
+    __m256i even[GROUP_ROWS], odd[GROUP_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_si256();
     const __m256i mask = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
     for (int c = 0; c < 8; c++) {
         __m256i w;
@@ -169,31 +176,33 @@ static inline void block_totals(const uint8_t *block, int type, const int8_t *co
             w = _mm256_and_si256(c < 4 ? packed : _mm256_srli_epi16(packed, 4), mask);
             if (type == BLOCK_Q4_0) w = _mm256_sub_epi8(w, eight);
         }
-        if (type == BLOCK_Q4_1) {
-            for (int r = 0; r < rows; r++) {
-                int32_t four;
-                memcpy(&four, x[r] + 4 * c, 4);
-                totals[r] = add_lane_dots(totals[r], w, _mm256_set1_epi32(four));
-            }
-        } else {
-            __m256i magnitude = _mm256_sign_epi8(w, w);
-            for (int r = 0; r < rows; r++) {
-                int32_t four;
-                memcpy(&four, x[r] + 4 * c, 4);
-                totals[r] = add_lane_dots(totals[r], magnitude, _mm256_sign_epi8(_mm256_set1_epi32(four), w));
-            }
+        __m256i magnitude = type == BLOCK_Q4_1 ? w : _mm256_sign_epi8(w, w);
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, x[r] + 4 * c, 4);
+            __m256i input = _mm256_set1_epi32(four);
+            if (type != BLOCK_Q4_1) input = _mm256_sign_epi8(input, w);
+            if (c & 1)
+                odd[r] = add_lane_dots(odd[r], magnitude, input);
+            else
+                even[r] = add_lane_dots(even[r], magnitude, input);
         }
     }
+    for (int r = 0; r < rows; r++) totals[r] = _mm256_add_epi32(even[r], odd[r]);
 }
 
-/* One group of 8 outputs for up to GROUP_ROWS rows: out[r * 8 + lane]. */
-static void dot_group(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type,
-                      const int8_t *xq, const float *xd, const int32_t *xs, int rows, int64_t k, int64_t blocks,
-                      float *out) {
+/* One group of 8 outputs for `rows` (constant after inlining) rows: out[r * 8 + lane]. */
+static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
+                                         int type, const int8_t *xq, const float *xd, const int32_t *xs,
+                                         const int rows, int64_t k, int64_t blocks, float *out) {
     __m256 acc[GROUP_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const int64_t bytes = group_block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
+        /* Keep more lines of the group's stream in flight than the loads alone ask for (as
+         * int8_gemv.c does): BLOCK_AHEAD bytes ahead, every line of this block's bytes. */
+        for (int64_t line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(group + b * bytes + BLOCK_AHEAD + line), _MM_HINT_T0);
         const int8_t *x[GROUP_ROWS];
         for (int r = 0; r < rows; r++) x[r] = xq + r * k + b * QBLOCK;
         __m256i totals[GROUP_ROWS];
@@ -212,6 +221,29 @@ static void dot_group(const uint8_t *group, const uint16_t *scales, const uint16
         }
     }
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+/* dot_group_rows for each type and row count as constants (the compiler specializes every one). */
+static ALWAYS_INLINE void dot_group_typed(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
+                                          const int type, const int8_t *xq, const float *xd, const int32_t *xs,
+                                          int rows, int64_t k, int64_t blocks, float *out) {
+    switch (rows) {
+    case 1: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 1, k, blocks, out); break;
+    case 2: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 2, k, blocks, out); break;
+    case 3: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 3, k, blocks, out); break;
+    default: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 4, k, blocks, out); break;
+    }
+}
+
+static void dot_group(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type,
+                      const int8_t *xq, const float *xd, const int32_t *xs, int rows, int64_t k, int64_t blocks,
+                      float *out) {
+    if (type == BLOCK_Q8_0)
+        dot_group_typed(group, scales, minimums, BLOCK_Q8_0, xq, xd, xs, rows, k, blocks, out);
+    else if (type == BLOCK_Q4_0)
+        dot_group_typed(group, scales, minimums, BLOCK_Q4_0, xq, xd, xs, rows, k, blocks, out);
+    else
+        dot_group_typed(group, scales, minimums, BLOCK_Q4_1, xq, xd, xs, rows, k, blocks, out);
 }
 #endif
 
