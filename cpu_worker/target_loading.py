@@ -11,7 +11,7 @@ from torch import nn
 from cpu_worker.kernels.block_quant import BlockQuantLinear
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.model import LlamaDecoder, fuse_projections, load_decoder, load_spec, resolve_model_dir
-from cpu_worker.precision import activation_dtype, block_type, is_integer
+from cpu_worker.precision import activation_dtype, block_type, head_block_type, is_integer
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaD
     model_dir = resolve_model_dir(path_or_id)
     spec = load_spec(model_dir)
     kind = block_type(precision)
-    quantize = BlockQuantLinear.maker(kind) if kind is not None else precision == "int8"
+    quantize = BlockQuantLinear.maker(kind, head_block_type(precision)) if kind is not None else precision == "int8"
     model = load_decoder(model_dir, activation_dtype(precision), quantize=quantize, spec=spec)
     if is_integer(precision):
         fuse_layers(model)  # q/k/v and gate/up in one call each, the same bits

@@ -208,11 +208,13 @@ def block_linear(x: torch.Tensor, weights: BlockWeights, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], n_out)
 
 
-def quantize_block_linears(model: nn.Module, kind: str) -> nn.Module:
-    """Swap every nn.Linear under ``model`` (in place) for a BlockQuantLinear of ``kind``."""
+def quantize_block_linears(model: nn.Module, kind: str, head_kind: str | None = None) -> nn.Module:
+    """Swap every nn.Linear under ``model`` (in place) for a BlockQuantLinear of ``kind`` (the
+    model's ``lm_head`` of ``head_kind`` when given)."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, BlockQuantLinear.from_linear(child, kind))
+            setattr(model, name, BlockQuantLinear.from_linear(child, head_kind if name == "lm_head" and head_kind
+                                                              else kind))
         else:
             quantize_block_linears(child, kind)
     return model
@@ -240,9 +242,14 @@ class BlockQuantLinear(LinearKernel):
         return cls(BlockWeights.quantize(linear.weight, kind), linear.bias)
 
     @classmethod
-    def maker(cls, kind: str) -> Callable[[torch.Tensor, torch.Tensor | None], BlockQuantLinear]:
-        """Builds a layer of ``kind`` from a checkpoint's weight as it streams in (``WeightPlacer``)."""
-        return lambda weight, bias: cls(BlockWeights.quantize(weight, kind), bias)
+    def maker(cls, kind: str, head_kind: str | None = None
+              ) -> Callable[[torch.Tensor, torch.Tensor | None, str], BlockQuantLinear]:
+        """Builds a layer of ``kind`` (the ``lm_head`` of ``head_kind`` when given) from a checkpoint's
+        weight as it streams in (``WeightPlacer``)."""
+        def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> BlockQuantLinear:
+            chosen = head_kind if name == "lm_head" and head_kind else kind
+            return cls(BlockWeights.quantize(weight, chosen), bias)
+        return make
 
     @classmethod
     def concatenate(cls, layers: list[BlockQuantLinear]) -> BlockQuantLinear:

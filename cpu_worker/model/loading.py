@@ -153,8 +153,13 @@ def tensor_shapes(model_dir: Path, names: set[str] | None = None) -> dict[str, t
     return shapes
 
 
-# Builds a quantized linear layer from a weight as the checkpoint holds it (and its bias, if it came first).
-LinearMaker = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]
+# Builds a quantized linear layer from a weight as the checkpoint holds it, its bias (if it came first)
+# and the layer's name in the model (a precision may keep some layers wider: the lm_head).
+LinearMaker = Callable[[torch.Tensor, "torch.Tensor | None", str], nn.Module]
+
+
+def _rowwise_int8(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> nn.Module:
+    return RowwiseInt8Linear(weight, bias)
 
 
 class WeightPlacer:
@@ -168,7 +173,7 @@ class WeightPlacer:
                  device: torch.device | str = "cpu", trainable: bool = False):
         self.model = model
         self.dtype = dtype
-        self.make_linear: LinearMaker | None = RowwiseInt8Linear if quantize is True else (quantize or None)
+        self.make_linear: LinearMaker | None = _rowwise_int8 if quantize is True else (quantize or None)
         self.quantize = self.make_linear is not None
         self.device = torch.device(device)
         self.trainable = trainable
@@ -189,7 +194,7 @@ class WeightPlacer:
             parent_name, _, child = module_name.rpartition(".")
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             assert self.make_linear is not None
-            setattr(parent, child, self.make_linear(tensor, bias))
+            setattr(parent, child, self.make_linear(tensor, bias, module_name))
         else:  # a bias, before or after its weight
             module.bias = nn.Parameter(tensor.to(torch.float32), requires_grad=False)
 

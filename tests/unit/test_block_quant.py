@@ -135,6 +135,9 @@ def test_a_block_target_verifies_trees_bit_exactly_and_loads_as_it_converts(demo
     prompt = [1, 450, 1200, 33, 7, 901]
     other = TargetEngine(converted, max_len=128, activation_dtype=dtype)
     assert torch.equal(engine.prefill(prompt).logits, other.prefill(prompt).logits)
+    head_kind = "q8_0" if precision.startswith("q4") else precision  # 4-bit targets keep the lm_head at 8 bits
+    assert streamed.lm_head.weights.kind == converted.lm_head.weights.kind == head_kind
+    assert streamed.layers[0].mlp.down_proj.weights.kind == precision
     fused = [module for module in streamed.modules() if isinstance(module, block_quant.BlockQuantLinear)]
     assert streamed.layers[0].self_attn.qkv_proj in fused and streamed.layers[0].mlp.gate_up_proj in fused
 
