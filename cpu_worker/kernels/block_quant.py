@@ -1,8 +1,9 @@
 """Linear layers on block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1), row-invariant.
 
 Each weight row is held in blocks of 32 along the input, each with an fp16 scale (and, for Q4_1,
-an fp16 minimum), byte for byte as a GGUF file stores them; each input row is quantized per block
-of 32 to int8 with its own scales (``native/block_gemv.c``). A row's result never depends on the
+an fp16 minimum): a GGUF file's values and scales, regrouped by 8 outputs for the kernel
+(``interleave``); each input row is quantized per block of 32 to int8 with its own scales
+(``native/block_gemv.c``). A row's result never depends on the
 other rows of its call, so trees verify bit-exactly against decoding, as at today's int8.
 """
 
