@@ -98,7 +98,7 @@ class TargetService:
             self.seq_id = None
             self.engine.reset()
         if self.curve is not None:
-            self.curve.save()  # between requests: the next start plans with today's costs
+            self.curve.save()  # between requests (off the cycle's path): the next start plans with today's costs
 
     def measure_verify_cost(self, request: m.MeasureVerifyCost) -> m.VerifyCost:
         """t_verify(T) from the cache, or measured now (which ends any active sequence)."""

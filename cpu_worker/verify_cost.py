@@ -161,7 +161,7 @@ class OnlineCurve:
     geometric mean of estimate / cached over the observed sizes: a machine that got slower or
     faster did so for every T."""
 
-    def __init__(self, cache: VerifyCostCache, key: str, window: int = 5, save_every: int = 32):
+    def __init__(self, cache: VerifyCostCache, key: str, window: int = 5, save_every: int = 256):
         self.cache = cache
         self.key = key
         self.window = window
