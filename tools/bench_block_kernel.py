@@ -1,5 +1,6 @@
-"""The block kernels (Q8_0, Q4_0, Q4_1 weights; int8 activations per block) against today's int8
-W8A8 kernel, side by side in one run: ms per matrix and GB/s of weights read, per row count.
+"""The block kernels (Q8_0, Q4_0, Q4_1 weights; activations per block at 8 bits, or at 16 with the
+suffix ``-a16``) against the per-row int8 W8A8 kernel, side by side in one run: ms per matrix and
+GB/s of weights read, per row count.
 
 Matrices are distinct and cycled (more bytes than the last-level cache holds), so one row's
 time is a stream from memory, as in decoding; rounds alternate between the kernels (these
@@ -19,7 +20,7 @@ import torch
 from cpu_worker.kernels import block_quant
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 
-KINDS = ("int8", "q8_0", "q4_0", "q4_1")
+KINDS = ("int8", "q8_0", "q8_0-a16", "q4_0", "q4_0-a16", "q4_1")
 
 
 def layers_for(kind: str, shape: tuple[int, int], count: int) -> tuple[list[torch.nn.Module], int]:
@@ -31,7 +32,9 @@ def layers_for(kind: str, shape: tuple[int, int], count: int) -> tuple[list[torc
         if kind == "int8":
             layers.append(RowwiseInt8Linear(weight))
         else:
-            layers.append(block_quant.BlockQuantLinear(block_quant.BlockWeights.quantize(weight, kind)))
+            block_kind, _, wide = kind.partition("-a")
+            layers.append(block_quant.BlockQuantLinear(block_quant.BlockWeights.quantize(weight, block_kind),
+                                                       activation_bits=int(wide or 8)))
     held = getattr(layers[0], "nbytes", 0) or shape[0] * shape[1]
     return layers, held
 

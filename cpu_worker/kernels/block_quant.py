@@ -1,9 +1,9 @@
 """Linear layers on block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1), row-invariant.
 
 Each weight row is held in blocks of 32 along the input, each with an fp16 scale (and, for Q4_1,
-an fp16 minimum): a GGUF file's values and scales, regrouped by 8 outputs for the kernel
-(``interleave``); each input row is quantized per block of 32 to int8 with its own scales
-(``native/block_gemv.c``). A row's result never depends on the
+an fp16 minimum): a GGUF file's values and scales, regrouped by 16 outputs for the kernel
+(``interleave``); each input row is quantized per block of 32 with its own scales, to 8 bits or to
+16 (``planes`` 1 or 2: two int8 digits, see ``native/block_gemv.c``). A row's result never depends on the
 other rows of its call, so trees verify bit-exactly against decoding, as at today's int8.
 """
 
@@ -21,7 +21,9 @@ from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
 
 BLOCK = 32
+GROUP = 16  # outputs side by side in the kernel's layout (AMX's tile width)
 TYPES = {"q8_0": native.BLOCK_Q8_0, "q4_0": native.BLOCK_Q4_0, "q4_1": native.BLOCK_Q4_1}
+ACTIVATION_PLANES = {8: 1, 16: 2}  # activation bits -> int8 planes per block
 
 
 def library() -> ctypes.CDLL:
@@ -40,17 +42,17 @@ def _blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().reshape(rows, k // BLOCK, BLOCK)
 
 
-def group_by_8(values: torch.Tensor) -> torch.Tensor:
-    """[n_out, blocks] -> [ceil(n_out / 8), blocks, 8], padded with zeros: the kernel reads the 8
+def group_outputs(values: torch.Tensor) -> torch.Tensor:
+    """[n_out, blocks] -> [ceil(n_out / 16), blocks, 16], padded with zeros: the kernel reads the 16
     lanes' scales of a block in one load."""
     rows, blocks = values.shape
-    padded = torch.zeros((rows + 7) // 8 * 8, blocks, dtype=values.dtype)
+    padded = torch.zeros((rows + GROUP - 1) // GROUP * GROUP, blocks, dtype=values.dtype)
     padded[:rows] = values
-    return padded.reshape(-1, 8, blocks).transpose(1, 2).contiguous()
+    return padded.reshape(-1, GROUP, blocks).transpose(1, 2).contiguous()
 
 
 def ungroup(grouped: torch.Tensor, rows: int) -> torch.Tensor:
-    """The inverse of ``group_by_8``."""
+    """The inverse of ``group_outputs``."""
     return grouped.transpose(1, 2).reshape(-1, grouped.shape[1])[:rows]
 
 
@@ -71,13 +73,13 @@ def _gguf_values(kind: str, data: torch.Tensor, rows: int, k: int) -> torch.Tens
 
 def interleave(kind: str, values: torch.Tensor) -> torch.Tensor:
     """The stored integers [rows, k] -> the kernel's layout [groups, bytes per group] (block_gemv.c):
-    per (group of 8 outputs, block), chunk c of 4 inputs of the 8 outputs side by side; 4-bit values
-    two chunks a byte (c low, c + 4 high). Rows are padded to a multiple of 8 with zeros."""
+    per (group of 16 outputs, block), chunk c of 4 inputs of the 16 outputs side by side; 4-bit values
+    two chunks a byte (c low, c + 4 high). Rows are padded to a multiple of 16 with zeros."""
     rows, k = values.shape
-    groups = (rows + 7) // 8
-    padded = torch.zeros(groups * 8, k, dtype=torch.int16)
+    groups = (rows + GROUP - 1) // GROUP
+    padded = torch.zeros(groups * GROUP, k, dtype=torch.int16)
     padded[:rows] = values
-    chunks = padded.reshape(groups, 8, k // BLOCK, 8, 4)  # group, output, block, chunk, input
+    chunks = padded.reshape(groups, GROUP, k // BLOCK, 8, 4)  # group, output, block, chunk, input
     if kind == "q8_0":
         laid = chunks.permute(0, 2, 3, 1, 4).to(torch.int8).view(torch.uint8)
     else:
@@ -90,18 +92,18 @@ def deinterleave(kind: str, data: torch.Tensor, rows: int, k: int) -> torch.Tens
     """The inverse of ``interleave``: the stored integers [rows, k]."""
     groups = data.shape[0]
     if kind == "q8_0":
-        chunks = data.view(torch.int8).reshape(groups, k // BLOCK, 8, 8, 4).to(torch.int16)
+        chunks = data.view(torch.int8).reshape(groups, k // BLOCK, 8, GROUP, 4).to(torch.int16)
     else:
-        paired = data.reshape(groups, k // BLOCK, 4, 8, 4).to(torch.int16)
+        paired = data.reshape(groups, k // BLOCK, 4, GROUP, 4).to(torch.int16)
         chunks = torch.cat([paired & 0x0F, paired >> 4], dim=2)
-    return chunks.permute(0, 3, 1, 2, 4).reshape(groups * 8, k)[:rows]
+    return chunks.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, k)[:rows]
 
 
 @dataclass
 class BlockWeights:
-    """One weight matrix as blocks: ``data`` in the kernel's layout (``interleave``: groups of 8
-    outputs, one stream each), ``scales`` and ``minimums`` (Q4_1 only) fp16, grouped by 8 outputs
-    (``group_by_8``). Built from GGUF's blocks (``from_blocks``) or from float weights (``quantize``)."""
+    """One weight matrix as blocks: ``data`` in the kernel's layout (``interleave``: groups of 16
+    outputs, one stream each), ``scales`` and ``minimums`` (Q4_1 only) fp16, grouped by 16 outputs
+    (``group_outputs``). Built from GGUF's blocks (``from_blocks``) or from float weights (``quantize``)."""
 
     kind: str
     data: torch.Tensor
@@ -113,7 +115,7 @@ class BlockWeights:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.minimums is None else self.minimums.numel() * 2
-        return self.data.numel() + self.scales.numel() * 2 + extra  # the padding of a last group of 8 included
+        return self.data.numel() + self.scales.numel() * 2 + extra  # the padding of a last group of 16 included
 
     @classmethod
     def from_blocks(cls, kind: str, data: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None,
@@ -128,8 +130,8 @@ class BlockWeights:
         """From the stored integers [n_out, k] and their scales (and minimums) [n_out, k / 32]."""
         # On huge pages: a decode streams every byte once, and 4 KB pages cost a TLB miss every 4 KB
         # (q8_0 at 4096x4096, 2 threads: 0.72 ms on huge pages against 0.82 on 4 KB ones).
-        return cls(kind, on_huge_pages(interleave(kind, values)), group_by_8(scales.half()),
-                   None if minimums is None else group_by_8(minimums.half()), values.shape[1], values.shape[0])
+        return cls(kind, on_huge_pages(interleave(kind, values)), group_outputs(scales.half()),
+                   None if minimums is None else group_outputs(minimums.half()), values.shape[1], values.shape[0])
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
@@ -186,38 +188,47 @@ class BlockWeights:
         return out.reshape(rows, k)
 
 
+def quantize_activations(rows: torch.Tensor, planes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows [count, k] float32 -> (planes of int8 [count, planes, k], scales [count, k / 32],
+    block sums int32 [count, k / 32]): each row quantized per block of 32 from that row alone."""
+    count, k = rows.shape
+    xq = torch.empty(count, planes, k, dtype=torch.int8)
+    xd = torch.empty(count, k // BLOCK)
+    xs = torch.empty(count, k // BLOCK, dtype=torch.int32)
+    library().dovetail_quantize_blocks(rows.data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), count, k, planes)
+    return xq, xd, xs
+
+
 def block_linear(x: torch.Tensor, weights: BlockWeights, bias: torch.Tensor | None = None,
-                 threads: int | None = None) -> torch.Tensor:
-    """x [..., k] float32 -> [..., n_out]: each row's input quantized per block, then the block dot products."""
-    handle = library()
+                 threads: int | None = None, planes: int = 1) -> torch.Tensor:
+    """x [..., k] float32 -> [..., n_out]: each row's input quantized per block (8 bits for ``planes``
+    1, 16 for 2), then the block dot products."""
+    if planes not in ACTIVATION_PLANES.values():
+        raise ValueError(f"activations are quantized to one or two planes of int8, not {planes}")
     k, n_out = weights.in_features, weights.out_features
     rows = x.reshape(-1, k).float().contiguous()
-    count = rows.shape[0]
-    blocks = k // BLOCK
-    xq = torch.empty(count, k, dtype=torch.int8)
-    xd = torch.empty(count, blocks)
-    xs = torch.empty(count, blocks, dtype=torch.int32)
-    handle.dovetail_quantize_blocks(rows.data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), count, k)
-    out = torch.empty(count, n_out)
+    xq, xd, xs = quantize_activations(rows, planes)
+    out = torch.empty(rows.shape[0], n_out)
     minimums = None if weights.minimums is None else weights.minimums.data_ptr()
-    status = handle.dovetail_block_linear(
-        xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), count, weights.data.data_ptr(), weights.scales.data_ptr(),
-        minimums, TYPES[weights.kind], None if bias is None else bias.data_ptr(), out.data_ptr(), n_out, k,
-        threads or torch.get_num_threads())
+    status = library().dovetail_block_linear(
+        xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), rows.shape[0], planes, weights.data.data_ptr(),
+        weights.scales.data_ptr(), minimums, TYPES[weights.kind], None if bias is None else bias.data_ptr(),
+        out.data_ptr(), n_out, k, threads or torch.get_num_threads())
     if status != 0:
         raise ValueError(f"the block kernel refused a {weights.kind} weight of {n_out}x{k}")
     return out.reshape(*x.shape[:-1], n_out)
 
 
-def quantize_block_linears(model: nn.Module, kind: str, head_kind: str | None = None) -> nn.Module:
+def quantize_block_linears(model: nn.Module, kind: str, head_kind: str | None = None,
+                           activation_bits: int = 8) -> nn.Module:
     """Swap every nn.Linear under ``model`` (in place) for a BlockQuantLinear of ``kind`` (the
-    model's ``lm_head`` of ``head_kind`` when given)."""
+    model's ``lm_head`` of ``head_kind`` when given), its activations at ``activation_bits``."""
+    make = BlockQuantLinear.maker(kind, head_kind, activation_bits)
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, BlockQuantLinear.from_linear(child, head_kind if name == "lm_head" and head_kind
-                                                              else kind))
+            setattr(model, name, make(child.weight, child.bias, name))
         else:
-            quantize_block_linears(child, kind)
+            quantize_block_linears(child, kind, activation_bits=activation_bits)
     return model
 
 
@@ -228,42 +239,51 @@ def kernel_name() -> str:
 
 
 class BlockQuantLinear(LinearKernel):
-    """``y = x W^T + b`` with W in blocks (Q8_0, Q4_0, Q4_1) and x quantized per block of 32."""
+    """``y = x W^T + b`` with W in blocks (Q8_0, Q4_0, Q4_1) and x quantized per block of 32 to
+    ``activation_bits`` (8 or 16)."""
 
     row_invariant = True  # a row's bits never depend on the rest of its call
 
-    def __init__(self, weights: BlockWeights, bias: torch.Tensor | None = None):
+    def __init__(self, weights: BlockWeights, bias: torch.Tensor | None = None, activation_bits: int = 8):
         super().__init__()
+        if activation_bits not in ACTIVATION_PLANES:
+            raise ValueError(f"block activations are 8 or 16 bits, not {activation_bits}")
         self.weights = weights
+        self.activation_bits = activation_bits
         self.in_features, self.out_features = weights.in_features, weights.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kind: str) -> BlockQuantLinear:
-        return cls(BlockWeights.quantize(linear.weight, kind), linear.bias)
+    def from_linear(cls, linear: nn.Linear, kind: str, activation_bits: int = 8) -> BlockQuantLinear:
+        return cls(BlockWeights.quantize(linear.weight, kind), linear.bias, activation_bits)
 
     @classmethod
-    def maker(cls, kind: str, head_kind: str | None = None
+    def maker(cls, kind: str, head_kind: str | None = None, activation_bits: int = 8
               ) -> Callable[[torch.Tensor, torch.Tensor | None, str], BlockQuantLinear]:
         """Builds a layer of ``kind`` (the ``lm_head`` of ``head_kind`` when given) from a checkpoint's
         weight as it streams in (``WeightPlacer``)."""
         def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> BlockQuantLinear:
             chosen = head_kind if name == "lm_head" and head_kind else kind
-            return cls(BlockWeights.quantize(weight, chosen), bias)
+            return cls(BlockWeights.quantize(weight, chosen), bias, activation_bits)
         return make
 
     @classmethod
     def concatenate(cls, layers: list[BlockQuantLinear]) -> BlockQuantLinear:
         """One layer whose outputs are ``layers``' side by side, bit for bit (rows are independent)."""
+        if len({layer.activation_bits for layer in layers}) != 1:
+            raise ValueError("only block layers with one activation width can be concatenated")
         biases = [layer.bias for layer in layers]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers)])
-        return cls(BlockWeights.concatenate([layer.weights for layer in layers]), bias)
+        return cls(BlockWeights.concatenate([layer.weights for layer in layers]), bias, layers[0].activation_bits)
 
     @property
     def nbytes(self) -> int:
         return self.weights.nbytes
 
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.weights.kind} x a{self.activation_bits}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = block_linear(x, self.weights, None if self.bias is None else self.bias)
+        out = block_linear(x, self.weights, self.bias, planes=ACTIVATION_PLANES[self.activation_bits])
         return out.to(x.dtype)

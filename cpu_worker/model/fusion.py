@@ -31,7 +31,8 @@ def _concatenate(layers: Sequence[nn.Module], dense: bool) -> nn.Module | None:
         return None
     blocks = [layer for layer in layers if isinstance(layer, BlockQuantLinear)]
     if len(blocks) == len(layers):
-        return BlockQuantLinear.concatenate(blocks) if len({layer.weights.kind for layer in blocks}) == 1 else None
+        same = len({(layer.weights.kind, layer.activation_bits) for layer in blocks}) == 1
+        return BlockQuantLinear.concatenate(blocks) if same else None
     linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
     if not dense or len(linears) != len(layers) or len({layer.weight.dtype for layer in linears}) != 1 \
             or any(layer.weight.is_meta for layer in linears):

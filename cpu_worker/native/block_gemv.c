@@ -1,8 +1,16 @@
 /* Block-quantized linear layers: weights in blocks of 32 along k, each block with its own scale, as
  * llama.cpp's Q8_0 (int8, scale d), Q4_0 (4 bits, q - 8, scale d) and Q4_1 (4 bits, q, scale d and
- * minimum m) hold them; activations quantized per block of 32 as well (int8, q = round(x / d_x),
- * d_x = max|x| / 127 over the block). y[m, n] = sum over blocks b of d_w[n, b] d_x[m, b] dot(w, x)
- * (+ m_w[n, b] d_x[m, b] sum(x_q) for Q4_1) (+ bias[n]).
+ * minimum m) hold them; activations quantized per block of 32 as well, to 8 bits (q = round(x / d_x),
+ * d_x = max|x| / 127 over the block, one plane) or to 16 (d_x = max|x| / 32512, q = 255 h + l with
+ * the digits h and l in [-127, 127], two planes of int8: see dovetail_quantize_blocks).
+ * y[m, n] = sum over blocks b of d_w[n, b] d_x[m, b] dot(w, q) (+ m_w[n, b] d_x[m, b] sum(q) for
+ * Q4_1) (+ bias[n]); with two planes dot(w, q) = 255 dot(w, h) + dot(w, l), exact in int32.
+ *
+ * Why 16-bit activations: at 8 bits the activations' rounding is half of what Q8_0 x Q8_0 loses on a
+ * real model (SmolLM2-135M-Instruct: KL 0.0046 from fp32 at Q8_0 x Q8_0, 0.0013 with fp32 activations;
+ * tools/bench_quality). Two planes of the same int8 dot products keep every SIMD path (VNNI's
+ * unsigned x signed bytes, AVX2's pair sums, AMX) exact, at twice the arithmetic per weight byte,
+ * which a memory-bound decode hardly sees.
  *
  * Why blocks: one scale across a whole weight row, or a whole token, is too coarse for a real model
  * (outlier channels): on SmolLM2-135M-Instruct per-row int8 keeps ~11 of 48 greedy tokens of fp32's,
@@ -22,13 +30,18 @@
  * unsigned already. AVX2 without VNNI gets the same sums from maddubs (pairs; at most 2 * 128 * 127
  * in magnitude, no saturation) and madd against ones.
  *
- * Layout (BlockWeights; GGUF's blocks regrouped at load, every byte kept): outputs in groups of 8,
+ * Layout (BlockWeights; GGUF's blocks regrouped at load, every byte kept): outputs in groups of 16,
  * each group one sequential stream of its blocks. In a (group, block), the 32 inputs are 8 chunks of
- * 4; Q8_0 holds 8 vectors of 32 bytes, vector c = chunk c of the 8 outputs side by side (4 bytes an
- * output), so one dpbusd against chunk c of x broadcast adds 4 products to each output's lane and a
- * block's 8 totals need no horizontal sum. Q4_0 and Q4_1 hold 4 such vectors, chunk v in the low
- * nibbles and chunk v + 4 in the high ones. Scales (and Q4_1's minimums) are fp16, [groups, k / 32, 8].
- * A last partial group is padded with zero weights and scales.
+ * 4; Q8_0 holds 8 vectors of 64 bytes, vector c = chunk c of the 16 outputs side by side (4 bytes an
+ * output): AMX's weight tile for the block as it lies (8 rows of 64 bytes), and for VNNI one dpbusd
+ * against chunk c of x broadcast adds 4 products to each output's lane (8 lanes a 32-byte half), so a
+ * block's totals need no horizontal sum. Q4_0 and Q4_1 hold 4 such vectors, chunk v in the low
+ * nibbles and chunk v + 4 in the high ones. Scales (and Q4_1's minimums) are fp16, [groups, k / 32,
+ * 16]. A last partial group is padded with zero weights and scales.
+ *
+ * AMX (Sapphire Rapids on): from a few activation rows up, one TDPBSSD per (group, block) multiplies
+ * 16 planes of activations by the block's weight tile into the same integer totals, so a tree of
+ * 16 rows costs little more arithmetic time than one row (dovetail_block_amx_from sets where).
  */
 #include "dovetail.h"
 
@@ -48,6 +61,7 @@
 #define BLOCK_SIMD 0
 #endif
 
+#define GROUP_ROWS 4 /* activation planes per pass over a group's weights (4 rows of 8 bits, 2 of 16) */
 #define BLOCK_Q8_0 DOVETAIL_BLOCK_Q8_0
 #define BLOCK_Q4_0 DOVETAIL_BLOCK_Q4_0
 #define BLOCK_Q4_1 DOVETAIL_BLOCK_Q4_1
@@ -84,55 +98,75 @@ static inline float half_to_float_exact(uint16_t h) {
 #endif
 }
 
-/* Activations: per block of 32, d = max|x| / 127 and q = nearbyint(x / d) in [-127, 127] (all zero
- * for a zero block); sums[b] = sum of the block's q (Q4_1's minimum term). k % 32 == 0. */
-void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums, int64_t rows, int64_t k) {
+/* Activations: per block of 32 of each row, all zero for a zero block.
+ * planes 1: d = max|x| / 127, q = nearbyint(x / d) in [-127, 127]: q[m * k + i].
+ * planes 2: d = max|x| / 32512, v = nearbyint(x / d) in [-32512, 32512], written as the balanced
+ *   base-255 digits h = nearbyint(v / 255) and l = v - 255 h, both in [-127, 127] (so VNNI's sign
+ *   trick applies to each): h at q[(m * 2) * k + i], l at q[(m * 2 + 1) * k + i].
+ * sums[m * blocks + b] = the block's sum of q (v for two planes; Q4_1's minimum term). k % 32 == 0. */
+void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums, int64_t rows, int64_t k,
+                              int planes) {
     int64_t blocks = k / QBLOCK;
+    const float top = planes == 2 ? 32512.0f : 127.0f;
     for (int64_t m = 0; m < rows; m++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *in = x + m * k + b * QBLOCK;
             float amax = 0.0f;
             for (int j = 0; j < QBLOCK; j++) amax = fabsf(in[j]) > amax ? fabsf(in[j]) : amax;
-            float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *out = q + m * k + b * QBLOCK;
+            float scale = amax / top, inverse = amax > 0.0f ? top / amax : 0.0f;
+            int8_t *high = q + m * planes * k + b * QBLOCK, *low = high + k;
             int32_t sum = 0;
             for (int j = 0; j < QBLOCK; j++) {
                 float v = nearbyintf(in[j] * inverse);
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                out[j] = (int8_t)v;
-                sum += out[j];
+                v = v > top ? top : (v < -top ? -top : v);
+                int32_t value = (int32_t)v;
+                sum += value;
+                if (planes == 2) {
+                    int32_t h = value >= 0 ? (value + 127) / 255 : -((127 - value) / 255);
+                    high[j] = (int8_t)h;
+                    low[j] = (int8_t)(value - 255 * h);
+                } else {
+                    high[j] = (int8_t)value;
+                }
             }
             d[m * blocks + b] = scale;
             sums[m * blocks + b] = sum;
         }
 }
 
-/* Bytes of one (group, block): 8 outputs x 32 inputs at 8 or 4 bits. */
-static inline int64_t group_block_bytes(int type) { return type == BLOCK_Q8_0 ? 8 * QBLOCK : 4 * QBLOCK; }
+#define GROUP_OUT 16 /* outputs a group */
+
+/* Bytes of one (group, block): 16 outputs x 32 inputs at 8 or 4 bits. */
+static inline int64_t group_block_bytes(int type) { return type == BLOCK_Q8_0 ? 16 * QBLOCK : 8 * QBLOCK; }
 
 /* Weight (output o of the group, input kk of the block) as a signed integer (Q4_0: q - 8; Q4_1: q). */
 static inline int32_t weight_value(const uint8_t *group_block, int type, int o, int kk) {
     int chunk = kk >> 2, j = kk & 3;
-    if (type == BLOCK_Q8_0) return ((const int8_t *)group_block)[chunk * 32 + o * 4 + j];
-    uint8_t byte = group_block[(chunk & 3) * 32 + o * 4 + j];
+    if (type == BLOCK_Q8_0) return ((const int8_t *)group_block)[chunk * 64 + o * 4 + j];
+    uint8_t byte = group_block[(chunk & 3) * 64 + o * 4 + j];
     int32_t q = chunk < 4 ? (byte & 0x0f) : (byte >> 4);
     return type == BLOCK_Q4_0 ? q - 8 : q;
 }
 
 #if !BLOCK_SIMD
-/* One (row, output) by the reference sequence: the plain C path. */
+/* One (row, output) by the reference sequence: the plain C path. xq: the row's planes, k apart. */
 static float dot_one(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type, int o,
-                     const int8_t *xq, const float *xd, const int32_t *xs, int64_t blocks) {
+                     const int8_t *xq, int planes, const float *xd, const int32_t *xs, int64_t k, int64_t blocks) {
     float acc = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * group_block_bytes(type);
         int32_t total = 0;
-        for (int kk = 0; kk < QBLOCK; kk++) total += weight_value(block, type, o, kk) * (int32_t)xq[b * QBLOCK + kk];
-        float scale = half_to_float_exact(scales[b * 8 + o]) * xd[b];
+        for (int p = 0; p < planes; p++) {
+            int32_t part = 0;
+            for (int kk = 0; kk < QBLOCK; kk++)
+                part += weight_value(block, type, o, kk) * (int32_t)xq[p * k + b * QBLOCK + kk];
+            total = total * 255 + part; /* two planes: 255 dot(w, h) + dot(w, l) */
+        }
+        float scale = half_to_float_exact(scales[b * GROUP_OUT + o]) * xd[b];
         float term = (float)total * scale;
         acc = acc + term;
         if (type == BLOCK_Q4_1) {
-            float min_scale = half_to_float_exact(minimums[b * 8 + o]) * xd[b];
+            float min_scale = half_to_float_exact(minimums[b * GROUP_OUT + o]) * xd[b];
             float min_term = min_scale * (float)xs[b];
             acc = acc + min_term;
         }
@@ -153,16 +187,16 @@ static inline __m256i add_lane_dots(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-#define GROUP_ROWS 4 /* activation rows per pass over a group's weights */
 #ifndef BLOCK_AHEAD /* bytes; a build flag for tuning */
 #define BLOCK_AHEAD 2048
 #endif
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Block totals of 8 outputs for `rows` (a constant after inlining: the sums stay in registers)
- * rows, chunk by chunk; even and odd chunks in separate sums (integers: the same totals), so two
- * dot products are in flight per row instead of a chain of eight. */
-static ALWAYS_INLINE void block_totals(const uint8_t *block, int type, const int8_t *const x[GROUP_ROWS],
+/* Block totals of 8 outputs (half `half` of the group's 16) for `rows` (a constant after inlining:
+ * the sums stay in registers) planes, chunk by chunk; even and odd chunks in separate sums
+ * (integers: the same totals), so two dot products are in flight per plane instead of a chain of
+ * eight. */
+static ALWAYS_INLINE void block_totals(const uint8_t *block, int type, int half, const int8_t *const x[GROUP_ROWS],
                                        const int rows, __m256i totals[GROUP_ROWS]) {
     __m256i even[GROUP_ROWS], odd[GROUP_ROWS];
     for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_si256();
@@ -170,9 +204,9 @@ static ALWAYS_INLINE void block_totals(const uint8_t *block, int type, const int
     for (int c = 0; c < 8; c++) {
         __m256i w;
         if (type == BLOCK_Q8_0) {
-            w = _mm256_loadu_si256((const __m256i *)(block + 32 * c));
+            w = _mm256_loadu_si256((const __m256i *)(block + 64 * c + 32 * half));
         } else {
-            __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 * (c & 3)));
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 64 * (c & 3) + 32 * half));
             w = _mm256_and_si256(c < 4 ? packed : _mm256_srli_epi16(packed, 4), mask);
             if (type == BLOCK_Q4_0) w = _mm256_sub_epi8(w, eight);
         }
@@ -191,12 +225,13 @@ static ALWAYS_INLINE void block_totals(const uint8_t *block, int type, const int
     for (int r = 0; r < rows; r++) totals[r] = _mm256_add_epi32(even[r], odd[r]);
 }
 
-/* One group of 8 outputs for `rows` (constant after inlining) rows: out[r * 8 + lane]. */
+/* One group of 16 outputs for `rows` rows of `planes` planes each (both constant after inlining):
+ * out[r * 16 + lane]. */
 static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
-                                         int type, const int8_t *xq, const float *xd, const int32_t *xs,
-                                         const int rows, int64_t k, int64_t blocks, float *out) {
-    __m256 acc[GROUP_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+                                         int type, const int8_t *xq, const int planes, const float *xd,
+                                         const int32_t *xs, const int rows, int64_t k, int64_t blocks, float *out) {
+    __m256 acc[2][GROUP_ROWS];
+    for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     const int64_t bytes = group_block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         /* Keep more lines of the group's stream in flight than the loads alone ask for (as
@@ -204,82 +239,272 @@ static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *s
         for (int64_t line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(group + b * bytes + BLOCK_AHEAD + line), _MM_HINT_T0);
         const int8_t *x[GROUP_ROWS];
-        for (int r = 0; r < rows; r++) x[r] = xq + r * k + b * QBLOCK;
-        __m256i totals[GROUP_ROWS];
-        block_totals(group + b * bytes, type, x, rows, totals);
-        __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * 8)));
-        for (int r = 0; r < rows; r++) {
-            __m256 x_scale = _mm256_set1_ps(xd[r * blocks + b]);
-            __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(totals[r]), _mm256_mul_ps(weight_scale, x_scale));
-            acc[r] = _mm256_add_ps(acc[r], term);
-            if (type == BLOCK_Q4_1) {
-                __m256 weight_min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + b * 8)));
-                __m256 min_term = _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale),
-                                                _mm256_set1_ps((float)xs[r * blocks + b]));
-                acc[r] = _mm256_add_ps(acc[r], min_term);
+        for (int p = 0; p < rows * planes; p++) x[p] = xq + p * k + b * QBLOCK;
+        for (int half = 0; half < 2; half++) {
+            __m256i totals[GROUP_ROWS];
+            block_totals(group + b * bytes, type, half, x, rows * planes, totals);
+            if (planes == 2) /* 255 dot(w, h) + dot(w, l) = (dot(w, h) << 8) - dot(w, h) + dot(w, l) */
+                for (int r = 0; r < rows; r++)
+                    totals[r] = _mm256_add_epi32(
+                        _mm256_sub_epi32(_mm256_slli_epi32(totals[2 * r], 8), totals[2 * r]), totals[2 * r + 1]);
+            const int64_t lanes = b * GROUP_OUT + 8 * half;
+            __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + lanes)));
+            for (int r = 0; r < rows; r++) {
+                __m256 x_scale = _mm256_set1_ps(xd[r * blocks + b]);
+                __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(totals[r]), _mm256_mul_ps(weight_scale, x_scale));
+                acc[half][r] = _mm256_add_ps(acc[half][r], term);
+                if (type == BLOCK_Q4_1) {
+                    __m256 weight_min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + lanes)));
+                    __m256 min_term = _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale),
+                                                    _mm256_set1_ps((float)xs[r * blocks + b]));
+                    acc[half][r] = _mm256_add_ps(acc[half][r], min_term);
+                }
             }
         }
     }
-    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + GROUP_OUT * r, acc[0][r]);
+        _mm256_storeu_ps(out + GROUP_OUT * r + 8, acc[1][r]);
+    }
 }
 
-/* dot_group_rows for each type and row count as constants (the compiler specializes every one). */
+/* dot_group_rows for each type, plane count and row count as constants (the compiler specializes
+ * every one): up to GROUP_ROWS planes a pass. */
 static ALWAYS_INLINE void dot_group_typed(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
-                                          const int type, const int8_t *xq, const float *xd, const int32_t *xs,
-                                          int rows, int64_t k, int64_t blocks, float *out) {
+                                          const int type, const int8_t *xq, int planes, const float *xd,
+                                          const int32_t *xs, int rows, int64_t k, int64_t blocks, float *out) {
+    if (planes == 2) {
+        if (rows == 1)
+            dot_group_rows(group, scales, minimums, type, xq, 2, xd, xs, 1, k, blocks, out);
+        else
+            dot_group_rows(group, scales, minimums, type, xq, 2, xd, xs, 2, k, blocks, out);
+        return;
+    }
     switch (rows) {
-    case 1: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 1, k, blocks, out); break;
-    case 2: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 2, k, blocks, out); break;
-    case 3: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 3, k, blocks, out); break;
-    default: dot_group_rows(group, scales, minimums, type, xq, xd, xs, 4, k, blocks, out); break;
+    case 1: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 1, k, blocks, out); break;
+    case 2: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 2, k, blocks, out); break;
+    case 3: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 3, k, blocks, out); break;
+    default: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 4, k, blocks, out); break;
     }
 }
 
 static void dot_group(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type,
-                      const int8_t *xq, const float *xd, const int32_t *xs, int rows, int64_t k, int64_t blocks,
-                      float *out) {
+                      const int8_t *xq, int planes, const float *xd, const int32_t *xs, int rows, int64_t k,
+                      int64_t blocks, float *out) {
     if (type == BLOCK_Q8_0)
-        dot_group_typed(group, scales, minimums, BLOCK_Q8_0, xq, xd, xs, rows, k, blocks, out);
+        dot_group_typed(group, scales, minimums, BLOCK_Q8_0, xq, planes, xd, xs, rows, k, blocks, out);
     else if (type == BLOCK_Q4_0)
-        dot_group_typed(group, scales, minimums, BLOCK_Q4_0, xq, xd, xs, rows, k, blocks, out);
+        dot_group_typed(group, scales, minimums, BLOCK_Q4_0, xq, planes, xd, xs, rows, k, blocks, out);
     else
-        dot_group_typed(group, scales, minimums, BLOCK_Q4_1, xq, xd, xs, rows, k, blocks, out);
+        dot_group_typed(group, scales, minimums, BLOCK_Q4_1, xq, planes, xd, xs, rows, k, blocks, out);
 }
 #endif
 
-/* y[rows, n_out] for activations quantized by dovetail_quantize_blocks. Weights, scales and
- * minimums (Q4_1 only) in the layout above; bias may be NULL. Returns -1 for an unknown type or a k
- * that is not a multiple of 32. */
-int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, const uint8_t *w,
-                          const uint16_t *scales, const uint16_t *minimums, int type, const float *bias, float *y,
-                          int64_t n_out, int64_t k, int threads) {
-    if (k % QBLOCK != 0 || type < BLOCK_Q8_0 || type > BLOCK_Q4_1) return -1;
-    if (type == BLOCK_Q4_1 && minimums == NULL) return -1;
-    int64_t blocks = k / QBLOCK, groups = (n_out + 7) / 8, group_bytes = blocks * group_block_bytes(type);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group = w + g * group_bytes;
-        const uint16_t *group_scales = scales + g * blocks * 8;
-        const uint16_t *group_mins = minimums ? minimums + g * blocks * 8 : NULL;
-        int count = n_out - g * 8 < 8 ? (int)(n_out - g * 8) : 8;
-        for (int64_t m = 0; m < rows; m += 4) {
-            int chunk = rows - m < 4 ? (int)(rows - m) : 4;
-            float out[4 * 8];
-#if BLOCK_SIMD
-            dot_group(group, group_scales, group_mins, type, xq + m * k, xd + m * blocks, xs + m * blocks, chunk, k,
-                      blocks, out);
-#else
-            for (int r = 0; r < chunk; r++)
-                for (int o = 0; o < count; o++)
-                    out[8 * r + o] = dot_one(group, group_scales, group_mins, type, o, xq + (m + r) * k,
-                                             xd + (m + r) * blocks, xs + (m + r) * blocks, blocks);
-#endif
-            for (int r = 0; r < chunk; r++)
-                for (int o = 0; o < count; o++) {
-                    float value = out[8 * r + o];
-                    y[(m + r) * n_out + g * 8 + o] = bias ? value + bias[g * 8 + o] : value;
-                }
+#if BLOCK_SIMD && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define BLOCK_AMX 1
+/* ---- AMX: one TDPBSSD per (group, block) for up to 16 planes of activations ---- */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} block_tile_config;
+
+/* tmm0, tmm1: two sets of 16 planes' totals (16 x 16 int32); tmm2, tmm3: their activations (16
+ * planes x 32 bytes: one block); tmm4: the block's weights (8 rows of 64 bytes, K = 32). Thread
+ * state: every thread configures its own. */
+static void block_amx_configure(void) {
+    block_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = t < 2 ? 64 : 32;
+    }
+    config.rows[4] = 8;
+    config.colsb[4] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* A 4-bit (group, block) as AMX's weight tile: 8 rows of 64 signed bytes (Q4_0: q - 8). */
+static inline void unpack_nibbles(const uint8_t *block, int type, int8_t *tile) {
+    const __m512i mask = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    for (int v = 0; v < 4; v++) {
+        __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * v));
+        __m512i low = _mm512_and_si512(packed, mask), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+        if (type == BLOCK_Q4_0) {
+            low = _mm512_sub_epi8(low, eight);
+            high = _mm512_sub_epi8(high, eight);
+        }
+        _mm512_storeu_si512((void *)(tile + 64 * v), low);
+        _mm512_storeu_si512((void *)(tile + 64 * (v + 4)), high);
+    }
+}
+
+/* acc[r] (16 lanes) + block b's terms for `count` rows whose plane totals are sums[r * planes + p]:
+ * the reference sequence, 16 outputs side by side. */
+static inline void amx_accumulate(const int32_t *sums, int planes, int count, const uint16_t *scales,
+                                  const uint16_t *minimums, int type, const float *xd, const int32_t *xs,
+                                  int64_t blocks, int64_t b, __m512 *acc) {
+    __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * GROUP_OUT)));
+    __m512 weight_min = _mm512_setzero_ps();
+    if (type == BLOCK_Q4_1)
+        weight_min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(minimums + b * GROUP_OUT)));
+    for (int r = 0; r < count; r++) {
+        __m512i total = _mm512_loadu_si512((const void *)(sums + r * planes * GROUP_OUT));
+        if (planes == 2) {
+            __m512i low = _mm512_loadu_si512((const void *)(sums + (2 * r + 1) * GROUP_OUT));
+            total = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(total, 8), total), low);
+        }
+        __m512 x_scale = _mm512_set1_ps(xd[r * blocks + b]);
+        __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(weight_scale, x_scale));
+        acc[r] = _mm512_add_ps(acc[r], term);
+        if (type == BLOCK_Q4_1) {
+            __m512 min_term = _mm512_mul_ps(_mm512_mul_ps(weight_min, x_scale), _mm512_set1_ps((float)xs[r * blocks + b]));
+            acc[r] = _mm512_add_ps(acc[r], min_term);
         }
     }
+}
+
+#define AMX_PLANES 32 /* planes a pass: two activation tiles against one weight tile */
+
+/* One group of 16 outputs for `count` rows (count * planes <= AMX_PLANES) of the padded planes xq:
+ * out[r * 16 + lane]. */
+static void amx_group_rows(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type,
+                           const int8_t *xq, int planes, const float *xd, const int32_t *xs, int count, int64_t k,
+                           int64_t blocks, float *out) {
+    __m512 acc[AMX_PLANES];
+    for (int r = 0; r < count; r++) acc[r] = _mm512_setzero_ps();
+    int32_t sums[AMX_PLANES * GROUP_OUT] __attribute__((aligned(64)));
+    int8_t tile[8 * 64] __attribute__((aligned(64)));
+    const int two = count * planes > 16;
+    const int64_t bytes = group_block_bytes(type);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * bytes;
+        for (int64_t line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(block + BLOCK_AHEAD + line), _MM_HINT_T0);
+        if (type == BLOCK_Q8_0) {
+            _tile_loadd(4, block, 64);
+        } else {
+            unpack_nibbles(block, type, tile);
+            _tile_loadd(4, tile, 64);
+        }
+        _tile_zero(0);
+        _tile_loadd(2, xq + b * QBLOCK, k);
+        _tile_dpbssd(0, 2, 4);
+        _tile_stored(0, sums, 64);
+        if (two) {
+            _tile_zero(1);
+            _tile_loadd(3, xq + 16 * k + b * QBLOCK, k);
+            _tile_dpbssd(1, 3, 4);
+            _tile_stored(1, sums + 16 * GROUP_OUT, 64);
+        }
+        amx_accumulate(sums, planes, count, scales, minimums, type, xd, xs, blocks, b, acc);
+    }
+    for (int r = 0; r < count; r++) _mm512_storeu_ps(out + GROUP_OUT * r, acc[r]);
+}
+
+static int block_amx_min_planes = 8; /* calls of fewer planes (rows x planes) take the VNNI loop */
+int dovetail_block_amx_ready(void) { return dovetail_int8_amx_ready(); }
+#else
+#define BLOCK_AMX 0
+int dovetail_block_amx_ready(void) { return 0; }
+#endif
+
+/* Calls of at least `planes` activation planes (rows x 1 or 2) take the AMX path where the build
+ * and the CPU have one (benchmarks and tests move it; the bits are the same either way). */
+void dovetail_block_amx_from(int planes) {
+#if BLOCK_AMX
+    block_amx_min_planes = planes;
+#else
+    (void)planes;
+#endif
+}
+
+/* One group's outputs for rows m .. m + count (count * planes within a pass): into out[r * 16 + o]. */
+static void group_rows(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type,
+                       const int8_t *xq, int planes, const float *xd, const int32_t *xs, int count, int use_amx,
+                       int64_t k, float *out) {
+    int64_t blocks = k / QBLOCK;
+#if BLOCK_AMX
+    if (use_amx) {
+        amx_group_rows(group, scales, minimums, type, xq, planes, xd, xs, count, k, blocks, out);
+        return;
+    }
+#endif
+    (void)use_amx;
+#if BLOCK_SIMD
+    dot_group(group, scales, minimums, type, xq, planes, xd, xs, count, k, blocks, out);
+#else
+    for (int r = 0; r < count; r++)
+        for (int o = 0; o < GROUP_OUT; o++)
+            out[GROUP_OUT * r + o] = dot_one(group, scales, minimums, type, o, xq + r * planes * k, planes,
+                                             xd + r * blocks, xs + r * blocks, k, blocks);
+#endif
+}
+
+/* y for groups [g0, g1) of 16 outputs: every pass of rows through each group's stream. */
+static void linear_groups(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int planes,
+                          const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type,
+                          const float *bias, float *y, int64_t n_out, int64_t k, int64_t g, int use_amx) {
+    int64_t blocks = k / QBLOCK;
+    const uint8_t *group = w + g * blocks * group_block_bytes(type);
+    const uint16_t *group_scales = scales + g * blocks * GROUP_OUT;
+    const uint16_t *group_mins = minimums ? minimums + g * blocks * GROUP_OUT : NULL;
+    int outputs = n_out - g * GROUP_OUT < GROUP_OUT ? (int)(n_out - g * GROUP_OUT) : GROUP_OUT;
+#if BLOCK_AMX
+    const int step = use_amx ? AMX_PLANES / planes : GROUP_ROWS / planes; /* rows a pass */
+    float out[AMX_PLANES * GROUP_OUT];
+#else
+    const int step = GROUP_ROWS / planes;
+    float out[GROUP_ROWS * GROUP_OUT];
+#endif
+    for (int64_t m = 0; m < rows; m += step) {
+        int count = rows - m < step ? (int)(rows - m) : step;
+        group_rows(group, group_scales, group_mins, type, xq + m * planes * k, planes, xd + m * blocks,
+                   xs + m * blocks, count, use_amx, k, out);
+        for (int r = 0; r < count; r++)
+            for (int o = 0; o < outputs; o++) {
+                float value = out[GROUP_OUT * r + o];
+                y[(m + r) * n_out + g * GROUP_OUT + o] = bias ? value + bias[g * GROUP_OUT + o] : value;
+            }
+    }
+}
+
+/* y[rows, n_out] for activations quantized by dovetail_quantize_blocks with `planes` planes (1 or
+ * 2). Weights, scales and minimums (Q4_1 only) in the layout above; bias may be NULL. Returns -1
+ * for an unknown type or plane count, or a k that is not a multiple of 32, DOVETAIL_NO_MEMORY when
+ * the AMX path's padded copy of the activations could not be allocated. */
+int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int planes,
+                          const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type,
+                          const float *bias, float *y, int64_t n_out, int64_t k, int threads) {
+    if (k % QBLOCK != 0 || type < BLOCK_Q8_0 || type > BLOCK_Q4_1 || planes < 1 || planes > 2) return -1;
+    if (type == BLOCK_Q4_1 && minimums == NULL) return -1;
+    int64_t groups = (n_out + GROUP_OUT - 1) / GROUP_OUT;
+    int use_amx = 0;
+    int8_t *padded = NULL;
+#if BLOCK_AMX
+    use_amx = rows * planes >= block_amx_min_planes && dovetail_block_amx_ready();
+    if (use_amx && (rows * planes) % 16 != 0) { /* activation tiles are 16 planes tall: pad with zeros */
+        int64_t planes_total = rows * planes, full = (planes_total + 15) / 16 * 16;
+        padded = (int8_t *)calloc((size_t)(full * k), 1);
+        if (padded == NULL) return DOVETAIL_NO_MEMORY;
+        memcpy(padded, xq, (size_t)(planes_total * k));
+        xq = padded;
+    }
+#endif
+#pragma omp parallel num_threads(threads)
+    {
+#if BLOCK_AMX
+        if (use_amx) block_amx_configure();
+#endif
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++)
+            linear_groups(xq, xd, xs, rows, planes, w, scales, minimums, type, bias, y, n_out, k, g, use_amx);
+#if BLOCK_AMX
+        if (use_amx) _tile_release();
+#endif
+    }
+    free(padded);
     return 0;
 }

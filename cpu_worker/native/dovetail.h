@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 2
+#define DOVETAIL_ABI_VERSION 4
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -134,10 +134,13 @@ void dovetail_silu_mul(const float *gate, const float *up, int64_t stride, float
 /* ---- block_gemv.c: linears on block-quantized weights (Q8_0, Q4_0, Q4_1) ---- */
 
 int dovetail_block_simd(void);
-void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums, int64_t rows, int64_t k);
-int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, const uint8_t *w,
-                          const uint16_t *scales, const uint16_t *minimums, int type, const float *bias, float *y,
-                          int64_t n_out, int64_t k, int threads);
+int dovetail_block_amx_ready(void);
+void dovetail_block_amx_from(int planes);
+void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums, int64_t rows, int64_t k,
+                              int planes);
+int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int planes,
+                          const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type,
+                          const float *bias, float *y, int64_t n_out, int64_t k, int threads);
 
 /* ---- decoder_layers.c: a target's decoder layers in one call ---- */
 

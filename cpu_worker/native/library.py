@@ -40,7 +40,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default ~/.cache/dovetail/kernels)
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 2
+ABI_VERSION = 4
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES = 0, 1, 2, 3  # a Linear's kind
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2  # a weight's source dtype for the quantizer
@@ -123,8 +123,10 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_rope_qkv": ([_P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _I64, _I64, _I64, _I64, _INT], None),
     "dovetail_silu_mul": ([_P, _P, _I64, _P, _I64, _I64, _INT], None),
     "dovetail_block_simd": ([], _INT),
-    "dovetail_quantize_blocks": ([_P, _P, _P, _P, _I64, _I64], None),
-    "dovetail_block_linear": ([_P, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _I64, _I64, _INT], _INT),
+    "dovetail_block_amx_ready": ([], _INT),
+    "dovetail_block_amx_from": ([_INT], None),
+    "dovetail_quantize_blocks": ([_P, _P, _P, _P, _I64, _I64, _INT], None),
+    "dovetail_block_linear": ([_P, _P, _P, _I64, _INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _INT], _INT),
     "dovetail_decoder_scratch": ([_P, _I64], _I64),
     "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT], _INT),
 }

@@ -1,5 +1,5 @@
-"""Block-quantized linears (Q8_0, Q4_0, Q4_1 weights; int8 activations per block of 32): a row's
-bits never depend on its call-mates, every build gives the same bits, and the result is the
+"""Block-quantized linears (Q8_0, Q4_0, Q4_1 weights; activations per block of 32 at 8 or 16 bits):
+a row's bits never depend on its call-mates, every build gives the same bits, and the result is the
 dequantized product."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from tools import quant_reference
 BUILDS = [(["-march=x86-64-v2"], set(), 0),
           (["-march=x86-64-v3"], {"avx2", "fma", "f16c", "bmi2", "movbe"}, 1),
           (["-march=x86-64-v3", "-mavxvnni"], {"avx2", "fma", "f16c", "bmi2", "movbe", "avx_vnni"}, 2),
-          (["-march=x86-64-v4", "-mavx512vnni"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, 2)]
+          (["-march=x86-64-v4", "-mavx512vnni"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, 2),
+          (["-march=sapphirerapids"], {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}, 2)]
 KINDS = list(block_quant.TYPES)
 
 
@@ -35,12 +36,31 @@ def runnable_builds(directory: Path) -> list[tuple[str, object]]:
     return built
 
 
-def per_block_int8(x: torch.Tensor) -> torch.Tensor:
-    """The activations as the kernel rounds them: per 32 values, fp32 scale max|x| / 127."""
+def per_block_int8(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """The activations as the kernel rounds them: per 32 values, fp32 scale max|x| / 127 (8 bits)
+    or max|x| / 32512 (16)."""
+    top = 127 if bits == 8 else 32512
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)).clamp(-127, 127)
-    return (q * (amax / 127)).reshape(x.shape)
+    q = torch.round(blocks * torch.where(amax > 0, top / amax, 0)).clamp(-top, top)
+    return (q * (amax / top)).reshape(x.shape)
+
+
+def test_16_bit_activations_are_two_int8_digits_of_the_rounded_value():
+    x = torch.randn(3, 96) * torch.logspace(-3, 3, 3).unsqueeze(1)
+    x[1, 32:64] = 0.0
+    x[2, 5] = -x[2, 64:96].abs().max() * 2  # the block's extreme, negative: v = -32512
+    planes, scales, sums = block_quant.quantize_activations(x, 2)
+    high, low = planes[:, 0].int(), planes[:, 1].int()
+    assert int(high.abs().max()) <= 127 and int(low.abs().max()) <= 127  # VNNI's sign trick needs |digit| <= 127
+    value = 255 * high + low
+    amax = x.reshape(3, 3, 32).abs().amax(-1, keepdim=True)
+    expected = torch.round(x.reshape(3, 3, 32) * torch.where(amax > 0, 32512 / amax, 0)).clamp(-32512, 32512)
+    assert torch.equal(value.reshape(3, 3, 32), expected.int()) and int(value.min()) == -32512
+    assert torch.equal(sums, value.reshape(3, 3, 32).sum(-1))
+    assert not value[1, 32:64].any() and scales[1, 1] == 0
+    torch.testing.assert_close(value.float().reshape(3, 3, 32) * scales.unsqueeze(-1), x.reshape(3, 3, 32),
+                               rtol=0, atol=float(x.abs().max()) / 32512)
 
 
 @pytest.fixture
@@ -52,15 +72,15 @@ def use_library(monkeypatch):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
-    weight = torch.randn(24, 256) * torch.logspace(-3, 1, 24).unsqueeze(1)
+    weight = torch.randn(32, 256) * torch.logspace(-3, 1, 32).unsqueeze(1)
     weight[0, :32] = 0.0
     blocks = block_quant.BlockWeights.quantize(weight, kind)
     assert torch.equal(blocks.dequantize(), getattr(quant_reference, kind)(weight))
     gguf = blocks.gguf_blocks()
-    assert gguf.shape == (24, 256 if kind == "q8_0" else 128)
-    assert blocks.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind] * 24 * 256 // 32  # GGUF's block sizes
-    minimums = None if blocks.minimums is None else block_quant.ungroup(blocks.minimums, 24)
-    again = block_quant.BlockWeights.from_blocks(kind, gguf, block_quant.ungroup(blocks.scales, 24), minimums, 256)
+    assert gguf.shape == (32, 256 if kind == "q8_0" else 128)
+    assert blocks.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind] * 32 * 256 // 32  # GGUF's block sizes
+    minimums = None if blocks.minimums is None else block_quant.ungroup(blocks.minimums, 32)
+    again = block_quant.BlockWeights.from_blocks(kind, gguf, block_quant.ungroup(blocks.scales, 32), minimums, 256)
     assert torch.equal(again.data, blocks.data) and torch.equal(again.dequantize(), blocks.dequantize())
 
 
@@ -69,15 +89,17 @@ def test_the_kernel_layout_keeps_every_value_and_pads_a_last_group():
         values = torch.randint(-127 if kind == "q8_0" else 0, 128 if kind == "q8_0" else 16, (13, 96),
                                dtype=torch.int16)
         laid = block_quant.interleave(kind, values)
-        assert laid.shape == (2, 3 * (256 if kind == "q8_0" else 128))  # 16 rows: 3 padded with zeros
+        assert laid.shape == (1, 3 * (512 if kind == "q8_0" else 256))  # 16 rows: 3 padded with zeros
         assert torch.equal(block_quant.deinterleave(kind, laid, 13, 96), values)
         assert not block_quant.deinterleave(kind, laid, 16, 96)[13:].any()
 
 
-def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_path, use_library):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_path, use_library, bits):
     builds = runnable_builds(tmp_path)
     assert builds[0][0] == "-march=x86-64-v2"
     generator = torch.Generator().manual_seed(0)
+    planes = block_quant.ACTIVATION_PLANES[bits]
     for kind in KINDS:
         for n_out, k in ((37, 256), (5, 32), (64, 4096)):
             weight = torch.randn(n_out, k, generator=generator) * 0.05
@@ -90,26 +112,55 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_
             first = None
             for name, library in builds:
                 use_library(library)
-                alone = torch.cat([block_quant.block_linear(rows[i:i + 1], blocks, bias) for i in range(11)])
+                alone = torch.cat([block_quant.block_linear(rows[i:i + 1], blocks, bias, planes=planes)
+                                   for i in range(11)])
                 for count in range(2, 12):
-                    assert torch.equal(block_quant.block_linear(rows[:count], blocks, bias), alone[:count]), \
-                        (name, kind, k, count)
-                assert torch.equal(block_quant.block_linear(rows, blocks, bias, threads=1), alone)
+                    assert torch.equal(block_quant.block_linear(rows[:count], blocks, bias, planes=planes),
+                                       alone[:count]), (name, kind, k, count)
+                assert torch.equal(block_quant.block_linear(rows, blocks, bias, threads=1, planes=planes), alone)
                 if first is None:
                     first = alone
                 assert torch.equal(alone, first), (name, kind, k)
-            exact = per_block_int8(rows).double() @ blocks.dequantize().double().T + bias.double()
+            exact = per_block_int8(rows, bits).double() @ blocks.dequantize().double().T + bias.double()
             torch.testing.assert_close(first.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
 
 
-def test_a_block_linear_layer_matches_its_weights_and_says_it_is_row_invariant():
+@pytest.mark.parametrize("bits", [8, 16])
+def test_the_amx_path_gives_the_vnni_paths_bits(bits):
+    """The machine's own build: on a CPU with AMX, every row count through the tiles (from 1 plane
+    up) equals the same rows through VNNI, bit for bit, partial tiles and groups included (without
+    AMX both calls take VNNI, and the build says it has no AMX path)."""
+    library = block_quant.library()
+    assert bool(library.dovetail_block_amx_ready()) == ({"amx_tile", "amx_int8"} <= cpu_flags())
+    generator = torch.Generator().manual_seed(1)
+    planes = block_quant.ACTIVATION_PLANES[bits]
+    for kind in KINDS:
+        weight = torch.randn(37, 4096, generator=generator) * 0.05
+        blocks = block_quant.BlockWeights.quantize(weight, kind)
+        rows = torch.randn(40, 4096, generator=generator) * 3
+        bias = torch.randn(37, generator=generator)
+        try:
+            for count in (1, 2, 3, 7, 8, 9, 16, 17, 33, 40):
+                library.dovetail_block_amx_from(1 << 30)
+                vnni = block_quant.block_linear(rows[:count], blocks, bias, planes=planes)
+                library.dovetail_block_amx_from(1)
+                amx = block_quant.block_linear(rows[:count], blocks, bias, planes=planes)
+                assert torch.equal(amx, vnni), (kind, count)
+        finally:
+            library.dovetail_block_amx_from(8)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_a_block_linear_layer_matches_its_weights_and_says_it_is_row_invariant(bits):
     linear = torch.nn.Linear(64, 12)
-    layer = block_quant.BlockQuantLinear.from_linear(linear, "q4_1")
+    layer = block_quant.BlockQuantLinear.from_linear(linear, "q4_1", activation_bits=bits)
     assert layer.row_invariant
     x = torch.randn(2, 3, 64)
-    expected = torch.nn.functional.linear(per_block_int8(x.reshape(-1, 64)), layer.weights.dequantize(),
+    expected = torch.nn.functional.linear(per_block_int8(x.reshape(-1, 64), bits), layer.weights.dequantize(),
                                           linear.bias.detach())
     torch.testing.assert_close(layer(x), expected.reshape(2, 3, 12), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="8 or 16 bits"):
+        block_quant.BlockQuantLinear.from_linear(linear, "q4_1", activation_bits=4)
 
 
 def test_widths_off_the_block_and_unknown_types_are_refused():
