@@ -1,5 +1,6 @@
-"""Target precision on the CPU: fp32 (the reference), bf16, int8 (W8A8, per-token), or a block
-format (q8_0, q4_0 alias int4, q4_1: llama.cpp's blocks of 32, activations int8 per block).
+"""Target precision on the CPU: fp32 (the reference), bf16, a block format (int8: Q8_0's weights,
+activations 16 bits per block of 32; q8_0, q4_0 alias int4, q4_1: llama.cpp's blocks of 32,
+activations int8 per block), or int8-row (W8A8, one scale per weight row and per token).
 
 Lossless means equal to the target as it runs at that precision, in ``--mode ar``: every
 kernel here gives a row the same result whatever other rows share its call (see
@@ -19,7 +20,7 @@ from cpu_worker.kernels.block_quant import quantize_block_linears
 from cpu_worker.kernels.int8 import quantize_linears
 from cpu_worker.model.fusion import fuse_projections
 from cpu_worker.model.llama import LlamaDecoder
-from ipc.dtypes import BLOCK_PRECISIONS, KV_DTYPES, TARGET_PRECISIONS
+from ipc.dtypes import BLOCK_PRECISIONS, KV_DTYPES, TARGET_PRECISIONS, WIDE_ACTIVATION_PRECISIONS
 from ipc.placement import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,14 @@ def head_block_type(precision: str) -> str | None:
     return "q8_0" if kind in ("q4_0", "q4_1") else kind
 
 
+def activation_bits(precision: str) -> int:
+    """How wide a block precision quantizes its activations per block of 32: 8 or 16 bits."""
+    return 16 if precision in WIDE_ACTIVATION_PRECISIONS else 8
+
+
 def is_integer(precision: str) -> bool:
-    """int8 and the block formats: integer weights and activations, fp32 in between."""
-    return precision == "int8" or precision in BLOCK_PRECISIONS
+    """int8-row and the block formats: integer weights and activations, fp32 in between."""
+    return precision == "int8-row" or precision in BLOCK_PRECISIONS
 
 
 def activation_dtype(precision: str) -> torch.dtype:
@@ -93,7 +99,7 @@ def apply_precision(model: ModuleT, precision: str) -> tuple[ModuleT, torch.dtyp
         if kind is None:
             quantize_linears(model.float())
         else:
-            quantize_block_linears(model.float(), kind, head_block_type(precision))
+            quantize_block_linears(model.float(), kind, head_block_type(precision), activation_bits(precision))
         if isinstance(model, LlamaDecoder):
             fuse_projections(model)  # q/k/v and gate/up in one call each, the same bits
         return model, dtype

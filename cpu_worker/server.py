@@ -139,7 +139,7 @@ def forced_fp32_kernel() -> str:
 def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str = "auto",
                  aux_layers: list[int] | None = None) -> tuple[TargetEngine, str | None]:
     """The target engine exactly as the cpu_worker runs it (benchmarks time this one too), and
-    its linear layers' kernel (fp32: dovetail-fp32, mkl-packed or F.linear; int8: dovetail-amx,
+    its linear layers' kernel (fp32: dovetail-fp32, mkl-packed or F.linear; int8-row: dovetail-amx,
     dovetail-vnni, dovetail-avx2, dovetail-portable or fbgemm; block formats: dovetail-blocks-vnni,
     -avx2 or -portable; None for bf16)."""
     model = load_target_model(target, precision)
@@ -158,7 +158,7 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
             kernel = "F.linear"
             log.warning("fp32 linears run on F.linear (no exact row kernel here): trees are verified to float "
                         "tolerance, so a near-tied token may differ from --mode ar")
-    elif precision == "int8":
+    elif precision == "int8-row":
         kernel = int8_kernel.kernel_name()
     elif block_type(precision) is not None:
         kernel = block_quant.kernel_name()
@@ -172,7 +172,7 @@ def verify_cost_label(precision: str, kernel: str | None) -> str:
     """The precision as the verify-cost cache keys it: each kernel's timings apart (their trees
     cost differently), and so int8 weights in a forced layout (DOVETAIL_INT8_LAYOUT)."""
     label = f"{precision}/{kernel}" if kernel else precision
-    if precision == "int8" and int8_kernel.forced_layout() != "auto":
+    if precision == "int8-row" and int8_kernel.forced_layout() != "auto":
         label += f"/{int8_kernel.forced_layout()}"
     return label
 

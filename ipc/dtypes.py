@@ -15,11 +15,16 @@ _ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
     "fp32": "float32", "float32": "float32", "float": "float32",
 }
-# Precisions of the CPU target (a target precision is more than a dtype: int8 is W8A8 with one scale
-# per weight row and per token; q8_0, q4_0 (alias int4) and q4_1 are llama.cpp's block formats, weights
-# in blocks of 32 times int8 activations per block of 32).
-TARGET_PRECISIONS = ("fp32", "bf16", "int8", "q8_0", "q4_0", "int4", "q4_1")
-BLOCK_PRECISIONS = {"q8_0": "q8_0", "q4_0": "q4_0", "int4": "q4_0", "q4_1": "q4_1"}  # precision -> block type
+# Precisions of the CPU target (a target precision is more than a dtype). int8: Q8_0's weights (blocks
+# of 32, an fp16 scale each) times activations quantized to 16 bits per block of 32, the 8-bit that
+# keeps a real model's text; q8_0, q4_0 (alias int4) and q4_1: llama.cpp's block formats and their
+# arithmetic, activations int8 per block of 32; int8-row: W8A8 with one scale per weight row and per
+# token (the fastest 8-bit on AMX, but coarse: a real model's greedy text leaves fp32's early).
+TARGET_PRECISIONS = ("fp32", "bf16", "int8", "q8_0", "q4_0", "int4", "q4_1", "int8-row")
+BLOCK_PRECISIONS = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "int4": "q4_0",
+                    "q4_1": "q4_1"}  # precision -> block type
+# Block precisions whose activations are quantized to 16 bits per block (the others: 8).
+WIDE_ACTIVATION_PRECISIONS = ("int8",)
 # KV cache dtypes of the CPU target (auto: see cpu_worker.precision.kv_cache_dtype).
 KV_DTYPES = ("auto", "fp32", "bf16")
 

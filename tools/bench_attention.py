@@ -122,7 +122,7 @@ def engine_table(target: Path, precision: str, prompt: int, trees: list[int], re
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="also time this target's decode and verification on either attention")
-@click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True)
+@click.option("--precision", type=click.Choice(["int8-row", "fp32"]), default="int8-row", show_default=True)
 @click.option("--prompt", type=click.IntRange(min=1), default=256, show_default=True,
               help="prefix tokens before the engine's decode and verification")
 def main(contexts: str, trees: str, threads: int, repeats: int, target: Path | None, precision: str,

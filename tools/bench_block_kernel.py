@@ -20,7 +20,7 @@ import torch
 from cpu_worker.kernels import block_quant
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 
-KINDS = ("int8", "q8_0", "q8_0-a16", "q4_0", "q4_0-a16", "q4_1")
+KINDS = ("int8-row", "q8_0-a16", "q8_0", "q4_0", "q4_0-a16", "q4_1")  # q8_0-a16: the int8 precision
 
 
 def layers_for(kind: str, shape: tuple[int, int], count: int) -> tuple[list[torch.nn.Module], int]:
@@ -29,7 +29,7 @@ def layers_for(kind: str, shape: tuple[int, int], count: int) -> tuple[list[torc
     layers: list[torch.nn.Module] = []
     for _ in range(count):
         weight = torch.randn(shape, generator=generator) * 0.02
-        if kind == "int8":
+        if kind == "int8-row":
             layers.append(RowwiseInt8Linear(weight))
         else:
             block_kind, _, wide = kind.partition("-a")

@@ -1,6 +1,6 @@
 """A CPU draft's cost per tree level against its bandwidth bound, side by side in one run.
 
-    python -m tools.bench_draft_level --draft HEAD --target TARGET [--threads 2] [--precision int8]
+    python -m tools.bench_draft_level --draft HEAD --target TARGET [--threads 2] [--precision int8-row]
 
 Every tree level reads every weight of the head once (fusion, decoder layers, lm_head), so on a
 CPU a level cannot take less than head bytes / read bandwidth. This loads the head as the
@@ -49,14 +49,14 @@ def head_bytes(head: torch.nn.Module) -> int:
               help="Draft head folder.")
 @click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
               help="Its target folder (the frozen embedding and lm_head come from there).")
-@click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True)
+@click.option("--precision", type=click.Choice(["int8-row", "fp32"]), default="int8-row", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--depth", type=click.IntRange(min=2, max=10), default=6, show_default=True, help="Deepest tree timed.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 def main(draft: Path, target: Path, precision: str, threads: int, depth: int, repeats: int) -> None:
     torch.set_num_threads(threads)
     head = load_head(draft, target)
-    if precision == "int8":
+    if precision == "int8-row":
         head = head.quantize_int8()
     drafter = Drafter(head, max_len=512, scratch_len=8 * depth)
     nbytes = head_bytes(head)

@@ -70,7 +70,7 @@ def linear_table(dim: int, repeats: int) -> None:
 
 def decode_table(target: Path, repeats: int, tokens: int = 64) -> None:
     engines = {precision: TargetEngine(load_target_model(target, precision), max_len=512,
-                                       activation_dtype=activation_dtype(precision)) for precision in ("fp32", "int8")}
+                                       activation_dtype=activation_dtype(precision)) for precision in ("fp32", "int8-row")}
     prompt = list(range(3, 259))
 
     def decode(engine: TargetEngine) -> None:
@@ -87,7 +87,7 @@ def decode_table(target: Path, repeats: int, tokens: int = 64) -> None:
 
 @torch.inference_mode()
 def tree_table(target: Path, repeats: int) -> None:
-    model = load_target_model(target, "int8")
+    model = load_target_model(target, "int8-row")
     prompt = [(index * 37) % 8000 + 3 for index in range(256)]
     engines = {"exact": TargetEngine(model, max_len=400, exact_tree=True),
                "batched": TargetEngine(model, max_len=400, exact_tree=False)}

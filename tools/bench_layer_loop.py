@@ -1,7 +1,7 @@
 """Decode steps and tree verifications of the cpu_worker's engine with its decoder layers in one
 foreign call (``cpu_worker/native_layers.py``) against the Python layers, side by side.
 
-    python -m tools.bench_layer_loop --target DIR [--dtype int8] [--context 256] [--steps 40] [--trees 3,8,16]
+    python -m tools.bench_layer_loop --target DIR [--dtype int8-row] [--context 256] [--steps 40] [--trees 3,8,16]
 
 One engine (built as the cpu_worker builds it) is prefilled with a random prompt; then it takes
 turns, step by step, with the C loop on and off (which goes first alternates), so a shared
@@ -70,7 +70,7 @@ def compare(engine: TargetEngine, steps: int, trees: list[int]) -> dict[str, tup
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--dtype", default="int8", help="target precision: int8 or fp32 (the loop's kernels)")
+    parser.add_argument("--dtype", default="int8-row", help="target precision: int8-row or fp32 (the loop's kernels)")
     parser.add_argument("--kv-dtype", default="auto")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)

@@ -62,7 +62,9 @@ DEFAULT_WORK_DIR = Path("~/.cache/dovetail/standins")
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MARKER = "INFLATED.json"  # written last: a folder without it is incomplete
 STORE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+# Bytes per linear weight (the block formats: GGUF's block sizes over 32 weights).
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "int8-row": 1, "int8": 34 / 32, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                   "int4": 18 / 32, "q4_1": 20 / 32}
 Mode = Literal["dovetail", "ar"]
 # What --dry-run sets, for every option left at its default.
 DRY_RUN = {"runs": "tiny-1k:fp32", "layers": 2, "prompt_count": 2, "max_new_tokens": 8, "sweep_repeats": 2}
@@ -128,9 +130,10 @@ class Dims:
 
     def streamed_bytes(self, precision: str) -> int:
         """Bytes one decode step must read at this precision. The embedding is left out: a
-        step reads one row of it. int8 keeps norms in fp32; its per-channel scales are ~0.1%."""
+        step reads one row of it. The integer formats keep norms in fp32 (int8-row's per-channel
+        scales are ~0.1%)."""
         norm_bytes = 2 if precision == "bf16" else 4
-        return self.linear_params * PRECISION_BYTES[precision] + self.norm_params * norm_bytes
+        return int(self.linear_params * PRECISION_BYTES[precision]) + self.norm_params * norm_bytes
 
 
 def fingerprint(*folders: Path) -> str:
@@ -770,7 +773,7 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--runs", default=DEFAULT_RUNS,
               help="Comma list of SHAPE:PRECISION. Shapes are inflate.py's (tiny-1k, llama-1b, llama3-3b, "
-                   "llama2-7b, llama3-8b, llama2-13b); precisions fp32, bf16, int8. One Coordinator per item.")
+                   "llama2-7b, llama3-8b, llama2-13b); precisions fp32, bf16, int8, int8-row, q8_0, q4_0, q4_1. One Coordinator per item.")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Layer count for every target instead of the shape's own (quick runs). Never fewer than the "
                    "small target's own layers: inflate.py keeps every trained layer.")

@@ -24,7 +24,7 @@ from dovetail_runtime.draft_eval import file_prompts
 from gpu_worker.train.corpus import stdlib_files
 
 PROMPT_TOKENS = 256
-SETTINGS = (("fp32", torch.float32), ("int8", torch.float32), ("int8", torch.bfloat16), ("fp32", torch.bfloat16))
+SETTINGS = (("fp32", torch.float32), ("int8-row", torch.float32), ("int8-row", torch.bfloat16), ("fp32", torch.bfloat16))
 
 
 def heldout_prompts(target: Path, files: int) -> list[list[int]]:
@@ -54,7 +54,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {precision: load_target_model(args.target, precision) for precision in ("fp32", "int8")}
+    models = {precision: load_target_model(args.target, precision) for precision in ("fp32", "int8-row")}
     max_len = PROMPT_TOKENS + args.tokens + 1
     engines = {(precision, kv): TargetEngine(models[precision], max_len=max_len, kv_dtype=kv)
                for precision, kv in SETTINGS}

@@ -233,8 +233,12 @@ def quantize_block_linears(model: nn.Module, kind: str, head_kind: str | None = 
 
 
 def kernel_name() -> str:
-    """The block kernel's path on this CPU, as the startup log names it."""
-    return {2: "dovetail-blocks-vnni", 1: "dovetail-blocks-avx2"}.get(library().dovetail_block_simd(),
+    """The block kernel's path on this CPU, as the startup log names it (amx: tiles from a few rows
+    up, VNNI below)."""
+    handle = library()
+    if handle.dovetail_block_amx_ready():
+        return "dovetail-blocks-amx"
+    return {2: "dovetail-blocks-vnni", 1: "dovetail-blocks-avx2"}.get(handle.dovetail_block_simd(),
                                                                       "dovetail-blocks-portable")
 
 

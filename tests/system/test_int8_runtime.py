@@ -16,7 +16,7 @@ from runtime_harness import dovetail_run
 def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft, kv_dtype):
     prompt_file = tmp_path / "code.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
-    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "int8",
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "int8-row",
                         "--kv-dtype", kv_dtype, "--compare-ar", "--json", "--prompt-file", str(prompt_file),
                         "--max-new-tokens", "64", "--max-len", "2048", "--log-level", "info")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -30,7 +30,7 @@ def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_d
         assert line["stats"]["tau"] > 1.5
 
 
-@pytest.mark.parametrize("precision", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("precision", ["int8", "q4_0", "q8_0"])
 def test_block_targets_through_the_runtime_equal_ar(tmp_path, demo_target, demo_draft, precision):
     prompt_file = tmp_path / "code.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS[:2]))

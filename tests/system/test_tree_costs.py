@@ -32,20 +32,20 @@ def test_verify_cost_is_measured_per_size_and_leaves_the_engine_empty(demo_targe
 
 def test_verify_cost_cache_round_trips_and_keys_on_what_matters(tmp_path, demo_target):
     cache = VerifyCostCache(tmp_path / "sub" / "costs.json")
-    key = cache_key(demo_target, "int8", 2, [0, 1])
+    key = cache_key(demo_target, "int8-row", 2, [0, 1])
     assert cache.get(key, [1, 2]) is None
     cache.put(key, [1, 2], [4.25, 5.5])
     assert cache.get(key, [1, 2]) == [4.25, 5.5]
     assert cache.get(key, [1, 2, 4]) is None  # a size never measured: measure again
-    for other in (cache_key(demo_target, "fp32", 2, [0, 1]), cache_key(demo_target, "int8", 1, [0, 1]),
-                  cache_key(demo_target, "int8", 2, [0])):
+    for other in (cache_key(demo_target, "fp32", 2, [0, 1]), cache_key(demo_target, "int8-row", 1, [0, 1]),
+                  cache_key(demo_target, "int8-row", 2, [0])):
         assert other != key and cache.get(other, [1, 2]) is None
     # The engine's code is in the key too: a fused layer or a new kernel is measured again.
     import cpu_worker.verify_cost as verify_cost
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(verify_cost, "_engine_code_digest", lambda: "another revision")
-        assert cache_key(demo_target, "int8", 2, [0, 1]) != key
+        assert cache_key(demo_target, "int8-row", 2, [0, 1]) != key
     assert all((Path(verify_cost.__file__).parent / name).is_file() for name in verify_cost.ENGINE_SOURCES)
     cache.path.write_text("{not json")
     assert cache.get(key, [1, 2]) is None
@@ -62,11 +62,11 @@ def test_each_kernel_and_forced_int8_layout_keeps_its_own_verify_costs(monkeypat
     monkeypatch.delenv(int8_kernel.LAYOUT_VARIABLE, raising=False)
     labels = {verify_cost_label("fp32", kernel) for kernel in ("dovetail-fp32", "mkl-packed", "F.linear")}
     assert len(labels) == 3 and verify_cost_label("bf16", None) == "bf16"
-    automatic = verify_cost_label("int8", "dovetail-amx")
-    assert automatic == "int8/dovetail-amx"
+    automatic = verify_cost_label("int8-row", "dovetail-amx")
+    assert automatic == "int8-row/dovetail-amx"
     for layout in int8_kernel.LAYOUTS:
         monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, layout)
-        assert verify_cost_label("int8", "dovetail-amx") == f"int8/dovetail-amx/{layout}"
+        assert verify_cost_label("int8-row", "dovetail-amx") == f"int8-row/dovetail-amx/{layout}"
     assert verify_cost_label("fp32", "dovetail-fp32") == "fp32/dovetail-fp32"  # int8 layouts only
 
 

@@ -102,7 +102,7 @@ def test_gradients_or_other_dtypes_keep_torch_attention():
     assert not exact_attention.applies(q.detach().bfloat16(), keys.bfloat16())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8-row"])
 @pytest.mark.parametrize("force_torch", [False, True])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
 def test_engine_tree_logits_equal_decode_logits_on_either_attention(demo_target, monkeypatch, precision,

@@ -37,8 +37,8 @@ def test_fused_int8_model_gives_the_unfused_models_logits_bit_for_bit(tiny_model
 
 
 def test_int8_loading_and_conversion_fuse_and_fp32_is_left_alone(tiny_models):
-    for model in (load_target_model(tiny_models["llama-mha"], "int8"),
-                  apply_precision(load_target_model(tiny_models["llama-mha"]), "int8")[0]):
+    for model in (load_target_model(tiny_models["llama-mha"], "int8-row"),
+                  apply_precision(load_target_model(tiny_models["llama-mha"]), "int8-row")[0]):
         assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                    for layer in model.layers)
     fp32 = load_target_model(tiny_models["llama-mha"])
@@ -111,7 +111,7 @@ def test_dense_fusion_is_asked_for_and_stays_close_and_exact_on_the_workers_kern
 def test_the_workers_engine_is_fused_at_fp32_and_int8(demo_target):
     from cpu_worker.server import build_engine
 
-    for precision in ("fp32", "int8"):
+    for precision in ("fp32", "int8-row"):
         engine, _ = build_engine(str(demo_target), precision, 64)
         assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                    for layer in engine.model.layers), precision

@@ -99,7 +99,7 @@ def forced_tree_vs_decode_gap(target, precision: str, monkeypatch, switch, force
 
 
 def test_tree_logits_equal_decode_logits_bit_for_bit_at_int8(demo_target):
-    model, dtype = apply_precision(load_target_model(demo_target), "int8")
+    model, dtype = apply_precision(load_target_model(demo_target), "int8-row")
     engine = TargetEngine(model, max_len=128, activation_dtype=dtype)
     assert engine.exact_tree
     assert worst_tree_vs_decode_gap(engine) == 0.0
@@ -125,12 +125,12 @@ def test_kv_cache_dtype_choice(monkeypatch):
                                       (False, True, torch.bfloat16), (False, False, torch.float32)):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
         monkeypatch.setattr(precision.exact_attention, "available", lambda kernel=kernel: kernel)
-        assert kv_cache_dtype("int8") == int8_auto
+        assert kv_cache_dtype("int8-row") == int8_auto
         assert kv_cache_dtype("q4_0") == int8_auto == kv_cache_dtype("q8_0")  # block formats: as int8
         assert kv_cache_dtype("fp32") == torch.float32  # its tree rows are not exact: bf16 K/V amplifies that
         assert kv_cache_dtype("bf16") == torch.bfloat16
     assert kv_cache_dtype("fp32", "bf16") == torch.bfloat16 and kv_cache_dtype("bf16", "fp32") == torch.float32
     with pytest.raises(ValueError, match="KV cache dtype 'fp16' is not one of auto, fp32, bf16"):
-        kv_cache_dtype("int8", "fp16")
+        kv_cache_dtype("int8-row", "fp16")
     with pytest.raises(ValueError, match="target dtype 'int3'"):
         kv_cache_dtype("int3", "bf16")

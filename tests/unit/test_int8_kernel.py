@@ -173,9 +173,9 @@ def test_a_cpu_without_vnni_or_avx2_uses_fbgemm(monkeypatch, tmp_path, caplog):
 
 
 def test_int8_tree_logits_equal_decode_logits_on_the_kernel(kernel, demo_target):
-    model = load_target_model(demo_target, "int8")
+    model = load_target_model(demo_target, "int8-row")
     assert {module.kernel for module in model.modules() if isinstance(module, RowwiseInt8Linear)} == {kernel}
-    engine = TargetEngine(model, max_len=128, activation_dtype=activation_dtype("int8"))
+    engine = TargetEngine(model, max_len=128, activation_dtype=activation_dtype("int8-row"))
     assert engine.exact_tree
     assert worst_tree_vs_decode_gap(engine) == 0.0
 

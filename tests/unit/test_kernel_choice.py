@@ -83,7 +83,7 @@ def test_a_new_linear_kernel_is_one_class(tiny_models):
     assert not row_invariant_linears(nn.Sequential(nn.ReLU()))  # no linear layer: nothing promised
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp32"])
+@pytest.mark.parametrize("precision", ["int8-row", "fp32"])
 def test_forwards_take_the_kernels_chosen_at_build_and_never_ask_again(demo_target, monkeypatch, precision):
     monkeypatch.setenv(NATIVE_LAYERS_VARIABLE, "python")  # the Python layers: the ones choosing kernels
     engine, _ = build_engine(str(demo_target), precision, 64)
@@ -108,7 +108,7 @@ def test_an_engine_built_on_torch_s_attention_keeps_it(demo_target, monkeypatch)
     monkeypatch.setenv(exact_attention.FORCE_VARIABLE, "torch")
     exact_attention.clear_cache()
     try:
-        engine, _ = build_engine(str(demo_target), "int8", 64)
+        engine, _ = build_engine(str(demo_target), "int8-row", 64)
         assert engine.kernels.attention is attention.TORCH and engine.exact_tree
     finally:
         monkeypatch.delenv(exact_attention.FORCE_VARIABLE)
@@ -125,7 +125,7 @@ def test_an_engine_built_on_torch_s_attention_keeps_it(demo_target, monkeypatch)
 def test_a_model_keeps_the_per_call_defaults_until_an_engine_chooses(demo_target):
     """Draft heads build the same layers and never meet an engine: their layers test each call
     (they move between devices and dtypes, and train), fused layers included."""
-    model = load_target_model(demo_target, "int8")
+    model = load_target_model(demo_target, "int8-row")
     layer = model.layers[0].self_attn
     assert isinstance(layer, Attention) and layer.kernel is attention.AUTO and layer.projection is AUTO_FUSED
     unfused = load_target_model(demo_target).layers[0].self_attn

@@ -133,7 +133,7 @@ def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8-row"])
 @pytest.mark.parametrize("force_torch", [False, True])
 def test_engine_tree_logits_equal_decode_logits_with_either_layer_ops(demo_target, monkeypatch, precision,
                                                                        force_torch):

@@ -50,7 +50,7 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
     return outputs
 
 
-@pytest.mark.parametrize(("precision", "kv_dtype"), [("int8", "bf16"), ("int8", "fp32"), ("fp32", "fp32")])
+@pytest.mark.parametrize(("precision", "kv_dtype"), [("int8-row", "bf16"), ("int8-row", "fp32"), ("fp32", "fp32")])
 def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype):
     engine, kernel = build_engine(str(demo_target), precision, 128, kv_dtype)
     assert kernel == ("dovetail-fp32" if precision == "fp32" else int8_kernel.kernel_name())
@@ -68,9 +68,9 @@ def test_an_engine_with_packed_or_tiled_int8_weights_gives_the_row_layout_s_bits
     CPU has it, else the VNNI or plain C loop over the same bytes), and all as [N, K]. Prefill,
     decodes, a tree and its verification agree bit for bit."""
     monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, "rows")
-    as_rows, _ = build_engine(str(demo_target), "int8", 128, "bf16")
+    as_rows, _ = build_engine(str(demo_target), "int8-row", 128, "bf16")
     monkeypatch.setenv(int8_kernel.LAYOUT_VARIABLE, layout)
-    other, _ = build_engine(str(demo_target), "int8", 128, "bf16")
+    other, _ = build_engine(str(demo_target), "int8-row", 128, "bf16")
     layouts = {engine: [module._int8.layout for module in engine.model.modules() if hasattr(module, "_int8")]
                for engine in (as_rows, other)}
     assert set(layouts[as_rows]) == {"rows"}
@@ -82,7 +82,7 @@ def test_an_engine_with_packed_or_tiled_int8_weights_gives_the_row_layout_s_bits
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3-rope", "llama-mha"])  # qkv biases; scaled rotary; MHA
 def test_the_c_loop_gives_the_python_layers_bits_on_other_families(tiny_models, family):
-    engine = TargetEngine(load_target_model(tiny_models[family], "int8"), max_len=64)
+    engine = TargetEngine(load_target_model(tiny_models[family], "int8-row"), max_len=64)
     loop = engine.model.layer_loop
     assert loop is not None
     for a, b in zip(session(engine, True, loop), session(engine, False, loop), strict=True):
@@ -90,7 +90,7 @@ def test_the_c_loop_gives_the_python_layers_bits_on_other_families(tiny_models, 
 
 
 def test_the_c_loop_takes_decode_steps_and_trees_only(demo_target):
-    engine, _ = build_engine(str(demo_target), "int8", 128)
+    engine, _ = build_engine(str(demo_target), "int8-row", 128)
     loop = engine.model.layer_loop
     assert loop is not None
     calls = []
@@ -106,7 +106,7 @@ def test_the_c_loop_takes_decode_steps_and_trees_only(demo_target):
 
 
 def test_eagle3_feature_rows_through_the_c_loop_equal_the_python_layers(demo_target):
-    model = load_target_model(str(demo_target), "int8")
+    model = load_target_model(str(demo_target), "int8-row")
     last = model.spec.num_layers - 1
     engine = TargetEngine(model, max_len=128, aux_layers=[0, 1, last])
     loop = engine.model.layer_loop
@@ -121,10 +121,10 @@ def test_models_or_switches_the_loop_cannot_run_keep_the_python_layers(demo_targ
     dense = TargetEngine(load_target_model(str(demo_target)), max_len=64)  # F.linear layers, unfused
     assert dense.model.layer_loop is None
     monkeypatch.setenv("DOVETAIL_NATIVE_LAYERS", "python")
-    engine, _ = build_engine(str(demo_target), "int8", 64)
+    engine, _ = build_engine(str(demo_target), "int8-row", 64)
     assert engine.model.layer_loop is None
     monkeypatch.delenv("DOVETAIL_NATIVE_LAYERS")
-    engine, _ = build_engine(str(demo_target), "int8", 64)
+    engine, _ = build_engine(str(demo_target), "int8-row", 64)
     loop = engine.model.layer_loop
     assert loop is not None
     x = torch.zeros(1, 1, engine.spec.hidden_size)

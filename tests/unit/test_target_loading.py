@@ -74,7 +74,7 @@ def test_missing_tensor_is_named(tmp_path):
         load_target_model(path)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8-row"])
 def test_reduced_precision_runs_and_mostly_agrees(demo_target, dtype):
     prompt = [1, 802, 527, 380, 317, 279]
     reference = greedy_decode(TargetEngine(load_target_model(demo_target), max_len=128), prompt, 32)
@@ -126,7 +126,7 @@ def test_placement_confines_every_thread(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama-gqa-tied", "qwen2"])
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8-row"])
 def test_loading_converts_tensor_by_tensor_to_the_same_model(tmp_path, family, precision):
     """Converting each tensor as it is read (what keeps a 13 GB folder's load small) builds
     exactly the model that converting a whole fp32 model builds; fp16 shards, tied heads and

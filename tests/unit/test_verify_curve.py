@@ -61,7 +61,7 @@ def test_the_target_worker_feeds_its_verifications_and_decodes_to_the_curve(demo
     from ipc import messages as m
 
     monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
-    engine, _ = build_engine(str(demo_target), "int8", 256)
+    engine, _ = build_engine(str(demo_target), "int8-row", 256)
 
     class Ring:  # the feature rows go nowhere here
         def write(self, rows):
