@@ -268,6 +268,79 @@ static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *s
     }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define BLOCK_ZMM 1 /* 16 outputs a register: one dpbusd per chunk and plane where 8 lanes take two */
+/* block_totals for all 16 outputs in one register each. AVX-512 has no sign_epi8: |w| by abs (for
+ * -128 that is 0x80, 128 unsigned: still right) and x * sign(w) by a masked negation where w < 0. */
+static ALWAYS_INLINE void block_totals_zmm(const uint8_t *block, int type, const int8_t *const x[GROUP_ROWS],
+                                           const int rows, __m512i totals[GROUP_ROWS]) {
+    __m512i even[GROUP_ROWS], odd[GROUP_ROWS];
+    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        __m512i w;
+        if (type == BLOCK_Q8_0) {
+            w = _mm512_loadu_si512((const void *)(block + 64 * c));
+        } else {
+            __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * (c & 3)));
+            w = _mm512_and_si512(c < 4 ? packed : _mm512_srli_epi16(packed, 4), mask);
+            if (type == BLOCK_Q4_0) w = _mm512_sub_epi8(w, eight);
+        }
+        __m512i magnitude = type == BLOCK_Q4_1 ? w : _mm512_abs_epi8(w);
+        __mmask64 negative = _mm512_movepi8_mask(w);
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, x[r] + 4 * c, 4);
+            __m512i input = _mm512_set1_epi32(four);
+            if (type != BLOCK_Q4_1) input = _mm512_mask_sub_epi8(input, negative, zero, input);
+            if (c & 1)
+                odd[r] = _mm512_dpbusd_epi32(odd[r], magnitude, input);
+            else
+                even[r] = _mm512_dpbusd_epi32(even[r], magnitude, input);
+        }
+    }
+    for (int r = 0; r < rows; r++) totals[r] = _mm512_add_epi32(even[r], odd[r]);
+}
+
+/* dot_group_rows with 16 lanes a register: the same integers, the same float sequence per lane. */
+static ALWAYS_INLINE void dot_group_rows_zmm(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
+                                             int type, const int8_t *xq, const int planes, const float *xd,
+                                             const int32_t *xs, const int rows, int64_t k, int64_t blocks,
+                                             float *out) {
+    __m512 acc[GROUP_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t bytes = group_block_bytes(type);
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(group + b * bytes + BLOCK_AHEAD + line), _MM_HINT_T0);
+        const int8_t *x[GROUP_ROWS];
+        for (int p = 0; p < rows * planes; p++) x[p] = xq + p * k + b * QBLOCK;
+        __m512i totals[GROUP_ROWS];
+        block_totals_zmm(group + b * bytes, type, x, rows * planes, totals);
+        if (planes == 2)
+            for (int r = 0; r < rows; r++)
+                totals[r] = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(totals[2 * r], 8), totals[2 * r]),
+                                             totals[2 * r + 1]);
+        __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * GROUP_OUT)));
+        for (int r = 0; r < rows; r++) {
+            __m512 x_scale = _mm512_set1_ps(xd[r * blocks + b]);
+            __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(totals[r]), _mm512_mul_ps(weight_scale, x_scale));
+            acc[r] = _mm512_add_ps(acc[r], term);
+            if (type == BLOCK_Q4_1) {
+                __m512 weight_min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(minimums + b * GROUP_OUT)));
+                __m512 min_term = _mm512_mul_ps(_mm512_mul_ps(weight_min, x_scale),
+                                                _mm512_set1_ps((float)xs[r * blocks + b]));
+                acc[r] = _mm512_add_ps(acc[r], min_term);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + GROUP_OUT * r, acc[r]);
+}
+#define DOT_GROUP_ROWS dot_group_rows_zmm
+#else
+#define DOT_GROUP_ROWS dot_group_rows
+#endif
+
 /* dot_group_rows for each type, plane count and row count as constants (the compiler specializes
  * every one): up to GROUP_ROWS planes a pass. */
 static ALWAYS_INLINE void dot_group_typed(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
@@ -275,16 +348,16 @@ static ALWAYS_INLINE void dot_group_typed(const uint8_t *group, const uint16_t *
                                           const int32_t *xs, int rows, int64_t k, int64_t blocks, float *out) {
     if (planes == 2) {
         if (rows == 1)
-            dot_group_rows(group, scales, minimums, type, xq, 2, xd, xs, 1, k, blocks, out);
+            DOT_GROUP_ROWS(group, scales, minimums, type, xq, 2, xd, xs, 1, k, blocks, out);
         else
-            dot_group_rows(group, scales, minimums, type, xq, 2, xd, xs, 2, k, blocks, out);
+            DOT_GROUP_ROWS(group, scales, minimums, type, xq, 2, xd, xs, 2, k, blocks, out);
         return;
     }
     switch (rows) {
-    case 1: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 1, k, blocks, out); break;
-    case 2: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 2, k, blocks, out); break;
-    case 3: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 3, k, blocks, out); break;
-    default: dot_group_rows(group, scales, minimums, type, xq, 1, xd, xs, 4, k, blocks, out); break;
+    case 1: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 1, k, blocks, out); break;
+    case 2: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 2, k, blocks, out); break;
+    case 3: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 3, k, blocks, out); break;
+    default: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 4, k, blocks, out); break;
     }
 }
 
@@ -375,12 +448,15 @@ static void amx_group_rows(const uint8_t *group, const uint16_t *scales, const u
                            int64_t blocks, float *out) {
     __m512 acc[AMX_PLANES];
     for (int r = 0; r < count; r++) acc[r] = _mm512_setzero_ps();
-    int32_t sums[AMX_PLANES * GROUP_OUT] __attribute__((aligned(64)));
+    /* Two sets of totals: block b's tiles are stored while block b - 1's totals are scaled, so the
+     * vector loads never wait on the tile store just issued. */
+    int32_t sums[2][AMX_PLANES * GROUP_OUT] __attribute__((aligned(64)));
     int8_t tile[8 * 64] __attribute__((aligned(64)));
     const int two = count * planes > 16;
     const int64_t bytes = group_block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * bytes;
+        int32_t *totals = sums[b & 1];
         for (int64_t line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(block + BLOCK_AHEAD + line), _MM_HINT_T0);
         if (type == BLOCK_Q8_0) {
@@ -392,15 +468,17 @@ static void amx_group_rows(const uint8_t *group, const uint16_t *scales, const u
         _tile_zero(0);
         _tile_loadd(2, xq + b * QBLOCK, k);
         _tile_dpbssd(0, 2, 4);
-        _tile_stored(0, sums, 64);
+        _tile_stored(0, totals, 64);
         if (two) {
             _tile_zero(1);
             _tile_loadd(3, xq + 16 * k + b * QBLOCK, k);
             _tile_dpbssd(1, 3, 4);
-            _tile_stored(1, sums + 16 * GROUP_OUT, 64);
+            _tile_stored(1, totals + 16 * GROUP_OUT, 64);
         }
-        amx_accumulate(sums, planes, count, scales, minimums, type, xd, xs, blocks, b, acc);
+        if (b > 0)
+            amx_accumulate(sums[(b - 1) & 1], planes, count, scales, minimums, type, xd, xs, blocks, b - 1, acc);
     }
+    amx_accumulate(sums[(blocks - 1) & 1], planes, count, scales, minimums, type, xd, xs, blocks, blocks - 1, acc);
     for (int r = 0; r < count; r++) _mm512_storeu_ps(out + GROUP_OUT * r, acc[r]);
 }
 
