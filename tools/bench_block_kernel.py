@@ -54,9 +54,14 @@ def time_round(layers: list[torch.nn.Module], x: torch.Tensor) -> float:
 @click.option("--rounds", type=click.IntRange(1), default=7, show_default=True)
 @click.option("--bytes-per-set", type=float, default=1.5, show_default=True, help="GB of weights cycled per kind.")
 @click.option("--threads", type=click.IntRange(1), default=None)
-def main(shapes: str, rows: str, kinds: str, rounds: int, bytes_per_set: float, threads: int | None) -> None:
+@click.option("--amx-from", type=click.IntRange(1), default=None,
+              help="Activation planes (rows x 1 or 2) from which calls take the AMX path (default: the kernel's).")
+def main(shapes: str, rows: str, kinds: str, rounds: int, bytes_per_set: float, threads: int | None,
+         amx_from: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
+    if amx_from:
+        block_quant.library().dovetail_block_amx_from(amx_from)
     wanted = kinds.split(",")
     print(f"block kernel: {block_quant.kernel_name()}, {torch.get_num_threads()} threads\n")
     print("| shape | rows | " + " | ".join(f"{kind} ms" for kind in wanted) + " | "
