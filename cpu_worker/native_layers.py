@@ -8,8 +8,8 @@ steps torch did (the residual add, the attention output's transpose) exactly, so
 the Python path's bits: decode and tree still agree, and so do prefill (still in Python) and
 decode.
 
-It takes a model whose every decoder layer is fused (q/k/v, gate/up) on our kernels (int8 W8A8
-on the GEMV kernel, or fp32 on the row kernel), with RMSNorms, and a call that is a decode step
+It takes a model whose every decoder layer is fused (q/k/v, gate/up) on our kernels (int8-row
+W8A8 on the GEMV kernel, the block formats, or fp32 on the row kernel), with RMSNorms, and a call that is a decode step
 or a tree over a one-sequence fp32 or bf16 cache. Anything else (prefill, masks, autograd,
 fbgemm or MKL linears, torch's attention forced) runs the Python layers.
 ``DOVETAIL_NATIVE_LAYERS=python`` forces them (for comparisons).
@@ -24,6 +24,7 @@ import os
 import torch
 
 from cpu_worker.kernels import exact_attention, layer_ops
+from cpu_worker.kernels.block_quant import ACTIVATION_PLANES, TYPES, BlockQuantLinear
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
@@ -48,6 +49,13 @@ def _linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
         return _Linear(_INT8_KINDS[weights.layout], weights.stored.data_ptr(),
                        weights.scales.data_ptr(), weights.offsets.data_ptr(), bias, weights.out_features,
                        weights.in_features), limit
+    if isinstance(module, BlockQuantLinear):  # row-invariant at any row count
+        blocks = module.weights
+        bias = None if module.bias is None else module.bias.data_ptr()
+        minimums = None if blocks.minimums is None else blocks.minimums.data_ptr()
+        return _Linear(native.LINEAR_BLOCK, blocks.data.data_ptr(), None, None, bias, module.out_features,
+                       module.in_features, blocks.scales.data_ptr(), minimums, TYPES[blocks.kind],
+                       ACTIVATION_PLANES[module.activation_bits]), MAX_KERNEL_ROWS
     if isinstance(module, RowInvariantFp32Linear):
         bias = None if module.bias is None else module.bias.data_ptr()
         return _Linear(_LINEAR_FP32, module.weight.data_ptr(), None, None, bias, module.out_features,

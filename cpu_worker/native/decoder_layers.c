@@ -9,7 +9,7 @@
  * loop in C.
  *
  * Same bits as the Python layers: every step is the same kernel the module calls (RMSNorm,
- * int8 or fp32 row linear, rotary and cache write, exact attention, SiLU from layer_ops.c), and the
+ * int8, block or fp32 row linear, rotary and cache write, exact attention, SiLU from layer_ops.c), and the
  * steps that are torch's in Python (the residual add, the transpose) are exact. So a row's values
  * depend on nothing else in its call, and a tree node equals its decode step bit for bit, whichever
  * path either took.
@@ -17,9 +17,31 @@
 #include "dovetail.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+/* A block-quantized layer: its rows' activations quantized per block (dovetail_block_linear's
+ * input), then the layer. */
+static int block_layer(const dovetail_linear *layer, const float *x, float *y, int64_t rows, int threads) {
+    int64_t k = layer->k, blocks = k / 32, planes = layer->planes;
+    int8_t *xq = (int8_t *)malloc((size_t)(rows * planes * k));
+    float *xd = (float *)malloc((size_t)(rows * blocks) * sizeof(float));
+    int32_t *xs = (int32_t *)malloc((size_t)(rows * blocks) * sizeof(int32_t));
+    int status = DOVETAIL_NO_MEMORY;
+    if (xq != NULL && xd != NULL && xs != NULL) {
+        dovetail_quantize_blocks(x, xq, xd, xs, rows, k, (int)planes);
+        status = dovetail_block_linear(xq, xd, xs, rows, (int)planes, (const uint8_t *)layer->weight,
+                                       layer->block_scales, layer->block_minimums, (int)layer->block_type,
+                                       layer->bias, y, layer->n_out, k, threads);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return status == 0 ? 0 : DOVETAIL_NO_MEMORY;
+}
+
 static int linear(const dovetail_linear *layer, const float *x, float *y, int64_t rows, int threads) {
+    if (layer->kind == DOVETAIL_LINEAR_BLOCK) return block_layer(layer, x, y, rows, threads);
     if (layer->kind != DOVETAIL_LINEAR_FP32) {
         int layout = layer->kind == DOVETAIL_LINEAR_INT8_TILES    ? DOVETAIL_LAYOUT_TILES
                      : layer->kind == DOVETAIL_LINEAR_INT8_PACKED ? DOVETAIL_LAYOUT_PACKED

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 4
+#define DOVETAIL_ABI_VERSION 5
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -27,6 +27,7 @@
 #define DOVETAIL_LINEAR_FP32 1        /* fp32 [n_out, k] (dovetail_fp32_linear) */
 #define DOVETAIL_LINEAR_INT8_PACKED 2 /* int8, DOVETAIL_LAYOUT_PACKED */
 #define DOVETAIL_LINEAR_INT8_TILES 3  /* int8, DOVETAIL_LAYOUT_TILES */
+#define DOVETAIL_LINEAR_BLOCK 4       /* block-quantized (dovetail_block_linear) */
 
 /* A weight's source dtype (dovetail_quantize_weight_rows). */
 #define DOVETAIL_DTYPE_FP32 0
@@ -59,6 +60,10 @@ typedef struct {
     const int32_t *offsets; /* int8: 128 * each weight row's sum */
     const float *bias;      /* [n_out] or NULL */
     int64_t n_out, k;
+    /* DOVETAIL_LINEAR_BLOCK: weight is the blocks' data, these their fp16 scales (and Q4_1's
+     * minimums), the DOVETAIL_BLOCK_* type and the activation planes (1: 8 bits, 2: 16). */
+    const uint16_t *block_scales, *block_minimums;
+    int64_t block_type, planes;
 } dovetail_linear;
 
 typedef struct {
@@ -76,7 +81,7 @@ typedef struct {
     int64_t version;
     int64_t linear_size, layer_size, shape_size;
     int64_t layout_rows, layout_packed, layout_tiles;
-    int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles;
+    int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block;
     int64_t dtype_fp32, dtype_fp16, dtype_bf16;
     int64_t simd_plain, simd_avx2, simd_avx512;
     int64_t no_memory, bad_shape;

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cpu_worker.engine import TargetEngine
-from cpu_worker.kernels import int8_kernel, layer_ops
+from cpu_worker.kernels import block_quant, int8_kernel, layer_ops
 from cpu_worker.native import library as native_library
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.server import build_engine
@@ -50,10 +50,13 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
     return outputs
 
 
-@pytest.mark.parametrize(("precision", "kv_dtype"), [("int8-row", "bf16"), ("int8-row", "fp32"), ("fp32", "fp32")])
+@pytest.mark.parametrize(("precision", "kv_dtype"), [("int8-row", "bf16"), ("int8-row", "fp32"), ("fp32", "fp32"),
+                                                     ("int8", "bf16"), ("q4_0", "bf16"), ("q4_1", "fp32")])
 def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype):
     engine, kernel = build_engine(str(demo_target), precision, 128, kv_dtype)
-    assert kernel == ("dovetail-fp32" if precision == "fp32" else int8_kernel.kernel_name())
+    expected = {"fp32": "dovetail-fp32", "int8-row": int8_kernel.kernel_name()}.get(precision,
+                                                                                    block_quant.kernel_name())
+    assert kernel == expected
     loop = engine.model.layer_loop
     assert isinstance(loop, NativeLayers), "the cpu_worker's engine should take the C loop here"
     native, python = session(engine, True, loop), session(engine, False, loop)
