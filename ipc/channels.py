@@ -226,9 +226,11 @@ class _OwnsSocket:
 
     socket: zmq.Socket | None
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket (``linger_ms``: how long libzmq may still deliver what was sent last).
+        Idempotent."""
         if self.socket is not None:
-            self.socket.close(0)
+            self.socket.close(linger_ms)
             self.socket = None
 
     def __enter__(self):

@@ -91,6 +91,9 @@ def serve(worker: str, endpoint: str, parent_pid: int, allowed: tuple[type[Messa
             log.error("%s failed to start: %s", worker, error)
             channel.send(WorkerError(worker=worker, message=f"{type(error).__name__}: {error}"[:60000], fatal=True),
                          timeout_ms=5000)
+            # A send only queues the message: closing at LINGER 0 right away could drop the one
+            # message that says why (seen on a loaded machine), so let libzmq deliver it first.
+            channel.close(linger_ms=2000)
             return 1
         channel.send(ready, timeout_ms=5000)
         while True:
