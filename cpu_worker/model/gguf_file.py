@@ -156,6 +156,8 @@ def _tensor_entry(cursor: _Cursor, index: int) -> tuple[str, tuple[int, ...], GG
     if not 1 <= n_dims <= MAX_DIMS:
         raise cursor.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
     dims = tuple(cursor.u64(f"a dimension of tensor {name!r}") for _ in range(n_dims))
+    if 0 in dims:
+        raise cursor.fail(f"tensor {name!r} has an empty dimension {list(dims)}")
     code = cursor.u32(f"the type of tensor {name!r}")
     try:
         kind = GGMLQuantizationType(code)

@@ -37,7 +37,7 @@ from cpu_worker.model.gguf_model import (
     architecture,
     hf_config,
     nearest_native,
-    our_name,
+    tensor_names,
 )
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.loading import LinearMaker, WeightPlacer
@@ -50,8 +50,17 @@ _WIDTH = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # bits per weight: 4.5, 5, 8.5
 def gguf_spec(file: GGUFFile) -> LlamaSpec:
     try:
         return LlamaSpec.from_hf_config(SimpleNamespace(**hf_config(file)))
-    except (ModelConfigError, ZeroDivisionError) as error:
+    except ModelConfigError as error:
         raise GGUFError(f"{file.path}: {error}") from None
+
+
+def _meta_model(file: GGUFFile, spec: LlamaSpec) -> LlamaDecoder:
+    """The decoder on the meta device (no memory), or GGUFError for a config it cannot be built from."""
+    try:
+        with torch.device("meta"):
+            return LlamaDecoder(spec)
+    except (ValueError, RuntimeError) as error:
+        raise GGUFError(f"{file.path}: no decoder can be built from its config: {error}") from None
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
@@ -114,28 +123,6 @@ def _is_projection(name: str) -> bool:
     return name.endswith("_proj.weight") or name == "lm_head.weight"
 
 
-def tensor_names(file: GGUFFile, model: LlamaDecoder) -> dict[str, str]:
-    """{GGUF name: our name} for every tensor, each checked against the shape the config implies;
-    GGUFError for a tensor the model has no place for, a shape that disagrees, or a missing one."""
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    names: dict[str, str] = {}
-    for info in file.tensors.values():
-        name = our_name(info.name)
-        if name is None or name not in expected:
-            raise GGUFError(f"{file.path}: tensor {info.name} has no place in a {model.spec.model_type} model of "
-                            f"{model.spec.num_layers} layers")
-        if info.shape != expected[name]:
-            raise GGUFError(f"{file.path}: tensor {info.name} has shape {list(info.shape)}, but the file's "
-                            f"config implies {list(expected[name])}")
-        names[info.name] = name
-    missing = sorted(set(expected) - set(names.values()) - ({"lm_head.weight"} if model.spec.tie_word_embeddings
-                                                            else set()))
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise GGUFError(f"{file.path} lacks {len(missing)} of the model's tensors: {shown}")
-    return names
-
-
 class _Reader:
     """Reads each tensor in the form the target precision places it: projections as BlockWeights at
     a block precision (``kind``; the lm_head at ``head_kind``), everything else as floats."""
@@ -186,9 +173,8 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
     Tensor by tensor, each one's file pages dropped once it is converted."""
     with GGUFFile(path) as file:
         spec = gguf_spec(file)
-        with torch.device("meta"):
-            model = LlamaDecoder(spec)
-        names = tensor_names(file, model)
+        model = _meta_model(file, spec)
+        names = tensor_names(file, hf_config(file))
         reader = _Reader(file, spec, kind, head_kind)
         quantize = kind is not None or int8_row
         placer = WeightPlacer(model, dtype, _linear_maker(activation_bits, int8_row) if quantize else False)
@@ -204,4 +190,6 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
             else:
                 model.lm_head.weight = model.embed_tokens.weight
         reader.report()
+    if placer.unplaced():  # tensor_names checked the file against the config; the decoder must agree
+        raise GGUFError(f"{path}: the decoder still lacks {', '.join(placer.unplaced()[:5])}")
     return model.eval().requires_grad_(False)

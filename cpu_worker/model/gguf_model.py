@@ -82,12 +82,27 @@ def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
     raise GGUFError(f"{file.path}: RoPE scaling {kind!r} is not supported (none or linear)")
 
 
+def _layer_count(file: GGUFFile, arch: str) -> int:
+    """block_count, checked against the layers the tensor table holds (before a model of that many is built)."""
+    count = _integer(file, f"{arch}.block_count", high=1 << 12)
+    indices = {int(match.group(1)) for match in map(_LAYER.fullmatch, file.tensors) if match is not None}
+    if indices != set(range(count)):
+        raise GGUFError(f"{file.path}: {arch}.block_count is {count}, but the tensors are of layers "
+                        f"{min(indices, default=None)} to {max(indices, default=None)} ({len(indices)} layers)")
+    return count
+
+
 def hf_config(file: GGUFFile) -> dict[str, Any]:
     """The file's model as ``config.json`` would describe it (the keys our loaders read)."""
     arch = architecture(file)
     hidden = _integer(file, f"{arch}.embedding_length")
     heads = _integer(file, f"{arch}.attention.head_count", high=1 << 16)
+    kv_heads = _integer(file, f"{arch}.attention.head_count_kv", heads, high=heads)
+    if heads % kv_heads:
+        raise GGUFError(f"{file.path}: {heads} attention heads do not share {kv_heads} key/value heads evenly")
     head_dim = _integer(file, f"{arch}.attention.key_length", hidden // heads if hidden % heads == 0 else None)
+    if head_dim % 2:
+        raise GGUFError(f"{file.path}: the head dimension {head_dim} is odd; rotary embeddings need an even one")
     if file.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise GGUFError(f"{file.path}: rotary dimension {file.get(f'{arch}.rope.dimension_count')} differs from "
                         f"the head dimension {head_dim} (partial rotary is not supported)")
@@ -99,9 +114,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
     config: dict[str, Any] = {
         "model_type": ARCHITECTURES[arch], "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
         "intermediate_size": _integer(file, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _integer(file, f"{arch}.block_count", high=1 << 12),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _integer(file, f"{arch}.attention.head_count_kv", heads, high=heads),
+        "num_hidden_layers": _layer_count(file, arch), "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "vocab_size": vocab,
         "max_position_embeddings": _integer(file, f"{arch}.context_length", 2048, high=1 << 24),
         "rms_norm_eps": _number(file, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
@@ -114,6 +127,55 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         value = file.get(f"tokenizer.ggml.{key}")
         if isinstance(value, int) and not isinstance(value, bool):
             config[key] = value
+    return config
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{our name: shape} of every tensor a model of this config has (the lm_head unless tied)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, hidden), "norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+             "self_attn.q_proj.weight": (q_rows, hidden), "self_attn.k_proj.weight": (kv_rows, hidden),
+             "self_attn.v_proj.weight": (kv_rows, hidden), "self_attn.o_proj.weight": (hidden, q_rows),
+             "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+             "mlp.down_proj.weight": (hidden, inter)}
+    if config["attention_bias"]:
+        layer |= {"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
+                  "self_attn.v_proj.bias": (kv_rows,)}
+    for index in range(config["num_hidden_layers"]):
+        shapes |= {f"layers.{index}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def tensor_names(file: GGUFFile, config: dict[str, Any]) -> dict[str, str]:
+    """{GGUF name: our name} for every tensor, each checked against the shape the config implies;
+    GGUFError for a tensor the model has no place for, a shape that disagrees, or a missing one."""
+    expected = expected_shapes(config)
+    names: dict[str, str] = {}
+    for info in file.tensors.values():
+        name = our_name(info.name)
+        if name is None or name not in expected:
+            raise GGUFError(f"{file.path}: tensor {info.name} has no place in a {config['model_type']} model of "
+                            f"{config['num_hidden_layers']} layers")
+        if info.shape != expected[name]:
+            raise GGUFError(f"{file.path}: tensor {info.name} has shape {list(info.shape)}, but the file's "
+                            f"config implies {list(expected[name])}")
+        names[info.name] = name
+    missing = sorted(set(expected) - set(names.values()))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise GGUFError(f"{file.path} lacks {len(missing)} of the model's tensors: {shown}")
+    return names
+
+
+def checked_config(file: GGUFFile) -> dict[str, Any]:
+    """``hf_config``, once every tensor has been checked against it (``tensor_names``)."""
+    config = hf_config(file)
+    tensor_names(file, config)
     return config
 
 

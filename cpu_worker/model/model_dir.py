@@ -61,10 +61,10 @@ def read_config(model_dir: Path, missing_hint: str = "") -> dict[str, Any]:
     ModelLoadError when it is missing (the message ends with ``missing_hint``) or not JSON."""
     if is_gguf(model_dir):
         from cpu_worker.model.gguf_file import GGUFFile
-        from cpu_worker.model.gguf_model import hf_config
+        from cpu_worker.model.gguf_model import checked_config
 
         with GGUFFile(model_dir) as file:
-            return hf_config(file)
+            return checked_config(file)
     path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
