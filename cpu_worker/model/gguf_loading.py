@@ -193,3 +193,26 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
     if placer.unplaced():  # tensor_names checked the file against the config; the decoder must agree
         raise GGUFError(f"{path}: the decoder still lacks {', '.join(placer.unplaced()[:5])}")
     return model.eval().requires_grad_(False)
+
+
+def _hf_name(name: str) -> str:
+    """Our name as a Hugging Face checkpoint spells it (the decoder's tensors under ``model.``)."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def gguf_tensors(path: str | Path, names: set[str] | None = None, shapes_only: bool = False) -> dict[str, Any]:
+    """A GGUF file's tensors under Hugging Face's names (only ``names`` when given) as fp32, in
+    Hugging Face's row order; or, with ``shapes_only``, their shapes. The readers of target tensors
+    (a draft head's embedding and lm_head, a trainer's) see a GGUF as they see a folder."""
+    found: dict[str, Any] = {}
+    with GGUFFile(path) as file:
+        config = hf_config(file)
+        spec = gguf_spec(file)
+        for gguf_name, name in tensor_names(file, config).items():
+            hf_name = _hf_name(name)
+            if names is not None and hf_name not in names:
+                continue
+            info = file.tensors[gguf_name]
+            found[hf_name] = info.shape if shapes_only else read_float(file, info, _row_order(file, spec, gguf_name))
+            file.release(gguf_name)
+    return found
