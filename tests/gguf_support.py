@@ -116,3 +116,22 @@ def _add(writer: GGUFWriter, key: str, value) -> None:
         writer.add_string(key, value)
     else:
         writer.add_array(key, list(value))
+
+
+def tokenizer_metadata(folder: Path) -> dict:
+    """A byte-level BPE folder's tokenizer as GGUF metadata, the way llama.cpp's converter writes it:
+    tokens by id, merges as "a b", its added special tokens marked control, BOS/EOS ids and flags."""
+    import json
+
+    data = json.loads((folder / "tokenizer.json").read_text())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = dict(data["model"]["vocab"]) | {token["content"]: token["id"] for token in data["added_tokens"]}
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {token["content"] for token in data["added_tokens"] if token["special"]}
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in data["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [3 if token in special else 1 for token in tokens],
+            "tokenizer.ggml.bos_token_id": vocab[config["bos_token"]],
+            "tokenizer.ggml.eos_token_id": vocab[config["eos_token"]],
+            "tokenizer.ggml.unknown_token_id": vocab[config["unk_token"]],
+            "tokenizer.ggml.add_bos_token": bool(config.get("add_bos_token", False))}
