@@ -223,7 +223,12 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMak
     """The decoder in ``model_dir`` (its ``spec`` read there unless given), built tensor by
     tensor in ``dtype``, every linear quantized as ``quantize`` says (``WeightPlacer``); every
     weight must be present.
-    Frozen, in eval mode, its projections separate (``fusion`` joins them)."""
+    Frozen, in eval mode, its projections separate (``fusion`` joins them). A GGUF file's comes in
+    ``dtype`` (dequantized: the reference its blocks stand for) with ``quantize`` False."""
+    if is_gguf(model_dir) and not quantize:
+        from cpu_worker.model.gguf_loading import load_gguf_decoder
+
+        return load_gguf_decoder(model_dir, dtype)
     spec = load_spec(model_dir) if spec is None else spec
     with torch.device("meta"):
         model = LlamaDecoder(spec)
