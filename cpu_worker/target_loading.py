@@ -11,20 +11,28 @@ from torch import nn
 from cpu_worker.kernels.block_quant import BlockQuantLinear
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.model import LlamaDecoder, fuse_projections, load_decoder, load_spec, resolve_model_dir
+from cpu_worker.model.gguf_loading import load_gguf_decoder
+from cpu_worker.model.model_dir import is_gguf
 from cpu_worker.precision import activation_bits, activation_dtype, block_type, head_block_type, is_integer
 
 log = logging.getLogger(__name__)
 
 
 def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaDecoder:
-    """Build the decoder at ``precision`` (fp32, bf16, a block format, int8-row) tensor by tensor from the checkpoint,
-    converting or quantising each as it is read; every weight must be present."""
+    """Build the decoder at ``precision`` (fp32, bf16, a block format, int8-row) tensor by tensor from
+    the checkpoint folder or GGUF file, converting or quantising each as it is read; every weight
+    must be present. A GGUF's weights already in the precision's blocks go in as they are
+    (``gguf_loading``)."""
     model_dir = resolve_model_dir(path_or_id)
-    spec = load_spec(model_dir)
     kind = block_type(precision)
-    quantize = (BlockQuantLinear.maker(kind, head_block_type(precision), activation_bits(precision))
-                if kind is not None else precision == "int8-row")
-    model = load_decoder(model_dir, activation_dtype(precision), quantize=quantize, spec=spec)
+    if is_gguf(model_dir):
+        model = load_gguf_decoder(model_dir, activation_dtype(precision), kind, head_block_type(precision),
+                                  activation_bits(precision), int8_row=precision == "int8-row")
+    else:
+        quantize = (BlockQuantLinear.maker(kind, head_block_type(precision), activation_bits(precision))
+                    if kind is not None else precision == "int8-row")
+        model = load_decoder(model_dir, activation_dtype(precision), quantize=quantize, spec=load_spec(model_dir))
+    spec = model.spec
     if is_integer(precision):
         fuse_layers(model)  # q/k/v and gate/up in one call each, the same bits
     release_freed_memory()

@@ -68,8 +68,8 @@ def _cpu_model() -> str:
 def cache_key(model_dir: str | Path, precision: str, threads: int, cores: Sequence[int]) -> str:
     """Everything a measurement depends on, hashed: change any of it and it is measured again."""
     folder = Path(model_dir).resolve()
-    files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in folder.iterdir()
-                   if path.is_file())
+    paths = [folder] if folder.is_file() else [path for path in folder.iterdir() if path.is_file()]  # a GGUF file
+    files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in paths)
     parts = [str(folder), repr(files), precision, str(threads), ",".join(map(str, cores)), _cpu_model(),
              torch.__version__, str(PREFIX_TOKENS), _engine_code_digest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]

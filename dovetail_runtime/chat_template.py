@@ -28,6 +28,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from cpu_worker.model.model_dir import is_gguf
 from ipc import messages as m
 
 from .tokenizer import Tokenizer
@@ -47,8 +48,13 @@ class ChatTemplateError(ValueError):
 
 
 def read_chat_template(folder: str | Path) -> str | dict[str, str] | None:
-    """The folder's template (a string), its named templates (a dict), or None."""
+    """The folder's template (a string), its named templates (a dict), or None; a GGUF file's
+    ``tokenizer.chat_template``."""
     folder = Path(folder)
+    if is_gguf(folder):
+        from .gguf_tokenizer import gguf_chat_template
+
+        return gguf_chat_template(folder)
     templates: dict[str, str] = {}
     if (folder / CHAT_TEMPLATE_FILE).is_file():
         templates["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")

@@ -248,10 +248,12 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
-@click.option("--target-dtype", type=click.Choice(TARGET_PRECISIONS), default="fp32",
-              help="Target precision on the CPU. int8: 8-bit weights in blocks of 32 (Q8_0's) times activations "
-                   "quantized to 16 bits per block, the 8-bit that keeps a real model's text. q8_0, q4_0 (alias "
-                   "int4) and q4_1: llama.cpp's block formats and arithmetic (activations int8 per block). "
+@click.option("--target-dtype", type=click.Choice(("auto", *TARGET_PRECISIONS)), default="auto",
+              help="Target precision on the CPU. auto: a GGUF file's own (q4_1 for a Q4_1 file: its blocks go "
+                   "into the kernels as stored), fp32 for a model folder. int8: 8-bit weights in blocks of 32 "
+                   "(Q8_0's) times activations quantized to 16 bits per block, the 8-bit that keeps a real "
+                   "model's text. q8_0, q4_0 (alias int4) and q4_1: llama.cpp's block formats and arithmetic "
+                   "(activations int8 per block). "
                    "int8-row: one scale per weight row and per token, the fastest 8-bit with AMX but the "
                    "coarsest. The integer formats and fp32 (our row kernel; without a C "
                    "compiler, MKL's packed sgemm where a load-time check passes) give exactly --mode ar's "

@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from cpu_worker.model.model_dir import ModelLoadError, context_limit, read_config, resolve_model_dir
+from cpu_worker.model.model_dir import ModelLoadError, context_limit, is_gguf, read_config, resolve_model_dir
 from gpu_worker.head_layout import FeatureLayout, feature_layout
 from ipc import messages as m
 from ipc.channels import RuntimeDir
@@ -60,11 +60,23 @@ FEATURE_DTYPE = "float32"
 DEFAULT_CONTEXT = 4096
 
 
+def target_precision(target_dir: Path) -> str:
+    """The precision a target runs at unless --target-dtype says: a GGUF file's own (the block type
+    most of its projections are stored in, ``gguf_model.native_precision``), fp32 for a model folder."""
+    if not is_gguf(target_dir):
+        return "fp32"
+    from cpu_worker.model.gguf_file import GGUFFile
+    from cpu_worker.model.gguf_model import native_precision
+
+    with GGUFFile(target_dir) as file:
+        return native_precision(file)
+
+
 @dataclass
 class RuntimeSettings:
     target: str
     draft: str | None
-    target_dtype: str = "fp32"
+    target_dtype: str = "fp32"  # or "auto": a GGUF file's own precision, else fp32 (``target_precision``)
     kv_dtype: str = "auto"
     cpu_threads: int | None = None
     cpu_cores: list[int] | None = None
@@ -125,6 +137,10 @@ class Coordinator:
             raise ValueError("dovetail mode needs a draft head (--draft)")
         target_dir = resolve_model_dir(settings.target)
         config, limit = self._read_target(target_dir)
+        if settings.target_dtype == "auto":
+            settings.target_dtype = target_precision(target_dir)
+            log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype,
+                     "the GGUF file's own" if is_gguf(target_dir) else "a model folder's default")
         # The draft head decides what a feature row holds (EAGLE-3: three target layers).
         draft_dir = resolve_model_dir(settings.draft) if settings.draft else None
         layout = feature_layout(draft_dir, config) if draft_dir else FeatureLayout(config["hidden_size"])

@@ -29,6 +29,8 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from cpu_worker.model.model_dir import is_gguf
+
 # The special-token attributes every transformers tokenizer has, in its order.
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -194,8 +196,13 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from a model folder holding tokenizer.json (and its JSON config files)."""
+        """Load from a model folder holding tokenizer.json (and its JSON config files), or from a
+        GGUF file's metadata (``gguf_tokenizer``)."""
         folder = Path(path)
+        if is_gguf(folder):
+            from .gguf_tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(folder)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise TokenizerLoadError(

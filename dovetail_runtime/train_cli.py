@@ -140,9 +140,19 @@ class FeatureSettings:
     threads: int
 
 
+def target_tokenizer(target_dir: Path):
+    """transformers' tokenizer for a target folder, or for a GGUF file (built from its metadata)."""
+    from transformers import AutoTokenizer
+
+    from cpu_worker.model.model_dir import is_gguf
+
+    if is_gguf(target_dir):
+        return AutoTokenizer.from_pretrained(str(target_dir.parent), gguf_file=target_dir.name)
+    return AutoTokenizer.from_pretrained(str(target_dir))
+
+
 def run_features(settings: FeatureSettings) -> None:
     import torch
-    from transformers import AutoTokenizer
 
     from cpu_worker.model import load_decoder, load_spec, resolve_model_dir
     from gpu_worker.train.corpus import STDLIB_EXCLUDE, STDLIB_PATTERN, expand_inputs, shuffled, stdlib_root
@@ -164,7 +174,7 @@ def run_features(settings: FeatureSettings) -> None:
     if not files:
         raise click.UsageError("the inputs name no files")
     files = shuffled(files, None if settings.shuffle_seed < 0 else settings.shuffle_seed)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = target_tokenizer(target_dir)
     windows = _windows(files, tokenizer, settings)
     config = {"target": str(target_dir.resolve()), "inputs": [str(Path(i).resolve()) for i in inputs],
               "pattern": pattern, "exclude": list(exclude), "split": settings.split,
@@ -394,8 +404,6 @@ class EvalSettings:
 
 
 def run_eval(settings: EvalSettings) -> None:
-    from transformers import AutoTokenizer
-
     from cpu_worker.engine import TargetEngine
     from cpu_worker.model import resolve_model_dir
     from cpu_worker.target_loading import load_target_model
@@ -406,7 +414,7 @@ def run_eval(settings: EvalSettings) -> None:
 
     set_threads(settings.threads)
     target_dir = resolve_model_dir(settings.target)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = target_tokenizer(target_dir)
     prompts = _eval_prompts(tokenizer, settings)
     trees = [(settings.tree_tokens, settings.depth, settings.top_k)] + [parse_tree(value) for value in settings.trees]
     model = load_target_model(target_dir).eval()

@@ -18,6 +18,7 @@ import dataclasses
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from cpu_worker.model import (
     tensor_shapes,
 )
 from cpu_worker.model import read_tensors as read_checkpoint_tensors
+from cpu_worker.model.model_dir import is_gguf, read_config
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
@@ -74,7 +76,9 @@ def read_shapes(folder: Path, names: set[str] | None = None) -> dict[str, tuple[
 
 def _hf_config(folder: Path) -> Any:
     """A transformers config for a Llama-style folder (AutoConfig; plain LlamaConfig when the
-    file names no model_type, as some exported draft configs do)."""
+    file names no model_type, as some exported draft configs do); a GGUF target's config from its metadata."""
+    if is_gguf(folder):
+        return SimpleNamespace(**read_config(folder))
     path = folder / CONFIG_NAME
     if not path.exists():
         raise DraftCheckpointError(f"{folder} has no {CONFIG_NAME}")

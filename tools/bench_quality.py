@@ -12,11 +12,14 @@ Three figures per precision, each against our fp32 engine on the same weights:
 
 Rows: our engine at each ``--precisions`` (exactly what the cpu_worker runs), and each
 ``--formats`` of ``tools/quant_reference`` (llama.cpp's Q8_0, Q4_0, Q4_1 and others, rounded as
-their reference quantizers round, over F.linear). The default target is the SmolLM2-135M-Instruct
-fixture that ``scripts/fetch_fixture.sh`` makes::
+their reference quantizers round, over F.linear), and ``--gguf``: a GGUF file as the cpu_worker loads
+it (its own precision, or ``--gguf-precisions``). The default target is the SmolLM2-135M-Instruct
+fixture that ``scripts/fetch_fixture.sh`` makes, whose fp32 folder is transformers' dequantization of
+the fixture's GGUF::
 
     bash scripts/fetch_fixture.sh
     python -m tools.bench_quality                      # or --target DIR --windows 4 --prompts 8
+    python -m tools.bench_quality --gguf ~/.cache/dovetail/fixtures/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from cpu_worker.server import build_engine
 from dovetail_runtime.chat_template import ChatTemplate
 from dovetail_runtime.tokenizer import Tokenizer
 from tools import quant_reference
-from tools.fixtures import SMOLLM2_DIR
+from tools.fixtures import SMOLLM2_DIR, SMOLLM2_GGUF
 
 CODE_FILES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "string.py", "fractions.py",
               "graphlib.py", "shlex.py")
@@ -179,6 +182,23 @@ def format_engine(target: Path, format_name: str, max_len: int) -> TargetEngine:
     return TargetEngine(model, max_len=max_len)
 
 
+def gguf_rows(gguf: Path, precisions: str, max_len: int, texts: Texts, reference: Reference,
+              new_tokens: int) -> list[Row]:
+    """Rows for a GGUF file at each precision ("auto": the file's own), loaded as the cpu_worker loads it."""
+    from dovetail_runtime.coordinator import target_precision
+
+    rows = []
+    for precision in filter(None, precisions.split(",")):
+        precision = target_precision(gguf) if precision == "auto" else precision
+        started = time.perf_counter()
+        engine, kernel = build_engine(str(gguf), precision, max_len)
+        loaded = time.perf_counter() - started
+        row = measure(f"gguf {precision} ({kernel}, loaded in {loaded:.1f} s)", engine, texts, reference,
+                      new_tokens)[0]
+        rows.append(row)
+    return rows
+
+
 def print_table(rows: Sequence[Row], new_tokens: int) -> None:
     kinds = sorted({kind for row in rows for kind in row.top1}, reverse=True)
     header = ["precision", *(f"top-1 {kind}" for kind in kinds), *(f"KL {kind}" for kind in kinds),
@@ -207,10 +227,16 @@ def print_table(rows: Sequence[Row], new_tokens: int) -> None:
               help="Chat prompts for the greedy figures.")
 @click.option("--new-tokens", type=click.IntRange(1), default=48, show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None, help="torch threads (default: torch's).")
+@click.option("--gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help=f"Also judge this GGUF file as the cpu_worker loads it, against --target's fp32 (the same model: "
+                   f"e.g. {SMOLLM2_GGUF.name} against the fixture's folder).")
+@click.option("--gguf-precisions", default="auto", show_default=True,
+              help="The GGUF's precisions (comma list; auto: the file's own).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every figure to this file.")
 def main(target: Path, precisions: str, formats: str, windows: int, window_tokens: int, prompts: int,
-         new_tokens: int, threads: int | None, json_path: Path | None) -> None:
+         new_tokens: int, threads: int | None, gguf: Path | None, gguf_precisions: str,
+         json_path: Path | None) -> None:
     unknown = [name for name in formats.split(",") if name and name not in quant_reference.FORMATS]
     if unknown:
         raise click.BadParameter(f"unknown formats {unknown}", param_hint="--formats")
@@ -227,6 +253,8 @@ def main(target: Path, precisions: str, formats: str, windows: int, window_token
                             new_tokens)[0])
     for name in filter(None, formats.split(",")):
         rows.append(measure(f"ref {name}", format_engine(target, name, max_len), texts, reference, new_tokens)[0])
+    if gguf is not None:
+        rows += gguf_rows(gguf, gguf_precisions, max_len, texts, reference, new_tokens)
     print(f"\n{target.name}: {len(texts.windows)} windows of {window_tokens} tokens "
           f"({texts.kinds.count('prose')} prose, {texts.kinds.count('code')} code), {len(texts.chats)} chat prompts "
           f"x {new_tokens} greedy tokens, against fp32\n")

@@ -18,7 +18,7 @@ from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.kernels.linear import is_linear
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
-from cpu_worker.model.model_dir import ModelLoadError, read_safetensors_header
+from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_safetensors_header
 
 _PREFIXES = ("model.",)
 
@@ -65,9 +65,14 @@ def _read_file(file: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
 
 
 def read_tensors(model_dir: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """The named tensors (all when ``names`` is None) of a checkpoint folder; names it lacks
-    are absent from the result. With an index, only the shards holding them are opened."""
+    """The named tensors (all when ``names`` is None) of a checkpoint folder or GGUF file (fp32, under
+    Hugging Face's names); names it lacks are absent from the result. With an index, only the shards
+    holding them are opened."""
     wanted = None if names is None else set(names)
+    if is_gguf(model_dir):
+        from cpu_worker.model.gguf_loading import gguf_tensors
+
+        return gguf_tensors(model_dir, wanted)
     found: dict[str, torch.Tensor] = {}
     for file in _files_for(model_dir, wanted):
         found.update(_read_file(file, wanted))
@@ -75,6 +80,12 @@ def read_tensors(model_dir: Path, names: list[str] | None = None) -> dict[str, t
 
 
 def load_spec(model_dir: Path) -> LlamaSpec:
+    if is_gguf(model_dir):
+        from cpu_worker.model.gguf_file import GGUFFile
+        from cpu_worker.model.gguf_loading import gguf_spec
+
+        with GGUFFile(model_dir) as file:
+            return gguf_spec(file)
     if not (model_dir / "config.json").exists():
         raise ModelLoadError(f"{model_dir} has no config.json")
     from transformers import AutoConfig
@@ -140,7 +151,11 @@ def iter_tensors(model_dir: Path, names: set[str] | None = None) -> Iterator[tup
 
 def tensor_shapes(model_dir: Path, names: set[str] | None = None) -> dict[str, tuple[int, ...]]:
     """{name: shape} of a checkpoint's tensors (only ``names`` when given) without reading their
-    data: safetensors headers, memory-mapped .bin files."""
+    data: safetensors headers, memory-mapped .bin files, a GGUF's tensor table."""
+    if is_gguf(model_dir):
+        from cpu_worker.model.gguf_loading import gguf_tensors
+
+        return gguf_tensors(model_dir, names, shapes_only=True)
     shapes: dict[str, tuple[int, ...]] = {}
     for file in _files_for(model_dir, names):
         if file.suffix == ".safetensors":
@@ -208,7 +223,12 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMak
     """The decoder in ``model_dir`` (its ``spec`` read there unless given), built tensor by
     tensor in ``dtype``, every linear quantized as ``quantize`` says (``WeightPlacer``); every
     weight must be present.
-    Frozen, in eval mode, its projections separate (``fusion`` joins them)."""
+    Frozen, in eval mode, its projections separate (``fusion`` joins them). A GGUF file's comes in
+    ``dtype`` (dequantized: the reference its blocks stand for) with ``quantize`` False."""
+    if is_gguf(model_dir) and not quantize:
+        from cpu_worker.model.gguf_loading import load_gguf_decoder
+
+        return load_gguf_decoder(model_dir, dtype)
     spec = load_spec(model_dir) if spec is None else spec
     with torch.device("meta"):
         model = LlamaDecoder(spec)

@@ -1,8 +1,8 @@
 """Finding a model folder and reading its config.json and safetensors headers, without torch.
 
 The coordinator (which never imports torch) and both workers resolve ``--target`` and
-``--draft`` the same way: a local folder, or a hub id found in the local Hugging Face cache
-(never downloaded).
+``--draft`` the same way: a local folder, a GGUF file (``gguf_file``), or a hub id found in the
+local Hugging Face cache (never downloaded).
 """
 
 from __future__ import annotations
@@ -17,13 +17,31 @@ class ModelLoadError(ValueError):
     """A model folder that cannot be loaded, with what was found there."""
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a file named *.gguf or starting with GGUF's magic number."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def resolve_model_dir(path_or_id: str | Path) -> Path:
-    """A local folder, or a hub id resolved from the local Hugging Face cache only (offline)."""
+    """A local folder or GGUF file, or a hub id resolved from the local Hugging Face cache only (offline)."""
     path = Path(path_or_id).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists():
-        raise ModelLoadError(f"{path} is a file; expected a model folder with config.json")
+        raise ModelLoadError(f"{path} is a file, but not a GGUF file; expected a model folder with config.json "
+                             f"or a .gguf file")
     text = str(path_or_id)
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
         try:
@@ -39,8 +57,14 @@ def resolve_model_dir(path_or_id: str | Path) -> Path:
 
 
 def read_config(model_dir: Path, missing_hint: str = "") -> dict[str, Any]:
-    """config.json as a dict; ModelLoadError when it is missing (the message ends with
-    ``missing_hint``) or not JSON."""
+    """config.json as a dict (a GGUF file's: what its metadata says, in config.json's keys);
+    ModelLoadError when it is missing (the message ends with ``missing_hint``) or not JSON."""
+    if is_gguf(model_dir):
+        from cpu_worker.model.gguf_file import GGUFFile
+        from cpu_worker.model.gguf_model import checked_config
+
+        with GGUFFile(model_dir) as file:
+            return checked_config(file)
     path = model_dir / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))

@@ -29,7 +29,7 @@ def test_every_dovetail_run_option_lands_in_its_group():
                                    "--stop", "\n", "--bind", "127.0.0.1:5555", "--max-queue", "9", "--seed", "3",
                                    "--log-level", "debug", "--worker-timeout", "12"])
     options = run_options(values)
-    assert options.models == ModelOptions(target="/t", draft="/d", target_dtype="fp32", kv_dtype="auto",
+    assert options.models == ModelOptions(target="/t", draft="/d", target_dtype="auto", kv_dtype="auto",
                                           draft_device="auto", draft_dtype="auto", max_len=None, mode="dovetail")
     assert options.placement == CpuPlacement(cpu_threads=None, cpu_cores=[0, 1, 2, 3], draft_threads=2,
                                              draft_cores=None)

@@ -1,0 +1,61 @@
+"""dovetail-run on GGUF targets end to end: the demo target written as a Q4_0 GGUF runs at its own
+precision, lossless against --mode ar with the trained head, and gives the folder's tokens at
+q4_0; the real fixture with a random head (where scripts/fetch_fixture.sh fetched it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType
+from gguf_support import SMOLLM2_GGUF, need_fixture, tokenizer_metadata, write_gguf
+
+from dovetail_runtime.chat_template import ChatTemplate
+from dovetail_runtime.tokenizer import Tokenizer
+
+from conftest import save_random_head
+from runtime_harness import TEST_PROMPTS, dovetail_run
+
+NEW_TOKENS = 48
+CHATS = ["What is the capital of France?", "Write a haiku about rain.", "Explain recursion in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory, demo_target) -> Path:
+    # Q4_0, whose reference quantizer our q4_0 matches bit for bit. (Q8_0's rounds x.5 away from zero,
+    # BlockWeights.quantize's q8_0 to even: the demo's fp16 weights hit such ties, so the folder at q8_0
+    # holds other blocks than the file.) The output matrix F32: the folder's lm_head is quantized alike.
+    return write_gguf(demo_target, tmp_path_factory.mktemp("gguf") / "demo.Q4_0.gguf",
+                      {"proj": GGMLQuantizationType.Q4_0}, extra=tokenizer_metadata(demo_target))
+
+
+def run_json(*args: str) -> list[dict]:
+    done = dovetail_run(*args, "--max-new-tokens", str(NEW_TOKENS), "--json", "--log-level", "warning")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def prompt_file(directory: Path, prompts: list[str]) -> Path:
+    path = directory / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": prompt}) for prompt in prompts) + "\n")
+    return path
+
+
+def test_a_gguf_target_is_lossless_and_gives_its_folders_tokens(tmp_path, demo_gguf, demo_target, demo_draft):
+    prompts = str(prompt_file(tmp_path, TEST_PROMPTS))
+    ours = run_json("--target", str(demo_gguf), "--draft", str(demo_draft), "--compare-ar", "--prompt-file", prompts)
+    folder = run_json("--target", str(demo_target), "--target-dtype", "q4_0", "--mode", "ar", "--prompt-file", prompts)
+    assert [line["token_ids"] for line in ours] == [line["token_ids"] for line in folder]
+    assert all(line["ar"]["same_tokens"] for line in ours)
+    assert sum(line["stats"]["tau"] for line in ours) / len(ours) > 1.5  # the trained head drafts for it
+
+
+def test_the_fixture_gguf_is_lossless_with_a_head(tmp_path):
+    need_fixture()
+    head = save_random_head(tmp_path / "head", SMOLLM2_GGUF)
+    template = ChatTemplate.from_dir(SMOLLM2_GGUF, Tokenizer.from_dir(SMOLLM2_GGUF).special_tokens)
+    chats = [template.render([{"role": "user", "content": text}]) for text in CHATS]
+    lines = run_json("--target", str(SMOLLM2_GGUF), "--draft", str(head), "--compare-ar", "--tree-tokens", "8",
+                     "--prompt-file", str(prompt_file(tmp_path, chats)))
+    assert all(line["ar"]["same_tokens"] for line in lines) and len(lines) == len(CHATS)

@@ -1,0 +1,106 @@
+"""A GGUF target's tokenizer and chat template, rebuilt without torch, equal transformers' for the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf_support import SMOLLM2_GGUF, need_fixture, write_gguf
+
+from dovetail_runtime.chat_template import ChatTemplate, encode_chat
+from dovetail_runtime.gguf_tokenizer import SPLITS, _byte_alphabet
+from dovetail_runtime.tokenizer import Tokenizer, TokenizerLoadError
+from ipc import messages as m
+
+from conftest import save_tiny_model
+
+TEXTS = ["Hello world", "  leading spaces\n\nand\ttabs  ", "naïve café 東京 🤖", "I'm, you're... OK?! 12345",
+         "def f(x):\n    return x ** 2  # done", "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>x<think>y", ""]
+CHAT = [[{"role": "user", "content": "What is 2 + 2?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def transformers_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def assert_same(ours: Tokenizer, theirs, texts=TEXTS) -> None:
+    for text in texts:
+        ids = theirs(text).input_ids
+        assert ours.encode(text) == ids, text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert (len(ours), ours.vocab_size) == (len(theirs), theirs.vocab_size)
+    assert ours.special_tokens == {k: str(v) for k, v in theirs.special_tokens_map.items() if isinstance(v, str)}
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+
+
+def byte_level_vocabulary() -> tuple[list[str], list[str], list[int]]:
+    """Every byte, a few merges, control and user-defined tokens: (tokens, merges, token types)."""
+    tokens = list(_byte_alphabet().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
+    tokens += ["".join(merge.split(" ")) for merge in merges]
+    specials = ["<|im_start|>", "<|im_end|>", "<think>"]
+    types = [1] * len(tokens) + [3, 3, 4]
+    return tokens + specials, merges, types
+
+
+@pytest.fixture(scope="module")
+def byte_level_gguf(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gguf-tok")
+    tokens, merges, types = byte_level_vocabulary()
+    folder = save_tiny_model(root / "hf", "llama", vocab_size=len(tokens))
+    return write_gguf(folder, root / "bpe.gguf", extra={
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 256 + 11,
+        "tokenizer.ggml.eos_token_id": 256 + 12, "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": TEMPLATE})
+
+
+def test_our_split_regexes_are_transformers(byte_level_gguf):
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    assert {name: GGUF_PRE_TOKENIZER_SPLITS[name] for name in SPLITS} == SPLITS
+
+
+def test_a_byte_level_gguf_tokenizes_as_transformers_does(byte_level_gguf):
+    ours = Tokenizer.from_dir(byte_level_gguf)
+    assert ours.encode("the world")[0] == ours.bos_token_id  # add_bos_token
+    assert_same(ours, transformers_tokenizer(byte_level_gguf))
+
+
+def test_a_gguf_chat_template_renders_as_transformers_does(byte_level_gguf):
+    tokenizer = Tokenizer.from_dir(byte_level_gguf)
+    theirs = transformers_tokenizer(byte_level_gguf)
+    template = ChatTemplate.from_dir(byte_level_gguf, tokenizer.special_tokens)
+    assert template.source == theirs.chat_template == TEMPLATE
+    for chat in CHAT:
+        expected = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+        assert encode_chat(tokenizer, template, [m.ChatMessage(**message) for message in chat]) == expected
+
+
+def test_a_sentencepiece_gguf_tokenizer_is_refused_by_name(tmp_path):
+    folder = save_tiny_model(tmp_path / "hf", "llama")
+    path = write_gguf(folder, tmp_path / "spm.gguf", extra={"tokenizer.ggml.model": "llama",
+                                                             "tokenizer.ggml.tokens": [f"t{i}" for i in range(97)]})
+    with pytest.raises(TokenizerLoadError, match="tokenizer type 'llama' is not supported"):
+        Tokenizer.from_dir(path)
+
+
+def test_the_fixtures_tokenizer_and_template_are_transformers():
+    need_fixture()
+    theirs = transformers_tokenizer(SMOLLM2_GGUF)
+    ours = Tokenizer.from_dir(SMOLLM2_GGUF)
+    assert_same(ours, theirs)
+    template = ChatTemplate.from_dir(SMOLLM2_GGUF, ours.special_tokens)
+    assert template.source == theirs.chat_template
+    for chat in CHAT:
+        expected = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+        assert encode_chat(ours, template, [m.ChatMessage(**message) for message in chat]) == expected
