@@ -74,9 +74,10 @@ def _byte_level_backend(file: GGUFFile, tokens: list[str]) -> _Backend:
     alphabet = set(spelling.values())
     vocab = {token if set(token) <= alphabet else "".join(spelling[byte] for byte in token.encode("utf-8")): index
              for index, token in enumerate(tokens)}
-    merges = [tuple(merge.split(" ")) for merge in _strings(file, "tokenizer.ggml.merges")]
-    if any(len(merge) != 2 for merge in merges):
+    pieces = [merge.split(" ") for merge in _strings(file, "tokenizer.ggml.merges")]
+    if any(len(merge) != 2 for merge in pieces):
         raise TokenizerLoadError(f"{file.path}: tokenizer.ggml.merges holds an entry that is not two tokens")
+    merges = [(left, right) for left, right in pieces]
     try:
         backend = _Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                                       end_of_word_suffix="", fuse_unk=False))
@@ -123,8 +124,9 @@ def _post_processor(file: GGUFFile, named: dict[str, str | None], backend: _Back
     bos, eos = named.get("bos_token"), named.get("eos_token")
     if (add_bos and bos is None) or (add_eos and eos is None):
         raise TokenizerLoadError(f"{file.path} asks for a BOS/EOS token it does not name")
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    bos_text, eos_text = bos or "", eos or ""  # present wherever the flags use them (checked above)
+    single = f"{bos_text + ':0 ' if add_bos else ''}$A:0{' ' + eos_text + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos_text + ':1' if add_bos else ''} $B:1{' ' + eos_text + ':1' if add_eos else ''}"
     special = [(token, backend.token_to_id(token)) for token in {bos if add_bos else None, eos if add_eos else None}
                if token is not None]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

@@ -70,7 +70,8 @@ def linear_table(dim: int, repeats: int) -> None:
 
 def decode_table(target: Path, repeats: int, tokens: int = 64) -> None:
     engines = {precision: TargetEngine(load_target_model(target, precision), max_len=512,
-                                       activation_dtype=activation_dtype(precision)) for precision in ("fp32", "int8-row")}
+                                       activation_dtype=activation_dtype(precision))
+               for precision in ("fp32", "int8-row")}
     prompt = list(range(3, 259))
 
     def decode(engine: TargetEngine) -> None:

@@ -773,7 +773,8 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--runs", default=DEFAULT_RUNS,
               help="Comma list of SHAPE:PRECISION. Shapes are inflate.py's (tiny-1k, llama-1b, llama3-3b, "
-                   "llama2-7b, llama3-8b, llama2-13b); precisions fp32, bf16, int8, int8-row, q8_0, q4_0, q4_1. One Coordinator per item.")
+                   "llama2-7b, llama3-8b, llama2-13b); precisions fp32, bf16, int8, int8-row, q8_0, q4_0, q4_1. "
+                   "One Coordinator per item.")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Layer count for every target instead of the shape's own (quick runs). Never fewer than the "
                    "small target's own layers: inflate.py keeps every trained layer.")

@@ -24,7 +24,8 @@ from dovetail_runtime.draft_eval import file_prompts
 from gpu_worker.train.corpus import stdlib_files
 
 PROMPT_TOKENS = 256
-SETTINGS = (("fp32", torch.float32), ("int8-row", torch.float32), ("int8-row", torch.bfloat16), ("fp32", torch.bfloat16))
+SETTINGS = (("fp32", torch.float32), ("int8-row", torch.float32), ("int8-row", torch.bfloat16),
+            ("fp32", torch.bfloat16))
 
 
 def heldout_prompts(target: Path, files: int) -> list[list[int]]:

@@ -185,7 +185,8 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
                 release_freed_memory()
         if "lm_head.weight" not in names.values():  # tied: the embedding's matrix, at the head's precision
             if placer.quantize:
-                placer.place("lm_head.weight", reader.read(file.tensors["token_embd.weight"], "lm_head.weight"))
+                head = reader.read(file.tensors["token_embd.weight"], "lm_head.weight")
+                placer.place("lm_head.weight", head)  # type: ignore[arg-type]
                 file.release("token_embd.weight")
             else:
                 model.lm_head.weight = model.embed_tokens.weight

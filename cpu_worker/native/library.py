@@ -78,7 +78,8 @@ class Shape(ctypes.Structure):
 
 
 _ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "layout_rows", "layout_packed", "layout_tiles",
-               "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block", "dtype_fp32", "dtype_fp16",
+               "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block",
+               "dtype_fp32", "dtype_fp16",
                "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
                "block_q4_0", "block_q4_1")
 
