@@ -366,6 +366,9 @@ def parse_tree(value: str) -> tuple[int, int, int]:
 @click.option("--input", "inputs", multiple=True, help="Files/folders/globs of plain text to take prompts from "
               "[default: the stdlib held-out split, the testbed protocol].")
 @click.option("--pattern", default="*.py", help="File-name glob for folders given with --input.")
+@click.option("--chat", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A .jsonl of chat prompts ({\"prompt\": ...} lines, e.g. from python -m tools.chat_data "
+                   "--heldout): each rendered with the target's chat template, instead of --input's files.")
 @click.option("--split", type=click.Choice(["train", "heldout", "all"]), default="heldout",
               help="For folders: one side of the sha1 % 20 rule.")
 @click.option("--files", type=click.IntRange(min=1), default=None, help="Use the first N eligible files (sorted).")
@@ -391,6 +394,7 @@ class EvalSettings:
     draft: str
     inputs: tuple[str, ...]
     pattern: str
+    chat: Path | None
     split: str
     files: int | None
     prompt_tokens: int
@@ -418,7 +422,8 @@ def run_eval(settings: EvalSettings) -> None:
     prompts = _eval_prompts(tokenizer, settings)
     trees = [(settings.tree_tokens, settings.depth, settings.top_k)] + [parse_tree(value) for value in settings.trees]
     model = load_target_model(target_dir).eval()
-    room = settings.prompt_tokens + settings.new_tokens + max(t for t, _, _ in trees) + 1
+    longest = max(len(ids) for _, ids in prompts)  # chat prompts run past --prompt-tokens
+    room = max(settings.prompt_tokens, longest) + settings.new_tokens + max(t for t, _, _ in trees) + 1
     engine = TargetEngine(model, max_len=room)
     scratch = max(TreeShape.clamped(*tree).scratch_slots for tree in trees)
     eos = tokenizer.eos_token_id
@@ -445,6 +450,8 @@ def _eval_prompts(tokenizer: Any, settings: EvalSettings) -> list[tuple[str, lis
     from dovetail_runtime.draft_eval import file_prompts
     from gpu_worker.train.corpus import expand_inputs, stdlib_files, stdlib_root
 
+    if settings.chat is not None:
+        return chat_prompts(tokenizer, settings.chat, settings.files)
     split = None if settings.split == "all" else settings.split
     if settings.inputs:
         paths, root = expand_inputs(settings.inputs, settings.pattern, (), split), None
@@ -454,6 +461,30 @@ def _eval_prompts(tokenizer: Any, settings: EvalSettings) -> list[tuple[str, lis
     prompts = file_prompts(paths, tokenizer, settings.prompt_tokens, settings.files, root)
     if not prompts:
         raise click.UsageError(f"no file has more than {settings.prompt_tokens} tokens")
+    return prompts
+
+
+def chat_prompts(tokenizer: Any, path: Path, limit: int | None) -> list[tuple[str, list[int]]]:
+    """(prompt, ids) for each ``{"prompt": ...}`` line of ``path``, rendered as a user turn with the
+    generation prompt; a usage error for a line that is not such an object."""
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise click.UsageError(f"{path}:{number}: expected a JSON object with a \"prompt\" string") from None
+        if not isinstance(text, str):
+            raise click.UsageError(f"{path}:{number}: expected a JSON object with a \"prompt\" string")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        prompts.append((text, list(ids)))
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise click.UsageError(f"{path} holds no prompts")
     return prompts
 
 
