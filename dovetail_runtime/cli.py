@@ -36,6 +36,7 @@ from .cli_options import (
     client_options,
     run_options,
 )
+from .demo_models import CODE_DRAFT, CODE_TARGET, FETCH_HINT, SMOLLM2_DRAFT, SMOLLM2_GGUF, real_pair_present
 from .tree_planner import TREE_SIZES, AutoTree
 
 if TYPE_CHECKING:
@@ -49,10 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dovetail")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# The bundled demo pair (a checkout or editable install): used when --target is not given.
-DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
-DEMO_TARGET = DEMO_DIR / "target-code-9m"
-DEMO_DRAFT = DEMO_DIR / "draft-dgf"
 FIXED_DEPTH = 6  # --depth's default with a fixed --tree-tokens
 AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth says otherwise
 
@@ -79,13 +76,19 @@ def read_prompt_file(path: Path) -> list[str]:
 
 
 def resolve_models(target: str | None, draft: str | None, mode: str) -> tuple[str, str | None]:
-    """The demo pair stands in for a missing --target (and then for a missing --draft)."""
+    """A demo pair stands in for a missing --target (and then for a missing --draft): the real chat
+    model where its fixture has been fetched, else the bundled 9M code pair, saying how to get the real one."""
     if target is None:
-        if not DEMO_TARGET.is_dir():
-            raise click.UsageError(f"--target is required: no bundled demo model at {DEMO_TARGET}")
-        target = str(DEMO_TARGET)
-        if draft is None and mode == "dovetail" and DEMO_DRAFT.is_dir():
-            draft = str(DEMO_DRAFT)
+        if real_pair_present():
+            target, default_draft = str(SMOLLM2_GGUF), SMOLLM2_DRAFT
+        elif CODE_TARGET.is_dir():
+            target, default_draft = str(CODE_TARGET), CODE_DRAFT
+            click.echo(f"dovetail-run: no --target: the 9M code demo (demo/{CODE_TARGET.name}); for the real chat "
+                       f"model (SmolLM2-135M-Instruct) run {FETCH_HINT} once", err=True)
+        else:
+            raise click.UsageError(f"--target is required: no demo model at {SMOLLM2_GGUF} or {CODE_TARGET}")
+        if draft is None and mode == "dovetail" and default_draft.is_dir():
+            draft = str(default_draft)
     if mode == "dovetail" and not draft:
         raise click.UsageError("--draft is required in dovetail mode (or use --mode ar)")
     return target, draft
@@ -228,9 +231,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(version(), "--version", prog_name="dovetail-run", message="%(prog)s %(version)s")
 @click.option("--target", default=None, help="Target model: a local Hugging Face folder, or a hub id already "
-              "in the local cache (never downloaded).  [default: the bundled demo model, demo/target-code-9m]")
+              "in the local cache (never downloaded), or a GGUF file.  [default: the SmolLM2-135M-Instruct demo "
+              f"({FETCH_HINT} fetches it), else the bundled code model demo/target-code-9m]")
 @click.option("--draft", default=None, help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). Required "
-              "with your own --target unless --mode ar.  [default with the demo target: demo/draft-dgf]")
+              "with your own --target unless --mode ar.  [default with a demo target: its head, demo/draft-smollm2 or "
+              "demo/draft-dgf]")
 @click.option("--bind", "binds", multiple=True, callback=endpoints_option,
               help="Client endpoint to serve on (repeatable): ipc://PATH or tcp://127.0.0.1:PORT (HOST:PORT and "
                    "paths are understood). A socket another server already serves is refused. tcp:// on an address "
@@ -298,6 +303,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="One-shot: prompts from a file, one per line or JSONL with a \"prompt\" field.")
+@click.option("--chat", is_flag=True, help="One-shot: send each prompt as a user message, rendered with the model's "
+              "chat template (a chat model answers it), and print only the answer.")
 @click.option("--stop", "stops", multiple=True, help="One-shot: stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object per prompt on stdout.")
 @click.option("--compare-ar", is_flag=True, help="One-shot: also run each prompt in --mode ar and print both speeds "
@@ -397,7 +404,7 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
         params = dict(max_new_tokens=one_shot.max_new_tokens, stop=list(one_shot.stops), mode=settings.mode,
                       sampling=sampling)
         failures = run_prompts(coordinator, prompts, params, one_shot.as_json,
-                               compare_ar=one_shot.compare_ar and settings.mode == "dovetail")
+                               compare_ar=one_shot.compare_ar and settings.mode == "dovetail", chat=one_shot.chat)
         return 1 if failures else 0
     except KeyboardInterrupt:
         return 0
@@ -517,13 +524,19 @@ def stats_line(mode: str, stats: m.RequestStats) -> str:
             f"draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
 
 
-def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, compare_ar: bool = False) -> int:
+def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, compare_ar: bool = False,
+                chat: bool = False) -> int:
     """One-shot generation; with ``compare_ar`` each prompt runs again in --mode ar (same
-    workers, same seed) and the two speeds are printed side by side."""
+    workers, same seed) and the two speeds are printed side by side; with ``chat`` each prompt
+    is a user message (the chat template renders it) and only the answer is echoed."""
     failures = 0
     for prompt in prompts:
-        request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, **params)
-        if not as_json:
+        if chat:
+            request = m.GenerateRequest(request_id=uuid.uuid4().hex,
+                                        messages=[m.ChatMessage(role="user", content=prompt)], **params)
+        else:
+            request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, **params)
+        if not as_json and not chat:
             sys.stdout.write(prompt)
 
         def show(_ids, text):

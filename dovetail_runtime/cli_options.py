@@ -84,6 +84,7 @@ class OneShotOptions:
     as_json: bool
     compare_ar: bool
     max_new_tokens: int
+    chat: bool
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from tools.fixtures import FIXTURES, SMOLLM2_DIR, SMOLLM2_GGUF
+from dovetail_runtime.demo_models import FIXTURES, SMOLLM2_DIR, SMOLLM2_GGUF
 
 
 def need_fixture() -> None:

