@@ -20,11 +20,13 @@ _ALIASES = {
 # keeps a real model's text; q8_0, q4_0 (alias int4) and q4_1: llama.cpp's block formats and their
 # arithmetic, activations int8 per block of 32; int8-row: W8A8 with one scale per weight row and per
 # token (the fastest 8-bit on AMX, but coarse: a real model's greedy text leaves fp32's early).
-TARGET_PRECISIONS = ("fp32", "bf16", "int8", "q8_0", "q4_0", "int4", "q4_1", "int8-row")
+# q4_0-a16, q4_1-a16: the 4-bit weights times 16-bit activations, as int8 is to q8_0 (for a 4-bit GGUF
+# the file's own weights with none of llama.cpp's activation rounding: its text stays nearer fp32's).
+TARGET_PRECISIONS = ("fp32", "bf16", "int8", "q8_0", "q4_0", "int4", "q4_1", "q4_0-a16", "q4_1-a16", "int8-row")
 BLOCK_PRECISIONS = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "int4": "q4_0",
-                    "q4_1": "q4_1"}  # precision -> block type
+                    "q4_1": "q4_1", "q4_0-a16": "q4_0", "q4_1-a16": "q4_1"}  # precision -> block type
 # Block precisions whose activations are quantized to 16 bits per block (the others: 8).
-WIDE_ACTIVATION_PRECISIONS = ("int8",)
+WIDE_ACTIVATION_PRECISIONS = ("int8", "q4_0-a16", "q4_1-a16")
 # KV cache dtypes of the CPU target (auto: see cpu_worker.precision.kv_cache_dtype).
 KV_DTYPES = ("auto", "fp32", "bf16")
 

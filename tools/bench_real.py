@@ -64,7 +64,7 @@ MARKER = "INFLATED.json"  # written last: a folder without it is incomplete
 STORE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 # Bytes per linear weight (the block formats: GGUF's block sizes over 32 weights).
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "int8-row": 1, "int8": 34 / 32, "q8_0": 34 / 32, "q4_0": 18 / 32,
-                   "int4": 18 / 32, "q4_1": 20 / 32}
+                   "int4": 18 / 32, "q4_1": 20 / 32, "q4_0-a16": 18 / 32, "q4_1-a16": 20 / 32}
 Mode = Literal["dovetail", "ar"]
 # What --dry-run sets, for every option left at its default.
 DRY_RUN = {"runs": "tiny-1k:fp32", "layers": 2, "prompt_count": 2, "max_new_tokens": 8, "sweep_repeats": 2}

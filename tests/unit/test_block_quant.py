@@ -170,7 +170,7 @@ def test_widths_off_the_block_and_unknown_types_are_refused():
         block_quant.BlockWeights.quantize(torch.ones(2, 64), "q5_k")
 
 
-@pytest.mark.parametrize("precision", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("precision", ["int8", "q8_0", "q4_0", "q4_1", "q4_1-a16"])
 def test_a_block_target_verifies_trees_bit_exactly_and_loads_as_it_converts(demo_target, precision):
     from test_int8 import worst_tree_vs_decode_gap
 
@@ -186,7 +186,8 @@ def test_a_block_target_verifies_trees_bit_exactly_and_loads_as_it_converts(demo
     prompt = [1, 450, 1200, 33, 7, 901]
     other = TargetEngine(converted, max_len=128, activation_dtype=dtype)
     assert torch.equal(engine.prefill(prompt).logits, other.prefill(prompt).logits)
-    kind, bits = ("q8_0", 16) if precision == "int8" else (precision, 8)  # int8: Q8_0 weights x 16-bit activations
+    # int8: Q8_0 weights x 16-bit activations; q4_1-a16: Q4_1's x 16-bit
+    kind, bits = {"int8": ("q8_0", 16), "q4_1-a16": ("q4_1", 16)}.get(precision, (precision, 8))
     head_kind = "q8_0" if precision.startswith("q4") else kind  # 4-bit targets keep the lm_head at 8 bits
     assert streamed.lm_head.weights.kind == converted.lm_head.weights.kind == head_kind
     assert streamed.layers[0].mlp.down_proj.weights.kind == kind

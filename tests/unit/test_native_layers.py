@@ -51,7 +51,8 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
 
 
 @pytest.mark.parametrize(("precision", "kv_dtype"), [("int8-row", "bf16"), ("int8-row", "fp32"), ("fp32", "fp32"),
-                                                     ("int8", "bf16"), ("q4_0", "bf16"), ("q4_1", "fp32")])
+                                                     ("int8", "bf16"), ("q4_0", "bf16"), ("q4_1", "fp32"),
+                                                     ("q4_1-a16", "bf16")])
 def test_the_c_loop_gives_the_python_layers_bits(demo_target, precision, kv_dtype):
     engine, kernel = build_engine(str(demo_target), precision, 128, kv_dtype)
     expected = {"fp32": "dovetail-fp32", "int8-row": int8_kernel.kernel_name()}.get(precision,
