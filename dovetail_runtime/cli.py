@@ -345,6 +345,7 @@ def run_main(**values: Any) -> None:
         log.error("%s", error)
         sys.exit(2)
     target, draft = resolve_models(options.models.target, options.models.draft, options.models.mode)
+    log.info("target %s, draft %s", target, draft or "none (--mode ar)")
     all_prompts = list(one_shot.prompts) + (read_prompt_file(one_shot.prompt_file) if one_shot.prompt_file else [])
     if serving.http_address is not None and all_prompts:
         raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
