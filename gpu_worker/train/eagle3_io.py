@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cpu_worker.model.model_dir import read_config
 from gpu_worker.checkpoint import load_head
 from gpu_worker.eagle3 import AUX_LAYERS_KEY, Eagle3Head
 
@@ -49,7 +50,7 @@ def save_eagle3_head(head: Eagle3Head, out_dir: Path, target_dir: Path, aux_laye
     state = {name: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
              for name, t in head.file_state_dict().items()}
     save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
-    target_config = json.loads((target_dir / CONFIG_NAME).read_text())
+    target_config = read_config(Path(target_dir))  # a folder's config.json, or a GGUF's metadata as one
     config = head_config(head, target_config, aux_layers)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

@@ -59,3 +59,32 @@ def test_the_fixture_gguf_is_lossless_with_a_head(tmp_path):
     lines = run_json("--target", str(SMOLLM2_GGUF), "--draft", str(head), "--compare-ar", "--tree-tokens", "8",
                      "--prompt-file", str(prompt_file(tmp_path, chats)))
     assert all(line["ar"]["same_tokens"] for line in lines) and len(lines) == len(CHATS)
+
+
+def test_dovetail_train_takes_a_gguf_target(tmp_path, demo_gguf):
+    """features, train (an EAGLE-3 head: its config comes from the file's metadata) and eval with the
+    GGUF as --target; eval checks every output against the target's greedy decode."""
+    from click.testing import CliRunner
+
+    from dovetail_runtime.train_cli import main as train_cli
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for number, prompt in enumerate(TEST_PROMPTS):
+        (corpus / f"{number}.txt").write_text((prompt + "\n    return None\n") * 12)
+    steps = [
+        ["features", "--target", str(demo_gguf), "--out", str(tmp_path / "features"), "--input", str(corpus),
+         "--window", "64", "--aux-layers", "0,1,2", "--threads", "1"],
+        ["train", "--target", str(demo_gguf), "--features", str(tmp_path / "features"), "--out", str(tmp_path / "head"),
+         "--recipe", "dgf-eagle3", "--draft-vocab", "256", "--ttt-steps", "2", "--batch-size", "4", "--steps", "4",
+         "--threads", "1"],
+        ["eval", "--target", str(demo_gguf), "--draft", str(tmp_path / "head"), "--input", str(corpus), "--split",
+         "all", "--pattern", "*.txt", "--files", "2", "--prompt-tokens", "16", "--new-tokens", "12", "--tree-tokens",
+         "8", "--depth", "3", "--tree-top-k", "3", "--json", "--threads", "1"],
+    ]
+    for args in steps:
+        result = CliRunner().invoke(train_cli, args)
+        assert result.exit_code == 0, (args[0], result.output)
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["target_hidden_size"] > 0
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["results"][0]["files"] == 2
