@@ -1,0 +1,28 @@
+"""The self-distillation prompts and their resumable answer file (tools/chat_data, tools/chat_prompts)."""
+
+from __future__ import annotations
+
+import json
+
+from tools.chat_data import _done
+from tools.chat_prompts import HELDOUT_TOPICS, TEMPLATES, TRAINING_TOPICS, heldout_prompts, training_prompts
+
+
+def test_held_out_prompts_name_no_training_topic_and_training_prompts_are_distinct_and_seeded():
+    assert not set(HELDOUT_TOPICS) & set(TRAINING_TOPICS)
+    training = training_prompts(2000)
+    assert len(set(training)) == 2000 and training == training_prompts(2000)
+    assert training[:800] == training_prompts(800)  # a larger run extends a smaller one: resumable
+    assert training_prompts(50, seed=1) != training[:50]
+    renderings = {template.format(topic=topic): topic for template in TEMPLATES
+                  for topic in HELDOUT_TOPICS + TRAINING_TOPICS}
+    assert all(renderings[prompt] in HELDOUT_TOPICS for prompt in heldout_prompts())  # each on a held-out topic
+    assert not set(heldout_prompts()) & set(training_prompts(len(renderings)))
+
+def test_a_rerun_keeps_complete_records_and_drops_a_torn_last_line(tmp_path):
+    out = tmp_path / "chat.jsonl"
+    assert _done(out) == set()
+    records = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]} for i in (1, 2)]
+    out.write_text("".join(json.dumps(record) + "\n" for record in records) + '{"conversations": [{"fr')
+    assert _done(out) == {"q1", "q2"}
+    assert out.read_text().count("\n") == 2 and out.read_text().endswith("}\n")  # the torn line is gone
