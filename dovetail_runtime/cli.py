@@ -254,8 +254,10 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
 @click.option("--target-dtype", type=click.Choice(("auto", *TARGET_PRECISIONS)), default="auto",
-              help="Target precision on the CPU. auto: a GGUF file's own (q4_1 for a Q4_1 file: its blocks go "
-                   "into the kernels as stored), fp32 for a model folder. int8: 8-bit weights in blocks of 32 "
+              help="Target precision on the CPU. auto: a GGUF file's own blocks, as stored, times 16-bit "
+                   "activations (q4_1-a16 for a Q4_1 file, int8 for Q8_0; give q4_1 or q8_0 for llama.cpp's "
+                   "8-bit activations: verification a third faster, text further from fp32's), fp32 for a "
+                   "model folder. int8: 8-bit weights in blocks of 32 "
                    "(Q8_0's) times activations quantized to 16 bits per block, the 8-bit that keeps a real "
                    "model's text. q8_0, q4_0 (alias int4) and q4_1: llama.cpp's block formats and arithmetic "
                    "(activations int8 per block). "

@@ -60,16 +60,24 @@ FEATURE_DTYPE = "float32"
 DEFAULT_CONTEXT = 4096
 
 
+# A GGUF's own weights, activations at 16 bits per block: the file's model as near its fp32 meaning as its
+# weights allow (SmolLM2's Q4_1: KL 0.00005 against fp32, llama.cpp's 8-bit activations 0.0032), at the
+# decode speed of 8-bit activations; a verify pass of 16 rows costs about a third more (docs/performance.md).
+WIDE_FOR_BLOCK = {"q8_0": "int8", "q4_0": "q4_0-a16", "q4_1": "q4_1-a16"}
+
+
 def target_precision(target_dir: Path) -> str:
-    """The precision a target runs at unless --target-dtype says: a GGUF file's own (the block type
-    most of its projections are stored in, ``gguf_model.native_precision``), fp32 for a model folder."""
+    """The precision a target runs at unless --target-dtype says: a GGUF file's own blocks (the type
+    most of its projections are stored in, ``gguf_model.native_precision``) with 16-bit activations,
+    fp32 for a model folder."""
     if not is_gguf(target_dir):
         return "fp32"
     from cpu_worker.model.gguf_file import GGUFFile
     from cpu_worker.model.gguf_model import native_precision
 
     with GGUFFile(target_dir) as file:
-        return native_precision(file)
+        native = native_precision(file)
+    return WIDE_FOR_BLOCK.get(native, native)
 
 
 @dataclass
@@ -140,7 +148,8 @@ class Coordinator:
         if settings.target_dtype == "auto":
             settings.target_dtype = target_precision(target_dir)
             log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype,
-                     "the GGUF file's own" if is_gguf(target_dir) else "a model folder's default")
+                     "the GGUF file's own blocks, 16-bit activations" if is_gguf(target_dir)
+                     else "a model folder's default")
         # The draft head decides what a feature row holds (EAGLE-3: three target layers).
         draft_dir = resolve_model_dir(settings.draft) if settings.draft else None
         layout = feature_layout(draft_dir, config) if draft_dir else FeatureLayout(config["hidden_size"])

@@ -144,7 +144,11 @@ def streamed_fraction(record: dict, dims: Dims) -> float:
 def run_pair(target: Path, precision: str, gguf: Path, binary: Path, options: dict, dims: Dims) -> PairResult:
     result = PairResult(precision, gguf)
     max_len = max(64 + options["tokens"], options["prompt_tokens"] + 1)
-    engine, result.kernel = build_engine(str(target), precision, max_len, options["kv_dtype"])
+    # --ours-from-gguf: this engine loads the very file llama.cpp runs (its blocks as stored).
+    source = gguf if options["ours_from_gguf"] else target
+    engine, result.kernel = build_engine(str(source), precision, max_len, options["kv_dtype"])
+    if options["ours_from_gguf"]:
+        result.kernel = f"{result.kernel}, from the GGUF"
     result.ours_rss_gb = psutil.Process().memory_info().rss / 1e9
     result.ours_bytes = dims.streamed_bytes(precision)
     # First-call costs out of the numbers, and the GGUF in the page cache before llama.cpp is timed.
@@ -219,13 +223,15 @@ def print_table(results: list[PairResult], threads: int) -> None:
               help="This engine's KV cache dtype, as dovetail-run's (llama.cpp keeps its default, f16).")
 @click.option("--prompt-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also time a prefill of this many tokens each round (llama-bench's pp test); 0: decode only.")
+@click.option("--ours-from-gguf", is_flag=True,
+              help="Load this engine from each pair's GGUF file (its blocks as stored) instead of --target's folder.")
 def main(target: Path, binary: Path, pairs: list[tuple[str, Path]], threads: int, tokens: int, rounds: int,
-         kv_dtype: str, prompt_tokens: int) -> None:
+         kv_dtype: str, prompt_tokens: int, ours_from_gguf: bool) -> None:
     """Decode (and prefill) tokens/s of this engine and llama.cpp at the same bits, alternating rounds."""
     torch.set_num_threads(threads)
     dims = Dims.from_config(json.loads((target / "config.json").read_text()))
     options = {"tokens": tokens, "rounds": rounds, "threads": threads, "kv_dtype": kv_dtype,
-               "prompt_tokens": prompt_tokens}
+               "prompt_tokens": prompt_tokens, "ours_from_gguf": ours_from_gguf}
     print(f"{target.name}: {dims.linear_params / 1e9:.2f}B streamed parameters, {threads} threads, "
           f"{tokens} tokens per round, {rounds} rounds", flush=True)
     results = [run_pair(target, precision, gguf, binary, options, dims) for precision, gguf in pairs]
