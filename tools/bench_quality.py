@@ -231,7 +231,8 @@ def print_table(rows: Sequence[Row], new_tokens: int) -> None:
               help=f"Also judge this GGUF file as the cpu_worker loads it, against --target's fp32 (the same model: "
                    f"e.g. {SMOLLM2_GGUF.name} against the fixture's folder).")
 @click.option("--gguf-precisions", default="auto", show_default=True,
-              help="The GGUF's precisions (comma list; auto: the file's own).")
+              help="The GGUF's precisions (comma list; auto: as dovetail-run's default, the file's blocks x 16-bit "
+                   "activations).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every figure to this file.")
 def main(target: Path, precisions: str, formats: str, windows: int, window_tokens: int, prompts: int,
