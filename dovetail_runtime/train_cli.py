@@ -479,7 +479,7 @@ def chat_prompts(tokenizer: Any, path: Path, limit: int | None) -> list[tuple[st
             raise click.UsageError(f"{path}:{number}: expected a JSON object with a \"prompt\" string")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
         prompts.append((text, list(ids)))
         if limit is not None and len(prompts) >= limit:
             break
