@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_worker.kernels.block_quant import round_half_away
+
 BLOCK = 32
 Rounding = Callable[[torch.Tensor], torch.Tensor]
 
@@ -39,7 +41,7 @@ def q8_0(x: torch.Tensor) -> torch.Tensor:
     blocks = _blocks(x, BLOCK)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inverse)  # roundf and torch.round differ only on exact halves
+    q = round_half_away(blocks * inverse)
     return (q * _fp16(d)).reshape(x.shape)
 
 

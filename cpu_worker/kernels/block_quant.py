@@ -35,6 +35,14 @@ def library() -> ctypes.CDLL:
     return handle
 
 
+def round_half_away(values: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf``, which llama.cpp's reference quantizers call: halves away from zero
+    (``torch.round`` takes them to even, so 40.5 became 40 where a GGUF writer stores 41)."""
+    magnitude = values.abs()
+    whole = torch.floor(magnitude)
+    return torch.sign(values) * (whole + torch.floor(2 * (magnitude - whole)))
+
+
 def _blocks(weight: torch.Tensor) -> torch.Tensor:
     rows, k = weight.shape
     if k % BLOCK:
@@ -140,7 +148,7 @@ class BlockWeights:
         rows, k = weight.shape
         if kind == "q8_0":
             d = blocks.abs().amax(-1, keepdim=True) / 127
-            q = torch.round(blocks * torch.where(d > 0, 1 / d, 0))
+            q = round_half_away(blocks * torch.where(d > 0, 1 / d, 0))
             return cls.from_values(kind, q.to(torch.int16).reshape(rows, k), d.squeeze(-1), None)
         if kind == "q4_0":
             d = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)) / -8

@@ -74,6 +74,8 @@ def use_library(monkeypatch):
 def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
     weight = torch.randn(32, 256) * torch.logspace(-3, 1, 32).unsqueeze(1)
     weight[0, :32] = 0.0
+    weight[1, :32] = 0.0
+    weight[1, :6] = torch.tensor([127.0, 40.5, -2.5, 0.5, -0.5, 1.5])  # exact halves at Q8_0 (d = 1)
     blocks = block_quant.BlockWeights.quantize(weight, kind)
     assert torch.equal(blocks.dequantize(), getattr(quant_reference, kind)(weight))
     gguf = blocks.gguf_blocks()

@@ -20,6 +20,8 @@ def awkward_rows(seed: int = 0) -> np.ndarray:
     rows[1, 32:64] = 0.75
     rows[2, :32] = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
     rows[3, :4] = [-3.0, 3.0, -3.0, 3.0]
+    rows[4, :32] = 0.0
+    rows[4, :6] = [127.0, 40.5, -2.5, 0.5, -0.5, 1.5]  # Q8_0's d = 1: exact halves, which roundf takes away from 0
     return rows
 
 
