@@ -26,9 +26,11 @@
  * tile products) gives the same bits; SIMD paths run 8 outputs side by side, one per lane.
  *
  * Dot products: VNNI multiplies unsigned by signed bytes, so a signed weight w and activation x go
- * in as |w| and x * sign(w) (x in [-127, 127], which the quantizer guarantees); Q4_1's weights are
- * unsigned already. AVX2 without VNNI gets the same sums from maddubs (pairs; at most 2 * 128 * 127
- * in magnitude, no saturation) and madd against ones.
+ * in as |w| and x * sign(w) (x in [-127, 127], which the quantizer guarantees). 4-bit weights go in
+ * as their unsigned nibbles q (Q4_0's q - 8 becomes dot(q, x) - 8 sum(x), one integer subtraction a
+ * block), so they need no sign trick. AVX2 without VNNI gets the same sums from maddubs (pairs; at
+ * most 2 * 128 * 127 in magnitude, no saturation) and madd against ones; for 4-bit weights the pairs
+ * (at most 3810) add up in 16 bits over a whole block before one madd widens them.
  *
  * Layout (BlockWeights; GGUF's blocks regrouped at load, every byte kept): outputs in groups of 16,
  * each group one sequential stream of its blocks. In a (group, block), the 32 inputs are 8 chunks of
@@ -176,6 +178,12 @@ static float dot_one(const uint8_t *group, const uint16_t *scales, const uint16_
 #endif
 
 #if BLOCK_SIMD
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define BLOCK_VNNI8 1 /* dpbusd on 8 lanes */
+#else
+#define BLOCK_VNNI8 0
+#endif
+
 /* acc + the 8 lanes' sums of 4 products u[4l..4l+3] * s[4l..4l+3] (u unsigned, s signed). */
 static inline __m256i add_lane_dots(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -192,37 +200,86 @@ static inline __m256i add_lane_dots(__m256i acc, __m256i u, __m256i s) {
 #endif
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
-/* Block totals of 8 outputs (half `half` of the group's 16) for `rows` (a constant after inlining:
- * the sums stay in registers) planes, chunk by chunk; even and odd chunks in separate sums
- * (integers: the same totals), so two dot products are in flight per plane instead of a chain of
- * eight. */
-static ALWAYS_INLINE void block_totals(const uint8_t *block, int type, int half, const int8_t *const x[GROUP_ROWS],
-                                       const int rows, __m256i totals[GROUP_ROWS]) {
-    __m256i even[GROUP_ROWS], odd[GROUP_ROWS];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_si256();
-    const __m256i mask = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
+/* A block's totals for the group's 16 outputs (low: outputs 0-7, high: 8-15, a lane each) and
+ * `rows` planes (a constant after inlining: the sums stay in registers), from Q8_0 weights by the
+ * sign trick, chunk by chunk. Both halves in one pass, so each plane's 4 inputs are broadcast once
+ * per chunk. */
+static ALWAYS_INLINE void q8_block_totals(const uint8_t *block, const int8_t *const x[GROUP_ROWS], const int rows,
+                                          __m256i low[GROUP_ROWS], __m256i high[GROUP_ROWS]) {
+    for (int r = 0; r < rows; r++) low[r] = high[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2 /* fully unrolled, GCC reorders the sums into a tree of temporaries that spill */
     for (int c = 0; c < 8; c++) {
-        __m256i w;
-        if (type == BLOCK_Q8_0) {
-            w = _mm256_loadu_si256((const __m256i *)(block + 64 * c + 32 * half));
-        } else {
-            __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 64 * (c & 3) + 32 * half));
-            w = _mm256_and_si256(c < 4 ? packed : _mm256_srli_epi16(packed, 4), mask);
-            if (type == BLOCK_Q4_0) w = _mm256_sub_epi8(w, eight);
-        }
-        __m256i magnitude = type == BLOCK_Q4_1 ? w : _mm256_sign_epi8(w, w);
+        __m256i w_low = _mm256_loadu_si256((const __m256i *)(block + 64 * c));
+        __m256i w_high = _mm256_loadu_si256((const __m256i *)(block + 64 * c + 32));
+        __m256i magnitude_low = _mm256_sign_epi8(w_low, w_low), magnitude_high = _mm256_sign_epi8(w_high, w_high);
         for (int r = 0; r < rows; r++) {
             int32_t four;
             memcpy(&four, x[r] + 4 * c, 4);
             __m256i input = _mm256_set1_epi32(four);
-            if (type != BLOCK_Q4_1) input = _mm256_sign_epi8(input, w);
-            if (c & 1)
-                odd[r] = add_lane_dots(odd[r], magnitude, input);
-            else
-                even[r] = add_lane_dots(even[r], magnitude, input);
+            low[r] = add_lane_dots(low[r], magnitude_low, _mm256_sign_epi8(input, w_low));
+            high[r] = add_lane_dots(high[r], magnitude_high, _mm256_sign_epi8(input, w_high));
         }
     }
-    for (int r = 0; r < rows; r++) totals[r] = _mm256_add_epi32(even[r], odd[r]);
+}
+
+/* The same for 4-bit weights, taken as the unsigned nibbles q in [0, 15] for Q4_0 too (its
+ * q - 8 is the caller's: dot(q - 8, x) = dot(q, x) - 8 sum(x)), so no sign trick: one product
+ * instruction per chunk and plane. Chunk v sits in the low nibbles of vector v, chunk v + 4 in the
+ * high ones. Without VNNI, maddubs' pair sums (at most 2 * 15 * 127 = 3810) add up in 16 bits over
+ * the block's 8 chunks (at most 30480 < 32767) and are widened once, by one madd against ones. */
+static ALWAYS_INLINE void nibble_block_totals(const uint8_t *block, const int8_t *const x[GROUP_ROWS],
+                                              const int rows, __m256i low[GROUP_ROWS], __m256i high[GROUP_ROWS]) {
+    for (int r = 0; r < rows; r++) low[r] = high[r] = _mm256_setzero_si256();
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 1 /* unrolled, GCC reorders the sums into a tree of temporaries that spill */
+    for (int v = 0; v < 4; v++) {
+        __m256i packed_low = _mm256_loadu_si256((const __m256i *)(block + 64 * v));
+        __m256i packed_high = _mm256_loadu_si256((const __m256i *)(block + 64 * v + 32));
+        __m256i w[4] = {_mm256_and_si256(packed_low, mask), _mm256_and_si256(packed_high, mask),
+                        _mm256_and_si256(_mm256_srli_epi16(packed_low, 4), mask),
+                        _mm256_and_si256(_mm256_srli_epi16(packed_high, 4), mask)};
+        for (int r = 0; r < rows; r++) {
+            int32_t four_first, four_second; /* inputs of chunk v, then of chunk v + 4 */
+            memcpy(&four_first, x[r] + 4 * v, 4);
+            memcpy(&four_second, x[r] + 4 * (v + 4), 4);
+            __m256i first = _mm256_set1_epi32(four_first), second = _mm256_set1_epi32(four_second);
+#if BLOCK_VNNI8
+            low[r] = add_lane_dots(add_lane_dots(low[r], w[0], first), w[2], second);
+            high[r] = add_lane_dots(add_lane_dots(high[r], w[1], first), w[3], second);
+#else
+            low[r] = _mm256_add_epi16(low[r], _mm256_add_epi16(_mm256_maddubs_epi16(w[0], first),
+                                                               _mm256_maddubs_epi16(w[2], second)));
+            high[r] = _mm256_add_epi16(high[r], _mm256_add_epi16(_mm256_maddubs_epi16(w[1], first),
+                                                                 _mm256_maddubs_epi16(w[3], second)));
+#endif
+        }
+    }
+#if !BLOCK_VNNI8
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++) {
+        low[r] = _mm256_madd_epi16(low[r], ones);
+        high[r] = _mm256_madd_epi16(high[r], ones);
+    }
+#endif
+}
+
+/* Two planes' totals into one: 255 dot(w, h) + dot(w, l) = (dot(w, h) << 8) - dot(w, h) + dot(w, l). */
+static ALWAYS_INLINE __m256i join_planes(__m256i high_digit, __m256i low_digit) {
+    return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(high_digit, 8), high_digit), low_digit);
+}
+
+/* acc + one block's terms for 8 outputs of a row: float(T) * (d_w * d_x), then for Q4_1
+ * (m_w * d_x) * float(S); the sequence every path keeps. */
+static ALWAYS_INLINE __m256 add_block_terms(__m256 acc, __m256i totals, const uint16_t *scales,
+                                            const uint16_t *minimums, int type, float x_scale_value, int32_t x_sum) {
+    __m256 x_scale = _mm256_set1_ps(x_scale_value);
+    __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(weight_scale, x_scale)));
+    if (type == BLOCK_Q4_1) {
+        __m256 weight_min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)minimums));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale), _mm256_set1_ps((float)x_sum)));
+    }
+    return acc;
 }
 
 /* One group of 16 outputs for `rows` rows of `planes` planes each (both constant after inlining):
@@ -230,8 +287,8 @@ static ALWAYS_INLINE void block_totals(const uint8_t *block, int type, int half,
 static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
                                          int type, const int8_t *xq, const int planes, const float *xd,
                                          const int32_t *xs, const int rows, int64_t k, int64_t blocks, float *out) {
-    __m256 acc[2][GROUP_ROWS];
-    for (int r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    __m256 acc_low[GROUP_ROWS], acc_high[GROUP_ROWS];
+    for (int r = 0; r < rows; r++) acc_low[r] = acc_high[r] = _mm256_setzero_ps();
     const int64_t bytes = group_block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         /* Keep more lines of the group's stream in flight than the loads alone ask for (as
@@ -240,31 +297,30 @@ static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *s
             _mm_prefetch((const char *)(group + b * bytes + BLOCK_AHEAD + line), _MM_HINT_T0);
         const int8_t *x[GROUP_ROWS];
         for (int p = 0; p < rows * planes; p++) x[p] = xq + p * k + b * QBLOCK;
-        for (int half = 0; half < 2; half++) {
-            __m256i totals[GROUP_ROWS];
-            block_totals(group + b * bytes, type, half, x, rows * planes, totals);
-            if (planes == 2) /* 255 dot(w, h) + dot(w, l) = (dot(w, h) << 8) - dot(w, h) + dot(w, l) */
-                for (int r = 0; r < rows; r++)
-                    totals[r] = _mm256_add_epi32(
-                        _mm256_sub_epi32(_mm256_slli_epi32(totals[2 * r], 8), totals[2 * r]), totals[2 * r + 1]);
-            const int64_t lanes = b * GROUP_OUT + 8 * half;
-            __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + lanes)));
-            for (int r = 0; r < rows; r++) {
-                __m256 x_scale = _mm256_set1_ps(xd[r * blocks + b]);
-                __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(totals[r]), _mm256_mul_ps(weight_scale, x_scale));
-                acc[half][r] = _mm256_add_ps(acc[half][r], term);
-                if (type == BLOCK_Q4_1) {
-                    __m256 weight_min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimums + lanes)));
-                    __m256 min_term = _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale),
-                                                    _mm256_set1_ps((float)xs[r * blocks + b]));
-                    acc[half][r] = _mm256_add_ps(acc[half][r], min_term);
-                }
+        __m256i low[GROUP_ROWS], high[GROUP_ROWS];
+        if (type == BLOCK_Q8_0)
+            q8_block_totals(group + b * bytes, x, rows * planes, low, high);
+        else
+            nibble_block_totals(group + b * bytes, x, rows * planes, low, high);
+        for (int r = 0; r < rows; r++) {
+            __m256i total_low = planes == 2 ? join_planes(low[2 * r], low[2 * r + 1]) : low[r];
+            __m256i total_high = planes == 2 ? join_planes(high[2 * r], high[2 * r + 1]) : high[r];
+            if (type == BLOCK_Q4_0) { /* the nibbles were q: dot(q - 8, x) = dot(q, x) - 8 sum(x) */
+                __m256i correction = _mm256_set1_epi32(8 * xs[r * blocks + b]);
+                total_low = _mm256_sub_epi32(total_low, correction);
+                total_high = _mm256_sub_epi32(total_high, correction);
             }
+            const uint16_t *block_scales = scales + b * GROUP_OUT;
+            const uint16_t *block_mins = minimums ? minimums + b * GROUP_OUT : NULL;
+            acc_low[r] = add_block_terms(acc_low[r], total_low, block_scales, block_mins, type, xd[r * blocks + b],
+                                         xs[r * blocks + b]);
+            acc_high[r] = add_block_terms(acc_high[r], total_high, block_scales + 8, block_mins ? block_mins + 8 : NULL,
+                                          type, xd[r * blocks + b], xs[r * blocks + b]);
         }
     }
     for (int r = 0; r < rows; r++) {
-        _mm256_storeu_ps(out + GROUP_OUT * r, acc[0][r]);
-        _mm256_storeu_ps(out + GROUP_OUT * r + 8, acc[1][r]);
+        _mm256_storeu_ps(out + GROUP_OUT * r, acc_low[r]);
+        _mm256_storeu_ps(out + GROUP_OUT * r + 8, acc_high[r]);
     }
 }
 

@@ -128,6 +128,29 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_
 
 
 @pytest.mark.parametrize("bits", [8, 16])
+def test_every_build_sums_the_largest_products_without_overflow(tmp_path, use_library, bits):
+    """Weights at their extreme integers (Q8_0 +-127; 4-bit nibbles all 15 or all 0) against activation
+    digits at +-127 in every block: the integer sums at their largest (AVX2 adds a 4-bit block's pair
+    sums in 16 bits, up to 30480) still give the exact product."""
+    planes = block_quant.ACTIVATION_PLANES[bits]
+    k, n_out = 512, 32
+    signs = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
+    rows = torch.stack([torch.ones(k), -torch.ones(k), signs, -signs])
+    for kind in KINDS:
+        if kind == "q8_0":
+            values = (127 * torch.stack([signs] * (n_out // 2) + [torch.ones(k)] * (n_out // 2))).to(torch.int16)
+        else:
+            values = torch.cat([torch.full((n_out // 2, k), 15), torch.zeros(n_out // 2, k)]).to(torch.int16)
+        scales = torch.ones(n_out, k // 32)
+        blocks = block_quant.BlockWeights.from_values(kind, values, scales, scales if kind == "q4_1" else None)
+        exact = per_block_int8(rows, bits).double() @ blocks.dequantize().double().T
+        for name, library in runnable_builds(tmp_path):
+            use_library(library)
+            out = block_quant.block_linear(rows, blocks, planes=planes)
+            assert torch.allclose(out.double(), exact, rtol=1e-6, atol=1e-6), (name, kind)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
 def test_the_amx_path_gives_the_vnni_paths_bits(bits):
     """The machine's own build: on a CPU with AMX, every row count through the tiles (from 1 plane
     up) equals the same rows through VNNI, bit for bit, partial tiles and groups included (without
