@@ -107,7 +107,7 @@ def read_blocks(file: GGUFFile, info: TensorInfo, order: np.ndarray | None = Non
     blocks = rows.reshape(rows.shape[0], k // block, size)
     scales = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     minimums = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1) if kind == "q4_1" else None
-    values = blocks[..., 4 if kind == "q4_1" else 2:].reshape(rows.shape[0], -1)
+    values = blocks[..., 4 if kind == "q4_1" else 2:]  # a strided view: from_blocks moves each byte once
     return BlockWeights.from_blocks(kind, values, scales, minimums, k)
 
 

@@ -230,3 +230,27 @@ def test_fused_block_layers_give_the_separate_layers_bits():
     with pytest.raises(ValueError, match="one type"):
         block_quant.BlockWeights.concatenate([parts[0].weights,
                                               block_quant.BlockWeights.quantize(torch.randn(4, 64), "q8_0")])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_whole_groups_join_as_they_lie_and_gguf_bytes_are_only_moved(kind):
+    """The fast paths give the bytes of the slow ones: parts of whole 16-output groups (and any last part)
+    joined without unpacking equal the joined values laid out anew; a GGUF's bytes moved into the layout
+    equal its values unpacked and interleaved, a last partial group padded alike."""
+    parts = [block_quant.BlockWeights.quantize(torch.randn(n, 96), kind) for n in (32, 48, 21)]
+    joined = block_quant.BlockWeights.concatenate(parts)
+    minimums = None if kind != "q4_1" else torch.cat([block_quant.ungroup(p.minimums, p.out_features) for p in parts])
+    expected = block_quant.BlockWeights.from_values(kind, torch.cat([p.values() for p in parts]),
+                                                    torch.cat([block_quant.ungroup(p.scales, p.out_features)
+                                                               for p in parts]), minimums)
+    for name in ("data", "scales", "minimums"):
+        assert (getattr(joined, name) is None and getattr(expected, name) is None) or \
+            torch.equal(getattr(joined, name), getattr(expected, name)), name
+    assert (joined.out_features, joined.in_features) == (101, 96)
+    slow = block_quant.BlockWeights.concatenate([parts[2], parts[0]])  # a partial group first: values re-laid
+    assert torch.equal(slow.values(), torch.cat([parts[2].values(), parts[0].values()]))
+    last = parts[2]
+    minimums = None if last.minimums is None else block_quant.ungroup(last.minimums, 21)
+    moved = block_quant.BlockWeights.from_blocks(kind, last.gguf_blocks(), block_quant.ungroup(last.scales, 21),
+                                                 minimums, 96)
+    assert torch.equal(moved.data, last.data) and torch.equal(moved.dequantize(), last.dequantize())
