@@ -433,7 +433,11 @@ class LlamaDecoder(nn.Module):
     def __init__(self, spec: LlamaSpec):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # The loaders build this on the meta device and place the checkpoint's weights; an empty
+        # weight skips nn.Embedding's normal_ init, which on meta tensors first imports torch._dynamo
+        # (2.1 s of a process's first model load).
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)

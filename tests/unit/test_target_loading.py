@@ -141,3 +141,17 @@ def test_loading_converts_tensor_by_tensor_to_the_same_model(tmp_path, family, p
         outputs.append(torch.stack([engine.prefill(tokens).logits, engine.decode(7).logits]))
     assert torch.equal(outputs[0], outputs[1])
     assert not any(p.is_meta for p in streamed.parameters())
+
+
+def test_the_loaders_skeleton_runs_no_embedding_init(tmp_path, monkeypatch):
+    """The decoder the loaders fill is built on the meta device without nn.Embedding's normal_ init
+    (which on meta tensors first imports torch._dynamo: 2.1 s of a process's first load), and still
+    loads its checkpoint's weights."""
+    folder = save_tiny_model(tmp_path / "tiny", "llama", seed=4)
+    expected = load_target_model(folder, "fp32").embed_tokens.weight.clone()
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("an init ran on the loaders' skeleton")
+
+    monkeypatch.setattr(torch.nn.init, "normal_", refuse)
+    assert torch.equal(load_target_model(folder, "fp32").embed_tokens.weight, expected)
