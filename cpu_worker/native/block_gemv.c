@@ -270,16 +270,18 @@ static ALWAYS_INLINE __m256i join_planes(__m256i high_digit, __m256i low_digit) 
 
 /* acc + one block's terms for 8 outputs of a row: float(T) * (d_w * d_x), then for Q4_1
  * (m_w * d_x) * float(S); the sequence every path keeps. */
-static ALWAYS_INLINE __m256 add_block_terms(__m256 acc, __m256i totals, const uint16_t *scales,
-                                            const uint16_t *minimums, int type, float x_scale_value, int32_t x_sum) {
+static ALWAYS_INLINE __m256 add_block_terms(__m256 acc, __m256i totals, __m256 weight_scale, __m256 weight_min,
+                                            int type, float x_scale_value, int32_t x_sum) {
     __m256 x_scale = _mm256_set1_ps(x_scale_value);
-    __m256 weight_scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
     acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(weight_scale, x_scale)));
-    if (type == BLOCK_Q4_1) {
-        __m256 weight_min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)minimums));
+    if (type == BLOCK_Q4_1)
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(weight_min, x_scale), _mm256_set1_ps((float)x_sum)));
-    }
     return acc;
+}
+
+/* 8 fp16 values as fp32. */
+static ALWAYS_INLINE __m256 load_halves(const uint16_t *values) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)values));
 }
 
 /* One group of 16 outputs for `rows` rows of `planes` planes each (both constant after inlining):
@@ -302,6 +304,14 @@ static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *s
             q8_block_totals(group + b * bytes, x, rows * planes, low, high);
         else
             nibble_block_totals(group + b * bytes, x, rows * planes, low, high);
+        /* The block's weight scales (and Q4_1's minimums), once for every row. */
+        const __m256 scale_low = load_halves(scales + b * GROUP_OUT);
+        const __m256 scale_high = load_halves(scales + b * GROUP_OUT + 8);
+        __m256 min_low = _mm256_setzero_ps(), min_high = _mm256_setzero_ps();
+        if (type == BLOCK_Q4_1) {
+            min_low = load_halves(minimums + b * GROUP_OUT);
+            min_high = load_halves(minimums + b * GROUP_OUT + 8);
+        }
         for (int r = 0; r < rows; r++) {
             __m256i total_low = planes == 2 ? join_planes(low[2 * r], low[2 * r + 1]) : low[r];
             __m256i total_high = planes == 2 ? join_planes(high[2 * r], high[2 * r + 1]) : high[r];
@@ -310,12 +320,10 @@ static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *s
                 total_low = _mm256_sub_epi32(total_low, correction);
                 total_high = _mm256_sub_epi32(total_high, correction);
             }
-            const uint16_t *block_scales = scales + b * GROUP_OUT;
-            const uint16_t *block_mins = minimums ? minimums + b * GROUP_OUT : NULL;
-            acc_low[r] = add_block_terms(acc_low[r], total_low, block_scales, block_mins, type, xd[r * blocks + b],
+            acc_low[r] = add_block_terms(acc_low[r], total_low, scale_low, min_low, type, xd[r * blocks + b],
                                          xs[r * blocks + b]);
-            acc_high[r] = add_block_terms(acc_high[r], total_high, block_scales + 8, block_mins ? block_mins + 8 : NULL,
-                                          type, xd[r * blocks + b], xs[r * blocks + b]);
+            acc_high[r] = add_block_terms(acc_high[r], total_high, scale_high, min_high, type, xd[r * blocks + b],
+                                          xs[r * blocks + b]);
         }
     }
     for (int r = 0; r < rows; r++) {
