@@ -26,7 +26,7 @@ from cpu_worker.verify_cost import OnlineCurve, VerifyCostCache, cache_key, meas
 from ipc import messages as m
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing
-from ipc.worker_loop import Handlers, SequenceError, worker_main
+from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -200,4 +200,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -275,6 +275,8 @@ class Coordinator:
         return [w for w in (self.cpu, self.gpu) if w is not None]
 
     def close(self) -> None:
+        for worker in self.workers():  # all asked first: they exit side by side, not one after the other
+            worker.ask_to_stop()
         for worker in self.workers():
             worker.stop()
         for ring in self.rings:

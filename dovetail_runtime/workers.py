@@ -63,6 +63,7 @@ class WorkerHandle(Generic[Info]):
         self.channel: Channel | None = None
         self.info: Info | None = None
         self.ready = False  # the process has said Ready (and so reads its channel)
+        self.asked_to_stop = False  # Shutdown sent; its exit not yet waited for
 
     @property
     def pid(self) -> int | None:
@@ -75,6 +76,7 @@ class WorkerHandle(Generic[Info]):
         """Start the process; ``wait_ready`` then waits for its handshake (both workers load at once)."""
         self.channel = Channel.bind(self.endpoint, allowed=self.allowed_replies)
         self.ready = False
+        self.asked_to_stop = False
         command = [sys.executable, "-m", self.module, "--endpoint", self.endpoint,
                    "--parent-pid", str(os.getpid()), "--settings", self.settings_json]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
@@ -168,18 +170,25 @@ class WorkerHandle(Generic[Info]):
             except ChannelTimeout:
                 log.warning("%s did not take %s", self.name, type(message).__name__)
 
+    def ask_to_stop(self) -> bool:
+        """Send Shutdown without waiting for the exit (``stop`` waits): the coordinator asks
+        every worker first, so they exit side by side. Whether the worker was asked."""
+        if self.asked_to_stop:
+            return True
+        if self.ready and self.channel is not None and self.alive():
+            try:
+                self.channel.send(Shutdown(), timeout_ms=500)
+                self.asked_to_stop = True
+            except Exception:  # it is being stopped either way
+                pass
+        return self.asked_to_stop
+
     def stop(self, grace_s: float = 3.0) -> None:
         """Ask the worker to exit, then terminate and kill it if it does not. One that never
         said Ready (still loading) is not reading its channel: it is terminated at once."""
         process = self.process
         if process is not None and process.poll() is None:
-            asked = False
-            if self.ready and self.channel is not None:
-                try:
-                    self.channel.send(Shutdown(), timeout_ms=500)
-                    asked = True
-                except Exception:  # it is being stopped either way
-                    pass
+            asked = self.ask_to_stop()
             try:
                 process.wait(timeout=grace_s if asked else 0.01)
             except subprocess.TimeoutExpired:
@@ -190,6 +199,7 @@ class WorkerHandle(Generic[Info]):
                 except subprocess.TimeoutExpired:
                     self.kill()
         self.ready = False
+        self.asked_to_stop = False
         if self.channel is not None:
             self.channel.close()
             self.channel = None

@@ -16,7 +16,7 @@ import torch
 from ipc import messages as m
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing, get_block
-from ipc.worker_loop import Handlers, SequenceError, worker_main
+from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 
 from .device import resolve_device
 from .draft_cost import measure_draft_ms
@@ -98,4 +98,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())
