@@ -274,6 +274,11 @@ class Coordinator:
     def workers(self) -> list[WorkerHandle[Any]]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
 
+    def workers_ready(self) -> bool:
+        """Both workers run and have said Ready (False before start, and while one is dead or restarting)."""
+        workers = self.workers()
+        return bool(workers) and all(worker.ready and worker.alive() for worker in workers)
+
     def close(self) -> None:
         for worker in self.workers():  # all asked first: they exit side by side, not one after the other
             worker.ask_to_stop()
@@ -312,7 +317,8 @@ class Coordinator:
                                       f"{RESTART_WINDOW_S / 60:.0f} minutes; giving up")
             self._restarts.append(now)
             self.metrics.worker_restarted()
-            log.warning("restarting %s", worker.name)
+            code = worker.process.returncode if worker.process is not None else None
+            log.warning("restarting %s (it exited with code %s)", worker.name, code)
             worker.stop()
             worker.spawn()
             worker.wait_ready(self.settings.startup_timeout_s)

@@ -12,7 +12,7 @@ Why a thread and not a child process: the front end only parses JSON and moves m
 HTTP port is bound before the models load, so a taken port fails at once.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (see ``openai_api``),
-``GET /v1/models``, ``GET /health`` (200 when the coordinator answers a Ping), ``GET /metrics``
+``GET /v1/models``, ``GET /health`` (200 when both workers are up, else 503), ``GET /metrics``
 (Prometheus text from the coordinator's MetricsReply). With an API key every path but
 ``/health`` needs it as a bearer token (``http_auth``). Nothing here imports torch.
 """
@@ -324,7 +324,9 @@ class Routes:
             call.close()
 
     async def health(self) -> dict[str, str]:
-        await self.probe(m.Ping(nonce=next(self.nonces)), m.Pong)
+        pong = await self.probe(m.Ping(nonce=next(self.nonces)), m.Pong)
+        if not pong.ready:  # a worker loads, died or restarts: requests would wait or fail
+            raise api.ApiError(503, "a worker is starting or restarting; try again later", code="unavailable")
         return {"status": "ok"}
 
     async def metrics(self) -> PlainTextResponse:

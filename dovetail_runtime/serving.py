@@ -92,6 +92,9 @@ class Serving:
             if ready is not None:
                 ready(self.server.endpoints)
             while not self.should_stop():
+                # A worker that died while idle is restarted now (Pings say not ready meanwhile),
+                # not when the next request finds it dead.
+                self.coordinator.recover()
                 self._read_clients(timeout_ms=0 if len(self.queue) else IDLE_POLL_MS)
                 self._sweep()
                 item = self.queue.pop()
@@ -214,7 +217,7 @@ class Serving:
         elif isinstance(message, m.Cancel):
             self._cancel(peer, message.request_id)
         elif isinstance(message, m.Ping):
-            self._send(peer, m.Pong(nonce=message.nonce))
+            self._send(peer, m.Pong(nonce=message.nonce, ready=self.coordinator.workers_ready()))
         elif isinstance(message, m.MetricsRequest):
             self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue)))
 

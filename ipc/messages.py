@@ -176,6 +176,8 @@ class Ping(Message):
 
 class Pong(Message):
     nonce: int = 0
+    # Both workers are up and have said Ready: False while one loads, died or restarts (HTTP /health: 503).
+    ready: bool = True
 
 
 class MetricsRequest(Message):

@@ -235,7 +235,7 @@ def test_a_message_beyond_the_size_limit_drops_only_its_connection(server, refer
             dealer.send([msgpack.packb({"type": "Ping", "nonce": 2})])
             reply = dealer.recv(timeout_s=1)
             if reply is not None:
-                assert reply == {"type": "Pong", "v": 2, "nonce": 2}
+                assert reply == {"type": "Pong", "v": 2, "nonce": 2, "ready": True}
                 break
             assert time.monotonic() < deadline, "not served again after reconnecting"
     finally:

@@ -245,6 +245,37 @@ def test_a_hung_worker_fails_its_request_within_the_timeout_and_pings_are_answer
     assert descendants_gone(pids)
 
 
+def _health(url: str) -> int:
+    import httpx
+
+    return httpx.get(url + "/health", timeout=30).status_code
+
+
+def test_a_worker_killed_while_idle_makes_health_503_until_it_is_back(demo_target, tmp_path):
+    running = Server("--target", str(demo_target), "--mode", "ar", "--http", "127.0.0.1:0",
+                     "--bind", f"ipc://{tmp_path}/idle.sock")
+    try:
+        url = next(endpoint for endpoint in running.endpoints if endpoint.startswith("http://"))
+        assert _health(url) == 200
+        victim = running.workers()["cpu_worker"]
+        victim.kill()
+        killed_at = time.monotonic()
+        # The spec's bound; a dead worker is seen at the next Ping, not after a polling period.
+        while _health(url) != 503:
+            assert time.monotonic() - killed_at < 2.0, "/health still 200 two seconds after the worker died"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while _health(url) != 200:  # restarted by the idle server, no request needed
+            assert time.monotonic() < deadline, "the dead worker was not restarted"
+            time.sleep(0.2)
+        assert running.workers()["cpu_worker"].pid != victim.pid
+    except BaseException:
+        print(running.log_text()[-6000:])
+        raise
+    finally:
+        assert running.stop() == 0
+
+
 def test_sigterm_answers_every_request_in_flight_and_waiting(demo_target, tmp_path):
     running = Server("--target", str(demo_target), "--mode", "ar", "--bind", f"ipc://{tmp_path}/term.sock")
     endpoint = running.endpoints[0]

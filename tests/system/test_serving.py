@@ -41,6 +41,8 @@ class StandInCoordinator:
         self.ran: list[str] = []
         self.ended: dict[str, str] = {}
         self.start_hook: Callable[[], None] | None = None
+        self.restart_hook: Callable[[], None] | None = None
+        self.workers_up = True
         self.metrics = ServerMetrics()
 
     def start(self) -> None:
@@ -49,7 +51,13 @@ class StandInCoordinator:
         self.tokenizer = StandInTokenizer()
 
     def recover(self) -> None:
-        pass
+        if not self.workers_up:
+            if self.restart_hook is not None:
+                self.restart_hook()
+            self.workers_up = True
+
+    def workers_ready(self) -> bool:
+        return self.tokenizer is not None and self.workers_up
 
     def max_prompt_chars(self) -> int | None:
         return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
@@ -352,7 +360,7 @@ def test_clients_are_read_while_the_workers_start(serve):
     assert started.wait(WAIT_S)
     client = harness.client()
     client.send(m.Ping(nonce=5))
-    assert client.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=5)
+    assert client.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=5, ready=False)  # answered, not ready
     send(client, "early")
     harness.wait_for(lambda: len(harness.serving.queue) == 1, "the early request to be queued")
     harness.stop.set()  # a stop during start: the request still gets its answer
@@ -384,3 +392,27 @@ def test_a_failed_start_answers_what_arrived_meanwhile(serve, failure, code, say
     assert isinstance(reply, m.ErrorReply) and reply.code == code and f"{says}: {failure}" in reply.message
     harness.thread.join(WAIT_S)
     assert isinstance(harness.error, type(failure))
+
+
+def test_a_worker_that_dies_while_idle_is_restarted_at_once_and_pings_say_not_ready_meanwhile(serve):
+    coordinator = StandInCoordinator()
+    restarting = threading.Event()
+
+    def restart() -> None:  # what Coordinator.recover does: a new worker loads, clients are read meanwhile
+        restarting.set()
+        while not coordinator.release.wait(0.005):
+            coordinator.while_waiting()
+
+    coordinator.restart_hook = restart
+    harness = serve(coordinator=coordinator)
+    client = harness.client()
+    client.send(m.Ping(nonce=1))
+    assert client.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=1, ready=True)
+    coordinator.workers_up = False  # a worker died; no request comes to find it dead
+    assert restarting.wait(WAIT_S), "the idle loop did not restart the dead worker"
+    client.send(m.Ping(nonce=2))
+    assert client.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=2, ready=False)
+    coordinator.release.set()
+    harness.wait_for(lambda: coordinator.workers_up, "the restart to end")
+    client.send(m.Ping(nonce=3))
+    assert client.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=3, ready=True)
