@@ -12,9 +12,10 @@ with per-connection keys (CurveZMQ), so an eavesdropper learns nothing; every ke
 act as the server, which is fine: they are all trusted alike. A guessable secret could be
 found offline from a recorded handshake: keys are required to be long (see api_key).
 
-:class:`CurveGuard` is the ZAP handler (RFC 27) of the server's ZMQ context, in a thread,
-and it logs the handshakes that fail (a client with a wrong key, or none), at most once per
-LOG_EVERY_S each kind. Keys are never logged; their reprs are redacted.
+:class:`CurveGuard` runs pyzmq's ZAP handler (RFC 27, ``zmq.auth``) in the server's ZMQ context,
+admitting the API key's client key alone, and logs the handshakes that fail (a client with a wrong
+key, or none, or a key the handler refused), at most once per LOG_EVERY_S each kind. The API key is
+never logged; the keys' reprs are redacted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
@@ -35,10 +37,10 @@ log = logging.getLogger(__name__)
 SERVER_LABEL = b"dovetail curve server key v1"
 CLIENT_LABEL = b"dovetail curve client key v1"
 ZAP_DOMAIN = b"dovetail"
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per context
 LOG_EVERY_S = 10.0
 _POLL_MS = 100
-_WATCHED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+_WATCHED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class CurveError(RuntimeError):
@@ -110,107 +112,89 @@ class _Throttle:
         log.warning("%s%s", text, f" ({skipped} more since the last such line)" if skipped else "")
 
 
-class CurveGuard:
-    """The ZAP handler of ``ctx``, plus a watch on the server socket's failed handshakes.
+class _ApiKeyClients:
+    """pyzmq's CURVE credentials callback: admit the API key's client key alone (constant time)."""
 
-    ``start`` binds the handler (before the server binds, so no connection slips through);
-    ``watch`` attaches to the server socket's monitor; ``stop`` ends the thread. The thread
-    owns its sockets: it creates, uses and closes them.
+    def __init__(self, client_public: bytes):
+        self._client_public = client_public
+
+    def callback(self, domain: str, client_public: bytes) -> bool:
+        return domain == ZAP_DOMAIN.decode() and hmac.compare_digest(client_public, self._client_public)
+
+
+class CurveGuard:
+    """The ZAP handler of ``ctx`` (pyzmq's ThreadAuthenticator, admitting the API key's client key
+    alone), plus a watch on the server socket's failed handshakes, logged.
+
+    ``start`` starts the authenticator (before the server binds, so no connection slips through);
+    ``watch`` attaches to the server socket's monitor; ``stop`` ends both threads. The watch thread
+    owns its socket: it creates, uses and closes it.
     """
 
     def __init__(self, keys: CurveKeys, ctx: zmq.Context):
-        self._client_key = z85.decode(keys.client_public)
         self._ctx = ctx
+        # pyzmq logs every decision at debug with the client's public key: not a secret, but
+        # kept under our logger so that one switch silences it.
+        self._authenticator = ThreadAuthenticator(ctx, log=logging.getLogger(f"{__name__}.zap"))
+        self._clients = _ApiKeyClients(keys.client_public)
         self._stop = threading.Event()
-        self._started = threading.Event()
         self._monitor_endpoint: str | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="dovetail-zap", daemon=True)
+        self._thread: threading.Thread | None = None
         self._throttle = _Throttle()
 
     def start(self) -> None:
-        self._thread.start()
-        self._started.wait()
-        if self._error is not None:
-            raise CurveError(f"cannot start the CURVE authenticator: {self._error}") from None
-
-    def watch(self, server: zmq.Socket) -> None:
-        """Log the failed handshakes of ``server`` (its monitor feeds this thread)."""
-        endpoint = f"inproc://dovetail-curve-monitor-{id(self)}"
-        server.monitor(endpoint, _WATCHED)
-        self._monitor_endpoint = endpoint
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def _bind_handler(self) -> zmq.Socket:
-        handler = self._ctx.socket(zmq.REP)
-        handler.setsockopt(zmq.LINGER, 0)
-        # A handler closed a moment ago still holds the address until libzmq's reaper runs.
+        # A handler closed a moment ago (the server before this one) holds the ZAP address
+        # until libzmq's reaper runs.
         deadline = time.monotonic() + 1.0
         while True:
             try:
-                handler.bind(ZAP_ENDPOINT)
-                return handler
+                self._authenticator.start()
+                break
             except zmq.ZMQError as error:
+                self._authenticator.stop()
                 if error.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                    handler.close(0)
-                    raise
+                    raise CurveError(f"cannot start the CURVE authenticator: {error}") from None
                 time.sleep(0.01)
+        self._authenticator.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self._clients)
 
-    def _run(self) -> None:
+    def watch(self, server: zmq.Socket) -> None:
+        """Log the failed handshakes of ``server`` (its monitor feeds the watch thread)."""
+        endpoint = f"inproc://dovetail-curve-monitor-{id(self)}"
+        server.monitor(endpoint, _WATCHED)
+        self._monitor_endpoint = endpoint
+        self._thread = threading.Thread(target=self._watch, name="dovetail-curve-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._authenticator.stop()
+
+    def _watch(self) -> None:
+        assert self._monitor_endpoint is not None
+        monitor = self._ctx.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
         try:
-            handler = self._bind_handler()
-        except zmq.ZMQError as error:
-            self._error = error
-            self._started.set()
-            return
-        self._started.set()
-        monitor: zmq.Socket | None = None
-        poller = zmq.Poller()
-        poller.register(handler, zmq.POLLIN)
-        try:
+            monitor.connect(self._monitor_endpoint)
             while not self._stop.is_set():
-                if monitor is None and self._monitor_endpoint is not None:
-                    monitor = self._ctx.socket(zmq.PAIR)
-                    monitor.setsockopt(zmq.LINGER, 0)
-                    monitor.connect(self._monitor_endpoint)
-                    poller.register(monitor, zmq.POLLIN)
-                ready = dict(poller.poll(_POLL_MS))
-                if handler in ready:
-                    handler.send_multipart(self._answer(handler.recv_multipart()))
-                if monitor is not None and monitor in ready:
+                if monitor.poll(_POLL_MS):
                     self._report(monitor.recv_multipart())
         except zmq.ContextTerminated:
             pass
         finally:
-            handler.close(0)
-            if monitor is not None:
-                monitor.close(0)
-
-    def _answer(self, frames: list[bytes]) -> list[bytes]:
-        """One ZAP reply: 200 for the API key's client key over CURVE, else 400 (never raises:
-        the handler must always answer, or that client's handshake would hang)."""
-        if len(frames) < 6:
-            return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
-        version, request_id, domain, address, _identity, mechanism, *credentials = frames
-        accepted = (version == b"1.0" and domain == ZAP_DOMAIN and mechanism == b"CURVE" and len(credentials) == 1
-                    and hmac.compare_digest(credentials[0], self._client_key))
-        if accepted:
-            return [b"1.0", request_id, b"200", b"OK", b"dovetail", b""]
-        self._throttle.warn("zap", f"refused a ZMQ client from {address.decode(errors='replace')}: it did not "
-                                   f"present the API key's CURVE client key")
-        return [b"1.0", request_id, b"400", b"not the API key's client key", b"", b""]
+            monitor.close(0)
 
     def _report(self, frames: list[bytes]) -> None:
         try:
             event = parse_monitor_message(frames)
-        except Exception:  # never let a surprise in a log line stop the authenticator
+        except Exception:  # never let a surprise in a log line stop the watch
             return
         endpoint = event["endpoint"].decode(errors="replace")
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self._throttle.warn("zap", f"refused a ZMQ client on {endpoint}: it did not present the API key's "
+                                       f"CURVE client key")
+        elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
                 event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             self._throttle.warn("mismatch", f"a ZMQ client on {endpoint} failed the handshake: it uses no API key "
                                             f"(or this endpoint has none)")
