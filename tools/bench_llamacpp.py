@@ -39,6 +39,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from tools.bench_real import Dims, measure_bandwidth
+from tools.tables import markdown_header, markdown_row
 
 
 @dataclass
@@ -179,26 +180,26 @@ def run_pair(target: Path, precision: str, gguf: Path, binary: Path, options: di
 
 
 def print_table(results: list[PairResult], threads: int) -> None:
-    print("\n| ours | llama.cpp | ours tok/s | llama.cpp tok/s | ours / llama.cpp (median of rounds) | "
-          "ours % of read bw | llama.cpp % of read bw | RSS ours / llama.cpp GB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n" + markdown_header(["ours", "llama.cpp", "ours tok/s", "llama.cpp tok/s",
+                                  "ours / llama.cpp (median of rounds)", "ours % of read bw", "llama.cpp % of read bw",
+                                  "RSS ours / llama.cpp GB"]))
     for r in results:
         ours, llama = statistics.median(r.ours_tps), statistics.median(r.llama_tps)
         ratio = statistics.median(mine / theirs for mine, theirs in zip(r.ours_tps, r.llama_tps, strict=True))
         kernel = f" ({r.kernel})" if r.kernel else ""
         ours_roofline, llama_roofline = r.roofline_fractions()
-        print(f"| {r.precision}{kernel} | {r.llama_type} | {ours:.2f} | {llama:.2f} | {ratio:.2f}x | "
-              f"{100 * ours_roofline:.0f}% | {100 * llama_roofline:.0f}% | "
-              f"{r.ours_rss_gb:.2f} / {r.llama_rss_gb:.2f} |")
+        print(markdown_row([f"{r.precision}{kernel}", r.llama_type, f"{ours:.2f}", f"{llama:.2f}", f"{ratio:.2f}x",
+                            f"{100 * ours_roofline:.0f}%", f"{100 * llama_roofline:.0f}%",
+                            f"{r.ours_rss_gb:.2f} / {r.llama_rss_gb:.2f}"]))
     prefills = [r for r in results if r.ours_prefill_tps]
     if prefills:
-        print("\n| prefill | ours tok/s | llama.cpp tok/s | ours / llama.cpp (median of rounds) |")
-        print("|---|---|---|---|")
+        print("\n" + markdown_header(["prefill", "ours tok/s", "llama.cpp tok/s",
+                                      "ours / llama.cpp (median of rounds)"]))
         for r in prefills:
             ratio = statistics.median(mine / theirs for mine, theirs in zip(r.ours_prefill_tps, r.llama_prefill_tps,
                                                                              strict=True))
-            print(f"| {r.precision} / {r.llama_type} | {statistics.median(r.ours_prefill_tps):.1f} | "
-                  f"{statistics.median(r.llama_prefill_tps):.1f} | {ratio:.2f}x |")
+            print(markdown_row([f"{r.precision} / {r.llama_type}", f"{statistics.median(r.ours_prefill_tps):.1f}",
+                                f"{statistics.median(r.llama_prefill_tps):.1f}", f"{ratio:.2f}x"]))
     measured = [gbs for r in results for gbs in r.bandwidth_gbs]
     print(f"\nread bandwidth {min(measured):.1f}-{max(measured):.1f} GB/s ({threads} threads, best of 3 sums of "
           f"512 MB on huge pages before each round; % of read bw: median over rounds); bytes per token: "

@@ -43,6 +43,7 @@ from dovetail_runtime.chat_template import ChatTemplate
 from dovetail_runtime.tokenizer import Tokenizer
 from tools import quant_reference
 from tools.fixtures import SMOLLM2_DIR, SMOLLM2_GGUF
+from tools.tables import markdown_header, markdown_row
 
 CODE_FILES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "string.py", "fractions.py",
               "graphlib.py", "shlex.py")
@@ -203,14 +204,13 @@ def print_table(rows: Sequence[Row], new_tokens: int) -> None:
     kinds = sorted({kind for row in rows for kind in row.top1}, reverse=True)
     header = ["precision", *(f"top-1 {kind}" for kind in kinds), *(f"KL {kind}" for kind in kinds),
               f"common prefix (of {new_tokens})", "loops", "per prompt", "s"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print(markdown_header(header))
     for row in rows:
         cells = [row.name, *(f"{100 * row.top1[k]:.2f}%" if k in row.top1 else "-" for k in kinds),
                  *(f"{row.kl[k]:.5f}" if k in row.kl else "-" for k in kinds),
                  f"{statistics.fmean(row.prefixes):.1f}" if row.prefixes else "(reference)", str(row.loops),
                  " ".join(map(str, row.prefixes)), f"{row.seconds:.0f}"]
-        print("| " + " | ".join(cells) + " |")
+        print(markdown_row(cells))
 
 
 @click.command(help=__doc__.split("\n\n")[0])

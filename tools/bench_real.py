@@ -50,6 +50,7 @@ from ipc import messages as m
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, TreeError, TreeShape
 from tools.bench_e2e import FALLBACK_PROMPTS
+from tools.tables import markdown_header, markdown_row
 
 REPO = Path(__file__).resolve().parents[1]
 # The shared testbed's script beside the repo; DOVETAIL_INFLATE points elsewhere (a device machine
@@ -575,6 +576,12 @@ def verify_sweep(result: RunResult, sizes: tuple[int, ...], repeats: int, cores:
 # --- report --------------------------------------------------------------------------------
 
 
+REPORT_HEADER = (
+    "shape", "precision", "ar tok/s", "tree setting", "trees verified (T/depth/top_k x cycles)", "dovetail tok/s",
+    "dovetail / ar", "tau", "draft ms/cycle", "verify ms/cycle", "ipc ms/cycle", "ar ms/token", "ar % of roofline",
+    "cpu_worker peak RSS GB", "gpu_worker peak RSS GB", "same tokens as ar")
+
+
 def cell(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
 
@@ -596,7 +603,8 @@ def roofline_tps(result: RunResult, bandwidth_gbs: float) -> float | None:
 def table_rows(result: RunResult, bandwidth_gbs: float) -> list[str]:
     ar = result.modes["ar"]
     if result.errors and not result.compared:
-        return [f"| {result.shape} ({result.layers} L) | {result.precision} | failed: {result.errors[0][:200]} |"]
+        failed = f"failed: {result.errors[0][:200]}"
+        return [markdown_row([f"{result.shape} ({result.layers} L)", result.precision, failed])]
     ar_tps, roof = ar.tokens_per_s(), roofline_tps(result, bandwidth_gbs)
     rss = {name: result.rss_kb.get(name, {}).get("VmHWM") for name in ("cpu_worker", "gpu_worker")}
     rows = []
@@ -610,7 +618,7 @@ def table_rows(result: RunResult, bandwidth_gbs: float) -> list[str]:
             cell(dovetail.per_cycle(dovetail.ipc_ms)), cell(ar.ms_per_token()),
             cell(100 * ar_tps / roof if ar_tps and roof else None, 0, "%"),
             *(cell(kb / 1024**2 if kb else None) for kb in rss.values()), same_tokens_cell(result, label)]
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append(markdown_row(cells))
     return rows
 
 
@@ -618,10 +626,7 @@ def print_report(command: str, context: list[str], results: list[RunResult], ban
     print("\n" + command)
     for line in context:
         print(line)
-    print("\n| shape | precision | ar tok/s | tree setting | trees verified (T/depth/top_k x cycles) | "
-          "dovetail tok/s | dovetail / ar | tau | draft ms/cycle | verify ms/cycle | ipc ms/cycle | ar ms/token | "
-          "ar % of roofline | cpu_worker peak RSS GB | gpu_worker peak RSS GB | same tokens as ar |")
-    print("|" + "---|" * 16)
+    print("\n" + markdown_header(REPORT_HEADER))
     for result in results:
         for row in table_rows(result, bandwidth_gbs):
             print(row)
@@ -883,10 +888,9 @@ def print_sweep(results: list[RunResult]) -> None:
     swept = [result for result in results if result.sweep_ms]
     if not swept:
         return
-    print("\n| T | " + " | ".join(f"{result.label} verify ms" for result in swept) + " |")
-    print("|---|" + "---|" * len(swept))
+    print("\n" + markdown_header(["T", *(f"{result.label} verify ms" for result in swept)]))
     for size in SWEEP_SIZES:
-        print(f"| {size} | " + " | ".join(cell(result.sweep_ms.get(size)) for result in swept) + " |")
+        print(markdown_row([size, *(cell(result.sweep_ms.get(size)) for result in swept)]))
 
 
 if __name__ == "__main__":

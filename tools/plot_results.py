@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from tools.tables import markdown_row
+
 
 @dataclass(frozen=True)
 class Result:
@@ -42,7 +44,7 @@ def markdown_rows() -> list[str]:
         versus = f"{result.versus_llamacpp:.2f}x {result.llamacpp_format}" if result.versus_llamacpp else "-"
         low, high = result.dovetail_over_ar
         speedup = f"{low:.2f}x" if low == high else f"{low:.2f}-{high:.2f}x"
-        rows.append(f"| {result.cpu} | {result.setup} | {versus} | {speedup} |")
+        rows.append(markdown_row([result.cpu, result.setup, versus, speedup]))
     return rows
 
 

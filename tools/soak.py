@@ -44,6 +44,7 @@ from ipc import messages as m
 from ipc.endpoints import ipc_path, normalize_endpoint
 from tools.bench_e2e import heldout_prompts
 from tools.soak_clients import KINDS, Answer, Lost, Request, SoakClient
+from tools.tables import markdown_header, markdown_row
 
 WORKERS = ("cpu_worker", "gpu_worker")
 RSS_GOAL = 0.05
@@ -238,28 +239,29 @@ def seconds(value: float | None) -> str:
 
 
 def table(run: Run, memory: tuple[dict[str, int], dict[str, int], dict[str, int]]) -> list[str]:
-    rows = ["| what | clients | requests | wrong | lost | p50 s | p99 s | first text p50 s | RSS start MB | "
-            "RSS end MB | RSS peak MB | growth |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [markdown_header(["what", "clients", "requests", "wrong", "lost", "p50 s", "p99 s", "first text p50 s",
+                             "RSS start MB", "RSS end MB", "RSS peak MB", "growth"])]
     total = Tally()
     for kind, tally in run.tallies.items():
         if not tally.clients:
             continue
-        rows.append(f"| {kind} | {tally.clients} | {tally.requests} | {tally.wrong} | {tally.lost} | "
-                    f"{seconds(percentile(tally.seconds, 0.5))} | {seconds(percentile(tally.seconds, 0.99))} | "
-                    f"{seconds(statistics.median(tally.first_s) if tally.first_s else None)} | | | | |")
+        rows.append(markdown_row([kind, tally.clients, tally.requests, tally.wrong, tally.lost,
+                                  seconds(percentile(tally.seconds, 0.5)), seconds(percentile(tally.seconds, 0.99)),
+                                  seconds(statistics.median(tally.first_s) if tally.first_s else None), *[""] * 4]))
         total.clients += tally.clients
         total.requests += tally.requests
         total.wrong += tally.wrong
         total.lost += tally.lost
         total.seconds += tally.seconds
-    rows.append(f"| all | {total.clients} | {total.requests} | {total.wrong} | {total.lost} | "
-                f"{seconds(percentile(total.seconds, 0.5))} | {seconds(percentile(total.seconds, 0.99))} | | | | | |")
+    rows.append(markdown_row(["all", total.clients, total.requests, total.wrong, total.lost,
+                              seconds(percentile(total.seconds, 0.5)), seconds(percentile(total.seconds, 0.99)),
+                              *[""] * 5]))
     start, end, peak = memory
     for name in start:
         if name in end:
             growth = (end[name] - start[name]) / start[name]
-            rows.append(f"| RSS {name} | | | | | | | | {start[name] / 2**20:.1f} | {end[name] / 2**20:.1f} | "
-                        f"{peak.get(name, end[name]) / 2**20:.1f} | {growth:+.1%} |")
+            megabytes = (f"{size / 2**20:.1f}" for size in (start[name], end[name], peak.get(name, end[name])))
+            rows.append(markdown_row([f"RSS {name}", *[""] * 7, *megabytes, f"{growth:+.1%}"]))
     return rows
 
 
