@@ -31,6 +31,7 @@ from cpu_worker.verify_cost import measure_verify_ms, measurement_tree
 from tools.bench_fp32_kernel import tree_vs_decode_gap
 from tools.bench_int8 import interleaved_ms
 from tools.bench_kv_dtype import decode_ms
+from tools.tables import markdown_header, markdown_row
 
 HEADS, HEAD_DIM = 32, 128
 
@@ -49,15 +50,16 @@ def parse_sizes(text: str, name: str) -> list[int]:
 @torch.inference_mode()
 def layer_table(contexts: list[int], trees: list[int], repeats: int) -> None:
     print("\none layer, 32 heads x 128, fp32 cache; ms (median)")
-    print("| context | T | kernel | torch exact (per row) | torch masked (not exact) | torch exact / kernel |")
-    print("|---|---|---|---|---|---|")
+    print(markdown_header(["context", "T", "kernel", "torch exact (per row)", "torch masked (not exact)",
+                           "torch exact / kernel"]))
     for context in contexts:
         length = context + max(trees)
         keys, values = torch.randn(1, HEADS, length, HEAD_DIM), torch.randn(1, HEADS, length, HEAD_DIM)
         for size in trees:
             results = time_tree(keys, values, context, size, repeats)
-            print(f"| {context} | {size} | {results['kernel']:.2f} | {results['per row']:.2f} | "
-                  f"{results['masked']:.2f} | {results['per row'] / results['kernel']:.2f}x |", flush=True)
+            print(markdown_row([context, size, f"{results['kernel']:.2f}", f"{results['per row']:.2f}",
+                                f"{results['masked']:.2f}", f"{results['per row'] / results['kernel']:.2f}x"]),
+                  flush=True)
 
 
 def time_tree(keys: torch.Tensor, values: torch.Tensor, context: int, size: int, repeats: int) -> dict[str, float]:
@@ -106,13 +108,12 @@ def engine_table(target: Path, precision: str, prompt: int, trees: list[int], re
     best = {name: [min(column) for column in zip(*values, strict=True)] for name, values in rows.items()}
     print(f"\n{target.name} ({precision}, linears on {linear_kernel}), {prompt}-token prefix; best ms of {repeats} "
           "(decode: the median of 8 steps)")
-    print("| attention | decode | " + " | ".join(f"verify T={size}" for size in trees)
-          + " | worst tree-decode logit gap |")
-    print("|---|---|" + "---|" * len(trees) + "---|")
+    print(markdown_header(["attention", "decode", *(f"verify T={size}" for size in trees),
+                           "worst tree-decode logit gap"]))
     for name, values in best.items():
-        print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in values) + f" | {gaps[name]:.1e} |")
+        print(markdown_row([name, *(f"{value:.1f}" for value in values), f"{gaps[name]:.1e}"]))
     ratios = [torch_ms / kernel_ms for torch_ms, kernel_ms in zip(best["torch"], best["kernel"], strict=True)]
-    print("| torch / kernel | " + " | ".join(f"{ratio:.2f}x" for ratio in ratios) + " | |")
+    print(markdown_row(["torch / kernel", *(f"{ratio:.2f}x" for ratio in ratios), ""]))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

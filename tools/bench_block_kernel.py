@@ -19,6 +19,7 @@ import torch
 
 from cpu_worker.kernels import block_quant
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from tools.tables import markdown_header, markdown_row
 
 KINDS = ("int8-row", "q8_0-a16", "q8_0", "q4_0", "q4_0-a16", "q4_1")  # q8_0-a16: the int8 precision
 
@@ -64,9 +65,7 @@ def main(shapes: str, rows: str, kinds: str, rounds: int, bytes_per_set: float, 
         block_quant.library().dovetail_block_amx_from(amx_from)
     wanted = kinds.split(",")
     print(f"block kernel: {block_quant.kernel_name()}, {torch.get_num_threads()} threads\n")
-    print("| shape | rows | " + " | ".join(f"{kind} ms" for kind in wanted) + " | "
-          + " | ".join(f"{kind} GB/s" for kind in wanted) + " |")
-    print("|---|---|" + "---|" * (2 * len(wanted)))
+    print(markdown_header(["shape", "rows", *(f"{kind} ms" for kind in wanted), *(f"{kind} GB/s" for kind in wanted)]))
     for text in shapes.split(","):
         n_out, k = map(int, text.split("x"))
         count = max(2, int(bytes_per_set * 1e9 / (n_out * k)))
@@ -81,8 +80,8 @@ def main(shapes: str, rows: str, kinds: str, rounds: int, bytes_per_set: float, 
                     times[kind].append(time_round(layers, x))
             medians = {kind: statistics.median(values) for kind, values in times.items()}
             rates = {kind: sets[kind][1] / (medians[kind] * 1e-3) / 1e9 for kind in wanted}
-            print(f"| {text} | {row_count} | " + " | ".join(f"{medians[kind]:.3f}" for kind in wanted) + " | "
-                  + " | ".join(f"{rates[kind]:.1f}" for kind in wanted) + " |", flush=True)
+            print(markdown_row([text, row_count, *(f"{medians[kind]:.3f}" for kind in wanted),
+                                *(f"{rates[kind]:.1f}" for kind in wanted)]), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 from gpu_worker.checkpoint import load_head
 from gpu_worker.draft_cost import measure_draft_ms
 from gpu_worker.drafter import Drafter
+from tools.tables import markdown_header, markdown_row
 
 
 def read_gbs(megabytes: int = 1024, repeats: int = 3) -> float:
@@ -61,13 +62,14 @@ def main(draft: Path, target: Path, precision: str, threads: int, depth: int, re
     drafter = Drafter(head, max_len=512, scratch_len=8 * depth)
     nbytes = head_bytes(head)
     print(f"{draft.name}: {nbytes / 1e6:.0f} MB per level ({precision}), {threads} threads")
-    print(f"| top_k | t_draft depth 1 ms | depth {depth} ms | ms per level | bound ms | per level / bound |")
-    print("|---|---|---|---|---|---|")
+    print(markdown_header(["top_k", "t_draft depth 1 ms", f"depth {depth} ms", "ms per level", "bound ms",
+                           "per level / bound"]))
     for top_k in (4, 8):
         ms = measure_draft_ms(drafter, [1, depth], top_k=top_k, repeats=repeats)
         per_level = (ms[1] - ms[0]) / (depth - 1)
         bound = nbytes / (read_gbs() * 1e9) * 1e3  # measured right after, on the same machine state
-        print(f"| {top_k} | {ms[0]:.1f} | {ms[1]:.1f} | {per_level:.1f} | {bound:.1f} | {per_level / bound:.2f}x |")
+        print(markdown_row([top_k, f"{ms[0]:.1f}", f"{ms[1]:.1f}", f"{per_level:.1f}", f"{bound:.1f}",
+                            f"{per_level / bound:.2f}x"]))
 
 
 if __name__ == "__main__":

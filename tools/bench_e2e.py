@@ -20,6 +20,7 @@ from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from gpu_worker.train.corpus import stdlib_files
 from ipc import messages as m
 from ipc.tree import TreeShape
+from tools.tables import markdown_header, markdown_row
 
 FALLBACK_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):",
                     "for i in range(10):", "def parse_args(argv=None):", "class Config(dict):"]
@@ -74,8 +75,8 @@ def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens,
             rows.append((temperature, totals))
     print(f"target {target}, draft {draft}, T={tree_tokens} depth={depth} top_k={top_k}, "
           f"{len(prompts)} prompts x {max_new_tokens} new tokens")
-    print("| temperature | mode | tokens/s | tau | draft ms/cycle | verify ms/cycle | ipc ms/cycle |")
-    print("|---|---|---|---|---|---|---|")
+    print(markdown_header(["temperature", "mode", "tokens/s", "tau", "draft ms/cycle", "verify ms/cycle",
+                           "ipc ms/cycle"]))
     for temperature, totals in rows:
         rates, per_cycle = {}, {}
         for mode in ("dovetail", "ar"):
@@ -85,14 +86,15 @@ def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens,
             rates[mode] = tokens / wall
             tau = statistics.fmean(t["tau"])
             per_cycle[mode] = (tau, sum(t["verify_ms"]) / cycles, sum(t["ipc_ms"]) / cycles)
-            print(f"| {temperature:g} | {mode} | {rates[mode]:.1f} | {tau:.2f} | {sum(t['draft_ms']) / cycles:.2f} | "
-                  f"{sum(t['verify_ms']) / cycles:.2f} | {sum(t['ipc_ms']) / cycles:.2f} |")
-        print(f"| {temperature:g} | speedup dovetail / ar | {rates['dovetail'] / rates['ar']:.2f}x | | | | |")
+            print(markdown_row([f"{temperature:g}", mode, f"{rates[mode]:.1f}", f"{tau:.2f}",
+                                *(f"{sum(t[key]) / cycles:.2f}" for key in ("draft_ms", "verify_ms", "ipc_ms"))]))
+        print(markdown_row([f"{temperature:g}", "speedup dovetail / ar", f"{rates['dovetail'] / rates['ar']:.2f}x",
+                            *[""] * 4]))
         # DESIGN.md 9: speedup = tau * t_ar / t_cycle; with a draft that costs ~0 (a GPU), t_cycle = verify + ipc.
         tau, verify, ipc = per_cycle["dovetail"]
         t_ar = per_cycle["ar"][1] + per_cycle["ar"][2]
-        print(f"| {temperature:g} | model, draft time 0 (tau x t_ar / (verify + ipc)) | "
-              f"{tau * t_ar / (verify + ipc):.2f}x | | | | |")
+        print(markdown_row([f"{temperature:g}", "model, draft time 0 (tau x t_ar / (verify + ipc))",
+                            f"{tau * t_ar / (verify + ipc):.2f}x", *[""] * 4]))
 
 
 if __name__ == "__main__":

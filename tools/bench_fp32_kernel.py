@@ -28,6 +28,7 @@ from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
 from cpu_worker.target_loading import load_target_model
 from cpu_worker.verify_cost import measure_verify_ms
 from tools.bench_kv_dtype import decode_ms
+from tools.tables import markdown_header, markdown_row
 
 
 def prefill_ms(engine: TargetEngine, context: int, seed: int = 0) -> float:
@@ -84,15 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     prefix = list(range(1, 65))
     header = ["kernel", "prefill 256 ms", "decode ms"] + [f"verify T={size} ms" for size in sizes]
     header += ["verify T=max / decode", "worst |tree - decode| logit"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print(markdown_header(header))
     for name, engine in engines.items():
         row = best[name]
-        print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in row)
-              + f" | {row[-1] / row[1]:.2f} | {tree_vs_decode_gap(engine, prefix):.2e} |")
+        print(markdown_row([name, *(f"{value:.1f}" for value in row), f"{row[-1] / row[1]:.2f}",
+                            f"{tree_vs_decode_gap(engine, prefix):.2e}"]))
     for name in list(engines)[1:]:
         ratio = [p / d for p, d in zip(best[name], best["F.linear"])]
-        print(f"| {name} / F.linear | " + " | ".join(f"{value:.2f}" for value in ratio) + " | | |")
+        print(markdown_row([f"{name} / F.linear", *(f"{value:.2f}" for value in ratio), "", ""]))
     print(f"threads {torch.get_num_threads()}, target {args.target}, best of {args.rounds} rounds")
     return 0
 

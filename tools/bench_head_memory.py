@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.tables import markdown_header, markdown_row
+
 _CHILD = """
 import json, resource, sys, time
 import torch
@@ -55,16 +57,15 @@ def main() -> int:
     args = parser.parse_args()
     repos = args.repo or [Path(__file__).resolve().parent.parent]
     print(f"command: {' '.join(sys.argv)}")
-    print("| checkout | draft | dtype | weights GB | peak RSS GB | before load GB | peak - weights - before load GB "
-          "| load s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(markdown_header(["checkout", "draft", "dtype", "weights GB", "peak RSS GB", "before load GB",
+                           "peak - weights - before load GB", "load s"]))
     for draft in args.draft:
         for dtype in args.dtypes.split(","):
             for repo in repos:
                 got = measure(repo, draft, args.target, dtype)
                 weights, peak, base = got["weights"] / 1e9, got["peak_kb"] * 1024 / 1e9, got["baseline_kb"] * 1024 / 1e9
-                print(f"| {repo} | {draft.name} | {dtype} | {weights:.2f} | {peak:.2f} | {base:.2f} "
-                      f"| {peak - weights - base:.2f} | {got['seconds']:.1f} |", flush=True)
+                print(markdown_row([repo, draft.name, dtype, f"{weights:.2f}", f"{peak:.2f}", f"{base:.2f}",
+                                    f"{peak - weights - base:.2f}", f"{got['seconds']:.1f}"]), flush=True)
     return 0
 
 

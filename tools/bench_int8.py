@@ -29,6 +29,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
+from tools.tables import markdown_header, markdown_row
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "demo" / "target-code-9m"
 
@@ -60,12 +61,12 @@ def linear_table(dim: int, repeats: int) -> None:
     reference = nn.Linear(dim, dim, bias=False)
     layers = {"W8A8 per-row": RowwiseInt8Linear(reference.weight), "int8 per-tensor": per_tensor_int8(reference),
               "fp32": reference}
-    print(f"\n| rows | {' | '.join(layers)} |  (ms per {dim}x{dim} call)\n|---|{'---|' * len(layers)}")
+    print(f"\nms per {dim}x{dim} call\n" + markdown_header(["rows", *layers]))
     for rows in (1, 8, 16):
         x = torch.randn(rows, dim)
         timings = interleaved_ms({name: functools.partial(layer, x) for name, layer in layers.items()},
                                  repeats, calls=20)
-        print(f"| {rows} | " + " | ".join(f"{timings[name]:.3f}" for name in layers) + " |")
+        print(markdown_row([rows, *(f"{timings[name]:.3f}" for name in layers)]))
 
 
 def decode_table(target: Path, repeats: int, tokens: int = 64) -> None:
@@ -93,7 +94,7 @@ def tree_table(target: Path, repeats: int) -> None:
     engines = {"exact": TargetEngine(model, max_len=400, exact_tree=True),
                "batched": TargetEngine(model, max_len=400, exact_tree=False)}
     print(f"\n{target.name} int8 tree verification, ms (prefix 256, balanced binary trees)\n"
-          "| T | exact (row by row) | batched masked |\n|---|---|---|")
+          + markdown_header(["T", "exact (row by row)", "batched masked"]))
     for size in (4, 8, 16):
         parents = [-1] + [(index - 1) // 2 for index in range(1, size)]
         tokens = prompt[:size]
@@ -101,7 +102,7 @@ def tree_table(target: Path, repeats: int) -> None:
             engine.prefill(prompt)  # tree_logits leaves its KV in scratch slots: the prefix stays
         timings = interleaved_ms({name: functools.partial(engine.tree_logits, tokens, parents)
                                   for name, engine in engines.items()}, repeats)
-        print(f"| {size} | {timings['exact']:.0f} | {timings['batched']:.0f} |")
+        print(markdown_row([size, f"{timings['exact']:.0f}", f"{timings['batched']:.0f}"]))
 
 
 @click.command()

@@ -32,6 +32,7 @@ from cpu_worker.kernels import int8_kernel
 from cpu_worker.kernels.huge_pages import on_huge_pages
 from cpu_worker.native import library as native
 from tools.bench_attention import parse_sizes
+from tools.tables import markdown_header, markdown_row
 
 REPO = Path(__file__).resolve().parents[1]
 # (out, in): llama2-7b's attention, MLP up/gate, MLP down; llama-1b's fused qkv and gate/up, down.
@@ -214,16 +215,15 @@ def main(baseline: str, rows: str, shapes: str, threads: int, repeats: int, layo
         names = list(libraries)
         print(f"int8 kernel, {simd} path, {threads} threads, median of {repeats} calls; ms per call")
         print(f"python -m tools.bench_int8_kernel {command}")
-        print("| shape (out x in) | layouts | rows | " + " | ".join(f"{name} ms" for name in names) + " | "
-              + " | ".join(f"{names[0]} / {name}" for name in names[1:]) + " |")
-        print("|---" * (3 + 2 * len(names) - 1) + "|")
+        print(markdown_header(["shape (out x in)", "layouts", "rows", *(f"{name} ms" for name in names),
+                               *(f"{names[0]} / {name}" for name in names[1:])]))
         for shape in weight_shapes:
             held_as = ", ".join(LAYOUT_NAMES[kernel.layout_for(*shape)] for kernel in libraries.values())
             for count, medians in compare(libraries, shape, row_counts, repeats, threads):
                 first, *others = medians.values()
-                print(f"| {shape[0]}x{shape[1]} | {held_as} | {count} | "
-                      + " | ".join(f"{value:.2f}" for value in medians.values()) + " | "
-                      + " | ".join(f"{first / other:.2f}x" for other in others) + " |", flush=True)
+                print(markdown_row([f"{shape[0]}x{shape[1]}", held_as, count,
+                                    *(f"{value:.2f}" for value in medians.values()),
+                                    *(f"{first / other:.2f}x" for other in others)]), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import exact_attention
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
+from tools.tables import markdown_header, markdown_row
 
 
 def decode_ms(engine: TargetEngine, context: int, steps: int, seed: int = 0) -> float:
@@ -84,9 +85,8 @@ def main() -> int:
     attention = "the exact kernel" if exact_attention.available() else "torch's (no library, or forced)"
     print(f"command: python -m tools.bench_kv_dtype {' '.join(sys.argv[1:])}"
           f"  (torch threads {torch.get_num_threads()}; attention on {attention})")
-    print(f"| context | KV dtype | KV bytes read per step MB | decode ms/step (median) | tok/s | {reference}/this, "
-          "per-step median |")
-    print("|---|---|---|---|---|---|")
+    print(markdown_header(["context", "KV dtype", "KV bytes read per step MB", "decode ms/step (median)", "tok/s",
+                           f"{reference}/this, per-step median"]))
     spec = model.spec
     for context in contexts:
         times = interleaved_ms(engines, context, args.steps)
@@ -94,8 +94,8 @@ def main() -> int:
             per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * engine.cache.keys.element_size()
             ms = statistics.median(times[name])
             ratio = statistics.median(ref / this for ref, this in zip(times[reference], times[name]))
-            print(f"| {context} | {name} | {per_token * context / 1e6:.1f} | {ms:.2f} | {1e3 / ms:.1f} "
-                  f"| {ratio:.3f}x |", flush=True)
+            print(markdown_row([context, name, f"{per_token * context / 1e6:.1f}", f"{ms:.2f}", f"{1e3 / ms:.1f}",
+                                f"{ratio:.3f}x"]), flush=True)
     return 0
 
 

@@ -26,6 +26,7 @@ import torch
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from cpu_worker.verify_cost import measurement_tree
+from tools.tables import markdown_header, markdown_row
 
 T = TypeVar("T")
 
@@ -90,12 +91,12 @@ def main() -> int:
     engine.prefill(prompt.tolist())
     print(f"command: python -m tools.bench_layer_loop {' '.join(sys.argv[1:])}  (torch threads "
           f"{torch.get_num_threads()}; linears on {kernel}; KV {str(engine.kv_dtype).removeprefix('torch.')})")
-    print("| call | C loop ms (median) | Python layers ms (median) | Python / C loop, per-step median |")
-    print("|---|---|---|---|")
+    print(markdown_header(["call", "C loop ms (median)", "Python layers ms (median)",
+                           "Python / C loop, per-step median"]))
     for name, (native, python) in compare(engine, args.steps, trees).items():
         ratio = statistics.median(p / n for n, p in zip(native, python, strict=True))
-        print(f"| {name} | {statistics.median(native):.2f} | {statistics.median(python):.2f} | {ratio:.3f}x |",
-              flush=True)
+        print(markdown_row([name, f"{statistics.median(native):.2f}", f"{statistics.median(python):.2f}",
+                            f"{ratio:.3f}x"]), flush=True)
     return 0
 
 

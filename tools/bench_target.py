@@ -19,6 +19,7 @@ import torch
 from cpu_worker.engine import TargetEngine, greedy_decode
 from cpu_worker.target_loading import load_target_model
 from tools.bench_real import measure_bandwidth
+from tools.tables import markdown_header, markdown_row, markdown_table
 
 TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -90,19 +91,17 @@ def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
             theirs = hf_decode_tps(path, prompt, tokens)
             floor_ms = model_bytes / (bandwidth * 1e9) * 1e3
             print(f"\n## {name}: {model_bytes / 1e6:.0f} MB fp32, prompt 128 tokens, {tokens} new tokens")
-            print("| decode | tokens/s | ms/step |")
-            print("|---|---|---|")
-            print(f"| dovetail engine | {ours:.1f} | {1e3 / ours:.2f} |")
-            print(f"| transformers generate | {theirs:.1f} | {1e3 / theirs:.2f} |")
-            print(f"| bandwidth ceiling (bytes / {bandwidth:.1f} GB/s) | {1e3 / floor_ms:.1f} | {floor_ms:.2f} |")
+            print(markdown_table(["decode", "tokens/s", "ms/step"], [
+                ["dovetail engine", f"{ours:.1f}", f"{1e3 / ours:.2f}"],
+                ["transformers generate", f"{theirs:.1f}", f"{1e3 / theirs:.2f}"],
+                [f"bandwidth ceiling (bytes / {bandwidth:.1f} GB/s)", f"{1e3 / floor_ms:.1f}", f"{floor_ms:.2f}"]]))
             print(f"engine / transformers: {ours / theirs:.2f}x")
-            print("\n| T | verify ms | vs T=1 |")
-            print("|---|---|---|")
+            print("\n" + markdown_header(["T", "verify ms", "vs T=1"]))
             base = None
             for size in TREE_SIZES:
                 latency = verify_latency_ms(engine, prompt, size, repeats)
                 base = base or latency
-                print(f"| {size} | {latency:.2f} | {latency / base:.2f}x |")
+                print(markdown_row([size, f"{latency:.2f}", f"{latency / base:.2f}x"]))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from tools.tables import markdown_header, markdown_row
+
 SHAPES = [(768, 256), (256, 768), (8192, 256), (4096, 1024), (1024, 4096), (11008, 4096), (4096, 11008)]
 ROWS = [2, 7, 16, 33, 64, 300]
 
@@ -36,15 +38,14 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"command: python -m tools.check_row_invariance {' '.join(sys.argv[1:])}  (torch {torch.__version__})")
-    print("| op | shape (out x in) | " + " | ".join(f"M={m}" for m in ROWS) + " |")
-    print("|---|---|" + "---|" * len(ROWS))
+    print(markdown_header(["op", "shape (out x in)", *(f"M={m}" for m in ROWS)]))
     for out_features, in_features in SHAPES:
         weight = (torch.randn(out_features, in_features) * in_features ** -0.5).bfloat16()
         x = torch.randn(max(ROWS), in_features).bfloat16()
         singles = torch.cat([linear(x[row:row + 1], weight, args.pad) for row in range(max(ROWS))])
         differing = [int((linear(x[:m], weight, args.pad) != singles[:m]).any(-1).sum()) for m in ROWS]
-        print(f"| bf16 linear | {out_features}x{in_features} | " + " | ".join(f"{d}/{m}" for d, m in
-                                                                          zip(differing, ROWS)) + " |")
+        print(markdown_row(["bf16 linear", f"{out_features}x{in_features}",
+                            *(f"{d}/{m}" for d, m in zip(differing, ROWS))]))
     for heads, prefix in ((4, 40), (32, 1000)):
         q = torch.randn(1, heads, 64, 128).bfloat16()
         keys = torch.randn(1, heads, prefix + 64, 128).bfloat16()
@@ -61,8 +62,7 @@ def main() -> int:
             single = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, :prefix + i + 1],
                                                                values[:, :, :prefix + i + 1]) for i in range(m)], 2)
             cells.append(f"{int((batched != single).any(-1).any(1).sum())}/{m}")
-        label = f"| bf16 attention, masked batch vs one row | {heads} heads, prefix {prefix} | "
-        print(label + " | ".join(cells) + " |")
+        print(markdown_row(["bf16 attention, masked batch vs one row", f"{heads} heads, prefix {prefix}", *cells]))
     return 0
 
 

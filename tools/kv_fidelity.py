@@ -22,6 +22,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.target_loading import load_target_model
 from dovetail_runtime.draft_eval import file_prompts
 from gpu_worker.train.corpus import stdlib_files
+from tools.tables import markdown_header, markdown_row
 
 PROMPT_TOKENS = 256
 SETTINGS = (("fp32", torch.float32), ("int8-row", torch.float32), ("int8-row", torch.bfloat16),
@@ -75,10 +76,10 @@ def main() -> int:
     total = len(prompts) * args.tokens
     print(f"command: python -m tools.kv_fidelity {' '.join(sys.argv[1:])}")
     print(f"{len(prompts)} held-out prompts x {args.tokens} tokens, forced from the fp32 target's greedy decode")
-    print("| weights | KV cache | top-1 agreement with fp32/fp32 | positions that differ |")
-    print("|---|---|---|---|")
+    print(markdown_header(["weights", "KV cache", "top-1 agreement with fp32/fp32", "positions that differ"]))
     for (precision, kv), count in differ.items():
-        print(f"| {precision} | {str(kv).removeprefix('torch.')} | {1 - count / total:.4f} | {count} of {total} |")
+        print(markdown_row([precision, str(kv).removeprefix("torch."), f"{1 - count / total:.4f}",
+                            f"{count} of {total}"]))
     return 0
 
 
