@@ -15,11 +15,6 @@ wrong curve thus corrects itself within a few cycles and stays corrected for the
 from __future__ import annotations
 
 import hashlib
-import json
-import math
-import os
-import platform
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,18 +22,13 @@ from pathlib import Path
 import torch
 
 from cpu_worker.engine import TargetEngine
+from ipc.cost_cache import CostCache, OnlineCurve, cache_dir, cpu_model, files_signature, sources_digest
+
+__all__ = ["VerifyCostCache", "OnlineCurve", "cache_dir", "cache_key", "measure_verify_ms"]
 
 CACHE_FILE = "verify_cost.json"
 # A prefix like a short prompt's: attention is a small part of a verification at real sizes.
 PREFIX_TOKENS = 128
-
-
-def cache_dir() -> Path:
-    """DOVETAIL_CACHE_DIR, else $XDG_CACHE_HOME/dovetail, else ~/.cache/dovetail."""
-    explicit = os.environ.get("DOVETAIL_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dovetail"
 
 
 # The engine's sources whose changes change what a verification costs.
@@ -51,26 +41,12 @@ ENGINE_SOURCES = ("engine.py", "model/llama.py", "kernels/int8.py", "kernels/int
 
 
 def _engine_code_digest() -> str:
-    here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ENGINE_SOURCES)).hexdigest()[:16]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return sources_digest(Path(__file__).parent, ENGINE_SOURCES)
 
 
 def cache_key(model_dir: str | Path, precision: str, threads: int, cores: Sequence[int]) -> str:
     """Everything a measurement depends on, hashed: change any of it and it is measured again."""
-    folder = Path(model_dir).resolve()
-    paths = [folder] if folder.is_file() else [path for path in folder.iterdir() if path.is_file()]  # a GGUF file
-    files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in paths)
-    parts = [str(folder), repr(files), precision, str(threads), ",".join(map(str, cores)), _cpu_model(),
+    parts = [files_signature(model_dir), precision, str(threads), ",".join(map(str, cores)), cpu_model(),
              torch.__version__, str(PREFIX_TOKENS), _engine_code_digest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
@@ -107,96 +83,7 @@ def measure_verify_ms(engine: TargetEngine, tree_sizes: Sequence[int], repeats: 
     return results
 
 
-class VerifyCostCache:
-    """{cache key: {T: ms}} in one JSON file; written atomically, unreadable files ignored."""
+class VerifyCostCache(CostCache):
+    """{cache key: {T: ms}} in verify_cost.json."""
 
-    def __init__(self, path: Path | None = None):
-        self.path = path or cache_dir() / CACHE_FILE
-
-    def _load(self) -> dict[str, dict[str, float]]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def get(self, key: str, tree_sizes: Sequence[int]) -> list[float] | None:
-        entry = self._load().get(key)
-        if not isinstance(entry, dict) or not all(str(size) in entry for size in tree_sizes):
-            return None
-        values = [entry[str(size)] for size in tree_sizes]
-        return [float(v) for v in values] if all(isinstance(v, int | float) and v > 0 for v in values) else None
-
-    def entry(self, key: str) -> dict[int, float]:
-        """Every size's cached ms for ``key`` (empty when none or unreadable)."""
-        entry = self._load().get(key)
-        if not isinstance(entry, dict):
-            return {}
-        return {int(size): float(value) for size, value in entry.items()
-                if size.isdigit() and isinstance(value, int | float) and value > 0}
-
-    def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float]) -> None:
-        data = self._load()
-        entry = data.get(key)
-        if not isinstance(entry, dict):
-            entry = {}
-        entry.update({str(size): round(value, 3) for size, value in zip(tree_sizes, ms)})
-        data[key] = entry
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = self.path.with_suffix(f".{os.getpid()}.tmp")
-            scratch.write_text(json.dumps(data, indent=1, sort_keys=True))
-            scratch.replace(self.path)
-        except OSError:
-            pass  # a read-only home: measure again next time
-
-
-class OnlineCurve:
-    """t_verify(T) as the verifications of this target measure it, written back to the cache.
-
-    Each observed size's estimate is the median of its last ``window`` cycles, the cached value
-    standing in twice until cycles displace it: a curve measured under load comes down after
-    three cycles, while one cycle that shared the CPU with something else moves it not at all.
-    On ``save`` the observed sizes are written, and every other cached size is scaled by the
-    geometric mean of estimate / cached over the observed sizes: a machine that got slower or
-    faster did so for every T."""
-
-    def __init__(self, cache: VerifyCostCache, key: str, window: int = 5, save_every: int = 256):
-        self.cache = cache
-        self.key = key
-        self.window = window
-        self.save_every = save_every
-        self.start = cache.entry(key)  # the curve as cached when this worker started (or last saved)
-        self.recent: dict[int, list[float]] = {}
-        self.pending = 0
-
-    def observe(self, size: int, ms: float) -> None:
-        if size not in self.recent:
-            self.recent[size] = [self.start[size]] * 2 if size in self.start else []
-        values = self.recent[size]
-        values.append(ms)
-        del values[:-self.window]
-        self.pending += 1
-        if self.pending >= self.save_every:
-            self.save()
-
-    def estimate(self, size: int) -> float:
-        return statistics.median(self.recent[size])
-
-    def curve(self) -> dict[int, float]:
-        """The corrected curve: observed sizes' estimates, the rest of the cached ones rescaled."""
-        estimates = {size: self.estimate(size) for size in self.recent}
-        ratios = [math.log(estimates[size] / self.start[size]) for size in estimates if size in self.start]
-        scale = math.exp(sum(ratios) / len(ratios)) if ratios else 1.0
-        corrected = {size: ms * scale for size, ms in self.start.items()}
-        corrected.update(estimates)
-        return corrected
-
-    def save(self) -> None:
-        if self.pending == 0:
-            return
-        curve = self.curve()
-        sizes = sorted(curve)
-        self.cache.put(self.key, sizes, [curve[size] for size in sizes])
-        self.start = dict(curve)
-        self.pending = 0
+    FILE = CACHE_FILE

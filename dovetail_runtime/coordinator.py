@@ -58,6 +58,8 @@ FEATURE_DTYPE = "float32"
 # The context when --max-len is not given (capped by the model's own): a 128k-context model
 # would otherwise reserve a KV cache for 128k tokens (committed only as used, but reserved).
 DEFAULT_CONTEXT = 4096
+# A request's newly final tokens, their text and (when asked) their log-probabilities -> cancel?
+OnText = Callable[[list[int], str, list[m.TokenLogprob]], bool]
 
 
 # A GGUF's own weights, activations at 16 bits per block: the file's model as near its fp32 meaning as its
@@ -248,17 +250,21 @@ class Coordinator:
         verify = self.cpu.request(m.MeasureVerifyCost(tree_sizes=sizes), m.VerifyCost)
         depths = list(range(1, bounds.envelope.depth + 1))
         draft_ms_by_top_k: dict[int, dict[int, float]] = {}
+        drafts = []
         for top_k in bounds.top_ks:
             draft = self.gpu.request(m.MeasureDraftCost(depths=depths, top_k=top_k), m.DraftCost)
             draft_ms_by_top_k[top_k] = dict(zip(draft.depths, draft.ms))
+            drafts.append(draft)
         verify_ms = dict(zip(verify.tree_sizes, verify.ms))
         draft_ms = draft_ms_by_top_k[bounds.top_k]
-        log.info("tree: auto (T <= %d, depth <= %d, top_k %s). t_verify(T) ms %s (%s %s); t_draft(depth) ms %s",
-                 bounds.envelope.tree_tokens, bounds.envelope.depth, " or ".join(map(str, bounds.top_ks)),
+        log.info("tree: auto (T <= %d, depth <= %d, top_k %s). t_verify(T) ms %s (%s %s); t_draft(depth) ms %s "
+                 "(%s %s)", bounds.envelope.tree_tokens, bounds.envelope.depth, " or ".join(map(str, bounds.top_ks)),
                  " ".join(f"{t}:{ms:.1f}" for t, ms in verify_ms.items()),
                  "cached in" if verify.cached else "measured now, cached in", verify.cache_path or "nowhere",
                  "; ".join(f"top_k {k}: " + " ".join(f"{d}:{ms:.1f}" for d, ms in by_depth.items())
-                           for k, by_depth in draft_ms_by_top_k.items()))
+                           for k, by_depth in draft_ms_by_top_k.items()),
+                 "cached in" if all(d.cached for d in drafts) else "measured now, cached in",
+                 drafts[0].cache_path or "nowhere")
         warning = drafting_cannot_pay(verify_ms, draft_ms, bounds)
         if warning:
             log.warning("%s", warning)
@@ -326,9 +332,10 @@ class Coordinator:
     # --- one request -----------------------------------------------------------------
 
     def generate(self, request: m.GenerateRequest,
-                 on_text: Callable[[list[int], str], bool] | None = None) -> m.GenerateDone | m.ErrorReply:
-        """Run one request to the end. ``on_text(new_ids, new_text)`` sees each accepted
-        chunk and returns True to cancel."""
+                 on_text: OnText | None = None) -> m.GenerateDone | m.ErrorReply:
+        """Run one request to the end. ``on_text(new_ids, new_text, their_logprobs)`` sees each
+        accepted chunk (logprobs: empty unless the request asked for them) and returns True to
+        cancel."""
         self.recover()
         if self.cpu is None or self.tokenizer is None or self.chat_template is None:
             raise RuntimeError("generate() before start()")
@@ -343,16 +350,18 @@ class Coordinator:
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         stream = TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids)
         cancelled = False
+        logprobs: list[m.TokenLogprob] = []  # one per token of stream.token_ids, when asked for
 
-        def emit(token_ids: list[int]) -> bool:
+        def emit(token_ids: list[int], token_logprobs: list[m.TokenLogprob]) -> bool:
             nonlocal cancelled
             text = stream.push(token_ids)
-            if on_text is not None and on_text(token_ids, text):
+            logprobs.extend(token_logprobs)
+            if on_text is not None and on_text(token_ids, text, token_logprobs):
                 cancelled = True
             return cancelled or stream.stopped
 
         job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
-                  self.tokenizer.eos_token_ids, self.max_len)
+                  self.tokenizer.eos_token_ids, self.max_len, logprobs=request.logprobs)
         try:
             if request.mode == "ar" or self.gpu is None:
                 finish, stats = generate_ar(self.cpu, job, emit)
@@ -368,7 +377,8 @@ class Coordinator:
             return error_reply(request.request_id, "worker_failed", message=str(error))
         tail = stream.finish()
         if tail and on_text is not None:
-            on_text([], tail)
+            on_text([], tail, [])
         return m.GenerateDone(request_id=request.request_id, token_ids=stream.token_ids, text=stream.text,
                               finish_reason="cancelled" if cancelled else finish,
-                              stats=msgspec.structs.replace(stats.message(), prompt_tokens=len(prompt_ids)))
+                              stats=msgspec.structs.replace(stats.message(), prompt_tokens=len(prompt_ids)),
+                              logprobs=logprobs)

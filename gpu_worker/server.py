@@ -14,22 +14,27 @@ import time
 import torch
 
 from ipc import messages as m
+from ipc.cost_cache import OnlineCurve
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing, get_block
 from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 
 from .device import resolve_device
-from .draft_cost import measure_draft_ms
+from .draft_cost import DraftCostCache, beam_key, draft_cost_key, measure_draft_ms
 from .drafter import DraftContextError, Drafter
 
 log = logging.getLogger(__name__)
 
 
 class DraftService:
-    def __init__(self, drafter: Drafter, rings: dict[str, ShmRing]):
+    def __init__(self, drafter: Drafter, rings: dict[str, ShmRing], cost_key: str | None = None):
         self.drafter = drafter
         self.rings = rings  # by segment name: a RingRef names the ring it points into
         self.seq_id: int | None = None
+        self.cost_key = cost_key  # what the draft-cost cache files this head's timings under (per beam)
+        self.cost_cache = DraftCostCache()
+        # t_draft(depth) per beam the planner asked for, kept current by the draft steps run here.
+        self.curves: dict[int, OnlineCurve] = {}
 
     def draft(self, request: m.DraftRequest) -> m.DraftResult:
         started = time.perf_counter()
@@ -44,22 +49,44 @@ class DraftService:
             tree = self.drafter.propose(request.shape)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
+        compute_ms = (time.perf_counter() - started) * 1e3
+        self._observe(request, compute_ms)
         return m.DraftResult(seq_id=request.seq_id, tokens=tree.tokens.tolist(), parents=tree.parents.tolist(),
-                             compute_ms=(time.perf_counter() - started) * 1e3)
+                             compute_ms=compute_ms)
+
+    def _observe(self, request: m.DraftRequest, compute_ms: float) -> None:
+        """A cycle's draft step into its beam's curve; not a sequence's first (it absorbs the whole prompt)."""
+        curve = self.curves.get(request.shape.top_k)
+        if curve is not None and not request.reset:
+            curve.observe(request.shape.depth, compute_ms)
 
     def release(self, request: m.ReleaseSequence) -> None:
         if request.seq_id == self.seq_id:
             self.seq_id = None
             self.drafter.reset()
+        for curve in self.curves.values():
+            curve.save()  # between requests (off the cycle's path): the next start plans with today's costs
 
     def measure_draft_cost(self, request: m.MeasureDraftCost) -> m.DraftCost:
-        """t_draft per depth, measured now on random features (ends any active sequence)."""
+        """t_draft per depth from the cache, or measured now on random features (which ends any
+        active sequence)."""
+        cache = self.cost_cache
+        key = beam_key(self.cost_key, request.top_k) if self.cost_key else None
+        cached = cache.get(key, request.depths) if key else None
+        ms = cached if cached is not None else self._measure(request)
+        if key:
+            if cached is None:
+                cache.put(key, request.depths, ms)
+            self.curves[request.top_k] = OnlineCurve(cache, key)  # seeded with the cached or measured curve
+        return m.DraftCost(depths=request.depths, ms=ms, cached=cached is not None,
+                           cache_path=str(cache.path) if key else "")
+
+    def _measure(self, request: m.MeasureDraftCost) -> list[float]:
         self.seq_id = None
         try:
-            ms = measure_draft_ms(self.drafter, request.depths, request.top_k)
+            return measure_draft_ms(self.drafter, request.depths, request.top_k)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
-        return m.DraftCost(depths=request.depths, ms=ms)
 
     def handlers(self) -> Handlers:
         return {m.DraftRequest: self.draft, m.ReleaseSequence: self.release,
@@ -82,9 +109,11 @@ def load_service(settings: m.DraftSettings) -> tuple[m.DraftInfo, Handlers]:
     prefill = ShmRing.attach(settings.rings.prefill)
     # Only the cycle ring is pinned: it is small and crosses every cycle; a prompt's block once.
     pinned = drafter.device.type == "cuda" and cycle.pin_for_cuda()
-    service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill})
     activations = str(drafter.dtype).removeprefix("torch.")
     int8 = drafter.head.int8_fusion is not None or not isinstance(drafter.head.lm_head, torch.nn.Linear)
+    cost_key = draft_cost_key(drafter, settings.draft, settings.target, "int8" if int8 else activations,
+                              placement.intra_op_threads, placement.cores)
+    service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill}, cost_key=cost_key)
     info = m.DraftInfo(device=str(drafter.device), dtype="int8" if int8 else activations,
                        threads=placement.intra_op_threads, cores=placement.cores,
                        layers=drafter.head.spec.num_layers, ring_pinned=pinned, scratch_len=drafter.scratch_len,

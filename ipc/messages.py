@@ -39,6 +39,7 @@ Text = Annotated[str, Meta(max_length=16 * 1024 * 1024)]
 Stop = Annotated[list[Annotated[str, Meta(min_length=1, max_length=1024)]], Meta(max_length=64)]
 Role = Annotated[str, Meta(min_length=1, max_length=64)]
 MAX_CHAT_MESSAGES = 16384
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 BlockDType = Literal["float16", "bfloat16", "float32"]
 WorkerName = Annotated[str, Meta(max_length=64)]
 
@@ -118,6 +119,20 @@ class RequestStats(Nested, frozen=True):
 # --- client <-> coordinator -------------------------------------------------------------
 
 
+class TokenLogprob(Nested, frozen=True):
+    """The target's log-probability of one emitted token, and of the ``top_ids`` most likely
+    tokens at that position (most likely first): log_softmax of the target's own logits at
+    temperature 1, before top-k/top-p (never the draft's), the same in both modes."""
+
+    logprob: float
+    top_ids: Annotated[list[TokenId], Meta(max_length=MAX_LOGPROBS)] = []
+    top_logprobs: Annotated[list[float], Meta(max_length=MAX_LOGPROBS)] = []
+
+
+LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TokenLogprobs = Annotated[list[TokenLogprob], Meta(max_length=1 << 20)]
+
+
 class GenerateRequest(Message):
     """Generate for a raw ``prompt``, or for chat ``messages`` (the model's chat template turns
     them into the prompt): exactly one of the two."""
@@ -133,6 +148,8 @@ class GenerateRequest(Message):
     # Answer within this many ms of the server receiving the request (queueing included),
     # else the request ends with ErrorReply code "deadline_exceeded". None: no limit of its own.
     deadline_ms: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)] | None = None
+    # Each new token's log-probability with this many alternatives (TokenLogprob); None: none.
+    logprobs: LogprobCount | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -146,6 +163,7 @@ class TokenChunk(Message):
     request_id: Id
     token_ids: TokenIds
     text: Text
+    logprobs: TokenLogprobs = []  # one per token id, when the request asked for them
 
 
 class GenerateDone(Message):
@@ -156,6 +174,7 @@ class GenerateDone(Message):
     text: Text
     finish_reason: Literal["stop", "length", "cancelled"]
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: TokenLogprobs = []  # one per token id, when the request asked for them
 
 
 class ErrorReply(Message):
@@ -213,6 +232,7 @@ class PrefillRequest(Message):
     token_ids: TokenIds
     sampling: Sampling = field(default_factory=Sampling)
     return_features: bool = True
+    logprobs: LogprobCount | None = None  # every result of the sequence carries TokenLogprobs
 
 
 class PrefillResult(Message):
@@ -224,6 +244,7 @@ class PrefillResult(Message):
     token: TokenId
     features: RingRef | None
     compute_ms: Millis = 0.0
+    logprob: TokenLogprob | None = None  # when the sequence asked for logprobs
 
 
 class VerifyRequest(Message):
@@ -242,6 +263,7 @@ class VerifyResult(Message):
     accepted_tokens: TreeTokens
     features: RingRef
     compute_ms: Millis = 0.0
+    logprobs: Annotated[list[TokenLogprob], Meta(max_length=MAX_TREE_TOKENS)] = []  # one per accepted token
 
 
 class DecodeRequest(Message):
@@ -256,6 +278,7 @@ class DecodeResult(Message):
     seq_id: SeqId
     token: TokenId
     compute_ms: Millis = 0.0
+    logprob: TokenLogprob | None = None  # when the sequence asked for logprobs
 
 
 class ReleaseSequence(Message):
@@ -317,6 +340,8 @@ class MeasureDraftCost(Message):
 class DraftCost(Message):
     depths: Depths
     ms: list[Millis]
+    cached: bool = False  # read from the cost cache, not measured now
+    cache_path: Annotated[str, Meta(max_length=4096)] = ""
 
 
 # --- worker lifecycle -------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""What the tree planner is told at startup: t_verify(T) (measured once, cached on disk) and
-t_draft(depth) (measured each start), and how a server reports them."""
+"""What the tree planner is told at startup: t_verify(T) and t_draft(depth) (each measured once,
+cached on disk, kept current by the steps the workers run), and how a server reports them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from cpu_worker.engine import TargetEngine
 from cpu_worker.target_loading import load_target_model
 from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
-from gpu_worker.draft_cost import measure_draft_ms
+from gpu_worker.draft_cost import DraftCostCache, beam_key, draft_cost_key, measure_draft_ms
 from gpu_worker.drafter import DraftContextError, Drafter
 
 from runtime_harness import BIN
@@ -81,6 +81,45 @@ def test_draft_cost_is_measured_per_depth(demo_target, demo_draft):
         measure_draft_ms(drafter, [8], top_k=4)
 
 
+def test_draft_cost_is_cached_per_beam_and_follows_the_draft_steps(tmp_path, monkeypatch, demo_target, demo_draft):
+    import torch
+
+    from gpu_worker import server as gpu_server
+    from ipc import messages as m
+    from ipc.shm_ring import ShmRing, slot_bytes_for
+    from ipc.tree import TreeShape
+
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
+    drafter = Drafter.from_pretrained(demo_draft, demo_target, max_len=64, device="cpu", dtype="fp32",
+                                      scratch_len=5 * 4)
+    key = draft_cost_key(drafter, demo_draft, demo_target, "float32", 1, [0])
+    assert key != draft_cost_key(drafter, demo_draft, demo_target, "int8", 1, [0])
+    assert key != draft_cost_key(drafter, demo_draft, demo_target, "float32", 2, [0, 1])
+    measure = m.MeasureDraftCost(depths=[1, 2], top_k=4)
+    first = gpu_server.DraftService(drafter, {}, cost_key=key).measure_draft_cost(measure)
+    assert not first.cached and first.cache_path == str(tmp_path / "draft_cost.json")
+
+    def no_measuring(*_args, **_kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(gpu_server, "measure_draft_ms", no_measuring)
+    ring = ShmRing.create(slot_bytes_for(8, drafter.feature_size, "float32"), 2)
+    try:
+        service = gpu_server.DraftService(drafter, {ring.name: ring}, cost_key=key)  # a second start
+        second = service.measure_draft_cost(measure)
+        assert second.cached and second.ms == pytest.approx(first.ms, rel=1e-3)
+        shape = TreeShape.clamped(9, 2, 4)
+        for reset, count in ((True, 8), (False, 3), (False, 2)):
+            service.draft(m.DraftRequest(seq_id=1, reset=reset, tokens=list(range(5, 5 + count)), shape=shape,
+                                         features=ring.write(torch.randn(count, drafter.feature_size))))
+    finally:
+        ring.close()
+    curve = service.curves[4]
+    assert set(curve.recent) == {2} and len(curve.recent[2]) == 2 + 2  # the cached value twice, two cycles
+    service.release(m.ReleaseSequence(seq_id=1))
+    assert DraftCostCache().entry(beam_key(key, 4)) == pytest.approx(curve.curve(), rel=1e-3)
+
+
 def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo_target, demo_draft):
     env = {**os.environ, "DOVETAIL_CACHE_DIR": str(tmp_path / "cache")}
     logs = []
@@ -94,6 +133,9 @@ def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo
         assert sum(json.loads(done.stdout)["stats"]["trees"].values()) >= 1
     assert "measured now, cached in" in logs[0] and "cached in" in logs[1] and "measured now" not in logs[1]
     assert (tmp_path / "cache" / "verify_cost.json").is_file()
+    # The draft cost too: the second start reads both curves instead of measuring them.
+    assert f"(measured now, cached in {tmp_path / 'cache' / 'draft_cost.json'})" in logs[0]
+    assert f"(cached in {tmp_path / 'cache' / 'draft_cost.json'})" in logs[1]
     # (Whether it says "drafting cannot pay" depends on timings, so tests/unit/test_tree_planner.py
     # checks that verdict on fixed costs.)
     # Drafting is measured for both beam widths the planner tries (--tree-top-k 8 and 4).

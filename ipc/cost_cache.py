@@ -1,0 +1,149 @@
+"""What a worker's steps cost on this machine, cached on disk and kept current by use.
+
+Both workers measure their step costs for the tree planner (``cpu_worker.verify_cost``:
+t_verify(T); ``gpu_worker.draft_cost``: t_draft(depth)) and file them here under a key of
+everything a measurement depends on, so that the next start reads them instead of measuring.
+``OnlineCurve`` keeps a cached curve current from the steps a worker actually runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """DOVETAIL_CACHE_DIR, else $XDG_CACHE_HOME/dovetail, else ~/.cache/dovetail."""
+    explicit = os.environ.get("DOVETAIL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dovetail"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def sources_digest(folder: Path, names: Sequence[str]) -> str:
+    """A short hash of the sources whose changes change what a step costs."""
+    return hashlib.sha256(b"".join((folder / name).read_bytes() for name in names)).hexdigest()[:16]
+
+
+def files_signature(model_dir: str | Path) -> str:
+    """A model folder (or a single GGUF file) by its resolved path and its files' names, sizes
+    and modification times: a changed or replaced model is measured again."""
+    folder = Path(model_dir).resolve()
+    paths = [folder] if folder.is_file() else [path for path in folder.iterdir() if path.is_file()]
+    files = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in paths)
+    return f"{folder}\n{files!r}"
+
+
+class CostCache:
+    """{cache key: {size: ms}} in one JSON file (``FILE`` in the cache folder unless a path is
+    given); written atomically, unreadable files ignored."""
+
+    FILE = "costs.json"
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or cache_dir() / self.FILE
+
+    def _load(self) -> dict[str, dict[str, float]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str, tree_sizes: Sequence[int]) -> list[float] | None:
+        entry = self._load().get(key)
+        if not isinstance(entry, dict) or not all(str(size) in entry for size in tree_sizes):
+            return None
+        values = [entry[str(size)] for size in tree_sizes]
+        return [float(v) for v in values] if all(isinstance(v, int | float) and v > 0 for v in values) else None
+
+    def entry(self, key: str) -> dict[int, float]:
+        """Every size's cached ms for ``key`` (empty when none or unreadable)."""
+        entry = self._load().get(key)
+        if not isinstance(entry, dict):
+            return {}
+        return {int(size): float(value) for size, value in entry.items()
+                if size.isdigit() and isinstance(value, int | float) and value > 0}
+
+    def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float]) -> None:
+        data = self._load()
+        entry = data.get(key)
+        if not isinstance(entry, dict):
+            entry = {}
+        entry.update({str(size): round(value, 3) for size, value in zip(tree_sizes, ms)})
+        data[key] = entry
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self.path.with_suffix(f".{os.getpid()}.tmp")
+            scratch.write_text(json.dumps(data, indent=1, sort_keys=True))
+            scratch.replace(self.path)
+        except OSError:
+            pass  # a read-only home: measure again next time
+
+
+class OnlineCurve:
+    """A cached cost curve (t_verify(T), t_draft(depth)) as the steps this worker runs measure it,
+    written back to the cache.
+
+    Each observed size's estimate is the median of its last ``window`` cycles, the cached value
+    standing in twice until cycles displace it: a curve measured under load comes down after
+    three cycles, while one cycle that shared the CPU with something else moves it not at all.
+    On ``save`` the observed sizes are written, and every other cached size is scaled by the
+    geometric mean of estimate / cached over the observed sizes: a machine that got slower or
+    faster did so for every T."""
+
+    def __init__(self, cache: CostCache, key: str, window: int = 5, save_every: int = 256):
+        self.cache = cache
+        self.key = key
+        self.window = window
+        self.save_every = save_every
+        self.start = cache.entry(key)  # the curve as cached when this worker started (or last saved)
+        self.recent: dict[int, list[float]] = {}
+        self.pending = 0
+
+    def observe(self, size: int, ms: float) -> None:
+        if size not in self.recent:
+            self.recent[size] = [self.start[size]] * 2 if size in self.start else []
+        values = self.recent[size]
+        values.append(ms)
+        del values[:-self.window]
+        self.pending += 1
+        if self.pending >= self.save_every:
+            self.save()
+
+    def estimate(self, size: int) -> float:
+        return statistics.median(self.recent[size])
+
+    def curve(self) -> dict[int, float]:
+        """The corrected curve: observed sizes' estimates, the rest of the cached ones rescaled."""
+        estimates = {size: self.estimate(size) for size in self.recent}
+        ratios = [math.log(estimates[size] / self.start[size]) for size in estimates if size in self.start]
+        scale = math.exp(sum(ratios) / len(ratios)) if ratios else 1.0
+        corrected = {size: ms * scale for size, ms in self.start.items()}
+        corrected.update(estimates)
+        return corrected
+
+    def save(self) -> None:
+        if self.pending == 0:
+            return
+        curve = self.curve()
+        sizes = sorted(curve)
+        self.cache.put(self.key, sizes, [curve[size] for size in sizes])
+        self.start = dict(curve)
+        self.pending = 0
