@@ -312,10 +312,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--compare-ar", is_flag=True, help="One-shot: also run each prompt in --mode ar and print both speeds "
               "(and whether the tokens are the same).")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
-@click.option("--worker-timeout", type=click.FloatRange(min=0.1), default=300.0,
+@click.option("--worker-timeout", type=click.FloatRange(min=0.1), default=None,
               help="Seconds a worker may take to answer one step (a prefill is one step) before it counts as hung: "
-                   "its request fails with worker_failed and it is killed and restarted. Raise it for long prompts "
-                   "on a big model on few cores.")
+                   "its request fails with worker_failed and it is killed and restarted.  [default: 4x the longest "
+                   "step the measured costs predict (a prompt that fills the context), at least 30 s; 300 s where "
+                   "nothing is measured (--mode ar, a fixed --tree-tokens) and while measuring]")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3,
               help="Worker restarts allowed in ten minutes; one more and the server answers every request and exits.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64,
@@ -377,7 +378,7 @@ def runtime_settings(options: RunOptions, target: str, draft: str | None) -> Run
                            tree=make_tree(tree.tree_tokens, tree.depth, tree.tree_top_k), mode=models.mode,
                            max_len=models.max_len, log_level=options.log_level,
                            startup_timeout_s=workers.startup_timeout, max_restarts=workers.max_restarts,
-                           worker_timeout_s=workers.worker_timeout)
+                           worker_timeout_s="auto" if workers.worker_timeout is None else workers.worker_timeout)
 
 
 def serve_limits(serving: ServingOptions) -> ServeLimits:

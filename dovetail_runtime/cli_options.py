@@ -57,7 +57,7 @@ class WorkerOptions:
     """How long workers may take to start and to answer, and how often they may restart."""
 
     startup_timeout: float
-    worker_timeout: float
+    worker_timeout: float | None  # None: fitted to the measured step costs (the coordinator's "auto")
     max_restarts: int
 
 

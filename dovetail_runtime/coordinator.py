@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -58,6 +58,12 @@ FEATURE_DTYPE = "float32"
 # The context when --max-len is not given (capped by the model's own): a 128k-context model
 # would otherwise reserve a KV cache for 128k tokens (committed only as used, but reserved).
 DEFAULT_CONTEXT = 4096
+# --worker-timeout's default: this many times the longest step the measured costs predict, at
+# least the floor; before anything is measured (or when nothing is: --mode ar, a fixed tree) the
+# fallback. A 9M model's longest step takes under a second, a 7B one's on few cores minutes.
+WORKER_TIMEOUT_STEPS = 4
+WORKER_TIMEOUT_FLOOR_S = 30.0
+UNMEASURED_WORKER_TIMEOUT_S = 300.0
 # A request's newly final tokens, their text and (when asked) their log-probabilities -> cancel?
 OnText = Callable[[list[int], str, list[m.TokenLogprob]], bool]
 
@@ -101,11 +107,22 @@ class RuntimeSettings:
     startup_timeout_s: float = 300.0
     max_restarts: int = 3
     # A worker that has not answered one request within this is hung: killed and restarted.
-    worker_timeout_s: float | None = 300.0
+    # "auto": fitted to the measured step costs (``fitted_worker_timeout``); None: no limit.
+    worker_timeout_s: float | Literal["auto"] | None = "auto"
 
 
 class TooManyRestarts(RuntimeError):
     pass
+
+
+def fitted_worker_timeout(verify_ms: dict[int, float], draft_ms: list[float], max_len: int) -> float:
+    """--worker-timeout's default in seconds: WORKER_TIMEOUT_STEPS times the longest step the
+    measured costs predict (a prompt that fills the context, prefilled at the largest measured
+    tree's cost per token; or the largest tree or draft step), at least WORKER_TIMEOUT_FLOOR_S."""
+    largest = max(verify_ms)
+    prefill_ms = verify_ms[largest] / largest * max_len
+    longest_ms = max([prefill_ms, *verify_ms.values(), *draft_ms])
+    return max(WORKER_TIMEOUT_FLOOR_S, WORKER_TIMEOUT_STEPS * longest_ms / 1000)
 
 
 def error_reply(request_id: str | None, code: str, message: str) -> m.ErrorReply:
@@ -202,7 +219,7 @@ class Coordinator:
             aux_layers=list(layout.aux_layers or []), kv_dtype=settings.kv_dtype)
         assert self.runtime_dir is not None
         return WorkerHandle("cpu_worker", "cpu_worker.server", worker_settings, self.runtime_dir, m.FROM_CPU_WORKER,
-                            m.TargetInfo, reply_timeout_s=settings.worker_timeout_s, on_wait=self._waiting)
+                            m.TargetInfo, reply_timeout_s=self._initial_worker_timeout(), on_wait=self._waiting)
 
     def _draft_worker(self, draft_dir: Path, target_dir: Path, layout: FeatureLayout,
                       envelope: TreeShape) -> WorkerHandle[m.DraftInfo]:
@@ -220,8 +237,25 @@ class Coordinator:
         draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         assert self.runtime_dir is not None
         return WorkerHandle("gpu_worker", "gpu_worker.server", worker_settings, self.runtime_dir, m.FROM_GPU_WORKER,
-                            m.DraftInfo, env=draft_env, reply_timeout_s=settings.worker_timeout_s,
+                            m.DraftInfo, env=draft_env, reply_timeout_s=self._initial_worker_timeout(),
                             on_wait=self._waiting)
+
+    def _initial_worker_timeout(self) -> float | None:
+        """--worker-timeout, or for its default the fallback until the step costs are measured."""
+        timeout = self.settings.worker_timeout_s
+        return UNMEASURED_WORKER_TIMEOUT_S if timeout == "auto" else timeout
+
+    def fit_worker_timeout(self, verify_ms: dict[int, float], draft_ms: list[float]) -> None:
+        """Without --worker-timeout, let each worker take WORKER_TIMEOUT_STEPS times the longest
+        step the measured costs predict: a hang is caught in seconds on a small model and a long
+        prompt is not cut short on a big one."""
+        if self.settings.worker_timeout_s != "auto":
+            return
+        timeout = fitted_worker_timeout(verify_ms, draft_ms, self.max_len)
+        for worker in self.workers():
+            worker.reply_timeout_s = timeout
+        log.info("worker timeout %.0f s (%dx the longest step the measured costs predict, at least %.0f s; "
+                 "--worker-timeout sets another)", timeout, WORKER_TIMEOUT_STEPS, WORKER_TIMEOUT_FLOOR_S)
 
     def _report_target(self, info: m.TargetInfo, limit: int) -> None:
         """Say how the target runs, and when its trees can differ from one-token decoding."""
@@ -265,6 +299,7 @@ class Coordinator:
                            for k, by_depth in draft_ms_by_top_k.items()),
                  "cached in" if all(d.cached for d in drafts) else "measured now, cached in",
                  drafts[0].cache_path or "nowhere")
+        self.fit_worker_timeout(verify_ms, [ms for by_depth in draft_ms_by_top_k.values() for ms in by_depth.values()])
         warning = drafting_cannot_pay(verify_ms, draft_ms, bounds)
         if warning:
             log.warning("%s", warning)

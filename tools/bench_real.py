@@ -664,27 +664,61 @@ def run_notes(result: RunResult, bandwidth_gbs: float) -> str:
     return " ".join(parts)
 
 
-def write_plot(results: list[RunResult], path: Path) -> None:
-    """Left: measured t_verify(T). Right: speedup from DESIGN.md 9 with that curve, the measured
-    draft and ipc times, and the measured tau held for every T (capped at T): tau(T) itself was
-    measured only at the run's T, which is the one measured point per run."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("plot skipped: matplotlib is missing (pip install -e '.[bench]')", file=sys.stderr)
-        return
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+PLOT_INSTALL_HINT = "pip install -e '.[bench]'"
 
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_plot_request(plot_path: Path | None, verify_sweep: bool) -> None:
+    """An explicit --plot that cannot be drawn fails now, not after the hour of runs before it."""
+    if plot_path is None:
+        return
+    if not verify_sweep:
+        raise click.ClickException("--plot draws the verify sweep, which --no-verify-sweep turns off")
+    if not matplotlib_available():
+        raise click.ClickException(f"--plot needs matplotlib, which is not installed ({PLOT_INSTALL_HINT})")
+
+
+def write_plot(results: list[RunResult], path: Path) -> None:
+    """The sweep figure (sweep_figure) as a PNG; skipped with a note when it cannot be drawn (main has
+    already refused an explicit --plot without matplotlib)."""
+    if not matplotlib_available():
+        print(f"plot skipped: matplotlib is missing ({PLOT_INSTALL_HINT})", file=sys.stderr)
+        return
     swept = [result for result in results if result.sweep_ms]
     if not swept:
         print("plot skipped: no t_verify(T) measured", file=sys.stderr)
         return
+    figure = sweep_figure(swept)
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"plot written to {path}")
+
+
+def sweep_figure(swept: list[RunResult]) -> Any:
+    """Left: measured t_verify(T). Right: speedup from DESIGN.md 9 with that curve, the measured
+    draft and ipc times, and the measured tau held for every T (capped at T): tau(T) itself was
+    measured only at the run's trees, which give the one measured point per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
     figure, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    modelled = 0
     for result in swept:
         sizes = sorted(result.sweep_ms)
         line = left.plot(sizes, [result.sweep_ms[size] for size in sizes], "o-", label=result.label)[0]
-        plot_model(right, result, sizes, line.get_color())
+        modelled += plot_model(right, result, sizes, line.get_color())
     left.set(xlabel="tree size T (tokens verified per cycle)", ylabel="t_verify(T), ms (median, log scale)",
              title="measured tree verification time")
     left.set_xscale("log", base=2)
@@ -693,36 +727,63 @@ def write_plot(results: list[RunResult], path: Path) -> None:
     right.axhline(1.0, color="grey", linewidth=0.8)
     right.set(xlabel="tree size T", ylabel="speedup over ar (decode, prefill excluded)")
     right.set_title("modelled: tau x t_ar / (t_draft + t_verify(T) + t_ipc), t_verify from the left panel;\n"
-                    "tau(T) unknown: lines hold the measured tau for every T (capped at T)", fontsize=10)
+                    "tau(T) unknown: lines hold the measured tau for every T (capped at T);\n"
+                    "auto settings vary T per cycle: their points sit at the mean T", fontsize=10)
+    left.legend(fontsize=8)
+    if modelled:
+        right.legend(fontsize=8)
+    else:  # say why the panel is empty instead of leaving a blank frame
+        right.text(0.5, 0.5, "nothing to model: no tree setting decoded with drafts in these runs",
+                   ha="center", va="center", transform=right.transAxes)
     for axis in (left, right):
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    print(f"plot written to {path}")
+    return figure
 
 
-def plot_model(axis: Any, result: RunResult, sizes: list[int], color: str) -> None:
-    """The model around the best fixed tree setting of the run (auto's trees vary per cycle)."""
+def mean_tree_size(trees: Counter[str]) -> float | None:
+    """Tokens per verified tree, over the cycles of a run ("T/depth/top_k" -> cycles)."""
+    cycles = sum(trees.values())
+    return sum(int(shape.split("/")[0]) * count for shape, count in trees.items()) / cycles if cycles else None
+
+
+def modelled_setting(result: RunResult) -> tuple[str, float, str] | None:
+    """(label, T, how T reads) of the tree setting the right panel models: the best fixed setting at
+    its T; else, as with the default --trees auto, the fastest auto setting at the mean T of the
+    trees it chose (its trees vary per cycle, so its tau and times are means over those trees)."""
     label = result.best_fixed()
-    if label is None:
-        return
+    if label is not None:
+        return label, float(label.split("/")[0]), f"T={label.split('/')[0]}"
+    rated = [(rate, label) for tree, label in zip(result.trees, result.tree_labels)
+             if isinstance(tree, AutoTree) and (rate := result.modes[label].tokens_per_s())]
+    if not rated:
+        return None
+    label = max(rated)[1]
+    size = mean_tree_size(result.modes[label].trees)
+    return (label, size, f"mean T={size:.1f}") if size is not None else None
+
+
+def plot_model(axis: Any, result: RunResult, sizes: list[int], color: str) -> bool:
+    """The model around one tree setting of the run (modelled_setting); False when there is none."""
+    chosen = modelled_setting(result)
+    if chosen is None:
+        return False
+    label, measured_size, at = chosen
     dovetail, ar = result.modes[label], result.modes["ar"]
     tau, t_ar = dovetail.tau(), ar.ms_per_token()
     t_draft, t_ipc = dovetail.per_cycle(dovetail.draft_ms), dovetail.per_cycle(dovetail.ipc_ms)
     if tau is None or t_ar is None or t_draft is None or t_ipc is None:
-        return
+        return False
+    name = f"{result.label} {label}"
     model = [min(tau, size) * t_ar / (t_draft + result.sweep_ms[size] + t_ipc) for size in sizes]
-    axis.plot(sizes, model, "--", color=color, label=f"{result.label}: model, tau {tau:.2f} for all T")
-    size = int(label.split("/")[0])
+    axis.plot(sizes, model, "--", color=color, label=f"{name}: model, tau {tau:.2f} for all T")
     ratio, t_verify = result.ratio(label), dovetail.per_cycle(dovetail.verify_ms)
     if ratio is not None:
-        axis.plot([size], [ratio], "o", color=color, markersize=8, label=f"{result.label}: measured at T={size}")
+        axis.plot([measured_size], [ratio], "o", color=color, markersize=8, label=f"{name}: measured at {at}")
     if t_verify is not None:  # the model with the runtime's own verify time: shows what the sweep misses
-        axis.plot([size], [tau * t_ar / (t_draft + t_verify + t_ipc)], "x", color=color, markersize=9,
-                  label=f"{result.label}: model with the run's own verify ms at T={size}")
+        axis.plot([measured_size], [tau * t_ar / (t_draft + t_verify + t_ipc)], "x", color=color, markersize=9,
+                  label=f"{name}: model with the run's own verify ms at {at}")
+    return True
 
 
 # --- CLI -----------------------------------------------------------------------------------
@@ -819,7 +880,8 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
                    "target at a time) and write --plot.")
 @click.option("--sweep-repeats", type=click.IntRange(min=1), default=5, help="Timed verifications per T (median).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="PNG of the sweep and the modelled speedup. [default: WORK_DIR/bench_real.png]")
+              help="PNG of the sweep and the modelled speedup; needs matplotlib (pip install -e '.[bench]'). "
+                   "[default: WORK_DIR/bench_real.png]")
 @click.option("--dry-run", is_flag=True,
               help="Smoke test: --runs tiny-1k:fp32 --layers 2 --prompts 2 --max-new-tokens 8 --sweep-repeats 2, "
                    "for each of those options not given.")
@@ -830,6 +892,7 @@ def main(context: click.Context, **values: Any) -> None:
     Run on a quiet machine: both modes share it, and so does anything else running."""
     if values.pop("dry_run"):
         apply_dry_run(context, values)
+    check_plot_request(values["plot_path"], values["verify_sweep"])
     shapes = load_shapes()
     runs = parse_runs(values["runs"], shapes)
     work_dir = resolve_work_dir(values["work_dir"])
