@@ -15,10 +15,13 @@ import logging
 import os
 import time
 
+import torch
+
 from cpu_worker.engine import ContextOverflowError, TargetEngine
 from cpu_worker.kernels import block_quant, int8_kernel
 from cpu_worker.kernels.fp32_packed import pack_fp32_linears
 from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
+from cpu_worker.logprobs import path_logprobs, token_logprob
 from cpu_worker.precision import activation_dtype, block_type, kv_cache_dtype
 from cpu_worker.sampling import Sampler
 from cpu_worker.target_loading import fuse_layers, load_target_model, weight_bytes
@@ -44,6 +47,7 @@ class TargetService:
         self.prefill_ring = prefill_ring
         self.seq_id: int | None = None
         self.sampler: Sampler | None = None
+        self.logprobs: int | None = None  # the active sequence's alternatives per token; None: off
 
     def _active_sampler(self, seq_id: int) -> Sampler:
         if seq_id != self.seq_id or self.sampler is None:
@@ -60,11 +64,16 @@ class TargetService:
             raise SequenceError(str(error)) from None
         self.seq_id = request.seq_id
         self.sampler = sampler
+        self.logprobs = request.logprobs
         features = self.prefill_ring.write(step.features) if request.return_features else None
         # The new token's position is the prompt's length.
         token = sampler.pick(step.logits, len(request.token_ids))
         return m.PrefillResult(seq_id=request.seq_id, token=token, features=features,
-                               compute_ms=(time.perf_counter() - started) * 1e3)
+                               compute_ms=(time.perf_counter() - started) * 1e3,
+                               logprob=self._logprob(step.logits, token))
+
+    def _logprob(self, logits: torch.Tensor, token: int) -> m.TokenLogprob | None:
+        return None if self.logprobs is None else token_logprob(logits, token, self.logprobs)
 
     def verify(self, request: m.VerifyRequest) -> m.VerifyResult:
         sampler = self._active_sampler(request.seq_id)
@@ -77,8 +86,11 @@ class TargetService:
         compute_ms = (time.perf_counter() - started) * 1e3
         if self.curve is not None:
             self.curve.observe(len(request.tokens), compute_ms)
+        # Accepted token i was picked from the logits of the i-th node on the path (root first).
+        logprobs = ([] if self.logprobs is None else
+                    path_logprobs(outcome.logits, outcome.accepted_nodes, outcome.tokens, self.logprobs))
         return m.VerifyResult(seq_id=request.seq_id, accepted_tokens=outcome.tokens, features=features,
-                              compute_ms=compute_ms)
+                              compute_ms=compute_ms, logprobs=logprobs)
 
     def decode(self, request: m.DecodeRequest) -> m.DecodeResult:
         sampler = self._active_sampler(request.seq_id)
@@ -91,7 +103,8 @@ class TargetService:
         compute_ms = (time.perf_counter() - started) * 1e3
         if self.curve is not None:
             self.curve.observe(1, compute_ms)  # a decode step is the one-node tree
-        return m.DecodeResult(seq_id=request.seq_id, token=token, compute_ms=compute_ms)
+        return m.DecodeResult(seq_id=request.seq_id, token=token, compute_ms=compute_ms,
+                              logprob=self._logprob(step.logits, token))
 
     def release(self, request: m.ReleaseSequence) -> None:
         if request.seq_id == self.seq_id:

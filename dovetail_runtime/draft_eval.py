@@ -24,7 +24,7 @@ from cpu_worker.engine import TargetEngine
 from dovetail_runtime.generation import Job, generate_dovetail
 from dovetail_runtime.local_workers import local_workers
 from gpu_worker.drafter import Drafter
-from ipc.messages import Sampling
+from ipc.messages import Sampling, TokenLogprob
 from ipc.tree import TreeShape
 
 NEAR_TIE = 1e-4
@@ -94,7 +94,7 @@ def speculative_greedy(engine: TargetEngine, drafter: Drafter, prompt: Sequence[
               eos_token_ids=frozenset() if eos is None else frozenset({eos}), max_len=engine.max_len)
     out: list[int] = []
 
-    def keep(tokens: list[int]) -> bool:
+    def keep(tokens: list[int], _logprobs: list[TokenLogprob]) -> bool:
         out.extend(tokens)
         return False  # never stop early
 

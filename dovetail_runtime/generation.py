@@ -2,7 +2,8 @@
 
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... ; ar mode: prefill ->
 decode -> decode ... on the cpu_worker alone. Tokens go to ``emit`` as soon as they are
-accepted; ``emit`` returns True to stop (a stop string, a client that went away).
+accepted, with their log-probabilities when the job asks for them (else an empty list);
+``emit`` returns True to stop (a stop string, a client that went away).
 
 Both modes count the context the same way (``Context``): a sequence of ``length`` tokens
 has ``length - 1`` of them in the KV cache (the last emitted one is not cached yet), and a
@@ -22,7 +23,7 @@ from ipc.tree import TreeShape
 
 from .tree_planner import FixedTree, ShapePlanner
 
-Emit = Callable[[list[int]], bool]
+Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
 FinishReason = Literal["stop", "length"]
 R = TypeVar("R", bound=m.Message)
 
@@ -49,6 +50,7 @@ class Job:
     sampling: m.Sampling
     eos_token_ids: frozenset[int]
     max_len: int
+    logprobs: int | None = None  # alternatives per token's log-probability; None: none
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class Budget:
         self.stats = stats
         self.finish_reason: FinishReason | None = None
 
-    def push(self, tokens: Sequence[int]) -> bool:
+    def push(self, tokens: Sequence[int], logprobs: Sequence[m.TokenLogprob] = ()) -> bool:
         kept = list(tokens[: self.left])
         end = next((index for index, token in enumerate(kept) if token in self.eos), None)
         if end is not None:
@@ -115,7 +117,7 @@ class Budget:
         self.stats.new_tokens += len(kept)
         if self.left == 0 and self.finish_reason is None:
             self.finish_reason = "length"
-        if kept and self.emit(kept) and self.finish_reason is None:
+        if kept and self.emit(kept, list(logprobs[: len(kept)])) and self.finish_reason is None:
             self.finish_reason = "stop"
         return self.finish_reason is not None
 
@@ -128,11 +130,11 @@ def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]
     try:
         context.check_prompt(job.prompt_ids)
         result = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=job.prompt_ids, sampling=job.sampling,
-                                              return_features=False), m.PrefillResult)
+                                              return_features=False, logprobs=job.logprobs), m.PrefillResult)
         stats.prefill_ms = result.compute_ms
-        token = result.token
+        token, logprob = result.token, result.logprob
         length = len(job.prompt_ids) + 1
-        while not budget.push([token]):
+        while not budget.push([token], [logprob] if logprob else []):
             if context.room(length) < 1:
                 budget.finish_reason = "length"
                 break
@@ -140,7 +142,7 @@ def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]
             stats.verify_ms += step.compute_ms
             stats.cycles += 1
             stats.cycle_tokens += 1
-            token = step.token
+            token, logprob = step.token, step.logprob
             length += 1
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
@@ -158,8 +160,8 @@ def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | Shap
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
-        prefill = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids, sampling=job.sampling),
-                              m.PrefillResult)
+        prefill = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids, sampling=job.sampling,
+                                               logprobs=job.logprobs), m.PrefillResult)
         stats.prefill_ms = prefill.compute_ms
         if prefill.features is None:
             raise RuntimeError("the cpu_worker returned no prompt features")
@@ -168,7 +170,7 @@ def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | Shap
         features = prefill.features
         reset = True
         length = len(prompt_ids) + 1
-        if budget.push([prefill.token]):
+        if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
         while True:
             room = context.room(length)
@@ -194,7 +196,7 @@ def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | Shap
             length += len(accepted)
             pair_tokens = accepted
             features = verified.features
-            if budget.push(accepted):
+            if budget.push(accepted, verified.logprobs):
                 break
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3

@@ -149,9 +149,9 @@ class Serving:
         running = self.running = Running(item)
         metrics = self.coordinator.metrics
 
-        def on_text(token_ids: list[int], text: str) -> bool:
+        def on_text(token_ids: list[int], text: str, logprobs: list[m.TokenLogprob]) -> bool:
             if request.stream and running.outcome is None:
-                chunk = m.TokenChunk(request_id=request.request_id, token_ids=token_ids, text=text)
+                chunk = m.TokenChunk(request_id=request.request_id, token_ids=token_ids, text=text, logprobs=logprobs)
                 if not self._send(item.client, chunk) and running.outcome is None:
                     running.outcome = "gone"
             self._while_busy()

@@ -76,7 +76,7 @@ class StandInCoordinator:
         finish = "length"
         for index in range(request.max_new_tokens):
             ids.append(index % 50)
-            if on_text([index % 50], "x" * (200 if kind == "flood" else 1)):
+            if on_text([index % 50], "x" * (200 if kind == "flood" else 1), []):
                 finish = "cancelled"
                 break
             if kind == "block":

@@ -383,7 +383,7 @@ def run_cycle(engine, drafter, prompt: list[int], count: int, params: Sampling, 
               eos_token_ids=frozenset(), max_len=engine.max_len)
     emitted: list[int] = []
 
-    def emit(tokens: list[int]) -> bool:
+    def emit(tokens: list[int], _logprobs) -> bool:
         emitted.extend(tokens)
         return False
 
