@@ -2,8 +2,9 @@
 
 The coordinator adds every finished request's statistics (``ServerMetrics.record``) and
 answers ``MetricsRequest`` with a ``MetricsReply``; the HTTP front end turns that reply into
-the Prometheus text exposition format for ``GET /metrics`` (``prometheus_text``). Nothing here
-imports torch or a web framework.
+the Prometheus exposition format for ``GET /metrics`` with prometheus_client
+(``PrometheusExport``), which keeps the format right (escaping, OpenMetrics for scrapers that
+ask). Nothing here imports torch or a web framework.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 
 from ipc import messages as m
 
@@ -74,44 +79,86 @@ class ServerMetrics:
             worker_restarts=self.worker_restarts, uptime_s=time.monotonic() - self.started)
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class ReplyCollector:
+    """A prometheus_client collector that shows the last MetricsReply given to it; every series
+    carries ``model``. The coordinator keeps the counts (one process, one place), so this only
+    names them: no prometheus_client metric objects count anything here."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.reply: m.MetricsReply | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        reply = self.reply
+        if reply is None:
+            return
+        model = self.model
+        reasons = {"stop": 0, "length": 0, "cancelled": 0, **reply.finished}
+        yield _labelled(CounterMetricFamily, "dovetail_requests_total", "Requests finished, by finish reason.",
+                        model, "finish_reason", reasons)
+        yield _labelled(CounterMetricFamily, "dovetail_request_errors_total", "Requests that failed, by error code.",
+                        model, "code", reply.errors)
+        for name, help_text, value in _counters(reply):
+            yield _one(CounterMetricFamily, name, help_text, model, value)
+        for name, help_text, value in _gauges(reply):
+            yield _one(GaugeMetricFamily, name, help_text, model, value)
+
+
+def _counters(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
+    return [
+        ("dovetail_prompt_tokens_total", "Prompt tokens of finished requests.", reply.prompt_tokens),
+        ("dovetail_generation_tokens_total", "Tokens generated.", reply.new_tokens),
+        ("dovetail_cycles_total", "Draft/verify cycles (decode steps in ar mode).", reply.cycles),
+        ("dovetail_cycle_tokens_total", "Tokens the cycles emitted (tau = this / cycles).", reply.cycle_tokens),
+        ("dovetail_prefill_seconds_total", "Time the target spent on prompts.", reply.prefill_s),
+        ("dovetail_draft_seconds_total", "Time the draft head spent.", reply.draft_s),
+        ("dovetail_verify_seconds_total", "Time the target spent verifying or decoding.", reply.verify_s),
+        ("dovetail_ipc_seconds_total", "Time not spent computing in a worker (messages, copies).", reply.ipc_s),
+        ("dovetail_worker_restarts_total", "Worker processes restarted after a failure.", reply.worker_restarts),
+    ]
+
+
+def _gauges(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
+    return [
+        ("dovetail_tau", "Mean tokens per cycle since the server started.",
+         reply.cycle_tokens / reply.cycles if reply.cycles else 0.0),
+        ("dovetail_queue_depth", "Requests waiting to run.", reply.queue_depth),
+        ("dovetail_requests_running", "Requests running now.", reply.running),
+        ("dovetail_uptime_seconds", "Seconds since the server started.", reply.uptime_s),
+    ]
+
+
+def _one(kind: type[Metric], name: str, help_text: str, model: str, value: float) -> Metric:
+    family = kind(name, help_text, labels=["model"])  # type: ignore[call-arg]
+    family.add_metric([model], value)  # type: ignore[attr-defined]
+    return family
+
+
+def _labelled(kind: type[Metric], name: str, help_text: str, model: str, label: str,
+              counts: dict[str, int]) -> Metric:
+    family = kind(name, help_text, labels=["model", label])  # type: ignore[call-arg]
+    for value, count in sorted(counts.items()):
+        family.add_metric([model, value], count)  # type: ignore[attr-defined]
+    return family
+
+
+class PrometheusExport:
+    """One server's /metrics: a registry of its own (never prometheus_client's process-wide
+    default, which would mix servers and tests) holding a ReplyCollector."""
+
+    def __init__(self, model: str):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = ReplyCollector(model)
+        self.registry.register(self.collector)
+
+    def render(self, reply: m.MetricsReply, accept: str | None = None) -> tuple[bytes, str]:
+        """The body and its content type: the format ``accept`` asks for (OpenMetrics or
+        Prometheus text 0.0.4, the default)."""
+        encoder, content_type = choose_encoder(accept or "")
+        self.collector.reply = reply
+        return encoder(self.registry), content_type
 
 
 def prometheus_text(reply: m.MetricsReply, model: str) -> str:
-    """The counters in Prometheus' text format (version 0.0.4); every series carries ``model``."""
-    lines: list[str] = []
-    base = f'model="{_label(model)}"'
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            number = str(value) if isinstance(value, int) else repr(float(value))
-            lines.append(f"{name}{{{','.join(filter(None, (base, labels)))}}} {number}")
-
-    reasons = {"stop": 0, "length": 0, "cancelled": 0, **reply.finished}
-    metric("dovetail_requests_total", "counter", "Requests finished, by finish reason.",
-           [(f'finish_reason="{_label(reason)}"', count) for reason, count in sorted(reasons.items())])
-    metric("dovetail_request_errors_total", "counter", "Requests that failed, by error code.",
-           [(f'code="{_label(code)}"', count) for code, count in sorted(reply.errors.items())])
-    metric("dovetail_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-           [("", reply.prompt_tokens)])
-    metric("dovetail_generation_tokens_total", "counter", "Tokens generated.", [("", reply.new_tokens)])
-    metric("dovetail_cycles_total", "counter", "Draft/verify cycles (decode steps in ar mode).",
-           [("", reply.cycles)])
-    metric("dovetail_cycle_tokens_total", "counter", "Tokens the cycles emitted (tau = this / cycles).",
-           [("", reply.cycle_tokens)])
-    metric("dovetail_tau", "gauge", "Mean tokens per cycle since the server started.",
-           [("", reply.cycle_tokens / reply.cycles if reply.cycles else 0.0)])
-    for part, value, what in (("prefill", reply.prefill_s, "the target spent on prompts"),
-                              ("draft", reply.draft_s, "the draft head spent"),
-                              ("verify", reply.verify_s, "the target spent verifying or decoding"),
-                              ("ipc", reply.ipc_s, "not spent computing in a worker (messages, copies)")):
-        metric(f"dovetail_{part}_seconds_total", "counter", f"Time {what}.", [("", float(value))])
-    metric("dovetail_queue_depth", "gauge", "Requests waiting to run.", [("", reply.queue_depth)])
-    metric("dovetail_requests_running", "gauge", "Requests running now.", [("", reply.running)])
-    metric("dovetail_worker_restarts_total", "counter", "Worker processes restarted after a failure.",
-           [("", reply.worker_restarts)])
-    metric("dovetail_uptime_seconds", "gauge", "Seconds since the server started.", [("", float(reply.uptime_s))])
-    return "\n".join(lines) + "\n"
+    """The counters in Prometheus' text format (version 0.0.4)."""
+    return PrometheusExport(model).render(reply)[0].decode()

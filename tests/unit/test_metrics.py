@@ -1,12 +1,11 @@
-"""Server counters add up every request's statistics and read as Prometheus text."""
+"""Server counters add up every request's statistics and read as Prometheus text (prometheus_client's)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from dovetail_runtime.metrics import ServerMetrics, prometheus_text
+from dovetail_runtime.metrics import PrometheusExport, ServerMetrics, prometheus_text
 from ipc import messages as m
 
 
@@ -15,20 +14,16 @@ def done(reason: str, **stats) -> m.GenerateDone:
                           stats=m.RequestStats(**stats))
 
 
-def parse(text: str) -> dict[str, float]:
-    """{'name{labels}': value} for every sample line; HELP and TYPE lines checked for each name."""
-    samples, typed = {}, set()
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            typed.add(line.split()[2])
-            continue
-        if line.startswith("#"):
-            continue
-        match = re.fullmatch(r'([a-z_]+)\{([^}]*)\} (\S+)', line)
-        assert match, line
-        assert match.group(1) in typed, f"{match.group(1)} has no TYPE line"
-        labels = ",".join(part for part in match.group(2).split(",") if not part.startswith("model="))
-        samples[f"{match.group(1)}{{{labels}}}"] = float(match.group(3))
+def parse(text: str, model: str) -> dict[str, float]:
+    """{'name{labels}': value} for every sample, read by prometheus_client's own parser; every
+    sample carries the model label, left out of the key."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model") == model, sample
+            shown = ",".join(f'{name}="{value}"' for name, value in sorted(labels.items()))
+            samples[f"{sample.name}{{{shown}}}"] = sample.value
     return samples
 
 
@@ -45,7 +40,7 @@ def test_counters_add_up_and_render():
     assert (reply.prompt_tokens, reply.new_tokens, reply.cycles, reply.cycle_tokens) == (14, 28, 8, 26)
     assert reply.finished == {"stop": 1, "length": 1} and reply.errors == {"prompt_too_long": 1}
 
-    samples = parse(prometheus_text(reply, 'my "model"'))
+    samples = parse(prometheus_text(reply, 'my "model"'), 'my "model"')
     assert samples['dovetail_requests_total{finish_reason="stop"}'] == 1
     assert samples['dovetail_requests_total{finish_reason="length"}'] == 1
     assert samples['dovetail_requests_total{finish_reason="cancelled"}'] == 0
@@ -61,6 +56,18 @@ def test_counters_add_up_and_render():
     assert samples["dovetail_requests_running{}"] == 1
     assert samples["dovetail_worker_restarts_total{}"] == 2
     assert 'model="my \\"model\\""' in prometheus_text(reply, 'my "model"')  # label values escaped
+    assert "# TYPE dovetail_requests_total counter" in prometheus_text(reply, "m")
+    assert "# TYPE dovetail_queue_depth gauge" in prometheus_text(reply, "m")
+
+
+def test_each_export_has_its_own_registry_and_scrapers_get_the_format_they_ask_for():
+    first, second = PrometheusExport("a"), PrometheusExport("b")
+    assert first.registry is not second.registry
+    reply = ServerMetrics().reply(queue_depth=5)
+    body, kind = first.render(reply)
+    assert kind.startswith("text/plain; version=0.0.4") and parse(body.decode(), "a")["dovetail_queue_depth{}"] == 5
+    body, kind = second.render(reply, "application/openmetrics-text; version=1.0.0")
+    assert kind.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
 
 
 def test_a_running_request_is_counted_until_it_ends_however_it_ends():
