@@ -41,6 +41,7 @@ from cpu_worker.model.gguf_model import (
 )
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.loading import LinearMaker, WeightPlacer
+from cpu_worker.model.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +179,13 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
         reader = _Reader(file, spec, kind, head_kind)
         quantize = kind is not None or int8_row
         placer = WeightPlacer(model, dtype, _linear_maker(activation_bits, int8_row) if quantize else False)
-        for count, (gguf_name, name) in enumerate(names.items(), 1):
-            placer.place(name, reader.read(file.tensors[gguf_name], name))  # type: ignore[arg-type]
-            file.release(gguf_name)
-            if count % 16 == 0:
-                release_freed_memory()
+        with progress_bar(len(names), f"load {Path(path).name}", "tensor") as bar:
+            for count, (gguf_name, name) in enumerate(names.items(), 1):
+                placer.place(name, reader.read(file.tensors[gguf_name], name))  # type: ignore[arg-type]
+                file.release(gguf_name)
+                bar.update()
+                if count % 16 == 0:
+                    release_freed_memory()
         if "lm_head.weight" not in names.values():  # tied: the embedding's matrix, at the head's precision
             if placer.quantize:
                 head = reader.read(file.tensors["token_embd.weight"], "lm_head.weight")

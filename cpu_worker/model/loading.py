@@ -19,6 +19,7 @@ from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.kernels.linear import is_linear
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_safetensors_header
+from cpu_worker.model.progress import progress_bar
 
 _PREFIXES = ("model.",)
 
@@ -235,15 +236,17 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMak
     expected = set(model.state_dict().keys())
     placer = WeightPlacer(model, dtype, quantize)
     loaded: set[str] = set()
-    for name, tensor in iter_tensors(model_dir):
-        for prefix in _PREFIXES:
-            name = name.removeprefix(prefix)
-        if name in expected and name not in loaded:
-            placer.place(name, tensor)
-            loaded.add(name)
-        del tensor
-        if len(loaded) % 16 == 0:
-            release_freed_memory()
+    with progress_bar(len(expected), f"{'load+quantize' if quantize else 'load'} {model_dir.name}", "tensor") as bar:
+        for name, tensor in iter_tensors(model_dir):
+            for prefix in _PREFIXES:
+                name = name.removeprefix(prefix)
+            if name in expected and name not in loaded:
+                placer.place(name, tensor)
+                loaded.add(name)
+                bar.update()
+            del tensor
+            if len(loaded) % 16 == 0:
+                release_freed_memory()
     if "lm_head.weight" not in loaded and spec.tie_word_embeddings and "embed_tokens.weight" in loaded:
         if quantize:
             placer.place("lm_head.weight", model.embed_tokens.weight)

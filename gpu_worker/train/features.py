@@ -181,7 +181,7 @@ def extract_features(target: Any, windows: list[Window], out_dir: Path, config: 
     rows = WindowRows(target, max((len(w.tokens) for w in windows), default=1), aux_layers, torch_dtype(dtype))
     started = time.perf_counter()
     bar = tqdm(total=total_tokens, initial=skipped, unit="tok", unit_scale=True, desc="features",
-               disable=not progress, dynamic_ncols=True)
+               disable=None if progress else True, dynamic_ncols=True)  # off where stderr is no terminal
     try:
         for plan in todo:
             _write_shard(plan, rows, out_dir, bar)
