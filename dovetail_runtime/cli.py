@@ -427,7 +427,8 @@ def served_model(target: str, coordinator, mode: str):
 
     return ServedModel(name=Path(target.rstrip("/")).name or target, context=coordinator.max_len,
                        default_mode=mode, created=int(time.time()),
-                       max_body_bytes=body_limit(coordinator.max_prompt_chars()))
+                       max_body_bytes=body_limit(coordinator.max_prompt_chars()), tokenizer=coordinator.tokenizer,
+                       chat_template=coordinator.chat_template)
 
 
 def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | None, limits: ServeLimits,

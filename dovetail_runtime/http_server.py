@@ -12,9 +12,15 @@ Why a thread and not a child process: the front end only parses JSON and moves m
 HTTP port is bound before the models load, so a taken port fails at once.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (see ``openai_api``),
-``GET /v1/models``, ``GET /health`` (200 when both workers are up, else 503), ``GET /metrics``
-(Prometheus text from the coordinator's MetricsReply). With an API key every path but
-``/health`` needs it as a bearer token (``http_auth``). Nothing here imports torch.
+``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health`` (200 when both workers are up,
+else 503), ``GET /metrics`` (Prometheus text from the coordinator's MetricsReply), and
+llama-server's ``POST /tokenize`` and ``POST /detokenize`` (``tokenize_api``). With an API key
+every path but ``/health`` needs it as a bearer token (``http_auth``); with CORS origins
+(``--cors-origin``) browsers on those origins may call the API. Nothing here imports torch.
+
+The front end tokenizes on its own (the coordinator's tokenizer object, in a thread of the pool,
+never in the event loop) for /tokenize, /detokenize, and to refuse a ``max_tokens`` that cannot
+fit the context with the prompt before the request takes its turn in the queue.
 """
 
 from __future__ import annotations
@@ -26,16 +32,18 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -45,9 +53,15 @@ from ipc.codec import ProtocolError, decode, encode
 from ipc.endpoints import is_loopback_host
 
 from . import openai_api as api
+from . import tokenize_api
 from .api_key import ApiKey
+from .chat_template import ChatTemplateError, encode_chat
 from .http_auth import BearerAuth
-from .metrics import prometheus_text
+from .metrics import PrometheusExport
+
+if TYPE_CHECKING:
+    from .chat_template import ChatTemplate
+    from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +86,8 @@ class ServedModel:
     default_mode: str  # "dovetail" with a draft head, else "ar"
     created: int
     max_body_bytes: int = MAX_BODY_BYTES
+    tokenizer: Tokenizer | None = None  # the coordinator's: /tokenize, /detokenize, max_tokens vs the context
+    chat_template: ChatTemplate | None = None
 
 
 def body_limit(prompt_chars: int | None) -> int:
@@ -196,14 +212,19 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None,
-              api_key: ApiKey | None = None, max_calls: int = MAX_CALLS) -> FastAPI:
+              api_key: ApiKey | None = None, max_calls: int = MAX_CALLS,
+              cors_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI app, talking to the coordinator at ``endpoint``; with ``api_key`` every
-    path but /health needs it (``Authorization: Bearer``)."""
+    path but /health needs it (``Authorization: Bearer``); with ``cors_origins`` (``*``: any)
+    browsers on those origins may call it."""
     routes = Routes(endpoint, model, context or zmq.asyncio.Context(shadow=zmq.Context.instance()),
                     CallSlots(max_calls))
     app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)
+    if cors_origins:  # added last, so outermost: preflights carry no key, and a 401 gets CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     app.add_exception_handler(api.ApiError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnect, _client_left)
@@ -211,6 +232,9 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
     app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.one_model)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
     app.get("/health")(routes.health)
     app.get("/metrics")(routes.metrics)
     return app
@@ -242,6 +266,9 @@ class Routes:
         self.context = context
         self.slots = slots
         self.nonces = itertools.count(1)
+        self.export = PrometheusExport(model.name)
+        # The coordinator's bound: a longer prompt cannot fit, and is refused there untokenized.
+        self.prompt_chars = None if model.tokenizer is None else model.context * model.tokenizer.max_chars_per_token()
 
     def check_model(self, name: str | None) -> None:
         model = self.model
@@ -296,18 +323,66 @@ class Routes:
         params = api.parse_request(await read_body(request, self.model.max_body_bytes), api.CompletionRequest)
         self.check_model(params.model)
         plan = api.plan_completion(params, f"cmpl-{uuid.uuid4().hex}", self.model.default_mode)
+        await self.check_context(plan)
         return await self.run(request, plan, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         params = api.parse_request(await read_body(request, self.model.max_body_bytes), api.ChatRequest)
         self.check_model(params.model)
         plan = api.plan_chat(params, f"chatcmpl-{uuid.uuid4().hex}", self.model.default_mode)
+        await self.check_context(plan)
         return await self.run(request, plan, chat=True)
 
-    async def models(self) -> dict[str, Any]:
+    async def check_context(self, plan: api.Plan) -> None:
+        """A max_tokens the client set must fit the context with the prompt (the prompt is
+        tokenized here as the coordinator will tokenize it)."""
+        request = plan.request
+        if plan.limit_field is None or self.prompt_chars is None:
+            return
+        chars = len(request.prompt or "") + sum(len(turn.content) for turn in request.messages or ())
+        if chars > self.prompt_chars:  # the coordinator's prompt_too_long, without tokenizing megabytes
+            return
+        count = await run_in_threadpool(self.prompt_tokens, request)
+        if count is not None:
+            api.check_context(plan, count, self.model.context)
+
+    def prompt_tokens(self, request: m.GenerateRequest) -> int | None:
+        """The prompt's token count, as the coordinator will tokenize it (None: not known here)."""
+        tokenizer, template = self.model.tokenizer, self.model.chat_template
+        assert tokenizer is not None
+        if request.messages is None:
+            return len(tokenizer.encode(request.prompt or ""))
+        if template is None:
+            return None
+        try:
+            return len(encode_chat(tokenizer, template, request.messages))
+        except ChatTemplateError as error:
+            raise api.ApiError(400, str(error), code=error.code) from None
+
+    def model_card(self) -> dict[str, Any]:
         model = self.model
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": model.created,
-                                            "owned_by": "dovetail", "max_model_len": model.context}]}
+        return {"id": model.name, "object": "model", "created": model.created, "owned_by": "dovetail",
+                "max_model_len": model.context}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def one_model(self, model_id: str) -> dict[str, Any]:
+        self.check_model(model_id)
+        return self.model_card()
+
+    def tokenizer(self) -> Tokenizer:
+        if self.model.tokenizer is None:
+            raise api.ApiError(503, "this server has no tokenizer loaded yet", code="unavailable")
+        return self.model.tokenizer
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        params = tokenize_api.parse_tokenize(await read_body(request, self.model.max_body_bytes))
+        return await run_in_threadpool(tokenize_api.tokenize_body, self.tokenizer(), params)
+
+    async def detokenize(self, request: Request) -> dict[str, str]:
+        params = tokenize_api.parse_detokenize(await read_body(request, self.model.max_body_bytes))
+        return await run_in_threadpool(tokenize_api.detokenize_body, self.tokenizer(), params)
 
     async def probe(self, message: m.Message, expect: type[m.Message]) -> Any:
         call = Call(self.context, self.endpoint, self.slots)
@@ -329,9 +404,10 @@ class Routes:
             raise api.ApiError(503, "a worker is starting or restarting; try again later", code="unavailable")
         return {"status": "ok"}
 
-    async def metrics(self) -> PlainTextResponse:
+    async def metrics(self, request: Request) -> Response:
         reply = await self.probe(m.MetricsRequest(), m.MetricsReply)
-        return PlainTextResponse(prometheus_text(reply, self.model.name), media_type="text/plain; version=0.0.4")
+        body, content_type = self.export.render(reply, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
 
 # --- serving in a thread ---------------------------------------------------------------------
@@ -350,7 +426,7 @@ class HttpFrontend:
     """The HTTP listener, bound at construction (before any model loads), served after ``start``.
     Only loopback without an API key; with one, every address, and every request needs it."""
 
-    def __init__(self, address: str, api_key: ApiKey | None = None):
+    def __init__(self, address: str, api_key: ApiKey | None = None, cors_origins: Sequence[str] = ()):
         host, port = parse_address(address)
         if not is_loopback_host(host):
             if api_key is None:
@@ -359,6 +435,7 @@ class HttpFrontend:
             log.warning("HTTP on %s is not encrypted: the API key and the text cross the network in the clear "
                         "(put a TLS proxy in front on an untrusted network)", host)
         self.api_key = api_key
+        self.cors_origins = tuple(cors_origins)
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                flags=socket.AI_PASSIVE)[0]
         self.socket = socket.socket(family, kind, proto)
@@ -382,7 +459,7 @@ class HttpFrontend:
 
     def start(self, model: ServedModel, log_level: str = "info") -> None:
         """Serve in a daemon thread; returns once uvicorn accepts connections."""
-        app = build_app(self.zmq_endpoint, model, api_key=self.api_key)
+        app = build_app(self.zmq_endpoint, model, api_key=self.api_key, cors_origins=self.cors_origins)
         config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=log_level == "debug",
                                 lifespan="off", loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=3)
         self._server = uvicorn.Server(config)

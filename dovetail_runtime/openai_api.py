@@ -2,10 +2,12 @@
 and the response bodies and server-sent events built from the coordinator's replies.
 
 No web server here (``http_server`` moves the bytes), so every rule can be tested alone.
-Requests are checked strictly (msgspec): a wrong type, an out-of-range value or an unknown
-field is a 400 that names the field. Fields of OpenAI's API that Dovetail does not implement
-are accepted only at their no-effect values (``presence_penalty: 0``, ``logprobs: null``, ...),
-so a client never silently gets something other than what it asked for.
+Requests are checked strictly (msgspec): a wrong type or an out-of-range value is a 400 that
+names the field. Unknown fields are ignored (logged at debug level), as vLLM and llama-server
+ignore them: clients send their own extensions (``extra_body``) to every server. Fields of
+OpenAI's API that Dovetail does not implement are accepted only at their no-effect values
+(``presence_penalty: 0``, ``logprobs: null``, ...), so a client never silently gets something
+other than what it asked for.
 
 Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in requests; a
 ``dovetail`` field in responses with the request's statistics and generated token ids.
@@ -13,6 +15,7 @@ Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in reque
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -21,6 +24,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from ipc import messages as m
+
+log = logging.getLogger(__name__)
 
 MAX_NEW_TOKENS = 1 << 20  # GenerateRequest's limit: "until the context is full"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -73,11 +78,11 @@ def error_from_reply(reply: m.ErrorReply) -> ApiError:
 # --- requests ----------------------------------------------------------------------------
 
 
-class StreamOptions(Struct, forbid_unknown_fields=True, kw_only=True):
+class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
-class Params(Struct, forbid_unknown_fields=True, kw_only=True):
+class Params(Struct, kw_only=True):
     """What both endpoints take."""
 
     model: str | None = None
@@ -97,11 +102,11 @@ class CompletionRequest(Params, kw_only=True):
     prompt: str | list[str]
 
 
-class TextPart(Struct, forbid_unknown_fields=True, tag="text", tag_field="type"):
+class TextPart(Struct, tag="text", tag_field="type"):
     text: str
 
 
-class ChatTurn(Struct, forbid_unknown_fields=True, kw_only=True):
+class ChatTurn(Struct, kw_only=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)]
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted, not shown to the template (transformers passes it; few templates read it)
@@ -114,14 +119,7 @@ class ChatRequest(Params, kw_only=True):
 
 def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatRequest]) -> Any:
     """The validated request; ApiError(400) naming the first problem."""
-    try:
-        data = msgspec.json.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
-    except RecursionError:  # [[[[...]]]] deeper than the stack: a 400 like any bad JSON, not a 500
-        raise ApiError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    data = decode_object(body)
     for name, neutral in NEUTRAL_VALUES.items():
         if name in data:
             value = data.pop(name)
@@ -130,11 +128,53 @@ def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatRequest]
                                     f"{' or '.join(_json_text(v) for v in neutral)})", code="unsupported", param=name)
     for name in IGNORED_FIELDS:
         data.pop(name, None)
+    if log.isEnabledFor(logging.DEBUG):
+        ignored = unknown_fields(data, kind)
+        if ignored:
+            log.debug("ignoring unknown request fields: %s", ", ".join(ignored))
+    return convert(data, kind)
+
+
+def decode_object(body: bytes) -> dict[str, Any]:
+    """A request body's JSON object; ApiError(400) when it is not one."""
+    try:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:  # [[[[...]]]] deeper than the stack: a 400 like any bad JSON, not a 500
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def convert(data: dict[str, Any], kind: type[Any]) -> Any:
+    """``data`` as the struct ``kind`` (unknown fields dropped); ApiError(400) naming the field."""
     try:
         return msgspec.convert(data, kind)
     except msgspec.ValidationError as error:
         raise ApiError(400, f"invalid request: {error}", code="invalid_request",
                        param=_field_of(str(error))) from None
+
+
+def _unknown(data: Any, kind: type[Struct], where: str) -> list[str]:
+    if not isinstance(data, dict):
+        return []
+    known = set(kind.__struct_fields__) | ({"type"} if kind is TextPart else set())
+    return [f"{where}{name}" for name in data if name not in known]
+
+
+def unknown_fields(data: dict[str, Any], kind: type[Struct]) -> list[str]:
+    """The fields of a request body that its struct does not know (and msgspec drops), with
+    their paths (``messages[0].tool_calls``), to log what a client sent in vain."""
+    found = _unknown(data, kind, "") + _unknown(data.get("stream_options"), StreamOptions, "stream_options.")
+    messages = data.get("messages") if kind is ChatRequest else None
+    for index, turn in enumerate(messages if isinstance(messages, list) else []):
+        found += _unknown(turn, ChatTurn, f"messages[{index}].")
+        parts = turn.get("content") if isinstance(turn, dict) else None
+        for number, part in enumerate(parts if isinstance(parts, list) else []):
+            found += _unknown(part, TextPart, f"messages[{index}].content[{number}].")
+    return found
 
 
 def _same(value: Any, allowed: Any) -> bool:
@@ -149,7 +189,7 @@ def _json_text(value: Any) -> str:
 def _field_of(message: str) -> str | None:
     if "- at `$." in message:
         return message.rsplit("- at `$.", 1)[1].rstrip("`")
-    if "unknown field `" in message or "required field `" in message:
+    if "required field `" in message:
         return message.split("field `", 1)[1].split("`", 1)[0]
     return None
 
@@ -161,6 +201,21 @@ class Plan:
     request: m.GenerateRequest
     stream: bool
     include_usage: bool
+    limit_field: str | None = None  # the field that set max_new_tokens, when the client set it
+
+
+def check_context(plan: Plan, prompt_tokens: int, context: int) -> None:
+    """400 when the prompt and the tokens the client asked for cannot both fit the context (vLLM's
+    rule and words): running to the context's end instead would not give what was asked."""
+    asked = plan.request.max_new_tokens
+    # A prompt that leaves no room at all is the coordinator's prompt_too_long, as without max_tokens.
+    if plan.limit_field is None or prompt_tokens >= context or prompt_tokens + asked <= context:
+        return
+    where = "messages" if plan.request.messages is not None else "prompt"
+    raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                        f"{prompt_tokens + asked} tokens ({prompt_tokens} in the {where}, {asked} in the "
+                        f"completion). Please reduce the length of the {where} or {plan.limit_field}.",
+                   code="context_length_exceeded", param=plan.limit_field)
 
 
 def _sampling(params: Params) -> m.Sampling:
@@ -182,7 +237,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, **prompt: Any) -> Plan:
+def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, limit_field: str | None,
+          **prompt: Any) -> Plan:
     if params.n is not None and params.n != 1:
         raise ApiError(400, f"n={params.n} is not supported: Dovetail generates one choice per request (n=1)",
                        code="unsupported", param="n")
@@ -194,7 +250,7 @@ def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, *
                                 sampling=_sampling(params), mode=params.mode or default_mode,  # type: ignore[arg-type]
                                 stream=stream, **prompt)
     include_usage = bool(params.stream_options and params.stream_options.include_usage)
-    return Plan(request, stream, include_usage)
+    return Plan(request, stream, include_usage, limit_field)
 
 
 def plan_completion(params: CompletionRequest, request_id: str, default_mode: str) -> Plan:
@@ -207,7 +263,8 @@ def plan_completion(params: CompletionRequest, request_id: str, default_mode: st
     if len(prompt) > 16 * 1024 * 1024:
         raise ApiError(400, "prompt: longer than 16,777,216 characters", code="prompt_too_long", param="prompt")
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens
-    return _plan(params, request_id, default_mode, max_tokens, prompt=prompt)
+    limit_field = None if params.max_tokens is None else "max_tokens"
+    return _plan(params, request_id, default_mode, max_tokens, limit_field, prompt=prompt)
 
 
 def plan_chat(params: ChatRequest, request_id: str, default_mode: str) -> Plan:
@@ -218,8 +275,11 @@ def plan_chat(params: ChatRequest, request_id: str, default_mode: str) -> Plan:
         else:
             content = turn.content or ""
         messages.append(m.ChatMessage(role=turn.role, content=content))
+    limit_field = ("max_completion_tokens" if params.max_completion_tokens is not None
+                   else "max_tokens" if params.max_tokens is not None else None)
     chosen = params.max_completion_tokens if params.max_completion_tokens is not None else params.max_tokens
-    return _plan(params, request_id, default_mode, MAX_NEW_TOKENS if chosen is None else chosen, messages=messages)
+    return _plan(params, request_id, default_mode, MAX_NEW_TOKENS if chosen is None else chosen, limit_field,
+                 messages=messages)
 
 
 # --- responses ---------------------------------------------------------------------------

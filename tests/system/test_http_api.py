@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dovetail_runtime.client import DovetailClient
 
@@ -271,10 +272,11 @@ def test_models_health_and_metrics(chat_server):
     metrics = curl("-i", url + "/metrics").stdout
     assert "content-type: text/plain; version=0.0.4" in metrics.lower()
     samples = {}
-    for line in metrics.split("\n\n", 1)[1].splitlines():  # (text mode turned \r\n into \n)
-        if not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name.replace('model="code-chat-9m"', "").replace("{,", "{")] = float(value)
+    for family in text_string_to_metric_families(metrics.split("\n\n", 1)[1]):  # (text mode: \r\n is \n)
+        for sample in family.samples:
+            labels = {name: value for name, value in sample.labels.items() if name != "model"}
+            assert sample.labels["model"] == "code-chat-9m"
+            samples[sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"] = sample.value
     for name in ("dovetail_generation_tokens_total{}", "dovetail_prompt_tokens_total{}", "dovetail_cycles_total{}",
                  "dovetail_draft_seconds_total{}", "dovetail_verify_seconds_total{}", "dovetail_ipc_seconds_total{}",
                  'dovetail_requests_total{finish_reason="length"}'):
@@ -296,7 +298,10 @@ def api_error(server: Server, path: str, body: str | bytes) -> tuple[int, dict]:
     ("/v1/completions", {"prompt": "x", "temperature": 1e-30}, 400, "invalid_request", "temperature must be 0"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_request", "$.max_tokens"),
     ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "unsupported", "logprobs=5 is not supported"),
-    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "invalid_request", "unknown field `frobnicate`"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1, "max_tokens": "4"}, 400, "invalid_request", "$.max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "context_length_exceeded",
+     "This model's maximum context length is 2048 tokens. However, you requested 100002 tokens (2 in the prompt, "
+     "100000 in the completion)"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "invalid_request",
      "only allowed with stream=true"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported", "one prompt per request"),
@@ -331,6 +336,22 @@ def test_openai_client_sees_errors(chat_server):
         client(chat_server).completions.create(model="code-chat-9m", prompt="x", n=2)
 
 
+def test_llama_server_and_vllm_habits(chat_server, ar):
+    """Unknown fields ignored, a model by id, /tokenize and /detokenize with the server's own tokenizer."""
+    api, url = client(chat_server), http_url(chat_server)
+    done = api.completions.create(model="code-chat-9m", prompt=PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0,
+                                  extra_body={"some_unknown_field": 1, "repetition_penalty": 1.0})
+    assert done.model_extra["dovetail"]["token_ids"] == ar[PROMPTS[0]]["token_ids"]
+    assert api.models.retrieve("code-chat-9m").model_extra["max_model_len"] == 2048
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4")
+    tokens = json.loads(curl(url + "/tokenize", "-d", json.dumps({"content": PROMPTS[0]})).stdout)["tokens"]
+    assert len(tokens) == done.usage.prompt_tokens - 1  # the server's prompt had BOS; add_special is off
+    text = json.loads(curl(url + "/detokenize", "-d", json.dumps({"tokens": tokens + done.model_extra["dovetail"][
+        "token_ids"]})).stdout)["content"]
+    assert text == PROMPTS[0] + done.choices[0].text
+
+
 def test_chat_without_a_template_is_a_clear_400(plain_server):
     with pytest.raises(openai.BadRequestError, match="has no chat template") as info:
         client(plain_server).chat.completions.create(model="target-code-9m", messages=CHAT)
@@ -348,7 +369,7 @@ def test_a_client_that_leaves_is_cancelled(plain_server):
     def cancelled() -> int:
         for line in curl(url + "/metrics").stdout.splitlines():
             if line.startswith("dovetail_requests_total") and 'finish_reason="cancelled"' in line:
-                return int(line.rsplit(" ", 1)[1])
+                return int(float(line.rsplit(" ", 1)[1]))
         raise AssertionError("no cancelled count")
 
     before = cancelled()

@@ -105,3 +105,65 @@ def test_event_stream_shapes():
                                                                  "total_tokens": 5}
     assert all(body["usage"] is None for body in bodies[:3])
     assert len(bodies) == 4  # the empty-text chunk sent nothing
+
+
+def test_unknown_fields_are_ignored_at_every_level():
+    # vLLM and llama-server ignore them; clients send their own extensions (the openai client's extra_body).
+    plan = completion({"prompt": "hi", "max_tokens": 2, "some_unknown_field": {"x": [1]}, "stream": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert plan.request.prompt == "hi" and plan.request.max_new_tokens == 2 and plan.include_usage
+    plan = chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}],
+                               "tool_calls": None}], "chat_template_kwargs": {}})
+    assert plan.request.messages == [m.ChatMessage(role="user", content="a")]
+    body = {"messages": [{"role": "user", "x": 1, "content": [{"type": "text", "text": "a", "y": 2}]}],
+            "stream_options": {"z": 3}, "w": 4}
+    assert api.unknown_fields(body, api.ChatRequest) == ["w", "stream_options.z", "messages[0].x",
+                                                         "messages[0].content[0].y"]
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"prompt": "x", "some_unknown_field": 1, "max_tokens": "4"}, "$.max_tokens"),  # known fields still checked
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes", "other": 1}},
+     "$.stream_options.include_usage"),
+    ({"prompt": "x", "top_k": -2}, "$.top_k"),
+])
+def test_known_fields_with_wrong_values_are_still_refused(body, words):
+    with pytest.raises(api.ApiError) as info:
+        completion(body)
+    assert info.value.status == 400 and words in info.value.message
+
+
+def test_chat_content_parts_other_than_text_are_still_refused():
+    with pytest.raises(api.ApiError) as info:
+        chat({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert info.value.status == 400 and "$.messages[0].content[0].type" in info.value.message
+
+
+def test_top_k_zero_and_minus_one_mean_off():
+    assert completion({"prompt": "x", "top_k": 0}).request.sampling.top_k == 0
+    assert completion({"prompt": "x", "top_k": -1}).request.sampling.top_k == 0
+    assert completion({"prompt": "x", "top_k": 5}).request.sampling.top_k == 5
+
+
+def test_max_tokens_beyond_the_context_is_refused_in_vllms_words():
+    plan = completion({"prompt": "x", "max_tokens": 100})
+    api.check_context(plan, prompt_tokens=28, context=128)  # 128: just fits
+    with pytest.raises(api.ApiError) as info:
+        api.check_context(plan, prompt_tokens=29, context=128)
+    error = info.value
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "max_tokens")
+    assert error.message == ("This model's maximum context length is 128 tokens. However, you requested 129 tokens "
+                             "(29 in the prompt, 100 in the completion). Please reduce the length of the prompt or "
+                             "max_tokens.")
+    plan = chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "max_completion_tokens": 200})
+    with pytest.raises(api.ApiError, match=r"\(10 in the messages, 200 in the completion\)") as info:
+        api.check_context(plan, prompt_tokens=10, context=128)
+    assert info.value.param == "max_completion_tokens"
+    # Not set by the client: the request runs until the context is full, as before.
+    api.check_context(chat({"messages": [{"role": "user", "content": "x"}]}), prompt_tokens=100, context=128)
+    api.check_context(completion({"prompt": "x"}), prompt_tokens=120, context=128)
+
+
+def test_a_prompt_that_leaves_no_room_is_left_to_the_coordinator():
+    # Its error is prompt_too_long, with or without max_tokens.
+    api.check_context(completion({"prompt": "x", "max_tokens": 5}), prompt_tokens=128, context=128)
