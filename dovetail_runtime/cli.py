@@ -246,6 +246,10 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "/health, /metrics) here, e.g. 127.0.0.1:8000. With --bind both serve one queue; without, only "
                    "HTTP is served. An address other than loopback needs an API key; with one, every request "
                    "but GET /health must send it (Authorization: Bearer KEY), whatever the address.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="With --http: let web pages from ORIGIN (e.g. http://localhost:3000; repeatable; * for any) "
+                   "call the HTTP API from a browser (CORS). The API key, if any, is still needed. [default: no "
+                   "CORS headers: browsers refuse cross-origin calls]")
 @api_key_options
 @click.option("--allow-remote", is_flag=True, expose_value=False, hidden=True, callback=refuse_allow_remote,
               help="Refused: serving beyond loopback needs an API key.")
@@ -361,7 +365,7 @@ def run_main(**values: Any) -> None:
         sys.exit(2)
     if not all_prompts:
         sys.exit(serve_clients(settings, list(serving.binds), key, serve_limits(serving), serving.http_address,
-                               options.log_level))
+                               options.log_level, serving.cors_origins))
     sys.exit(run_one_shot(settings, all_prompts, one_shot, sampling))
 
 
@@ -432,7 +436,7 @@ def served_model(target: str, coordinator, mode: str):
 
 
 def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | None, limits: ServeLimits,
-                  http_address: str | None = None, log_level: str = "info") -> int:
+                  http_address: str | None = None, log_level: str = "info", cors_origins: tuple[str, ...] = ()) -> int:
     """Bind the client socket (and the HTTP port) first, so a taken port or path, or an address
     beyond loopback without an API key, fails in a second, not after the models load; then
     start the workers and serve until SIGINT/SIGTERM. The exit status."""
@@ -445,7 +449,7 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
     from .workers import WorkerFailed
 
     stop = StopSignals()
-    bound = bind_clients(binds, key, http_address)
+    bound = bind_clients(binds, key, http_address, cors_origins)
     if bound is None:
         return 2
     server, frontend = bound
@@ -495,8 +499,8 @@ class StopSignals:
         self.asked = True
 
 
-def bind_clients(binds: list[str], key: ApiKey | None,
-                 http_address: str | None) -> tuple[RouterServer, HttpFrontend | None] | None:
+def bind_clients(binds: list[str], key: ApiKey | None, http_address: str | None,
+                 cors_origins: tuple[str, ...] = ()) -> tuple[RouterServer, HttpFrontend | None] | None:
     """The client socket on ``binds`` (default: dovetail-run's ipc endpoint, unless only HTTP
     is served) and the HTTP listener, refusing an address beyond loopback without an API key.
     None, the error logged, when one cannot be bound."""
@@ -510,7 +514,7 @@ def bind_clients(binds: list[str], key: ApiKey | None,
             from .http_server import HttpFrontend, parse_address
 
             check_exposure(endpoints, parse_address(http_address)[0], key)
-            frontend = HttpFrontend(http_address, api_key=key)
+            frontend = HttpFrontend(http_address, api_key=key, cors_origins=cors_origins)
         else:
             check_exposure(endpoints, None, key)
         # HTTP requests reach the coordinator as ZMQ clients of an inproc endpoint.

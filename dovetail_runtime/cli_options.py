@@ -67,6 +67,7 @@ class ServingOptions:
 
     binds: tuple[str, ...]
     http_address: str | None
+    cors_origins: tuple[str, ...]  # --cors-origin: browser pages allowed to call the HTTP API
     api_key_file: Path | None
     api_key: str | None
     max_queue: int

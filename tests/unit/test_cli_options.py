@@ -81,3 +81,21 @@ def test_without_a_target_the_real_pair_where_fetched_else_the_code_pair_and_how
     assert cli.resolve_models("/mine", "/head", "dovetail") == ("/mine", "/head")  # never overrides a choice
     with pytest.raises(Exception, match="--draft is required"):
         cli.resolve_models("/mine", None, "dovetail")
+
+
+def test_cors_origins_are_off_by_default_and_reach_the_http_frontend():
+    assert run_options(parsed(cli.run_main, ["--http", "127.0.0.1:0"])).serving.cors_origins == ()
+    values = parsed(cli.run_main, ["--http", "127.0.0.1:0", "--cors-origin", "http://localhost:3000",
+                                   "--cors-origin", "*"])
+    origins = run_options(values).serving.cors_origins
+    assert origins == ("http://localhost:3000", "*")
+    assert "--cors-origin ORIGIN" in cli.run_main.get_help(cli.run_main.make_context("dovetail-run", []))
+    bound = cli.bind_clients([], None, "127.0.0.1:0", origins)
+    assert bound is not None
+    server, frontend = bound
+    try:
+        assert frontend is not None and frontend.cors_origins == origins
+    finally:
+        if frontend is not None:
+            frontend.close()
+        server.close()
