@@ -358,8 +358,7 @@ class Coordinator:
                                       f"{RESTART_WINDOW_S / 60:.0f} minutes; giving up")
             self._restarts.append(now)
             self.metrics.worker_restarted()
-            code = worker.process.returncode if worker.process is not None else None
-            log.warning("restarting %s (it exited with code %s)", worker.name, code)
+            log.warning("restarting %s", worker.name)
             worker.stop()
             worker.spawn()
             worker.wait_ready(self.settings.startup_timeout_s)
