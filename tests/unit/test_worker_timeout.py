@@ -10,8 +10,14 @@ import pytest
 
 from dovetail_runtime import cli
 from dovetail_runtime.cli_options import run_options
-from dovetail_runtime.coordinator import (UNMEASURED_WORKER_TIMEOUT_S, WORKER_TIMEOUT_FLOOR_S, WORKER_TIMEOUT_STEPS,
-                                          Coordinator, RuntimeSettings, fitted_worker_timeout)
+from dovetail_runtime.coordinator import (
+    UNMEASURED_WORKER_TIMEOUT_S,
+    WORKER_TIMEOUT_FLOOR_S,
+    WORKER_TIMEOUT_STEPS,
+    Coordinator,
+    RuntimeSettings,
+    fitted_worker_timeout,
+)
 
 SMALL = {1: 1.3, 16: 6.0, 64: 19.7}  # the 9M demo target, ms
 BIG = {1: 315.0, 16: 900.0, 64: 3000.0}  # a 7B target on few cores, ms
