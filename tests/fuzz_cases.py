@@ -452,7 +452,8 @@ def _http_route(rng: random.Random) -> HttpCase:
         ("GET", "/" + "a" * rng.randint(100, 8000), 404), ("POST", "/v1/../v1/x", 404), ("GET", "/v1/models/x", 404),
         ("POST", "/v1/embeddings", 404), ("GET", "/docs", 404), ("GET", "/openapi.json", 404)])
     body = dumps(completion_base()) if method in ("POST", "PUT", "PATCH") else None
-    return HttpCase(f"route:{method}", method, path, body, status, frozenset({None}))
+    code = "model_not_found" if path.startswith("/v1/models/") else None  # the route exists, the model does not
+    return HttpCase(f"route:{method}", method, path, body, status, frozenset({code}))
 
 
 def _http_model(rng: random.Random) -> HttpCase:
