@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -167,3 +168,10 @@ def test_max_tokens_beyond_the_context_is_refused_in_vllms_words():
 def test_a_prompt_that_leaves_no_room_is_left_to_the_coordinator():
     # Its error is prompt_too_long, with or without max_tokens.
     api.check_context(completion({"prompt": "x", "max_tokens": 5}), prompt_tokens=128, context=128)
+
+
+def test_ignored_fields_are_logged_at_debug_level(caplog):
+    with caplog.at_level(logging.DEBUG, logger="dovetail_runtime.openai_api"):
+        completion({"prompt": "x", "some_unknown_field": 1})
+    assert [record.getMessage() for record in caplog.records] == ["ignoring unknown request fields: some_unknown_field"]
+    assert all(record.levelno == logging.DEBUG for record in caplog.records)
