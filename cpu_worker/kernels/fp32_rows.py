@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from cpu_worker.kernels.huge_pages import on_huge_pages, release_freed_memory
 from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
+from cpu_worker.progress import progress_bar
 from ipc.tree import MAX_TREE_TOKENS
 
 MAX_KERNEL_ROWS = MAX_TREE_TOKENS  # every tree the protocol allows is verified in one call on the kernel
@@ -95,12 +96,14 @@ def use_fp32_row_kernel(model: nn.Module) -> bool:
         return False
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32]
-    for count, name in enumerate(names, 1):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        dense = getattr(parent, child)
-        setattr(parent, child, RowInvariantFp32Linear(dense.weight, dense.bias))
-        if count % 16 == 0:
-            release_freed_memory()  # the weights' old homes (moved onto huge pages), as we go
+    with progress_bar(len(names), "fp32 row kernel: weights onto huge pages", "matrix") as bar:
+        for count, name in enumerate(names, 1):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            dense = getattr(parent, child)
+            setattr(parent, child, RowInvariantFp32Linear(dense.weight, dense.bias))
+            bar.update()
+            if count % 16 == 0:
+                release_freed_memory()  # the weights' old homes (moved onto huge pages), as we go
     release_freed_memory()
     return bool(names)

@@ -41,7 +41,7 @@ from cpu_worker.model.gguf_model import (
 )
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.loading import LinearMaker, WeightPlacer
-from cpu_worker.model.progress import progress_bar
+from cpu_worker.progress import progress_bar
 
 log = logging.getLogger(__name__)
 

@@ -53,3 +53,18 @@ def test_the_bar_shows_only_on_a_terminal_and_the_weights_are_the_same(targets, 
     prompt = [3, 17, 42, 5]
     assert torch.equal(TargetEngine(quiet, max_len=16).prefill(prompt).logits,
                        TargetEngine(shown, max_len=16).prefill(prompt).logits)  # packed weights too
+
+
+def test_the_fp32_engines_fusing_and_packing_show_bars_only_on_a_terminal(targets, capfd, monkeypatch):
+    from cpu_worker.server import build_engine
+
+    quiet, _ = build_engine(str(targets["folder"]), "fp32", 16)
+    assert "layer" not in capfd.readouterr().err
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    shown, kernel = build_engine(str(targets["folder"]), "fp32", 16)
+    assert "fuse q/k/v and gate/up" in terminal.getvalue()
+    if kernel == "dovetail-fp32":  # the row kernel (a C compiler was found): its weights moved onto huge pages
+        assert "fp32 row kernel" in terminal.getvalue()
+    prompt = [3, 17, 42, 5]
+    assert torch.equal(quiet.prefill(prompt).logits, shown.prefill(prompt).logits)
