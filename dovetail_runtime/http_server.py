@@ -270,6 +270,12 @@ class Routes:
         # The coordinator's bound: a longer prompt cannot fit, and is refused there untokenized.
         self.prompt_chars = None if model.tokenizer is None else model.context * model.tokenizer.max_chars_per_token()
 
+    def token_text(self, token: int) -> str:
+        """A token's own text for logprobs (special tokens shown; a piece of a multi-byte
+        character shows as U+FFFD)."""
+        tokenizer = self.model.tokenizer
+        return f"<{token}>" if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)
+
     def check_model(self, name: str | None) -> None:
         model = self.model
         if name is not None and name != model.name:
@@ -278,7 +284,7 @@ class Routes:
                                code="model_not_found", param="model")
 
     async def run(self, request: Request, plan: api.Plan, chat: bool) -> Response:
-        ids = api.ResponseIds.now(plan.request.request_id, self.model.name)
+        ids = api.ResponseIds.now(plan.request.request_id, self.model.name, self.token_text)
         call = Call(self.context, self.endpoint, self.slots)
         handed_over = False
         try:

@@ -6,8 +6,9 @@ Requests are checked strictly (msgspec): a wrong type or an out-of-range value i
 names the field. Unknown fields are ignored (logged at debug level), as vLLM and llama-server
 ignore them: clients send their own extensions (``extra_body``) to every server. Fields of
 OpenAI's API that Dovetail does not implement are accepted only at their no-effect values
-(``presence_penalty: 0``, ``logprobs: null``, ...), so a client never silently gets something
-other than what it asked for.
+(``presence_penalty: 0``, ``echo: false``, ...), so a client never silently gets something
+other than what it asked for. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
+log-probabilities (``ipc.messages.TokenLogprob``), in OpenAI's shapes.
 
 Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in requests; a
 ``dovetail`` field in responses with the request's statistics and generated token ids.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -34,7 +36,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: send 0 for greedy decoding
 # OpenAI fields Dovetail does not implement, with the values that ask for nothing.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
@@ -98,8 +100,12 @@ class Params(Struct, kw_only=True):
     mode: Literal["dovetail", "ar"] | None = None  # extension
 
 
+LogprobCount = Annotated[int, Meta(ge=0, le=m.MAX_LOGPROBS)]
+
+
 class CompletionRequest(Params, kw_only=True):
     prompt: str | list[str]
+    logprobs: LogprobCount | None = None  # the legacy API's: alternatives per token (OpenAI allows 5)
 
 
 class TextPart(Struct, tag="text", tag_field="type"):
@@ -115,6 +121,8 @@ class ChatTurn(Struct, kw_only=True):
 class ChatRequest(Params, kw_only=True):
     messages: Annotated[list[ChatTurn], Meta(min_length=1, max_length=m.MAX_CHAT_MESSAGES)]
     max_completion_tokens: Annotated[int, Meta(ge=1, le=MAX_NEW_TOKENS)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: LogprobCount | None = None  # alternatives per token; needs logprobs: true
 
 
 def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatRequest]) -> Any:
@@ -238,7 +246,7 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 
 def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, limit_field: str | None,
-          **prompt: Any) -> Plan:
+          logprobs: int | None, **prompt: Any) -> Plan:
     if params.n is not None and params.n != 1:
         raise ApiError(400, f"n={params.n} is not supported: Dovetail generates one choice per request (n=1)",
                        code="unsupported", param="n")
@@ -248,7 +256,7 @@ def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, l
                        param="stream_options")
     request = m.GenerateRequest(request_id=request_id, max_new_tokens=max_tokens, stop=_stops(params.stop),
                                 sampling=_sampling(params), mode=params.mode or default_mode,  # type: ignore[arg-type]
-                                stream=stream, **prompt)
+                                stream=stream, logprobs=logprobs, **prompt)
     include_usage = bool(params.stream_options and params.stream_options.include_usage)
     return Plan(request, stream, include_usage, limit_field)
 
@@ -264,7 +272,7 @@ def plan_completion(params: CompletionRequest, request_id: str, default_mode: st
         raise ApiError(400, "prompt: longer than 16,777,216 characters", code="prompt_too_long", param="prompt")
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens
     limit_field = None if params.max_tokens is None else "max_tokens"
-    return _plan(params, request_id, default_mode, max_tokens, limit_field, prompt=prompt)
+    return _plan(params, request_id, default_mode, max_tokens, limit_field, params.logprobs, prompt=prompt)
 
 
 def plan_chat(params: ChatRequest, request_id: str, default_mode: str) -> Plan:
@@ -278,24 +286,67 @@ def plan_chat(params: ChatRequest, request_id: str, default_mode: str) -> Plan:
     limit_field = ("max_completion_tokens" if params.max_completion_tokens is not None
                    else "max_tokens" if params.max_tokens is not None else None)
     chosen = params.max_completion_tokens if params.max_completion_tokens is not None else params.max_tokens
+    if params.top_logprobs is not None and not params.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_request", param="top_logprobs")
+    logprobs = (params.top_logprobs or 0) if params.logprobs else None
     return _plan(params, request_id, default_mode, MAX_NEW_TOKENS if chosen is None else chosen, limit_field,
-                 messages=messages)
+                 logprobs, messages=messages)
 
 
 # --- responses ---------------------------------------------------------------------------
 
 
+TokenText = Callable[[int], str]  # a token id as text (the tokenizer's piece, special tokens shown)
+
+
 @dataclass(frozen=True)
 class ResponseIds:
-    """What every body of one response repeats."""
+    """What every body of one response repeats, and how it shows a token id as text."""
 
     id: str
     model: str
     created: int
+    token_text: TokenText = str
 
     @classmethod
-    def now(cls, request_id: str, model: str) -> ResponseIds:
-        return cls(request_id, model, int(time.time()))
+    def now(cls, request_id: str, model: str, token_text: TokenText = str) -> ResponseIds:
+        return cls(request_id, model, int(time.time()), token_text)
+
+
+def completion_logprobs(token_text: TokenText, token_ids: Sequence[int], entries: Sequence[m.TokenLogprob],
+                        offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions API's ``logprobs``: tokens, their logprobs, the alternatives as
+    {text: logprob} (the chosen token alone when none were asked for) and each token's offset
+    in the text (from ``offset``: where earlier chunks of a stream ended)."""
+    if not entries:
+        return None
+    tokens = [token_text(token) for token in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    top = [{token_text(top_id): value for top_id, value in zip(entry.top_ids, entry.top_logprobs, strict=True)}
+           or {text: entry.logprob} for entry, text in zip(entries, tokens, strict=True)]
+    return {"tokens": tokens, "token_logprobs": [entry.logprob for entry in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(token_text: TokenText, token_ids: Sequence[int],
+                  entries: Sequence[m.TokenLogprob]) -> dict[str, Any] | None:
+    """The chat API's ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}."""
+    if not entries:
+        return None
+    content = []
+    for token, entry in zip(token_ids, entries, strict=True):
+        item = _chat_token(token_text(token), entry.logprob)
+        item["top_logprobs"] = [_chat_token(token_text(top_id), value)
+                                for top_id, value in zip(entry.top_ids, entry.top_logprobs, strict=True)]
+        content.append(item)
+    return {"content": content, "refusal": None}
 
 
 def usage(done: m.GenerateDone) -> dict[str, int]:
@@ -309,14 +360,16 @@ def extension(done: m.GenerateDone) -> dict[str, Any]:
 
 
 def completion_body(meta: ResponseIds, done: m.GenerateDone) -> dict[str, Any]:
+    logprobs = completion_logprobs(meta.token_text, done.token_ids, done.logprobs)
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "text": done.text, "logprobs": None, "finish_reason": done.finish_reason}],
+            "choices": [{"index": 0, "text": done.text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
             "usage": usage(done), "dovetail": extension(done)}
 
 
 def chat_body(meta: ResponseIds, done: m.GenerateDone) -> dict[str, Any]:
+    logprobs = chat_logprobs(meta.token_text, done.token_ids, done.logprobs)
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": logprobs,
                          "finish_reason": done.finish_reason}],
             "usage": usage(done), "dovetail": extension(done)}
 
@@ -328,6 +381,7 @@ class EventStream:
         self.meta = meta
         self.chat = chat
         self.include_usage = include_usage
+        self.offset = 0  # the completions API's text_offset: characters of token text sent so far
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {"id": self.meta.id, "object": "chat.completion.chunk" if self.chat
@@ -338,20 +392,34 @@ class EventStream:
         body.update(extra)
         return sse(body)
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, chunk: m.TokenChunk) -> dict[str, Any] | None:
+        if self.chat:
+            return chat_logprobs(self.meta.token_text, chunk.token_ids, chunk.logprobs)
+        logprobs = completion_logprobs(self.meta.token_text, chunk.token_ids, chunk.logprobs, self.offset)
+        if logprobs is not None:
+            self.offset += sum(len(token) for token in logprobs["tokens"])
+        return logprobs
 
     def start(self) -> list[bytes]:
         """Before any text: a chat stream first names the assistant's role."""
         return [self._chunk([self._choice("", None, role=True)])] if self.chat else []
 
     def text(self, chunk: m.TokenChunk) -> list[bytes]:
-        return [self._chunk([self._choice(chunk.text, None)])] if chunk.text else []
+        """A chunk's text, with its tokens' logprobs when asked for (then even while its text is
+        held back: every token's entry is sent once, in order)."""
+        logprobs = self._logprobs(chunk)
+        if not chunk.text and logprobs is None:
+            return []
+        return [self._chunk([self._choice(chunk.text, None, logprobs=logprobs)])]
 
     def done(self, done: m.GenerateDone) -> list[bytes]:
         events = [self._chunk([self._choice(None, done.finish_reason)], dovetail=extension(done))]

@@ -337,8 +337,10 @@ HTTP_FIELD_BAD: dict[str, list[Any]] = {
     "stream_options": [1, "x", [], {"include_usage": "yes"}, {"include_usage": 1},
                        {"include_usage": True}],  # the last: without stream
     "mode": ["fast", "", "AR", 1, True, []],
+    # An int (completions) or a bool (chat): neither takes these.
+    "logprobs": ["5", -1, 21, [], 1.5],
     # Not implemented: only their no-effect values pass.
-    "logprobs": [True, 1, 5], "top_logprobs": [1, 20], "presence_penalty": [0.5, -1, 2], "frequency_penalty": [1.0],
+    "presence_penalty": [0.5, -1, 2], "frequency_penalty": [1.0],
     "logit_bias": [{"50": 1}], "echo": [True], "suffix": ["x"], "best_of": [2, 0], "tools": [[{"type": "function"}]],
     "tool_choice": ["auto"], "response_format": [{"type": "json_object"}],
 }
@@ -353,13 +355,14 @@ CHAT_ONLY_BAD: dict[str, list[Any]] = {
                  [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"type": 1}]}],
                  [{"role": "user", "content": "x", "name": 1}]],
     "max_completion_tokens": [0, -1, 2**20 + 1, 2**64, 1.5, "4", True],
+    "top_logprobs": [-1, 21, "2", 1.5, 2],  # the last: without logprobs: true
 }
 
 
 def _field_code(name: str, value: Any) -> frozenset[str]:
     if name in ("n",) and isinstance(value, int) and not isinstance(value, bool):
         return UNSUPPORTED
-    if name in ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix",
+    if name in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix",
                 "best_of", "tools", "tool_choice", "response_format"):
         return UNSUPPORTED
     if name == "prompt" and isinstance(value, list) and all(isinstance(v, str) for v in value):

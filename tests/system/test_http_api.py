@@ -149,6 +149,28 @@ def test_openai_completion_equals_ar(chat_server, ar):
         assert done.object == "text_completion" and done.model == "code-chat-9m" and done.id.startswith("cmpl-")
 
 
+def test_logprobs_are_the_targets_and_the_same_in_both_modes(chat_server, ar):
+    """Each token's logprob and alternatives, whole and streamed, dovetail and ar: the same numbers
+    (a verified tree row has a decode step's bits), the greedy token the likeliest each time."""
+    api, prompt = client(chat_server), PROMPTS[0]
+    answers = [api.completions.create(model="code-chat-9m", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                      logprobs=3, extra_body={"mode": mode}) for mode in ("dovetail", "ar")]
+    logprobs = [answer.choices[0].logprobs for answer in answers]
+    assert answers[0].choices[0].text == answers[1].choices[0].text == ar[prompt]["text"]
+    assert logprobs[0].token_logprobs == logprobs[1].token_logprobs and len(logprobs[0].tokens) == NEW_TOKENS
+    assert logprobs[0].top_logprobs == logprobs[1].top_logprobs
+    assert all(max(top.values()) == chosen for top, chosen in zip(logprobs[0].top_logprobs, logprobs[0].token_logprobs))
+    chunks = api.chat.completions.create(model="code-chat-9m", messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [item for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for item in chunk.choices[0].logprobs.content]
+    whole = api.chat.completions.create(model="code-chat-9m", messages=[{"role": "user", "content": prompt}],
+                                        max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                        extra_body={"mode": "ar"}).choices[0].logprobs.content
+    assert [(item.token, item.logprob) for item in streamed] == [(item.token, item.logprob) for item in whole]
+    assert len(whole) == 8 and all(len(item.top_logprobs) == 2 for item in whole)
+
+
 def test_openai_completion_stream_equals_ar(chat_server, ar):
     prompt = PROMPTS[1]
     chunks = list(client(chat_server).completions.create(
@@ -297,7 +319,8 @@ def api_error(server: Server, path: str, body: str | bytes) -> tuple[int, dict]:
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_request", "$.temperature"),
     ("/v1/completions", {"prompt": "x", "temperature": 1e-30}, 400, "invalid_request", "temperature must be 0"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_request", "$.max_tokens"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "unsupported", "logprobs=5 is not supported"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "unsupported", "echo=True is not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "invalid_request", "$.logprobs"),
     ("/v1/completions", {"prompt": "x", "frobnicate": 1, "max_tokens": "4"}, 400, "invalid_request", "$.max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "context_length_exceeded",
      "This model's maximum context length is 2048 tokens. However, you requested 100002 tokens (2 in the prompt, "
