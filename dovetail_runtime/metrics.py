@@ -9,17 +9,60 @@ ask). Nothing here imports torch or a web framework.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
 from ipc import messages as m
+
+# Bucket bounds in seconds: vLLM's, with longer tails (a CPU target's steps and prompts are slower).
+LATENCY_BOUNDS = {
+    "queue_time": (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0),
+    "time_to_first_token": (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                            40.0, 80.0, 160.0, 640.0),
+    "inter_token_latency": (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                            10.0, 20.0),
+    "e2e_request_latency": (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0,
+                            480.0, 960.0, 1920.0),
+}
+LATENCY_HELP = {
+    "queue_time": "Seconds a request waited in the queue before it ran.",
+    "time_to_first_token": "Seconds from a request's arrival to its first new token.",
+    "inter_token_latency": "Seconds between a request's new tokens (a cycle's tokens share its time).",
+    "e2e_request_latency": "Seconds from a request's arrival to its answer.",
+}
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.total += value * times
+
+    def message(self) -> m.HistogramCounts:
+        return m.HistogramCounts(bounds=list(self.bounds), counts=list(self.counts), total=self.total)
+
+
+def spec_tokens(stats: m.RequestStats) -> tuple[int, int]:
+    """(drafted, accepted) tokens of one request: every verified tree's nodes but its root, and
+    the draft tokens its cycles accepted (trees are keyed "T/depth/top_k")."""
+    drafted = sum((int(shape.split("/")[0]) - 1) * cycles for shape, cycles in stats.trees.items())
+    accepted = sum(depth * cycles for depth, cycles in enumerate(stats.accept_per_depth))
+    return drafted, accepted
 
 
 @dataclass
@@ -37,6 +80,10 @@ class ServerMetrics:
     ipc_ms: float = 0.0
     running: int = 0
     worker_restarts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    latency: dict[str, Histogram] = field(
+        default_factory=lambda: {name: Histogram(bounds) for name, bounds in LATENCY_BOUNDS.items()})
 
     def record(self, reply: m.GenerateDone | m.ErrorReply) -> None:
         """Count one request's end."""
@@ -53,6 +100,26 @@ class ServerMetrics:
         self.draft_ms += stats.draft_ms
         self.verify_ms += stats.verify_ms
         self.ipc_ms += stats.ipc_ms
+        drafted, accepted = spec_tokens(stats)
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
+    def record_latency(self, arrived: float, started: float, token_times: Iterable[tuple[float, int]],
+                       answered: float) -> None:
+        """One request's latencies (time.monotonic() values): it arrived, began to run, had
+        ``count`` new tokens final at each ``when`` of ``token_times``, and was answered."""
+        self.latency["queue_time"].observe(max(started - arrived, 0.0))
+        previous: float | None = None
+        for when, count in token_times:
+            if previous is None:
+                self.latency["time_to_first_token"].observe(max(when - arrived, 0.0))
+                gap, count = 0.0, count - 1  # tokens final with the first one waited no longer
+            else:
+                gap = max(when - previous, 0.0)
+            if count > 0:  # a cycle's tokens arrive together: its time is shared among them
+                self.latency["inter_token_latency"].observe(gap / count, count)
+            previous = when
+        self.latency["e2e_request_latency"].observe(max(answered - arrived, 0.0))
 
     def record_cancelled(self, count: int = 1) -> None:
         """Count requests cancelled before they ran (their client left): finished, with no tokens."""
@@ -76,7 +143,9 @@ class ServerMetrics:
             new_tokens=self.new_tokens, cycles=self.cycles, cycle_tokens=self.cycle_tokens,
             prefill_s=self.prefill_ms / 1e3, draft_s=self.draft_ms / 1e3, verify_s=self.verify_ms / 1e3,
             ipc_s=self.ipc_ms / 1e3, queue_depth=queue_depth, running=self.running,
-            worker_restarts=self.worker_restarts, uptime_s=time.monotonic() - self.started)
+            worker_restarts=self.worker_restarts, uptime_s=time.monotonic() - self.started,
+            draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens,
+            latency={name: histogram.message() for name, histogram in self.latency.items()})
 
 
 class ReplyCollector:
@@ -102,6 +171,8 @@ class ReplyCollector:
             yield _one(CounterMetricFamily, name, help_text, model, value)
         for name, help_text, value in _gauges(reply):
             yield _one(GaugeMetricFamily, name, help_text, model, value)
+        for name, counts in sorted(reply.latency.items()):
+            yield _histogram(f"dovetail_{name}_seconds", LATENCY_HELP.get(name, name), model, counts)
 
 
 def _counters(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
@@ -115,6 +186,11 @@ def _counters(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
         ("dovetail_verify_seconds_total", "Time the target spent verifying or decoding.", reply.verify_s),
         ("dovetail_ipc_seconds_total", "Time not spent computing in a worker (messages, copies).", reply.ipc_s),
         ("dovetail_worker_restarts_total", "Worker processes restarted after a failure.", reply.worker_restarts),
+        # vLLM's names for the same counts (its spec_decode_* metrics).
+        ("dovetail_spec_decode_num_draft_tokens_total", "Draft tokens verified (tree nodes but the root).",
+         reply.draft_tokens),
+        ("dovetail_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.",
+         reply.accepted_tokens),
     ]
 
 
@@ -124,6 +200,8 @@ def _gauges(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
          reply.cycle_tokens / reply.cycles if reply.cycles else 0.0),
         ("dovetail_queue_depth", "Requests waiting to run.", reply.queue_depth),
         ("dovetail_requests_running", "Requests running now.", reply.running),
+        ("dovetail_num_requests_waiting", "Requests waiting to run (vLLM's name).", reply.queue_depth),
+        ("dovetail_num_requests_running", "Requests running now (vLLM's name).", reply.running),
         ("dovetail_uptime_seconds", "Seconds since the server started.", reply.uptime_s),
     ]
 
@@ -131,6 +209,16 @@ def _gauges(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
 def _one(kind: type[Metric], name: str, help_text: str, model: str, value: float) -> Metric:
     family = kind(name, help_text, labels=["model"])  # type: ignore[call-arg]
     family.add_metric([model], value)  # type: ignore[attr-defined]
+    return family
+
+
+def _histogram(name: str, help_text: str, model: str, counts: m.HistogramCounts) -> Metric:
+    family = HistogramMetricFamily(name, help_text, labels=["model"])
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(str, counts.bounds), "+Inf"], counts.counts, strict=True):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    family.add_metric([model], buckets, sum_value=counts.total)
     return family
 
 

@@ -11,8 +11,9 @@ A client is whatever hashable key the front end uses (a ZeroMQ routing id here).
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ipc import messages as m
@@ -22,11 +23,13 @@ C = TypeVar("C", bound=Hashable)
 
 @dataclass
 class Pending(Generic[C]):
-    """A request, who sent it, and when it must be answered by (time.monotonic(), or None)."""
+    """A request, who sent it, when it must be answered by (time.monotonic(), or None) and when it
+    arrived."""
 
     client: C
     request: m.GenerateRequest
     deadline: float | None = None
+    arrived: float = field(default_factory=time.monotonic)
 
 
 class QueueFull(Exception):

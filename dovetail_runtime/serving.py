@@ -148,8 +148,12 @@ class Serving:
             return
         running = self.running = Running(item)
         metrics = self.coordinator.metrics
+        started = time.monotonic()
+        token_times: list[tuple[float, int]] = []  # when tokens became final, and how many
 
         def on_text(token_ids: list[int], text: str, logprobs: list[m.TokenLogprob]) -> bool:
+            if token_ids:
+                token_times.append((time.monotonic(), len(token_ids)))
             if request.stream and running.outcome is None:
                 chunk = m.TokenChunk(request_id=request.request_id, token_ids=token_ids, text=text, logprobs=logprobs)
                 if not self._send(item.client, chunk) and running.outcome is None:
@@ -168,6 +172,8 @@ class Serving:
                 log.exception("request %s failed unexpectedly", request.request_id)
                 reply = error_reply(request.request_id, "internal", f"{type(error).__name__}: {error}")
         self.running = None
+        if isinstance(reply, m.GenerateDone):
+            metrics.record_latency(item.arrived, started, token_times, time.monotonic())
         if running.outcome == "gone":
             log.info("request %s cancelled: its client is gone", request.request_id)
             metrics.record(reply)  # counted, though nobody is there to answer

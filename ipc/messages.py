@@ -203,6 +203,15 @@ class MetricsRequest(Message):
     """Ask for the server's counters since it started (what HTTP ``GET /metrics`` shows)."""
 
 
+class HistogramCounts(Nested, frozen=True):
+    """A histogram: ``counts[i]`` observations in (bounds[i-1], bounds[i]], the last one above
+    every bound; ``total`` their sum (Prometheus' cumulative buckets are built from these)."""
+
+    bounds: Annotated[list[float], Meta(max_length=64)]
+    counts: Annotated[list[Count], Meta(max_length=65)]
+    total: Annotated[float, Meta(ge=0.0)] = 0.0
+
+
 class MetricsReply(Message):
     """Counters since the server started; times are the sums of every request's statistics."""
 
@@ -220,6 +229,10 @@ class MetricsReply(Message):
     running: Count = 0
     worker_restarts: Count = 0
     uptime_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    draft_tokens: Count = 0  # tree nodes drafted and verified (the root, the last token, not counted)
+    accepted_tokens: Count = 0  # drafted tokens the target accepted
+    # Latencies in seconds, by name: queue_time, time_to_first_token, inter_token_latency, e2e_request_latency.
+    latency: dict[Annotated[str, Meta(max_length=64)], HistogramCounts] = {}
 
 
 # --- coordinator <-> cpu_worker (target) ------------------------------------------------

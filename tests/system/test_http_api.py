@@ -305,6 +305,12 @@ def test_models_health_and_metrics(chat_server):
         assert samples[name] > 0, name
     assert samples["dovetail_tau{}"] > 1.0
     assert samples["dovetail_queue_depth{}"] == 0 and samples["dovetail_worker_restarts_total{}"] == 0
+    # Every answered request is timed; the drafted tokens include the accepted ones.
+    for name in ("queue_time", "time_to_first_token", "e2e_request_latency"):
+        assert samples[f'dovetail_{name}_seconds_count{{}}'] >= 1, name
+    assert samples["dovetail_inter_token_latency_seconds_count{}"] >= 3
+    assert samples["dovetail_spec_decode_num_draft_tokens_total{}"] >= samples[
+        "dovetail_spec_decode_num_accepted_tokens_total{}"] > 0
 
 
 def api_error(server: Server, path: str, body: str | bytes) -> tuple[int, dict]:

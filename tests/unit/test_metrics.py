@@ -88,3 +88,44 @@ def test_a_request_cancelled_before_it_ran_counts_as_cancelled_with_no_tokens():
     reply = metrics.reply(queue_depth=0)
     assert reply.finished == {"cancelled": 3, "stop": 1}
     assert (reply.prompt_tokens, reply.new_tokens, reply.cycles, reply.cycle_tokens) == (3, 2, 1, 2)
+
+
+def test_drafted_and_accepted_tokens_come_from_the_trees_and_the_acceptance():
+    metrics = ServerMetrics()
+    # 3 cycles of 8-node trees and 2 of 4-node trees; 1 cycle accepted nothing, 2 one token, 2 three.
+    metrics.record(done("stop", new_tokens=12, cycles=5, tau=12 / 5, trees={"8/4/4": 3, "4/2/8": 2},
+                        accept_per_depth=[1, 2, 0, 2]))
+    metrics.record(done("stop", new_tokens=4, cycles=3, tau=4 / 3))  # ar: no trees
+    reply = metrics.reply(queue_depth=0)
+    assert (reply.draft_tokens, reply.accepted_tokens) == (3 * 7 + 2 * 3, 2 * 1 + 2 * 3)
+    samples = parse(prometheus_text(reply, "m"), "m")
+    assert samples["dovetail_spec_decode_num_draft_tokens_total{}"] == 27
+    assert samples["dovetail_spec_decode_num_accepted_tokens_total{}"] == 8
+
+
+def test_latency_histograms_with_a_cycles_tokens_sharing_its_time():
+    metrics = ServerMetrics()
+    # Arrived at 10, ran at 10.5, first token at 11, then 4 tokens at 11.5 and 1 at 11.75; answered at 12.
+    metrics.record_latency(10.0, 10.5, [(11.0, 1), (11.5, 4), (11.75, 1)], 12.0)
+    metrics.record_latency(20.0, 20.0, [(20.2, 3)], 20.25)  # 3 tokens with the first: no wait after it
+    reply = metrics.reply(queue_depth=0)
+    families = {family.name: family for family in text_string_to_metric_families(prometheus_text(reply, "m"))}
+    assert {"dovetail_queue_time_seconds", "dovetail_time_to_first_token_seconds",
+            "dovetail_inter_token_latency_seconds", "dovetail_e2e_request_latency_seconds"} <= set(families)
+
+    def observed(name: str) -> tuple[float, float, dict[str, float]]:
+        samples = families[name].samples
+        buckets = {sample.labels["le"]: sample.value for sample in samples if sample.name.endswith("_bucket")}
+        (count,) = [sample.value for sample in samples if sample.name.endswith("_count")]
+        (total,) = [sample.value for sample in samples if sample.name.endswith("_sum")]
+        return count, total, buckets
+
+    count, total, buckets = observed("dovetail_queue_time_seconds")
+    assert (count, total) == (2, 0.5) and buckets["0.01"] == 1 and buckets["0.5"] == 2
+    count, total, _ = observed("dovetail_time_to_first_token_seconds")
+    assert count == 2 and total == pytest.approx(1.2)
+    count, total, buckets = observed("dovetail_inter_token_latency_seconds")
+    # 4 tokens at 0.125 s each, 1 at 0.25 s, 2 at 0 s (they came with the first token).
+    assert count == 7 and total == 0.75 and buckets["0.005"] == 2 and buckets["0.15"] == 6 and buckets["0.3"] == 7
+    count, total, buckets = observed("dovetail_e2e_request_latency_seconds")
+    assert count == 2 and total == 2.25 and buckets["0.3"] == 1 and buckets["2.0"] == 2
