@@ -41,15 +41,25 @@ def normalize_endpoint(text: str) -> str:
         scheme = text.split("://", 1)[0]
         if scheme not in ("tcp", "ipc", "inproc"):
             raise EndpointError(f"unsupported endpoint {text!r}: use tcp://HOST:PORT or ipc://PATH")
-        return text
+        return check_tcp_port(text) if scheme == "tcp" else text
     if text.isdigit():
         text = ":" + text
     match = _HOST_PORT.match(text)
     if match:
-        return f"tcp://{match['host'] or '127.0.0.1'}:{match['port']}"
+        return check_tcp_port(f"tcp://{match['host'] or '127.0.0.1'}:{match['port']}")
     if text.startswith(("/", "./", "../", "~")) or text.endswith(".sock"):
         return "ipc://" + os.path.abspath(os.path.expanduser(text))
     raise EndpointError(f"cannot tell what endpoint {text!r} means: use tcp://HOST:PORT or ipc://PATH")
+
+
+def check_tcp_port(endpoint: str) -> str:
+    """``endpoint`` itself, unless its port is past 65535: libzmq would bind that port modulo
+    65536 (tcp://127.0.0.1:99999 served on 34463) without a word."""
+    port = endpoint.rpartition(":")[2]
+    if port.isdigit() and int(port) > 65535:
+        raise EndpointError(f"port {int(port)} in {endpoint!r} is out of range: the port must be 1-65535 "
+                            "(0 or * picks a free one)")
+    return endpoint
 
 
 def is_loopback_host(host: str) -> bool:
