@@ -67,6 +67,52 @@ def parse_aux_layers(value: str | None, num_layers: int) -> tuple[int, int, int]
         raise click.BadParameter(str(error), param_hint="--aux-layers") from None
 
 
+def target_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """--target: a model folder, GGUF file or cached hub id that is there (else one line, not a traceback)."""
+    from cpu_worker.model.model_dir import ModelLoadError, resolve_model_dir
+
+    try:
+        resolve_model_dir(value)
+    except ModelLoadError as error:
+        raise click.BadParameter(str(error)) from None
+    return value
+
+
+def draft_option(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """--draft: a head folder with a config.json (else one line, not a traceback)."""
+    from cpu_worker.model.model_dir import ModelLoadError, resolve_model_dir
+
+    if value is None:
+        return None
+    try:
+        folder = resolve_model_dir(value)
+    except ModelLoadError as error:
+        raise click.BadParameter(str(error).replace("model folder", "draft head folder")) from None
+    if not (folder / "config.json").is_file():
+        raise click.BadParameter(f"{folder} has no config.json: not a draft head folder (dovetail-train train "
+                                 "writes one)")
+    return value
+
+
+def features_option(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
+    """--features/--heldout: a finished feature folder (else one line, not a traceback from loading it)."""
+    from gpu_worker.train.shards import MANIFEST, read_manifest
+
+    if value is None:
+        return None
+    try:
+        manifest = read_manifest(value)
+    except (OSError, ValueError) as error:
+        raise click.BadParameter(f"{value / MANIFEST} cannot be read: {error}") from None
+    if not isinstance(manifest, dict):
+        raise click.BadParameter(f"{value} is not a feature folder (no {MANIFEST}): make one with "
+                                 f"dovetail-train features --out {value}")
+    if not manifest.get("complete"):
+        raise click.BadParameter(f"{value}: feature extraction did not finish; rerun the same "
+                                 "dovetail-train features command to resume")
+    return value
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if count < 1024 or unit == "GB":
@@ -81,7 +127,8 @@ def main() -> None:
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--target", required=True, callback=target_option,
+              help="Target model folder (Hugging Face layout) or cached hub id.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Feature folder (shards + manifest.json); rerun the same command to resume.")
 @click.option("--input", "inputs", multiple=True, help="Text file, folder, glob, .jsonl (text field or "
@@ -207,10 +254,13 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
-@click.option("--features", "train_dir", required=True, type=click.Path(file_okay=False, exists=True, path_type=Path),
+@click.option("--target", required=True, callback=target_option,
+              help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--features", "train_dir", required=True, callback=features_option,
+              type=click.Path(file_okay=False, exists=True, path_type=Path),
               help="Training feature folder (from `dovetail-train features`).")
 @click.option("--heldout", "heldout_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              callback=features_option,
               help="Held-out feature folder for periodic evaluation (loss, top-1 agreement).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Head folder: config.json + model.safetensors (use as dovetail-run --draft), plus "
@@ -361,8 +411,9 @@ def parse_tree(value: str) -> tuple[int, int, int]:
 
 
 @main.command("eval", context_settings=CONTEXT)
-@click.option("--target", required=True, help="Target model folder (Hugging Face layout) or cached hub id.")
-@click.option("--draft", required=True, help="Draft head folder.")
+@click.option("--target", required=True, callback=target_option,
+              help="Target model folder (Hugging Face layout) or cached hub id.")
+@click.option("--draft", required=True, callback=draft_option, help="Draft head folder.")
 @click.option("--input", "inputs", multiple=True, help="Files/folders/globs of plain text to take prompts from "
               "[default: the stdlib held-out split, the testbed protocol].")
 @click.option("--pattern", default="*.py", help="File-name glob for folders given with --input.")
@@ -383,7 +434,14 @@ def parse_tree(value: str) -> tuple[int, int, int]:
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
 def evaluate(**options: Any) -> None:
     """Greedy tau of a head (testbed protocol by default), checked lossless against the target."""
-    run_eval(EvalSettings(**options))
+    from dovetail_runtime.preflight import PreflightError, check_pair
+
+    settings = EvalSettings(**options)
+    try:
+        check_pair(settings.target, settings.draft)  # a head for another model: named, not a shape error
+    except PreflightError as error:
+        raise click.UsageError(str(error)) from None
+    run_eval(settings)
 
 
 @dataclass(frozen=True)
@@ -510,9 +568,9 @@ def eagle3_tau(engine, draft, target_dir, prompts, new_tokens, eos, settings, ro
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--target", required=True, help="Target model folder.")
-@click.option("--draft", default=None, help="Head folder to export instead of the target (its embedding and "
-              "lm_head are left out: they load from --target).")
+@click.option("--target", required=True, callback=target_option, help="Target model folder.")
+@click.option("--draft", default=None, callback=draft_option, help="Head folder to export instead of the target "
+              "(its embedding and lm_head are left out: they load from --target).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", help="Stored precision.")
 def export(target, draft, out_dir, dtype) -> None:
