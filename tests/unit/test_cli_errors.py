@@ -1,0 +1,216 @@
+"""A newcomer's mistakes with dovetail-run and dovetail-train end in one line (exit 2, no
+traceback) or a warning, and one-shot stdout is the completion alone (issue 33)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from dovetail_runtime import cli, preflight, train_cli
+from dovetail_runtime.coordinator import RuntimeSettings
+from dovetail_runtime.preflight import PreflightError, check_pair, check_settings, check_target, shared_cores_warning
+from ipc import messages as m
+from ipc.endpoints import EndpointError, normalize_endpoint
+
+from conftest import DEMO, DEMO_DRAFT, DEMO_TARGET
+
+EAGLE3_HEAD = DEMO / "draft-smollm2"  # an EAGLE-3 head for SmolLM2-135M, not for the 9M code model
+
+
+def refused(command: click.Command, args: list[str]) -> str:
+    """The one-line message click refuses ``args`` with (before the command runs)."""
+    with pytest.raises(click.UsageError) as info:
+        command.make_context(command.name or "dovetail", args)
+    return info.value.format_message()
+
+
+def run(command: click.Command, args: list[str]):
+    result = CliRunner().invoke(command, args)
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+# ------------------------------------------------------------------ dovetail-run: usage errors
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_an_empty_prompt_file_is_refused_not_served(tmp_path, text, monkeypatch):
+    def serve(*_args, **_kwargs):
+        raise AssertionError("an empty --prompt-file started a server")
+
+    monkeypatch.setattr(cli, "serve_clients", serve)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(text)
+    result = run(cli.run_main, ["--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT),
+                                "--prompt-file", str(prompts)])
+    assert result.exit_code == 2 and "holds no prompts" in result.output
+
+
+def test_an_option_or_nothing_given_as_the_model_is_named():
+    assert "needs a value, but got the option '--draft'" in refused(cli.run_main, ["--target", "--draft", "x"])
+    assert "is empty" in refused(cli.run_main, ["--target", ""])
+    assert "is empty" in refused(cli.run_main, ["--target", str(DEMO_TARGET), "--draft", " "])
+
+
+def test_a_missing_target_is_reported_before_the_draft_it_would_need(tmp_path, caplog):
+    result = run(cli.run_main, ["--target", str(tmp_path / "absent"), "--prompt", "x"])
+    assert result.exit_code == 2
+    assert "--target: model folder" in caplog.text and "--draft is required" not in result.output
+
+
+def test_a_draft_head_given_as_target_is_called_one(tmp_path):
+    with pytest.raises(PreflightError, match="is a draft head folder, not a model: pass it as --draft"):
+        check_target(str(DEMO_DRAFT))
+    with pytest.raises(PreflightError, match="is a draft head folder"):
+        check_target(str(EAGLE3_HEAD))
+    with pytest.raises(PreflightError, match="--target: model folder .* does not exist"):
+        check_target(str(tmp_path / "absent"))
+    check_target(str(DEMO_TARGET))
+
+
+def test_a_head_for_another_target_names_each_mismatch():
+    with pytest.raises(PreflightError) as info:
+        check_pair(str(DEMO_TARGET), str(EAGLE3_HEAD))
+    message = str(info.value)
+    assert "was trained for a different target" in message and "\n" not in message
+    assert "its hidden size is 576, the target's 256" in message
+    assert "its vocab size is 49152, the target's 8192" in message
+    assert "it reads target layers [2, 15, 27], the target has 6 layers" in message
+    assert "aux" not in message  # not the layer-id advice it got before
+    with pytest.raises(PreflightError, match="different target"):
+        check_settings(RuntimeSettings(target=str(DEMO_TARGET), draft=str(EAGLE3_HEAD), draft_device="cpu"))
+    check_pair(str(DEMO_TARGET), str(DEMO_DRAFT))
+
+
+@pytest.mark.parametrize("args", [["--http", "127.0.0.1:99999"], ["--bind", "tcp://127.0.0.1:99999"],
+                                  ["--bind", "localhost:65536"], ["--bind", "70000"]])
+def test_a_port_out_of_range_is_called_that(args):
+    message = refused(cli.run_main, args)
+    assert "the port must be 1-65535" in message and "expected HOST:PORT" not in message
+
+
+def test_ports_in_range_and_free_port_spellings_pass():
+    assert normalize_endpoint("tcp://127.0.0.1:65535") == "tcp://127.0.0.1:65535"
+    assert normalize_endpoint(":0") == "tcp://127.0.0.1:0" and normalize_endpoint("*:*") == "tcp://*:*"
+    with pytest.raises(EndpointError, match="must be 1-65535"):
+        normalize_endpoint("tcp://[::1]:123456")
+    assert "the port must be" in refused(cli.client_main, ["--connect", "127.0.0.1:99999"])
+    with cli.run_main.make_context("dovetail-run", ["--http", "127.0.0.1:0"]) as context:
+        assert context.params["http_address"] == "127.0.0.1:0"
+
+
+def test_an_empty_stop_string_is_refused():
+    assert "an empty stop string matches nothing" in refused(cli.run_main, ["--stop", "\n", "--stop", ""])
+    assert "an empty stop string matches nothing" in refused(cli.client_main, ["--stop", ""])
+
+
+# ------------------------------------------------------------------ dovetail-run: warnings
+
+def warnings_for(args: list[str], one_shot_run: bool, mode: str, caplog) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dovetail"), cli.run_main.make_context("dovetail-run", args):
+        cli.warn_ignored_options(one_shot_run=one_shot_run, mode=mode)
+    return caplog.text
+
+
+def test_options_the_run_will_not_use_are_named(caplog):
+    text = warnings_for(["--json", "--temperature", "0.5"], False, "dovetail", caplog)
+    assert "--json, --temperature only apply to one-shot runs" in text
+    text = warnings_for(["--prompt", "x", "--mode", "ar", "--compare-ar"], True, "ar", caplog)
+    assert "with --mode ar there is nothing to compare" in text
+    text = warnings_for(["--prompt", "x", "--mode", "ar", "--draft", "d", "--tree-tokens", "8"], True, "ar", caplog)
+    assert "--draft, --tree-tokens: no draft runs with --mode ar" in text
+    assert "--bind only applies to serving" in warnings_for(["--prompt", "x", "--bind", "127.0.0.1:5555"], True,
+                                                            "dovetail", caplog)
+    assert warnings_for(["--prompt", "x", "--json", "--compare-ar"], True, "dovetail", caplog) == ""
+    assert warnings_for(["--bind", "127.0.0.1:5555", "--max-queue", "3"], False, "dovetail", caplog) == ""
+
+
+def test_a_cpu_draft_on_the_targets_cores_is_warned_with_a_fix(monkeypatch):
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        pytest.skip("needs two cores")
+    first, rest = available[:1], available[1:]
+
+    def placed(**fields) -> str | None:
+        return shared_cores_warning(RuntimeSettings(target="t", draft="d", **fields))
+
+    warning = placed(draft_device="cpu", cpu_cores=first)
+    assert warning is not None and f"runs on core {first[0]}, which the target uses too" in warning
+    assert f"--draft-cores {rest[0]}" in warning
+    assert "fewer --cpu-cores" in (placed(draft_device="cpu", cpu_cores=available, draft_cores=first) or "")
+    assert placed(draft_device="cpu", cpu_cores=first, draft_cores=rest) is None
+    assert placed(draft_device="cpu") is None  # the default: both everywhere, said nowhere
+    assert placed(draft_device="cuda", cpu_cores=first) is None
+    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 0)
+    assert placed(draft_device="auto", cpu_cores=first) is not None
+    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 1)
+    assert placed(draft_device="auto", cpu_cores=first) is None
+
+
+# ------------------------------------------------------------------ dovetail-run: pipeable stdout
+
+class FakeCoordinator:
+    """Streams a fixed completion in two chunks, as Coordinator.generate does."""
+
+    def __init__(self, chunks: list[str]):
+        self.chunks = chunks
+
+    def generate(self, request: m.GenerateRequest, on_text=None):
+        if on_text is not None:
+            arity = len(inspect.signature(on_text).parameters)  # (ids, text[, logprobs])
+            for chunk in self.chunks:
+                on_text(*([1], chunk, [])[:arity])
+        stats = m.RequestStats(new_tokens=2, tokens_per_s=10.0 if request.mode == "dovetail" else 5.0)
+        return m.GenerateDone(request_id=request.request_id, token_ids=[1, 1], text="".join(self.chunks),
+                              finish_reason="length", stats=stats)
+
+
+def test_one_shot_stdout_is_the_completion_alone_and_the_stats_go_to_stderr(capsys):
+    params = dict(max_new_tokens=2, stop=[], mode="dovetail", sampling=m.Sampling())
+    failures = cli.run_prompts(FakeCoordinator([" walk", "(path)"]), ["import os", "def f():"], params,
+                               as_json=False, compare_ar=True)
+    out, err = capsys.readouterr()
+    assert failures == 0 and out == " walk(path)\n walk(path)\n"
+    assert err.count("[dovetail: 2 tokens") == 2 and "[ar: 2 tokens" in err
+    assert "[dovetail / ar: 2.00x; same tokens: yes]" in err
+
+
+def test_json_output_is_unchanged(capsys):
+    params = dict(max_new_tokens=2, stop=[], mode="dovetail", sampling=m.Sampling())
+    cli.run_prompts(FakeCoordinator(["a", "b"]), ["p"], params, as_json=True, compare_ar=True)
+    out, err = capsys.readouterr()
+    (record,) = [json.loads(line) for line in out.splitlines()]
+    assert record["prompt"] == "p" and record["text"] == "ab" and record["ar"]["same_tokens"] is True
+    assert err == ""
+
+
+# ------------------------------------------------------------------ dovetail-train
+
+def test_train_on_a_folder_that_holds_no_features_says_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(tmp_path),
+                                  "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "is not a feature folder (no manifest.json)" in result.output
+    (tmp_path / "manifest.json").write_text(json.dumps({"complete": False, "shards": []}))
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(tmp_path),
+                                  "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "feature extraction did not finish" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["eval", "--target", str(DEMO_TARGET), "--draft", "/nonexistent"], "draft head folder /nonexistent does not"),
+    (["eval", "--target", "/nonexistent", "--draft", str(DEMO_DRAFT)], "model folder /nonexistent does not exist"),
+    (["eval", "--target", str(DEMO_TARGET), "--draft", str(DEMO_TARGET.parent)], "has no config.json"),
+    (["eval", "--target", str(DEMO_TARGET), "--draft", str(EAGLE3_HEAD)], "was trained for a different target"),
+    (["export", "--target", str(DEMO_TARGET), "--draft", "/nonexistent", "--out", "/tmp/x"], "does not exist"),
+    (["features", "--target", "/nonexistent", "--out", "/tmp/x", "--stdlib"], "does not exist"),
+])
+def test_train_commands_refuse_missing_folders_in_one_line(args, message):
+    result = run(train_cli.main, args)
+    assert result.exit_code == 2 and message in result.output, result.output
