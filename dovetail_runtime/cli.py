@@ -435,6 +435,9 @@ def warn_ignored_options(one_shot_run: bool, mode: str) -> None:
                f"only {applies} to one-shot runs (--prompt/--prompt-file): ignored while serving (clients send "
                "their own)")
         log.warning("%s %s", ", ".join(ignored), why)
+    greedy = greedy_sampling_warning(click.get_current_context().params["temperature"]) if one_shot_run else None
+    if greedy:
+        log.warning("%s", greedy)
     if mode != "ar":
         return
     if one_shot_run and options_given(("compare_ar",)):
@@ -443,6 +446,15 @@ def warn_ignored_options(one_shot_run: bool, mode: str) -> None:
     unused = options_given(DRAFT_ONLY)
     if unused:
         log.warning("%s: no draft runs with --mode ar (the target decodes alone): ignored", ", ".join(unused))
+
+
+def greedy_sampling_warning(temperature: float) -> str | None:
+    """--seed/--sample-top-k/--top-p shape sampling; at --temperature 0 (greedy) they do nothing."""
+    unused = options_given(("sample_top_k", "top_p", "seed")) if temperature == 0 else []
+    if not unused:
+        return None
+    return (f"{', '.join(unused)}: no sampling at --temperature 0 (greedy decoding): ignored; give a --temperature "
+            "above 0 to sample")
 
 
 def runtime_settings(options: RunOptions, target: str, draft: str | None) -> RuntimeSettings:
@@ -702,6 +714,9 @@ def client_main(**values: Any) -> None:
 
     options = client_options(values)
     connect, request = options.connect, options.request
+    greedy = greedy_sampling_warning(options.sampling.temperature)
+    if greedy:
+        click.echo(f"warning: {greedy}", err=True)
     messages = chat_messages(request.prompt, request.chat, request.system, request.messages_file)
     try:
         key = resolve_api_key(connect.api_key_file, connect.api_key)

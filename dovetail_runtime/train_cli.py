@@ -230,8 +230,11 @@ def run_features(settings: FeatureSettings) -> None:
     # The target in bf16 for bf16 features, else in fp32 (no int8 here: features are the target's own).
     dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
     model = load_decoder(target_dir, dtype, spec=spec).to(settings.device)
-    manifest = extract_features(model, windows, settings.out_dir, config, dtype=settings.dtype,
-                                shard_tokens=settings.shard_tokens, overwrite=settings.overwrite, aux_layers=aux)
+    try:
+        manifest = extract_features(model, windows, settings.out_dir, config, dtype=settings.dtype,
+                                    shard_tokens=settings.shard_tokens, overwrite=settings.overwrite, aux_layers=aux)
+    except ValueError as error:  # --out holds features made with other settings
+        raise click.UsageError(str(error)) from None
     click.echo(f"{manifest['tokens']:,} tokens in {manifest['windows']:,} windows from {len(files):,} files "
                f"({manifest['loss_tokens']:,} with loss), {len(manifest['shards'])} shards; "
                f"disk use {human_bytes(folder_bytes(settings.out_dir))} in {settings.out_dir}")
@@ -317,8 +320,11 @@ def train(**options: Any) -> None:
     if settings.device != "cpu":
         raise click.UsageError("--device cuda is for the eagle3 recipes")
     config = config_from(TrainConfig, settings)
-    summary = run_training(settings.target, settings.train_dir, settings.out_dir, config,
-                           heldout_dir=settings.heldout_dir, resume=not settings.restart)
+    try:
+        summary = run_training(settings.target, settings.train_dir, settings.out_dir, config,
+                               heldout_dir=settings.heldout_dir, resume=not settings.restart)
+    except ValueError as error:  # --out's train_state.pt has other settings (as the eagle3 recipes say)
+        raise click.UsageError(str(error)) from None
     click.echo(f"{summary['steps']} steps in {summary['seconds']:.0f} s on {summary['train_tokens']:,} tokens; "
                f"head written to {settings.out_dir}")
 

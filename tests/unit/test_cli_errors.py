@@ -214,3 +214,38 @@ def test_train_on_a_folder_that_holds_no_features_says_so(tmp_path):
 def test_train_commands_refuse_missing_folders_in_one_line(args, message):
     result = run(train_cli.main, args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_sampling_options_at_temperature_0_are_named(caplog, tmp_path):
+    assert "--top-p, --seed: no sampling at --temperature 0" in warnings_for(
+        ["--prompt", "x", "--top-p", "0.9", "--seed", "3"], True, "dovetail", caplog)
+    assert warnings_for(["--prompt", "x", "--temperature", "0.7", "--seed", "3"], True, "dovetail", caplog) == ""
+    result = CliRunner().invoke(cli.client_main, ["--connect", f"ipc://{tmp_path}/none.sock", "--prompt", "x",
+                                                  "--sample-top-k", "5"])
+    assert result.exit_code == 1 and "warning: --sample-top-k: no sampling at --temperature 0" in result.output
+
+
+def feature_args(tmp_path, window: int) -> list[str]:
+    text = tmp_path / "corpus.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20)
+    return ["features", "--target", str(DEMO_TARGET), "--out", str(tmp_path / "features"), "--input", str(text),
+            "--window", str(window), "--max-tokens", "64", "--dtype", "fp32"]
+
+
+def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
+    assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
+    result = run(train_cli.main, feature_args(tmp_path, 16))
+    assert result.exit_code == 2 and "was written with different settings" in result.output
+
+
+def test_training_over_a_state_with_other_settings_is_refused_in_one_line(tmp_path, monkeypatch):
+    from gpu_worker.train import trainer
+
+    def other_settings(*_args, **_kwargs):
+        raise ValueError("out/train_state.pt was written with other settings; use another --out or --restart")
+
+    monkeypatch.setattr(trainer, "train", other_settings)
+    (tmp_path / "manifest.json").write_text(json.dumps({"complete": True, "shards": []}))
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(tmp_path),
+                                  "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "use another --out or --restart" in result.output
