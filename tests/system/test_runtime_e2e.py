@@ -74,6 +74,18 @@ def test_mode_ar_runs_without_a_draft(demo_target, reference_ids):
         assert line["token_ids"] == reference_ids[line["prompt"]]
 
 
+def test_one_shot_stdout_is_the_completion_alone(demo_target, demo_draft):
+    """stdout pipes: each completion and a newline, the text --json gives; the stats lines on stderr."""
+    common = ("--target", str(demo_target), "--draft", str(demo_draft), "--prompt", TEST_PROMPTS[0], "--prompt",
+              TEST_PROMPTS[2], "--max-new-tokens", "16", "--log-level", "warning")
+    plain, as_json = dovetail_run(*common, "--compare-ar"), dovetail_run(*common, "--json")
+    assert plain.returncode == 0 and as_json.returncode == 0, plain.stderr[-3000:] + as_json.stderr[-3000:]
+    texts = [json.loads(line)["text"] for line in as_json.stdout.splitlines()]
+    assert plain.stdout == "".join(text + "\n" for text in texts)
+    assert plain.stderr.count("[dovetail: ") == 2 and plain.stderr.count("[ar: ") == 2
+    assert plain.stderr.count("same tokens: yes]") == 2
+
+
 def test_bad_flags_and_inputs_are_refused_clearly(tmp_path, demo_target, demo_random_head):
     done = dovetail_run("--target", str(demo_target), "--draft", str(demo_random_head), "--cpu-cores", "3-1",
                         "--prompt", "x")
