@@ -372,7 +372,7 @@ def run_main(**values: Any) -> None:
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
     (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
     """
-    from .preflight import PreflightError, check_settings, check_target, shared_cores_warning
+    from .preflight import PreflightError, check_chat_template, check_settings, check_target, shared_cores_warning
 
     options = run_options(values)
     logging.basicConfig(level=getattr(logging, options.log_level.upper()), stream=sys.stderr,
@@ -399,6 +399,8 @@ def run_main(**values: Any) -> None:
     settings = runtime_settings(options, target, draft)
     try:
         check_settings(settings)  # before anything loads
+        if one_shot.chat and all_prompts:
+            check_chat_template(target)
     except PreflightError as error:
         log.error("%s", error)
         sys.exit(2)

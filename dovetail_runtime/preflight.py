@@ -126,6 +126,19 @@ def head_mismatches(head: dict[str, Any], eagle3: bool, target: dict[str, Any]) 
     return found
 
 
+def check_chat_template(target: str) -> None:
+    """--chat needs the target's chat template: said before the models load, not per prompt after."""
+    from .chat_template import ChatTemplate
+
+    try:
+        folder = resolve_model_dir(target)
+    except ModelLoadError:
+        return  # named by the coordinator
+    problem = ChatTemplate.from_dir(folder, {}).problem
+    if problem:
+        raise PreflightError(f"--chat: {problem} (leave out --chat)")
+
+
 def cuda_device_count() -> int | None:
     """CUDA devices this process may use, as far as can be told without torch; None: unknown."""
     if os.path.exists("/dev/dxg") or os.path.exists("/dev/kfd"):

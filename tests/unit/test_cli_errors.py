@@ -249,3 +249,15 @@ def test_training_over_a_state_with_other_settings_is_refused_in_one_line(tmp_pa
     result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(tmp_path),
                                   "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "use another --out or --restart" in result.output
+
+
+def test_chat_with_a_model_without_a_chat_template_is_refused_before_loading(tmp_path, caplog):
+    from dovetail_runtime.preflight import check_chat_template
+
+    with pytest.raises(PreflightError, match="--chat: .* has no chat template"):
+        check_chat_template(str(DEMO_TARGET))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    check_chat_template(str(tmp_path))
+    result = run(cli.run_main, ["--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--chat", "--prompt", "hi"])
+    assert result.exit_code == 2 and "has no chat template" in caplog.text
