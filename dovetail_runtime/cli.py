@@ -402,7 +402,9 @@ def run_main(**values: Any) -> None:
         if one_shot.chat and all_prompts:
             check_chat_template(target)
     except PreflightError as error:
-        log.error("%s", error)
+        stood_in = options.models.target is None and options.models.draft is not None
+        log.error("%s%s", error, f" (no --target was given, so the demo target {target} stood in for the model "
+                  "your --draft was trained for: name that with --target)" if stood_in else "")
         sys.exit(2)
     shared = shared_cores_warning(settings)
     if shared:

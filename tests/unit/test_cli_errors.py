@@ -261,3 +261,12 @@ def test_chat_with_a_model_without_a_chat_template_is_refused_before_loading(tmp
     check_chat_template(str(tmp_path))
     result = run(cli.run_main, ["--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--chat", "--prompt", "hi"])
     assert result.exit_code == 2 and "has no chat template" in caplog.text
+
+
+def test_a_draft_without_its_target_says_the_demo_target_stood_in(monkeypatch, caplog):
+    monkeypatch.setattr(cli, "real_pair_present", lambda: True)
+    monkeypatch.setattr(cli, "SMOLLM2_GGUF", DEMO_TARGET)  # the demo target that stands in
+    monkeypatch.setattr(cli, "SMOLLM2_DRAFT", DEMO_DRAFT)
+    result = run(cli.run_main, ["--draft", str(EAGLE3_HEAD), "--prompt", "x"])
+    assert result.exit_code == 2 and "was trained for a different target" in caplog.text
+    assert f"no --target was given, so the demo target {DEMO_TARGET} stood in" in caplog.text
