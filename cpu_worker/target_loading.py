@@ -10,11 +10,11 @@ from torch import nn
 
 from cpu_worker.kernels.block_quant import BlockQuantLinear
 from cpu_worker.kernels.huge_pages import release_freed_memory
+from cpu_worker.kernels.progress import progress_bar
 from cpu_worker.model import LlamaDecoder, fuse_projections, load_decoder, load_spec, resolve_model_dir
 from cpu_worker.model.gguf_loading import load_gguf_decoder
 from cpu_worker.model.model_dir import is_gguf
 from cpu_worker.precision import activation_bits, activation_dtype, block_type, head_block_type, is_integer
-from cpu_worker.progress import progress_bar
 
 log = logging.getLogger(__name__)
 

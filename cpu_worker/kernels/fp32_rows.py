@@ -27,8 +27,8 @@ from torch.nn import functional as F
 
 from cpu_worker.kernels.huge_pages import on_huge_pages, release_freed_memory
 from cpu_worker.kernels.linear import LinearKernel
+from cpu_worker.kernels.progress import progress_bar
 from cpu_worker.native import library as native
-from cpu_worker.progress import progress_bar
 from ipc.tree import MAX_TREE_TOKENS
 
 MAX_KERNEL_ROWS = MAX_TREE_TOKENS  # every tree the protocol allows is verified in one call on the kernel

@@ -30,6 +30,7 @@ from gguf.quants import dequantize
 from cpu_worker.kernels.block_quant import BlockQuantLinear, BlockWeights
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from cpu_worker.kernels.progress import progress_bar
 from cpu_worker.model.gguf_file import GGUFError, GGUFFile, TensorInfo
 from cpu_worker.model.gguf_model import (
     NATIVE_TYPES,
@@ -41,7 +42,6 @@ from cpu_worker.model.gguf_model import (
 )
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.loading import LinearMaker, WeightPlacer
-from cpu_worker.progress import progress_bar
 
 log = logging.getLogger(__name__)
 

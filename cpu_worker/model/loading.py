@@ -17,9 +17,9 @@ from torch import nn
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.kernels.linear import is_linear
+from cpu_worker.kernels.progress import progress_bar
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_safetensors_header
-from cpu_worker.progress import progress_bar
 
 _PREFIXES = ("model.",)
 
