@@ -144,6 +144,17 @@ class TargetEngine:
         self.model.layer_loop = NativeLayers.build(self.model)
         return self.kernels
 
+    def sibling(self) -> TargetEngine:
+        """Another sequence on the same model: its own KV cache (empty, committed as it fills), the
+        same kernels, rotary table and settings. Sequences verified together in one forward
+        (``cpu_worker.batched``) are siblings."""
+        twin = object.__new__(TargetEngine)
+        twin.__dict__.update(self.__dict__)
+        spec = self.spec
+        twin.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.max_len, self.kv_dtype)
+        twin.committed = 0
+        return twin
+
     def reset(self) -> None:
         self.committed = 0
 
@@ -184,14 +195,9 @@ class TargetEngine:
     def tree_logits(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the tree; node i at position committed + depth(i), attending to the
         cached prefix, its ancestors and itself. Leaves the tree's KV in the scratch slots."""
-        validate_parents(parents)
-        size = len(tokens)
-        if len(parents) != size:
-            raise ValueError(f"tree has {size} tokens but {len(parents)} parents")
-        depths = tree_depths(parents)
-        self._check_room(size)
+        positions = self.tree_positions(tokens, parents)
         prefix = self.committed
-        positions = torch.as_tensor(depths, dtype=torch.long) + prefix
+        size = len(tokens)
         tokens_tensor = torch.as_tensor(tokens, dtype=torch.long)
         if self.exact_tree:
             features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, None,
@@ -202,6 +208,15 @@ class TargetEngine:
             features, logits = self.model(tokens_tensor, positions, self.cache, self.rotary, prefix, mask,
                                           aux_layers=self.aux_layers)
         return features, logits.float()
+
+    def tree_positions(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Each node's position (committed + its depth), once the tree is checked: well formed, one
+        parent per token, room in the context (ValueError, ContextOverflowError)."""
+        validate_parents(parents)
+        if len(parents) != len(tokens):
+            raise ValueError(f"tree has {len(tokens)} tokens but {len(parents)} parents")
+        self._check_room(len(tokens))
+        return torch.as_tensor(tree_depths(parents), dtype=torch.long) + self.committed
 
     def commit_path(self, accepted_nodes: Sequence[int]) -> None:
         """Keep the KV rows of the accepted path (root first) as the next committed tokens."""
@@ -216,8 +231,14 @@ class TargetEngine:
         accepted sequence. At each node the walk reaches, the target picks its next token
         (argmax without a sampler or when greedy; else ``sampler.pick`` at that position) and
         the walk follows the child carrying it (``accept_path``)."""
-        prefix = self.committed
         features, logits = self.tree_logits(tokens, parents)
+        return self.accept_tree(tokens, parents, features, logits, sampler)
+
+    def accept_tree(self, tokens: Sequence[int], parents: Sequence[int], features: torch.Tensor,
+                    logits: torch.Tensor, sampler: Sampler | None = None) -> VerifyOutcome:
+        """The second half of ``verify``: walk the verified tree (its rows' ``features`` and
+        ``logits``, in the scratch slots) and keep the accepted path."""
+        prefix = self.committed
         if sampler is None or sampler.params.greedy:
             choices = logits.argmax(dim=-1).tolist()
             nodes, bonus = accept_path(tokens, parents, choices.__getitem__)

@@ -32,6 +32,7 @@ from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaDecoder, RMSNorm
 from cpu_worker.native import library as native
 from cpu_worker.native.library import Layer as _Layer
 from cpu_worker.native.library import Linear as _Linear
+from cpu_worker.native.library import Segment as _Segment
 from cpu_worker.native.library import Shape as _Shape
 
 FORCE_VARIABLE = "DOVETAIL_NATIVE_LAYERS"
@@ -119,48 +120,69 @@ class NativeLayers:
         one-sequence fp32 or bf16 cache."""
         rows = x.shape[1]
         kind = paths is not None or (rows == 1 and mask is None)
-        keys, values = cache.keys, cache.values
         return (kind and x.shape[0] == 1 and rows <= self.max_rows and x.dtype == torch.float32
                 and x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
-                and keys.dtype in layer_ops.CACHE_DTYPES and values.dtype == keys.dtype and keys.shape[1] == 1
-                and keys.is_contiguous() and values.is_contiguous())
+                and self.cache_qualifies(cache))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
             paths: TreePaths | None, first: int, end: int) -> torch.Tensor:
         """x [1, S, d] through layers [first, end); returns a new tensor (x is left as it was).
         The rows go to cache slots start.. as ``Attention.forward`` puts them; a tree (``paths``)
         attends as it does there, a decode step to slots [0, start + 1)."""
+        return self.run_segments(x, cos, sin, [(cache, start, paths)], first, end)
+
+    def cache_qualifies(self, cache: KVCache) -> bool:
+        """A contiguous one-sequence fp32 or bf16 cache, as the C loop reads it."""
+        keys, values = cache.keys, cache.values
+        return (keys.dtype in layer_ops.CACHE_DTYPES and values.dtype == keys.dtype and keys.shape[1] == 1
+                and keys.is_contiguous() and values.is_contiguous())
+
+    def run_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     segments: list[tuple[KVCache, int, TreePaths | None]], first: int, end: int) -> torch.Tensor:
+        """``run`` for several sequences' rows in one call (``cpu_worker.batched``): x [1, S, d]
+        holds each segment's rows in order, a segment (cache, start, paths) being one sequence's
+        decode step (paths None, one row) or tree; the linear layers take all rows at once, each
+        segment attends over its own cache. Every cache has the same dtype and length."""
         spec = self._model.spec
         rows = x.shape[1]
         if rows > self.max_rows or not 0 <= first <= end <= len(self._layers):
             raise ValueError(f"{rows} rows through layers [{first}, {end}) of {len(self._layers)} "
                              f"(at most {self.max_rows} rows)")
-        used = start + rows
-        if start < 0 or used > cache.max_len:
-            raise ValueError(f"slots [{start}, {used}) outside a {cache.max_len}-slot cache")
-        if paths is not None and paths.size != rows:
-            raise ValueError(f"{rows} rows for a {paths.size}-node tree")
+        caches = [cache for cache, _, _ in segments]
+        max_len, dtype = caches[0].max_len, caches[0].keys.dtype
+        if any(cache.max_len != max_len or cache.keys.dtype != dtype for cache in caches):
+            raise ValueError("the segments' caches differ in length or dtype")
+        described = (_Segment * len(segments))()
+        counted = 0
+        for index, (cache, start, paths) in enumerate(segments):
+            length = 1 if paths is None else paths.size
+            if start < 0 or start + length > cache.max_len:
+                raise ValueError(f"slots [{start}, {start + length}) outside a {cache.max_len}-slot cache")
+            if paths is not None:
+                shared, extra, extra_start = start, paths.flat, paths.offsets
+            else:
+                shared, extra, extra_start = start + 1, self._no_extra, self._no_extra
+            described[index] = _Segment(length, cache.keys[first].data_ptr(), cache.values[first].data_ptr(), start,
+                                        shared, extra.data_ptr(), extra_start.data_ptr())
+            counted += length
+        if counted != rows:
+            raise ValueError(f"{rows} rows for segments of {counted} (a decode step is one row, a tree its nodes)")
         out = x[0].contiguous().clone()
         if first == end:
             return out.unsqueeze(0)
-        shape = self._shapes.get(cache.max_len)
+        shape = self._shapes.get(max_len)
         if shape is None:
-            shape = self._shapes[cache.max_len] = _Shape(
+            shape = self._shapes[max_len] = _Shape(
                 spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
-                cache.max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
+                max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
         needed = self._library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed)
-        if paths is not None:
-            shared, extra, extra_start = start, paths.flat, paths.offsets
-        else:
-            shared, extra, extra_start = start + 1, self._no_extra, self._no_extra
         cos, sin = cos.contiguous(), sin.contiguous()
         layers = ctypes.byref(self._layers, first * self._layer_size)
         if self._library.dovetail_decoder_layers(
                 out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
-                cache.keys[first].data_ptr(), cache.values[first].data_ptr(), int(cache.keys.dtype == torch.bfloat16),
-                start, shared, extra.data_ptr(), extra_start.data_ptr(), rows, self._scratch.data_ptr(),
+                described, len(segments), int(dtype == torch.bfloat16), rows, self._scratch.data_ptr(),
                 torch.get_num_threads()) != 0:
             raise MemoryError(f"decoder layers: no memory for {rows} rows' scratch")
         return out.unsqueeze(0)

@@ -262,8 +262,12 @@ class FusedProjection:
     def window(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert attention.qkv_proj is not None
-        batch, length, _ = x.shape
-        heads = attention.qkv_proj(x).view(batch, length, -1, attention.head_dim).transpose(1, 2)
+        return self._rotated(attention, attention.qkv_proj(x), cos, sin)
+
+    def _rotated(self, attention: Attention, projected: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, length, _ = projected.shape
+        heads = projected.view(batch, length, -1, attention.head_dim).transpose(1, 2)
         split = attention.num_heads + attention.num_kv_heads
         rotated = apply_rope(heads[:, :split], cos, sin)
         return rotated[:, :attention.num_heads], rotated[:, attention.num_heads:], heads[:, split:]
@@ -271,7 +275,15 @@ class FusedProjection:
     def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    keys: torch.Tensor, values: torch.Tensor,
                    start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _into_slots(self.window(attention, x, cos, sin), keys, values, start)
+        assert attention.qkv_proj is not None
+        return self.from_projected(attention, attention.qkv_proj(x), cos, sin, keys, values, start)
+
+    def from_projected(self, attention: Attention, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor,
+                       start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``into_cache`` of rows whose q/k/v projection ``projected`` [B, S, width] is already
+        done (a batched forward projects several sequences' rows in one call, ``cpu_worker.batched``)."""
+        return _into_slots(self._rotated(attention, projected, cos, sin), keys, values, start)
 
 
 class NativeRopeProjection(FusedProjection):
@@ -281,13 +293,11 @@ class NativeRopeProjection(FusedProjection):
 
     name = "native-rope"
 
-    def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   keys: torch.Tensor, values: torch.Tensor,
-                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert attention.qkv_proj is not None
-        q = layer_ops.rope_qkv(attention.qkv_proj(x), cos, sin, keys, values, start, attention.num_heads,
-                               attention.num_kv_heads)
-        end = start + x.shape[1]
+    def from_projected(self, attention: Attention, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor,
+                       start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = layer_ops.rope_qkv(projected, cos, sin, keys, values, start, attention.num_heads, attention.num_kv_heads)
+        end = start + projected.shape[1]
         return q, keys[:, :, start:end], values[:, :, start:end]
 
 
@@ -300,9 +310,15 @@ class AutoFusedProjection(NativeRopeProjection):
     def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    keys: torch.Tensor, values: torch.Tensor,
                    start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if _native_cache_layer(keys, values) and layer_ops.applies(x):
-            return super().into_cache(attention, x, cos, sin, keys, values, start)
-        return _into_slots(self.window(attention, x, cos, sin), keys, values, start)
+        assert attention.qkv_proj is not None
+        return self.from_projected(attention, attention.qkv_proj(x), cos, sin, keys, values, start)
+
+    def from_projected(self, attention: Attention, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor,
+                       start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _native_cache_layer(keys, values) and layer_ops.applies(projected):
+            return super().from_projected(attention, projected, cos, sin, keys, values, start)
+        return _into_slots(self._rotated(attention, projected, cos, sin), keys, values, start)
 
 
 SEPARATE, FUSED, NATIVE_ROPE, AUTO_FUSED = (SeparateProjection(), FusedProjection(), NativeRopeProjection(),

@@ -13,6 +13,7 @@ int64_t dovetail_abi(dovetail_abi_info *info, int64_t size) {
     info->linear_size = sizeof(dovetail_linear);
     info->layer_size = sizeof(dovetail_layer);
     info->shape_size = sizeof(dovetail_shape);
+    info->segment_size = sizeof(dovetail_segment);
     info->layout_rows = DOVETAIL_LAYOUT_ROWS;
     info->layout_packed = DOVETAIL_LAYOUT_PACKED;
     info->layout_tiles = DOVETAIL_LAYOUT_TILES;

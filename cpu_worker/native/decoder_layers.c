@@ -61,23 +61,29 @@ int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows) {
 }
 
 /* x [rows, hidden]: the residual stream entering layers[0], replaced by the one leaving
- * layers[count - 1]. Rows sit at cache slots start.. (rotated by cos/sin [rows, head_dim]); row r
- * attends to slots [0, shared) then shared + extra[e] for e in extra_start[r] .. extra_start[r + 1]
- * - 1 (dovetail_attention: a decode has shared = start + 1 and no extra slots, a tree shared = start
- * and each node's path). keys/values: the first of these layers' caches [kv_heads, max_len,
- * head_dim] (fp32, or bf16 when bf16 != 0), the next layers' following contiguously. scratch:
- * dovetail_decoder_scratch floats. Returns 0, or DOVETAIL_NO_MEMORY when a kernel could not allocate
- * its scratch. */
+ * layers[count - 1]. The rows are segment_count sequences' (segments[s].rows each, in order; one
+ * for a decode step or a tree, several when sequences are verified together): every linear layer
+ * takes all of them in one call (a row's bits never depend on its call-mates), while each segment
+ * rotates, writes and attends over its own cache. A segment's rows sit at its cache slots start..
+ * (rotated by their rows of cos/sin [rows, head_dim]); its row r attends to slots [0, shared) then
+ * shared + extra[e] for e in extra_start[r] .. extra_start[r + 1] - 1 (dovetail_attention: a decode
+ * has shared = start + 1 and no extra slots, a tree shared = start and each node's path).
+ * keys/values: the segment's cache at the first of these layers [kv_heads, max_len, head_dim]
+ * (fp32, or bf16 when bf16 != 0), the next layers' following contiguously. scratch:
+ * dovetail_decoder_scratch floats. Returns 0, DOVETAIL_BAD_SHAPE when the segments' rows do not add
+ * up to rows, or DOVETAIL_NO_MEMORY when a kernel could not allocate its scratch. */
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
-                            const float *cos, const float *sin, void *keys, void *values, int bf16, int64_t start,
-                            int64_t shared, const int64_t *extra, const int64_t *extra_start, int64_t rows,
-                            float *scratch, int threads) {
+                            const float *cos, const float *sin, const dovetail_segment *segments,
+                            int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads) {
     int64_t hidden = shape->hidden, heads = shape->heads, kv_heads = shape->kv_heads, head_dim = shape->head_dim;
-    int64_t attention = heads * head_dim;
+    int64_t attention = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
+    int64_t total = 0;
+    for (int64_t s = 0; s < segment_count; s++) total += segments[s].rows;
+    if (total != rows || segment_count < 1) return DOVETAIL_BAD_SHAPE;
     float *normed = scratch;                                                  /* [rows, hidden] */
     float *qkv = normed + rows * hidden;                                      /* [rows, (heads + 2 kv) hd] */
-    float *q = qkv + rows * (heads + 2 * kv_heads) * head_dim;                /* [heads, rows, hd] */
-    float *attended = q + rows * attention;                                   /* [heads, rows, hd] */
+    float *q = qkv + rows * qkv_width;                /* per segment [heads, its rows, hd], in order */
+    float *attended = q + rows * attention;           /* the same */
     float *merged = attended + rows * attention;                              /* [rows, heads hd] */
     float *projected = merged + rows * attention;                             /* [rows, hidden] */
     float *gate_up = projected + rows * hidden;                               /* [rows, 2 intermediate] */
@@ -85,18 +91,28 @@ int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t coun
     size_t layer_bytes = (size_t)(kv_heads * shape->max_len * head_dim) * (bf16 ? 2 : 4);
     for (int64_t l = 0; l < count; l++) {
         const dovetail_layer *layer = layers + l;
-        void *layer_keys = (char *)keys + l * layer_bytes, *layer_values = (char *)values + l * layer_bytes;
         dovetail_rms_norm(x, layer->input_norm, normed, rows, hidden, shape->eps, threads);
         if (linear(&layer->qkv, normed, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
-        dovetail_rope_qkv(qkv, cos, sin, q, layer_keys, layer_values, bf16, rows, heads, kv_heads, head_dim,
-                          shape->max_len, start, threads);
-        if (dovetail_attention(q, layer_keys, layer_values, bf16, shape->max_len, shared, extra, extra_start,
-                               attended, rows, heads, kv_heads, head_dim, shape->scale, threads) != 0)
-            return DOVETAIL_NO_MEMORY;
-        for (int64_t h = 0; h < heads; h++) /* [heads, rows, hd] -> [rows, heads * hd], as o_proj reads it */
-            for (int64_t r = 0; r < rows; r++)
-                memcpy(merged + r * attention + h * head_dim, attended + (h * rows + r) * head_dim,
-                       (size_t)head_dim * sizeof(float));
+        int64_t first = 0;
+        for (int64_t s = 0; s < segment_count; s++) {
+            const dovetail_segment *segment = segments + s;
+            int64_t n = segment->rows;
+            void *layer_keys = (char *)segment->keys + l * layer_bytes;
+            void *layer_values = (char *)segment->values + l * layer_bytes;
+            float *segment_q = q + first * attention, *segment_attended = attended + first * attention;
+            dovetail_rope_qkv(qkv + first * qkv_width, cos + first * head_dim, sin + first * head_dim, segment_q,
+                              layer_keys, layer_values, bf16, n, heads, kv_heads, head_dim, shape->max_len,
+                              segment->start, threads);
+            if (dovetail_attention(segment_q, layer_keys, layer_values, bf16, shape->max_len, segment->shared,
+                                   segment->extra, segment->extra_start, segment_attended, n, heads, kv_heads,
+                                   head_dim, shape->scale, threads) != 0)
+                return DOVETAIL_NO_MEMORY;
+            for (int64_t h = 0; h < heads; h++) /* [heads, n, hd] -> [n, heads * hd], as o_proj reads it */
+                for (int64_t r = 0; r < n; r++)
+                    memcpy(merged + (first + r) * attention + h * head_dim,
+                           segment_attended + (h * n + r) * head_dim, (size_t)head_dim * sizeof(float));
+            first += n;
+        }
         if (linear(&layer->o, merged, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
         dovetail_rms_norm(x, layer->post_norm, normed, rows, hidden, shape->eps, threads);

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 5
+#define DOVETAIL_ABI_VERSION 6
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -76,10 +76,19 @@ typedef struct {
     float eps, scale; /* RMSNorm epsilon; attention's 1 / sqrt(head_dim) */
 } dovetail_shape;
 
+/* One sequence's rows in a call of dovetail_decoder_layers: its next `rows` rows (after the
+ * previous segment's), its cache and how each row attends (see dovetail_decoder_layers). */
+typedef struct {
+    int64_t rows;
+    void *keys, *values; /* this sequence's cache at the first layer run [kv_heads, max_len, head_dim] */
+    int64_t start, shared;
+    const int64_t *extra, *extra_start;
+} dovetail_segment;
+
 /* What dovetail_abi reports: the version, the size of every struct above, and every constant. */
 typedef struct {
     int64_t version;
-    int64_t linear_size, layer_size, shape_size;
+    int64_t linear_size, layer_size, shape_size, segment_size;
     int64_t layout_rows, layout_packed, layout_tiles;
     int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block;
     int64_t dtype_fp32, dtype_fp16, dtype_bf16;
@@ -151,8 +160,7 @@ int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, 
 
 int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows);
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
-                            const float *cos, const float *sin, void *keys, void *values, int bf16, int64_t start,
-                            int64_t shared, const int64_t *extra, const int64_t *extra_start, int64_t rows,
-                            float *scratch, int threads);
+                            const float *cos, const float *sin, const dovetail_segment *segments,
+                            int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads);
 
 #endif

@@ -40,7 +40,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default ~/.cache/dovetail/kernels)
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 5
+ABI_VERSION = 6
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK = 0, 1, 2, 3, 4  # a Linear's kind
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2  # a weight's source dtype for the quantizer
@@ -77,7 +77,16 @@ class Shape(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "layout_rows", "layout_packed", "layout_tiles",
+class Segment(ctypes.Structure):
+    """dovetail_segment: one sequence's rows in a dovetail_decoder_layers call."""
+
+    _fields_ = [("rows", ctypes.c_int64), ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("start", ctypes.c_int64), ("shared", ctypes.c_int64), ("extra", ctypes.c_void_p),
+                ("extra_start", ctypes.c_void_p)]
+
+
+_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "layout_rows", "layout_packed",
+               "layout_tiles",
                "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block",
                "dtype_fp32", "dtype_fp16",
                "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
@@ -93,7 +102,8 @@ class AbiInfo(ctypes.Structure):
 def expected_abi() -> dict[str, int]:
     """What dovetail_abi must report for this module's mirror (read at each check: tests swap a mirror)."""
     return {"version": ABI_VERSION, "linear_size": ctypes.sizeof(Linear), "layer_size": ctypes.sizeof(Layer),
-            "shape_size": ctypes.sizeof(Shape), "layout_rows": LAYOUT_ROWS, "layout_packed": LAYOUT_PACKED,
+            "shape_size": ctypes.sizeof(Shape), "segment_size": ctypes.sizeof(Segment), "layout_rows": LAYOUT_ROWS,
+            "layout_packed": LAYOUT_PACKED,
             "layout_tiles": LAYOUT_TILES, "linear_int8": LINEAR_INT8, "linear_fp32": LINEAR_FP32,
             "linear_int8_packed": LINEAR_INT8_PACKED, "linear_int8_tiles": LINEAR_INT8_TILES,
             "linear_block": LINEAR_BLOCK,
@@ -131,7 +141,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_quantize_blocks": ([_P, _P, _P, _P, _I64, _I64, _INT], None),
     "dovetail_block_linear": ([_P, _P, _P, _I64, _INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _INT], _INT),
     "dovetail_decoder_scratch": ([_P, _I64], _I64),
-    "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT], _INT),
+    "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
 }
 
 

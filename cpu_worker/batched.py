@@ -1,0 +1,168 @@
+"""Several sequences' steps in one target forward: decode steps and draft trees of different
+requests share every linear layer's pass over the weights, each row attending only to its own
+sequence's cache.
+
+Why: decoding is memory-bound, so a pass over the weights with a few more rows costs little more
+than with one (docs/performance.md), and several users' steps cost about what one user's step
+costs. It stays exact: the linear layers of an exact engine give a row the same bits whatever
+else shares the call (``kernels.linear.row_invariant_linears``), norms, rotary and the MLP's
+activation are row by row, and each sequence's rows attend in their own call over their own
+cache, as that sequence alone would. So every request gets exactly the tokens it would get
+alone (``tests/unit/test_batched.py``). An engine whose linears are not exact (bf16 on oneDNN)
+runs its steps one by one instead.
+
+The batched pass takes the engine's native layer loop (``native_layers``: every layer in one foreign
+call, each sequence's rows attending over its own cache there) where the model has one, and the
+Python layers otherwise; both give the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cpu_worker.engine import StepOutput, TargetEngine, VerifyOutcome, tree_paths
+from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.model.llama import Attention, DecoderLayer, FusedProjection, LlamaDecoder
+from cpu_worker.native_layers import NativeLayers
+from cpu_worker.sampling import Sampler
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's part of a batched forward: a decode step (``parents`` None: one token,
+    appended to the sequence) or a draft tree to verify (``parents`` as ``TargetEngine.verify``
+    takes them; ``sampler`` picks at its nodes, greedy when None)."""
+
+    engine: TargetEngine
+    tokens: Sequence[int]
+    parents: Sequence[int] | None = None
+    sampler: Sampler | None = None
+
+    def check(self) -> torch.Tensor:
+        """The rows' positions, once the step is checked to fit its sequence (ValueError,
+        ``ContextOverflowError``: nothing has been written yet)."""
+        engine = self.engine
+        if self.parents is None:
+            if len(self.tokens) != 1:
+                raise ValueError(f"a decode step takes one token, got {len(self.tokens)}")
+            engine._check_room(1)
+            return torch.tensor([engine.committed])
+        return engine.tree_positions(self.tokens, self.parents)
+
+
+def can_batch(steps: Sequence[SequenceStep]) -> bool:
+    """Whether these steps may share one forward and keep their bits: distinct sequences of one
+    model, on exact trees (every linear row-invariant, exact attention)."""
+    engines = [step.engine for step in steps]
+    model = engines[0].model
+    return (len({id(engine) for engine in engines}) == len(engines)
+            and all(engine.model is model and engine.exact_tree for engine in engines)
+            and all(engine.aux_layers == engines[0].aux_layers for engine in engines))
+
+
+def run_steps(steps: Sequence[SequenceStep]) -> list[StepOutput | VerifyOutcome]:
+    """Every step, in one forward where ``can_batch`` allows (else one by one): a decode step's
+    ``StepOutput`` (its sequence one token longer) or a tree's ``VerifyOutcome`` (its accepted
+    path kept), in the steps' order. Every step is checked first (``SequenceStep.check``): one that
+    does not fit its sequence raises before anything is computed or written; a caller that wants
+    to run the others checks each itself and leaves it out."""
+    positions = [step.check() for step in steps]
+    if len(steps) <= 1 or not can_batch(steps):
+        return [_run_alone(step) for step in steps]
+    features, logits = _forward(steps, positions)
+    results: list[StepOutput | VerifyOutcome] = []
+    row = 0
+    for step in steps:
+        end = row + len(step.tokens)
+        engine = step.engine
+        if step.parents is None:
+            engine.committed += 1
+            results.append(StepOutput(features=features[row:end], logits=logits[row]))
+        else:
+            results.append(engine.accept_tree(step.tokens, step.parents, features[row:end], logits[row:end],
+                                              step.sampler))
+        row = end
+    return results
+
+
+def _run_alone(step: SequenceStep) -> StepOutput | VerifyOutcome:
+    if step.parents is None:
+        return step.engine.decode(int(step.tokens[0]))
+    return step.engine.verify(step.tokens, step.parents, step.sampler)
+
+
+@torch.inference_mode()
+def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """features [N, feature_size] and fp32 logits [N, vocab] for every step's rows, in order."""
+    lead = steps[0].engine
+    model: LlamaDecoder = lead.model
+    tokens = torch.as_tensor([int(token) for step in steps for token in step.tokens], dtype=torch.long)
+    cos, sin = lead.rotary.lookup(torch.cat(list(positions)))
+    bounds: list[tuple[int, int]] = []
+    row = 0
+    for step in steps:
+        bounds.append((row, row + len(step.tokens)))
+        row += len(step.tokens)
+    trees = [None if step.parents is None else TreePaths.from_paths(tree_paths(step.parents)) for step in steps]
+    aux_layers = lead.aux_layers or ()
+    x = model.embed_tokens(tokens).unsqueeze(0)
+    streams: list[torch.Tensor] = []
+    loop = model.layer_loop
+    if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps):
+        # As LlamaDecoder.forward: the layers between aux layers in one foreign call each.
+        segments = [(step.engine.cache, step.engine.committed, paths) for step, paths in zip(steps, trees, strict=True)]
+        first = 0
+        for cut in [*aux_layers, len(model.layers)]:
+            x = loop.run_segments(x, cos, sin, segments, first, cut)
+            if cut < len(model.layers):
+                streams.append(x)
+            first = cut
+    else:
+        for index, layer in enumerate(model.layers):
+            assert isinstance(layer, DecoderLayer)  # a target's layers are
+            if index in aux_layers:
+                streams.append(x)
+            # DecoderLayer.forward's two residual steps, the attention split by sequence.
+            attended = _attend(layer.self_attn, layer.input_layernorm(x), cos, sin, steps, bounds, trees, index)
+            x = x + layer.self_attn.o_proj(attended)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+    features = model.norm(x)[0]
+    logits = model.lm_head(features)
+    if aux_layers:
+        features = torch.cat(streams, dim=-1)[0]
+    return features, logits.float()
+
+
+def _loop_applies(loop: NativeLayers, x: torch.Tensor, steps: Sequence[SequenceStep]) -> bool:
+    caches = [step.engine.cache for step in steps]
+    return (x.shape[1] <= loop.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
+            and all(loop.cache_qualifies(cache) for cache in caches)
+            and len({(cache.max_len, cache.keys.dtype) for cache in caches}) == 1)
+
+
+def _attend(attention: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            steps: Sequence[SequenceStep], bounds: Sequence[tuple[int, int]], trees: Sequence[TreePaths | None],
+            layer: int) -> torch.Tensor:
+    """``Attention.forward`` up to its output projection, for every sequence's rows of ``h``
+    [1, N, d]: one q/k/v projection over all of them, then each sequence's rotary, cache write and
+    attention over its own cache; [1, N, heads * head_dim]."""
+    projection = attention.projection
+    fused = attention.qkv_proj
+    projected = fused(h) if fused is not None and isinstance(projection, FusedProjection) else None
+    pieces = []
+    for step, (begin, end), paths in zip(steps, bounds, trees, strict=True):
+        cache, start = step.engine.cache, step.engine.committed
+        keys, values = cache.keys[layer], cache.values[layer]
+        rows_cos, rows_sin = cos[begin:end], sin[begin:end]
+        if projected is not None:
+            assert isinstance(projection, FusedProjection)
+            q, k, v = projection.from_projected(attention, projected[:, begin:end], rows_cos, rows_sin, keys,
+                                                values, start)
+        else:
+            q, k, v = projection.into_cache(attention, h[:, begin:end], rows_cos, rows_sin, keys, values, start)
+        out = attention.kernel.attend(q, k, v, keys, values, start, None, paths, attention.gqa)
+        pieces.append(out.to(h.dtype).transpose(1, 2).reshape(1, end - begin, -1))
+    return torch.cat(pieces, dim=1)

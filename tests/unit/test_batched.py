@@ -1,0 +1,131 @@
+"""Several sequences in one target forward (cpu_worker/batched.py): each sequence gets exactly the
+bits it gets alone (decode steps, draft trees, sampled trees, EAGLE-3 feature rows), at every exact
+precision and cache dtype; a step that does not fit is refused before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_worker.batched import SequenceStep, can_batch, run_steps
+from cpu_worker.engine import ContextOverflowError, StepOutput, TargetEngine, VerifyOutcome
+from cpu_worker.native_layers import NativeLayers
+from cpu_worker.sampling import Sampler
+from cpu_worker.server import build_engine
+from ipc import messages as m
+
+PROMPTS = [[5, 17, 230, 41, 9, 300, 77, 12], [8, 150, 33], [64, 2, 99, 101, 102, 7, 7, 7, 7, 1, 250],
+           [400, 12]]
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 5]
+
+
+def tree_for(sequence: int, cycle: int, vocab: int) -> list[int]:
+    return [(40 + 13 * sequence + 7 * cycle + node * 3) % vocab for node in range(len(TREE_PARENTS))]
+
+
+def solo_run(engine: TargetEngine, prompt: list[int], sequence: int, cycles: int,
+             sampler_seed: int | None) -> list[torch.Tensor]:
+    """A prefill, then per cycle a decode step and a tree verified, one sequence alone."""
+    vocab = engine.spec.vocab_size
+    sampler = None if sampler_seed is None else Sampler(m.Sampling(temperature=0.9, seed=sampler_seed))
+    step = engine.prefill(prompt)
+    outputs: list[torch.Tensor] = []
+    token = int(step.logits.argmax())
+    for cycle in range(cycles):
+        step = engine.decode(token)
+        outputs += [step.features, step.logits]
+        outcome = engine.verify(tree_for(sequence, cycle, vocab), TREE_PARENTS, sampler)
+        outputs += [outcome.features, outcome.logits, torch.tensor(outcome.tokens)]
+        token = outcome.tokens[-1]
+    return outputs
+
+
+def batched_run(engines: list[TargetEngine], cycles: int, sampler_seeds: list[int | None]) -> list[list[torch.Tensor]]:
+    """The same per sequence, every sequence's decode steps in one forward and their trees in another
+    (after each sequence's own prefill)."""
+    vocab = engines[0].spec.vocab_size
+    samplers = [None if seed is None else Sampler(m.Sampling(temperature=0.9, seed=seed)) for seed in sampler_seeds]
+    tokens = [int(engine.prefill(prompt).logits.argmax()) for engine, prompt in zip(engines, PROMPTS, strict=False)]
+    outputs: list[list[torch.Tensor]] = [[] for _ in engines]
+    for cycle in range(cycles):
+        decoded = run_steps([SequenceStep(engine, [token]) for engine, token in zip(engines, tokens, strict=True)])
+        for index, result in enumerate(decoded):
+            assert isinstance(result, StepOutput)
+            outputs[index] += [result.features, result.logits]
+        verified = run_steps([SequenceStep(engine, tree_for(index, cycle, vocab), TREE_PARENTS, samplers[index])
+                              for index, engine in enumerate(engines)])
+        for index, result in enumerate(verified):
+            assert isinstance(result, VerifyOutcome)
+            outputs[index] += [result.features, result.logits, torch.tensor(result.tokens)]
+            tokens[index] = result.tokens[-1]
+    return outputs
+
+
+def assert_same_bits(left: list[torch.Tensor], right: list[torch.Tensor]) -> None:
+    assert len(left) == len(right)
+    for a, b in zip(left, right, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b), (a - b).abs().max() if a.is_floating_point() else (a, b)
+
+
+@pytest.mark.parametrize(("precision", "kv_dtype"), [("fp32", "fp32"), ("int8", "bf16"), ("q4_0", "fp32"),
+                                                     ("q4_1-a16", "bf16"), ("int8-row", "fp32")])
+@pytest.mark.parametrize("batched_layers", ["native", "python"])
+def test_each_sequence_gets_its_solo_bits(demo_target, precision, kv_dtype, batched_layers):
+    """Solo runs on the engine's own path (the native loop); the batched ones on the native loop's
+    segments or on the Python layers."""
+    engine, _ = build_engine(str(demo_target), precision, 128, kv_dtype)
+    assert engine.exact_tree
+    loop = engine.model.layer_loop
+    assert isinstance(loop, NativeLayers)
+    cycles, seeds = 3, [None, 11, None, 12]
+    expected = [solo_run(engine.sibling(), prompt, index, cycles, seeds[index]) for index, prompt in enumerate(PROMPTS)]
+    engines = [engine.sibling() for _ in PROMPTS]
+    assert can_batch([SequenceStep(one, [1]) for one in engines])
+    calls = []
+    if batched_layers == "python":
+        engine.model.layer_loop = None
+    else:
+        original = loop.run_segments
+        loop.run_segments = lambda x, cos, sin, segments, *args: calls.append(len(segments)) or original(  # type: ignore[method-assign]
+            x, cos, sin, segments, *args)
+    for solo, together in zip(expected, batched_run(engines, cycles, seeds), strict=True):
+        assert_same_bits(solo, together)
+    if batched_layers == "native":  # 4 prefills of one segment, then 2 batched forwards of 4 per cycle
+        assert calls.count(len(PROMPTS)) == 2 * cycles
+
+
+def test_eagle3_feature_rows_are_each_sequences_own(demo_target):
+    engine, _ = build_engine(str(demo_target), "int8", 128, "fp32", aux_layers=[0, 1, 2])
+    expected = [solo_run(engine.sibling(), prompt, index, 2, None) for index, prompt in enumerate(PROMPTS[:3])]
+    together = batched_run([engine.sibling() for _ in PROMPTS[:3]], 2, [None] * 3)
+    assert together[0][0].shape[-1] == 3 * engine.spec.hidden_size
+    for solo, mine in zip(expected, together, strict=True):
+        assert_same_bits(solo, mine)
+
+
+def test_a_lone_sequence_and_a_repeated_one_run_alone(demo_target):
+    engine, _ = build_engine(str(demo_target), "int8", 64, "fp32")
+    one, two = engine.sibling(), engine.sibling()
+    assert not can_batch([SequenceStep(one, [1]), SequenceStep(one, [2])])  # one cache cannot take both
+    assert can_batch([SequenceStep(one, [1]), SequenceStep(two, [2])])
+    one.prefill([3, 4, 5])
+    two.prefill([3, 4, 5])
+    (alone,) = run_steps([SequenceStep(one, [6])])
+    assert isinstance(alone, StepOutput) and one.committed == 4
+    assert torch.equal(alone.logits, two.decode(6).logits)
+
+
+def test_a_step_that_does_not_fit_is_refused_before_anything_runs(demo_target):
+    engine, _ = build_engine(str(demo_target), "int8", 16, "fp32")
+    full, other = engine.sibling(), engine.sibling()
+    full.prefill(list(range(1, 13)))
+    other.prefill([1, 2, 3])
+    steps = [SequenceStep(other, [4]), SequenceStep(full, [5, 6, 7, 8, 9], [-1, 0, 1, 2, 3])]
+    with pytest.raises(ContextOverflowError):
+        steps[1].check()
+    with pytest.raises(ContextOverflowError):
+        run_steps(steps)
+    assert (full.committed, other.committed) == (12, 3)
+    with pytest.raises(ValueError, match="one token"):
+        SequenceStep(other, [4, 5]).check()
