@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
-from cpu_worker.engine import ContextOverflowError, TargetEngine
+from cpu_worker.batched import SequenceStep, run_steps
+from cpu_worker.engine import ContextOverflowError, StepOutput, TargetEngine, VerifyOutcome
 from cpu_worker.kernels import block_quant, int8_kernel
 from cpu_worker.kernels.fp32_packed import pack_fp32_linears
 from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
@@ -34,82 +36,149 @@ from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Sequence:
+    engine: TargetEngine  # its own KV cache on the shared model
+    sampler: Sampler
+    logprobs: int | None  # alternatives per token; None: off
+
+
 class TargetService:
-    """One sequence at a time: requests for any other sequence are refused."""
+    """Up to ``max_sequences`` sequences at once, each with its own KV cache on the one model
+    (``TargetEngine.sibling``); a StepBatch verifies several of them in one forward. A prefill of
+    a new sequence beyond that many ends the longest-held one (the coordinator releases each
+    sequence when it ends: this only keeps a worker's memory bounded)."""
 
     def __init__(self, engine: TargetEngine, cycle_ring: ShmRing, prefill_ring: ShmRing,
-                 cost_key: str | None = None):
-        self.engine = engine
+                 cost_key: str | None = None, max_sequences: int = 1):
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        self.engine = engine  # the first sequence's, and the one cost measurements run on
+        self.max_sequences = max_sequences
         self.cost_key = cost_key  # what the verify-cost cache files this target's timings under
         # The cached t_verify(T), kept up to date by the verifications this worker runs.
         self.curve = OnlineCurve(VerifyCostCache(), cost_key) if cost_key else None
         self.cycle_ring = cycle_ring
         self.prefill_ring = prefill_ring
-        self.seq_id: int | None = None
-        self.sampler: Sampler | None = None
-        self.logprobs: int | None = None  # the active sequence's alternatives per token; None: off
+        self.sequences: dict[int, _Sequence] = {}  # in the order they were prefilled
+        self._spare: list[TargetEngine] = [engine]  # caches no sequence holds, reused before new ones
 
-    def _active_sampler(self, seq_id: int) -> Sampler:
-        if seq_id != self.seq_id or self.sampler is None:
-            raise SequenceError(f"sequence {seq_id} is not active (active: {self.seq_id})")
-        return self.sampler
+    def _sequence(self, seq_id: int) -> _Sequence:
+        sequence = self.sequences.get(seq_id)
+        if sequence is None:
+            raise SequenceError(f"sequence {seq_id} is not active (active: {sorted(self.sequences) or 'none'})")
+        return sequence
+
+    def _end(self, seq_id: int) -> None:
+        sequence = self.sequences.pop(seq_id, None)
+        if sequence is not None:
+            sequence.engine.reset()
+            self._spare.append(sequence.engine)
+
+    def _end_all(self) -> None:
+        for seq_id in list(self.sequences):
+            self._end(seq_id)
 
     def prefill(self, request: m.PrefillRequest) -> m.PrefillResult:
         started = time.perf_counter()
-        self.seq_id = None
+        self._end(request.seq_id)
+        while len(self.sequences) >= self.max_sequences:
+            oldest = next(iter(self.sequences))
+            log.warning("sequence %d ended to make room for sequence %d (at most %d at once)", oldest,
+                        request.seq_id, self.max_sequences)
+            self._end(oldest)
+        engine = self._spare.pop() if self._spare else self.engine.sibling()
         sampler = Sampler(request.sampling)
         try:
-            step = self.engine.prefill(request.token_ids)
+            step = engine.prefill(request.token_ids)
         except (ContextOverflowError, ValueError) as error:
+            engine.reset()
+            self._spare.append(engine)
             raise SequenceError(str(error)) from None
-        self.seq_id = request.seq_id
-        self.sampler = sampler
-        self.logprobs = request.logprobs
+        sequence = self.sequences[request.seq_id] = _Sequence(engine, sampler, request.logprobs)
         features = self.prefill_ring.write(step.features) if request.return_features else None
         # The new token's position is the prompt's length.
         token = sampler.pick(step.logits, len(request.token_ids))
         return m.PrefillResult(seq_id=request.seq_id, token=token, features=features,
                                compute_ms=(time.perf_counter() - started) * 1e3,
-                               logprob=self._logprob(step.logits, token))
-
-    def _logprob(self, logits: torch.Tensor, token: int) -> m.TokenLogprob | None:
-        return None if self.logprobs is None else token_logprob(logits, token, self.logprobs)
+                               logprob=_logprob(sequence, step.logits, token))
 
     def verify(self, request: m.VerifyRequest) -> m.VerifyResult:
-        sampler = self._active_sampler(request.seq_id)
+        sequence = self._sequence(request.seq_id)
         started = time.perf_counter()
         try:
-            outcome = self.engine.verify(request.tokens, request.parents, sampler)
+            outcome = sequence.engine.verify(request.tokens, request.parents, sequence.sampler)
         except (ContextOverflowError, ValueError) as error:
             raise SequenceError(str(error)) from None
-        features = self.cycle_ring.write(outcome.features)
         compute_ms = (time.perf_counter() - started) * 1e3
         if self.curve is not None:
             self.curve.observe(len(request.tokens), compute_ms)
+        return self._verify_result(request, sequence, outcome, compute_ms)
+
+    def _verify_result(self, request: m.VerifyRequest, sequence: _Sequence, outcome: VerifyOutcome,
+                       compute_ms: float) -> m.VerifyResult:
+        features = self.cycle_ring.write(outcome.features)
         # Accepted token i was picked from the logits of the i-th node on the path (root first).
-        logprobs = ([] if self.logprobs is None else
-                    path_logprobs(outcome.logits, outcome.accepted_nodes, outcome.tokens, self.logprobs))
+        logprobs = ([] if sequence.logprobs is None else
+                    path_logprobs(outcome.logits, outcome.accepted_nodes, outcome.tokens, sequence.logprobs))
         return m.VerifyResult(seq_id=request.seq_id, accepted_tokens=outcome.tokens, features=features,
                               compute_ms=compute_ms, logprobs=logprobs)
 
     def decode(self, request: m.DecodeRequest) -> m.DecodeResult:
-        sampler = self._active_sampler(request.seq_id)
+        sequence = self._sequence(request.seq_id)
         started = time.perf_counter()
         try:
-            step = self.engine.decode(request.token)
+            step = sequence.engine.decode(request.token)
         except ContextOverflowError as error:
             raise SequenceError(str(error)) from None
-        token = sampler.pick(step.logits, self.engine.committed)
         compute_ms = (time.perf_counter() - started) * 1e3
         if self.curve is not None:
             self.curve.observe(1, compute_ms)  # a decode step is the one-node tree
+        return self._decode_result(request, sequence, step, compute_ms)
+
+    def _decode_result(self, request: m.DecodeRequest, sequence: _Sequence, step: StepOutput,
+                       compute_ms: float) -> m.DecodeResult:
+        token = sequence.sampler.pick(step.logits, sequence.engine.committed)
         return m.DecodeResult(seq_id=request.seq_id, token=token, compute_ms=compute_ms,
-                              logprob=self._logprob(step.logits, token))
+                              logprob=_logprob(sequence, step.logits, token))
+
+    def step_batch(self, request: m.StepBatch) -> m.StepBatchResult:
+        """Every item's decode step or tree in one forward (``cpu_worker.batched``); an item that
+        names no active sequence, repeats one, or does not fit its context gets a WorkerError and
+        the others run."""
+        results: list[m.DecodeResult | m.VerifyResult | m.WorkerError | None] = [None] * len(request.items)
+        steps: list[SequenceStep] = []
+        taken: list[tuple[int, _Sequence]] = []
+        for index, item in enumerate(request.items):
+            try:
+                sequence = self._sequence(item.seq_id)
+                if any(item.seq_id == request.items[other].seq_id for other, _ in taken):
+                    raise SequenceError(f"sequence {item.seq_id} appears twice in one batch")
+                step = (SequenceStep(sequence.engine, [item.token]) if isinstance(item, m.DecodeRequest) else
+                        SequenceStep(sequence.engine, item.tokens, item.parents, sequence.sampler))
+                step.check()
+            except (SequenceError, ValueError) as error:  # ContextOverflowError is a ValueError
+                results[index] = m.WorkerError(worker="cpu_worker", message=str(error), seq_id=item.seq_id)
+                continue
+            steps.append(step)
+            taken.append((index, sequence))
+        started = time.perf_counter()
+        outcomes = run_steps(steps)
+        compute_ms = (time.perf_counter() - started) * 1e3
+        if self.curve is not None and steps:
+            self.curve.observe(sum(len(step.tokens) for step in steps), compute_ms)
+        for (index, sequence), outcome in zip(taken, outcomes, strict=True):
+            item = request.items[index]
+            if isinstance(item, m.DecodeRequest):
+                assert isinstance(outcome, StepOutput)
+                results[index] = self._decode_result(item, sequence, outcome, compute_ms)
+            else:
+                assert isinstance(outcome, VerifyOutcome)
+                results[index] = self._verify_result(item, sequence, outcome, compute_ms)
+        return m.StepBatchResult(items=[result for result in results if result is not None], compute_ms=compute_ms)
 
     def release(self, request: m.ReleaseSequence) -> None:
-        if request.seq_id == self.seq_id:
-            self.seq_id = None
-            self.engine.reset()
+        self._end(request.seq_id)
         if self.curve is not None:
             self.curve.save()  # between requests (off the cycle's path): the next start plans with today's costs
 
@@ -120,7 +189,7 @@ class TargetService:
         if cached is not None:
             return m.VerifyCost(tree_sizes=request.tree_sizes, ms=cached, cached=True, cache_path=str(cache.path))
         log.info("measuring tree verification for T in %s (cached afterwards in %s)", request.tree_sizes, cache.path)
-        self.seq_id = None
+        self._end_all()
         try:
             ms = measure_verify_ms(self.engine, request.tree_sizes)
         except ValueError as error:
@@ -132,8 +201,12 @@ class TargetService:
 
     def handlers(self) -> Handlers:
         return {m.PrefillRequest: self.prefill, m.VerifyRequest: self.verify,
-                m.DecodeRequest: self.decode, m.ReleaseSequence: self.release,
+                m.DecodeRequest: self.decode, m.StepBatch: self.step_batch, m.ReleaseSequence: self.release,
                 m.MeasureVerifyCost: self.measure_verify_cost}
+
+
+def _logprob(sequence: _Sequence, logits: torch.Tensor, token: int) -> m.TokenLogprob | None:
+    return None if sequence.logprobs is None else token_logprob(logits, token, sequence.logprobs)
 
 
 FP32_KERNEL_VARIABLE = "DOVETAIL_FP32_KERNEL"  # auto (default), dovetail or mkl: force one, for comparisons
@@ -199,7 +272,8 @@ def load_service(settings: m.TargetSettings) -> tuple[m.TargetInfo, Handlers]:
     cost_precision = verify_cost_label(precision, kernel)
     service = TargetService(engine, ShmRing.attach(settings.rings.cycle), ShmRing.attach(settings.rings.prefill),
                             cost_key=cache_key(settings.target, f"{cost_precision}/kv-{kv_name}",
-                                               placement.intra_op_threads, placement.cores))
+                                               placement.intra_op_threads, placement.cores),
+                            max_sequences=settings.max_sequences)
     info = m.TargetInfo(threads=placement.intra_op_threads, cores=placement.cores, max_len=engine.max_len,
                         hidden_size=engine.spec.hidden_size, vocab_size=engine.spec.vocab_size, dtype=precision,
                         weight_bytes=weight_bytes(engine.model), kv_cache_bytes=engine.cache.nbytes,

@@ -1,9 +1,14 @@
 """One request's decoding loop, driven by the coordinator over the two workers.
 
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... ; ar mode: prefill ->
-decode -> decode ... on the cpu_worker alone. Tokens go to ``emit`` as soon as they are
-accepted, with their log-probabilities when the job asks for them (else an empty list);
-``emit`` returns True to stop (a stop string, a client that went away).
+decode -> decode ... on the cpu_worker alone. Each loop is a generator (``ar_steps``,
+``dovetail_steps``) that yields its next worker request (a ``Call``) and is sent the reply, so
+one driver runs it alone (``run_alone``: ``generate_ar``, ``generate_dovetail``) and another
+runs many side by side, their calls merged into batches (``dovetail_runtime.batching``).
+
+Tokens go to ``emit`` as soon as they are accepted, with their log-probabilities when the job
+asks for them (else an empty list); ``emit`` returns True to stop (a stop string, a client that
+went away).
 
 Both modes count the context the same way (``Context``): a sequence of ``length`` tokens
 has ``length - 1`` of them in the KV cache (the last emitted one is not cached yet), and a
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
@@ -122,15 +127,36 @@ class Budget:
         return self.finish_reason is not None
 
 
-def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]:
+@dataclass(frozen=True)
+class Call:
+    """A loop's next request: to the cpu_worker (``"cpu"``) or the gpu_worker, and the reply it expects."""
+
+    worker: Literal["cpu", "gpu"]
+    message: m.Message
+    expect: type[m.Message]
+
+
+# Yields Calls, is sent each one's reply, returns how the request ended.
+Steps = Generator[Call, m.Message, tuple[FinishReason, Stats]]
+
+
+def _reply(reply: m.Message, expect: type[R]) -> R:
+    if not isinstance(reply, expect):
+        raise TypeError(f"expected {expect.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+def ar_steps(job: Job, emit: Emit) -> Steps:
     seq_id, context = job.seq_id, Context(job.max_len)
     stats = Stats()
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     started = time.perf_counter()
     try:
         context.check_prompt(job.prompt_ids)
-        result = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=job.prompt_ids, sampling=job.sampling,
-                                              return_features=False, logprobs=job.logprobs), m.PrefillResult)
+        result = _reply((yield Call("cpu", m.PrefillRequest(seq_id=seq_id, token_ids=job.prompt_ids,
+                                                              sampling=job.sampling, return_features=False,
+                                                              logprobs=job.logprobs), m.PrefillResult)),
+                        m.PrefillResult)
         stats.prefill_ms = result.compute_ms
         token, logprob = result.token, result.logprob
         length = len(job.prompt_ids) + 1
@@ -138,7 +164,8 @@ def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]
             if context.room(length) < 1:
                 budget.finish_reason = "length"
                 break
-            step = cpu.request(m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)
+            step = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
+                          m.DecodeResult)
             stats.verify_ms += step.compute_ms
             stats.cycles += 1
             stats.cycle_tokens += 1
@@ -146,12 +173,10 @@ def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]
             length += 1
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
-        cpu.send(m.ReleaseSequence(seq_id=seq_id))
     return budget.finish_reason or "stop", stats
 
 
-def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | ShapePlanner,
-                      emit: Emit) -> tuple[FinishReason, Stats]:
+def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit) -> Steps:
     """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
@@ -160,8 +185,9 @@ def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | Shap
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
-        prefill = cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids, sampling=job.sampling,
-                                               logprobs=job.logprobs), m.PrefillResult)
+        prefill = _reply((yield Call("cpu", m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids,
+                                                               sampling=job.sampling, logprobs=job.logprobs),
+                                     m.PrefillResult)), m.PrefillResult)
         stats.prefill_ms = prefill.compute_ms
         if prefill.features is None:
             raise RuntimeError("the cpu_worker returned no prompt features")
@@ -179,11 +205,13 @@ def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | Shap
                 break
             shape = planner.shape().fitted(room)
             cycle_started = time.perf_counter()
-            draft = gpu.request(m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
-                                               shape=shape, reset=reset), m.DraftResult)
+            draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
+                                                               shape=shape, reset=reset), m.DraftResult)),
+                           m.DraftResult)
             reset = False
-            verified = cpu.request(m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens, parents=draft.parents),
-                                   m.VerifyResult)
+            verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens,
+                                                                   parents=draft.parents), m.VerifyResult)),
+                              m.VerifyResult)
             accepted = verified.accepted_tokens
             planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
                             (time.perf_counter() - cycle_started) * 1e3)
@@ -200,6 +228,37 @@ def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | Shap
                 break
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
-        cpu.send(m.ReleaseSequence(seq_id=seq_id))
-        gpu.send(m.ReleaseSequence(seq_id=seq_id))
     return budget.finish_reason or "stop", stats
+
+
+def run_alone(steps: Steps, cpu: Worker, gpu: Worker | None) -> tuple[FinishReason, Stats]:
+    """Run one loop to its end, each call a request of its own; a worker's failure propagates
+    (the loop is closed first, so its stats are final)."""
+    try:
+        call = next(steps)
+        while True:
+            worker = cpu if call.worker == "cpu" else gpu
+            if worker is None:
+                raise RuntimeError("a draft step without a gpu_worker")
+            call = steps.send(worker.request(call.message, call.expect))
+    except StopIteration as stop:
+        return stop.value
+    finally:
+        steps.close()
+
+
+def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]:
+    try:
+        return run_alone(ar_steps(job, emit), cpu, None)
+    finally:
+        cpu.send(m.ReleaseSequence(seq_id=job.seq_id))
+
+
+def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | ShapePlanner,
+                      emit: Emit) -> tuple[FinishReason, Stats]:
+    """Speculative decoding, one request alone; ``tree``: a fixed shape, or a planner that picks each cycle's."""
+    try:
+        return run_alone(dovetail_steps(job, tree, emit), cpu, gpu)
+    finally:
+        cpu.send(m.ReleaseSequence(seq_id=job.seq_id))
+        gpu.send(m.ReleaseSequence(seq_id=job.seq_id))

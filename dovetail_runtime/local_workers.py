@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from dovetail_runtime.workers import WorkerRequestError
 from ipc import messages as m
 from ipc.codec import decode, encode
-from ipc.shm_ring import ShmRing, slot_bytes_for
+from ipc.shm_ring import ShmRing, cycle_slots, slot_bytes_for
 from ipc.tree import TreeShape
 from ipc.worker_loop import Handlers, handle
 
@@ -48,20 +48,22 @@ class LocalWorker:
 
 
 @contextlib.contextmanager
-def local_workers(engine: TargetEngine, drafter: Drafter | None = None,
-                  largest_tree: TreeShape = TreeShape()) -> Iterator[tuple[LocalWorker, LocalWorker | None]]:
+def local_workers(engine: TargetEngine, drafter: Drafter | None = None, largest_tree: TreeShape = TreeShape(),
+                  max_sequences: int = 1) -> Iterator[tuple[LocalWorker, LocalWorker | None]]:
     """(cpu, gpu) local workers over an in-process TargetEngine and Drafter, with rings sized as
-    the coordinator sizes them (for trees up to ``largest_tree`` and the engine's context)."""
+    the coordinator sizes them (for trees up to ``largest_tree``, the engine's context and
+    ``max_sequences`` sequences at once)."""
     from cpu_worker.server import TargetService
     from gpu_worker.server import DraftService
 
     width = engine.feature_size  # 3 x hidden for an EAGLE-3 head's target rows
-    cycle = ShmRing.create(slot_bytes_for(largest_tree.feature_rows, width, "float32"), 4)
+    cycle = ShmRing.create(slot_bytes_for(largest_tree.feature_rows, width, "float32"), cycle_slots(max_sequences))
     prefill = ShmRing.create(slot_bytes_for(engine.max_len, width, "float32"), 1)
     try:
-        cpu = LocalWorker("cpu_worker", TargetService(engine, cycle, prefill).handlers())
+        cpu = LocalWorker("cpu_worker", TargetService(engine, cycle, prefill, max_sequences=max_sequences).handlers())
         gpu = None if drafter is None else LocalWorker(
-            "gpu_worker", DraftService(drafter, {cycle.name: cycle, prefill.name: prefill}).handlers())
+            "gpu_worker", DraftService(drafter, {cycle.name: cycle, prefill.name: prefill},
+                                       max_sequences=max_sequences).handlers())
         yield cpu, gpu
     finally:
         cycle.close()

@@ -111,6 +111,17 @@ class Drafter:
         self.rotary = RotaryTable(spec, total, self.dtype, self.device)
         self.reset()
 
+    def sibling(self) -> Drafter:
+        """Another sequence on the same head: its own KV cache (empty), the same head, rotary
+        table and settings (the gpu_worker holds one per active sequence)."""
+        twin = object.__new__(Drafter)
+        twin.__dict__.update(self.__dict__)
+        spec = self.head.spec
+        twin.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.max_len + self.scratch_len,
+                             self.dtype, self.device)
+        twin.reset()
+        return twin
+
     @classmethod
     def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path | None = None, max_len: int = 2048,
                         device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,

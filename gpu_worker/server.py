@@ -27,32 +27,73 @@ log = logging.getLogger(__name__)
 
 
 class DraftService:
-    def __init__(self, drafter: Drafter, rings: dict[str, ShmRing], cost_key: str | None = None):
-        self.drafter = drafter
+    """Up to ``max_sequences`` sequences' draft caches at once (``Drafter.sibling``), as the
+    cpu_worker holds their targets; a reset draft of a new sequence beyond that many ends the
+    longest-held one."""
+
+    def __init__(self, drafter: Drafter, rings: dict[str, ShmRing], cost_key: str | None = None,
+                 max_sequences: int = 1):
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        self.drafter = drafter  # the first sequence's, and the one cost measurements run on
+        self.max_sequences = max_sequences
         self.rings = rings  # by segment name: a RingRef names the ring it points into
-        self.seq_id: int | None = None
+        self.sequences: dict[int, Drafter] = {}  # in the order they started
+        self._spare: list[Drafter] = [drafter]
         self.cost_key = cost_key  # what the draft-cost cache files this head's timings under (per beam)
         self.cost_cache = DraftCostCache()
         # t_draft(depth) per beam the planner asked for, kept current by the draft steps run here.
         self.curves: dict[int, OnlineCurve] = {}
 
+    def _end(self, seq_id: int) -> None:
+        drafter = self.sequences.pop(seq_id, None)
+        if drafter is not None:
+            drafter.reset()
+            self._spare.append(drafter)
+
+    def _drafter(self, request: m.DraftRequest) -> Drafter:
+        if not request.reset:
+            drafter = self.sequences.get(request.seq_id)
+            if drafter is None:
+                raise SequenceError(f"sequence {request.seq_id} is not active "
+                                    f"(active: {sorted(self.sequences) or 'none'})")
+            return drafter
+        self._end(request.seq_id)
+        while len(self.sequences) >= self.max_sequences:
+            oldest = next(iter(self.sequences))
+            log.warning("draft of sequence %d ended to make room for sequence %d (at most %d at once)", oldest,
+                        request.seq_id, self.max_sequences)
+            self._end(oldest)
+        drafter = self._spare.pop() if self._spare else self.drafter.sibling()
+        self.sequences[request.seq_id] = drafter
+        return drafter
+
     def draft(self, request: m.DraftRequest) -> m.DraftResult:
         started = time.perf_counter()
-        if request.reset:
-            self.drafter.reset()
-            self.seq_id = request.seq_id
-        elif request.seq_id != self.seq_id:
-            raise SequenceError(f"sequence {request.seq_id} is not active (active: {self.seq_id})")
-        features = get_block(request.features, self.rings, device=self.drafter.device)
+        drafter = self._drafter(request)
+        features = get_block(request.features, self.rings, device=drafter.device)
         try:
-            self.drafter.extend(features, request.tokens)
-            tree = self.drafter.propose(request.shape)
+            drafter.extend(features, request.tokens)
+            tree = drafter.propose(request.shape)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
         compute_ms = (time.perf_counter() - started) * 1e3
         self._observe(request, compute_ms)
         return m.DraftResult(seq_id=request.seq_id, tokens=tree.tokens.tolist(), parents=tree.parents.tolist(),
                              compute_ms=compute_ms)
+
+    def draft_batch(self, request: m.DraftBatch) -> m.DraftBatchResult:
+        """Each item's draft step, one after another (a failed item gets a WorkerError, the others run)."""
+        started = time.perf_counter()
+        results: list[m.DraftResult | m.WorkerError] = []
+        for item in request.items:
+            try:
+                if any(item.seq_id == done.seq_id for done in results):
+                    raise SequenceError(f"sequence {item.seq_id} appears twice in one batch")
+                results.append(self.draft(item))
+            except SequenceError as error:
+                results.append(m.WorkerError(worker="gpu_worker", message=str(error), seq_id=item.seq_id))
+        return m.DraftBatchResult(items=results, compute_ms=(time.perf_counter() - started) * 1e3)
 
     def _observe(self, request: m.DraftRequest, compute_ms: float) -> None:
         """A cycle's draft step into its beam's curve; not a sequence's first (it absorbs the whole prompt)."""
@@ -61,9 +102,7 @@ class DraftService:
             curve.observe(request.shape.depth, compute_ms)
 
     def release(self, request: m.ReleaseSequence) -> None:
-        if request.seq_id == self.seq_id:
-            self.seq_id = None
-            self.drafter.reset()
+        self._end(request.seq_id)
         for curve in self.curves.values():
             curve.save()  # between requests (off the cycle's path): the next start plans with today's costs
 
@@ -82,14 +121,15 @@ class DraftService:
                            cache_path=str(cache.path) if key else "")
 
     def _measure(self, request: m.MeasureDraftCost) -> list[float]:
-        self.seq_id = None
+        for seq_id in list(self.sequences):
+            self._end(seq_id)
         try:
             return measure_draft_ms(self.drafter, request.depths, request.top_k)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
 
     def handlers(self) -> Handlers:
-        return {m.DraftRequest: self.draft, m.ReleaseSequence: self.release,
+        return {m.DraftRequest: self.draft, m.DraftBatch: self.draft_batch, m.ReleaseSequence: self.release,
                 m.MeasureDraftCost: self.measure_draft_cost}
 
 
@@ -113,7 +153,8 @@ def load_service(settings: m.DraftSettings) -> tuple[m.DraftInfo, Handlers]:
     int8 = drafter.head.int8_fusion is not None or not isinstance(drafter.head.lm_head, torch.nn.Linear)
     cost_key = draft_cost_key(drafter, settings.draft, settings.target, "int8" if int8 else activations,
                               placement.intra_op_threads, placement.cores)
-    service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill}, cost_key=cost_key)
+    service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill}, cost_key=cost_key,
+                           max_sequences=settings.max_sequences)
     info = m.DraftInfo(device=str(drafter.device), dtype="int8" if int8 else activations,
                        threads=placement.intra_op_threads, cores=placement.cores,
                        layers=drafter.head.spec.num_layers, ring_pinned=pinned, scratch_len=drafter.scratch_len,

@@ -324,6 +324,36 @@ class DraftResult(Message):
     compute_ms: Millis = 0.0
 
 
+# --- several sequences at once (``--max-batch``) ------------------------------------------
+
+MAX_BATCH = 64  # sequences a worker holds at once, and items in one batch message
+
+
+class StepBatch(Message):
+    """cpu_worker: several sequences' decode steps and trees, verified in one target forward
+    (``cpu_worker.batched``); each gets exactly the result it would get alone."""
+
+    items: Annotated[list[DecodeRequest | VerifyRequest], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class StepBatchResult(Message):
+    """One result per item, in order; a WorkerError for an item that failed (the others ran)."""
+
+    items: Annotated[list[DecodeResult | VerifyResult | WorkerError], Meta(max_length=MAX_BATCH)]
+    compute_ms: Millis = 0.0  # the whole batch's
+
+
+class DraftBatch(Message):
+    """gpu_worker: several sequences' draft steps."""
+
+    items: Annotated[list[DraftRequest], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class DraftBatchResult(Message):
+    items: Annotated[list[DraftResult | WorkerError], Meta(max_length=MAX_BATCH)]
+    compute_ms: Millis = 0.0
+
+
 # --- cost measurements (the tree planner's inputs, asked once at startup) ----------------
 
 TreeSizes = Annotated[list[Annotated[int, Meta(ge=1, le=MAX_TREE_TOKENS)]], Meta(min_length=1, max_length=64)]
@@ -385,6 +415,7 @@ class WorkerSettings(Nested, frozen=True, kw_only=True):
     rings: RingNames
     threads: Annotated[int, Meta(ge=1, le=65536)] | None = None
     cores: Cores | None = None
+    max_sequences: Annotated[int, Meta(ge=1, le=MAX_BATCH)] = 1  # sequences held at once (--max-batch)
 
 
 class TargetSettings(WorkerSettings, frozen=True, kw_only=True):
@@ -474,12 +505,13 @@ class Shutdown(Message):
 
 CLIENT_TO_COORDINATOR: tuple[type[Message], ...] = (GenerateRequest, Cancel, Ping, MetricsRequest)
 COORDINATOR_TO_CLIENT: tuple[type[Message], ...] = (TokenChunk, GenerateDone, ErrorReply, Pong, MetricsReply)
-TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, ReleaseSequence,
+TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, StepBatch, ReleaseSequence,
                                             MeasureVerifyCost, Shutdown, Ping)
-FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, VerifyResult, DecodeResult, VerifyCost, Ready,
-                                              WorkerError, Pong)
-TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, ReleaseSequence, MeasureDraftCost, Shutdown, Ping)
-FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, DraftCost, Ready, WorkerError, Pong)
+FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, VerifyResult, DecodeResult, StepBatchResult, VerifyCost,
+                                              Ready, WorkerError, Pong)
+TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, DraftBatch, ReleaseSequence, MeasureDraftCost, Shutdown,
+                                            Ping)
+FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, DraftBatchResult, DraftCost, Ready, WorkerError, Pong)
 ALL_MESSAGES: tuple[type[Message], ...] = tuple(dict.fromkeys(
     CLIENT_TO_COORDINATOR + COORDINATOR_TO_CLIENT + TO_CPU_WORKER + FROM_CPU_WORKER + TO_GPU_WORKER
     + FROM_GPU_WORKER))

@@ -100,6 +100,12 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def cycle_slots(max_sequences: int) -> int:
+    """Slots of the cycle ring: a verification's feature rows stay in theirs until the draft
+    reads them, and a batch of ``max_sequences`` writes that many before any is read."""
+    return max(4, 2 * max_sequences)
+
+
 def slot_bytes_for(rows: int, cols: int, dtype: str = "float16") -> int:
     """Payload bytes of a [rows, cols] block."""
     return rows * cols * DTYPES[dtype][1]

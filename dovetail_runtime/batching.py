@@ -1,0 +1,142 @@
+"""Many requests' decoding loops side by side (``--max-batch``).
+
+Each loop (``generation.ar_steps``, ``dovetail_steps``) yields its next worker call. A round
+takes every loop's pending call: the draft steps go to the gpu_worker as one DraftBatch, then
+the decode steps and trees to the cpu_worker as one StepBatch, which the target verifies in one
+forward (``cpu_worker.batched``), each sequence getting exactly the result it would get alone.
+On a memory-bound CPU that pass costs little more than one sequence's, so N streams run at
+nearly N times the tokens per second of one.
+
+A new sequence's prefill runs on its own, at most one per round: its prompt's feature rows wait
+in the prefill ring's single slot until its first draft reads them, in the next round. So a new
+prompt delays the running streams by one prefill.
+
+A call that fails for one sequence (a WorkerError item) ends that stream alone; a worker that
+dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream (``abort``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ipc import messages as m
+
+from .generation import Call, FinishReason, Stats, Steps, Worker
+from .workers import WorkerRequestError
+
+Outcome = tuple[FinishReason, Stats] | BaseException
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's loop in the batch: its pending call, or once it has ended its outcome
+    (how it finished, or the exception that ended it)."""
+
+    seq_id: int
+    steps: Steps
+    uses_gpu: bool
+    call: Call | None = None
+    outcome: Outcome | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+
+class Batcher:
+    def __init__(self, cpu: Worker, gpu: Worker | None):
+        self.cpu = cpu
+        self.gpu = gpu
+        self.streams: list[Stream] = []
+
+    def add(self, seq_id: int, steps: Steps, uses_gpu: bool) -> Stream:
+        """Start a loop; it takes part from the next round (or has already ended: a prompt
+        that cannot fit raises before its first call)."""
+        stream = Stream(seq_id, steps, uses_gpu)
+        self._advance(stream, None)
+        if not stream.done:
+            self.streams.append(stream)
+        return stream
+
+    def round(self) -> list[Stream]:
+        """One round (see the module doc); returns the streams that ended in it. A worker's
+        death (``WorkerFailed``) propagates: call ``abort``."""
+        drafts = [stream for stream in self.streams if stream.call is not None and stream.call.worker == "gpu"]
+        if drafts:
+            if self.gpu is None:
+                raise RuntimeError("a draft step without a gpu_worker")
+            self._dispatch(self.gpu, drafts, m.DraftBatch, m.DraftBatchResult)
+        waiting = [(stream, stream.call) for stream in self.streams if stream.call is not None]
+        prefills = [stream for stream, call in waiting if isinstance(call.message, m.PrefillRequest)]
+        steps = [stream for stream, call in waiting
+                 if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest)]
+        if steps:
+            self._dispatch(self.cpu, steps, m.StepBatch, m.StepBatchResult)
+        if prefills:
+            self._call(self.cpu, prefills[0])
+        ended = [stream for stream in self.streams if stream.done]
+        self.streams = [stream for stream in self.streams if not stream.done]
+        return ended
+
+    def abort(self, error: BaseException) -> list[Stream]:
+        """End every running stream with ``error`` (a worker died: its sequences are gone)."""
+        ended = self.streams
+        self.streams = []
+        for stream in ended:
+            stream.steps.close()
+            stream.call = None
+            stream.outcome = error
+        return ended
+
+    def _dispatch(self, worker: Worker, streams: Sequence[Stream], batch: type[m.StepBatch] | type[m.DraftBatch],
+                  result: type[m.StepBatchResult] | type[m.DraftBatchResult]) -> None:
+        """The streams' calls to one worker: a lone call as itself, several as one batch."""
+        if len(streams) == 1:
+            self._call(worker, streams[0])
+            return
+        calls = [stream.call for stream in streams]
+        items = [call.message for call in calls if call is not None]
+        replies = worker.request(batch(items=items), result)  # type: ignore[arg-type]
+        if len(replies.items) != len(streams):
+            raise WorkerRequestError(f"{len(replies.items)} results for a batch of {len(streams)}")
+        for stream, call, item in zip(streams, calls, replies.items, strict=True):
+            assert call is not None
+            if isinstance(item, m.WorkerError):
+                self._advance(stream, None, WorkerRequestError(f"{item.worker}: {item.message}"))
+            elif not isinstance(item, call.expect) or getattr(item, "seq_id", None) != stream.seq_id:
+                self._advance(stream, None, WorkerRequestError(
+                    f"a batch answered {type(item).__name__} for sequence {stream.seq_id}'s {call.expect.__name__}"))
+            else:
+                self._advance(stream, item)
+
+    def _call(self, worker: Worker, stream: Stream) -> None:
+        call = stream.call
+        assert call is not None
+        try:
+            reply = worker.request(call.message, call.expect)
+        except WorkerRequestError as error:
+            self._advance(stream, None, error)
+            return
+        self._advance(stream, reply)
+
+    def _advance(self, stream: Stream, reply: m.Message | None, error: BaseException | None = None) -> None:
+        """Send the loop its reply (or throw the error into it) and take its next call; a loop that
+        returns or raises has ended, and its sequence is released on both workers."""
+        try:
+            if error is not None:
+                stream.call = stream.steps.throw(error)
+            elif stream.call is None:
+                stream.call = next(stream.steps)
+            else:
+                assert reply is not None
+                stream.call = stream.steps.send(reply)
+            return
+        except StopIteration as stop:
+            stream.outcome = stop.value
+        except Exception as raised:  # the loop's own end: a worker's error, a prompt that cannot fit
+            stream.outcome = raised
+        stream.call = None
+        self.cpu.send(m.ReleaseSequence(seq_id=stream.seq_id))
+        if stream.uses_gpu and self.gpu is not None:
+            self.gpu.send(m.ReleaseSequence(seq_id=stream.seq_id))

@@ -1,0 +1,149 @@
+"""Many requests side by side (dovetail_runtime/batching.py) over in-process workers: every stream
+(dovetail or ar, greedy or seeded sampling, with logprobs) gets exactly the tokens and logprobs it
+gets alone; a stream that fails or stops early changes nobody else's; the calls really are merged
+into batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cpu_worker.server import build_engine
+from dovetail_runtime.batching import Batcher, Stream
+from dovetail_runtime.generation import Job, ar_steps, dovetail_steps, run_alone
+from dovetail_runtime.local_workers import LocalWorker, local_workers
+from dovetail_runtime.workers import WorkerRequestError
+from gpu_worker.drafter import Drafter
+from ipc import messages as m
+from ipc.tree import TreeShape
+
+DEMO = Path(__file__).resolve().parents[2] / "demo"
+SHAPE = TreeShape.clamped(8, 4, 4)
+PROMPTS = [[1, 500, 600, 700, 42], [1, 9, 10], [1, 300, 301, 302, 303, 304, 305], [1, 77],
+           [1, 42, 42, 42], [1, 800, 12], [1, 5, 6, 7, 8, 9], [1, 1000]]
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    engine, _ = build_engine(str(DEMO / "target-code-9m"), "int8", 256)
+    drafter = Drafter.from_pretrained(DEMO / "draft-dgf", DEMO / "target-code-9m", max_len=256, device="cpu")
+    return engine, drafter
+
+
+def job(index: int, max_new_tokens: int = 20) -> tuple[Job, bool]:
+    """Request ``index``: even ones dovetail, odd ones ar; every third sampled with a seed; logprobs on some."""
+    sampling = m.Sampling(temperature=0.8, top_k=20, seed=index) if index % 3 == 2 else m.Sampling()
+    return (Job(seq_id=100 + index, prompt_ids=PROMPTS[index], max_new_tokens=max_new_tokens, sampling=sampling,
+                eos_token_ids=frozenset(), max_len=256, logprobs=2 if index % 4 == 1 else None), index % 2 == 0)
+
+
+class Recorder:
+    def __init__(self, stop_after: int | None = None):
+        self.tokens: list[int] = []
+        self.logprobs: list[m.TokenLogprob] = []
+        self.stop_after = stop_after
+
+    def __call__(self, new: list[int], new_logprobs: list[m.TokenLogprob]) -> bool:
+        self.tokens.extend(new)
+        self.logprobs.extend(new_logprobs)
+        return self.stop_after is not None and len(self.tokens) >= self.stop_after
+
+
+def steps_for(index: int, recorder: Recorder):
+    request, dovetail = job(index)
+    return dovetail_steps(request, SHAPE, recorder) if dovetail else ar_steps(request, recorder)
+
+
+class Counting(LocalWorker):
+    """A local worker that counts the messages it is sent, by type."""
+
+    def __init__(self, inner: LocalWorker):
+        super().__init__(inner.name, inner.handlers)
+        self.counts: dict[str, int] = {}
+
+    def request(self, message, expect):
+        self.counts[type(message).__name__] = self.counts.get(type(message).__name__, 0) + 1
+        return super().request(message, expect)
+
+
+def run_batched(engine, drafter, indices: list[int], recorders: dict[int, Recorder]):
+    with local_workers(engine, drafter, SHAPE, max_sequences=8) as (cpu, gpu):
+        cpu, gpu = Counting(cpu), Counting(gpu)
+        batcher = Batcher(cpu, gpu)
+        streams: dict[int, Stream] = {}
+        pending = list(indices)
+        while pending or batcher.streams:
+            if pending:  # one joins per round: new requests arrive while others run
+                index = pending.pop(0)
+                streams[index] = batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]),
+                                             uses_gpu=job(index)[1])
+            batcher.round()
+    return streams, cpu.counts, gpu.counts
+
+
+def test_every_stream_gets_its_solo_tokens_and_logprobs(demo_pair):
+    engine, drafter = demo_pair
+    solo: dict[int, Recorder] = {}
+    for index in range(8):
+        solo[index] = Recorder()
+        with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+            run_alone(steps_for(index, solo[index]), cpu, gpu)
+    together = {index: Recorder() for index in range(8)}
+    streams, cpu_counts, gpu_counts = run_batched(engine, drafter, list(range(8)), together)
+    for index in range(8):
+        assert together[index].tokens == solo[index].tokens and len(solo[index].tokens) == 20, index
+        assert together[index].logprobs == solo[index].logprobs, index
+        finish, stats = streams[index].outcome
+        assert finish == "length" and stats.new_tokens == 20
+    # Merged: far fewer worker round trips than the streams' steps, and batches on both workers.
+    assert cpu_counts["StepBatch"] >= 10 and gpu_counts["DraftBatch"] >= 5
+    assert cpu_counts["PrefillRequest"] == 8
+    assert sum(cpu_counts.values()) < sum(streams[index].outcome[1].cycles for index in range(8))
+
+
+def test_a_failing_or_stopping_stream_changes_nobody_else(demo_pair):
+    engine, drafter = demo_pair
+    expected = {}
+    for index in (0, 1, 2):
+        expected[index] = Recorder()
+        with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+            run_alone(steps_for(index, expected[index]), cpu, gpu)
+    with local_workers(engine, drafter, SHAPE, max_sequences=8) as (cpu, gpu):
+        batcher = Batcher(cpu, gpu)
+        recorders = {index: Recorder() for index in (0, 1, 2)}
+        stopper = Recorder(stop_after=3)
+        too_long = Job(seq_id=7, prompt_ids=[1] * 300, max_new_tokens=5, sampling=m.Sampling(),
+                       eos_token_ids=frozenset(), max_len=256)
+        refused = batcher.add(7, ar_steps(too_long, Recorder()), uses_gpu=False)
+        assert refused.done and isinstance(refused.outcome, ValueError)  # PromptTooLong, before any call
+        streams = {index: batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]), job(index)[1])
+                   for index in (0, 1, 2)}
+        stopping = batcher.add(job(3)[0].seq_id, dovetail_steps(job(3)[0], SHAPE, stopper), uses_gpu=True)
+        batcher.round()
+        batcher.round()
+        # A sequence the cpu_worker no longer holds: its next step fails alone.
+        doomed_job = Job(seq_id=9, prompt_ids=[1, 2, 3], max_new_tokens=30, sampling=m.Sampling(),
+                         eos_token_ids=frozenset(), max_len=256)
+        doomed = batcher.add(9, ar_steps(doomed_job, Recorder()), uses_gpu=False)
+        while isinstance(doomed.call.message, m.PrefillRequest):  # one prefill per round, in turn
+            batcher.round()
+        cpu.send(m.ReleaseSequence(seq_id=9))
+        while batcher.streams:
+            batcher.round()
+    assert isinstance(doomed.outcome, WorkerRequestError) and "not active" in str(doomed.outcome)
+    assert stopping.outcome[0] == "stop" and 3 <= len(stopper.tokens) < 20
+    for index in (0, 1, 2):
+        assert recorders[index].tokens == expected[index].tokens and streams[index].outcome[0] == "length"
+
+
+def test_abort_ends_every_stream(demo_pair):
+    engine, drafter = demo_pair
+    with local_workers(engine, drafter, SHAPE, max_sequences=8) as (cpu, gpu):
+        batcher = Batcher(cpu, gpu)
+        first = batcher.add(1, steps_for(0, Recorder()), True)
+        second = batcher.add(2, steps_for(1, Recorder()), False)
+        batcher.round()
+        error = RuntimeError("the cpu_worker died")
+        assert batcher.abort(error) == [first, second] and batcher.streams == []
+        assert first.outcome is error and second.outcome is error
