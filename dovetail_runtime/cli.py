@@ -48,6 +48,10 @@ if TYPE_CHECKING:
     from .serving import ServeLimits
 
 log = logging.getLogger("dovetail")
+# Requests a server runs at once by default: on a 2-core machine 4 sequences' decode steps cost
+# 1.7-2.8x one sequence's (docs/performance.md), so 4 streams share each pass over the weights.
+DEFAULT_MAX_BATCH = 4
+
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 FIXED_DEPTH = 6  # --depth's default with a fixed --tree-tokens
@@ -355,6 +359,10 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "nothing is measured (--mode ar, a fixed --tree-tokens) and while measuring]")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3,
               help="Worker restarts allowed in ten minutes; one more and the server answers every request and exits.")
+@click.option("--max-batch", type=click.IntRange(min=1, max=64), default=DEFAULT_MAX_BATCH, show_default=True,
+              help="Serving: requests that run at once. Each cycle their trees (or decode steps) are verified in one "
+                   "pass of the target, each request getting exactly the tokens it would get alone; the others wait "
+                   "in the queue. 1: one request at a time.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64,
               help="Serving: requests that may wait in all; beyond it a request is refused at once with 'busy'.")
 @click.option("--max-queue-per-client", type=click.IntRange(min=1), default=16,
@@ -418,7 +426,8 @@ def run_main(**values: Any) -> None:
 # Options only one-shot runs read, and options only serving reads (click's parameter names).
 ONE_SHOT_ONLY = ("as_json", "compare_ar", "chat", "stops", "max_new_tokens", "temperature", "sample_top_k", "top_p",
                  "seed")
-SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout")
+SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout",
+                "max_batch")
 DRAFT_ONLY = ("draft", "draft_device", "draft_dtype", "draft_threads", "draft_cores", "tree_tokens", "depth",
               "tree_top_k")
 
@@ -462,10 +471,12 @@ def greedy_sampling_warning(temperature: float) -> str | None:
 
 
 def runtime_settings(options: RunOptions, target: str, draft: str | None) -> RuntimeSettings:
-    """What the coordinator runs, from the options and the resolved model folders."""
+    """What the coordinator runs, from the options and the resolved model folders (one-shot runs
+    take their prompts one at a time)."""
     from .coordinator import RuntimeSettings
 
     models, placement, tree, workers = options.models, options.placement, options.tree, options.workers
+    one_shot = bool(options.one_shot.prompts or options.one_shot.prompt_file)
     return RuntimeSettings(target=target, draft=draft if models.mode == "dovetail" else None,
                            target_dtype=models.target_dtype, kv_dtype=models.kv_dtype,
                            cpu_threads=placement.cpu_threads, cpu_cores=placement.cpu_cores,
@@ -474,7 +485,8 @@ def runtime_settings(options: RunOptions, target: str, draft: str | None) -> Run
                            tree=make_tree(tree.tree_tokens, tree.depth, tree.tree_top_k), mode=models.mode,
                            max_len=models.max_len, log_level=options.log_level,
                            startup_timeout_s=workers.startup_timeout, max_restarts=workers.max_restarts,
-                           worker_timeout_s="auto" if workers.worker_timeout is None else workers.worker_timeout)
+                           worker_timeout_s="auto" if workers.worker_timeout is None else workers.worker_timeout,
+                           max_batch=1 if one_shot else options.serving.max_batch)
 
 
 def serve_limits(serving: ServingOptions) -> ServeLimits:

@@ -72,6 +72,7 @@ class ServingOptions:
     api_key: str | None
     max_queue: int
     max_queue_per_client: int
+    max_batch: int  # requests run at once, their steps verified together
     request_timeout: float | None
 
 

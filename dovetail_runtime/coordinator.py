@@ -37,11 +37,12 @@ from cpu_worker.model.model_dir import ModelLoadError, context_limit, is_gguf, r
 from gpu_worker.head_layout import FeatureLayout, feature_layout
 from ipc import messages as m
 from ipc.channels import RuntimeDir
-from ipc.shm_ring import ShmRing, slot_bytes_for
+from ipc.shm_ring import ShmRing, cycle_slots, slot_bytes_for
 from ipc.tree import TreeShape
 
+from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
-from .generation import Job, PromptTooLong, generate_ar, generate_dovetail
+from .generation import Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
 from .metrics import ServerMetrics
 from .text import TextStream
 from .tokenizer import Tokenizer
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 
 RESTART_WINDOW_S = 600.0
 # One block is in flight per cycle; spare slots keep a slow reader from ever seeing a reused one.
-CYCLE_RING_SLOTS = 4
 # Ring slots are sized for fp32 rows, the widest features any target precision returns.
 FEATURE_DTYPE = "float32"
 # The context when --max-len is not given (capped by the model's own): a 128k-context model
@@ -109,6 +109,8 @@ class RuntimeSettings:
     # A worker that has not answered one request within this is hung: killed and restarted.
     # "auto": fitted to the measured step costs (``fitted_worker_timeout``); None: no limit.
     worker_timeout_s: float | Literal["auto"] | None = "auto"
+    # Requests run at once, their steps verified together (``batching``); 1: one at a time.
+    max_batch: int = 1
 
 
 class TooManyRestarts(RuntimeError):
@@ -176,7 +178,7 @@ class Coordinator:
             log.info("EAGLE-3 head: feature %s", layout.describe())
         envelope = settings.tree.envelope if isinstance(settings.tree, AutoTree) else settings.tree
         self.rings = [ShmRing.create(slot_bytes_for(envelope.feature_rows, layout.row_width, FEATURE_DTYPE),
-                                     CYCLE_RING_SLOTS),
+                                     cycle_slots(settings.max_batch)),
                       ShmRing.create(slot_bytes_for(self.max_len, layout.row_width, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
         self.cpu = self._target_worker(target_dir, layout)
@@ -216,7 +218,7 @@ class Coordinator:
         worker_settings = m.TargetSettings(
             log_level=settings.log_level, max_len=self.max_len, rings=self._rings(), target=str(target_dir),
             threads=settings.cpu_threads, cores=settings.cpu_cores, dtype=settings.target_dtype,
-            aux_layers=list(layout.aux_layers or []), kv_dtype=settings.kv_dtype)
+            aux_layers=list(layout.aux_layers or []), kv_dtype=settings.kv_dtype, max_sequences=settings.max_batch)
         assert self.runtime_dir is not None
         return WorkerHandle("cpu_worker", "cpu_worker.server", worker_settings, self.runtime_dir, m.FROM_CPU_WORKER,
                             m.TargetInfo, reply_timeout_s=self._initial_worker_timeout(), on_wait=self._waiting)
@@ -228,7 +230,7 @@ class Coordinator:
             log_level=settings.log_level, max_len=self.max_len, rings=self._rings(), draft=str(draft_dir),
             target=str(target_dir), device=settings.draft_device, dtype=settings.draft_dtype,
             threads=settings.draft_threads, cores=settings.draft_cores, scratch_len=envelope.scratch_slots,
-            row_width=layout.row_width, layout=layout.describe())
+            row_width=layout.row_width, layout=layout.describe(), max_sequences=settings.max_batch)
         # The draft worker's OpenMP threads must sleep when idle, or they spin on the
         # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
         # 16.4 ms/cycle with both workers at the default policy, 8.2 ms with a passive draft
@@ -363,16 +365,14 @@ class Coordinator:
             worker.spawn()
             worker.wait_ready(self.settings.startup_timeout_s)
 
-    # --- one request -----------------------------------------------------------------
+    # --- requests -------------------------------------------------------------------
 
-    def generate(self, request: m.GenerateRequest,
-                 on_text: OnText | None = None) -> m.GenerateDone | m.ErrorReply:
-        """Run one request to the end. ``on_text(new_ids, new_text, their_logprobs)`` sees each
-        accepted chunk (logprobs: empty unless the request asked for them) and returns True to
-        cancel."""
-        self.recover()
+    def begin(self, request: m.GenerateRequest, on_text: OnText | None = None) -> Started | m.ErrorReply:
+        """A request's decoding loop, not yet run (``run_alone`` or a ``Batcher`` runs it), or the
+        reply that refuses it. ``on_text(new_ids, new_text, their_logprobs)`` sees each accepted
+        chunk (logprobs: empty unless the request asked for them) and returns True to cancel."""
         if self.cpu is None or self.tokenizer is None or self.chat_template is None:
-            raise RuntimeError("generate() before start()")
+            raise RuntimeError("a request before start()")
         if request.mode == "dovetail" and self.gpu is None:
             return error_reply(request.request_id, "unsupported",
                                 message="this server runs without a draft head: use mode 'ar'")
@@ -381,38 +381,87 @@ class Coordinator:
                           else encode_chat(self.tokenizer, self.chat_template, request.messages))
         except ChatTemplateError as error:
             return error_reply(request.request_id, error.code, message=str(error))
-        # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
-        stream = TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids)
-        cancelled = False
-        logprobs: list[m.TokenLogprob] = []  # one per token of stream.token_ids, when asked for
-
-        def emit(token_ids: list[int], token_logprobs: list[m.TokenLogprob]) -> bool:
-            nonlocal cancelled
-            text = stream.push(token_ids)
-            logprobs.extend(token_logprobs)
-            if on_text is not None and on_text(token_ids, text, token_logprobs):
-                cancelled = True
-            return cancelled or stream.stopped
-
         job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
                   self.tokenizer.eos_token_ids, self.max_len, logprobs=request.logprobs)
-        try:
-            if request.mode == "ar" or self.gpu is None:
-                finish, stats = generate_ar(self.cpu, job, emit)
-            else:
-                finish, stats = generate_dovetail(self.cpu, self.gpu, job, self.tree, emit)
-        except PromptTooLong as error:
-            return error_reply(request.request_id, "prompt_too_long", message=str(error))
-        except WorkerRequestError as error:
-            return error_reply(request.request_id, "worker_error", message=str(error))
-        except WorkerFailed as error:
+        # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
+        started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
+                          job.seq_id, request.mode == "dovetail", on_text)
+        started.steps = (dovetail_steps(job, self.tree, started.emit) if started.uses_gpu
+                         else ar_steps(job, started.emit))
+        return started
+
+    def conclude(self, started: Started, outcome: Outcome) -> m.GenerateDone | m.ErrorReply:
+        """The reply of a request whose loop ended with ``outcome``: how it finished, or the
+        exception that ended it (one no request should raise propagates)."""
+        request = started.request
+        if isinstance(outcome, PromptTooLong):
+            return error_reply(request.request_id, "prompt_too_long", message=str(outcome))
+        if isinstance(outcome, WorkerRequestError):
+            return error_reply(request.request_id, "worker_error", message=str(outcome))
+        if isinstance(outcome, WorkerFailed):
             # Answer first (within a second of the death); the restart happens before the next request.
-            log.error("request %s failed: %s", request.request_id, error)
-            return error_reply(request.request_id, "worker_failed", message=str(error))
-        tail = stream.finish()
-        if tail and on_text is not None:
-            on_text([], tail, [])
-        return m.GenerateDone(request_id=request.request_id, token_ids=stream.token_ids, text=stream.text,
-                              finish_reason="cancelled" if cancelled else finish,
-                              stats=msgspec.structs.replace(stats.message(), prompt_tokens=len(prompt_ids)),
-                              logprobs=logprobs)
+            log.error("request %s failed: %s", request.request_id, outcome)
+            return error_reply(request.request_id, "worker_failed", message=str(outcome))
+        if isinstance(outcome, BaseException):
+            raise outcome
+        finish, stats = outcome
+        tail = started.stream.finish()
+        if tail and started.on_text is not None:
+            started.on_text([], tail, [])
+        return m.GenerateDone(request_id=request.request_id, token_ids=started.stream.token_ids,
+                              text=started.stream.text, finish_reason="cancelled" if started.cancelled else finish,
+                              stats=msgspec.structs.replace(stats.message(), prompt_tokens=len(started.prompt_ids)),
+                              logprobs=started.logprobs)
+
+    def batcher(self) -> Batcher:
+        """A batch of requests over this coordinator's workers (``--max-batch``)."""
+        if self.cpu is None:
+            raise RuntimeError("a batch before start()")
+        return Batcher(self.cpu, self.gpu)
+
+    def generate(self, request: m.GenerateRequest,
+                 on_text: OnText | None = None) -> m.GenerateDone | m.ErrorReply:
+        """Run one request alone to the end (``begin`` has the arguments)."""
+        self.recover()
+        started = self.begin(request, on_text)
+        if isinstance(started, m.ErrorReply):
+            return started
+        assert self.cpu is not None
+        outcome: Outcome
+        try:
+            outcome = run_alone(started.loop, self.cpu, self.gpu if started.uses_gpu else None)
+        except (PromptTooLong, WorkerRequestError, WorkerFailed) as error:
+            outcome = error
+        finally:
+            self.cpu.send(m.ReleaseSequence(seq_id=started.seq_id))
+            if started.uses_gpu and self.gpu is not None:
+                self.gpu.send(m.ReleaseSequence(seq_id=started.seq_id))
+        return self.conclude(started, outcome)
+
+
+@dataclass(eq=False)
+class Started:
+    """A request between ``Coordinator.begin`` and ``conclude``: its prompt, text and loop."""
+
+    request: m.GenerateRequest
+    prompt_ids: list[int]
+    stream: TextStream
+    seq_id: int
+    uses_gpu: bool  # dovetail mode (else ar: the cpu_worker alone)
+    on_text: OnText | None
+    steps: Steps | None = None  # the loop, set by begin (it calls emit)
+    logprobs: list[m.TokenLogprob] = field(default_factory=list)  # one per token of stream.token_ids, when asked
+    cancelled: bool = False
+
+    @property
+    def loop(self) -> Steps:
+        assert self.steps is not None
+        return self.steps
+
+    def emit(self, token_ids: list[int], token_logprobs: list[m.TokenLogprob]) -> bool:
+        """The loop's ``Emit``: the text so far, on_text, and whether to stop."""
+        text = self.stream.push(token_ids)
+        self.logprobs.extend(token_logprobs)
+        if self.on_text is not None and self.on_text(token_ids, text, token_logprobs):
+            self.cancelled = True
+        return self.cancelled or self.stream.stopped

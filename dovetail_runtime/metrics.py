@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -78,7 +77,6 @@ class ServerMetrics:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     ipc_ms: float = 0.0
-    running: int = 0
     worker_restarts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -125,24 +123,16 @@ class ServerMetrics:
         """Count requests cancelled before they ran (their client left): finished, with no tokens."""
         self.finished["cancelled"] += count
 
-    @contextlib.contextmanager
-    def running_request(self) -> Iterator[None]:
-        """Count a request as running while the block runs (it ends however the block does)."""
-        self.running += 1
-        try:
-            yield
-        finally:
-            self.running -= 1
-
     def worker_restarted(self) -> None:
         self.worker_restarts += 1
 
-    def reply(self, queue_depth: int) -> m.MetricsReply:
+    def reply(self, queue_depth: int, running: int = 0) -> m.MetricsReply:
+        """Everything counted so far, with the queue's depth and the requests running now (serving's)."""
         return m.MetricsReply(
             finished=dict(self.finished), errors=dict(self.errors), prompt_tokens=self.prompt_tokens,
             new_tokens=self.new_tokens, cycles=self.cycles, cycle_tokens=self.cycle_tokens,
             prefill_s=self.prefill_ms / 1e3, draft_s=self.draft_ms / 1e3, verify_s=self.verify_ms / 1e3,
-            ipc_s=self.ipc_ms / 1e3, queue_depth=queue_depth, running=self.running,
+            ipc_s=self.ipc_ms / 1e3, queue_depth=queue_depth, running=running,
             worker_restarts=self.worker_restarts, uptime_s=time.monotonic() - self.started,
             draft_tokens=self.draft_tokens, accepted_tokens=self.accepted_tokens,
             latency={name: histogram.message() for name, histogram in self.latency.items()})

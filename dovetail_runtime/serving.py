@@ -1,7 +1,8 @@
-"""Serving clients: take their messages, run their requests one at a time, answer every one.
+"""Serving clients: take their messages, run their requests (up to --max-batch side by side,
+their steps batched: ``dovetail_runtime.batching``), answer every one.
 
-The loop reads the client socket whenever it can: while idle, between two cycles of the
-request in flight, and while a worker computes, loads or restarts (the workers call back
+The loop reads the client socket whenever it can: while idle, between two rounds of the
+requests in flight, and while a worker computes, loads or restarts (the workers call back
 through ``Coordinator.while_waiting`` every ~100 ms). So Pings are answered, cancels and
 disconnects take effect, and new requests are queued or refused at once, even while a worker
 hangs (it is then killed after --worker-timeout, and its request fails with worker_failed).
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import zmq
@@ -33,7 +34,9 @@ from ipc import messages as m
 from ipc.channels import ChannelTimeout, RouterServer
 from ipc.codec import ProtocolError
 
-from .coordinator import Coordinator, TooManyRestarts, error_reply
+from .batching import Batcher, Stream
+from .batching import Outcome as LoopOutcome
+from .coordinator import Coordinator, OnText, Started, TooManyRestarts, error_reply
 from .request_queue import FairQueue, Pending, QueueFull
 from .workers import WorkerFailed
 
@@ -59,10 +62,14 @@ class ShuttingDown(Exception):
     """A stop was asked for while a request ran or a worker started: end it now."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Running:
     item: Pending[bytes]
+    started: float  # time.monotonic() when it began to run
     outcome: Outcome | None = None  # why it must stop early; None: run on
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # when tokens became final, how many
+    begun: Started | None = None
+    stream: Stream | None = None
 
 
 class Serving:
@@ -73,7 +80,9 @@ class Serving:
         self.limits = limits
         self.should_stop = should_stop
         self.queue: FairQueue[bytes] = FairQueue(limits.max_queue, limits.max_queue_per_client)
-        self.running: Running | None = None
+        self.active: list[Running] = []  # at most --max-batch, run side by side
+        self.max_batch = max(1, coordinator.settings.max_batch)
+        self.batcher: Batcher | None = None  # once the workers run
         self.prompt_chars: int | None = None  # known once the tokenizer is loaded
         self._next_sweep = 0.0
         coordinator.while_waiting = self._while_busy
@@ -86,23 +95,22 @@ class Serving:
         started = False
         try:
             self.coordinator.start()
+            self.batcher = self.coordinator.batcher()
             started = True
             self.prompt_chars = self.coordinator.max_prompt_chars()
             log.info("serving on %s", ", ".join(self.server.endpoints))
             if ready is not None:
                 ready(self.server.endpoints)
             while not self.should_stop():
-                # A worker that died while idle is restarted now (Pings say not ready meanwhile),
-                # not when the next request finds it dead.
-                self.coordinator.recover()
-                self._read_clients(timeout_ms=0 if len(self.queue) else IDLE_POLL_MS)
+                if not self.active:
+                    # A worker that died while idle is restarted now (Pings say not ready meanwhile),
+                    # not when the next request finds it dead.
+                    self.coordinator.recover()
+                self._read_clients(timeout_ms=0 if len(self.queue) or self.active else IDLE_POLL_MS)
                 self._sweep()
-                item = self.queue.pop()
-                if item is not None and self.server.peer_gone(item.client):
-                    self.coordinator.metrics.record_cancelled()
-                    self._client_left(item.client, taken=1)
-                elif item is not None:
-                    self._serve_one(item)
+                self._admit_waiting()
+                if self.active:
+                    self._round()
         except ShuttingDown:
             pass
         except TooManyRestarts as error:
@@ -130,61 +138,107 @@ class Serving:
             self._read_clients(timeout_ms=0)
         except Exception:
             log.exception("could not read the last client messages")
-        items = [] if self.running is None or self.running.outcome == "gone" else [self.running.item]
-        self.running = None
+        items = [running.item for running in self.active if running.outcome != "gone"]
+        self.active = []
+        if self.batcher is not None:
+            self.batcher.abort(ShuttingDown())
         items += self.queue.drain()
         for item in items:
             self._send(item.client, error_reply(item.request.request_id, code, message))
         if items:
             log.info("answered %d request(s) with %s", len(items), code)
 
-    # --- one request -------------------------------------------------------------------
+    # --- running requests ---------------------------------------------------------------
 
-    def _serve_one(self, item: Pending[bytes]) -> None:
-        request = item.request
-        refusal = self._refuse_size(request)
-        if refusal is not None:
-            self._answer(item.client, refusal)
-            return
-        running = self.running = Running(item)
-        metrics = self.coordinator.metrics
-        started = time.monotonic()
-        token_times: list[tuple[float, int]] = []  # when tokens became final, and how many
+    def _admit_waiting(self) -> None:
+        """Start waiting requests while fewer than --max-batch run (each joins the next round)."""
+        while len(self.active) < self.max_batch:
+            item = self.queue.pop()
+            if item is None:
+                return
+            if self.server.peer_gone(item.client):
+                self.coordinator.metrics.record_cancelled()
+                self._client_left(item.client, taken=1)
+                continue
+            refusal = self._refuse_size(item.request)
+            if refusal is not None:
+                self._answer(item.client, refusal)
+                continue
+            running = Running(item, time.monotonic())
+            self.active.append(running)  # from here on, run() answers it if serving ends
+            try:
+                begun = self.coordinator.begin(item.request, self._on_text(running))
+            except (ShuttingDown, TooManyRestarts):
+                raise
+            except Exception as error:  # one request's bug must not take the server down
+                log.exception("request %s failed unexpectedly", item.request.request_id)
+                begun = error_reply(item.request.request_id, "internal", f"{type(error).__name__}: {error}")
+            if isinstance(begun, m.ErrorReply):
+                self.active.remove(running)
+                self._answer(item.client, begun)
+                continue
+            running.begun = begun
+            assert self.batcher is not None
+            running.stream = self.batcher.add(begun.seq_id, begun.loop, begun.uses_gpu)
+            if running.stream.done:  # ended before its first step (a prompt that cannot fit)
+                self._finish(running)
+
+    def _on_text(self, running: Running) -> OnText:
+        request, client = running.item.request, running.item.client
 
         def on_text(token_ids: list[int], text: str, logprobs: list[m.TokenLogprob]) -> bool:
             if token_ids:
-                token_times.append((time.monotonic(), len(token_ids)))
+                running.token_times.append((time.monotonic(), len(token_ids)))
             if request.stream and running.outcome is None:
                 chunk = m.TokenChunk(request_id=request.request_id, token_ids=token_ids, text=text, logprobs=logprobs)
-                if not self._send(item.client, chunk) and running.outcome is None:
+                if not self._send(client, chunk) and running.outcome is None:
                     running.outcome = "gone"
-            self._while_busy()
             return running.outcome is not None
 
-        with metrics.running_request():
-            try:
-                reply: m.GenerateDone | m.ErrorReply = self.coordinator.generate(request, on_text)
-            except WorkerFailed as error:  # a worker that could not be restarted before the request
-                reply = error_reply(request.request_id, "worker_failed", str(error))
-            except (ShuttingDown, TooManyRestarts):
-                raise  # run() answers this request with everyone else's
-            except Exception as error:  # one request's bug must not take the server down
-                log.exception("request %s failed unexpectedly", request.request_id)
-                reply = error_reply(request.request_id, "internal", f"{type(error).__name__}: {error}")
-        self.running = None
+        return on_text
+
+    def _round(self) -> None:
+        """One round of every running request's steps (``Batcher.round``); answer those that ended."""
+        assert self.batcher is not None
+        try:
+            ended = self.batcher.round()
+        except (ShuttingDown, TooManyRestarts):
+            raise  # run() answers the running requests with everyone else's
+        except Exception as error:  # a worker that died (WorkerFailed), or a bug: every running request ends
+            if not isinstance(error, WorkerFailed):
+                log.exception("a batch of %d request(s) failed unexpectedly", len(self.active))
+            ended = self.batcher.abort(error)
+        for stream in ended:
+            running = next(running for running in self.active if running.stream is stream)
+            self._finish(running)
+        if not self.active:
+            self.coordinator.recover()  # restart a worker that died or was killed, before the next request
+
+    def _finish(self, running: Running) -> None:
+        """Answer a request whose loop ended (its reply, or why it stopped early)."""
+        self.active.remove(running)
+        metrics = self.coordinator.metrics
+        item, begun, stream = running.item, running.begun, running.stream
+        request = item.request
+        assert begun is not None and stream is not None and stream.outcome is not None
+        outcome: LoopOutcome = stream.outcome
+        try:
+            reply: m.GenerateDone | m.ErrorReply = self.coordinator.conclude(begun, outcome)
+        except Exception as error:  # one request's bug must not take the server down
+            log.error("request %s failed unexpectedly: %s: %s", request.request_id, type(error).__name__, error)
+            reply = error_reply(request.request_id, "internal", f"{type(error).__name__}: {error}")
         if isinstance(reply, m.GenerateDone):
-            metrics.record_latency(item.arrived, started, token_times, time.monotonic())
+            metrics.record_latency(item.arrived, running.started, running.token_times, time.monotonic())
         if running.outcome == "gone":
             log.info("request %s cancelled: its client is gone", request.request_id)
             metrics.record(reply)  # counted, though nobody is there to answer
-        else:
-            if (running.outcome == "deadline" and isinstance(reply, m.GenerateDone)
-                    and reply.finish_reason == "cancelled"):  # not when it ended by itself meanwhile
-                reply = error_reply(request.request_id, "deadline_exceeded",
-                                    f"no answer within the request's deadline; stopped after "
-                                    f"{len(reply.token_ids)} new tokens")
-            self._answer(item.client, reply)
-        self.coordinator.recover()  # restart a worker that died or was killed, before the next request
+            return
+        if (running.outcome == "deadline" and isinstance(reply, m.GenerateDone)
+                and reply.finish_reason == "cancelled"):  # not when it ended by itself meanwhile
+            reply = error_reply(request.request_id, "deadline_exceeded",
+                                f"no answer within the request's deadline; stopped after "
+                                f"{len(reply.token_ids)} new tokens")
+        self._answer(item.client, reply)
 
     def _while_busy(self) -> None:
         """Called between cycles and while a worker computes or starts."""
@@ -225,7 +279,7 @@ class Serving:
         elif isinstance(message, m.Ping):
             self._send(peer, m.Pong(nonce=message.nonce, ready=self.coordinator.workers_ready()))
         elif isinstance(message, m.MetricsRequest):
-            self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue)))
+            self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue), running=len(self.active)))
 
     def _admit(self, peer: bytes, request: m.GenerateRequest) -> None:
         refusal = self._refuse_size(request)
@@ -256,11 +310,11 @@ class Serving:
                            f"this tokenizer); not tokenized")
 
     def _cancel(self, peer: bytes, request_id: str) -> None:
-        running = self.running
-        if running is not None and running.item.client == peer and running.item.request.request_id == request_id:
-            if running.outcome is None:
-                running.outcome = "cancelled"
-            return
+        for running in self.active:
+            if running.item.client == peer and running.item.request.request_id == request_id:
+                if running.outcome is None:
+                    running.outcome = "cancelled"
+                return
         item = self.queue.remove(peer, request_id)
         if item is not None:
             self._answer(peer, m.GenerateDone(request_id=request_id, token_ids=[], text="", finish_reason="cancelled"))
@@ -271,12 +325,12 @@ class Serving:
         """End the request in flight when its deadline passed or its client left; every
         SWEEP_S, do the same for the waiting ones."""
         now = time.monotonic()
-        running = self.running
-        if running is not None and running.outcome is None:
-            if running.item.deadline is not None and now >= running.item.deadline:
-                running.outcome = "deadline"
-            elif self.server.peer_gone(running.item.client):
-                self._client_left(running.item.client)
+        for running in self.active:
+            if running.outcome is None:
+                if running.item.deadline is not None and now >= running.item.deadline:
+                    running.outcome = "deadline"
+                elif self.server.peer_gone(running.item.client):
+                    self._client_left(running.item.client)
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_S
@@ -291,12 +345,15 @@ class Serving:
         """Its connection closed: cancel its requests (``taken``: already out of the queue),
         nobody is there to answer."""
         dropped = len(self._cancel_waiting(client)) + taken
-        running = self.running
-        hit = running is not None and running.item.client == client and running.outcome is None
-        if running is not None and hit:
+        hit = self._gone(client)
+        log.info("client %s left: %d waiting request(s)%s cancelled", _name(client), dropped, _in_flight(hit))
+
+    def _gone(self, client: bytes) -> int:
+        """Mark the client's running requests gone (they stop at their next step); how many."""
+        hit = [running for running in self.active if running.item.client == client and running.outcome is None]
+        for running in hit:
             running.outcome = "gone"
-        log.info("client %s left: %d waiting request(s)%s cancelled", _name(client), dropped,
-                 " and the one in flight" if hit else "")
+        return len(hit)
 
     def _answer(self, peer: bytes, reply: m.GenerateDone | m.ErrorReply) -> bool:
         """A request's last message: counted in the metrics, then sent."""
@@ -323,12 +380,13 @@ class Serving:
 
     def _drop(self, peer: bytes, why: str) -> None:
         dropped = self._cancel_waiting(peer)
-        running = self.running
-        hit = running is not None and running.item.client == peer and running.outcome is None
-        if running is not None and hit:
-            running.outcome = "gone"
+        hit = self._gone(peer)
         log.warning("client %s %s: dropped, %d waiting request(s)%s cancelled", _name(peer), why, len(dropped),
-                    " and the one in flight" if hit else "")
+                    _in_flight(hit))
+
+
+def _in_flight(count: int) -> str:
+    return "" if count == 0 else " and the one in flight" if count == 1 else f" and {count} in flight"
 
 
 def _name(client: bytes) -> str:

@@ -1,8 +1,9 @@
 """Serving through real dovetail-run processes: no client can take the server down or starve
 the others, every request gets an answer, and mistakes fail fast in one line.
 
-Most tests share one --mode ar server (started with umask 0, small queues); the ones that stop,
-hang or kill a process get their own. A "blocker" is a long streaming request that keeps the
+Most tests share one --mode ar server (started with umask 0, small queues, one request at a time:
+--max-batch 1); the ones that stop, hang or kill a process get their own. Requests side by side:
+tests/system/test_batched_serving.py. A "blocker" is a long streaming request that keeps the
 server busy so that what is sent after it must wait; cancelling it lets the rest run.
 """
 
@@ -79,7 +80,8 @@ def stop_blocker(client: Channel, request_id: str = "blocker") -> None:
 @pytest.fixture(scope="module")
 def ar_server(tmp_path_factory, demo_target):
     socket_dir = tmp_path_factory.mktemp("serve")
-    running = Server("--target", str(demo_target), "--mode", "ar", "--bind", f"ipc://{socket_dir}/ar.sock",
+    running = Server("--target", str(demo_target), "--mode", "ar", "--max-batch", "1",
+                     "--bind", f"ipc://{socket_dir}/ar.sock",
                      "--bind", "localhost:0", "--max-queue", "4", "--max-queue-per-client", "3",
                      umask=0)
     yield running
@@ -277,7 +279,8 @@ def test_a_worker_killed_while_idle_makes_health_503_until_it_is_back(demo_targe
 
 
 def test_sigterm_answers_every_request_in_flight_and_waiting(demo_target, tmp_path):
-    running = Server("--target", str(demo_target), "--mode", "ar", "--bind", f"ipc://{tmp_path}/term.sock")
+    running = Server("--target", str(demo_target), "--mode", "ar", "--max-batch", "1",
+                     "--bind", f"ipc://{tmp_path}/term.sock")
     endpoint = running.endpoints[0]
     busy = blocker(endpoint)
     a, b = connect_client(endpoint), connect_client(endpoint)
@@ -302,7 +305,7 @@ def test_sigterm_answers_every_request_in_flight_and_waiting(demo_target, tmp_pa
 
 
 def test_giving_up_after_too_many_restarts_answers_everyone(demo_target, tmp_path):
-    running = Server("--target", str(demo_target), "--mode", "ar", "--max-restarts", "0",
+    running = Server("--target", str(demo_target), "--mode", "ar", "--max-restarts", "0", "--max-batch", "1",
                      "--bind", f"ipc://{tmp_path}/giveup.sock")
     endpoint = running.endpoints[0]
     busy = blocker(endpoint)

@@ -8,14 +8,18 @@ tests/system/test_runtime_serving.py checks the same behaviours through real pro
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import types
 from collections.abc import Callable
 
 import pytest
 import zmq
 
+from dovetail_runtime.batching import Batcher
 from dovetail_runtime.coordinator import TooManyRestarts
+from dovetail_runtime.generation import Call
 from dovetail_runtime.metrics import ServerMetrics
 from dovetail_runtime.serving import ServeLimits, Serving
 from dovetail_runtime.workers import WorkerFailed
@@ -30,10 +34,30 @@ class StandInTokenizer:
         return 4
 
 
-class StandInCoordinator:
-    """What Serving uses of a Coordinator; no workers."""
+class StandInCpu:
+    """A cpu_worker that answers every decode step (alone or batched) with token 0."""
 
-    def __init__(self) -> None:
+    def request(self, message, expect):
+        if isinstance(message, m.StepBatch):
+            return m.StepBatchResult(items=[m.DecodeResult(seq_id=item.seq_id, token=0) for item in message.items])
+        return m.DecodeResult(seq_id=message.seq_id, token=0)
+
+    def send(self, message) -> None:
+        pass
+
+
+class StandInStarted:
+    def __init__(self, request: m.GenerateRequest, seq_id: int, loop):
+        self.request, self.seq_id, self.loop, self.uses_gpu = request, seq_id, loop, False
+        self.ids: list[int] = []
+
+
+class StandInCoordinator:
+    """What Serving uses of a Coordinator; no workers. Each request's loop makes one (stand-in)
+    decode step per token, so requests run side by side up to ``max_batch``."""
+
+    def __init__(self, max_batch: int = 1) -> None:
+        self.settings = types.SimpleNamespace(max_batch=max_batch)
         self.while_waiting: Callable[[], None] | None = None
         self.tokenizer: StandInTokenizer | None = None
         self.max_len = 100  # so prompts of more than 400 characters cannot fit
@@ -44,6 +68,7 @@ class StandInCoordinator:
         self.restart_hook: Callable[[], None] | None = None
         self.workers_up = True
         self.metrics = ServerMetrics()
+        self._seq_ids = itertools.count(1)
 
     def start(self) -> None:
         if self.start_hook is not None:
@@ -62,20 +87,29 @@ class StandInCoordinator:
     def max_prompt_chars(self) -> int | None:
         return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
 
-    def generate(self, request: m.GenerateRequest, on_text) -> m.GenerateDone | m.ErrorReply:
+    def batcher(self) -> Batcher:
+        return Batcher(StandInCpu(), None)
+
+    def begin(self, request: m.GenerateRequest, on_text) -> StandInStarted:
         self.ran.append(request.request_id)
-        kind = request.prompt
-        if kind == "boom":
+        if request.prompt == "boom":
             raise RuntimeError("boom")
-        if kind == "give up":
+        if request.prompt == "give up":
             raise TooManyRestarts("cpu_worker died 4 times in 10 minutes; giving up")
+        seq_id = next(self._seq_ids)
+        started = StandInStarted(request, seq_id, None)
+        started.loop = self._loop(started, on_text)
+        return started
+
+    def _loop(self, started: StandInStarted, on_text):
+        request, kind = started.request, started.request.prompt
         if kind == "hang":  # one long worker step: only the wait hook runs meanwhile
             while not self.release.wait(0.005):
                 self.while_waiting()
-        ids: list[int] = []
         finish = "length"
         for index in range(request.max_new_tokens):
-            ids.append(index % 50)
+            yield Call("cpu", m.DecodeRequest(seq_id=started.seq_id, token=0), m.DecodeResult)
+            started.ids.append(index % 50)
             if on_text([index % 50], "x" * (200 if kind == "flood" else 1), []):
                 finish = "cancelled"
                 break
@@ -84,8 +118,13 @@ class StandInCoordinator:
                     break
                 time.sleep(0.005)
         self.ended[request.request_id] = finish
-        return m.GenerateDone(request_id=request.request_id, token_ids=ids, text="x" * len(ids),
-                              finish_reason=finish)
+        return finish, None
+
+    def conclude(self, started: StandInStarted, outcome) -> m.GenerateDone:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return m.GenerateDone(request_id=started.request.request_id, token_ids=started.ids,
+                              text="x" * len(started.ids), finish_reason=outcome[0])
 
 
 class Harness:
@@ -416,3 +455,39 @@ def test_a_worker_that_dies_while_idle_is_restarted_at_once_and_pings_say_not_re
     harness.wait_for(lambda: coordinator.workers_up, "the restart to end")
     client.send(m.Ping(nonce=3))
     assert client.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=3, ready=True)
+
+
+def test_up_to_max_batch_requests_run_side_by_side_and_end_on_their_own(serve):
+    harness = serve(coordinator=StandInCoordinator(max_batch=3))
+    clients = [harness.client() for _ in range(4)]
+    for index, client in enumerate(clients[:3]):
+        send(client, f"b{index}", "block", max_new_tokens=1 << 20, stream=True,
+             deadline_ms=150 if index == 2 else None)
+    harness.wait_for(lambda: harness.coordinator.ran == ["b0", "b1", "b2"], "three to run at once")
+    send(clients[3], "waits", max_new_tokens=3)
+    harness.wait_for(lambda: len(harness.serving.queue) == 1, "the fourth to wait")
+    late = final(clients[2], "b2")  # its deadline ends it alone
+    assert isinstance(late, m.ErrorReply) and late.code == "deadline_exceeded"
+    assert final(clients[3], "waits").finish_reason == "length"  # took the free place
+    clients[0].send(m.Cancel(request_id="b0"))
+    assert final(clients[0], "b0").finish_reason == "cancelled"
+    assert "b1" not in harness.coordinator.ended  # still running
+    clients[1].close()  # its client leaves: cancelled, nobody answered
+    harness.wait_for(lambda: harness.coordinator.ended.get("b1") == "cancelled", "the leaver's request to end")
+    assert harness.serving.active == [] and harness.coordinator.ran == ["b0", "b1", "b2", "waits"]
+
+
+def test_a_stop_answers_every_running_request_of_a_batch(serve):
+    harness = serve(coordinator=StandInCoordinator(max_batch=2))
+    a, b, c = harness.client(), harness.client(), harness.client()
+    send(a, "a", "block", max_new_tokens=1 << 20)
+    send(b, "b", "block", max_new_tokens=1 << 20)
+    harness.wait_for(lambda: len(harness.serving.active) == 2, "two to run")
+    send(c, "c")
+    harness.wait_for(lambda: len(harness.serving.queue) == 1, "the third to wait")
+    harness.stop.set()
+    for client, request_id in ((a, "a"), (b, "b"), (c, "c")):
+        reply = final(client, request_id)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "shutting_down", reply
+    harness.thread.join(WAIT_S)
+    assert harness.error is None

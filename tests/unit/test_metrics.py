@@ -35,8 +35,7 @@ def test_counters_add_up_and_render():
     metrics.record(m.ErrorReply(request_id="r", code="prompt_too_long", message="x"))
     metrics.worker_restarted()
     metrics.worker_restarted()
-    with metrics.running_request():
-        reply = metrics.reply(queue_depth=3)
+    reply = metrics.reply(queue_depth=3, running=1)
     assert (reply.prompt_tokens, reply.new_tokens, reply.cycles, reply.cycle_tokens) == (14, 28, 8, 26)
     assert reply.finished == {"stop": 1, "length": 1} and reply.errors == {"prompt_too_long": 1}
 
@@ -68,15 +67,6 @@ def test_each_export_has_its_own_registry_and_scrapers_get_the_format_they_ask_f
     assert kind.startswith("text/plain; version=0.0.4") and parse(body.decode(), "a")["dovetail_queue_depth{}"] == 5
     body, kind = second.render(reply, "application/openmetrics-text; version=1.0.0")
     assert kind.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
-
-
-def test_a_running_request_is_counted_until_it_ends_however_it_ends():
-    metrics = ServerMetrics()
-    with metrics.running_request():
-        assert metrics.reply(queue_depth=0).running == 1
-    with pytest.raises(RuntimeError), metrics.running_request():
-        raise RuntimeError("a request's bug")
-    assert metrics.reply(queue_depth=0).running == 0
 
 
 def test_a_request_cancelled_before_it_ran_counts_as_cancelled_with_no_tokens():

@@ -1,0 +1,145 @@
+"""Many users at once through a real ``dovetail-run`` server: aggregate tokens/s of N concurrent
+streams (dovetail and ar) against one solo ar stream, measured side by side in one run, with each
+stream's p95 inter-token latency and whether every stream's tokens equal its solo ar run.
+
+    python -m tools.bench_concurrent --target PATH [--draft PATH] [--streams 1,2,4,8] [--max-new-tokens 64]
+        [-- more dovetail-run flags, e.g. --target-dtype int8 --cpu-threads 2]
+
+The server runs with --max-batch at the largest stream count. Greedy requests, one prompt per
+stream (held-out chat prompts through the chat template when the target has one, else code prompts).
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from dovetail_runtime.client import DovetailClient, GenerationError
+from ipc import messages as m
+from tools.chat_prompts import heldout_prompts as chat_prompts
+from tools.tables import markdown_header, markdown_row
+
+CODE_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):", "for i in range(10):",
+                "def parse_args(argv=None):", "class Config(dict):", "with open(path) as f:", "def __init__(self):"]
+
+
+class Server:
+    def __init__(self, args: list[str], socket_dir: str):
+        endpoint = f"ipc://{socket_dir}/bench.sock"
+        self.process = subprocess.Popen([str(Path(sys.executable).parent / "dovetail-run"), *args, "--bind", endpoint,
+                                         "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+        self.endpoint = endpoint
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            sys.stderr.write(line)
+            if line.startswith("dovetail serving on "):
+                break
+        else:
+            raise SystemExit("dovetail-run did not start")
+        threading.Thread(target=lambda: [None for _ in self.process.stderr or ()], daemon=True).start()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+def has_chat_template(endpoint: str) -> bool:
+    """Whether the server takes chat messages (its target has a chat template); warms it up too."""
+    with DovetailClient(endpoint, timeout_s=3600) as probe:
+        try:
+            probe.chat([{"role": "user", "content": "hello"}], max_new_tokens=2, mode="ar")
+        except GenerationError:
+            probe.generate("hello", max_new_tokens=2, mode="ar")
+            return False
+    return True
+
+
+def one_stream(endpoint: str, fields: dict, out: dict) -> None:
+    """Run one streaming request; record its tokens and when each chunk arrived."""
+    times: list[tuple[float, int]] = []
+    tokens: list[int] = []
+    with DovetailClient(endpoint, timeout_s=3600) as client:
+        for event in client.events(**fields):
+            if isinstance(event, m.TokenChunk) and event.token_ids:
+                times.append((time.perf_counter(), len(event.token_ids)))
+                tokens.extend(event.token_ids)
+            elif isinstance(event, m.GenerateDone):
+                tokens = event.token_ids
+    out["tokens"], out["times"] = tokens, times
+
+
+def run_streams(endpoint: str, requests: list[dict]) -> tuple[float, list[dict]]:
+    """All requests at once; (wall seconds, per-stream results)."""
+    results: list[dict] = [{} for _ in requests]
+    threads = [threading.Thread(target=one_stream, args=(endpoint, fields, result))
+               for fields, result in zip(requests, results, strict=True)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started, results
+
+
+def p95_itl_ms(results: list[dict]) -> float:
+    """95th percentile of every stream's time per token between its chunks (a chunk's tokens share its gap)."""
+    gaps = []
+    for result in results:
+        times = result["times"]
+        for (before, _), (after, count) in zip(times, times[1:], strict=False):
+            gaps += [(after - before) / count * 1e3] * count
+    return statistics.quantiles(gaps, n=20)[-1] if len(gaps) >= 2 else float("nan")
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--target", required=True)
+@click.option("--draft", default=None, help="a draft head (without it only ar is measured)")
+@click.option("--streams", default="1,2,4,8", show_default=True, help="comma list of concurrent stream counts")
+@click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--chat/--code", default=None, help="chat or code prompts  [default: chat when the target has a chat "
+              "template]")
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def main(target: str, draft: str | None, streams: str, max_new_tokens: int, chat: bool | None,
+         server_args: tuple[str, ...]) -> None:
+    counts = sorted({int(count) for count in streams.split(",")})
+    args = ["--target", target, *(["--draft", draft] if draft else ["--mode", "ar"]), "--max-batch", str(max(counts)),
+            *server_args]
+    modes = ["ar", "dovetail"] if draft else ["ar"]
+    with tempfile.TemporaryDirectory() as socket_dir:
+        server = Server(args, socket_dir)
+        try:
+            use_chat = has_chat_template(server.endpoint) if chat is None else chat
+            prompts = chat_prompts(max(counts)) if use_chat else CODE_PROMPTS
+            requests = [({"messages": [m.ChatMessage(role="user", content=text)]} if use_chat
+                         else {"prompt": text}) | {"max_new_tokens": max_new_tokens}
+                        for text in (prompts * max(counts))[:max(counts)]]
+            # Solo ar, one request at a time: each stream's reference tokens and the baseline speed.
+            solo_wall, solo_tokens = 0.0, []
+            for fields in requests:
+                wall, (result,) = run_streams(server.endpoint, [fields | {"mode": "ar"}])
+                solo_wall += wall
+                solo_tokens.append(result["tokens"])
+            solo_tps = sum(len(tokens) for tokens in solo_tokens) / solo_wall
+            print(markdown_header(["mode", "streams", "aggregate tok/s", "x solo ar", "p95 ITL ms", "same tokens"]))
+            print(markdown_row(["ar (solo, one at a time)", 1, f"{solo_tps:.1f}", "1.00x", "", "reference"]))
+            for mode in modes:
+                for count in counts:
+                    wall, results = run_streams(server.endpoint, [fields | {"mode": mode} for fields in
+                                                                  requests[:count]])
+                    total = sum(len(result["tokens"]) for result in results)
+                    same = all(result["tokens"] == solo_tokens[index] for index, result in enumerate(results))
+                    print(markdown_row([mode, count, f"{total / wall:.1f}", f"{total / wall / solo_tps:.2f}x",
+                                        f"{p95_itl_ms(results):.1f}", "yes" if same else "NO"]), flush=True)
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
