@@ -148,6 +148,7 @@ class Coordinator:
         # The tree each cycle verifies: a fixed shape, or the planner of --tree-tokens auto.
         self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
         self._seq_ids = itertools.count(1)
+        self._batcher: Batcher | None = None
         self._restarts: collections.deque[float] = collections.deque()
         # Called every ~100 ms while a worker computes or starts (serving reads its clients).
         self.while_waiting: Callable[[], None] | None = None
@@ -386,7 +387,7 @@ class Coordinator:
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
                           job.seq_id, request.mode == "dovetail", on_text)
-        started.steps = (dovetail_steps(job, self.tree, started.emit) if started.uses_gpu
+        started.steps = (dovetail_steps(job, self.tree, started.emit, self._batch_size) if started.uses_gpu
                          else ar_steps(job, started.emit))
         return started
 
@@ -414,10 +415,15 @@ class Coordinator:
                               logprobs=started.logprobs)
 
     def batcher(self) -> Batcher:
-        """A batch of requests over this coordinator's workers (``--max-batch``)."""
+        """The batch of requests over this coordinator's workers (``--max-batch``); its size sizes
+        each request's trees (``TreePlanner.batch_shape``)."""
         if self.cpu is None:
             raise RuntimeError("a batch before start()")
-        return Batcher(self.cpu, self.gpu)
+        self._batcher = Batcher(self.cpu, self.gpu)
+        return self._batcher
+
+    def _batch_size(self) -> int:
+        return max(1, len(self._batcher.streams)) if self._batcher is not None else 1
 
     def generate(self, request: m.GenerateRequest,
                  on_text: OnText | None = None) -> m.GenerateDone | m.ErrorReply:

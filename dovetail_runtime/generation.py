@@ -176,8 +176,10 @@ def ar_steps(job: Job, emit: Emit) -> Steps:
     return budget.finish_reason or "stop", stats
 
 
-def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit) -> Steps:
-    """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's."""
+def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
+                   batch: Callable[[], int] = lambda: 1) -> Steps:
+    """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's;
+    ``batch()``: how many sequences' cycles are verified together now (the planner sizes trees by it)."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
     stats = Stats(accept_per_depth=[0] * (planner.envelope.depth + 1))
@@ -203,7 +205,8 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit) -> Step
             if room < 1:
                 budget.finish_reason = "length"
                 break
-            shape = planner.shape().fitted(room)
+            together = batch()
+            shape = planner.shape(together).fitted(room)
             cycle_started = time.perf_counter()
             draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
                                                                shape=shape, reset=reset), m.DraftResult)),
@@ -214,7 +217,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit) -> Step
                               m.VerifyResult)
             accepted = verified.accepted_tokens
             planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
-                            (time.perf_counter() - cycle_started) * 1e3)
+                            (time.perf_counter() - cycle_started) * 1e3, together)
             stats.draft_ms += draft.compute_ms
             stats.verify_ms += verified.compute_ms
             stats.cycles += 1

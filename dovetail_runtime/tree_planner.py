@@ -83,10 +83,12 @@ class ShapePlanner(Protocol):
     @property
     def envelope(self) -> TreeShape: ...
 
-    def shape(self) -> TreeShape: ...
+    def shape(self, batch: int = 1) -> TreeShape:
+        """The next tree of a sequence whose cycle is verified with ``batch - 1`` others."""
+        ...
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float) -> None: ...
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1) -> None: ...
 
 
 class FixedTree:
@@ -95,11 +97,11 @@ class FixedTree:
     def __init__(self, shape: TreeShape):
         self.envelope = shape
 
-    def shape(self) -> TreeShape:
+    def shape(self, batch: int = 1) -> TreeShape:
         return self.envelope
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float) -> None:
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1) -> None:
         pass
 
 
@@ -228,11 +230,44 @@ class TreePlanner:
 
     # --- choosing ------------------------------------------------------------------------
 
-    def shape(self) -> TreeShape:
+    def shape(self, batch: int = 1) -> TreeShape:
         self.cycles += 1
+        if batch > 1:
+            return self.batch_shape(batch)
         cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
         self.chosen[cell] += 1
         return TreeShape.clamped(*cell)
+
+    def batch_shape(self, batch: int) -> TreeShape:
+        """The tree for a sequence verified with ``batch - 1`` others (load-aware speculation): the
+        rated shape with the most tokens per second when every sequence of the batch drafts one
+        (their drafts one after another, their trees' rows in one pass: t_verify(batch x T)), or
+        no draft tokens at all (T = 1: the batch decodes plainly) when that is faster, as it is
+        where many rows cost nearly as much each as one (AVX2) and the batch already fills the
+        pass over the weights. No probing: the rates come from solo cycles."""
+        plain = 1.0 / (self.batch_verify_ms(batch) + self.ipc_ms)
+        rated = []
+        for cell in self.cells:
+            tokens = self.expected_tokens(cell)
+            if tokens is not None:
+                size, depth, top_k = cell
+                draft = self.draft_scale * interpolate(self.draft_ms[top_k], depth)
+                rated.append((tokens / (batch * draft + self.batch_verify_ms(batch * size) + self.ipc_ms), cell))
+        if not rated:  # nothing rated yet: the solo choice, until cycles rate the shapes
+            return TreeShape.clamped(*self.best)
+        rate, cell = max(rated)
+        if rate <= plain:
+            return TreeShape.clamped(1, 1, self.bounds.top_k)
+        self.chosen[cell] += 1
+        return TreeShape.clamped(*cell)
+
+    def batch_verify_ms(self, rows: int) -> float:
+        """t_verify of ``rows`` rows in one pass: the measured curve, continued in proportion past its
+        largest size (the rows' arithmetic dominates there)."""
+        largest = max(self.verify_ms)
+        measured = (interpolate(self.verify_ms, rows) if rows <= largest
+                    else self.verify_ms[largest] * rows / largest)
+        return self.verify_scale * measured
 
     def probe(self) -> Cell:
         """Larger than the best: alternately one tree size up and one level deeper, and two and
@@ -267,8 +302,9 @@ class TreePlanner:
     # --- learning ------------------------------------------------------------------------
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float) -> None:
-        """Learn from one verified tree (its nodes in selection order, as the drafter sends them)."""
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1) -> None:
+        """Learn from one verified tree (its nodes in selection order, as the drafter sends them);
+        from a batched cycle (``batch`` > 1) its acceptance only: its times are the batch's."""
         size = len(tokens)
         if size < 2:
             return
@@ -296,6 +332,9 @@ class TreePlanner:
                     inside += 1
                 self.weight[cell] += 1.0
                 self.accepted_sum[cell] += inside
+        if batch > 1:
+            self._choose()
+            return
         alpha = self.smoothing
         predicted_verify = interpolate(self.verify_ms, size)
         predicted_draft = interpolate(self.draft_ms.get(top_k, self.draft_ms[self.bounds.top_k]), shape.depth)

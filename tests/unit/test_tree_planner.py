@@ -307,3 +307,36 @@ def test_drafting_cannot_pay_is_said_only_when_even_perfect_acceptance_loses():
     # A 7B int8 target with a 1-layer head drafting on the same cores.
     assert drafting_cannot_pay({1: 395.0, 8: 674.0, 64: 2022.0}, {d: 30.0 * d + 20 for d in range(1, 11)},
                                bounds) is None
+
+
+def batch_planner(verify) -> TreePlanner:
+    """A planner that has seen 300 solo cycles of a good draft (World 0.8) on these verify costs."""
+    bounds = AutoTree(max_tree_tokens=32, max_depth=6, top_k=3)
+    draft = lambda depth: 2.0 * depth  # noqa: E731 - a draft on a GPU: cheap
+    planner = TreePlanner(bounds, {size: verify(size) for size in bounds.tree_sizes},
+                          {depth: draft(depth) for depth in range(1, 7)})
+    World(0.8, verify=verify, draft=draft).run(planner, 300)
+    return planner
+
+
+def test_in_a_batch_speculation_shrinks_to_plain_decoding_where_rows_cost_nearly_full_price():
+    """AVX2-like costs (each row about as dear as a decode step's weights): alone a tree pays, but
+    in a batch of 4 the pass is already full and plain decoding (T = 1) wins; with a flat curve
+    (AMX-like: rows nearly free) the batch keeps speculating."""
+    steep = batch_planner(lambda size: 40.0 + 70.0 * size)
+    assert steep.shape(1).tree_tokens > 1
+    plain = steep.shape(4)
+    assert plain.tree_tokens == 1
+    flat = batch_planner(lambda size: 100.0 + 1.0 * size)
+    assert flat.shape(4).tree_tokens > 1
+
+
+def test_batched_cycles_teach_acceptance_but_not_costs():
+    planner = batch_planner(lambda size: 100.0 + 1.0 * size)
+    scale, seen = planner.verify_scale, dict(planner.seen_verify)
+    shape = planner.shape(4)
+    tokens, parents = random_tree(shape, seed=3)
+    before = dict(planner.weight)
+    planner.observe(shape, tokens, parents, [tokens[1], 5], 8.0, 900.0, 950.0, batch=4)  # the batch's times
+    assert planner.verify_scale == scale and planner.seen_verify == seen
+    assert any(planner.weight[cell] != before[cell] for cell in before)
