@@ -129,3 +129,15 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_runs(demo_target):
     assert (full.committed, other.committed) == (12, 3)
     with pytest.raises(ValueError, match="one token"):
         SequenceStep(other, [4, 5]).check()
+
+
+def test_the_benchmark_prints_a_row_per_sequence_count(demo_target):
+    from click.testing import CliRunner
+
+    from tools.bench_batched_step import main
+
+    result = CliRunner().invoke(main, ["--target", str(demo_target), "--precision", "int8", "--sequences", "1,3",
+                                       "--repeats", "3"])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "3"] and all(row.endswith("x |") for row in rows)

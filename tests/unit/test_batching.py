@@ -147,3 +147,37 @@ def test_abort_ends_every_stream(demo_pair):
         error = RuntimeError("the cpu_worker died")
         assert batcher.abort(error) == [first, second] and batcher.streams == []
         assert first.outcome is error and second.outcome is error
+
+
+def test_a_batch_item_for_an_unknown_or_repeated_sequence_fails_alone(demo_pair):
+    engine, drafter = demo_pair
+    with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
+        for seq_id in (1, 2):
+            cpu.request(m.PrefillRequest(seq_id=seq_id, token_ids=[1, 5, 6], return_features=False), m.PrefillResult)
+        items = [m.DecodeRequest(seq_id=1, token=7), m.DecodeRequest(seq_id=1, token=8),
+                 m.DecodeRequest(seq_id=3, token=7), m.DecodeRequest(seq_id=2, token=7)]
+        reply = cpu.request(m.StepBatch(items=items), m.StepBatchResult)
+        first, repeated, unknown, second = reply.items
+        assert isinstance(first, m.DecodeResult) and isinstance(second, m.DecodeResult)
+        assert first.token == second.token  # the same prompt and token: the same next token
+        assert isinstance(repeated, m.WorkerError) and "twice" in repeated.message
+        assert isinstance(unknown, m.WorkerError) and "not active" in unknown.message
+        # A third sequence beyond max_sequences ends the longest-held one.
+        cpu.request(m.PrefillRequest(seq_id=3, token_ids=[1, 2], return_features=False), m.PrefillResult)
+        with pytest.raises(WorkerRequestError, match="not active"):
+            cpu.request(m.DecodeRequest(seq_id=1, token=7), m.DecodeResult)
+        assert isinstance(cpu.request(m.DecodeRequest(seq_id=2, token=7), m.DecodeResult), m.DecodeResult)
+
+
+def test_a_draft_batch_item_for_an_unknown_sequence_fails_alone(demo_pair):
+    engine, drafter = demo_pair
+    with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
+        prefill = cpu.request(m.PrefillRequest(seq_id=1, token_ids=[1, 5, 6]), m.PrefillResult)
+        assert prefill.features is not None
+        fresh = m.DraftRequest(seq_id=1, tokens=[5, 6, prefill.token], features=prefill.features, shape=SHAPE,
+                               reset=True)
+        stale = m.DraftRequest(seq_id=9, tokens=[5], features=prefill.features, shape=SHAPE)
+        reply = gpu.request(m.DraftBatch(items=[fresh, stale]), m.DraftBatchResult)
+        drafted, refused = reply.items
+        assert isinstance(drafted, m.DraftResult) and drafted.tokens[0] == prefill.token
+        assert isinstance(refused, m.WorkerError) and "not active" in refused.message and refused.seq_id == 9
