@@ -363,6 +363,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Serving: requests that run at once. Each cycle their trees (or decode steps) are verified in one "
                    "pass of the target, each request getting exactly the tokens it would get alone; the others wait "
                    "in the queue. 1: one request at a time.")
+@click.option("--kv-memory", type=click.FloatRange(min=0.001), default=None,
+              help="Serving: GB of KV cache the running requests may reserve together. A request reserves what its "
+                   "prompt plus max_new_tokens can grow to; one that does not fit waits at the head of the queue "
+                   "until enough running requests end, and one that could not fit alone is refused "
+                   "(kv_budget_exceeded).  [default: 80% of the memory free once the models are loaded]")
 @click.option("--max-queue", type=click.IntRange(min=1), default=64,
               help="Serving: requests that may wait in all; beyond it a request is refused at once with 'busy'.")
 @click.option("--max-queue-per-client", type=click.IntRange(min=1), default=16,
@@ -427,7 +432,7 @@ def run_main(**values: Any) -> None:
 ONE_SHOT_ONLY = ("as_json", "compare_ar", "chat", "stops", "max_new_tokens", "temperature", "sample_top_k", "top_p",
                  "seed")
 SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout",
-                "max_batch")
+                "max_batch", "kv_memory")
 DRAFT_ONLY = ("draft", "draft_device", "draft_dtype", "draft_threads", "draft_cores", "tree_tokens", "depth",
               "tree_top_k")
 
@@ -486,7 +491,9 @@ def runtime_settings(options: RunOptions, target: str, draft: str | None) -> Run
                            max_len=models.max_len, log_level=options.log_level,
                            startup_timeout_s=workers.startup_timeout, max_restarts=workers.max_restarts,
                            worker_timeout_s="auto" if workers.worker_timeout is None else workers.worker_timeout,
-                           max_batch=1 if one_shot else options.serving.max_batch)
+                           max_batch=1 if one_shot else options.serving.max_batch,
+                           kv_memory_bytes=(None if options.serving.kv_memory is None
+                                            else int(options.serving.kv_memory * 1e9)))
 
 
 def serve_limits(serving: ServingOptions) -> ServeLimits:

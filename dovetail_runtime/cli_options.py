@@ -73,6 +73,7 @@ class ServingOptions:
     max_queue: int
     max_queue_per_client: int
     max_batch: int  # requests run at once, their steps verified together
+    kv_memory: float | None  # GB the running requests' KV caches may reserve; None: a share of free memory
     request_timeout: float | None
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import psutil
 
 from cpu_worker.model.model_dir import ModelLoadError, context_limit, is_gguf, read_config, resolve_model_dir
 from gpu_worker.head_layout import FeatureLayout, feature_layout
@@ -40,6 +41,7 @@ from ipc.channels import RuntimeDir
 from ipc.shm_ring import ShmRing, cycle_slots, slot_bytes_for
 from ipc.tree import TreeShape
 
+from .admission import KvBudget
 from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
@@ -50,6 +52,9 @@ from .tree_planner import AutoTree, TreePlanner, drafting_cannot_pay
 from .workers import WorkerFailed, WorkerHandle, WorkerRequestError
 
 log = logging.getLogger(__name__)
+
+# The share of the memory free after the models load that running requests' KV caches may take by default.
+KV_MEMORY_SHARE = 0.8
 
 RESTART_WINDOW_S = 600.0
 # One block is in flight per cycle; spare slots keep a slow reader from ever seeing a reused one.
@@ -111,6 +116,9 @@ class RuntimeSettings:
     worker_timeout_s: float | Literal["auto"] | None = "auto"
     # Requests run at once, their steps verified together (``batching``); 1: one at a time.
     max_batch: int = 1
+    # The KV memory the running requests may reserve (``admission``); None: a share of what is free
+    # once the models are loaded (KV_MEMORY_SHARE).
+    kv_memory_bytes: int | None = None
 
 
 class TooManyRestarts(RuntimeError):
@@ -421,6 +429,22 @@ class Coordinator:
             raise RuntimeError("a batch before start()")
         self._batcher = Batcher(self.cpu, self.gpu)
         return self._batcher
+
+    def kv_budget(self) -> KvBudget | None:
+        """The running requests' KV memory budget (serving admits by it): --kv-memory, or a share of
+        the memory free now that the models are loaded; None for a single request at a time."""
+        if self.cpu is None or self.cpu.info is None:
+            raise RuntimeError("a KV budget before start()")
+        info = self.cpu.info
+        if self.settings.max_batch <= 1 or info.kv_cache_bytes == 0:
+            return None
+        budget = self.settings.kv_memory_bytes
+        if budget is None:
+            budget = int(psutil.virtual_memory().available * KV_MEMORY_SHARE)
+        per_token = info.kv_cache_bytes / info.max_len
+        log.info("KV memory budget %.2f GB: %d full-context sequences of %.2f GB at once (--max-batch %d)",
+                 budget / 1e9, budget // info.kv_cache_bytes, info.kv_cache_bytes / 1e9, self.settings.max_batch)
+        return KvBudget(budget, per_token, info.max_len)
 
     def _batch_size(self) -> int:
         return max(1, len(self._batcher.streams)) if self._batcher is not None else 1

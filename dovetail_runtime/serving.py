@@ -34,6 +34,7 @@ from ipc import messages as m
 from ipc.channels import ChannelTimeout, RouterServer
 from ipc.codec import ProtocolError
 
+from .admission import KvBudget
 from .batching import Batcher, Stream
 from .batching import Outcome as LoopOutcome
 from .coordinator import Coordinator, OnText, Started, TooManyRestarts, error_reply
@@ -83,6 +84,8 @@ class Serving:
         self.active: list[Running] = []  # at most --max-batch, run side by side
         self.max_batch = max(1, coordinator.settings.max_batch)
         self.batcher: Batcher | None = None  # once the workers run
+        self.budget: KvBudget | None = None  # KV memory admission, once the workers run
+        self._held: Running | None = None  # begun, waiting for KV memory: the head of the line
         self.prompt_chars: int | None = None  # known once the tokenizer is loaded
         self._next_sweep = 0.0
         coordinator.while_waiting = self._while_busy
@@ -96,6 +99,7 @@ class Serving:
         try:
             self.coordinator.start()
             self.batcher = self.coordinator.batcher()
+            self.budget = self.coordinator.kv_budget()
             started = True
             self.prompt_chars = self.coordinator.max_prompt_chars()
             log.info("serving on %s", ", ".join(self.server.endpoints))
@@ -140,6 +144,7 @@ class Serving:
             log.exception("could not read the last client messages")
         items = [running.item for running in self.active if running.outcome != "gone"]
         self.active = []
+        self._held = None
         if self.batcher is not None:
             self.batcher.abort(ShuttingDown())
         items += self.queue.drain()
@@ -151,11 +156,44 @@ class Serving:
     # --- running requests ---------------------------------------------------------------
 
     def _admit_waiting(self) -> None:
-        """Start waiting requests while fewer than --max-batch run (each joins the next round)."""
+        """Start waiting requests while fewer than --max-batch run and the KV memory each can grow to
+        fits the budget (each joins the next round). One whose memory does not fit yet is held at the
+        head of the line (in ``active``, not started) until enough running requests end."""
+        while True:
+            running = self._held or self._begin_next()
+            if running is None:
+                return
+            self._held = None
+            begun = running.begun
+            assert begun is not None
+            if running.outcome is not None:  # cancelled, gone or past its deadline while held
+                self._end_unstarted(running)
+                continue
+            budget = self.budget
+            if budget is not None:
+                need = budget.need(len(begun.prompt_ids), begun.request.max_new_tokens)
+                if not budget.ever_fits(need):
+                    self.active.remove(running)
+                    self._answer(running.item.client, error_reply(begun.request.request_id, "kv_budget_exceeded",
+                                                                  budget.refusal(need)))
+                    continue
+                if not budget.fits(need):
+                    self._held = running
+                    return
+                budget.reserve(running, need)
+            assert self.batcher is not None
+            running.started = time.monotonic()
+            running.stream = self.batcher.add(begun.seq_id, begun.loop, begun.uses_gpu)
+            if running.stream.done:  # ended before its first step (a prompt that cannot fit)
+                self._finish(running)
+
+    def _begin_next(self) -> Running | None:
+        """The next waiting request, tokenized and its loop made (``Coordinator.begin``), once
+        fewer than --max-batch are in ``active``; None when none can begin now."""
         while len(self.active) < self.max_batch:
             item = self.queue.pop()
             if item is None:
-                return
+                return None
             if self.server.peer_gone(item.client):
                 self.coordinator.metrics.record_cancelled()
                 self._client_left(item.client, taken=1)
@@ -178,10 +216,22 @@ class Serving:
                 self._answer(item.client, begun)
                 continue
             running.begun = begun
-            assert self.batcher is not None
-            running.stream = self.batcher.add(begun.seq_id, begun.loop, begun.uses_gpu)
-            if running.stream.done:  # ended before its first step (a prompt that cannot fit)
-                self._finish(running)
+            return running
+        return None
+
+    def _end_unstarted(self, running: Running) -> None:
+        """Answer a held request that was cancelled, left or expired before it started."""
+        self.active.remove(running)
+        request = running.item.request
+        if running.outcome == "gone":
+            self.coordinator.metrics.record_cancelled()
+        elif running.outcome == "deadline":
+            self._answer(running.item.client, error_reply(
+                request.request_id, "deadline_exceeded", "the request's deadline passed while it waited for "
+                "KV memory"))
+        else:
+            self._answer(running.item.client, m.GenerateDone(request_id=request.request_id, token_ids=[], text="",
+                                                             finish_reason="cancelled"))
 
     def _on_text(self, running: Running) -> OnText:
         request, client = running.item.request, running.item.client
@@ -217,6 +267,8 @@ class Serving:
     def _finish(self, running: Running) -> None:
         """Answer a request whose loop ended (its reply, or why it stopped early)."""
         self.active.remove(running)
+        if self.budget is not None:
+            self.budget.release(running)
         metrics = self.coordinator.metrics
         item, begun, stream = running.item, running.begun, running.stream
         request = item.request
@@ -279,7 +331,9 @@ class Serving:
         elif isinstance(message, m.Ping):
             self._send(peer, m.Pong(nonce=message.nonce, ready=self.coordinator.workers_ready()))
         elif isinstance(message, m.MetricsRequest):
-            self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue), running=len(self.active)))
+            started = sum(running.stream is not None for running in self.active)
+            self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue) + len(self.active) - started,
+                                                            running=started))
 
     def _admit(self, peer: bytes, request: m.GenerateRequest) -> None:
         refusal = self._refuse_size(request)

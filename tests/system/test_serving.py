@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import zmq
 
+from dovetail_runtime.admission import KvBudget
 from dovetail_runtime.batching import Batcher
 from dovetail_runtime.coordinator import TooManyRestarts
 from dovetail_runtime.generation import Call
@@ -49,6 +50,7 @@ class StandInCpu:
 class StandInStarted:
     def __init__(self, request: m.GenerateRequest, seq_id: int, loop):
         self.request, self.seq_id, self.loop, self.uses_gpu = request, seq_id, loop, False
+        self.prompt_ids = [0] * len(request.prompt or "")  # a token per character
         self.ids: list[int] = []
 
 
@@ -56,8 +58,9 @@ class StandInCoordinator:
     """What Serving uses of a Coordinator; no workers. Each request's loop makes one (stand-in)
     decode step per token, so requests run side by side up to ``max_batch``."""
 
-    def __init__(self, max_batch: int = 1) -> None:
+    def __init__(self, max_batch: int = 1, budget: KvBudget | None = None) -> None:
         self.settings = types.SimpleNamespace(max_batch=max_batch)
+        self.budget = budget
         self.while_waiting: Callable[[], None] | None = None
         self.tokenizer: StandInTokenizer | None = None
         self.max_len = 100  # so prompts of more than 400 characters cannot fit
@@ -89,6 +92,9 @@ class StandInCoordinator:
 
     def batcher(self) -> Batcher:
         return Batcher(StandInCpu(), None)
+
+    def kv_budget(self) -> KvBudget | None:
+        return self.budget
 
     def begin(self, request: m.GenerateRequest, on_text) -> StandInStarted:
         self.ran.append(request.request_id)
@@ -491,3 +497,73 @@ def test_a_stop_answers_every_running_request_of_a_batch(serve):
         assert isinstance(reply, m.ErrorReply) and reply.code == "shutting_down", reply
     harness.thread.join(WAIT_S)
     assert harness.error is None
+
+
+def kv_budget_of(tokens: int) -> KvBudget:
+    """A budget of ``tokens`` tokens' KV cache (a byte each), in a context of 100."""
+    return KvBudget(tokens, bytes_per_token=1.0, max_len=100)
+
+
+def metrics(client: Channel) -> m.MetricsReply:
+    client.send(m.MetricsRequest())
+    while True:
+        reply = client.recv(timeout_ms=WAIT_S * 1000)
+        if isinstance(reply, m.MetricsReply):
+            return reply
+
+
+def test_a_request_whose_kv_cache_does_not_fit_waits_at_the_head_of_the_line(serve):
+    harness = serve(coordinator=StandInCoordinator(max_batch=4, budget=kv_budget_of(80)))
+    big, held, small = harness.client(), harness.client(), harness.client()
+    send(big, "big", "block", max_new_tokens=55)  # 5 + 55 = 60 of 80 tokens
+    harness.wait_for(lambda: harness.coordinator.ran == ["big"], "the first to run")
+    send(held, "held", "x", max_new_tokens=30)  # 31: does not fit beside it
+    harness.wait_for(lambda: harness.serving._held is not None, "the second to be held")
+    send(small, "small", "x", max_new_tokens=3)  # 4 would fit, but must not jump the held one
+    harness.wait_for(lambda: len(harness.serving.queue) == 1, "the third to wait")
+    seen = metrics(small)
+    assert (seen.running, seen.queue_depth) == (1, 2)
+    assert harness.coordinator.ran == ["big", "held"] and "held" not in harness.coordinator.ended
+    big.send(m.Cancel(request_id="big"))
+    assert final(big, "big").finish_reason == "cancelled"
+    assert final(held, "held").finish_reason == "length"
+    assert final(small, "small").finish_reason == "length"
+    assert harness.coordinator.ran == ["big", "held", "small"]
+    assert harness.serving.budget is not None and harness.serving.budget.reserved_bytes == 0
+
+
+def test_a_request_that_could_never_fit_the_kv_budget_is_refused_and_others_run(serve):
+    harness = serve(coordinator=StandInCoordinator(max_batch=4, budget=kv_budget_of(50)))
+    client = harness.client()
+    send(client, "huge", "x", max_new_tokens=60)  # 61 tokens > 50
+    refused = final(client, "huge")
+    assert isinstance(refused, m.ErrorReply) and refused.code == "kv_budget_exceeded"
+    assert "--kv-memory" in refused.message and "max_new_tokens" in refused.message
+    send(client, "fits", "x", max_new_tokens=40)
+    assert final(client, "fits").finish_reason == "length"
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline", "leave"])
+def test_a_request_held_for_kv_memory_can_be_cancelled_expire_or_leave(serve, how):
+    harness = serve(coordinator=StandInCoordinator(max_batch=4, budget=kv_budget_of(80)))
+    big, held = harness.client(), harness.client()
+    send(big, "big", "block", max_new_tokens=55, stream=True)
+    harness.wait_for(lambda: harness.coordinator.ran == ["big"], "the first to run")
+    send(held, "held", "x", max_new_tokens=30, deadline_ms=100 if how == "deadline" else None)
+    harness.wait_for(lambda: harness.serving._held is not None, "the second to be held")
+    if how == "cancel":
+        held.send(m.Cancel(request_id="held"))
+        done = final(held, "held")
+        assert isinstance(done, m.GenerateDone) and done.finish_reason == "cancelled" and done.token_ids == []
+    elif how == "deadline":
+        late = final(held, "held")
+        assert isinstance(late, m.ErrorReply) and late.code == "deadline_exceeded" and "KV memory" in late.message
+    else:
+        held.close()
+        harness.wait_for(lambda: harness.serving._held is None and len(harness.serving.active) == 1,
+                         "the leaver to be let go")
+    harness.wait_for(lambda: harness.serving._held is None, "the held one to be let go")
+    assert "held" not in harness.coordinator.ended  # it never ran a step
+    assert "big" not in harness.coordinator.ended  # the running one went on
+    big.send(m.Cancel(request_id="big"))
+    assert final(big, "big").finish_reason == "cancelled"
