@@ -165,13 +165,17 @@ class TargetEngine:
             )
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int]) -> StepOutput:
-        """Run the prompt from an empty cache; features for every prompt position."""
+    def prefill(self, token_ids: Sequence[int], offset: int = 0) -> StepOutput:
+        """Run the prompt from an empty cache, or (``offset`` > 0) one more chunk of it after the
+        ``offset`` prompt tokens cached so far; features for every position of the chunk."""
         if len(token_ids) == 0:
             raise ValueError("prefill needs at least one token")
-        self.reset()
-        # Every mode prefills a prompt in this one call, so its rows may take a faster GEMM whose
-        # bits depend on the row count (fp32); decodes and trees never do.
+        if offset == 0:
+            self.reset()
+        elif offset != self.committed:
+            raise ValueError(f"a prompt chunk at offset {offset}, but the sequence holds {self.committed} tokens")
+        # Every mode prefills a prompt in the same chunks (``Job.prefill_chunk``), so its rows may
+        # take a faster GEMM whose bits depend on the row count (fp32); decodes and trees never do.
         with prompt_rows():
             return self.extend(token_ids)
 

@@ -41,6 +41,9 @@ class _Sequence:
     engine: TargetEngine  # its own KV cache on the shared model
     sampler: Sampler
     logprobs: int | None  # alternatives per token; None: off
+    # While its prompt arrives in chunks: the feature rows so far (None once the prompt is in).
+    prompt_features: list[torch.Tensor] | None = None
+    return_features: bool = True
 
 
 class TargetService:
@@ -63,10 +66,16 @@ class TargetService:
         self.sequences: dict[int, _Sequence] = {}  # in the order they were prefilled
         self._spare: list[TargetEngine] = [engine]  # caches no sequence holds, reused before new ones
 
-    def _sequence(self, seq_id: int) -> _Sequence:
+    def _sequence(self, seq_id: int, prompt_complete: bool = True) -> _Sequence:
+        """An active sequence; with ``prompt_complete`` one whose whole prompt is in (a step of a
+        sequence still between prompt chunks is refused), else one still between them."""
         sequence = self.sequences.get(seq_id)
         if sequence is None:
             raise SequenceError(f"sequence {seq_id} is not active (active: {sorted(self.sequences) or 'none'})")
+        if prompt_complete and sequence.prompt_features is not None:
+            raise SequenceError(f"sequence {seq_id}'s prompt is not complete: more chunks must come first")
+        if not prompt_complete and sequence.prompt_features is None:
+            raise SequenceError(f"sequence {seq_id}'s prompt is complete: no chunk can follow it")
         return sequence
 
     def _end(self, seq_id: int) -> None:
@@ -79,8 +88,36 @@ class TargetService:
         for seq_id in list(self.sequences):
             self._end(seq_id)
 
-    def prefill(self, request: m.PrefillRequest) -> m.PrefillResult:
+    def prefill(self, request: m.PrefillRequest) -> m.PrefillResult | m.PrefillPartial:
+        """A prompt, or one chunk of it (``offset``, ``more``): the last chunk answers for the
+        whole prompt, its feature rows written to the prefill ring at once."""
         started = time.perf_counter()
+        sequence = (self._start(request) if request.offset == 0 else
+                    self._sequence(request.seq_id, prompt_complete=False))
+        try:
+            step = sequence.engine.prefill(request.token_ids, request.offset)
+        except (ContextOverflowError, ValueError) as error:
+            self._end(request.seq_id)
+            raise SequenceError(str(error)) from None
+        features = sequence.prompt_features
+        assert features is not None
+        if sequence.return_features:
+            features.append(step.features)
+        if request.more:
+            return m.PrefillPartial(seq_id=request.seq_id, compute_ms=(time.perf_counter() - started) * 1e3)
+        sequence.prompt_features = None
+        ring_ref = (self.prefill_ring.write(features[0] if len(features) == 1 else torch.cat(features))
+                    if sequence.return_features else None)
+        # The new token's position is the prompt's length.
+        prompt_length = request.offset + len(request.token_ids)
+        token = sequence.sampler.pick(step.logits, prompt_length)
+        return m.PrefillResult(seq_id=request.seq_id, token=token, features=ring_ref,
+                               compute_ms=(time.perf_counter() - started) * 1e3,
+                               logprob=_logprob(sequence, step.logits, token))
+
+    def _start(self, request: m.PrefillRequest) -> _Sequence:
+        """A new sequence for a prompt's first chunk, on a free cache (ending the longest-held
+        sequence when all ``max_sequences`` are taken)."""
         self._end(request.seq_id)
         while len(self.sequences) >= self.max_sequences:
             oldest = next(iter(self.sequences))
@@ -88,20 +125,11 @@ class TargetService:
                         request.seq_id, self.max_sequences)
             self._end(oldest)
         engine = self._spare.pop() if self._spare else self.engine.sibling()
-        sampler = Sampler(request.sampling)
-        try:
-            step = engine.prefill(request.token_ids)
-        except (ContextOverflowError, ValueError) as error:
-            engine.reset()
-            self._spare.append(engine)
-            raise SequenceError(str(error)) from None
-        sequence = self.sequences[request.seq_id] = _Sequence(engine, sampler, request.logprobs)
-        features = self.prefill_ring.write(step.features) if request.return_features else None
-        # The new token's position is the prompt's length.
-        token = sampler.pick(step.logits, len(request.token_ids))
-        return m.PrefillResult(seq_id=request.seq_id, token=token, features=features,
-                               compute_ms=(time.perf_counter() - started) * 1e3,
-                               logprob=_logprob(sequence, step.logits, token))
+        engine.reset()
+        sequence = _Sequence(engine, Sampler(request.sampling), request.logprobs, prompt_features=[],
+                             return_features=request.return_features)
+        self.sequences[request.seq_id] = sequence
+        return sequence
 
     def verify(self, request: m.VerifyRequest) -> m.VerifyResult:
         sequence = self._sequence(request.seq_id)

@@ -7,9 +7,11 @@ forward (``cpu_worker.batched``), each sequence getting exactly the result it wo
 On a memory-bound CPU that pass costs little more than one sequence's, so N streams run at
 nearly N times the tokens per second of one.
 
-A new sequence's prefill runs on its own, at most one per round: its prompt's feature rows wait
-in the prefill ring's single slot until its first draft reads them, in the next round. So a new
-prompt delays the running streams by one prefill.
+A new sequence's prefill runs on its own, at most one call per round: a long prompt comes in
+chunks (``Job.prefill_chunk``, 256 tokens by default), one per round, so it delays the running
+streams by one chunk per round, never by its whole prefill. Only the last chunk's answer carries
+the prompt's feature rows; they wait in the prefill ring's single slot until the sequence's first
+draft reads them, in the next round.
 
 A call that fails for one sequence (a WorkerError item) ends that stream alone; a worker that
 dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream (``abort``).

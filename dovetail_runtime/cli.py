@@ -37,6 +37,7 @@ from .cli_options import (
     run_options,
 )
 from .demo_models import CODE_DRAFT, CODE_TARGET, FETCH_HINT, SMOLLM2_DRAFT, SMOLLM2_GGUF, real_pair_present
+from .generation import DEFAULT_PREFILL_CHUNK
 from .tree_planner import TREE_SIZES, AutoTree
 
 if TYPE_CHECKING:
@@ -340,6 +341,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--max-len", type=click.IntRange(min=2), default=None,
               help="Context length (KV cache) in tokens: prompt plus new tokens. The cache is reserved for it "
                    "and committed as it fills.  [default: the model's context, at most 4096]")
+@click.option("--prefill-chunk", type=click.IntRange(min=0, max=1 << 20), default=DEFAULT_PREFILL_CHUNK,
+              show_default=True,
+              help="Prompt tokens per prefill pass. A longer prompt is run in chunks, one per cycle of the running "
+                   "requests, so it delays them by one chunk at a time. Every request and mode takes the same "
+                   "chunks (its tokens never depend on what runs beside it). 0: each prompt in one pass.")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail",
               help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline).")
 @click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")
@@ -488,7 +494,8 @@ def runtime_settings(options: RunOptions, target: str, draft: str | None) -> Run
                            draft_device=models.draft_device, draft_dtype=models.draft_dtype,
                            draft_threads=placement.draft_threads, draft_cores=placement.draft_cores,
                            tree=make_tree(tree.tree_tokens, tree.depth, tree.tree_top_k), mode=models.mode,
-                           max_len=models.max_len, log_level=options.log_level,
+                           max_len=models.max_len, prefill_chunk=models.prefill_chunk or None,
+                           log_level=options.log_level,
                            startup_timeout_s=workers.startup_timeout, max_restarts=workers.max_restarts,
                            worker_timeout_s="auto" if workers.worker_timeout is None else workers.worker_timeout,
                            max_batch=1 if one_shot else options.serving.max_batch,

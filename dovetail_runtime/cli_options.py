@@ -21,7 +21,7 @@ G = TypeVar("G")
 @dataclass(frozen=True)
 class ModelOptions:
     """What runs: the target and draft folders (None: the bundled demo pair), their
-    precisions, the draft's device, the context and the decoding mode."""
+    precisions, the draft's device, the context, the decoding mode and the prefill's chunks."""
 
     target: str | None
     draft: str | None
@@ -31,6 +31,7 @@ class ModelOptions:
     draft_dtype: str
     max_len: int | None
     mode: str
+    prefill_chunk: int  # prompt tokens per prefill call; 0: a whole prompt in one
 
 
 @dataclass(frozen=True)

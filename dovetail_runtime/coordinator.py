@@ -44,7 +44,7 @@ from ipc.tree import TreeShape
 from .admission import KvBudget
 from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
-from .generation import Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
+from .generation import DEFAULT_PREFILL_CHUNK, Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
 from .metrics import ServerMetrics
 from .text import TextStream
 from .tokenizer import Tokenizer
@@ -119,6 +119,10 @@ class RuntimeSettings:
     # The KV memory the running requests may reserve (``admission``); None: a share of what is free
     # once the models are loaded (KV_MEMORY_SHARE).
     kv_memory_bytes: int | None = None
+    # Prompt tokens per prefill call: a long prompt joins a running batch one chunk per round.
+    # Every request and mode takes the same chunks, so a prompt's bits never depend on what runs
+    # beside it. None: each prompt in one call.
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
 
 
 class TooManyRestarts(RuntimeError):
@@ -391,7 +395,8 @@ class Coordinator:
         except ChatTemplateError as error:
             return error_reply(request.request_id, error.code, message=str(error))
         job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
-                  self.tokenizer.eos_token_ids, self.max_len, logprobs=request.logprobs)
+                  self.tokenizer.eos_token_ids, self.max_len, logprobs=request.logprobs,
+                  prefill_chunk=self.settings.prefill_chunk)
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
                           job.seq_id, request.mode == "dovetail", on_text)

@@ -1,7 +1,8 @@
 """One request's decoding loop, driven by the coordinator over the two workers.
 
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... ; ar mode: prefill ->
-decode -> decode ... on the cpu_worker alone. Each loop is a generator (``ar_steps``,
+decode -> decode ... on the cpu_worker alone. A long prompt's prefill is several calls, one per
+chunk of ``Job.prefill_chunk`` tokens. Each loop is a generator (``ar_steps``,
 ``dovetail_steps``) that yields its next worker request (a ``Call``) and is sent the reply, so
 one driver runs it alone (``run_alone``: ``generate_ar``, ``generate_dovetail``) and another
 runs many side by side, their calls merged into batches (``dovetail_runtime.batching``).
@@ -23,12 +24,17 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
+import msgspec
+
 from ipc import messages as m
 from ipc.tree import TreeShape
 
 from .tree_planner import FixedTree, ShapePlanner
 
 Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
+# Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
+# prompt delays the running requests by one such chunk per round.
+DEFAULT_PREFILL_CHUNK = 256
 FinishReason = Literal["stop", "length"]
 R = TypeVar("R", bound=m.Message)
 
@@ -56,6 +62,9 @@ class Job:
     eos_token_ids: frozenset[int]
     max_len: int
     logprobs: int | None = None  # alternatives per token's log-probability; None: none
+    # Prompt tokens per prefill call (``prefill_steps``); None: the whole prompt in one. Every mode
+    # chunks a prompt alike, so its bits never depend on the mode or on what else runs.
+    prefill_chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,28 @@ def _reply(reply: m.Message, expect: type[R]) -> R:
     return reply
 
 
+def prefill_steps(job: Job, return_features: bool) -> Generator[Call, m.Message, m.PrefillResult]:
+    """The prompt's prefill, ``job.prefill_chunk`` tokens per call (a batch runs one call per round,
+    so a long prompt holds up the running streams one chunk at a time, not for its whole prefill);
+    returns the last chunk's PrefillResult, its compute time the sum of all chunks'."""
+    prompt = job.prompt_ids
+    size = job.prefill_chunk or len(prompt)
+    if size < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {size}")
+    compute_ms = 0.0
+    for offset in range(0, len(prompt), size):
+        more = offset + size < len(prompt)
+        request = m.PrefillRequest(seq_id=job.seq_id, token_ids=prompt[offset:offset + size], sampling=job.sampling,
+                                   return_features=return_features, logprobs=job.logprobs, offset=offset, more=more)
+        if more:
+            partial = _reply((yield Call("cpu", request, m.PrefillPartial)), m.PrefillPartial)
+            compute_ms += partial.compute_ms
+            continue
+        result = _reply((yield Call("cpu", request, m.PrefillResult)), m.PrefillResult)
+        return msgspec.structs.replace(result, compute_ms=compute_ms + result.compute_ms)
+    raise PromptTooLong("the prompt is empty after tokenization")
+
+
 def ar_steps(job: Job, emit: Emit) -> Steps:
     seq_id, context = job.seq_id, Context(job.max_len)
     stats = Stats()
@@ -153,10 +184,7 @@ def ar_steps(job: Job, emit: Emit) -> Steps:
     started = time.perf_counter()
     try:
         context.check_prompt(job.prompt_ids)
-        result = _reply((yield Call("cpu", m.PrefillRequest(seq_id=seq_id, token_ids=job.prompt_ids,
-                                                              sampling=job.sampling, return_features=False,
-                                                              logprobs=job.logprobs), m.PrefillResult)),
-                        m.PrefillResult)
+        result = yield from prefill_steps(job, return_features=False)
         stats.prefill_ms = result.compute_ms
         token, logprob = result.token, result.logprob
         length = len(job.prompt_ids) + 1
@@ -187,9 +215,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
-        prefill = _reply((yield Call("cpu", m.PrefillRequest(seq_id=seq_id, token_ids=prompt_ids,
-                                                               sampling=job.sampling, logprobs=job.logprobs),
-                                     m.PrefillResult)), m.PrefillResult)
+        prefill = yield from prefill_steps(job, return_features=True)
         stats.prefill_ms = prefill.compute_ms
         if prefill.features is None:
             raise RuntimeError("the cpu_worker returned no prompt features")

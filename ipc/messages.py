@@ -239,13 +239,25 @@ class MetricsReply(Message):
 
 
 class PrefillRequest(Message):
-    """Start sequence ``seq_id``; the worker keeps ``sampling`` for the whole sequence."""
+    """Run a prompt, or one chunk of it. ``offset`` 0 starts sequence ``seq_id`` (the worker keeps
+    ``sampling`` and ``logprobs`` for the whole sequence); a later chunk names the prompt tokens
+    already cached as its ``offset``. ``more``: chunks follow, answered with a PrefillPartial; the
+    last chunk is answered with the PrefillResult of the whole prompt."""
 
     seq_id: SeqId
     token_ids: TokenIds
     sampling: Sampling = field(default_factory=Sampling)
     return_features: bool = True
     logprobs: LogprobCount | None = None  # every result of the sequence carries TokenLogprobs
+    offset: Count = 0
+    more: bool = False
+
+
+class PrefillPartial(Message):
+    """A prompt chunk is cached; send the next one."""
+
+    seq_id: SeqId
+    compute_ms: Millis = 0.0
 
 
 class PrefillResult(Message):
@@ -507,8 +519,8 @@ CLIENT_TO_COORDINATOR: tuple[type[Message], ...] = (GenerateRequest, Cancel, Pin
 COORDINATOR_TO_CLIENT: tuple[type[Message], ...] = (TokenChunk, GenerateDone, ErrorReply, Pong, MetricsReply)
 TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, StepBatch, ReleaseSequence,
                                             MeasureVerifyCost, Shutdown, Ping)
-FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, VerifyResult, DecodeResult, StepBatchResult, VerifyCost,
-                                              Ready, WorkerError, Pong)
+FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, PrefillPartial, VerifyResult, DecodeResult,
+                                              StepBatchResult, VerifyCost, Ready, WorkerError, Pong)
 TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, DraftBatch, ReleaseSequence, MeasureDraftCost, Shutdown,
                                             Ping)
 FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, DraftBatchResult, DraftCost, Ready, WorkerError, Pong)

@@ -8,8 +8,9 @@ exactly lossless. The kernel streams the weight once per call and runs up to 4 r
 small trees need: there it beats MKL's packed sgemm (``fp32_packed``, the other exact kernel)
 and ``F.linear`` from 4 rows on and costs about ``F.linear``'s one row.
 
-A prompt is different: its rows are computed by the same call in ``--mode ar`` and in Dovetail,
-so they need not match a decode's bits, only be fast, and from 64 rows on a GEMM is faster.
+A prompt is different: its rows are computed by the same calls in ``--mode ar`` and in Dovetail
+(the same chunks, ``--prefill-chunk``, alone or batched), so they need not match a decode's bits,
+only be fast, and from 64 rows on a GEMM is faster.
 Inside ``prompt_rows()`` (the engine's prefill) calls of ``PROMPT_GEMM_ROWS`` rows or more go to
 ``F.linear``; so do calls of more than ``MAX_KERNEL_ROWS`` rows anywhere (no tree is that large).
 Measurements: docs/kernels.md, "fp32 row kernel" (``python -m tools.bench_fp32_kernel``).

@@ -1,6 +1,7 @@
-"""Many requests at once through a real dovetail-run (--max-batch 4) on the demo pair: each stream's
-tokens are exactly what it gets alone (greedy dovetail and ar, seeded sampling), whatever else runs
-beside it, and one stream's cancel or bad input changes nobody else's."""
+"""Many requests at once through a real dovetail-run (--max-batch 4, prompts in chunks of 4 tokens)
+on the demo pair: each stream's tokens are exactly what it gets alone (greedy dovetail and ar,
+seeded sampling), whatever else runs beside it, and one stream's cancel or bad input changes
+nobody else's."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def request(index: int) -> dict:
 @pytest.fixture(scope="module")
 def batch_server(tmp_path_factory, demo_target, demo_draft):
     socket_dir = tmp_path_factory.mktemp("batch")
+    # Prompts of more than 4 tokens come in chunks, each stream's chunks between the others' cycles.
     running = Server("--target", str(demo_target), "--draft", str(demo_draft), "--max-batch", "4",
-                     "--bind", f"ipc://{socket_dir}/batch.sock")
+                     "--prefill-chunk", "4", "--bind", f"ipc://{socket_dir}/batch.sock")
     yield running
     assert running.stop() == 0
 

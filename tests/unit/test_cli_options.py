@@ -27,10 +27,11 @@ def test_every_dovetail_run_option_lands_in_its_group():
     values = parsed(cli.run_main, ["--target", "/t", "--draft", "/d", "--cpu-cores", "0-3", "--draft-threads", "2",
                                    "--tree-tokens", "auto:32", "--depth", "5", "--prompt", "a", "--prompt", "b",
                                    "--stop", "\n", "--bind", "127.0.0.1:5555", "--max-queue", "9", "--seed", "3",
-                                   "--log-level", "debug", "--worker-timeout", "12"])
+                                   "--log-level", "debug", "--worker-timeout", "12", "--prefill-chunk", "64"])
     options = run_options(values)
     assert options.models == ModelOptions(target="/t", draft="/d", target_dtype="auto", kv_dtype="auto",
-                                          draft_device="auto", draft_dtype="auto", max_len=None, mode="dovetail")
+                                          draft_device="auto", draft_dtype="auto", max_len=None, mode="dovetail",
+                                          prefill_chunk=64)
     assert options.placement == CpuPlacement(cpu_threads=None, cpu_cores=[0, 1, 2, 3], draft_threads=2,
                                              draft_cores=None)
     assert (options.tree.tree_tokens, options.tree.depth, options.tree.tree_top_k) == (("auto", 32), 5, 8)

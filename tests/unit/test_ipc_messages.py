@@ -90,6 +90,8 @@ SAMPLES = [
                    new_tokens=90, cycles=30, cycle_tokens=86, prefill_s=0.5, draft_s=1.25, verify_s=2.0,
                    ipc_s=0.125, queue_depth=2, running=1, worker_restarts=1, uptime_s=12.5),
     M.Shutdown(),
+    M.PrefillRequest(seq_id=9, token_ids=[5, 6, 7], offset=256, more=True),  # a prompt chunk
+    M.PrefillPartial(seq_id=9, compute_ms=3.5),
 ]
 
 

@@ -1,0 +1,140 @@
+"""A long prompt prefilled in chunks (``Job.prefill_chunk``, ``PrefillRequest.offset/more``): the
+chunks compute the prompt the whole-prompt prefill computes, the worker answers the last chunk for
+the whole prompt (every row's features), a stream in chunks gets the tokens it gets alone and lets
+the running streams step between its chunks, and chunks out of order are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpu_worker.server import build_engine
+from dovetail_runtime.batching import Batcher
+from dovetail_runtime.generation import Job, ar_steps, dovetail_steps, run_alone
+from dovetail_runtime.local_workers import local_workers
+from dovetail_runtime.workers import WorkerRequestError
+from gpu_worker.drafter import Drafter
+from ipc import messages as m
+from ipc.tree import TreeShape
+
+DEMO = Path(__file__).resolve().parents[2] / "demo"
+SHAPE = TreeShape.clamped(8, 4, 4)
+LONG = [1] + [(37 * index) % 900 + 20 for index in range(1, 70)]  # 70 tokens
+SHORT = [1, 500, 600, 700, 42]
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    engine, _ = build_engine(str(DEMO / "target-code-9m"), "int8", 256)
+    drafter = Drafter.from_pretrained(DEMO / "draft-dgf", DEMO / "target-code-9m", max_len=256, device="cpu")
+    return engine, drafter
+
+
+def make_job(seq_id: int, prompt: list[int], chunk: int | None, max_new_tokens: int = 16) -> Job:
+    return Job(seq_id=seq_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=m.Sampling(),
+               eos_token_ids=frozenset(), max_len=256, prefill_chunk=chunk)
+
+
+def collect(tokens: list[int]):
+    def emit(new: list[int], _logprobs) -> bool:
+        tokens.extend(new)
+        return False
+    return emit
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_prompt_in_chunks_computes_what_the_whole_prompt_does(precision):
+    engine, _ = build_engine(str(DEMO / "target-code-9m"), precision, 256)
+    whole = engine.prefill(LONG)
+    whole_keys = engine.cache.keys[..., : len(LONG), :].clone()
+    rows = []
+    for offset in range(0, len(LONG), 16):
+        last = engine.prefill(LONG[offset:offset + 16], offset)
+        rows.append(last.features)
+    assert engine.committed == len(LONG)
+    chunked = torch.cat(rows)
+    assert chunked.shape == whole.features.shape
+    torch.testing.assert_close(chunked, whole.features, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(engine.cache.keys[..., : len(LONG), :], whole_keys, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="offset 3, but the sequence holds 70"):
+        engine.prefill([5], 3)
+
+
+def test_the_worker_answers_the_last_chunk_with_every_prompt_rows_features(demo_pair):
+    engine, _ = demo_pair
+    with local_workers(engine, max_sequences=2) as (cpu, _):
+        whole = cpu.request(m.PrefillRequest(seq_id=1, token_ids=LONG), m.PrefillResult)
+        assert whole.features is not None and whole.features.rows == len(LONG)
+        for offset in (0, 32):
+            partial = cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[offset:offset + 32], offset=offset,
+                                                   more=True), m.PrefillPartial)
+            assert partial.seq_id == 2
+        # A step before the prompt is complete, or a chunk at the wrong offset, is refused.
+        with pytest.raises(WorkerRequestError, match="not complete"):
+            cpu.request(m.DecodeRequest(seq_id=2, token=5), m.DecodeResult)
+        cpu.send(m.ReleaseSequence(seq_id=2))
+        with pytest.raises(WorkerRequestError, match="not active"):
+            cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[64:], offset=64), m.PrefillResult)
+        # A complete prompt takes no more chunks.
+        with pytest.raises(WorkerRequestError, match="is complete"):
+            cpu.request(m.PrefillRequest(seq_id=1, token_ids=[5], offset=len(LONG)), m.PrefillResult)
+        for offset in (0, 32):
+            cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[offset:offset + 32], offset=offset, more=True),
+                        m.PrefillPartial)
+        last = cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[64:], offset=64), m.PrefillResult)
+        assert last.features is not None and last.features.rows == len(LONG)
+        assert last.compute_ms > 0
+
+
+@pytest.mark.parametrize("dovetail", [True, False])
+def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between_its_chunks(demo_pair, dovetail):
+    engine, drafter = demo_pair
+
+    def steps(job: Job, tokens: list[int]):
+        return dovetail_steps(job, SHAPE, collect(tokens)) if dovetail else ar_steps(job, collect(tokens))
+
+    alone: list[int] = []
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        run_alone(steps(make_job(1, LONG, 16), alone), cpu, gpu)
+    running_alone: list[int] = []
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        run_alone(steps(make_job(2, SHORT, 16, max_new_tokens=40), running_alone), cpu, gpu)
+    assert len(alone) == 16 and len(running_alone) == 40
+
+    long_tokens: list[int] = []
+    short_tokens: list[int] = []
+    with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
+        batcher = Batcher(cpu, gpu)
+        short = batcher.add(2, steps(make_job(2, SHORT, 16, max_new_tokens=40), short_tokens), uses_gpu=dovetail)
+        batcher.round()  # its prefill
+        batcher.round()
+        long = batcher.add(1, steps(make_job(1, LONG, 16), long_tokens), uses_gpu=dovetail)
+        offsets = []
+        while long.call is not None and isinstance(long.call.message, m.PrefillRequest):
+            offsets.append(long.call.message.offset)
+            before = len(short_tokens)
+            batcher.round()
+            assert len(short_tokens) > before  # the running stream stepped in the same round
+        assert offsets == [0, 16, 32, 48, 64]
+        while batcher.streams:
+            batcher.round()
+    assert long.outcome is not None and short.outcome is not None
+    assert long_tokens == alone and short_tokens == running_alone
+
+
+def test_the_flag_sets_the_chunk_for_every_request_and_0_means_whole_prompts():
+    from dovetail_runtime import cli
+    from dovetail_runtime.cli_options import run_options
+    from dovetail_runtime.generation import DEFAULT_PREFILL_CHUNK
+
+    def chunk(*flags: str) -> int | None:
+        context = cli.run_main.make_context("dovetail-run", ["--target", "/t", *flags])
+        return cli.runtime_settings(run_options(context.params), "/t", None).prefill_chunk
+
+    assert chunk() == DEFAULT_PREFILL_CHUNK == 256
+    assert chunk("--prefill-chunk", "32") == 32
+    assert chunk("--prefill-chunk", "0") is None
+    assert chunk("--prefill-chunk", "32", "--prompt", "hi") == 32  # one-shot runs chunk alike
