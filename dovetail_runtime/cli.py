@@ -287,6 +287,10 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="With --http: let web pages from ORIGIN (e.g. http://localhost:3000; repeatable; * for any) "
                    "call the HTTP API from a browser (CORS). The API key, if any, is still needed. [default: no "
                    "CORS headers: browsers refuse cross-origin calls]")
+@click.option("--served-model-name", default=None, metavar="NAME",
+              help="With --http: the model's name in the API (/v1/models, and the 'model' field requests may give), "
+                   "e.g. the same name on every replica behind a router. [default: the target folder's or file's "
+                   "name]")
 @api_key_options
 @click.option("--allow-remote", is_flag=True, expose_value=False, hidden=True, callback=refuse_allow_remote,
               help="Refused: serving beyond loopback needs an API key.")
@@ -414,6 +418,9 @@ def run_main(**values: Any) -> None:
     if serving.http_address is not None and all_prompts:
         raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
     warn_ignored_options(one_shot_run=bool(all_prompts), mode=options.models.mode)
+    http_only = options_given(("served_model_name", "cors_origins"))
+    if serving.http_address is None and http_only and not all_prompts:
+        log.warning("%s: only with --http: ignored", ", ".join(http_only))
     sampling = make_sampling(**dataclasses.asdict(options.sampling))
     settings = runtime_settings(options, target, draft)
     try:
@@ -430,7 +437,7 @@ def run_main(**values: Any) -> None:
         log.warning("%s", shared)
     if not all_prompts:
         sys.exit(serve_clients(settings, list(serving.binds), key, serve_limits(serving), serving.http_address,
-                               options.log_level, serving.cors_origins))
+                               options.log_level, serving.cors_origins, serving.served_model_name))
     sys.exit(run_one_shot(settings, all_prompts, one_shot, sampling))
 
 
@@ -438,7 +445,7 @@ def run_main(**values: Any) -> None:
 ONE_SHOT_ONLY = ("as_json", "compare_ar", "chat", "stops", "max_new_tokens", "temperature", "sample_top_k", "top_p",
                  "seed")
 SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout",
-                "max_batch", "kv_memory")
+                "max_batch", "kv_memory", "served_model_name")
 DRAFT_ONLY = ("draft", "draft_device", "draft_dtype", "draft_threads", "draft_cores", "tree_tokens", "depth",
               "tree_top_k")
 
@@ -541,20 +548,21 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
         coordinator.close()
 
 
-def served_model(target: str, coordinator, mode: str):
-    """How the HTTP API names and describes the model: the target folder's name."""
+def served_model(target: str, coordinator, mode: str, name: str | None = None):
+    """How the HTTP API names and describes the model: ``name``, else the target folder's name."""
     import time
 
     from .http_server import ServedModel, body_limit
 
-    return ServedModel(name=Path(target.rstrip("/")).name or target, context=coordinator.max_len,
+    return ServedModel(name=name or Path(target.rstrip("/")).name or target, context=coordinator.max_len,
                        default_mode=mode, created=int(time.time()),
                        max_body_bytes=body_limit(coordinator.max_prompt_chars()), tokenizer=coordinator.tokenizer,
                        chat_template=coordinator.chat_template)
 
 
 def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | None, limits: ServeLimits,
-                  http_address: str | None = None, log_level: str = "info", cors_origins: tuple[str, ...] = ()) -> int:
+                  http_address: str | None = None, log_level: str = "info", cors_origins: tuple[str, ...] = (),
+                  model_name: str | None = None) -> int:
     """Bind the client socket (and the HTTP port) first, so a taken port or path, or an address
     beyond loopback without an API key, fails in a second, not after the models load; then
     start the workers and serve until SIGINT/SIGTERM. The exit status."""
@@ -577,7 +585,7 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
     def ready(endpoints: list[str]) -> None:
         shown = [endpoint for endpoint in endpoints if not endpoint.startswith("inproc://")]
         if frontend is not None:
-            frontend.start(served_model(settings.target, coordinator, settings.mode), log_level)
+            frontend.start(served_model(settings.target, coordinator, settings.mode, model_name), log_level)
             shown.append(frontend.url)
         print(f"dovetail serving on {' '.join(shown)}", file=sys.stderr, flush=True)
 

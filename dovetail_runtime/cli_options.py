@@ -69,6 +69,7 @@ class ServingOptions:
     binds: tuple[str, ...]
     http_address: str | None
     cors_origins: tuple[str, ...]  # --cors-origin: browser pages allowed to call the HTTP API
+    served_model_name: str | None  # the model's name in the HTTP API; None: the target's folder or file name
     api_key_file: Path | None
     api_key: str | None
     max_queue: int
