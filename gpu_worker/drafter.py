@@ -41,7 +41,7 @@ from ipc.tree import TreeShape
 from .checkpoint import AnyHead, draft_fusion, head_spec, load_head
 from .device import resolve_device, resolve_dtype
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
-from .tree import DraftTree, build_tree
+from .tree import DraftTree, build_tree, root_only
 
 
 @torch.inference_mode()
@@ -157,7 +157,7 @@ class Drafter:
         self._length = 0
         self._root_token: int | None = None
         self._root_feature: torch.Tensor | None = None
-        self._root_log_probs: torch.Tensor | None = None
+        self._root_scores: torch.Tensor | None = None  # _root_log_probs, once a tree needed them
 
     @torch.inference_mode()
     def extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> None:
@@ -184,17 +184,28 @@ class Drafter:
         # mask None: a plain causal continuation of the committed prefix.
         out = self.head(features, token_ids, cos, sin, self.cache, start, None)
         self._root_feature = out[-1]
-        self._root_log_probs = self.head.log_probs(out[-1:])[0]
+        self._root_scores = None
         self._root_token = int(tokens_cpu[-1])
         self._length = start + count
+
+    @property
+    def _root_log_probs(self) -> torch.Tensor | None:
+        """The head's log-probabilities at the root, computed when a tree first needs them: a
+        one-node tree (plain decoding, as a busy batch plans) only keeps the cache in step, and
+        skips the head's vocabulary projection, most of a small head's cost."""
+        if self._root_scores is None and self._root_feature is not None:
+            self._root_scores = self.head.log_probs(self._root_feature[None])[0]
+        return self._root_scores
 
     @torch.inference_mode()
     def propose(self, shape: TreeShape) -> DraftTree:
         """An EAGLE-2 tree of ``shape.tree_tokens`` nodes (root included; fewer only when the
         expansion yields fewer candidates). The root is the last token passed to ``extend``.
         Leaves the committed cache as is, so calling it twice gives the same tree."""
-        if self._root_token is None or self._root_feature is None or self._root_log_probs is None:
+        if self._root_token is None or self._root_feature is None:
             raise RuntimeError("propose() before extend(): the drafter has no sequence")
+        if shape.tree_tokens == 1:
+            return root_only(self._root_token)
         if shape.top_k > self.draft_vocab_size:
             raise DraftContextError(f"top_k {shape.top_k} exceeds the vocabulary size {self.draft_vocab_size} "
                                     "the draft head scores")
@@ -218,5 +229,7 @@ class Drafter:
             out = head(parent_features, tokens, cos, sin, cache, start, mask)
             return out, head.log_probs(out)
 
-        return build_tree(self._root_token, self._root_feature, self._root_log_probs, expand, shape,
+        root_log_probs = self._root_log_probs
+        assert root_log_probs is not None
+        return build_tree(self._root_token, self._root_feature, root_log_probs, expand, shape,
                           to_target=self.to_target)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -313,3 +314,26 @@ def test_misshapen_draft_weight_is_a_clear_error(tmp_path):
     save_file(state, str(weights))
     with pytest.raises(DraftCheckpointError, match=r"W_1 \[64, 8\] \(expected \[64, 64\]\)"):
         load_head(draft)
+
+
+def test_a_one_node_tree_skips_the_heads_vocabulary_projection_and_changes_no_later_tree(demo_target):
+    demo_draft = Path(__file__).resolve().parents[2] / "demo" / "draft-dgf"
+    lazy = Drafter.from_pretrained(demo_draft, demo_target, max_len=64, device="cpu")
+    eager = lazy.sibling()
+    projections: list[int] = []
+    original = lazy.head.log_probs
+    lazy.head.log_probs = lambda rows: projections.append(len(rows)) or original(rows)  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(5)
+    features = torch.randn(10, lazy.feature_size, generator=generator)
+    tokens = torch.randint(3, 1000, (10,), generator=generator)
+    for drafter in (lazy, eager):
+        drafter.extend(features[:6], tokens[:6])
+    root = lazy.propose(TreeShape.clamped(1, 1, 1))  # plain decoding: only the cache kept in step
+    assert root.tokens.tolist() == [int(tokens[5])] and projections == []
+    assert eager._root_log_probs is not None  # the projection the one-node tree skipped
+    for drafter in (lazy, eager):
+        drafter.extend(features[6:], tokens[6:])
+    shape = TreeShape.clamped(8, 3, 4)
+    lazy_tree, eager_tree = lazy.propose(shape), eager.propose(shape)
+    assert projections and torch.equal(lazy_tree.tokens, eager_tree.tokens)
+    assert torch.equal(lazy_tree.parents, eager_tree.parents)
