@@ -1,7 +1,8 @@
 """One request's decoding loop, driven by the coordinator over the two workers.
 
-dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... ; ar mode: prefill ->
-decode -> decode ... on the cpu_worker alone. A long prompt's prefill is several calls, one per
+dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps once
+a busy batch has kept its trees at one node for a while; ar mode: prefill -> decode -> decode ...
+on the cpu_worker alone. A long prompt's prefill is several calls, one per
 chunk of ``Job.prefill_chunk`` tokens. Each loop is a generator (``ar_steps``,
 ``dovetail_steps``) that yields its next worker request (a ``Call``) and is sent the reply, so
 one driver runs it alone (``run_alone``: ``generate_ar``, ``generate_dovetail``) and another
@@ -32,6 +33,9 @@ from ipc.tree import TreeShape
 from .tree_planner import FixedTree, ShapePlanner
 
 Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
+# One-node trees in a row (chosen because the batch is busy, not by acceptance) after which a
+# dovetail request decodes plainly for the rest of its answer.
+PLAIN_AFTER = 4
 # Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
 # prompt delays the running requests by one such chunk per round.
 DEFAULT_PREFILL_CHUNK = 256
@@ -186,22 +190,30 @@ def ar_steps(job: Job, emit: Emit) -> Steps:
         context.check_prompt(job.prompt_ids)
         result = yield from prefill_steps(job, return_features=False)
         stats.prefill_ms = result.compute_ms
-        token, logprob = result.token, result.logprob
-        length = len(job.prompt_ids) + 1
-        while not budget.push([token], [logprob] if logprob else []):
-            if context.room(length) < 1:
-                budget.finish_reason = "length"
-                break
-            step = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
-                          m.DecodeResult)
-            stats.verify_ms += step.compute_ms
-            stats.cycles += 1
-            stats.cycle_tokens += 1
-            token, logprob = step.token, step.logprob
-            length += 1
+        if not budget.push([result.token], [result.logprob] if result.logprob else []):
+            yield from plain_steps(seq_id, result.token, len(job.prompt_ids) + 1, context, budget, stats)
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
     return budget.finish_reason or "stop", stats
+
+
+def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: Budget,
+                stats: Stats) -> Generator[Call, m.Message, None]:
+    """Plain decode steps from ``token`` (emitted, not cached yet; the sequence ``length`` tokens
+    long) until the budget or the context ends: ar's loop, and dovetail's under sustained load."""
+    while True:
+        if context.room(length) < 1:
+            budget.finish_reason = "length"
+            return
+        step = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
+                      m.DecodeResult)
+        stats.verify_ms += step.compute_ms
+        stats.cycles += 1
+        stats.cycle_tokens += 1
+        token = step.token
+        length += 1
+        if budget.push([token], [step.logprob] if step.logprob else []):
+            return
 
 
 def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
@@ -226,6 +238,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
         length = len(prompt_ids) + 1
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
+        one_node_streak = 0
         while True:
             room = context.room(length)
             if room < 1:
@@ -233,6 +246,16 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 break
             together = batch()
             shape = planner.shape(together).fitted(room)
+            one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 and together > 1 else 0
+            if one_node_streak > PLAIN_AFTER:
+                # Load that keeps the trees at one node: plain decode steps from here on, so the request
+                # costs what batched ar costs (a one-node tree still pays the head's step and a round
+                # trip to it). The tokens stay the same: ar's, greedy or seeded.
+                before = stats.cycles
+                yield from plain_steps(seq_id, pair_tokens[-1], length, context, budget, stats)
+                stats.trees["1/0/0"] += stats.cycles - before  # top_k 0: nothing drafted
+                stats.accept_per_depth[0] += stats.cycles - before
+                break
             cycle_started = time.perf_counter()
             draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
                                                                shape=shape, reset=reset), m.DraftResult)),

@@ -11,8 +11,9 @@ import pytest
 
 from cpu_worker.server import build_engine
 from dovetail_runtime.batching import Batcher, Stream
-from dovetail_runtime.generation import Job, ar_steps, dovetail_steps, run_alone
+from dovetail_runtime.generation import PLAIN_AFTER, Job, ar_steps, dovetail_steps, run_alone
 from dovetail_runtime.local_workers import LocalWorker, local_workers
+from dovetail_runtime.tree_planner import FixedTree
 from dovetail_runtime.workers import WorkerRequestError
 from gpu_worker.drafter import Drafter
 from ipc import messages as m
@@ -181,3 +182,45 @@ def test_a_draft_batch_item_for_an_unknown_sequence_fails_alone(demo_pair):
         drafted, refused = reply.items
         assert isinstance(drafted, m.DraftResult) and drafted.tokens[0] == prefill.token
         assert isinstance(refused, m.WorkerError) and "not active" in refused.message and refused.seq_id == 9
+
+
+class BusyPlanner(FixedTree):
+    """Full trees alone; one-node trees whenever the batch holds others (as a costly verify plans)."""
+
+    def shape(self, batch: int = 1) -> TreeShape:
+        return self.envelope if batch == 1 else TreeShape.clamped(1, 1, 1)
+
+
+def test_under_sustained_load_dovetail_streams_decode_plainly_with_their_solo_tokens(demo_pair):
+    engine, drafter = demo_pair
+    indices = (0, 2, 4, 6)  # dovetail; 2 samples with a seed
+    solo: dict[int, Recorder] = {}
+    for index in indices:
+        solo[index] = Recorder()
+        with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+            run_alone(dovetail_steps(job(index, 40)[0], BusyPlanner(SHAPE), solo[index]), cpu, gpu)
+    together = {index: Recorder() for index in indices}
+    steps_sent: dict[str, int] = {}
+    with local_workers(engine, drafter, SHAPE, max_sequences=4) as (cpu, gpu):
+        cpu, gpu = Counting(cpu), Counting(gpu)
+        batcher = Batcher(cpu, gpu)
+
+        def busy() -> int:
+            return len(batcher.streams)
+
+        streams = {index: batcher.add(job(index)[0].seq_id, dovetail_steps(job(index, 40)[0], BusyPlanner(SHAPE),
+                                                                           together[index], busy), uses_gpu=True)
+                   for index in indices}
+        while batcher.streams:
+            for stream in batcher.streams:
+                if stream.call is not None and stream.call.worker == "cpu":
+                    kind = type(stream.call.message).__name__
+                    steps_sent[kind] = steps_sent.get(kind, 0) + 1
+            batcher.round()
+    for index in indices:
+        assert together[index].tokens == solo[index].tokens and len(solo[index].tokens) == 40, index
+        finish, stats = streams[index].outcome
+        assert stats.trees["1/0/0"] >= 25 and stats.new_tokens == 40  # mostly plain decode steps
+    # One-node trees for a few rounds (the head's step still paid), then no draft at all.
+    assert gpu.counts["DraftBatch"] <= PLAIN_AFTER + 3
+    assert steps_sent["DecodeRequest"] >= 4 * 25
