@@ -106,7 +106,7 @@ class Serving:
             if ready is not None:
                 ready(self.server.endpoints)
             while not self.should_stop():
-                if not self.active:
+                if not self._started():
                     # A worker that died while idle is restarted now (Pings say not ready meanwhile),
                     # not when the next request finds it dead.
                     self.coordinator.recover()
@@ -261,8 +261,12 @@ class Serving:
         for stream in ended:
             running = next(running for running in self.active if running.stream is stream)
             self._finish(running)
-        if not self.active:
+        if not self._started():
             self.coordinator.recover()  # restart a worker that died or was killed, before the next request
+
+    def _started(self) -> list[Running]:
+        """The running requests: those in ``active`` but the one held for KV memory."""
+        return [running for running in self.active if running.stream is not None]
 
     def _finish(self, running: Running) -> None:
         """Answer a request whose loop ended (its reply, or why it stopped early)."""
@@ -331,7 +335,7 @@ class Serving:
         elif isinstance(message, m.Ping):
             self._send(peer, m.Pong(nonce=message.nonce, ready=self.coordinator.workers_ready()))
         elif isinstance(message, m.MetricsRequest):
-            started = sum(running.stream is not None for running in self.active)
+            started = len(self._started())
             self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue) + len(self.active) - started,
                                                             running=started))
 

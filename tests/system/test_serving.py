@@ -36,9 +36,15 @@ class StandInTokenizer:
 
 
 class StandInCpu:
-    """A cpu_worker that answers every decode step (alone or batched) with token 0."""
+    """A cpu_worker that answers every decode step (alone or batched) with token 0, and fails
+    (WorkerFailed) while its coordinator says the workers are down."""
+
+    def __init__(self, coordinator: StandInCoordinator | None = None):
+        self.coordinator = coordinator
 
     def request(self, message, expect):
+        if self.coordinator is not None and not self.coordinator.workers_up:
+            raise WorkerFailed("cpu_worker died")
         if isinstance(message, m.StepBatch):
             return m.StepBatchResult(items=[m.DecodeResult(seq_id=item.seq_id, token=0) for item in message.items])
         return m.DecodeResult(seq_id=message.seq_id, token=0)
@@ -91,7 +97,7 @@ class StandInCoordinator:
         return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
 
     def batcher(self) -> Batcher:
-        return Batcher(StandInCpu(), None)
+        return Batcher(StandInCpu(self), None)
 
     def kv_budget(self) -> KvBudget | None:
         return self.budget
@@ -126,7 +132,9 @@ class StandInCoordinator:
         self.ended[request.request_id] = finish
         return finish, None
 
-    def conclude(self, started: StandInStarted, outcome) -> m.GenerateDone:
+    def conclude(self, started: StandInStarted, outcome) -> m.GenerateDone | m.ErrorReply:
+        if isinstance(outcome, WorkerFailed):  # as Coordinator.conclude answers it
+            return m.ErrorReply(request_id=started.request.request_id, code="worker_failed", message=str(outcome))
         if isinstance(outcome, BaseException):
             raise outcome
         return m.GenerateDone(request_id=started.request.request_id, token_ids=started.ids,
@@ -567,3 +575,20 @@ def test_a_request_held_for_kv_memory_can_be_cancelled_expire_or_leave(serve, ho
     assert "big" not in harness.coordinator.ended  # the running one went on
     big.send(m.Cancel(request_id="big"))
     assert final(big, "big").finish_reason == "cancelled"
+
+
+def test_a_worker_that_dies_is_restarted_before_the_request_held_for_kv_memory_starts(serve):
+    coordinator = StandInCoordinator(max_batch=4, budget=kv_budget_of(80))
+    restarts: list[float] = []
+    coordinator.restart_hook = lambda: restarts.append(time.monotonic())
+    harness = serve(coordinator=coordinator)
+    big, held = harness.client(), harness.client()
+    send(big, "big", "block", max_new_tokens=55)
+    harness.wait_for(lambda: coordinator.ran == ["big"], "the first to run")
+    send(held, "held", "x", max_new_tokens=30)
+    harness.wait_for(lambda: harness.serving._held is not None, "the second to be held")
+    coordinator.workers_up = False  # the cpu_worker dies under the running request
+    failed = final(big, "big")
+    assert isinstance(failed, m.ErrorReply) and failed.code == "worker_failed"
+    assert final(held, "held").finish_reason == "length"  # started on the restarted worker
+    assert len(restarts) == 1
