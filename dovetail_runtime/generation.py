@@ -10,7 +10,7 @@ runs many side by side, their calls merged into batches (``dovetail_runtime.batc
 
 Tokens go to ``emit`` as soon as they are accepted, with their log-probabilities when the job
 asks for them (else an empty list); ``emit`` returns True to stop (a stop string, a client that
-went away).
+went away). Between two chunks of a long prompt ``emit([], [])`` is asked the same.
 
 Both modes count the context the same way (``Context``): a sequence of ``length`` tokens
 has ``length - 1`` of them in the KV cache (the last emitted one is not cached yet), and a
@@ -159,16 +159,20 @@ def _reply(reply: m.Message, expect: type[R]) -> R:
     return reply
 
 
-def prefill_steps(job: Job, return_features: bool) -> Generator[Call, m.Message, m.PrefillResult]:
+def prefill_steps(job: Job, return_features: bool, emit: Emit) -> Generator[Call, m.Message, m.PrefillResult | None]:
     """The prompt's prefill, ``job.prefill_chunk`` tokens per call (a batch runs one call per round,
     so a long prompt holds up the running streams one chunk at a time, not for its whole prefill);
-    returns the last chunk's PrefillResult, its compute time the sum of all chunks'."""
+    returns the last chunk's PrefillResult, its compute time the sum of all chunks'. Between two
+    chunks ``emit([], [])`` is asked whether to stop (a cancel, a deadline, a client gone): then
+    None, the rest of the prompt never run."""
     prompt = job.prompt_ids
     size = job.prefill_chunk or len(prompt)
     if size < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {size}")
     compute_ms = 0.0
     for offset in range(0, len(prompt), size):
+        if offset and emit([], []):
+            return None
         more = offset + size < len(prompt)
         request = m.PrefillRequest(seq_id=job.seq_id, token_ids=prompt[offset:offset + size], sampling=job.sampling,
                                    return_features=return_features, logprobs=job.logprobs, offset=offset, more=more)
@@ -188,7 +192,9 @@ def ar_steps(job: Job, emit: Emit) -> Steps:
     started = time.perf_counter()
     try:
         context.check_prompt(job.prompt_ids)
-        result = yield from prefill_steps(job, return_features=False)
+        result = yield from prefill_steps(job, False, emit)
+        if result is None:  # stopped between two prompt chunks
+            return "stop", stats
         stats.prefill_ms = result.compute_ms
         if not budget.push([result.token], [result.logprob] if result.logprob else []):
             yield from plain_steps(seq_id, result.token, len(job.prompt_ids) + 1, context, budget, stats)
@@ -227,7 +233,9 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
-        prefill = yield from prefill_steps(job, return_features=True)
+        prefill = yield from prefill_steps(job, True, emit)
+        if prefill is None:  # stopped between two prompt chunks
+            return "stop", stats
         stats.prefill_ms = prefill.compute_ms
         if prefill.features is None:
             raise RuntimeError("the cpu_worker returned no prompt features")

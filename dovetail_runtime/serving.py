@@ -239,7 +239,7 @@ class Serving:
         def on_text(token_ids: list[int], text: str, logprobs: list[m.TokenLogprob]) -> bool:
             if token_ids:
                 running.token_times.append((time.monotonic(), len(token_ids)))
-            if request.stream and running.outcome is None:
+            if request.stream and running.outcome is None and (token_ids or text):  # not a bare "go on?"
                 chunk = m.TokenChunk(request_id=request.request_id, token_ids=token_ids, text=text, logprobs=logprobs)
                 if not self._send(client, chunk) and running.outcome is None:
                     running.outcome = "gone"

@@ -138,3 +138,29 @@ def test_the_flag_sets_the_chunk_for_every_request_and_0_means_whole_prompts():
     assert chunk("--prefill-chunk", "32") == 32
     assert chunk("--prefill-chunk", "0") is None
     assert chunk("--prefill-chunk", "32", "--prompt", "hi") == 32  # one-shot runs chunk alike
+
+
+@pytest.mark.parametrize("dovetail", [True, False])
+def test_a_stop_asked_between_two_chunks_ends_the_prefill_there(demo_pair, dovetail):
+    engine, drafter = demo_pair
+    polls: list[int] = []
+
+    def emit(new: list[int], _logprobs) -> bool:
+        assert new == []  # asked between chunks, before any token
+        polls.append(1)
+        return len(polls) == 2  # go on after the first chunk, stop after the second
+
+    job = make_job(1, LONG, 16)
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        sent: list[int] = []
+        original = cpu.request
+
+        def counting(message, expect):
+            if isinstance(message, m.PrefillRequest):
+                sent.append(message.offset)
+            return original(message, expect)
+
+        cpu.request = counting  # type: ignore[method-assign]
+        steps = dovetail_steps(job, SHAPE, emit) if dovetail else ar_steps(job, emit)
+        finish, stats = run_alone(steps, cpu, gpu)
+    assert sent == [0, 16] and finish == "stop" and stats.new_tokens == 0
