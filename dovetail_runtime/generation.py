@@ -101,6 +101,21 @@ class Stats:
     accept_per_depth: list[int] = field(default_factory=list)
     trees: collections.Counter[str] = field(default_factory=collections.Counter)  # "T/depth/top_k": cycles
 
+    def record_cycle(self, shape: TreeShape, draft_ms: float, verify_ms: float, accepted: int) -> None:
+        """One draft/verify cycle of ``shape`` that emitted ``accepted`` tokens."""
+        self.draft_ms += draft_ms
+        self.verify_ms += verify_ms
+        self.cycles += 1
+        self.cycle_tokens += accepted
+        self.accept_per_depth[accepted - 1] += 1
+        self.trees[f"{shape.tree_tokens}/{shape.depth}/{shape.top_k}"] += 1
+
+    def record_plain(self, steps: int) -> None:
+        """``steps`` plain decode steps of a dovetail request (already counted as cycles): shown as
+        one-node trees with nothing drafted (top_k 0)."""
+        self.trees["1/0/0"] += steps
+        self.accept_per_depth[0] += steps
+
     def message(self) -> m.RequestStats:
         compute = self.prefill_ms + self.draft_ms + self.verify_ms
         seconds = self.wall_ms / 1e3
@@ -256,13 +271,11 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             shape = planner.shape(together).fitted(room)
             one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 and together > 1 else 0
             if one_node_streak > PLAIN_AFTER:
-                # Load that keeps the trees at one node: plain decode steps from here on, so the request
-                # costs what batched ar costs (a one-node tree still pays the head's step and a round
-                # trip to it). The tokens stay the same: ar's, greedy or seeded.
+                # Load keeps the trees at one node: plain decode steps from here on, at batched ar's cost
+                # (a one-node tree still pays the head's step and a round trip); the tokens stay ar's.
                 before = stats.cycles
                 yield from plain_steps(seq_id, pair_tokens[-1], length, context, budget, stats)
-                stats.trees["1/0/0"] += stats.cycles - before  # top_k 0: nothing drafted
-                stats.accept_per_depth[0] += stats.cycles - before
+                stats.record_plain(stats.cycles - before)
                 break
             cycle_started = time.perf_counter()
             draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
@@ -275,12 +288,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             accepted = verified.accepted_tokens
             planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
                             (time.perf_counter() - cycle_started) * 1e3, together)
-            stats.draft_ms += draft.compute_ms
-            stats.verify_ms += verified.compute_ms
-            stats.cycles += 1
-            stats.cycle_tokens += len(accepted)
-            stats.accept_per_depth[len(accepted) - 1] += 1
-            stats.trees[f"{shape.tree_tokens}/{shape.depth}/{shape.top_k}"] += 1
+            stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
             length += len(accepted)
             pair_tokens = accepted
             features = verified.features
