@@ -25,10 +25,12 @@
  * enter the float sequence, so any way of computing them (VNNI, AVX2's pair sums, plain C, AMX's
  * tile products) gives the same bits; SIMD paths run 8 outputs side by side, one per lane.
  *
- * Dot products: VNNI multiplies unsigned by signed bytes, so a signed weight w and activation x go
- * in as |w| and x * sign(w) (x in [-127, 127], which the quantizer guarantees). 4-bit weights go in
- * as their unsigned nibbles q (Q4_0's q - 8 becomes dot(q, x) - 8 sum(x), one integer subtraction a
- * block), so they need no sign trick. AVX2 without VNNI gets the same sums from maddubs (pairs; at
+ * Dot products: VNNI multiplies unsigned by signed bytes. 4-bit weights go in as their unsigned
+ * nibbles q (Q4_0's q - 8 becomes dot(q, x) - 8 sum(x), one integer subtraction a block), so they
+ * need no sign work. A signed Q8_0 weight w goes in on the 8-lane paths as |w| against x * sign(w)
+ * (x in [-127, 127], which the quantizer guarantees); on AVX-512 the activations are offset to
+ * unsigned x + 128 once per call instead, against w as it is, and 128 sum(w) comes off each block's
+ * totals: no per-plane sign instruction, which is what a tree's extra rows cost there. AVX2 without VNNI gets the same sums from maddubs (pairs; at
  * most 2 * 128 * 127 in magnitude, no saturation) and madd against ones; for 4-bit weights the pairs
  * (at most 3810) add up in 16 bits over a whole block before one madd widens them.
  *
@@ -334,64 +336,89 @@ static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *s
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define BLOCK_ZMM 1 /* 16 outputs a register: one dpbusd per chunk and plane where 8 lanes take two */
-/* block_totals for all 16 outputs in one register each. AVX-512 has no sign_epi8: |w| by abs (for
- * -128 that is 0x80, 128 unsigned: still right) and x * sign(w) by a masked negation where w < 0. */
-static ALWAYS_INLINE void block_totals_zmm(const uint8_t *block, int type, const int8_t *const x[GROUP_ROWS],
-                                           const int rows, __m512i totals[GROUP_ROWS]) {
-    __m512i even[GROUP_ROWS], odd[GROUP_ROWS];
-    for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_si512();
-    const __m512i mask = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
-    for (int c = 0; c < 8; c++) {
-        __m512i w;
+#define ZMM_PLANES 8 /* activation planes a pass (8 rows of 8 bits, 4 of 16): 32 registers hold their sums */
+
+/* A block's integer totals for all 16 outputs (a register each) and `planes` activation planes,
+ * with no per-plane sign work: 4-bit weights go in as their unsigned nibbles q against the signed
+ * activations (Q4_0's q - 8 is the caller's: dot(q - 8, x) = dot(q, x) - 8 sum(x)); Q8_0's signed
+ * weights meet the activations offset to unsigned bytes, x + 128 (the caller's copy,
+ * offset_activations), and the block's 128 sum(w) per output, one dpbusd against ones a chunk for
+ * every plane, comes off at the end. Two chains of sums (chunks v and v + 4 of the nibbles, or two
+ * neighbouring Q8_0 chunks) so consecutive dpbusd never wait on each other. */
+static ALWAYS_INLINE void block_totals_zmm(const uint8_t *block, int type, const int8_t *const x[ZMM_PLANES],
+                                           const int planes, __m512i totals[ZMM_PLANES]) {
+    __m512i first[ZMM_PLANES], second[ZMM_PLANES];
+    for (int p = 0; p < planes; p++) first[p] = second[p] = _mm512_setzero_si512();
+    __m512i weight_sums = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
+    for (int v = 0; v < 4; v++) {
+        __m512i w_first, w_second;
+        int chunk_first, chunk_second;
         if (type == BLOCK_Q8_0) {
-            w = _mm512_loadu_si512((const void *)(block + 64 * c));
+            chunk_first = 2 * v;
+            chunk_second = 2 * v + 1;
+            w_first = _mm512_loadu_si512((const void *)(block + 64 * chunk_first));
+            w_second = _mm512_loadu_si512((const void *)(block + 64 * chunk_second));
+            weight_sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(weight_sums, ones, w_first), ones, w_second);
         } else {
-            __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * (c & 3)));
-            w = _mm512_and_si512(c < 4 ? packed : _mm512_srli_epi16(packed, 4), mask);
-            if (type == BLOCK_Q4_0) w = _mm512_sub_epi8(w, eight);
+            chunk_first = v;
+            chunk_second = v + 4;
+            __m512i packed = _mm512_loadu_si512((const void *)(block + 64 * v));
+            w_first = _mm512_and_si512(packed, mask);
+            w_second = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
         }
-        __m512i magnitude = type == BLOCK_Q4_1 ? w : _mm512_abs_epi8(w);
-        __mmask64 negative = _mm512_movepi8_mask(w);
-        for (int r = 0; r < rows; r++) {
-            int32_t four;
-            memcpy(&four, x[r] + 4 * c, 4);
-            __m512i input = _mm512_set1_epi32(four);
-            if (type != BLOCK_Q4_1) input = _mm512_mask_sub_epi8(input, negative, zero, input);
-            if (c & 1)
-                odd[r] = _mm512_dpbusd_epi32(odd[r], magnitude, input);
-            else
-                even[r] = _mm512_dpbusd_epi32(even[r], magnitude, input);
+        for (int p = 0; p < planes; p++) {
+            int32_t four_first, four_second;
+            memcpy(&four_first, x[p] + 4 * chunk_first, 4);
+            memcpy(&four_second, x[p] + 4 * chunk_second, 4);
+            __m512i input_first = _mm512_set1_epi32(four_first), input_second = _mm512_set1_epi32(four_second);
+            if (type == BLOCK_Q8_0) { /* unsigned activations x + 128, signed weights */
+                first[p] = _mm512_dpbusd_epi32(first[p], input_first, w_first);
+                second[p] = _mm512_dpbusd_epi32(second[p], input_second, w_second);
+            } else { /* unsigned nibbles, signed activations */
+                first[p] = _mm512_dpbusd_epi32(first[p], w_first, input_first);
+                second[p] = _mm512_dpbusd_epi32(second[p], w_second, input_second);
+            }
         }
     }
-    for (int r = 0; r < rows; r++) totals[r] = _mm512_add_epi32(even[r], odd[r]);
+    const __m512i offset = _mm512_slli_epi32(weight_sums, 7); /* 128 sum(w): Q8_0's activation offset */
+    for (int p = 0; p < planes; p++) {
+        totals[p] = _mm512_add_epi32(first[p], second[p]);
+        if (type == BLOCK_Q8_0) totals[p] = _mm512_sub_epi32(totals[p], offset);
+    }
 }
 
-/* dot_group_rows with 16 lanes a register: the same integers, the same float sequence per lane. */
+/* dot_group_rows with 16 lanes a register and up to ZMM_PLANES planes a pass: the same integers,
+ * the same float sequence per lane. */
 static ALWAYS_INLINE void dot_group_rows_zmm(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
                                              int type, const int8_t *xq, const int planes, const float *xd,
                                              const int32_t *xs, const int rows, int64_t k, int64_t blocks,
                                              float *out) {
-    __m512 acc[GROUP_ROWS];
+    __m512 acc[ZMM_PLANES];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const int64_t bytes = group_block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         for (int64_t line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(group + b * bytes + BLOCK_AHEAD + line), _MM_HINT_T0);
-        const int8_t *x[GROUP_ROWS];
+        const int8_t *x[ZMM_PLANES];
         for (int p = 0; p < rows * planes; p++) x[p] = xq + p * k + b * QBLOCK;
-        __m512i totals[GROUP_ROWS];
+        __m512i totals[ZMM_PLANES];
         block_totals_zmm(group + b * bytes, type, x, rows * planes, totals);
         if (planes == 2)
             for (int r = 0; r < rows; r++)
                 totals[r] = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(totals[2 * r], 8), totals[2 * r]),
                                              totals[2 * r + 1]);
         __m512 weight_scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * GROUP_OUT)));
+        __m512 weight_min = _mm512_setzero_ps();
+        if (type == BLOCK_Q4_1)
+            weight_min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(minimums + b * GROUP_OUT)));
         for (int r = 0; r < rows; r++) {
+            if (type == BLOCK_Q4_0) /* the nibbles were q: dot(q - 8, x) = dot(q, x) - 8 sum(x) */
+                totals[r] = _mm512_sub_epi32(totals[r], _mm512_set1_epi32(8 * xs[r * blocks + b]));
             __m512 x_scale = _mm512_set1_ps(xd[r * blocks + b]);
             __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(totals[r]), _mm512_mul_ps(weight_scale, x_scale));
             acc[r] = _mm512_add_ps(acc[r], term);
             if (type == BLOCK_Q4_1) {
-                __m512 weight_min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(minimums + b * GROUP_OUT)));
                 __m512 min_term = _mm512_mul_ps(_mm512_mul_ps(weight_min, x_scale),
                                                 _mm512_set1_ps((float)xs[r * blocks + b]));
                 acc[r] = _mm512_add_ps(acc[r], min_term);
@@ -400,30 +427,49 @@ static ALWAYS_INLINE void dot_group_rows_zmm(const uint8_t *group, const uint16_
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + GROUP_OUT * r, acc[r]);
 }
+#define PASS_PLANES ZMM_PLANES
 #define DOT_GROUP_ROWS dot_group_rows_zmm
 #else
 #define DOT_GROUP_ROWS dot_group_rows
+#define PASS_PLANES GROUP_ROWS
 #endif
 
 /* dot_group_rows for each type, plane count and row count as constants (the compiler specializes
- * every one): up to GROUP_ROWS planes a pass. */
+ * every one): up to PASS_PLANES planes a pass. */
+#define ROWS_CASE(n, planes)                                                                  \
+    case n: DOT_GROUP_ROWS(group, scales, minimums, type, xq, planes, xd, xs, n, k, blocks, out); break;
 static ALWAYS_INLINE void dot_group_typed(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums,
                                           const int type, const int8_t *xq, int planes, const float *xd,
                                           const int32_t *xs, int rows, int64_t k, int64_t blocks, float *out) {
     if (planes == 2) {
-        if (rows == 1)
-            DOT_GROUP_ROWS(group, scales, minimums, type, xq, 2, xd, xs, 1, k, blocks, out);
-        else
-            DOT_GROUP_ROWS(group, scales, minimums, type, xq, 2, xd, xs, 2, k, blocks, out);
+        switch (rows) {
+        ROWS_CASE(1, 2)
+#if PASS_PLANES >= 8
+        ROWS_CASE(2, 2)
+        ROWS_CASE(3, 2)
+        default: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 2, xd, xs, 4, k, blocks, out); break;
+#else
+        default: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 2, xd, xs, 2, k, blocks, out); break;
+#endif
+        }
         return;
     }
     switch (rows) {
-    case 1: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 1, k, blocks, out); break;
-    case 2: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 2, k, blocks, out); break;
-    case 3: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 3, k, blocks, out); break;
+    ROWS_CASE(1, 1)
+    ROWS_CASE(2, 1)
+    ROWS_CASE(3, 1)
+#if PASS_PLANES >= 8
+    ROWS_CASE(4, 1)
+    ROWS_CASE(5, 1)
+    ROWS_CASE(6, 1)
+    ROWS_CASE(7, 1)
+    default: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 8, k, blocks, out); break;
+#else
     default: DOT_GROUP_ROWS(group, scales, minimums, type, xq, 1, xd, xs, 4, k, blocks, out); break;
+#endif
     }
 }
+#undef ROWS_CASE
 
 static void dot_group(const uint8_t *group, const uint16_t *scales, const uint16_t *minimums, int type,
                       const int8_t *xq, int planes, const float *xd, const int32_t *xs, int rows, int64_t k,
@@ -595,8 +641,11 @@ static void linear_groups(const int8_t *xq, const float *xd, const int32_t *xs, 
     const uint16_t *group_mins = minimums ? minimums + g * blocks * GROUP_OUT : NULL;
     int outputs = n_out - g * GROUP_OUT < GROUP_OUT ? (int)(n_out - g * GROUP_OUT) : GROUP_OUT;
 #if BLOCK_AMX
-    const int step = use_amx ? AMX_PLANES / planes : GROUP_ROWS / planes; /* rows a pass */
+    const int step = use_amx ? AMX_PLANES / planes : PASS_PLANES / planes; /* rows a pass */
     float out[AMX_PLANES * GROUP_OUT];
+#elif BLOCK_SIMD
+    const int step = PASS_PLANES / planes;
+    float out[PASS_PLANES * GROUP_OUT];
 #else
     const int step = GROUP_ROWS / planes;
     float out[GROUP_ROWS * GROUP_OUT];
@@ -612,6 +661,17 @@ static void linear_groups(const int8_t *xq, const float *xd, const int32_t *xs, 
             }
     }
 }
+
+#if BLOCK_ZMM
+/* A copy of the activation planes as unsigned bytes x + 128 (x XOR 0x80), for Q8_0's dpbusd; NULL
+ * when out of memory. */
+static int8_t *offset_activations(const int8_t *xq, int64_t count) {
+    int8_t *offset = (int8_t *)malloc((size_t)count);
+    if (offset == NULL) return NULL;
+    for (int64_t i = 0; i < count; i++) offset[i] = (int8_t)((uint8_t)xq[i] ^ 0x80u);
+    return offset;
+}
+#endif
 
 /* y[rows, n_out] for activations quantized by dovetail_quantize_blocks with `planes` planes (1 or
  * 2). Weights, scales and minimums (Q4_1 only) in the layout above; bias may be NULL. Returns -1
@@ -635,6 +695,17 @@ int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, 
         xq = padded;
     }
 #endif
+#if BLOCK_ZMM
+    int8_t *offset = NULL;
+    if (type == BLOCK_Q8_0 && !use_amx) { /* block_totals_zmm takes Q8_0's activations as x + 128 */
+        offset = offset_activations(xq, rows * planes * k);
+        if (offset == NULL) {
+            free(padded);
+            return DOVETAIL_NO_MEMORY;
+        }
+        xq = offset;
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
 #if BLOCK_AMX
@@ -648,5 +719,8 @@ int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, 
 #endif
     }
     free(padded);
+#if BLOCK_ZMM
+    free(offset);
+#endif
     return 0;
 }

@@ -129,9 +129,10 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_
 
 @pytest.mark.parametrize("bits", [8, 16])
 def test_every_build_sums_the_largest_products_without_overflow(tmp_path, use_library, bits):
-    """Weights at their extreme integers (Q8_0 +-127; 4-bit nibbles all 15 or all 0) against activation
-    digits at +-127 in every block: the integer sums at their largest (AVX2 adds a 4-bit block's pair
-    sums in 16 bits, up to 30480) still give the exact product."""
+    """Weights at their extreme integers (Q8_0 +-127, and -128, which a GGUF file may hold though
+    llama.cpp never writes it; 4-bit nibbles all 15 or all 0) against activation digits at +-127 in
+    every block: the integer sums at their largest (AVX2 adds a 4-bit block's pair sums in 16 bits, up
+    to 30480; AVX-512 offsets Q8_0's activations to x + 128) still give the exact product."""
     planes = block_quant.ACTIVATION_PLANES[bits]
     k, n_out = 512, 32
     signs = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
@@ -139,6 +140,7 @@ def test_every_build_sums_the_largest_products_without_overflow(tmp_path, use_li
     for kind in KINDS:
         if kind == "q8_0":
             values = (127 * torch.stack([signs] * (n_out // 2) + [torch.ones(k)] * (n_out // 2))).to(torch.int16)
+            values[n_out // 4: n_out // 2] = torch.where(signs < 0, -128, 127).to(torch.int16)
         else:
             values = torch.cat([torch.full((n_out // 2, k), 15), torch.zeros(n_out // 2, k)]).to(torch.int16)
         scales = torch.ones(n_out, k // 32)
