@@ -340,15 +340,20 @@ static ALWAYS_INLINE void dot_group_rows(const uint8_t *group, const uint16_t *s
 
 /* A block's integer totals for all 16 outputs (a register each) and `planes` activation planes,
  * with no per-plane sign work: 4-bit weights go in as their unsigned nibbles q against the signed
- * activations (Q4_0's q - 8 is the caller's: dot(q - 8, x) = dot(q, x) - 8 sum(x)); Q8_0's signed
+ * activations; for Q4_0, dot(q - 8, x) = dot(q, x) - 8 sum(x), so each row's last plane (the one
+ * that joins the total last) starts from starts[row * starts_stride] = -8 sum(x). Q8_0's signed
  * weights meet the activations offset to unsigned bytes, x + 128 (the caller's copy,
  * offset_activations), and the block's 128 sum(w) per output, one dpbusd against ones a chunk for
  * every plane, comes off at the end. Two chains of sums (chunks v and v + 4 of the nibbles, or two
  * neighbouring Q8_0 chunks) so consecutive dpbusd never wait on each other. */
 static ALWAYS_INLINE void block_totals_zmm(const uint8_t *block, int type, const int8_t *const x[ZMM_PLANES],
-                                           const int planes, __m512i totals[ZMM_PLANES]) {
+                                           const int planes, const int row_planes, const int32_t *starts,
+                                           int64_t starts_stride, __m512i totals[ZMM_PLANES]) {
     __m512i first[ZMM_PLANES], second[ZMM_PLANES];
     for (int p = 0; p < planes; p++) first[p] = second[p] = _mm512_setzero_si512();
+    if (type == BLOCK_Q4_0) /* each row's last plane starts from the row's -8 sum(x) (see q4_0_starts) */
+        for (int p = row_planes - 1; p < planes; p += row_planes)
+            first[p] = _mm512_set1_epi32(starts[(p / row_planes) * starts_stride]);
     __m512i weight_sums = _mm512_setzero_si512();
     const __m512i mask = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
     for (int v = 0; v < 4; v++) {
@@ -403,7 +408,7 @@ static ALWAYS_INLINE void dot_group_rows_zmm(const uint8_t *group, const uint16_
         const int8_t *x[ZMM_PLANES];
         for (int p = 0; p < rows * planes; p++) x[p] = xq + p * k + b * QBLOCK;
         __m512i totals[ZMM_PLANES];
-        block_totals_zmm(group + b * bytes, type, x, rows * planes, totals);
+        block_totals_zmm(group + b * bytes, type, x, rows * planes, planes, xs + b, blocks, totals);
         if (planes == 2)
             for (int r = 0; r < rows; r++)
                 totals[r] = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(totals[2 * r], 8), totals[2 * r]),
@@ -413,8 +418,6 @@ static ALWAYS_INLINE void dot_group_rows_zmm(const uint8_t *group, const uint16_
         if (type == BLOCK_Q4_1)
             weight_min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(minimums + b * GROUP_OUT)));
         for (int r = 0; r < rows; r++) {
-            if (type == BLOCK_Q4_0) /* the nibbles were q: dot(q - 8, x) = dot(q, x) - 8 sum(x) */
-                totals[r] = _mm512_sub_epi32(totals[r], _mm512_set1_epi32(8 * xs[r * blocks + b]));
             __m512 x_scale = _mm512_set1_ps(xd[r * blocks + b]);
             __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(totals[r]), _mm512_mul_ps(weight_scale, x_scale));
             acc[r] = _mm512_add_ps(acc[r], term);
@@ -671,12 +674,22 @@ static int8_t *offset_activations(const int8_t *xq, int64_t count) {
     for (int64_t i = 0; i < count; i++) offset[i] = (int8_t)((uint8_t)xq[i] ^ 0x80u);
     return offset;
 }
+
+/* Q4_0's -8 sum(x) per row and block (what dot(q - 8, x) needs beside dot(q, x)), for
+ * block_totals_zmm to start from; NULL when out of memory. */
+static int32_t *q4_0_starts(const int32_t *xs, int64_t count) {
+    int32_t *starts = (int32_t *)malloc((size_t)count * sizeof *starts);
+    if (starts == NULL) return NULL;
+    for (int64_t i = 0; i < count; i++) starts[i] = -8 * xs[i];
+    return starts;
+}
 #endif
 
 /* y[rows, n_out] for activations quantized by dovetail_quantize_blocks with `planes` planes (1 or
  * 2). Weights, scales and minimums (Q4_1 only) in the layout above; bias may be NULL. Returns -1
  * for an unknown type or plane count, or a k that is not a multiple of 32, DOVETAIL_NO_MEMORY when
- * the AMX path's padded copy of the activations could not be allocated. */
+ * a scratch copy (AMX's padded activations, the AVX-512 path's offset ones or Q4_0 starts) could not
+ * be allocated. */
 int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int planes,
                           const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type,
                           const float *bias, float *y, int64_t n_out, int64_t k, int threads) {
@@ -705,6 +718,15 @@ int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, 
         }
         xq = offset;
     }
+    int32_t *starts = NULL;
+    if (type == BLOCK_Q4_0 && !use_amx) { /* block_totals_zmm's Q4_0 sums start from -8 sum(x) */
+        starts = q4_0_starts(xs, rows * (k / QBLOCK));
+        if (starts == NULL) {
+            free(padded);
+            return DOVETAIL_NO_MEMORY;
+        }
+        xs = starts;
+    }
 #endif
 #pragma omp parallel num_threads(threads)
     {
@@ -721,6 +743,7 @@ int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, 
     free(padded);
 #if BLOCK_ZMM
     free(offset);
+    free(starts);
 #endif
     return 0;
 }
