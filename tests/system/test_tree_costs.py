@@ -126,7 +126,10 @@ def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo
     for _ in range(2):
         done = subprocess.run([str(BIN / "dovetail-run"), "--target", str(demo_target), "--draft", str(demo_draft),
                                "--draft-device", "cpu", "--prompt", "def add(a, b):\n", "--max-new-tokens", "16",
-                               "--json"],
+                               # A fixed draft precision: auto picks int8 or fp32 by a timing taken at
+                               # each start, and on a loaded machine two starts can pick differently
+                               # (then the draft cost is rightly measured again, under another key).
+                               "--draft-dtype", "fp32", "--json"],
                               capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         logs.append(done.stderr)
