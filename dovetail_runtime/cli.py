@@ -326,7 +326,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Draft precision: auto = fp16 on CUDA, int8 (W8A8) on the CPU, where the draft shares the "
                    "memory bus with the target.")
 @click.option("--draft-threads", type=click.IntRange(min=1), default=None,
-              help="Intra-op threads of the draft worker. [default: one per --draft-cores core, else torch's]")
+              help="Intra-op threads of the draft worker. [default: one for a CUDA draft, else one per "
+                   "--draft-cores core, else torch's]")
 @click.option("--draft-cores", callback=cores_option, default=None,
               help="Pin every draft-worker thread to these cores (a CPU draft should not share the target's).")
 @click.option("--tree-tokens", type=TreeTokens(), default="auto",

@@ -29,11 +29,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cpu_worker.model import KVCache, LlamaSpec, RotaryTable, RowwiseInt8Linear
 from ipc.tree import TreeShape
@@ -42,6 +44,16 @@ from .checkpoint import AnyHead, draft_fusion, head_spec, load_head
 from .device import resolve_device, resolve_dtype
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .tree import DraftTree, build_tree, root_only
+
+# Attention on CUDA without cuDNN's: torch tries cuDNN first for half precision on Hopper, and it
+# builds an execution plan for every new key length, tens of ms each; a draft's keys grow by a few
+# every cycle, so no plan is ever reused. Flash and memory-efficient attention take any length.
+CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device) -> AbstractContextManager[None]:
+    """The attention kernels a draft step may use on ``device`` (CPU: torch's own choice)."""
+    return sdpa_kernel(CUDA_ATTENTION_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
 @torch.inference_mode()
@@ -182,7 +194,8 @@ class Drafter:
         cos = self.rotary.cos[start:start + count]
         sin = self.rotary.sin[start:start + count]
         # mask None: a plain causal continuation of the committed prefix.
-        out = self.head(features, token_ids, cos, sin, self.cache, start, None)
+        with attention_backends(self.device):
+            out = self.head(features, token_ids, cos, sin, self.cache, start, None)
         self._root_feature = out[-1]
         self._root_scores = None
         self._root_token = int(tokens_cpu[-1])
@@ -231,5 +244,6 @@ class Drafter:
 
         root_log_probs = self._root_log_probs
         assert root_log_probs is not None
-        return build_tree(self._root_token, self._root_feature, root_log_probs, expand, shape,
-                          to_target=self.to_target)
+        with attention_backends(self.device):
+            return build_tree(self._root_token, self._root_feature, root_log_probs, expand, shape,
+                              to_target=self.to_target)
