@@ -441,6 +441,8 @@ class RunOptions:
     draft_device: str
     startup_timeout_s: float
     kv_dtype: str = "auto"
+    draft_threads: int | None = None
+    draft_cores: list[int] | None = None
 
 
 def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: RunOptions) -> str:
@@ -450,6 +452,7 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
     settings = RuntimeSettings(
         target=str(target_dir), draft=str(head_dir), target_dtype=result.precision, kv_dtype=options.kv_dtype,
         cpu_threads=options.cpu_threads, cpu_cores=options.cpu_cores, draft_device=options.draft_device,
+        draft_threads=options.draft_threads, draft_cores=options.draft_cores,
         tree=envelope, log_level="warning", startup_timeout_s=options.startup_timeout_s,
         # Room for the prompt (re-encoding a cut prompt can add a token or two), the new tokens and one tree.
         max_len=options.prompt_tokens + options.max_new_tokens + envelope.tree_tokens + 32)
@@ -873,6 +876,10 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
               help="The target's KV cache dtype, as dovetail-run's --kv-dtype (auto: bf16 for int8 targets where "
                    "the native library builds or the CPU has native bf16, else the activations' dtype).")
 @click.option("--draft-device", default="auto", help="Draft device: auto (CUDA if present, else CPU), cpu, cuda:N.")
+@click.option("--draft-threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads of the draft worker, as dovetail-run's. [default: as dovetail-run]")
+@click.option("--draft-cores", callback=cores_option, default=None,
+              help="Pin the draft worker to these cores, e.g. 15 (a CUDA draft's host thread off the target's cores).")
 @click.option("--startup-timeout", type=click.FloatRange(min=1), default=1800.0,
               help="Seconds to wait for the workers to load (a 13B target loads for minutes).")
 @click.option("--verify-sweep/--no-verify-sweep", default=True,
@@ -900,7 +907,7 @@ def main(context: click.Context, **values: Any) -> None:
     trees = parse_trees(values["trees"], values["depth"], values["top_k"])
     options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], trees,
                          values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"],
-                         values["kv_dtype"])
+                         values["kv_dtype"], values["draft_threads"], values["draft_cores"])
     source_layers = int(json.loads((sources.target / "config.json").read_text())["num_hidden_layers"])
 
     if values["layers"] and values["layers"] < source_layers:
