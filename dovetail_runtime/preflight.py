@@ -182,13 +182,14 @@ def shared_cores_warning(settings: RuntimeSettings) -> str | None:
 def check_draft_device(device: str, dtype: str) -> None:
     if device in ("auto", "cpu"):
         if device == "cpu" and dtype in ("fp16", "bf16"):
-            raise PreflightError(f"--draft-dtype {dtype} needs CUDA; on the CPU use fp32, int8 or auto")
+            raise PreflightError(f"--draft-dtype {dtype} needs CUDA; on the CPU use fp32, int8, q4_0 or auto")
         return
     match = _CUDA_DEVICE.fullmatch(device)
     if match is None:
         raise PreflightError(f"--draft-device {device!r}: use auto, cpu, cuda or cuda:N")
-    if dtype == "int8":
-        raise PreflightError("--draft-dtype int8 runs on the CPU only: use --draft-device cpu, or fp16/bf16 on CUDA")
+    if dtype in ("int8", "q4_0"):
+        raise PreflightError(f"--draft-dtype {dtype} runs on the CPU only: use --draft-device cpu, or fp16/bf16 on "
+                             "CUDA")
     count = cuda_device_count()
     if count is None:
         return

@@ -36,6 +36,7 @@ from cpu_worker.model.model_dir import is_gguf, read_config
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
+from .head_formats import quantize_projections
 from .head_placer import HeadPlacer
 
 AnyHead = DraftHead | Eagle3Head
@@ -179,14 +180,14 @@ def draft_fusion(draft_dir: Path | str) -> str:
 
 def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              quantize: bool = False) -> AnyHead:
+              projections: str | None = None) -> AnyHead:
     """Build a head from a draft folder: a ``DraftHead`` (Dovetail or published EAGLE-1/2
     layout) or an ``Eagle3Head`` (Dovetail's or published EAGLE-3 layout).
 
     ``target_dir`` supplies the embedding/lm_head the draft folder lacks and is checked for
     matching hidden size and vocabulary. Tensors are read one at a time and converted to
-    ``dtype`` on ``device`` as they come; ``quantize`` (CPU, fp32) makes every projection W8A8
-    int8 on the way (``DraftHead.quantize_int8``), so the head never sits in memory in fp32.
+    ``dtype`` on ``device`` as they come; ``projections`` (CPU, fp32: int8 or q4_0,
+    ``head_formats``) quantizes every projection on the way, so the head never sits in memory in fp32.
     An EAGLE-3 head (one decoder layer) is read whole and quantised after loading.
     """
     draft_dir = Path(draft_dir)
@@ -199,7 +200,7 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
         state = {name: tensor for name, tensor in read_tensors(draft_dir).items()
                  if not name.endswith(_IGNORED_SUFFIXES)}
         eagle3 = load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype)
-        return eagle3.quantize_int8() if quantize else eagle3
+        return quantize_projections(eagle3, projections) if projections else eagle3
     spec = _spec_with_weight_biases(config, shapes, "layers.0.")
     fc_bias = "fc.bias" in shapes  # the weights decide; a config's "bias": false agrees with them
     frozen_sources = _frozen_sources(draft_dir, target_dir, spec, shapes)
@@ -218,7 +219,7 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
         raise DraftCheckpointError(f"draft weights in {draft_dir} have the wrong shapes: {', '.join(misshapen)}")
 
     _place_head(head, draft_dir, target_dir, set(shapes.keys() - frozen_sources.keys()), frozen_sources,
-                HeadPlacer(head, device, dtype, quantize))
+                HeadPlacer(head, device, dtype, projections))
     release_freed_memory()
     head.embed_tokens.weight.requires_grad_(False)
     if isinstance(head.lm_head, torch.nn.Linear):  # an int8 lm_head holds no float weight
@@ -261,7 +262,7 @@ def _frozen_sources(draft_dir: Path, target_dir: Path | str | None, spec: LlamaS
 def _place_head(head: DraftHead, draft_dir: Path, target_dir: Path | str | None, names: set[str],
                 frozen_sources: dict[str, str], placer: HeadPlacer) -> None:
     """Every tensor into ``head``: ``names`` from the draft folder, one at a time, then the
-    frozen ones from the target's; the projections fused when int8."""
+    frozen ones from the target's; the projections fused when quantized."""
     try:
         for name, tensor in iter_tensors(draft_dir, names):
             placer.place(name, tensor)
@@ -276,8 +277,9 @@ def _place_head(head: DraftHead, draft_dir: Path, target_dir: Path | str | None,
     unplaced = placer.unplaced()
     if unplaced:  # a name listed in a header whose data never came (a broken index)
         raise DraftCheckpointError(f"draft weights in {draft_dir} lack data for {', '.join(unplaced)}")
-    if placer.quantize:
-        fuse_projections(head)  # q/k/v and gate/up in one int8 call each, the same bits
+    if placer.projections:
+        fuse_projections(head)  # q/k/v and gate/up in one call each, the same bits
+        head.projection_format = placer.projections
 
 
 def load_target_embedding(target_dir: Path | str) -> torch.Tensor:

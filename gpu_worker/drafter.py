@@ -27,22 +27,21 @@ the drafter holds target ids only.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cpu_worker.model import KVCache, LlamaSpec, RotaryTable, RowwiseInt8Linear
+from cpu_worker.model import KVCache, RotaryTable
 from ipc.tree import TreeShape
 
 from .checkpoint import AnyHead, draft_fusion, head_spec, load_head
+from .cpu_format import fastest_cpu_format
 from .device import resolve_device, resolve_dtype
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
+from .head_formats import PROJECTION_FORMATS
 from .tree import DraftTree, build_tree, root_only
 
 # Attention on CUDA without cuDNN's: torch tries cuDNN first for half precision on Hopper, and it
@@ -56,34 +55,11 @@ def attention_backends(device: torch.device) -> AbstractContextManager[None]:
     return sdpa_kernel(CUDA_ATTENTION_BACKENDS) if device.type == "cuda" else nullcontext()
 
 
-@torch.inference_mode()
-def int8_layer_is_faster(spec: LlamaSpec, rows: int = 8, repeats: int = 5, attention_input: int | None = None) -> bool:
-    """Time a decoder layer's projections in fp32 and in int8 on a tree level's worth of rows,
-    one random matrix at a time (before the head is loaded, so the measurement never holds
-    a whole fp32 layer): the rest of the layer is the same in both. ``attention_input``: the
-    width q/k/v read (an EAGLE-3 layer's is 2H; default H)."""
-    d, q_out, kv_out = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    a = attention_input or d
-    shapes = [(q_out, a), (kv_out, a), (kv_out, a), (d, q_out),
-              (spec.intermediate_size, d), (spec.intermediate_size, d), (d, spec.intermediate_size)]
-    totals = [0.0, 0.0]
-    for out_features, in_features in shapes:
-        weight = torch.empty(out_features, in_features).uniform_(-1.0, 1.0)
-        x = torch.randn(rows, in_features)
-        quantized = RowwiseInt8Linear(weight)
-        for index, run in enumerate((partial(F.linear, x, weight), partial(quantized, x))):
-            run()  # warm-up: first calls pay one-off setup
-            started = time.perf_counter()
-            for _ in range(repeats):
-                run()
-            totals[index] += time.perf_counter() - started
-        del weight, quantized
-    log.info("draft layer projections on the CPU: fp32 %.2f ms, int8 %.2f ms per layer",
-             *(t / repeats * 1e3 for t in totals))
-    return totals[1] < totals[0]
-
-
 log = logging.getLogger(__name__)
+
+
+# What --draft-dtype auto picks from on the CPU (cpu_format measures which is fastest here).
+AUTO_CPU_FORMATS = ("fp32", "int8")
 
 
 class DraftContextError(ValueError):
@@ -139,24 +115,24 @@ class Drafter:
                         device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
                         scratch_len: int = TreeShape().scratch_slots) -> Drafter:
         """Load a draft folder (Dovetail, EAGLE-1/2 or EAGLE-3 layout) onto ``device`` (auto: CUDA if any).
-        ``dtype``: fp32/fp16/bf16; int8 (CPU only: W8A8 projections, fp32 activations); or
-        ``auto``: fp16 on CUDA, and on the CPU int8 where it measures faster than fp32 (a big
-        head is memory-bound and int8 moves a quarter of the bytes; a tiny one is overhead-bound)."""
+        ``dtype``: fp32/fp16/bf16; int8 or q4_0 (CPU only: quantized projections, fp32 activations,
+        ``head_formats``); or ``auto``: fp16 on CUDA, and on the CPU int8 where it measures faster than
+        fp32 (a big head is memory-bound and int8 moves a quarter of the bytes; a tiny one is overhead-bound)."""
         resolved = resolve_device(device)
         name = dtype.lower() if isinstance(dtype, str) else None
         if name == "auto":
             name, dtype = ("measure", None) if resolved.type == "cpu" else (None, None)
-        if name == "int8" and resolved.type != "cpu":
-            raise ValueError(f"an int8 draft runs on the CPU only, not on {resolved}")
-        quantize = name == "int8"
+        if name in PROJECTION_FORMATS and resolved.type != "cpu":
+            raise ValueError(f"an {name} draft runs on the CPU only, not on {resolved}")
+        projections = name if name in PROJECTION_FORMATS else None
         if name == "measure":
             spec = head_spec(draft_dir)
             eagle3 = draft_fusion(draft_dir) in EAGLE3_FUSIONS  # q/k/v read [embedding; hidden]
-            quantize = int8_layer_is_faster(spec, attention_input=2 * spec.hidden_size if eagle3 else None)
-        # int8 is quantised tensor by tensor while loading: the head never sits in fp32 first.
-        head = load_head(draft_dir, target_dir, device=resolved,
-                         dtype=torch.float32 if name in ("int8", "measure") else resolve_dtype(resolved, dtype),
-                         quantize=quantize)
+            projections = fastest_cpu_format(spec, attention_input=2 * spec.hidden_size if eagle3 else None,
+                                             formats=AUTO_CPU_FORMATS)
+        # Quantised tensor by tensor while loading: the head never sits in fp32 first.
+        float_dtype = torch.float32 if name in (*PROJECTION_FORMATS, "measure") else resolve_dtype(resolved, dtype)
+        head = load_head(draft_dir, target_dir, device=resolved, dtype=float_dtype, projections=projections)
         return cls(head, max_len=max_len, scratch_len=scratch_len)
 
     @property

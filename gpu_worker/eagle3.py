@@ -46,9 +46,9 @@ from cpu_worker.model import (
     LlamaSpec,
     RMSNorm,
     RowwiseInt8Linear,
-    fuse_projections,
-    quantize_linears,
 )
+
+from .head_formats import quantize_projections
 
 # The layer rule and the names are torch-free (the coordinator reads them): one copy, there.
 from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY
@@ -121,6 +121,7 @@ class Eagle3Head(nn.Module):
             for weight in (self.W_1, self.W_2, self.W_z):
                 nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
         self.int8_fusion: nn.ModuleDict | None = None
+        self.projection_format: str | None = None  # int8 or q4_0 once quantized (head_formats)
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -223,21 +224,8 @@ class Eagle3Head(nn.Module):
         """The tensors of a head folder's ``model.safetensors``: everything but the target's embedding."""
         return {name: tensor for name, tensor in self.state_dict().items() if not name.startswith("embed_tokens.")}
 
-    @torch.no_grad()
     def quantize_int8(self) -> Eagle3Head:
         """Every projection in W8A8 int8, per token (``cpu_worker.kernels.int8``): a row's output never
         depends on the other rows of its call, as for ``DraftHead.quantize_int8``."""
-        quantize_linears(self.midlayer)
-        quantize_linears(self.post_layers)
-        for name in ("fc", "lm_head"):
-            module = getattr(self, name)
-            if isinstance(module, nn.Linear):
-                setattr(self, name, RowwiseInt8Linear(module.weight, module.bias))
-        if self.fusion == "dgf-eagle3" and self.int8_fusion is None:
-            # x @ W is x W'^T with W' = W^T.
-            self.int8_fusion = nn.ModuleDict({name: RowwiseInt8Linear(getattr(self, name).t())
-                                              for name in _DGF_NAMES})
-            for name in _DGF_NAMES:
-                delattr(self, name)
-        fuse_projections(self)  # q/k/v and gate/up in one int8 call each, the same bits
+        quantize_projections(self, "int8")
         return self

@@ -22,9 +22,9 @@ from cpu_worker.model import (
     LlamaSpec,
     RMSNorm,
     RowwiseInt8Linear,
-    fuse_projections,
-    quantize_linears,
 )
+
+from .head_formats import quantize_projections
 
 FUSIONS = ("dgf", "fc")
 
@@ -61,27 +61,14 @@ class DraftHead(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, input_norm=index > 0) for index in range(spec.num_layers))
         self.lm_head: nn.Linear | RowwiseInt8Linear = nn.Linear(d, spec.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
-        self.int8_fusion: nn.ModuleDict | None = None  # DGF's W_1/W_2/W_z in int8 after quantize_int8()
+        # DGF's W_1/W_2/W_z as quantized layers after quantize_projections (int8 or q4_0).
+        self.int8_fusion: nn.ModuleDict | None = None
+        self.projection_format: str | None = None  # int8 or q4_0 once quantized (head_formats)
 
-    @torch.no_grad()
     def quantize_int8(self) -> DraftHead:
         """Every projection in W8A8 int8, per-token (``cpu_worker.kernels.int8``), for drafting on a CPU:
         there the draft shares the memory bus with the target, so its bytes per step matter."""
-        quantize_linears(self.layers)
-        head = self.lm_head
-        if isinstance(head, nn.Linear):
-            self.lm_head = RowwiseInt8Linear(head.weight)
-        if self.fusion == "fc":
-            fc = self.fc
-            if isinstance(fc, nn.Linear):
-                self.fc = RowwiseInt8Linear(fc.weight, fc.bias)
-        elif self.int8_fusion is None:  # not yet quantised (a head loaded as int8 already is)
-            # x @ W is x W'^T with W' = W^T.
-            self.int8_fusion = nn.ModuleDict({name: RowwiseInt8Linear(getattr(self, name).t())
-                                              for name in ("W_1", "W_2", "W_z")})
-            for name in ("W_1", "W_2", "W_z"):
-                delattr(self, name)
-        fuse_projections(self)  # q/k/v and gate/up in one int8 call each, the same bits
+        quantize_projections(self, "int8")
         return self
 
     def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:

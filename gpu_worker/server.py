@@ -159,12 +159,12 @@ def load_service(settings: m.DraftSettings) -> tuple[m.DraftInfo, Handlers]:
     # Only the cycle ring is pinned: it is small and crosses every cycle; a prompt's block once.
     pinned = drafter.device.type == "cuda" and cycle.pin_for_cuda()
     activations = str(drafter.dtype).removeprefix("torch.")
-    int8 = drafter.head.int8_fusion is not None or not isinstance(drafter.head.lm_head, torch.nn.Linear)
-    cost_key = draft_cost_key(drafter, settings.draft, settings.target, "int8" if int8 else activations,
+    precision = drafter.head.projection_format or activations  # int8 or q4_0 projections, else the float dtype
+    cost_key = draft_cost_key(drafter, settings.draft, settings.target, precision,
                               placement.intra_op_threads, placement.cores)
     service = DraftService(drafter, {cycle.name: cycle, prefill.name: prefill}, cost_key=cost_key,
                            max_sequences=settings.max_sequences)
-    info = m.DraftInfo(device=str(drafter.device), dtype="int8" if int8 else activations,
+    info = m.DraftInfo(device=str(drafter.device), dtype=precision,
                        threads=placement.intra_op_threads, cores=placement.cores,
                        layers=drafter.head.spec.num_layers, ring_pinned=pinned, scratch_len=drafter.scratch_len,
                        fusion=drafter.head.fusion, feature_size=drafter.feature_size,

@@ -1,7 +1,7 @@
 """The model both workers build: Llama-family blocks, fused projections, model folders, the weight streamer.
 
-What ``gpu_worker`` may use of ``cpu_worker`` is named here (DESIGN.md 11), with the int8 layer
-a model can be built from. The names load on first use: the coordinator reads model folders
+What ``gpu_worker`` may use of ``cpu_worker`` is named here (DESIGN.md 11), with the int8 and
+block-quantized layers a model can be built from. The names load on first use: the coordinator reads model folders
 through ``cpu_worker.model.model_dir`` and never imports torch.
 """
 
@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     # For type checkers; at run time ``__getattr__`` imports each name from its home below.
+    from cpu_worker.kernels.block_quant import (
+        BlockQuantLinear as BlockQuantLinear,
+    )
     from cpu_worker.kernels.huge_pages import (
         release_freed_memory as release_freed_memory,
     )
@@ -89,6 +92,7 @@ if TYPE_CHECKING:
     )
 
 _HOMES = {
+    "cpu_worker.kernels.block_quant": ("BlockQuantLinear",),
     "cpu_worker.kernels.huge_pages": ("release_freed_memory",),
     "cpu_worker.kernels.int8": ("RowwiseInt8Linear", "quantize_linears"),
     "cpu_worker.model.fusion": ("fuse_projections",),

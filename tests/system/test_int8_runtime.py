@@ -42,3 +42,17 @@ def test_block_targets_through_the_runtime_equal_ar(tmp_path, demo_target, demo_
     for line in map(json.loads, done.stdout.splitlines()):
         assert line["ar"]["same_tokens"], f"{precision} dovetail differs from {precision} ar for {line['prompt']!r}"
         assert line["stats"]["tau"] > 1.5
+
+
+def test_a_q4_0_draft_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft):
+    """A CPU draft in 4-bit blocks (--draft-dtype q4_0) only proposes: the tokens stay the target's."""
+    prompt_file = tmp_path / "code.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS[:2]))
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "q4_0",
+                        "--draft-device", "cpu", "--draft-dtype", "q4_0", "--compare-ar", "--json", "--prompt-file",
+                        str(prompt_file), "--max-new-tokens", "48", "--log-level", "info")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'dtype': 'q4_0'" in done.stderr.split("gpu_worker ready", 1)[1].splitlines()[0], done.stderr[-3000:]
+    for line in map(json.loads, done.stdout.splitlines()):
+        assert line["ar"]["same_tokens"], f"dovetail with a q4_0 draft differs from ar for {line['prompt']!r}"
+        assert line["stats"]["tau"] > 1.5

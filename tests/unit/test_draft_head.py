@@ -26,6 +26,7 @@ from gpu_worker.checkpoint import DraftCheckpointError, load_head, save_head
 from gpu_worker.device import resolve_device, resolve_dtype
 from gpu_worker.drafter import Drafter
 from gpu_worker.head import DraftHead
+from gpu_worker.head_formats import quantize_projections
 from ipc.tree import TreeShape
 
 TOL = 1e-5
@@ -256,7 +257,38 @@ def test_int8_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion):
         Drafter.from_pretrained(folder, demo_target, max_len=64, device="meta", dtype="int8")
 
 
-def _old_path_head(draft, target, quantize: bool) -> DraftHead:
+@pytest.mark.parametrize("fusion", ["dgf", "fc"])
+def test_q4_0_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion):
+    """A q4_0 CPU draft reads half int8's bytes: 4-bit blocks for every projection but the
+    vocabulary's (Q8_0), close to fp32, deterministic."""
+    from cpu_worker.kernels.block_quant import BlockQuantLinear
+
+    from conftest import save_random_head
+
+    folder = save_random_head(tmp_path / fusion, demo_target, layers=2, fusion=fusion)
+    exact = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="fp32")
+    quick = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="q4_0")
+    assert quick.head.projection_format == "q4_0"
+    blocks = {name: module.weights.kind for name, module in quick.head.named_modules()
+              if isinstance(module, BlockQuantLinear)}
+    assert not any(isinstance(module, torch.nn.Linear) for module in quick.head.modules())
+    assert len(blocks) == 2 * 4 + 1 + (1 if fusion == "fc" else 3)
+    assert {name for name, kind in blocks.items() if kind == "q8_0"} == {"lm_head"}
+    assert set(blocks.values()) == {"q4_0", "q8_0"}
+    features = torch.randn(12, exact.head.spec.hidden_size)
+    tokens = list(range(5, 17))
+    outputs = []
+    for drafter in (exact, quick):
+        drafter.extend(features, tokens)
+        outputs.append(drafter._root_log_probs)
+    assert torch.allclose(outputs[0].exp(), outputs[1].exp(), atol=0.05)
+    shape = TreeShape.clamped(8, 3, 2)
+    assert torch.equal(quick.propose(shape).tokens, quick.propose(shape).tokens)
+    with pytest.raises(ValueError, match="CPU only"):
+        Drafter.from_pretrained(folder, demo_target, max_len=64, device="meta", dtype="q4_0")
+
+
+def _old_path_head(draft, target, projections: str | None) -> DraftHead:
     """The loader before tensor-by-tensor loading: every tensor read, the head built in fp32,
     then quantised whole."""
     from cpu_worker.model.loading import read_tensors
@@ -269,20 +301,26 @@ def _old_path_head(draft, target, quantize: bool) -> DraftHead:
     with torch.device("meta"):
         head = DraftHead(head_spec(draft), fusion=json.loads((draft / "config.json").read_text())["dovetail_fusion"])
     head.load_state_dict(state, assign=True, strict=True)
-    return head.quantize_int8() if quantize else head
+    return quantize_projections(head, projections) if projections else head
 
 
-def _int8_weights(head: DraftHead) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+def _quantized_weights(head: DraftHead) -> dict[str, tuple[torch.Tensor, ...]]:
+    from cpu_worker.kernels.block_quant import BlockQuantLinear
     from cpu_worker.kernels.int8 import RowwiseInt8Linear
 
-    return {name: (module.int8_weight(), module.bias)
-            for name, module in head.named_modules() if isinstance(module, RowwiseInt8Linear)}
+    found: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, module in head.named_modules():
+        if isinstance(module, RowwiseInt8Linear):
+            found[name] = (module.int8_weight(),)
+        elif isinstance(module, BlockQuantLinear):
+            found[name] = (module.weights.data, module.weights.scales)
+    return found
 
 
-@pytest.mark.parametrize("quantize", [False, True])
-def test_tensor_by_tensor_load_equals_the_old_path(tmp_path, quantize):
+@pytest.mark.parametrize("projections", [None, "int8", "q4_0"])
+def test_tensor_by_tensor_load_equals_the_old_path(tmp_path, projections):
     """fp16 files, frozen embedding/lm_head from the target: the streamed head holds the very
-    tensors (and int8 weights) the read-all-then-convert path built, and computes the same bits."""
+    tensors (and quantized weights) the read-all-then-convert path built, and computes the same bits."""
     from safetensors.torch import load_file, save_file
 
     target = save_tiny_target(tmp_path / "target")
@@ -290,15 +328,16 @@ def test_tensor_by_tensor_load_equals_the_old_path(tmp_path, quantize):
     draft = save_head(head, tmp_path / "draft", include_frozen=False)
     weights = draft / "model.safetensors"
     save_file({name: tensor.half() for name, tensor in load_file(str(weights)).items()}, str(weights))
-    old = _old_path_head(draft, target, quantize)
-    new = load_head(draft, target, quantize=quantize)
+    old = _old_path_head(draft, target, projections)
+    new = load_head(draft, target, projections=projections)
+    assert new.projection_format == projections
     old_state, new_state = old.state_dict(), new.state_dict()
     assert old_state.keys() == new_state.keys()
     assert all(torch.equal(old_state[name], new_state[name]) and new_state[name].dtype == torch.float32
                for name in old_state)
-    old_int8, new_int8 = _int8_weights(old), _int8_weights(new)
-    assert old_int8.keys() == new_int8.keys() and len(new_int8) == (2 * 4 + 1 + 3 if quantize else 0)
-    assert all(torch.equal(old_int8[name][0], new_int8[name][0]) for name in old_int8)
+    old_weights, new_weights = _quantized_weights(old), _quantized_weights(new)
+    assert old_weights.keys() == new_weights.keys() and len(new_weights) == (2 * 4 + 1 + 3 if projections else 0)
+    assert all(torch.equal(a, b) for name in old_weights for a, b in zip(old_weights[name], new_weights[name]))
     assert not new.embed_tokens.weight.requires_grad
     features, tokens = random_pairs(9)
     assert torch.equal(run_head(old, features, tokens, [5, 4]), run_head(new, features, tokens, [5, 4]))

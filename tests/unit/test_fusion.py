@@ -63,19 +63,21 @@ def test_concatenated_layer_equals_its_parts_side_by_side(monkeypatch, kernel):
 
 
 
+@pytest.mark.parametrize("projections", ["int8", "q4_0"])
 @pytest.mark.parametrize("fusion", ["dgf", "fc"])
-def test_an_int8_draft_head_fuses_to_the_same_bits(monkeypatch, fusion):
-    """A head drafting on the CPU in int8 fuses its layers' projections too, and computes what
-    the unfused int8 head computes, bit for bit."""
+def test_a_quantized_draft_head_fuses_to_the_same_bits(monkeypatch, fusion, projections):
+    """A head drafting on the CPU in int8 or q4_0 fuses its layers' projections too, and computes
+    what the unfused head computes, bit for bit."""
     from test_draft_head import random_pairs, run_head
     from test_draft_support import tiny_head
 
-    import gpu_worker.head
+    import gpu_worker.head_formats
+    from gpu_worker.head_formats import quantize_projections
 
-    fused = tiny_head(fusion, layers=2).quantize_int8()
+    fused = quantize_projections(tiny_head(fusion, layers=2), projections)
     assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None for layer in fused.layers)
-    monkeypatch.setattr(gpu_worker.head, "fuse_projections", lambda model: 0)
-    unfused = tiny_head(fusion, layers=2).quantize_int8()
+    monkeypatch.setattr(gpu_worker.head_formats, "fuse_projections", lambda model: 0)
+    unfused = quantize_projections(tiny_head(fusion, layers=2), projections)
     assert all(layer.self_attn.qkv_proj is None for layer in unfused.layers)
     features, tokens = random_pairs(9)
     assert torch.equal(run_head(fused, features, tokens, [5, 4]), run_head(unfused, features, tokens, [5, 4]))
