@@ -1,12 +1,13 @@
 """A CPU draft's cost per tree level against its bandwidth bound, side by side in one run.
 
-    python -m tools.bench_draft_level --draft HEAD --target TARGET [--threads 2] [--precision int8-row]
+    python -m tools.bench_draft_level --draft HEAD --target TARGET [--threads 2] [--precisions int8,q4_0,fp32]
 
 Every tree level reads every weight of the head once (fusion, decoder layers, lm_head), so on a
 CPU a level cannot take less than head bytes / read bandwidth. This loads the head as the
-gpu_worker does on a CPU (int8 by default), times t_draft(depth) with the worker's own
-measurement (``gpu_worker.draft_cost``) for each beam width, measures the read bandwidth right
-after, and prints ms per level (the slope between depth 1 and the deepest) against that bound.
+gpu_worker does on a CPU, once per precision (``--draft-dtype``'s CPU formats), times
+t_draft(depth) with the worker's own measurement (``gpu_worker.draft_cost``) for each beam width,
+the precisions taking turns round after round (best of the rounds), measures the read bandwidth
+right after, and prints ms per level (the slope between depth 1 and the deepest) against that bound.
 Use a real-cost stand-in head (``tools.bench_real`` caches them under ~/.cache/dovetail/standins).
 """
 
@@ -50,27 +51,37 @@ def head_bytes(head: torch.nn.Module) -> int:
               help="Draft head folder.")
 @click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
               help="Its target folder (the frozen embedding and lm_head come from there).")
-@click.option("--precision", type=click.Choice(["int8-row", "fp32"]), default="int8-row", show_default=True)
+@click.option("--precisions", default="int8,q4_0", show_default=True,
+              help="Comma list of the draft's CPU formats to compare: int8, q4_0, fp32.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--depth", type=click.IntRange(min=2, max=10), default=6, show_default=True, help="Deepest tree timed.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-def main(draft: Path, target: Path, precision: str, threads: int, depth: int, repeats: int) -> None:
+def main(draft: Path, target: Path, precisions: str, threads: int, depth: int, repeats: int) -> None:
     torch.set_num_threads(threads)
-    head = load_head(draft, target)
-    if precision == "int8-row":
-        head = head.quantize_int8()
-    drafter = Drafter(head, max_len=512, scratch_len=8 * depth)
-    nbytes = head_bytes(head)
-    print(f"{draft.name}: {nbytes / 1e6:.0f} MB per level ({precision}), {threads} threads")
-    print(markdown_header(["top_k", "t_draft depth 1 ms", f"depth {depth} ms", "ms per level", "bound ms",
-                           "per level / bound"]))
-    for top_k in (4, 8):
-        ms = measure_draft_ms(drafter, [1, depth], top_k=top_k, repeats=repeats)
+    names = [name.strip() for name in precisions.split(",") if name.strip()]
+    unknown = sorted(set(names) - {"int8", "q4_0", "fp32"})
+    if unknown or not names:
+        raise click.BadParameter(f"unknown precision(s) {unknown or names}; use int8, q4_0, fp32",
+                                 param_hint="--precisions")
+    drafters = {name: Drafter(load_head(draft, target, projections=None if name == "fp32" else name), max_len=512,
+                              scratch_len=8 * depth) for name in names}
+    best: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):  # the precisions take turns, so load drift hits all alike
+        for name, drafter in drafters.items():
+            for top_k in (4, 8):
+                ms = measure_draft_ms(drafter, [1, depth], top_k=top_k, repeats=1)
+                kept = best.setdefault((name, top_k), ms)
+                best[(name, top_k)] = [min(a, b) for a, b in zip(kept, ms)]
+    bandwidth = read_gbs()  # measured right after, on the same machine state
+    print(f"{draft.name}: {threads} threads, read bandwidth {bandwidth:.1f} GB/s, best of {repeats} rounds")
+    print(markdown_header(["precision", "MB per level", "top_k", "t_draft depth 1 ms", f"depth {depth} ms",
+                           "ms per level", "bound ms", "per level / bound"]))
+    for (name, top_k), ms in best.items():
+        nbytes = head_bytes(drafters[name].head)
         per_level = (ms[1] - ms[0]) / (depth - 1)
-        bound = nbytes / (read_gbs() * 1e9) * 1e3  # measured right after, on the same machine state
-        print(markdown_row([top_k, f"{ms[0]:.1f}", f"{ms[1]:.1f}", f"{per_level:.1f}", f"{bound:.1f}",
-                            f"{per_level / bound:.2f}x"]))
-
+        bound = nbytes / (bandwidth * 1e9) * 1e3
+        print(markdown_row([name, f"{nbytes / 1e6:.0f}", top_k, f"{ms[0]:.1f}", f"{ms[1]:.1f}", f"{per_level:.1f}",
+                            f"{bound:.1f}", f"{per_level / bound:.2f}x"]))
 
 if __name__ == "__main__":
     main()

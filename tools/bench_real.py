@@ -306,10 +306,15 @@ class RunResult:
     prompt_lengths: list[int] = field(default_factory=list)
     sweep_prompt: list[int] = field(default_factory=list)
     sweep_ms: dict[int, float] = field(default_factory=dict)
+    draft_dtype: str = "auto"  # the draft's --draft-dtype
+
+    @property
+    def precision_label(self) -> str:
+        return self.precision if self.draft_dtype == "auto" else f"{self.precision}, draft {self.draft_dtype}"
 
     @property
     def label(self) -> str:
-        return f"{self.shape} {self.precision}"
+        return f"{self.shape} {self.precision_label}"
 
     def __post_init__(self) -> None:
         self.modes = {"ar": ModeTotals(), **{tree_label(tree): ModeTotals() for tree in self.trees}}
@@ -452,7 +457,7 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
     settings = RuntimeSettings(
         target=str(target_dir), draft=str(head_dir), target_dtype=result.precision, kv_dtype=options.kv_dtype,
         cpu_threads=options.cpu_threads, cpu_cores=options.cpu_cores, draft_device=options.draft_device,
-        draft_threads=options.draft_threads, draft_cores=options.draft_cores,
+        draft_threads=options.draft_threads, draft_cores=options.draft_cores, draft_dtype=result.draft_dtype,
         tree=envelope, log_level="warning", startup_timeout_s=options.startup_timeout_s,
         # Room for the prompt (re-encoding a cut prompt can add a token or two), the new tokens and one tree.
         max_len=options.prompt_tokens + options.max_new_tokens + envelope.tree_tokens + 32)
@@ -607,7 +612,7 @@ def table_rows(result: RunResult, bandwidth_gbs: float) -> list[str]:
     ar = result.modes["ar"]
     if result.errors and not result.compared:
         failed = f"failed: {result.errors[0][:200]}"
-        return [markdown_row([f"{result.shape} ({result.layers} L)", result.precision, failed])]
+        return [markdown_row([f"{result.shape} ({result.layers} L)", result.precision_label, failed])]
     ar_tps, roof = ar.tokens_per_s(), roofline_tps(result, bandwidth_gbs)
     rss = {name: result.rss_kb.get(name, {}).get("VmHWM") for name in ("cpu_worker", "gpu_worker")}
     rows = []
@@ -615,7 +620,7 @@ def table_rows(result: RunResult, bandwidth_gbs: float) -> list[str]:
         dovetail = result.modes[label]
         used = ", ".join(f"{shape} x{count}" for shape, count in dovetail.trees.most_common(3))
         cells = [
-            f"{result.shape} ({result.layers} L)", result.precision, cell(ar_tps), label, used or "n/a",
+            f"{result.shape} ({result.layers} L)", result.precision_label, cell(ar_tps), label, used or "n/a",
             cell(dovetail.tokens_per_s()), cell(result.ratio(label), suffix="x"), cell(dovetail.tau()),
             cell(dovetail.per_cycle(dovetail.draft_ms)), cell(dovetail.per_cycle(dovetail.verify_ms)),
             cell(dovetail.per_cycle(dovetail.ipc_ms)), cell(ar.ms_per_token()),
@@ -792,17 +797,25 @@ def plot_model(axis: Any, result: RunResult, sizes: list[int], color: str) -> bo
 # --- CLI -----------------------------------------------------------------------------------
 
 
-def parse_runs(text: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+DRAFT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "q4_0")
+
+
+def parse_runs(text: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str, str]]:
+    """SHAPE:PRECISION[:DRAFT_DTYPE] items: the target's shape and precision, the draft's --draft-dtype."""
     runs = []
     for item in text.split(","):
-        shape, _, precision = item.strip().partition(":")
+        shape, _, rest = item.strip().partition(":")
+        precision, _, draft_dtype = rest.partition(":")
         if shape not in shapes:
             raise click.BadParameter(f"unknown shape {shape!r}; inflate.py knows {', '.join(sorted(shapes))}",
                                      param_hint="--runs")
         if precision not in TARGET_PRECISIONS:
             raise click.BadParameter(f"{item!r}: precision must be one of {', '.join(TARGET_PRECISIONS)}",
                                      param_hint="--runs")
-        runs.append((shape, precision))
+        if draft_dtype and draft_dtype not in DRAFT_DTYPES:
+            raise click.BadParameter(f"{item!r}: the draft dtype must be one of {', '.join(DRAFT_DTYPES)}",
+                                     param_hint="--runs")
+        runs.append((shape, precision, draft_dtype or "auto"))
     return runs
 
 
@@ -841,9 +854,9 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--runs", default=DEFAULT_RUNS,
-              help="Comma list of SHAPE:PRECISION. Shapes are inflate.py's (tiny-1k, llama-1b, llama3-3b, "
-                   "llama2-7b, llama3-8b, llama2-13b); precisions fp32, bf16, int8, int8-row, q8_0, q4_0, q4_1. "
-                   "One Coordinator per item.")
+              help="Comma list of SHAPE:PRECISION[:DRAFT_DTYPE]. Shapes are inflate.py's (tiny-1k, llama-1b, "
+                   "llama3-3b, llama2-7b, llama3-8b, llama2-13b); precisions fp32, bf16, int8, int8-row, q8_0, q4_0, "
+                   "q4_1; the draft's dtype as dovetail-run's --draft-dtype (default auto). One Coordinator per item.")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Layer count for every target instead of the shape's own (quick runs). Never fewer than the "
                    "small target's own layers: inflate.py keeps every trained layer.")
@@ -916,11 +929,11 @@ def main(context: click.Context, **values: Any) -> None:
 
     started = time.perf_counter()
     plan = []
-    for shape_name, precision in runs:
+    for shape_name, precision, draft_dtype in runs:
         layers = max(values["layers"] or shapes[shape_name][5], source_layers)
         target_dir = inflate_target(sources, shape_name, shapes[shape_name], layers)
         head_dir = inflate_head(sources, shape_name, shapes[shape_name])
-        plan.append((RunResult(shape_name, precision, layers, trees, target_dir), head_dir))
+        plan.append((RunResult(shape_name, precision, layers, trees, target_dir, draft_dtype=draft_dtype), head_dir))
     inflate_s = time.perf_counter() - started
 
     bandwidth = measure_bandwidth(values["cpu_threads"])  # before any worker holds memory
