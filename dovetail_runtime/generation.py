@@ -96,13 +96,17 @@ class Stats:
     cycle_tokens: int = 0  # tokens those cycles emitted (all but the prefill's token)
     prefill_ms: float = 0.0
     draft_ms: float = 0.0
+    draft_prompt_ms: float = 0.0  # of draft_ms, the first step's (the draft absorbing the prompt)
     verify_ms: float = 0.0
     wall_ms: float = 0.0
     accept_per_depth: list[int] = field(default_factory=list)
     trees: collections.Counter[str] = field(default_factory=collections.Counter)  # "T/depth/top_k": cycles
 
     def record_cycle(self, shape: TreeShape, draft_ms: float, verify_ms: float, accepted: int) -> None:
-        """One draft/verify cycle of ``shape`` that emitted ``accepted`` tokens."""
+        """One draft/verify cycle of ``shape`` that emitted ``accepted`` tokens. The first cycle's draft
+        step also absorbed the prompt."""
+        if self.cycles == 0:
+            self.draft_prompt_ms = draft_ms
         self.draft_ms += draft_ms
         self.verify_ms += verify_ms
         self.cycles += 1
@@ -124,7 +128,7 @@ class Stats:
             tau=self.cycle_tokens / self.cycles if self.cycles else 0.0,
             tokens_per_s=self.new_tokens / seconds if seconds > 0 else 0.0,
             prefill_ms=round(self.prefill_ms, 3), draft_ms=round(self.draft_ms, 3),
-            verify_ms=round(self.verify_ms, 3),
+            draft_prompt_ms=round(self.draft_prompt_ms, 3), verify_ms=round(self.verify_ms, 3),
             # Time not spent computing in a worker: messages, ring copies, coordinator work.
             ipc_ms=round(max(self.wall_ms - compute, 0.0), 3), wall_ms=round(self.wall_ms, 3),
             accept_per_depth=list(self.accept_per_depth), trees=dict(self.trees.most_common()))

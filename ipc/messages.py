@@ -108,6 +108,7 @@ class RequestStats(Nested, frozen=True):
     tokens_per_s: float = 0.0
     prefill_ms: float = 0.0
     draft_ms: float = 0.0
+    draft_prompt_ms: float = 0.0  # of draft_ms, the first draft step's: the draft absorbing the prompt
     verify_ms: float = 0.0
     ipc_ms: float = 0.0  # wall time not spent computing in a worker
     wall_ms: float = 0.0

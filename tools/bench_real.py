@@ -251,6 +251,7 @@ class ModeTotals:
     wall_ms: float = 0.0
     prefill_ms: float = 0.0
     draft_ms: float = 0.0
+    draft_prompt_ms: float = 0.0  # of draft_ms, the first steps' (the draft absorbing each prompt)
     verify_ms: float = 0.0
     ipc_ms: float = 0.0
     trees: Counter[str] = field(default_factory=Counter)  # cycles per "T/depth/top_k"
@@ -263,6 +264,7 @@ class ModeTotals:
         self.wall_ms += stats.wall_ms
         self.prefill_ms += stats.prefill_ms
         self.draft_ms += stats.draft_ms
+        self.draft_prompt_ms += stats.draft_prompt_ms
         self.verify_ms += stats.verify_ms
         self.ipc_ms += stats.ipc_ms
         self.trees.update(stats.trees)
@@ -657,6 +659,10 @@ def run_notes(result: RunResult, bandwidth_gbs: float) -> str:
     for mode, totals in result.modes.items():
         if totals.requests:
             parts.append(f"{mode} prefill {totals.prefill_ms / totals.requests:.0f} ms/prompt;")
+        if totals.requests and totals.draft_prompt_ms and totals.cycles:
+            # In decode time and in draft ms/cycle: the first cycle's draft step reads the whole prompt.
+            parts.append(f"{mode}'s draft absorbs the prompt in {totals.draft_prompt_ms / totals.requests:.0f} "
+                         f"ms/prompt ({totals.draft_prompt_ms / totals.cycles:.1f} of its draft ms/cycle);")
     for name, status in result.rss_kb.items():
         if status:
             parts.append(f"{name} VmRSS {status.get('VmRSS', 0) / 1024**2:.2f} GB at the end;")

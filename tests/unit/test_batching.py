@@ -224,3 +224,25 @@ def test_under_sustained_load_dovetail_streams_decode_plainly_with_their_solo_to
     # One-node trees for a few rounds (the head's step still paid), then no draft at all.
     assert gpu.counts["DraftBatch"] <= PLAIN_AFTER + 3
     assert steps_sent["DecodeRequest"] >= 4 * 25
+
+
+def test_the_first_draft_step_is_reported_as_the_drafts_absorption_of_the_prompt(demo_pair):
+    """RequestStats.draft_prompt_ms: the part of draft_ms the draft spent reading the prompt (its
+    first step, which starts the sequence), so benchmarks can tell it from the per-cycle cost."""
+    engine, drafter = demo_pair
+    steps: list[tuple[bool, int, float]] = []
+
+    class Watching(LocalWorker):
+        def request(self, message, expect):
+            reply = super().request(message, expect)
+            if isinstance(message, m.DraftRequest):
+                steps.append((message.reset, len(message.tokens), reply.compute_ms))
+            return reply
+
+    request, _ = job(0, max_new_tokens=24)
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        _, stats = run_alone(dovetail_steps(request, SHAPE, Recorder()), cpu, Watching(gpu.name, gpu.handlers))
+    assert steps[0][:2] == (True, len(PROMPTS[0])) and not any(reset for reset, _, _ in steps[1:])
+    message = stats.message()
+    assert message.draft_prompt_ms == round(steps[0][2], 3) > 0
+    assert message.draft_ms == pytest.approx(sum(ms for _, _, ms in steps), abs=1e-3)
