@@ -229,63 +229,40 @@ def test_drafter_from_pretrained_on_cpu(tmp_path):
     assert len(tree) == 6 and tree.tokens[0] == tokens[-1]
 
 
+@pytest.mark.parametrize(("dtype", "atol"), [("int8", 0.02), ("q4_0", 0.05)])
 @pytest.mark.parametrize("fusion", ["dgf", "fc"])
-def test_int8_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion):
-    """A CPU draft runs its projections in int8 (it shares the memory bus with the target):
-    close to fp32, deterministic, and every projection converted."""
+def test_a_quantized_cpu_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion, dtype, atol):
+    """A CPU draft runs its projections in int8 or 4-bit blocks (it shares the memory bus with the
+    target): every projection converted (q4_0's vocabulary projection at Q8_0, for its ranking),
+    close to fp32, deterministic."""
+    from cpu_worker.kernels.block_quant import BlockQuantLinear
     from cpu_worker.kernels.int8 import RowwiseInt8Linear
 
     from conftest import save_random_head
 
     folder = save_random_head(tmp_path / fusion, demo_target, layers=2, fusion=fusion)
     exact = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="fp32")
-    quick = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="int8")
+    quick = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype=dtype)
+    assert quick.head.projection_format == dtype
     assert not any(isinstance(module, torch.nn.Linear) for module in quick.head.modules())
+    kinds = {name: "int8" if isinstance(module, RowwiseInt8Linear) else module.weights.kind
+             for name, module in quick.head.named_modules() if isinstance(module, RowwiseInt8Linear | BlockQuantLinear)}
     # Per layer qkv, o, gate_up, down (fused: cpu_worker.model.fusion), then lm_head and the fusion's.
-    assert sum(isinstance(module, RowwiseInt8Linear) for module in quick.head.modules()) == 2 * 4 + 1 + (
-        1 if fusion == "fc" else 3)
+    assert len(kinds) == 2 * 4 + 1 + (1 if fusion == "fc" else 3)
+    assert set(kinds.values()) == ({"int8"} if dtype == "int8" else {"q4_0", "q8_0"})
+    if dtype == "q4_0":
+        assert {name for name, kind in kinds.items() if kind == "q8_0"} == {"lm_head"}
     features = torch.randn(12, exact.head.spec.hidden_size)
     tokens = list(range(5, 17))
     outputs = []
     for drafter in (exact, quick):
         drafter.extend(features, tokens)
         outputs.append(drafter._root_log_probs)
-    assert torch.allclose(outputs[0].exp(), outputs[1].exp(), atol=0.02)
+    assert torch.allclose(outputs[0].exp(), outputs[1].exp(), atol=atol)
     shape = TreeShape.clamped(8, 3, 2)
     assert torch.equal(quick.propose(shape).tokens, quick.propose(shape).tokens)
     with pytest.raises(ValueError, match="CPU only"):
-        Drafter.from_pretrained(folder, demo_target, max_len=64, device="meta", dtype="int8")
-
-
-@pytest.mark.parametrize("fusion", ["dgf", "fc"])
-def test_q4_0_draft_head_tracks_the_fp32_head(tmp_path, demo_target, fusion):
-    """A q4_0 CPU draft reads half int8's bytes: 4-bit blocks for every projection but the
-    vocabulary's (Q8_0), close to fp32, deterministic."""
-    from cpu_worker.kernels.block_quant import BlockQuantLinear
-
-    from conftest import save_random_head
-
-    folder = save_random_head(tmp_path / fusion, demo_target, layers=2, fusion=fusion)
-    exact = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="fp32")
-    quick = Drafter.from_pretrained(folder, demo_target, max_len=64, device="cpu", dtype="q4_0")
-    assert quick.head.projection_format == "q4_0"
-    blocks = {name: module.weights.kind for name, module in quick.head.named_modules()
-              if isinstance(module, BlockQuantLinear)}
-    assert not any(isinstance(module, torch.nn.Linear) for module in quick.head.modules())
-    assert len(blocks) == 2 * 4 + 1 + (1 if fusion == "fc" else 3)
-    assert {name for name, kind in blocks.items() if kind == "q8_0"} == {"lm_head"}
-    assert set(blocks.values()) == {"q4_0", "q8_0"}
-    features = torch.randn(12, exact.head.spec.hidden_size)
-    tokens = list(range(5, 17))
-    outputs = []
-    for drafter in (exact, quick):
-        drafter.extend(features, tokens)
-        outputs.append(drafter._root_log_probs)
-    assert torch.allclose(outputs[0].exp(), outputs[1].exp(), atol=0.05)
-    shape = TreeShape.clamped(8, 3, 2)
-    assert torch.equal(quick.propose(shape).tokens, quick.propose(shape).tokens)
-    with pytest.raises(ValueError, match="CPU only"):
-        Drafter.from_pretrained(folder, demo_target, max_len=64, device="meta", dtype="q4_0")
+        Drafter.from_pretrained(folder, demo_target, max_len=64, device="meta", dtype=dtype)
 
 
 def _old_path_head(draft, target, projections: str | None) -> DraftHead:
