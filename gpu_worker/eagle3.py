@@ -55,8 +55,6 @@ from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY
 from .head_layout import EAGLE3_FUSIONS as EAGLE3_FUSIONS
 from .head_layout import resolve_aux_layers as resolve_aux_layers
 
-_DGF_NAMES = ("W_1", "W_2", "W_z")
-
 
 class Eagle3Layer(nn.Module):
     """The head's one decoder layer (``midlayer``): attention over [input_layernorm(e); hidden_norm(g)]."""
