@@ -324,7 +324,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8", "q4_0"]), default="auto",
               help="Draft precision: auto = fp16 on CUDA; on the CPU, where the draft shares the memory bus with the "
-                   "target, int8 (W8A8) where it measures faster than fp32. q4_0 (CPU): 4-bit projections, half "
+                   "target, int8 (W8A8) where it measures faster than fp32. q4_0 (CPU): 4-bit projections, ~0.6x "
                    "int8's bytes.")
 @click.option("--draft-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the draft worker. [default: one for a CUDA draft, else one per "
