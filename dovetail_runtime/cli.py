@@ -55,6 +55,7 @@ DEFAULT_MAX_BATCH = 4
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DRAFT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "q4_0")  # --draft-dtype (int8, q4_0: CPU only)
 FIXED_DEPTH = 6  # --depth's default with a fixed --tree-tokens
 AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth says otherwise
 
@@ -322,7 +323,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "amplifies ~1e-6 to ~1e-2.")
 @click.option("--draft-device", default="auto",
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
-@click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8", "q4_0"]), default="auto",
+@click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto",
               help="Draft precision: auto = fp16 on CUDA; on the CPU, where the draft shares the memory bus with the "
                    "target, int8 (W8A8) where it measures faster than fp32. q4_0 (CPU): 4-bit projections, ~0.6x "
                    "int8's bytes.")

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import click
 from click.core import ParameterSource
 
-from dovetail_runtime.cli import AUTO_MAX_DEPTH, cores_option
+from dovetail_runtime.cli import AUTO_MAX_DEPTH, DRAFT_DTYPES, cores_option
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from dovetail_runtime.tokenizer import Tokenizer
 from dovetail_runtime.tree_planner import TREE_SIZES, AutoTree, TreePlanner
@@ -801,9 +801,6 @@ def plot_model(axis: Any, result: RunResult, sizes: list[int], color: str) -> bo
 
 
 # --- CLI -----------------------------------------------------------------------------------
-
-
-DRAFT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "q4_0")
 
 
 def parse_runs(text: str, shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, str, str]]:
