@@ -21,9 +21,10 @@ from gpu_worker.eagle3 import AUX_LAYERS_KEY, Eagle3Head
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# rope_parameters: where transformers 5 keeps RoPE's theta (a head without it would run at 10000).
 _SPEC_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-                "attention_bias", "mlp_bias", "hidden_act", "bos_token_id", "eos_token_id")
+                "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+                "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act", "bos_token_id", "eos_token_id")
 
 
 def is_eagle3_folder(folder: Path | str) -> bool:

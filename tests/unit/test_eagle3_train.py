@@ -285,3 +285,20 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged_before_training(monkeypatc
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert not cli.warn_if_bf16_is_emulated(True, "cpu")
     assert capsys.readouterr().err == ""
+
+
+def test_a_saved_head_keeps_its_targets_rope_theta(tmp_path):
+    """transformers 5 writes RoPE as ``rope_parameters``; a head folder that dropped it loaded with
+    the default theta (10000) while it trained with the target's: SmolLM2's head ran at 10000
+    against 100000."""
+    from cpu_worker.model import load_spec
+    from gpu_worker.checkpoint import head_spec, load_head
+    from gpu_worker.train.eagle3_io import save_eagle3_head
+
+    target = make_tiny_target(tmp_path / "target", num_hidden_layers=4,
+                              rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    assert load_spec(target).rope_theta == 50000.0
+    head = new_eagle3_head(target, "dgf-eagle3", torch.arange(60), seed=0)
+    save_eagle3_head(head, tmp_path / "head", target, LAYERS)
+    assert head_spec(tmp_path / "head").rope_theta == 50000.0
+    assert load_head(tmp_path / "head", target).spec.rope_theta == 50000.0
