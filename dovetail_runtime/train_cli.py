@@ -294,6 +294,9 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
               "(overrides --epochs).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None,
               help="Use only the first N tokens of the training features (a fixed budget for ablations).")
+@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="eagle3 recipes: train for about this long: after 20 timed steps the plan (--epochs or "
+                   "--steps) shrinks to the steps that fit, the learning rate decaying over them.")
 @click.option("--eval-every", type=click.IntRange(min=1), default=200, help="Steps between held-out evaluations.")
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=65536, help="Held-out tokens per evaluation.")
 @click.option("--save-every", type=click.IntRange(min=1), default=200, help="Steps between resumable checkpoints.")
@@ -319,6 +322,8 @@ def train(**options: Any) -> None:
 
     if settings.device != "cpu":
         raise click.UsageError("--device cuda is for the eagle3 recipes")
+    if settings.time_budget is not None:
+        raise click.UsageError("--time-budget is for the eagle3 recipes")
     config = config_from(TrainConfig, settings)
     try:
         summary = run_training(settings.target, settings.train_dir, settings.out_dir, config,
@@ -353,6 +358,7 @@ class TrainSettings:
     epochs: float
     steps: int | None
     max_tokens: int | None
+    time_budget: float | None
     eval_every: int
     eval_tokens: int
     save_every: int

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import click
@@ -24,9 +25,10 @@ from tqdm import tqdm
 from tools.chat_prompts import heldout_prompts, training_prompts
 
 
-def _done(out: Path) -> set[str]:
-    """Prompts ``out`` already answers (a torn last line from an interrupted run is dropped)."""
-    done: set[str] = set()
+def _done(out: Path) -> set[tuple[str, int]]:
+    """(prompt, answer index) pairs ``out`` already holds (a torn last line from an interrupted run
+    is dropped; records from before ``--answers`` are answer 0)."""
+    done: set[tuple[str, int]] = set()
     if not out.exists():
         return done
     lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -36,20 +38,29 @@ def _done(out: Path) -> set[str]:
             record = json.loads(line)
         except json.JSONDecodeError:
             break
-        done.add(record["conversations"][0]["value"])
+        done.add((record["conversations"][0]["value"], int(record.get("answer", 0))))
         good.append(line)
     if len(good) != len(lines):
         out.write_text("".join(good), encoding="utf-8")
     return done
 
 
+def work_items(prompts: list[str], answers: int, sampled: float, seed: int) -> list[tuple[str, int, bool]]:
+    """(prompt, answer index, sampled?) in the order they are answered: every prompt's first
+    answer (greedy or sampled, a seeded ``sampled`` share of them sampled), then every prompt's
+    second (always sampled), and so on, so a run cut short covers the prompts evenly."""
+    chooser = random.Random(seed)
+    first_sampled = {p: chooser.random() < sampled for p in prompts}
+    return [(p, index, index > 0 or first_sampled[p]) for index in range(answers) for p in prompts]
+
+
 def answer(model, tokenizer, prompts: list[str], sample: bool, max_new_tokens: int, seed: int) -> list[str]:
-    """The target's answers to ``prompts`` in one left-padded batch."""
+    """The target's answers to ``prompts`` in one left-padded batch (on the model's device)."""
     import torch
 
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     torch.manual_seed(seed)
     options = {"do_sample": True, "temperature": 0.7, "top_p": 0.9} if sample else {"do_sample": False}
     with torch.inference_mode():
@@ -66,18 +77,25 @@ def answer(model, tokenizer, prompts: list[str], sample: bool, max_new_tokens: i
               help="ShareGPT .jsonl to write (appended to on a rerun).")
 @click.option("--prompts", "count", type=click.IntRange(1), default=1200, show_default=True,
               help="Training prompts to answer (drawn without repeats from the topic lists).")
+@click.option("--answers", type=click.IntRange(1), default=1, show_default=True,
+              help="Answers per prompt: the first greedy or sampled (--sampled), the others sampled; every "
+                   "prompt's first answer comes before any prompt's second.")
 @click.option("--sampled", type=click.FloatRange(0, 1), default=0.5, show_default=True,
-              help="Fraction of prompts answered by sampling (the rest greedily).")
+              help="Fraction of prompts whose first answer is sampled (the rest greedy).")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=192, show_default=True)
 @click.option("--batch", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Precision the answers are generated in (bf16: ~3x faster on CPUs with AMX or avx512_bf16; the "
                    "head learns the model's habits, which the precision barely moves).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the target generates (a GPU answers hundreds of prompts a batch).")
+@click.option("--seconds", type=click.FloatRange(0, min_open=True), default=None,
+              help="Start no new batch after this many seconds (a rerun continues where it stopped).")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--heldout", is_flag=True, help="Write the held-out prompts ({\"prompt\": ...} lines) and stop.")
-def main(target: Path | None, out: Path, count: int, sampled: float, max_new_tokens: int, batch: int, seed: int,
-         dtype: str, threads: int, heldout: bool) -> None:
+def main(target: Path | None, out: Path, count: int, answers: int, sampled: float, max_new_tokens: int, batch: int,
+         seed: int, dtype: str, device: str, seconds: float | None, threads: int, heldout: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if heldout:
         out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts()), encoding="utf-8")
@@ -89,27 +107,29 @@ def main(target: Path | None, out: Path, count: int, sampled: float, max_new_tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
-    prompts = training_prompts(count, seed)
+    items = work_items(training_prompts(count, seed), answers, sampled, seed)
     done = _done(out)
-    todo = [p for p in prompts if p not in done]
+    todo = [item for item in items if item[:2] not in done]
     tokenizer = AutoTokenizer.from_pretrained(target, padding_side="left")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
-    model = model.eval()
-    chooser = random.Random(seed)
-    sample_flags = {p: chooser.random() < sampled for p in prompts}
-    with out.open("a", encoding="utf-8") as sink, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
-                                                       unit="prompt", desc="answering") as bar:
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to oddly
+    deadline = None if seconds is None else time.monotonic() + seconds
+    with out.open("a", encoding="utf-8") as sink, tqdm(total=len(items), initial=len(items) - len(todo),
+                                                       unit="answer", desc="answering") as bar:
         for start in range(0, len(todo), batch):
+            if deadline is not None and time.monotonic() > deadline:
+                bar.write(f"--seconds {seconds:g} spent: stopping; rerun to continue")
+                break
             for sample in (False, True):  # one batch per decoding mode: generate takes one mode a call
-                group = [p for p in todo[start:start + batch] if sample_flags[p] == sample]
+                group = [item for item in todo[start:start + batch] if item[2] == sample]
                 if not group:
                     continue
-                for prompt, reply in zip(group, answer(model, tokenizer, group, sample, max_new_tokens,
-                                                        seed + start), strict=True):
+                replies = answer(model, tokenizer, [p for p, _, _ in group], sample, max_new_tokens, seed + start)
+                for (prompt, index, _), reply in zip(group, replies, strict=True):
                     record = {"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}],
-                              "sampled": sample}
+                              "sampled": sample, "answer": index}
                     sink.write(json.dumps(record) + "\n")
                 sink.flush()
                 bar.update(len(group))

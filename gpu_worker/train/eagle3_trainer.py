@@ -60,6 +60,15 @@ class Eagle3Config:
     bf16: bool = False
     save_dtype: str = "fp32"
     device: str = "cpu"
+    # Seconds of steps for this run: once a few steps are timed the plan shrinks to what fits,
+    # and the learning rate decays over the shrunk plan (a run that ends early would not decay).
+    time_budget: float | None = None
+
+
+BUDGET_PROBE_STEPS = 20  # steps timed before a --time-budget run sizes its plan
+BUDGET_WARMUP_STEPS = 5  # steps before those, untimed: a GPU's first steps (kernel choice, allocator) run slow
+# Settings that may differ between a run and its resumption: where it runs and for how long.
+RUN_ONLY_SETTINGS = ("device", "time_budget")
 
 
 def select_draft_vocab(data: FeatureSet, size: int, vocab_size: int) -> torch.Tensor:
@@ -209,8 +218,8 @@ class StopTraining(Exception):
 
 
 def _settings(config: Eagle3Config) -> dict[str, Any]:
-    """The settings a resumed run must share with the saved one (the device may change)."""
-    return {name: value for name, value in dataclasses.asdict(config).items() if name != "device"}
+    """The settings a resumed run must share with the saved one (the device and budget may change)."""
+    return {name: value for name, value in dataclasses.asdict(config).items() if name not in RUN_ONLY_SETTINGS}
 
 
 class _Eagle3Run:
@@ -235,6 +244,7 @@ class _Eagle3Run:
         self.per_epoch = max(1, batches_per_epoch(data.num_windows, config.batch_size))
         self.total_steps = config.steps or max(1, math.ceil(self.per_epoch * config.epochs))
         self.pairs, self.done, self.started = 0, 0, 0.0
+        self.probe_started = 0.0  # when the steps a time budget is sized from began
         self.last: dict[str, Any] = {}
 
     def log(self, record: dict[str, Any]) -> None:
@@ -302,6 +312,23 @@ class _Eagle3Run:
                      "top1": parts.top1, "grad_norm": grad_norm}
         return parts
 
+    def fit_to_budget(self, run_steps: int, loop_started: float) -> None:
+        """With a time budget: past BUDGET_WARMUP_STEPS steps, time BUDGET_PROBE_STEPS steps, then
+        plan only the steps that fit. ``run_steps``: steps done by this run (not a resumed one's)."""
+        budget = self.config.time_budget
+        if budget is None:
+            return
+        if run_steps == BUDGET_WARMUP_STEPS:
+            self.probe_started = time.perf_counter()
+        elif run_steps == BUDGET_WARMUP_STEPS + BUDGET_PROBE_STEPS:
+            now = time.perf_counter()
+            per_step = (now - self.probe_started) / BUDGET_PROBE_STEPS
+            affordable = self.done + max(0, int((budget - (now - loop_started)) / per_step))
+            if affordable < self.total_steps:
+                self.log({"kind": "budget", "seconds": budget, "step_seconds": round(per_step, 4),
+                          "planned_steps": self.total_steps, "now_planned": affordable})
+                self.total_steps = affordable
+
     def after_step(self, step: int, heldout: FeatureSet | None, bar: Any) -> None:
         """Step ``step``'s log line, held-out evaluation and checkpoint, each when due."""
         config, total_steps = self.config, self.total_steps
@@ -341,12 +368,16 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     run.resume_or_start(resume)
     bar = tqdm(total=run.total_steps, initial=run.done, desc=f"train {config.fusion}", unit="step",
                disable=not progress, dynamic_ncols=True)
+    first_step, loop_started = run.done, time.perf_counter()
     try:
-        for step in range(run.done, run.total_steps):
+        while run.done < run.total_steps:
+            step = run.done
             parts = run.one_step(step)
             bar.update(1)
             bar.set_postfix(loss=f"{run.last['loss']:.3f}", top1=f"{parts.top1[0]:.3f}", lr=f"{run.last['lr']:.1e}")
             run.after_step(step, heldout, bar)
+            run.fit_to_budget(run.done - first_step, loop_started)
+            bar.total = run.total_steps
             if on_step is not None:
                 on_step(run.done)
     except StopTraining:

@@ -88,8 +88,18 @@ def window_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ...
     Returns (last hidden states after the final norm [n, d], aux rows [n, 3d] or None): an aux
     row is the residual stream entering each of ``aux_layers`` (before that layer's input
     norm), concatenated in the order given."""
+    last, aux = windows_forward(target, tokens.unsqueeze(0), aux_layers, rotary)
+    return last[0], None if aux is None else aux[0]
+
+
+def windows_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ...] = (),
+                    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``window_forward`` of B windows at once, tokens [B, n]: rows [B, n, d] and aux [B, n, 3d].
+    Windows of unequal length go right-padded: attention is causal, so a window's rows never see
+    the padding after them."""
     device = target.embed_tokens.weight.device
-    x = target.embed_tokens(tokens.to(device)).unsqueeze(0)
+    x = target.embed_tokens(tokens.to(device))
     n = x.shape[1]
     if rotary is None:
         table = RotaryTable(target.spec, n, x.dtype, device)
@@ -98,10 +108,10 @@ def window_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ...
     taken = {}
     for index, layer in enumerate(target.layers):
         if index in aux_layers:
-            taken[index] = x[0]
+            taken[index] = x
         x = layer(x, cos, sin)  # no cache: causal within the window
     aux = torch.cat([taken[index] for index in aux_layers], dim=-1) if aux_layers else None
-    return target.norm(x)[0], aux
+    return target.norm(x), aux
 
 
 class PrefillRows:
@@ -152,6 +162,27 @@ class WindowRows:
         last, aux = window_forward(self.target, torch.from_numpy(tokens).long(), self.aux_layers, self.rotary)
         stored = None if aux is None else aux.to(device="cpu", dtype=self.store_dtype)
         return last.to(device="cpu", dtype=self.store_dtype), stored
+
+    @property
+    def batched(self) -> bool:
+        """On a GPU windows go through in batches: one window at a time is all launch overhead
+        there. (The CPU keeps one at a time: the engine's own prefill, and no padding work.)"""
+        return self.target.embed_tokens.weight.device.type != "cpu"
+
+    def many(self, windows: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``self(w)`` for each window, in one right-padded batch."""
+        lengths = [len(w) for w in windows]
+        tokens = torch.zeros(len(windows), max(lengths), dtype=torch.long)
+        for row, window in enumerate(windows):
+            tokens[row, :len(window)] = torch.from_numpy(window)
+        last, aux = windows_forward(self.target, tokens, self.aux_layers, self.rotary)
+        last = last.to(device="cpu", dtype=self.store_dtype)
+        aux = None if aux is None else aux.to(device="cpu", dtype=self.store_dtype)
+        return [(last[row, :n], None if aux is None else aux[row, :n]) for row, n in enumerate(lengths)]
+
+
+# Windows per batch on a GPU: 64 windows of 512 tokens of a 7B model's rows fit easily.
+GPU_WINDOW_BATCH = 64
 
 
 def extract_features(target: Any, windows: list[Window], out_dir: Path, config: dict[str, Any],
@@ -239,12 +270,14 @@ def _keep_finished(manifest: dict[str, Any], plans: list[ShardPlan], out_dir: Pa
 
 def _write_shard(plan: ShardPlan, rows: WindowRows, out_dir: Path, bar: Any) -> None:
     features, aux_rows = [], []
-    for window in plan.windows:
-        last, aux = rows(window.tokens)
-        features.append(last)
-        if aux is not None:
-            aux_rows.append(aux)
-        bar.update(len(window.tokens))
+    step = GPU_WINDOW_BATCH if rows.batched else 1
+    for begin in range(0, len(plan.windows), step):
+        group = [w.tokens for w in plan.windows[begin:begin + step]]
+        for tokens, (last, aux) in zip(group, rows.many(group) if rows.batched else [rows(group[0])], strict=True):
+            features.append(last)
+            if aux is not None:
+                aux_rows.append(aux)
+            bar.update(len(tokens))
     lengths = [len(w.tokens) for w in plan.windows]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     write_shard(out_dir / shard_name(plan.index), np.concatenate([w.tokens for w in plan.windows]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tools.chat_data import _done
+from tools.chat_data import _done, work_items
 from tools.chat_prompts import HELDOUT_TOPICS, TEMPLATES, TRAINING_TOPICS, heldout_prompts, training_prompts
 
 
@@ -19,10 +19,23 @@ def test_held_out_prompts_name_no_training_topic_and_training_prompts_are_distin
     assert all(renderings[prompt] in HELDOUT_TOPICS for prompt in heldout_prompts())  # each on a held-out topic
     assert not set(heldout_prompts()) & set(training_prompts(len(renderings)))
 
+
 def test_a_rerun_keeps_complete_records_and_drops_a_torn_last_line(tmp_path):
     out = tmp_path / "chat.jsonl"
     assert _done(out) == set()
     records = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]} for i in (1, 2)]
+    records[1]["answer"] = 3  # a second answer to the same prompt is another record
     out.write_text("".join(json.dumps(record) + "\n" for record in records) + '{"conversations": [{"fr')
-    assert _done(out) == {"q1", "q2"}
+    assert _done(out) == {("q1", 0), ("q2", 3)}
     assert out.read_text().count("\n") == 2 and out.read_text().endswith("}\n")  # the torn line is gone
+
+
+def test_every_prompt_gets_its_first_answer_before_any_second_and_later_answers_are_sampled():
+    prompts = training_prompts(40)
+    items = work_items(prompts, answers=3, sampled=0.5, seed=0)
+    assert [(p, i) for p, i, _ in items] == [(p, i) for i in range(3) for p in prompts]
+    first = [sample for _, i, sample in items if i == 0]
+    assert 5 < sum(first) < 35  # the --sampled share, seeded
+    assert first == [sample for _, _, sample in work_items(prompts, answers=1, sampled=0.5, seed=0)]
+    assert all(sample for _, i, sample in items if i > 0)
+    assert not any(sample for _, _, sample in work_items(prompts, answers=1, sampled=0.0, seed=0))

@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -56,6 +57,25 @@ def test_aux_rows_are_the_residual_streams(deep_target, aux_features):
         want = torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
         torch.testing.assert_close(data.aux[begin:end], want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(features, states[-1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_windows_in_one_padded_batch_give_each_window_its_own_rows(deep_target):
+    """The GPU path of feature extraction (windows batched, right-padded) against one at a time."""
+    from cpu_worker.target_loading import load_target_model
+    from gpu_worker.train.features import WindowRows
+
+    target = load_target_model(deep_target).eval()
+    rows = WindowRows(target, 40, LAYERS, torch.float32)
+    windows = [np.arange(length, dtype=np.int64) % 50 + 3 for length in (40, 7, 23)]
+    with torch.inference_mode():
+        batched = rows.many(windows)
+        for window, (last, aux) in zip(windows, batched, strict=True):
+            alone_last, alone_aux = rows(window)
+            assert last.shape == alone_last.shape == (len(window), target.spec.hidden_size)
+            torch.testing.assert_close(last, alone_last, rtol=1e-5, atol=1e-5)
+            assert aux is not None and alone_aux is not None
+            torch.testing.assert_close(aux, alone_aux, rtol=1e-5, atol=1e-5)
+    assert not rows.batched  # on the CPU extraction keeps one window at a time
 
 
 def test_aux_layer_errors_name_the_option_and_the_key(deep_target, tiny_corpus, tmp_path):
@@ -285,6 +305,27 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged_before_training(monkeypatc
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert not cli.warn_if_bf16_is_emulated(True, "cpu")
     assert capsys.readouterr().err == ""
+
+
+def test_a_time_budget_shrinks_the_plan_after_its_timed_steps(tmp_path, deep_target, aux_features):
+    """--time-budget: past a few warm-up steps BUDGET_PROBE_STEPS steps are timed, then only the
+    steps that fit stay planned (none more here: the budget is already spent), and the run ends
+    finished with its learning rate decayed over that plan. A generous budget leaves the plan alone."""
+    from gpu_worker.train.eagle3_trainer import BUDGET_PROBE_STEPS, BUDGET_WARMUP_STEPS, Eagle3Config, train_eagle3
+
+    probed = BUDGET_WARMUP_STEPS + BUDGET_PROBE_STEPS
+    config = Eagle3Config(fusion="dgf-eagle3", draft_vocab=60, ttt_steps=2, batch_size=2, steps=probed + 9,
+                          lr=5e-3, warmup=2, save_every=1000, time_budget=1e-6)
+    steps: list[int] = []
+    result = train_eagle3(deep_target, aux_features, tmp_path / "tight", config, progress=False, on_step=steps.append)
+    assert steps == list(range(1, probed + 1))
+    assert result["finished"] and result["planned_steps"] == probed
+    log = [json.loads(line) for line in (tmp_path / "tight" / "train_log.jsonl").read_text().splitlines()]
+    (budget,) = [record for record in log if record["kind"] == "budget"]
+    assert budget["planned_steps"] == probed + 9 and budget["now_planned"] == probed
+    generous = train_eagle3(deep_target, aux_features, tmp_path / "generous",
+                            dataclasses.replace(config, time_budget=3600.0), progress=False)
+    assert generous["steps"] == generous["planned_steps"] == probed + 9
 
 
 def test_a_saved_head_keeps_its_targets_rope_theta(tmp_path):
