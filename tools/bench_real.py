@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import importlib.util
 import json
 import os
 import shlex
@@ -41,6 +40,7 @@ from typing import Any, Literal
 import click
 from click.core import ParameterSource
 
+from dovetail_runtime.chat_template import encode_chat
 from dovetail_runtime.cli import AUTO_MAX_DEPTH, DRAFT_DTYPES, cores_option
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from dovetail_runtime.tokenizer import Tokenizer
@@ -50,12 +50,11 @@ from ipc import messages as m
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, TreeError, TreeShape
 from tools.bench_e2e import FALLBACK_PROMPTS
+from tools.chat_prompts import heldout_prompts as heldout_chat_prompts
+from tools.inflate_eagle3 import INFLATE, inflate_module
 from tools.tables import markdown_header, markdown_row
 
 REPO = Path(__file__).resolve().parents[1]
-# The shared testbed's script beside the repo; DOVETAIL_INFLATE points elsewhere (a device machine
-# gets the repo alone, so tools/device_check.sh carries a copy).
-INFLATE = Path(os.environ.get("DOVETAIL_INFLATE") or REPO.parent / "shared" / "testbed" / "inflate.py")
 DEMO_TARGET = REPO / "demo" / "target-code-9m"
 DEMO_DRAFT = REPO / "demo" / "draft-dgf"
 DEFAULT_RUNS = "llama3-3b:fp32,llama2-7b:int8,llama2-13b:int8"
@@ -75,20 +74,12 @@ DRY_RUN = {"runs": "tiny-1k:fp32", "layers": 2, "prompt_count": 2, "max_new_toke
 
 
 def inflate_script() -> Path:
-    if not INFLATE.is_file():
-        raise click.ClickException(f"{INFLATE} is missing: this bench needs the shared testbed's inflate.py "
-                                   "(a checkout with shared/ beside the repo)")
-    return INFLATE
+    return Path(inflate_module().__file__ or INFLATE)
 
 
 def load_shapes() -> dict[str, tuple[int, ...]]:
     """inflate.py's SHAPES table (hidden, heads, kv_heads, head_dim, intermediate, layers): one source of truth."""
-    spec = importlib.util.spec_from_file_location("_dovetail_inflate", inflate_script())
-    if spec is None or spec.loader is None:
-        raise click.ClickException(f"cannot import {INFLATE}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return dict(module.SHAPES)
+    return dict(inflate_module().SHAPES)
 
 
 @dataclass(frozen=True)
@@ -160,9 +151,11 @@ def check_free_space(folder: Path, needed: int) -> None:
                                    f"{free / 1e9:.1f} GB free (pick another --work-dir)")
 
 
-def ensure_inflated(what: str, arguments: list[str], destination: Path, size_estimate: int) -> Path:
-    """Run ``inflate.py`` into ``DESTINATION.partial``, mark it complete, then rename it, so a
-    cache folder is either complete or absent. Reused when its marker is there."""
+def ensure_inflated(what: str, arguments: list[str], destination: Path, size_estimate: int,
+                    program: list[str] | None = None) -> Path:
+    """Run ``inflate.py`` (or ``program``) with ``arguments`` into ``DESTINATION.partial``, mark it
+    complete, then rename it, so a cache folder is either complete or absent. Reused when its
+    marker is there."""
     if (destination / MARKER).is_file():
         print(f"reusing {what}: {destination} ({folder_bytes(destination) / 1e9:.2f} GB)", flush=True)
         return destination
@@ -172,12 +165,12 @@ def ensure_inflated(what: str, arguments: list[str], destination: Path, size_est
             shutil.rmtree(stale)
     check_free_space(destination.parent, size_estimate)
     print(f"inflating {what} (~{size_estimate / 1e9:.1f} GB) -> {destination} ...", flush=True)
-    command = [sys.executable, str(inflate_script()), *arguments, str(partial)]
+    command = [*(program or [sys.executable, str(inflate_script())]), *arguments, str(partial)]
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
-        raise click.ClickException(f"inflate.py failed (exit {result.returncode}): {shlex.join(command)}")
+        raise click.ClickException(f"inflating failed (exit {result.returncode}): {shlex.join(command)}")
     (partial / MARKER).write_text(json.dumps({"command": command, "seconds": round(seconds, 1)}, indent=1))
     partial.rename(destination)
     print(f"  done in {seconds:.1f} s, {folder_bytes(destination) / 1e9:.2f} GB on disk", flush=True)
@@ -204,16 +197,23 @@ def inflate_target(sources: Sources, shape_name: str, shape: tuple[int, ...], la
 
 
 def inflate_head(sources: Sources, shape_name: str, shape: tuple[int, ...]) -> Path:
-    """The head's inflation depends on the shape and the small target only (not on --layers)."""
+    """The head's inflation depends on the shape and the small target only (not on --layers).
+    A DGF or fc head goes through inflate.py, an EAGLE-3 head through ``tools.inflate_eagle3``."""
     config = json.loads((sources.draft / "config.json").read_text())
     head_layers = int(config["num_hidden_layers"])
     name = (f"head-{sources.draft.name}-{fingerprint(sources.draft, sources.target)}-{shape_name}-"
             f"L{head_layers}-fp16")
     size = Dims.from_shape(shape, head_layers, 0).all_params * 2 + 4 * shape[0] ** 2 * 2  # layers + W_1, W_2, W_z
+    what = f"head {sources.draft.name} for {shape_name} ({head_layers} layers, fp16)"
+    if "draft_vocab_size" in config:  # EAGLE-3: fc over 3 target rows, attention over 2H, a draft vocabulary
+        hidden, heads, head_dim = shape[0], shape[1], shape[3]
+        size += (3 * hidden ** 2 + 3 * hidden * heads * head_dim + int(config["draft_vocab_size"]) * hidden) * 2
+        arguments = [str(sources.draft), "--target-src", str(sources.target), "--shape", shape_name]
+        return ensure_inflated(what, arguments, sources.work_dir / name, size,
+                               program=[sys.executable, "-m", "tools.inflate_eagle3"])
     arguments = ["head", str(sources.draft), "--target-src", str(sources.target), "--shape", shape_name,
                  "--dtype", "fp16"]
-    return ensure_inflated(f"head {sources.draft.name} for {shape_name} ({head_layers} layers, fp16)", arguments,
-                           sources.work_dir / name, size)
+    return ensure_inflated(what, arguments, sources.work_dir / name, size)
 
 
 # --- prompts -------------------------------------------------------------------------------
@@ -235,6 +235,24 @@ def heldout_prompts(tokenizer: Tokenizer, count: int, tokens: int) -> tuple[list
     fallback = [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(missing)]
     note = f"{len(prompts)} held-out stdlib prompts of {tokens} tokens + {missing} short built-in prompts"
     return prompts + fallback, note
+
+
+def chat_prompts(count: int) -> tuple[list[list[m.ChatMessage]], str]:
+    """Held-out chat prompts (``tools.chat_prompts``: topics no training prompt names), one user
+    turn each, which the target's chat template renders."""
+    prompts = heldout_chat_prompts(count)
+    return ([[m.ChatMessage(role="user", content=text)] for text in prompts],
+            f"{len(prompts)} held-out chat prompts (tools/chat_prompts.py), the target's chat template")
+
+
+Prompt = str | list[m.ChatMessage]  # raw text, or chat messages the target's template renders
+
+
+def prompt_ids(coordinator: Coordinator, prompt: Prompt) -> list[int]:
+    assert coordinator.tokenizer is not None and coordinator.chat_template is not None
+    if isinstance(prompt, str):
+        return coordinator.tokenizer.encode(prompt)
+    return encode_chat(coordinator.tokenizer, coordinator.chat_template, prompt)
 
 
 # --- one run: a Coordinator, prompts in both modes -----------------------------------------
@@ -393,7 +411,7 @@ def proc_status_kb(pid: int) -> dict[str, int]:
 
 
 def run_prompt(coordinator: Coordinator, result: RunResult, planners: dict[str, TreePlanner | TreeShape],
-               index: int, prompt: str, max_new_tokens: int) -> None:
+               index: int, prompt: Prompt, max_new_tokens: int) -> None:
     """ar and every tree setting on one prompt back to back (the order rotates per prompt, so no
     setting always runs on a warmer machine), each dovetail result compared with ar's tokens."""
     labels = ["ar", *planners]
@@ -402,7 +420,8 @@ def run_prompt(coordinator: Coordinator, result: RunResult, planners: dict[str, 
     for label in labels[shift:] + labels[:shift]:
         if label != "ar":
             coordinator.tree = planners[label]
-        reply = coordinator.generate(m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt,
+        text, messages = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        reply = coordinator.generate(m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=text, messages=messages,
                                                        max_new_tokens=max_new_tokens,
                                                        mode="ar" if label == "ar" else "dovetail"))
         if isinstance(reply, m.ErrorReply):
@@ -450,6 +469,7 @@ class RunOptions:
     kv_dtype: str = "auto"
     draft_threads: int | None = None
     draft_cores: list[int] | None = None
+    chat: bool = False  # held-out chat prompts instead of stdlib code
 
 
 def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: RunOptions) -> str:
@@ -473,9 +493,11 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
         result.threads = coordinator.cpu.info.threads if coordinator.cpu.info is not None else None
         result.weight_bytes, result.weight_bytes_source = target_weight_bytes(coordinator, target_dir,
                                                                               result.precision)
-        prompts, note = heldout_prompts(coordinator.tokenizer, options.prompt_count, options.prompt_tokens)
-        result.prompt_lengths = [len(coordinator.tokenizer.encode(prompt)) for prompt in prompts]
-        result.sweep_prompt = coordinator.tokenizer.encode(prompts[0])
+        prompts: list[Prompt]
+        prompts, note = (chat_prompts(options.prompt_count) if options.chat else  # type: ignore[assignment]
+                         heldout_prompts(coordinator.tokenizer, options.prompt_count, options.prompt_tokens))
+        result.prompt_lengths = [len(prompt_ids(coordinator, prompt)) for prompt in prompts]
+        result.sweep_prompt = prompt_ids(coordinator, prompts[0])
         # Each auto setting gets its own planner (costs measured as a server measures them; the
         # target's t_verify comes from the cache after the first).
         planners: dict[str, TreePlanner | TreeShape] = {}
@@ -875,6 +897,10 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
               help="Held-out prompts per run (each runs in both modes).")
 @click.option("--prompt-tokens", type=click.IntRange(min=2), default=256,
               help="Prompt length: the first N tokens of each held-out stdlib file.")
+@click.option("--chat", is_flag=True,
+              help="Held-out chat prompts (tools/chat_prompts.py's held-out topics) in the target's chat template "
+                   "instead of stdlib code: for a chat target and head, e.g. --target <SmolLM2 folder> --draft "
+                   "demo/draft-smollm2.")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, help="New tokens per request (greedy).")
 @click.option("--trees", default="auto",
               help="Tree settings to run, comma-separated, each on every prompt beside one ar run: auto, auto:N "
@@ -923,7 +949,7 @@ def main(context: click.Context, **values: Any) -> None:
     trees = parse_trees(values["trees"], values["depth"], values["top_k"])
     options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], trees,
                          values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"],
-                         values["kv_dtype"], values["draft_threads"], values["draft_cores"])
+                         values["kv_dtype"], values["draft_threads"], values["draft_cores"], values["chat"])
     source_layers = int(json.loads((sources.target / "config.json").read_text())["num_hidden_layers"])
 
     if values["layers"] and values["layers"] < source_layers:
