@@ -256,3 +256,17 @@ def test_whole_groups_join_as_they_lie_and_gguf_bytes_are_only_moved(kind):
     moved = block_quant.BlockWeights.from_blocks(kind, last.gguf_blocks(), block_quant.ungroup(last.scales, 21),
                                                  minimums, 96)
     assert torch.equal(moved.data, last.data) and torch.equal(moved.dequantize(), last.dequantize())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tall_matrix_quantized_in_row_chunks_has_the_bytes_of_one_pass(kind, monkeypatch):
+    """Quantization goes QUANTIZE_ROWS rows at a time (a vocabulary-sized lm_head's float temporaries
+    were GBs): the chunks, a short last one included, give exactly the one-pass bytes."""
+    weight = torch.randn(16 * 7 + 5, 96)
+    whole = block_quant.BlockWeights.quantize(weight, kind)
+    monkeypatch.setattr(block_quant, "QUANTIZE_ROWS", 32)
+    chunked = block_quant.BlockWeights.quantize(weight, kind)
+    for name in ("data", "scales", "minimums"):
+        assert (getattr(chunked, name) is None and getattr(whole, name) is None) or \
+            torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    assert (chunked.out_features, chunked.in_features) == (117, 96)
