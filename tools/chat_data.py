@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from dovetail_runtime.train_cli import check_device
 from tools.chat_prompts import heldout_prompts, training_prompts
 
 
@@ -106,6 +107,7 @@ def main(target: Path | None, out: Path, count: int, answers: int, sampled: floa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     torch.set_num_threads(threads)
     items = work_items(training_prompts(count, seed), answers, sampled, seed)
     done = _done(out)

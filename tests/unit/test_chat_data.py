@@ -39,3 +39,17 @@ def test_every_prompt_gets_its_first_answer_before_any_second_and_later_answers_
     assert first == [sample for _, _, sample in work_items(prompts, answers=1, sampled=0.5, seed=0)]
     assert all(sample for _, i, sample in items if i > 0)
     assert not any(sample for _, _, sample in work_items(prompts, answers=1, sampled=0.0, seed=0))
+
+
+def test_asking_for_a_gpu_where_there_is_none_is_a_usage_error(tmp_path):
+    import torch
+    from click.testing import CliRunner
+
+    from tools.chat_data import main
+
+    if torch.cuda.is_available():
+        return  # the refusal is for machines without one; CUDA machines run the answers there
+    result = CliRunner().invoke(main, ["--target", str(tmp_path), "--out", str(tmp_path / "chat.jsonl"),
+                                       "--device", "cuda"])
+    assert result.exit_code == 2 and "torch sees no CUDA device" in result.output
+    assert not (tmp_path / "chat.jsonl").exists()
