@@ -51,7 +51,7 @@ from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, TreeError, TreeShape
 from tools.bench_e2e import FALLBACK_PROMPTS
 from tools.chat_prompts import heldout_prompts as heldout_chat_prompts
-from tools.inflate_eagle3 import INFLATE, inflate_module
+from tools.inflate_eagle3 import inflate_module, inflate_path
 from tools.tables import markdown_header, markdown_row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,10 +71,6 @@ DRY_RUN = {"runs": "tiny-1k:fp32", "layers": 2, "prompt_count": 2, "max_new_toke
 
 
 # --- inflation -----------------------------------------------------------------------------
-
-
-def inflate_script() -> Path:
-    return Path(inflate_module().__file__ or INFLATE)
 
 
 def load_shapes() -> dict[str, tuple[int, ...]]:
@@ -165,7 +161,7 @@ def ensure_inflated(what: str, arguments: list[str], destination: Path, size_est
             shutil.rmtree(stale)
     check_free_space(destination.parent, size_estimate)
     print(f"inflating {what} (~{size_estimate / 1e9:.1f} GB) -> {destination} ...", flush=True)
-    command = [*(program or [sys.executable, str(inflate_script())]), *arguments, str(partial)]
+    command = [*(program or [sys.executable, str(inflate_path())]), *arguments, str(partial)]
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO)
     seconds = time.perf_counter() - started
@@ -481,8 +477,10 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
         cpu_threads=options.cpu_threads, cpu_cores=options.cpu_cores, draft_device=options.draft_device,
         draft_threads=options.draft_threads, draft_cores=options.draft_cores, draft_dtype=result.draft_dtype,
         tree=envelope, log_level="warning", startup_timeout_s=options.startup_timeout_s,
-        # Room for the prompt (re-encoding a cut prompt can add a token or two), the new tokens and one tree.
-        max_len=options.prompt_tokens + options.max_new_tokens + envelope.tree_tokens + 32)
+        # Room for the prompt (re-encoding a cut prompt can add a token or two; a templated chat prompt
+        # is well under 256 tokens), the new tokens and one tree.
+        max_len=max(options.prompt_tokens, 256 if options.chat else 0) + options.max_new_tokens
+        + envelope.tree_tokens + 32)
     print(f"\n== {result.label}: starting the workers ...", flush=True)
     started = time.perf_counter()
     with Coordinator(settings) as coordinator:

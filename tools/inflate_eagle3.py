@@ -37,12 +37,17 @@ REPO = Path(__file__).resolve().parents[1]
 INFLATE = Path(os.environ.get("DOVETAIL_INFLATE") or REPO.parent / "shared" / "testbed" / "inflate.py")
 
 
-def inflate_module() -> ModuleType:
-    """``inflate.py`` imported as a module (its SHAPES, Geometry, read, ...): one source of truth."""
+def inflate_path() -> Path:
+    """The shared testbed's ``inflate.py`` (a clear error when it is not there)."""
     if not INFLATE.is_file():
         raise click.ClickException(f"{INFLATE} is missing: this needs the shared testbed's inflate.py "
                                    "(a checkout with shared/ beside the repo, or DOVETAIL_INFLATE)")
-    spec = importlib.util.spec_from_file_location("_dovetail_inflate", INFLATE)
+    return INFLATE
+
+
+def inflate_module() -> ModuleType:
+    """``inflate.py`` imported as a module (its SHAPES, Geometry, read, ...): one source of truth."""
+    spec = importlib.util.spec_from_file_location("_dovetail_inflate", inflate_path())
     if spec is None or spec.loader is None:
         raise click.ClickException(f"cannot import {INFLATE}")
     module = importlib.util.module_from_spec(spec)
