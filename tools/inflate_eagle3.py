@@ -55,9 +55,10 @@ def inflate_module() -> ModuleType:
     return module
 
 
-def _blocks(weight: torch.Tensor, rows: int, block: int, blocks: int, big_block: int) -> torch.Tensor:
-    """[rows, blocks * big_block]: the columns of ``weight`` [rows, blocks * block], block j at j * big_block."""
-    out = torch.zeros(rows, blocks * big_block)
+def _blocks(weight: torch.Tensor, block: int, big_block: int) -> torch.Tensor:
+    """``weight``'s columns in blocks of ``block``, block j moved to column j * ``big_block`` (zeros between)."""
+    blocks = weight.shape[1] // block
+    out = torch.zeros(weight.shape[0], blocks * big_block)
     for j in range(blocks):
         out[:, j * big_block:j * big_block + block] = weight[:, j * block:(j + 1) * block]
     return out
@@ -66,9 +67,7 @@ def _blocks(weight: torch.Tensor, rows: int, block: int, blocks: int, big_block:
 def inflate_attention(geo: Any, small: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The midlayer's attention: q/k/v read [embedding; feature] (2h -> 2H), o_proj writes H."""
     H, h, hd = geo.H, geo.h, geo.hd
-    q_small = _blocks(small[prefix + "q_proj.weight"], small[prefix + "q_proj.weight"].shape[0], h, 2, H)
-    k_small = _blocks(small[prefix + "k_proj.weight"], small[prefix + "k_proj.weight"].shape[0], h, 2, H)
-    v_small = _blocks(small[prefix + "v_proj.weight"], small[prefix + "v_proj.weight"].shape[0], h, 2, H)
+    q_small, k_small, v_small = (_blocks(small[prefix + f"{name}_proj.weight"], h, H) for name in "qkv")
     q = torch.zeros(geo.nh * hd, 2 * H)
     q[geo.q_rows] = q_small * geo.q_scale
     k = torch.zeros(geo.nkv * hd, 2 * H)
@@ -98,7 +97,7 @@ def inflate_eagle3_weights(geo: Any, small: dict[str, torch.Tensor]) -> dict[str
         raise click.ClickException("only one-layer EAGLE-3 heads inflate here (this one has post_layers)")
     H, h = geo.H, geo.h
     fc = torch.zeros(H, 3 * H)
-    fc[:h] = _blocks(small["fc.weight"], h, h, 3, H)  # each target row's h values lead its H-wide block
+    fc[:h] = _blocks(small["fc.weight"], h, H)  # each target row's h values lead its H-wide block
     out = {"fc.weight": fc}
     for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
         out[norm + ".weight"] = geo.norm(small[norm + ".weight"])

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from tools.chat_data import _done, work_items
 from tools.chat_prompts import HELDOUT_TOPICS, TEMPLATES, TRAINING_TOPICS, heldout_prompts, training_prompts
 
@@ -41,14 +44,12 @@ def test_every_prompt_gets_its_first_answer_before_any_second_and_later_answers_
     assert not any(sample for _, _, sample in work_items(prompts, answers=1, sampled=0.0, seed=0))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a CUDA device")
 def test_asking_for_a_gpu_where_there_is_none_is_a_usage_error(tmp_path):
-    import torch
     from click.testing import CliRunner
 
     from tools.chat_data import main
 
-    if torch.cuda.is_available():
-        return  # the refusal is for machines without one; CUDA machines run the answers there
     result = CliRunner().invoke(main, ["--target", str(tmp_path), "--out", str(tmp_path / "chat.jsonl"),
                                        "--device", "cuda"])
     assert result.exit_code == 2 and "torch sees no CUDA device" in result.output
