@@ -297,6 +297,9 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
 @click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="eagle3 recipes: train for about this long: after 20 timed steps the plan (--epochs or "
                    "--steps) shrinks to the steps that fit, the learning rate decaying over them.")
+@click.option("--features-on-host", is_flag=True, help="eagle3 recipes on CUDA: keep the training features in host "
+              "memory (by default they move to the GPU when they take at most half its free memory, and each "
+              "step's batch is cut there).")
 @click.option("--eval-every", type=click.IntRange(min=1), default=200, help="Steps between held-out evaluations.")
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=65536, help="Held-out tokens per evaluation.")
 @click.option("--save-every", type=click.IntRange(min=1), default=200, help="Steps between resumable checkpoints.")
@@ -359,6 +362,7 @@ class TrainSettings:
     steps: int | None
     max_tokens: int | None
     time_budget: float | None
+    features_on_host: bool
     eval_every: int
     eval_tokens: int
     save_every: int

@@ -6,10 +6,13 @@
 # The device machine reaches no network and a call carries at most 64 MiB, so the fixture GGUF
 # (94 MB) travels in two pieces, one per call, while the machine stays warm between them:
 #   bash tools/device_train_head.sh --prepare        # here: wheels, the GGUF's two pieces, its sha256
-#   device run 1: "bash tools/device_train_head.sh --stash", carry [".device/gguf-1"]
+#   device run 1: "bash tools/device_train_head.sh --stash", carry [".device/gguf-1", ".device/whl"]
 #   device run 2: "bash tools/device_train_head.sh", carry [".device/gguf-2", ".device/whl"], timeout_s 590
 # (the tracked demo weights, ~45 MB, must stay out of both calls' working tree: move them aside and
-# back). $OUT brings back the head (in pieces under 16 MiB), the answers (xz) and every log.
+# back). Run 1 also runs the test of the CUDA training path: if it fails, run 2 takes
+# TH_FEATURES_ON_HOST=1. Answers from an earlier run, put at .device/answers/chat.jsonl.xz and
+# carried too, are resumed (extended) instead of generated again. $OUT brings back the head (in
+# pieces under 16 MiB), the answers (xz) and every log.
 # Rehearsal on a CPU machine: TH_DEVICE=cpu TH_PROMPTS=16 TH_BATCH=8 TH_GEN_SECONDS=60 TH_TRAIN_SECONDS=30.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -28,9 +31,20 @@ if [ "${1:-}" = "--prepare" ]; then
     ls -la .device/gguf-1 .device/gguf-2
     exit 0
 fi
+install_wheels() {
+    if [ -d .device/whl ] && ! python3 -c "import zmq, msgspec, gguf" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .device/whl/*.whl || return 1
+    fi
+}
+export PYTHONPATH="$PWD:${PYTHONPATH:-}:/tmp/site" PYTHONUNBUFFERED=1
+
 if [ "${1:-}" = "--stash" ]; then
-    mkdir -p "$stash" && cp .device/gguf-1/* "$stash/" && ls -la "$stash" && nvidia-smi -L
-    exit $?
+    mkdir -p "$stash" && cp .device/gguf-1/* "$stash/" && ls -la "$stash" && nvidia-smi -L || exit 1
+    install_wheels || exit 1
+    # The training path's CUDA branch (features resident on the GPU), checked before the long run.
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_eagle3_train.py -k "features" 2>&1 | tail -n 5
+    exit "${PIPESTATUS[0]}"
 fi
 
 device="${TH_DEVICE:-cuda}"
@@ -39,12 +53,7 @@ out="${OUT:-/tmp/device_train_head}"
 work="${TH_WORK:-/tmp/smollm2-work}"
 logs="$work/logs"
 mkdir -p "$out" "$work" "$logs"
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-if [ -d .device/whl ] && ! python3 -c "import zmq, msgspec, gguf" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .device/whl/*.whl || exit 1
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+install_wheels || exit 1
 
 # stage NAME SECONDS COMMAND...: COMMAND for at most SECONDS (never past the deadline less a reserve
 # for packing up), its output in $logs/NAME.log, its last lines in $out/summary.log ($OUT brings
@@ -106,18 +115,22 @@ train=(python3 -c "from dovetail_runtime.train_cli import main; main()")
 
 # Answers: every training prompt once (half greedy, half sampled), then more sampled answers, as
 # many as the time allows; packed at once so a later stage's failure still brings them back.
+if [ -f .device/answers/chat.jsonl.xz ] && [ ! -f "$work/chat.jsonl" ]; then
+    xz -dc .device/answers/chat.jsonl.xz > "$work/chat.jsonl"  # chat_data resumes after these
+    echo "resuming $(wc -l < "$work/chat.jsonl") carried answers" | tee -a "$out/summary.log"
+fi
 stage answers "$(( ${TH_GEN_SECONDS:-170} + 60 ))" python3 -m tools.chat_data --target "$target" \
     --out "$work/chat.jsonl" --prompts "${TH_PROMPTS:-3768}" --answers "${TH_ANSWERS:-6}" \
     --batch "${TH_BATCH:-768}" --max-new-tokens 192 --device "$device" --seconds "${TH_GEN_SECONDS:-170}"
 wc -l "$work/chat.jsonl" | tee -a "$out/summary.log"
 xz -T0 -6 -c "$work/chat.jsonl" > "$out/chat.jsonl.xz"
 
-stage features 150 "${train[@]}" features --target "$target" --input "$work/chat.jsonl" --out "$work/features" \
+stage features "${TH_FEATURE_SECONDS:-150}" "${train[@]}" features --target "$target" --input "$work/chat.jsonl" --out "$work/features" \
     --aux-layers auto --window 512 --device "$device" || exit 4
 
 train_seconds=$(( deadline - 25 - SECONDS - 45 ))  # 45 s for loading the features and writing the head
 stage train "$((train_seconds + 45))" "${train[@]}" train --target "$target" --features "$work/features" \
     --out "$work/head" --recipe dgf-eagle3 --draft-vocab 4096 --epochs "${TH_EPOCHS:-8}" \
     --batch-size "${TH_TRAIN_BATCH:-32}" --bf16 --save-dtype fp16 --device "$device" --save-every 100 \
-    --time-budget "${TH_TRAIN_SECONDS:-$train_seconds}"
+    --time-budget "${TH_TRAIN_SECONDS:-$train_seconds}" ${TH_FEATURES_ON_HOST:+--features-on-host}
 

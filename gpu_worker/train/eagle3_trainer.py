@@ -30,7 +30,7 @@ from gpu_worker.eagle3 import Eagle3Head
 from .data import batches_per_epoch, epoch_order
 from .eagle3_io import save_eagle3_head
 from .schedule import lr_at
-from .shards import FeatureSet, load_features
+from .shards import FeatureSet, features_on_device, load_features
 from .ttt import ttt_forward
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of step k: 0.8 ** k
@@ -63,12 +63,14 @@ class Eagle3Config:
     # Seconds of steps for this run: once a few steps are timed the plan shrinks to what fits,
     # and the learning rate decays over the shrunk plan (a run that ends early would not decay).
     time_budget: float | None = None
+    # Keep the features in host memory on CUDA (else they move to the GPU when they fit).
+    features_on_host: bool = False
 
 
 BUDGET_PROBE_STEPS = 20  # steps timed before a --time-budget run sizes its plan
 BUDGET_WARMUP_STEPS = 5  # steps before those, untimed: a GPU's first steps (kernel choice, allocator) run slow
 # Settings that may differ between a run and its resumption: where it runs and for how long.
-RUN_ONLY_SETTINGS = ("device", "time_budget")
+RUN_ONLY_SETTINGS = ("device", "time_budget", "features_on_host")
 
 
 def select_draft_vocab(data: FeatureSet, size: int, vocab_size: int) -> torch.Tensor:
@@ -127,10 +129,11 @@ def make_eagle3_batch(data: FeatureSet, windows: list[int], steps: int) -> Eagle
     rows_len = max(lengths) - 1
     cols = rows_len + steps - 1
     batch = len(windows)
-    rows = torch.zeros(batch, rows_len, data.aux.shape[1])
-    tokens = torch.zeros(batch, cols, dtype=torch.long)
-    nexts = torch.zeros(batch, cols, data.features.shape[1])
-    valid = torch.zeros(batch, cols, dtype=torch.bool)
+    device = data.aux.device  # the GPU when the features live there (see features_on_device)
+    rows = torch.zeros(batch, rows_len, data.aux.shape[1], device=device)
+    tokens = torch.zeros(batch, cols, dtype=torch.long, device=device)
+    nexts = torch.zeros(batch, cols, data.features.shape[1], device=device)
+    valid = torch.zeros(batch, cols, dtype=torch.bool, device=device)
     for b, window in enumerate(windows):
         begin, end = int(data.offsets[window]), int(data.offsets[window + 1])
         n = end - begin
@@ -241,6 +244,8 @@ class _Eagle3Run:
         longest = int((data.offsets[1:] - data.offsets[:-1]).max()) + config.ttt_steps
         table = RotaryTable(self.head.spec, longest, torch.float32, device)
         self.rotary = (table.cos, table.sin)
+        if not config.features_on_host:
+            self.data = features_on_device(data, device)
         self.per_epoch = max(1, batches_per_epoch(data.num_windows, config.batch_size))
         self.total_steps = config.steps or max(1, math.ceil(self.per_epoch * config.epochs))
         self.pairs, self.done, self.started = 0, 0, 0.0
@@ -365,6 +370,7 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     if heldout is not None and heldout.aux_layers != data.aux_layers:
         raise ValueError(f"held-out rows come from layers {heldout.aux_layers}, training rows from {data.aux_layers}")
     run = _Eagle3Run(target_dir, data, out_dir, config)
+    del data  # the run's copy stands (on the GPU when it fits there): no second one held
     run.resume_or_start(resume)
     bar = tqdm(total=run.total_steps, initial=run.done, desc=f"train {config.fusion}", unit="step",
                disable=not progress, dynamic_ncols=True)

@@ -18,7 +18,7 @@ from dovetail_runtime.train_cli import main as train_cli
 from gpu_worker.eagle3 import Eagle3Head
 from gpu_worker.train.eagle3_io import load_eagle3_head
 from gpu_worker.train.eagle3_trainer import make_eagle3_batch, new_eagle3_head, select_draft_vocab, ttt_loss
-from gpu_worker.train.shards import FeatureSet, load_features
+from gpu_worker.train.shards import FeatureSet, features_on_device, load_features
 from gpu_worker.train.ttt import ttt_forward
 
 from test_train_support import make_tiny_target, tiny_corpus  # noqa: F401 (fixtures)
@@ -188,6 +188,27 @@ def test_training_lowers_the_loss_and_the_folder_round_trips(deep_target, aux_fe
     assert min(after.top1) > max(before.top1) + 0.2
     # The saved vocabulary is the training features' most frequent predicted tokens.
     assert loaded.target_draft_ids().tolist() == select_draft_vocab(data, 60, loaded.vocab_size).tolist()
+
+
+def test_features_stay_on_the_host_off_cuda(aux_features):
+    data = load_features(aux_features)
+    assert features_on_device(data, "cpu") is data
+    batch = make_eagle3_batch(data, list(range(min(6, data.num_windows))), 3)
+    assert {getattr(batch, f.name).device.type for f in dataclasses.fields(batch)} == {"cpu"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (tools/device_train_head.sh runs it first)")
+def test_features_on_the_gpu_cut_the_same_batches_as_on_the_host(aux_features):
+    data = load_features(aux_features)
+    windows = list(range(min(6, data.num_windows)))
+    host = make_eagle3_batch(data, windows, 3)
+    assert features_on_device(data, "cuda", share=0.0) is data  # "does not fit": stays put
+    resident = features_on_device(data, "cuda")
+    assert resident.aux is not None and resident.aux.is_cuda and resident.tokens.is_cuda
+    assert not resident.offsets.is_cuda
+    on_gpu = make_eagle3_batch(resident, windows, 3)
+    for field in dataclasses.fields(host):
+        assert torch.equal(getattr(on_gpu, field.name).cpu(), getattr(host, field.name)), field.name
 
 
 def test_a_trained_head_evaluates_greedily_identical_to_the_target(deep_target, tiny_corpus, trained):
