@@ -1,7 +1,7 @@
 """One request's decoding loop, driven by the coordinator over the two workers.
 
-dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps once
-a busy batch has kept its trees at one node for a while; ar mode: prefill -> decode -> decode ...
+dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps while
+a busy batch keeps its trees at one node (back to trees when the load drops); ar mode: prefill -> decode -> decode ...
 on the cpu_worker alone. A long prompt's prefill is several calls, one per
 chunk of ``Job.prefill_chunk`` tokens. Each loop is a generator (``ar_steps``,
 ``dovetail_steps``) that yields its next worker request (a ``Call``) and is sent the reply, so
@@ -34,7 +34,7 @@ from .tree_planner import FixedTree, ShapePlanner
 
 Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
 # One-node trees in a row (chosen because the batch is busy, not by acceptance) after which a
-# dovetail request decodes plainly for the rest of its answer.
+# dovetail request decodes plainly, until the batch's load allows a tree again.
 PLAIN_AFTER = 4
 # Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
 # prompt delays the running requests by one such chunk per round.
@@ -222,14 +222,18 @@ def ar_steps(job: Job, emit: Emit) -> Steps:
     return budget.finish_reason or "stop", stats
 
 
-def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: Budget,
-                stats: Stats) -> Generator[Call, m.Message, None]:
+def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
+                until: Callable[[], bool] | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
     """Plain decode steps from ``token`` (emitted, not cached yet; the sequence ``length`` tokens
-    long) until the budget or the context ends: ar's loop, and dovetail's under sustained load."""
+    long) until the budget or the context ends (None): ar's loop, and dovetail's under sustained
+    load. ``until``: asked before each step; when it says so the steps stop there and return the
+    pending token and the length, to go on another way."""
     while True:
         if context.room(length) < 1:
             budget.finish_reason = "length"
-            return
+            return None
+        if until is not None and until():
+            return token, length
         step = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
                       m.DecodeResult)
         stats.verify_ms += step.compute_ms
@@ -238,7 +242,7 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
         token = step.token
         length += 1
         if budget.push([token], [step.logprob] if step.logprob else []):
-            return
+            return None
 
 
 def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
@@ -259,13 +263,10 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
         if prefill.features is None:
             raise RuntimeError("the cpu_worker returned no prompt features")
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
-        pair_tokens = prompt_ids[1:] + [prefill.token]
-        features = prefill.features
-        reset = True
-        length = len(prompt_ids) + 1
+        pair_tokens, features, reset = prompt_ids[1:] + [prefill.token], prefill.features, True
+        length, one_node_streak = len(prompt_ids) + 1, 0
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
-        one_node_streak = 0
         while True:
             room = context.room(length)
             if room < 1:
@@ -275,12 +276,15 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             shape = planner.shape(together).fitted(room)
             one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 and together > 1 else 0
             if one_node_streak > PLAIN_AFTER:
-                # Load keeps the trees at one node: plain decode steps from here on, at batched ar's cost
-                # (a one-node tree still pays the head's step and a round trip); the tokens stay ar's.
-                before = stats.cycles
-                yield from plain_steps(seq_id, pair_tokens[-1], length, context, budget, stats)
-                stats.record_plain(stats.cycles - before)
-                break
+                # Load keeps the trees at one node: plain decode steps, at batched ar's cost (a one-node
+                # tree still pays the head's step and a round trip), until a tree fits again.
+                resumed = yield from plain_while_busy(seq_id, pair_tokens[-1], length, context, budget, stats,
+                                                      lambda: planner.shape(batch()).tree_tokens > 1)
+                if resumed is None:
+                    break
+                verified, length = resumed
+                pair_tokens, features, reset, one_node_streak = verified.accepted_tokens, verified.features, True, 0
+                continue
             cycle_started = time.perf_counter()
             draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
                                                                shape=shape, reset=reset), m.DraftResult)),
@@ -293,14 +297,34 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
                             (time.perf_counter() - cycle_started) * 1e3, together)
             stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
-            length += len(accepted)
-            pair_tokens = accepted
-            features = verified.features
+            length, pair_tokens, features = length + len(accepted), accepted, verified.features
             if budget.push(accepted, verified.logprobs):
                 break
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
     return budget.finish_reason or "stop", stats
+
+
+def plain_while_busy(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
+                     tree_fits: Callable[[], bool]) -> Generator[Call, m.Message, tuple[m.VerifyResult, int] | None]:
+    """A dovetail request's plain steps (the tokens stay ar's) until ``tree_fits``, then one more
+    step as a root-only tree: the same next token, plus the feature row that starts a fresh draft
+    sequence (the draft missed the plain steps' features; an EAGLE head leans on its newest ones,
+    so a short context costs it little). Returns that verify's result and the sequence's length
+    after it, or None when the answer ended first."""
+    before = stats.cycles
+    pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits)
+    if pending is not None:
+        token, length = pending
+        verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=[token], parents=[-1]),
+                                      m.VerifyResult)), m.VerifyResult)
+        stats.verify_ms += verified.compute_ms
+        stats.cycles += 1
+        stats.cycle_tokens += 1
+    stats.record_plain(stats.cycles - before)
+    if pending is None or budget.push(verified.accepted_tokens, verified.logprobs):
+        return None
+    return verified, length + 1
 
 
 def run_alone(steps: Steps, cpu: Worker, gpu: Worker | None) -> tuple[FinishReason, Stats]:

@@ -226,6 +226,42 @@ def test_under_sustained_load_dovetail_streams_decode_plainly_with_their_solo_to
     assert steps_sent["DecodeRequest"] >= 4 * 25
 
 
+def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
+    """A dovetail request kept at one-node trees by a busy batch decodes plainly while the batch is
+    busy, then, alone again, gets full trees (a fresh draft sequence from a root-only verify's
+    feature row), its tokens its solo tokens all along."""
+    engine, drafter = demo_pair
+    long_job, short_job = job(0, 60)[0], job(1, 16)[0]  # dovetail greedy; ar with logprobs
+    solo = Recorder()
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        run_alone(dovetail_steps(long_job, BusyPlanner(SHAPE), solo), cpu, gpu)
+    resets: list[int] = []
+
+    class Watching(LocalWorker):
+        def request(self, message, expect):
+            items = message.items if isinstance(message, m.DraftBatch) else [message]
+            resets.extend(item.seq_id for item in items if isinstance(item, m.DraftRequest) and item.reset)
+            return super().request(message, expect)
+
+    together, short = Recorder(), Recorder()
+    with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
+        batcher = Batcher(cpu, Watching(gpu.name, gpu.handlers))
+
+        def busy() -> int:
+            return len(batcher.streams)
+
+        stream = batcher.add(long_job.seq_id, dovetail_steps(long_job, BusyPlanner(SHAPE), together, busy), True)
+        batcher.add(short_job.seq_id, ar_steps(short_job, short), uses_gpu=False)
+        while batcher.streams:
+            batcher.round()
+    assert together.tokens == solo.tokens and len(solo.tokens) == 60
+    finish, stats = stream.outcome
+    assert stats.trees["1/0/1"] == PLAIN_AFTER  # one-node trees while the ar request ran ...
+    assert stats.trees["1/0/0"] >= 3  # ... then plain steps (and the root-only verify) ...
+    assert stats.trees[f"{SHAPE.tree_tokens}/{SHAPE.depth}/{SHAPE.top_k}"] >= 3  # ... then full trees again
+    assert resets == [long_job.seq_id, long_job.seq_id]  # the prompt's draft, then the fresh one
+
+
 def test_the_first_draft_step_is_reported_as_the_drafts_absorption_of_the_prompt(demo_pair):
     """RequestStats.draft_prompt_ms: the part of draft_ms the draft spent reading the prompt (its
     first step, which starts the sequence), so benchmarks can tell it from the per-cycle cost."""
