@@ -658,10 +658,7 @@ def bind_clients(binds: list[str], key: ApiKey | None, http_address: str | None,
 
 
 def stats_line(mode: str, stats: m.RequestStats) -> str:
-    plain = stats.trees.get("1/0/0", 0)
-    # Plain steps: the planner found no tree that beats a decode step here (or a busy batch).
-    steps = f" ({plain} of {sum(stats.trees.values())} steps plain)" if plain else ""
-    return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}{steps}, "
+    return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}, "
             f"draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
 
 

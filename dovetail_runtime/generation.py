@@ -264,7 +264,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             raise RuntimeError("the cpu_worker returned no prompt features")
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
         pair_tokens, features, reset = prompt_ids[1:] + [prefill.token], prefill.features, True
-        length, one_node_streak, planned = len(prompt_ids) + 1, 0, None
+        length, one_node_streak = len(prompt_ids) + 1, 0
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
         while True:
@@ -273,18 +273,16 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 budget.finish_reason = "length"
                 break
             together = batch()
-            shape = (planned or planner.shape(together)).fitted(room)  # planned: what ended plain steps
-            planned = None
-            one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 else 0
-            if one_node_streak > (PLAIN_AFTER if together > 1 else 0):
-                # No tree pays (alone: at once; in a busy batch: after a few cycles, as the load may
-                # pass): plain decode steps, at (batched) ar's cost (a one-node tree still pays the
-                # head's step and a round trip), until a tree fits again.
+            shape = planner.shape(together).fitted(room)
+            one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 and together > 1 else 0
+            if one_node_streak > PLAIN_AFTER:
+                # Load keeps the trees at one node: plain decode steps, at batched ar's cost (a one-node
+                # tree still pays the head's step and a round trip), until a tree fits again.
                 resumed = yield from plain_while_busy(seq_id, pair_tokens[-1], length, context, budget, stats,
-                                                      lambda: planner.shape(batch()))
+                                                      lambda: planner.shape(batch()).tree_tokens > 1)
                 if resumed is None:
                     break
-                verified, length, planned = resumed
+                verified, length = resumed
                 pair_tokens, features, reset, one_node_streak = verified.accepted_tokens, verified.features, True, 0
                 continue
             cycle_started = time.perf_counter()
@@ -307,24 +305,14 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     return budget.finish_reason or "stop", stats
 
 
-Resumed = tuple[m.VerifyResult, int, TreeShape]
-
-
 def plain_while_busy(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                     next_shape: Callable[[], TreeShape]) -> Generator[Call, m.Message, Resumed | None]:
-    """A dovetail request's plain steps (the tokens stay ar's) while ``next_shape()`` (asked before
-    each) is one node, then one more step as a root-only tree: the same next token, plus the
-    feature row that starts a fresh draft sequence (the draft missed the plain steps' features; an
-    EAGLE head leans on its newest ones, so a short context costs it little). Returns that verify's
-    result, the sequence's length after it and the tree to draft next, or None when the answer
-    ended first."""
+                     tree_fits: Callable[[], bool]) -> Generator[Call, m.Message, tuple[m.VerifyResult, int] | None]:
+    """A dovetail request's plain steps (the tokens stay ar's) until ``tree_fits``, then one more
+    step as a root-only tree: the same next token, plus the feature row that starts a fresh draft
+    sequence (the draft missed the plain steps' features; an EAGLE head leans on its newest ones,
+    so a short context costs it little). Returns that verify's result and the sequence's length
+    after it, or None when the answer ended first."""
     before = stats.cycles
-    planned: list[TreeShape] = []
-
-    def tree_fits() -> bool:
-        planned[:] = [next_shape()]
-        return planned[0].tree_tokens > 1
-
     pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits)
     if pending is not None:
         token, length = pending
@@ -336,7 +324,7 @@ def plain_while_busy(seq_id: int, token: int, length: int, context: Context, bud
     stats.record_plain(stats.cycles - before)
     if pending is None or budget.push(verified.accepted_tokens, verified.logprobs):
         return None
-    return verified, length + 1, planned[0]
+    return verified, length + 1
 
 
 def run_alone(steps: Steps, cpu: Worker, gpu: Worker | None) -> tuple[FinishReason, Stats]:

@@ -19,11 +19,6 @@ deeper for the same T).
   keep different nodes), so each top_k learns from its own trees.
 - The first cycles verify the deepest tree whose measured cycle costs at most ``PROBE_BUDGET``
   times the cheapest one (``first_shape``): as large as it can be without paying much for it.
-- Where even the best rated tree emits fewer tokens per second than a plain decode step would
-  (``ar_rate``: a draft that guesses poorly for this text, or a target step so cheap that the
-  draft's step and the round trips outweigh it), a request alone decodes plainly, with the best
-  tree every ``PLAIN_PROBE_EVERY`` steps to see whether drafting pays again: dovetail costs
-  about what --mode ar costs where speculation cannot help, not half of it.
 - Larger trees are learnt by probing: every ``explore_every``-th cycle verifies a larger
   tree (alternately one and two sizes up, one and two levels deeper, or the largest tree that
   costs at most ``PROBE_BUDGET`` times the best cycle when that is larger; every other pair of
@@ -52,9 +47,6 @@ TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SEEN_ENOUGH = 2.0  # observed cycles of a size (or depth) before their mean replaces the measurement
 SEEN_DECAY = 0.9
 PROBE_BUDGET = 1.3  # a probe may cost up to this many times the best shape's cycle
-# Alone, where plain decode steps beat the best rated tree (a draft that guesses poorly, a target
-# whose step costs little beside the draft's): a tree every this many steps, to re-rate the draft.
-PLAIN_PROBE_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -238,23 +230,11 @@ class TreePlanner:
 
     # --- choosing ------------------------------------------------------------------------
 
-    def plain_pays(self) -> bool:
-        """Whether a plain decode step emits more tokens per second than the best rated tree."""
-        rate = self.rate(self.best)
-        return rate is not None and rate < self.ar_rate()
-
     def shape(self, batch: int = 1) -> TreeShape:
-        """The next cycle's tree; one node (T = 1: decode plainly) where no tree pays, alone
-        (``plain_pays``, but the best tree every ``PLAIN_PROBE_EVERY`` calls) or in a batch."""
         self.cycles += 1
         if batch > 1:
             return self.batch_shape(batch)
-        if self.plain_pays():
-            if self.cycles % PLAIN_PROBE_EVERY:
-                return TreeShape.clamped(1, 1, self.bounds.top_k)
-            cell = self.best
-        else:
-            cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
+        cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
         self.chosen[cell] += 1
         return TreeShape.clamped(*cell)
 

@@ -262,31 +262,6 @@ def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
     assert resets == [long_job.seq_id, long_job.seq_id]  # the prompt's draft, then the fresh one
 
 
-class MostlyPlain(FixedTree):
-    """Alone, a planner for which no tree pays: one node (decode plainly) but the first call and
-    every 8th (the re-rating tree)."""
-
-    calls = 0
-
-    def shape(self, batch: int = 1) -> TreeShape:
-        self.calls += 1
-        return self.envelope if self.calls % 8 == 1 else TreeShape.clamped(1, 1, 1)
-
-
-def test_alone_a_request_decodes_plainly_where_no_tree_pays_and_drafts_the_planners_rechecks(demo_pair):
-    engine, drafter = demo_pair
-    request = job(0, 40)[0]
-    ar, plain = Recorder(), Recorder()
-    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
-        run_alone(ar_steps(request, ar), cpu, None)
-    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
-        finish, stats = run_alone(dovetail_steps(request, MostlyPlain(SHAPE), plain), cpu, gpu)
-    assert plain.tokens == ar.tokens and len(ar.tokens) == 40
-    full = stats.trees[f"{SHAPE.tree_tokens}/{SHAPE.depth}/{SHAPE.top_k}"]
-    assert full >= 3 and stats.trees["1/0/0"] >= 20  # the rechecks' trees are drafted, between plain steps
-    assert full + stats.trees["1/0/0"] == stats.cycles and "1/0/1" not in stats.trees  # no one-node drafts
-
-
 def test_the_first_draft_step_is_reported_as_the_drafts_absorption_of_the_prompt(demo_pair):
     """RequestStats.draft_prompt_ms: the part of draft_ms the draft spent reading the prompt (its
     first step, which starts the sequence), so benchmarks can tell it from the per-cycle cost."""

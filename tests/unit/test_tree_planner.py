@@ -10,7 +10,6 @@ import torch
 
 from cpu_worker.acceptance import accept_path
 from dovetail_runtime.tree_planner import (
-    PLAIN_PROBE_EVERY,
     AutoTree,
     TreePlanner,
     accepted_path,
@@ -318,27 +317,6 @@ def batch_planner(verify) -> TreePlanner:
                           {depth: draft(depth) for depth in range(1, 7)})
     World(0.8, verify=verify, draft=draft).run(planner, 300)
     return planner
-
-
-def test_alone_it_decodes_plainly_where_no_tree_beats_a_decode_step_and_rechecks_now_and_then():
-    """Costs like the real pair at 135M on 2 cores with the draft on the same cores (a decode step
-    4.6 ms, each more row 1.7, a draft level 1.5 plus 3 for its call): even a fair draft's trees
-    emit fewer tokens per second than plain steps, so the planner says one node (decode plainly),
-    and every PLAIN_PROBE_EVERY-th call its best tree; where trees pay it never says one node."""
-    bounds = AutoTree(max_tree_tokens=16, max_depth=4, top_k=3)
-    verify, draft = (lambda size: 4.6 + 1.7 * (size - 1)), (lambda depth: 3.0 + 1.5 * depth)
-    planner = TreePlanner(bounds, {size: verify(size) for size in bounds.tree_sizes},
-                          {depth: draft(depth) for depth in range(1, 5)})
-    World(0.5, verify=verify, draft=draft).run(planner, 64)  # one-node shapes: nothing to observe
-    assert planner.plain_pays()
-    sizes = [planner.shape().tree_tokens for _ in range(4 * PLAIN_PROBE_EVERY)]
-    assert sizes.count(1) == 4 * PLAIN_PROBE_EVERY - 4
-    assert all(size > 1 for index, size in enumerate(sizes) if (planner.cycles - len(sizes) + index + 1)
-               % PLAIN_PROBE_EVERY == 0)
-    paying = TreePlanner(bounds, {size: 100.0 + 20.0 * size for size in bounds.tree_sizes},
-                         {depth: 15.0 * depth for depth in range(1, 5)})
-    World(0.8).run(paying, 64)
-    assert not paying.plain_pays() and all(paying.shape().tree_tokens > 1 for _ in range(64))
 
 
 def test_in_a_batch_speculation_shrinks_to_plain_decoding_where_rows_cost_nearly_full_price():
