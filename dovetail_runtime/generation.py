@@ -36,6 +36,11 @@ Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
 # One-node trees in a row (chosen because the batch is busy, not by acceptance) after which a
 # dovetail request decodes plainly, until the batch's load allows a tree again.
 PLAIN_AFTER = 4
+# Cycles after a draft restarted mid-answer (back from plain steps) that teach the planner nothing:
+# a head restarted from one feature row accepts far less at first (on the real pair at 8/4/4: 1.2
+# tokens a cycle right after, ~1.7 three cycles on, ~2.5 in a continuous run), which says nothing
+# about the trees the (shared) planner picks for every other request.
+RESTART_UNOBSERVED = 4
 # Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
 # prompt delays the running requests by one such chunk per round.
 DEFAULT_PREFILL_CHUNK = 256
@@ -264,7 +269,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             raise RuntimeError("the cpu_worker returned no prompt features")
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
         pair_tokens, features, reset = prompt_ids[1:] + [prefill.token], prefill.features, True
-        length, one_node_streak = len(prompt_ids) + 1, 0
+        length, one_node_streak, unobserved = len(prompt_ids) + 1, 0, 0
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
         while True:
@@ -283,21 +288,23 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 if resumed is None:
                     break
                 verified, length = resumed
-                pair_tokens, features, reset, one_node_streak = verified.accepted_tokens, verified.features, True, 0
+                pair_tokens, features, reset = verified.accepted_tokens, verified.features, True
+                one_node_streak, unobserved = 0, RESTART_UNOBSERVED
                 continue
             cycle_started = time.perf_counter()
             draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
                                                                shape=shape, reset=reset), m.DraftResult)),
                            m.DraftResult)
-            reset = False
             verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens,
                                                                    parents=draft.parents), m.VerifyResult)),
                               m.VerifyResult)
             accepted = verified.accepted_tokens
-            planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
-                            (time.perf_counter() - cycle_started) * 1e3, together)
+            if not unobserved:
+                planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
+                                (time.perf_counter() - cycle_started) * 1e3, together)
+            unobserved = max(unobserved - 1, 0)
             stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
-            length, pair_tokens, features = length + len(accepted), accepted, verified.features
+            length, pair_tokens, features, reset = length + len(accepted), accepted, verified.features, False
             if budget.push(accepted, verified.logprobs):
                 break
     finally:

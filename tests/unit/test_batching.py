@@ -11,7 +11,7 @@ import pytest
 
 from cpu_worker.server import build_engine
 from dovetail_runtime.batching import Batcher, Stream
-from dovetail_runtime.generation import PLAIN_AFTER, Job, ar_steps, dovetail_steps, run_alone
+from dovetail_runtime.generation import PLAIN_AFTER, RESTART_UNOBSERVED, Job, ar_steps, dovetail_steps, run_alone
 from dovetail_runtime.local_workers import LocalWorker, local_workers
 from dovetail_runtime.tree_planner import FixedTree
 from dovetail_runtime.workers import WorkerRequestError
@@ -185,10 +185,16 @@ def test_a_draft_batch_item_for_an_unknown_sequence_fails_alone(demo_pair):
 
 
 class BusyPlanner(FixedTree):
-    """Full trees alone; one-node trees whenever the batch holds others (as a costly verify plans)."""
+    """Full trees alone; one-node trees whenever the batch holds others (as a costly verify plans).
+    Counts the trees it is shown (``observed``)."""
+
+    observed = 0
 
     def shape(self, batch: int = 1) -> TreeShape:
         return self.envelope if batch == 1 else TreeShape.clamped(1, 1, 1)
+
+    def observe(self, shape: TreeShape, *args, **kwargs) -> None:
+        self.observed += shape.tree_tokens > 1
 
 
 def test_under_sustained_load_dovetail_streams_decode_plainly_with_their_solo_tokens(demo_pair):
@@ -250,7 +256,8 @@ def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
         def busy() -> int:
             return len(batcher.streams)
 
-        stream = batcher.add(long_job.seq_id, dovetail_steps(long_job, BusyPlanner(SHAPE), together, busy), True)
+        planner = BusyPlanner(SHAPE)
+        stream = batcher.add(long_job.seq_id, dovetail_steps(long_job, planner, together, busy), True)
         batcher.add(short_job.seq_id, ar_steps(short_job, short), uses_gpu=False)
         while batcher.streams:
             batcher.round()
@@ -258,7 +265,9 @@ def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
     finish, stats = stream.outcome
     assert stats.trees["1/0/1"] == PLAIN_AFTER  # one-node trees while the ar request ran ...
     assert stats.trees["1/0/0"] >= 3  # ... then plain steps (and the root-only verify) ...
-    assert stats.trees[f"{SHAPE.tree_tokens}/{SHAPE.depth}/{SHAPE.top_k}"] >= 3  # ... then full trees again
+    full = stats.trees[f"{SHAPE.tree_tokens}/{SHAPE.depth}/{SHAPE.top_k}"]
+    assert full > RESTART_UNOBSERVED  # ... then full trees again, the restarted draft's first ones unobserved
+    assert planner.observed == full - RESTART_UNOBSERVED
     assert resets == [long_job.seq_id, long_job.seq_id]  # the prompt's draft, then the fresh one
 
 
