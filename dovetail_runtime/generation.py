@@ -299,9 +299,9 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                                                                    parents=draft.parents), m.VerifyResult)),
                               m.VerifyResult)
             accepted = verified.accepted_tokens
-            if not unobserved:
+            if not unobserved:  # a (re)start's first draft step read the prompt too: its times mislead
                 planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
-                                (time.perf_counter() - cycle_started) * 1e3, together)
+                                (time.perf_counter() - cycle_started) * 1e3, together, timed=not reset)
             unobserved = max(unobserved - 1, 0)
             stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
             length, pair_tokens, features, reset = length + len(accepted), accepted, verified.features, False

@@ -88,7 +88,7 @@ class ShapePlanner(Protocol):
         ...
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1) -> None: ...
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None: ...
 
 
 class FixedTree:
@@ -101,7 +101,7 @@ class FixedTree:
         return self.envelope
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1) -> None:
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None:
         pass
 
 
@@ -302,9 +302,11 @@ class TreePlanner:
     # --- learning ------------------------------------------------------------------------
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1) -> None:
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None:
         """Learn from one verified tree (its nodes in selection order, as the drafter sends them);
-        from a batched cycle (``batch`` > 1) its acceptance only: its times are the batch's."""
+        from a batched cycle (``batch`` > 1) its acceptance only: its times are the batch's; and
+        likewise where ``timed`` is False (a sequence's first cycle, whose draft step also read the
+        whole prompt: 2-3x a cycle's draft time at the 7B stand-in)."""
         size = len(tokens)
         if size < 2:
             return
@@ -332,7 +334,7 @@ class TreePlanner:
                     inside += 1
                 self.weight[cell] += 1.0
                 self.accepted_sum[cell] += inside
-        if batch > 1:
+        if batch > 1 or not timed:
             self._choose()
             return
         alpha = self.smoothing

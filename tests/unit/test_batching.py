@@ -271,6 +271,20 @@ def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
     assert resets == [long_job.seq_id, long_job.seq_id]  # the prompt's draft, then the fresh one
 
 
+def test_a_sequences_first_cycle_teaches_the_planner_acceptance_but_not_times(demo_pair):
+    """Its draft step also read the whole prompt."""
+    engine, drafter = demo_pair
+    timed: list[bool] = []
+
+    class Recording(FixedTree):
+        def observe(self, *args, **kwargs) -> None:
+            timed.append(kwargs["timed"])
+
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        run_alone(dovetail_steps(job(0, 24)[0], Recording(SHAPE), Recorder()), cpu, gpu)
+    assert len(timed) >= 3 and timed[0] is False and all(timed[1:])
+
+
 def test_the_first_draft_step_is_reported_as_the_drafts_absorption_of_the_prompt(demo_pair):
     """RequestStats.draft_prompt_ms: the part of draft_ms the draft spent reading the prompt (its
     first step, which starts the sequence), so benchmarks can tell it from the per-cycle cost."""

@@ -331,12 +331,17 @@ def test_in_a_batch_speculation_shrinks_to_plain_decoding_where_rows_cost_nearly
     assert flat.shape(4).tree_tokens > 1
 
 
-def test_batched_cycles_teach_acceptance_but_not_costs():
+@pytest.mark.parametrize("batch, timed", [(4, True), (1, False)])
+def test_batched_and_untimed_cycles_teach_acceptance_but_not_costs(batch, timed):
+    """A batched cycle's times are the batch's; an untimed one's (a sequence's first, whose draft
+    step also read the prompt) are not a cycle's."""
     planner = batch_planner(lambda size: 100.0 + 1.0 * size)
-    scale, seen = planner.verify_scale, dict(planner.seen_verify)
-    shape = planner.shape(4)
+    costs = (planner.verify_scale, planner.draft_scale, planner.ipc_ms, dict(planner.seen_verify),
+             dict(planner.seen_draft))
+    shape = planner.shape(batch)
     tokens, parents = random_tree(shape, seed=3)
     before = dict(planner.weight)
-    planner.observe(shape, tokens, parents, [tokens[1], 5], 8.0, 900.0, 950.0, batch=4)  # the batch's times
-    assert planner.verify_scale == scale and planner.seen_verify == seen
+    planner.observe(shape, tokens, parents, [tokens[1], 5], 300.0, 900.0, 1250.0, batch=batch, timed=timed)
+    assert (planner.verify_scale, planner.draft_scale, planner.ipc_ms, planner.seen_verify,
+            planner.seen_draft) == costs
     assert any(planner.weight[cell] != before[cell] for cell in before)
