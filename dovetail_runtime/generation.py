@@ -1,8 +1,8 @@
 """One request's decoding loop, driven by the coordinator over the two workers.
 
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps while
-a busy batch keeps its trees at one node (back to trees when the load drops); ar mode: prefill -> decode -> decode ...
-on the cpu_worker alone. A long prompt's prefill is several calls, one per
+a busy batch keeps its trees at one node (back to trees when the load drops); ar mode: prefill ->
+decode -> decode ... on the cpu_worker alone. A long prompt's prefill is several calls, one per
 chunk of ``Job.prefill_chunk`` tokens. Each loop is a generator (``ar_steps``,
 ``dovetail_steps``) that yields its next worker request (a ``Call``) and is sent the reply, so
 one driver runs it alone (``run_alone``: ``generate_ar``, ``generate_dovetail``) and another
@@ -315,17 +315,17 @@ def plain_while_busy(seq_id: int, token: int, length: int, context: Context, bud
     first."""
     before = stats.cycles
     pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits)
-    if pending is not None:
-        token, length = pending
-        verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=[token], parents=[-1]),
-                                      m.VerifyResult)), m.VerifyResult)
-        stats.verify_ms += verified.compute_ms
-        stats.cycles += 1
-        stats.cycle_tokens += 1
-    stats.record_plain(stats.cycles - before)
-    if pending is None or budget.push(verified.accepted_tokens, verified.logprobs):
+    if pending is None:
+        stats.record_plain(stats.cycles - before)
         return None
-    return verified, length + 1
+    token, length = pending
+    verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=[token], parents=[-1]),
+                                  m.VerifyResult)), m.VerifyResult)
+    stats.verify_ms += verified.compute_ms
+    stats.cycles += 1
+    stats.cycle_tokens += 1
+    stats.record_plain(stats.cycles - before)
+    return None if budget.push(verified.accepted_tokens, verified.logprobs) else (verified, length + 1)
 
 
 def run_alone(steps: Steps, cpu: Worker, gpu: Worker | None) -> tuple[FinishReason, Stats]:
