@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 
 # What --draft-dtype auto picks from on the CPU (cpu_format measures which is fastest here).
-AUTO_CPU_FORMATS = ("fp32", "int8")
+AUTO_CPU_FORMATS = ("fp32", "int8", "q4_0")
 
 
 class DraftContextError(ValueError):
@@ -116,8 +116,9 @@ class Drafter:
                         scratch_len: int = TreeShape().scratch_slots) -> Drafter:
         """Load a draft folder (Dovetail, EAGLE-1/2 or EAGLE-3 layout) onto ``device`` (auto: CUDA if any).
         ``dtype``: fp32/fp16/bf16; int8 or q4_0 (CPU only: quantized projections, fp32 activations,
-        ``head_formats``); or ``auto``: fp16 on CUDA, and on the CPU int8 where it measures faster than
-        fp32 (a big head is memory-bound and int8 moves a quarter of the bytes; a tiny one is overhead-bound)."""
+        ``head_formats``); or ``auto``: fp16 on CUDA, and on the CPU the fastest of fp32, int8 and q4_0 as
+        measured here (a big head is memory-bound: int8 moves a quarter of fp32's bytes, q4_0 an eighth; a
+        tiny one is overhead-bound; ``cpu_format``)."""
         resolved = resolve_device(device)
         name = dtype.lower() if isinstance(dtype, str) else None
         if name == "auto":
