@@ -325,8 +325,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Draft device: auto (CUDA if present, else CPU), cpu, cuda, cuda:N.")
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto",
               help="Draft precision: auto = fp16 on CUDA; on the CPU, where the draft shares the memory bus with the "
-                   "target, int8 (W8A8) where it measures faster than fp32. q4_0 (CPU): 4-bit projections, ~0.6x "
-                   "int8's bytes.")
+                   "target, the fastest of fp32, int8 (W8A8) and q4_0 as measured there (q4_0 only where clearly "
+                   "faster). q4_0 (CPU): 4-bit projections, ~0.6x int8's bytes.")
 @click.option("--draft-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the draft worker. [default: one for a CUDA draft, else one per "
                    "--draft-cores core, else torch's]")
@@ -658,7 +658,10 @@ def bind_clients(binds: list[str], key: ApiKey | None, http_address: str | None,
 
 
 def stats_line(mode: str, stats: m.RequestStats) -> str:
-    return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}, "
+    plain = stats.trees.get("1/0/0", 0)
+    # Plain steps: where no tree paid (the planner's fallback alone, a busy batch).
+    steps = f" ({plain} of {sum(stats.trees.values())} steps plain)" if plain else ""
+    return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}{steps}, "
             f"draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
 
 

@@ -1,12 +1,13 @@
 """One request's decoding loop, driven by the coordinator over the two workers.
 
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps while
-a busy batch keeps its trees at one node (back to trees when the load drops); ar mode: prefill ->
-decode -> decode ... on the cpu_worker alone. A long prompt's prefill is several calls, one per
-chunk of ``Job.prefill_chunk`` tokens. Each loop is a generator (``ar_steps``,
-``dovetail_steps``) that yields its next worker request (a ``Call``) and is sent the reply, so
-one driver runs it alone (``run_alone``: ``generate_ar``, ``generate_dovetail``) and another
-runs many side by side, their calls merged into batches (``dovetail_runtime.batching``).
+no tree pays (a request alone: ``plain_fallback``; a busy batch keeps its trees at one node), back
+to trees when one does; ar mode: prefill -> decode -> decode ... on the cpu_worker alone. A long
+prompt's prefill is several calls, one per chunk of ``Job.prefill_chunk`` tokens. Each loop is a
+generator (``ar_steps``, ``dovetail_steps``) that yields its next worker request (a ``Call``) and
+is sent the reply, so one driver runs it alone (``run_alone``: ``generate_ar``,
+``generate_dovetail``) and another runs many side by side, their calls merged into batches
+(``dovetail_runtime.batching``).
 
 Tokens go to ``emit`` as soon as they are accepted, with their log-probabilities when the job
 asks for them (else an empty list); ``emit`` returns True to stop (a stop string, a client that
@@ -226,14 +227,17 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
                 until: Callable[[], bool] | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
     """Plain decode steps from ``token`` (emitted, not cached yet; the sequence ``length`` tokens
     long) until the budget or the context ends (None): ar's loop, and dovetail's under sustained
-    load. ``until``: asked before each step; when it says so the steps stop there and return the
-    pending token and the length, to go on another way."""
+    load. ``until``: asked before each step but the first (whoever calls has just decided on a plain
+    step); when it says so the steps stop there and return the pending token and the length, to go on
+    another way."""
+    first = True
     while True:
         if context.room(length) < 1:
             budget.finish_reason = "length"
             return None
-        if until is not None and until():
+        if until is not None and not first and until():
             return token, length
+        first = False
         step = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
                       m.DecodeResult)
         stats.verify_ms += step.compute_ms
@@ -264,7 +268,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             raise RuntimeError("the cpu_worker returned no prompt features")
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
         pair_tokens, features, reset = prompt_ids[1:] + [prefill.token], prefill.features, True
-        length, one_node_streak = len(prompt_ids) + 1, 0
+        length, one_node_streak, planned = len(prompt_ids) + 1, 0, None
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
         while True:
@@ -273,16 +277,16 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 budget.finish_reason = "length"
                 break
             together = batch()
-            shape = planner.shape(together).fitted(room)
-            one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 and together > 1 else 0
-            if one_node_streak > PLAIN_AFTER:
-                # Load keeps the trees at one node: plain decode steps, at batched ar's cost (a one-node
-                # tree still pays the head's step and a round trip), until a tree fits again.
-                resumed = yield from plain_while_busy(seq_id, pair_tokens[-1], length, context, budget, stats,
-                                                      lambda: planner.shape(batch()).tree_tokens > 1)
+            shape, planned = (planned or planner.shape(together)).fitted(room), None  # planned: what ended plain
+            one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 else 0
+            if one_node_streak > (PLAIN_AFTER if together > 1 else 0) and not reset:
+                # No tree pays (alone: the planner says so; busy batch: a few one-node trees): plain steps until
+                # one does, not one-node trees (a head's step each). The first cycle drafts: the prompt.
+                resumed = yield from plain_until_tree(seq_id, pair_tokens[-1], length, context, budget, stats,
+                                                      lambda: planner.shape(batch()))
                 if resumed is None:
                     break
-                verified, length = resumed
+                verified, length, planned = resumed
                 # The draft goes on from its own context, without the plain steps: restarted from this
                 # one row it accepted 1.27 tokens a cycle at first (real pair, 8/4/4); this way 2.59.
                 pair_tokens, features, one_node_streak = verified.accepted_tokens, verified.features, 0
@@ -307,13 +311,23 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     return budget.finish_reason or "stop", stats
 
 
-def plain_while_busy(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                     tree_fits: Callable[[], bool]) -> Generator[Call, m.Message, tuple[m.VerifyResult, int] | None]:
-    """A dovetail request's plain steps (the tokens stay ar's) until ``tree_fits``, then one more
-    step as a root-only tree: the same next token, plus the feature row the draft goes on from.
-    Returns that verify's result and the sequence's length after it, or None when the answer ended
-    first."""
+# What plain steps end with: the root-only verify's result, the sequence's length, the next tree.
+Resumed = tuple[m.VerifyResult, int, TreeShape]
+
+
+def plain_until_tree(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
+                     next_shape: Callable[[], TreeShape]) -> Generator[Call, m.Message, Resumed | None]:
+    """A dovetail request's plain steps (the tokens stay ar's) while ``next_shape()`` (asked before
+    each) says one node, then one more step as a root-only tree: the same next token, plus the
+    feature row the draft goes on from. Returns that verify's result, the sequence's length after
+    it and the tree to draft next, or None when the answer ended first."""
     before = stats.cycles
+    planned: list[TreeShape] = []
+
+    def tree_fits() -> bool:
+        planned[:] = [next_shape()]
+        return planned[0].tree_tokens > 1
+
     pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits)
     if pending is None:
         stats.record_plain(stats.cycles - before)
@@ -325,7 +339,7 @@ def plain_while_busy(seq_id: int, token: int, length: int, context: Context, bud
     stats.cycles += 1
     stats.cycle_tokens += 1
     stats.record_plain(stats.cycles - before)
-    return None if budget.push(verified.accepted_tokens, verified.logprobs) else (verified, length + 1)
+    return None if budget.push(verified.accepted_tokens, verified.logprobs) else (verified, length + 1, planned[0])
 
 
 def run_alone(steps: Steps, cpu: Worker, gpu: Worker | None) -> tuple[FinishReason, Stats]:

@@ -25,6 +25,10 @@ deeper for the same T).
   probes with the other beam width), so the choice can move up when deeper drafts start paying.
   Every estimate fades (``decay`` per cycle), so one that no recent cycle could observe is
   forgotten rather than trusted forever.
+- Alone, where the costs leave trees little room (``trees_hopeless``) and the recent cycles
+  emitted clearly fewer tokens per second than plain decode steps would, the planner says one
+  node (plain steps), with its smallest tree now and then as a probe (``plain_fallback``); in a
+  batch, ``batch_shape`` decides.
 
 No torch here: the coordinator runs this.
 """
@@ -39,6 +43,8 @@ from typing import Any, Protocol
 
 from ipc.tree import TreeShape, tree_depths
 
+from .plain_fallback import PlainFallback
+
 log = logging.getLogger(__name__)
 
 # Tree sizes the planner chooses from (T, root included) and the target measures (1 is a
@@ -47,6 +53,12 @@ TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SEEN_ENOUGH = 2.0  # observed cycles of a size (or depth) before their mean replaces the measurement
 SEEN_DECAY = 0.9
 PROBE_BUDGET = 1.3  # a probe may cost up to this many times the best shape's cycle
+# A request alone decodes plainly on poor recent cycles only where every tree would need this share of
+# its most tokens (depth + 1) to break even: the demo's 135M pair on 2 cores, 68% at best (4/3/4: a 12 ms
+# cycle for at most 4 tokens against 4.4 ms plain steps); the 7B stand-in, 45% (8/4/4: 243 ms for at
+# most 5 tokens against 107 ms), where a hard patch of text must keep its trees (the rest of the
+# answers pays: 1.1-1.5x of ar over the same prompts).
+HOPELESS_SHARE = 0.6
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,7 @@ class TreePlanner:
         self.cycles = 0
         self.best: Cell = self.first_shape()
         self.chosen: Counter[Cell] = Counter()
+        self.fallback = PlainFallback()
 
     def first_shape(self) -> Cell:
         """Where to start before any acceptance is known: the deepest, then largest, tree of the
@@ -224,19 +237,43 @@ class TreePlanner:
         tokens = self.expected_tokens(cell)
         return None if tokens is None else tokens / self.cycle_ms(cell) * 1e3
 
-    def ar_rate(self) -> float:
-        """Tokens per second of a plain decode step (T = 1) at the same overheads."""
-        return 1e3 / (self.verify_scale * interpolate(self.verify_ms, 1) + self.ipc_ms)
+    def plain_step_ms(self) -> float:
+        """What a plain decode step should cost, until plain steps are timed (``plain_fallback``):
+        t_verify(1) at the verify scale cycles show, and half the rest of a cycle (a cycle makes two
+        round trips, a plain step one; with the whole rest the estimate ran ~25% over at the demo)."""
+        return self.verify_scale * interpolate(self.verify_ms, 1) + self.ipc_ms / 2
 
     # --- choosing ------------------------------------------------------------------------
 
     def shape(self, batch: int = 1) -> TreeShape:
+        """The next tree; one node (decode plainly) alone where trees do not pay now
+        (``plain_fallback``), in a batch where the load says so (``batch_shape``)."""
         self.cycles += 1
         if batch > 1:
+            self.fallback.interrupt()
             return self.batch_shape(batch)
-        cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
+        if self.fallback.plain:
+            if self.fallback.step_plain():
+                return TreeShape.clamped(1, 1, self.bounds.top_k)
+            cell = self.plain_probe()
+        else:
+            cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
         self.chosen[cell] += 1
         return TreeShape.clamped(*cell)
+
+    def trees_hopeless(self, plain_ms: float) -> bool:
+        """Whether every tree shape needs at least ``HOPELESS_SHARE`` of its most tokens (depth + 1) to
+        emit as fast as plain steps of ``plain_ms`` each: where the target's step is cheap beside the
+        draft's and the round trips. Only there does a request alone decode plainly on a stretch of
+        poor cycles; where trees have room, a hard patch of text keeps its trees."""
+        return all(self.cycle_ms(cell) >= HOPELESS_SHARE * (cell[1] + 1) * plain_ms for cell in self.cells)
+
+    def plain_probe(self) -> Cell:
+        """The tree that asks, during plain steps, whether drafting pays again: the smallest one (one
+        draft token, the widest beam). Its cycle costs least, so it pays by itself whenever the
+        draft's best guess is right and a tree can pay at all; a large tree pays by itself only when
+        most of its depth is accepted (a 12/3/8 tree at the 7B stand-in needs all 3)."""
+        return min(self.cells, key=lambda cell: (cell[0], cell[1], -cell[2]))
 
     def batch_shape(self, batch: int) -> TreeShape:
         """The tree for a sequence verified with ``batch - 1`` others (load-aware speculation): the
@@ -347,6 +384,10 @@ class TreePlanner:
         self.ipc_ms += alpha * (max(cycle_ms - draft_ms - verify_ms, 0.0) - self.ipc_ms)
         self._see(self.seen_verify, size, verify_ms)
         self._see(self.seen_draft, (shape.depth, top_k), draft_ms)
+        if self.fallback.plain or (shape.tree_tokens, shape.depth, top_k) == self.best:
+            # A probe during plain steps, or the best tree: whether it pays, not what exploring costs.
+            plain_ms = self.fallback.plain_step_ms(self.plain_step_ms())
+            self.fallback.observe(len(accepted), cycle_ms, plain_ms, self.trees_hopeless(plain_ms))
         self._choose()
 
     def describe(self) -> str:
@@ -357,7 +398,7 @@ class TreePlanner:
                  or self.draft_scale * interpolate(self.draft_ms[top_k], depth))
         verify = self._seen(self.seen_verify, size) or self.verify_scale * interpolate(self.verify_ms, size)
         return (f"T={size} depth={depth} top_k={top_k} ({expected}; draft {draft:.1f} ms, "
-                f"verify {verify:.1f} ms, other {self.ipc_ms:.1f} ms per cycle)")
+                f"verify {verify:.1f} ms, other {self.ipc_ms:.1f} ms per cycle); alone: {self.fallback.describe()}")
 
 
 def drafting_cannot_pay(verify_ms: Mapping[int, float], draft_ms: Mapping[int, float],

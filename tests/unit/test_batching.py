@@ -270,6 +270,44 @@ def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
     assert resets == [long_job.seq_id]  # the prompt's draft only: it goes on from its own context
 
 
+class PlainForAWhile(FixedTree):
+    """Alone: full trees for 3 cycles, then one node (plain steps) for the next 20 asks, then full
+    trees again, as the planner's fallback plans where trees stop paying for a while."""
+
+    asked = 0
+
+    def shape(self, batch: int = 1) -> TreeShape:
+        self.asked += 1
+        return TreeShape.clamped(1, 1, 1) if 3 < self.asked <= 23 else self.envelope
+
+
+def test_a_request_alone_decodes_plainly_where_its_planner_says_so_then_drafts_again(demo_pair):
+    """Its tokens stay ar's, the draft goes on from its own context (one reset: the prompt's), and
+    the tree the planner planned to end the plain steps is the next one drafted."""
+    engine, drafter = demo_pair
+    request = job(0, 60)[0]
+    ar = Recorder()
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        run_alone(ar_steps(request, ar), cpu, gpu)
+    drafts: list[tuple[bool, int]] = []
+
+    class Watching(LocalWorker):
+        def request(self, message, expect):
+            if isinstance(message, m.DraftRequest):
+                drafts.append((message.reset, message.shape.tree_tokens))
+            return super().request(message, expect)
+
+    recorder, planner = Recorder(), PlainForAWhile(SHAPE)
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        _, stats = run_alone(dovetail_steps(request, planner, recorder), cpu, Watching(gpu.name, gpu.handlers))
+    assert recorder.tokens == ar.tokens and len(ar.tokens) == 60
+    assert stats.trees["1/0/0"] == 21  # 20 plain steps and the root-only verify that ends them
+    full = stats.trees[f"{SHAPE.tree_tokens}/{SHAPE.depth}/{SHAPE.top_k}"]
+    assert full > 3 and len(drafts) == full and planner.asked == full + 20
+    assert [reset for reset, _ in drafts] == [True] + [False] * (full - 1)
+    assert {size for _, size in drafts} == {SHAPE.tree_tokens}
+
+
 def test_a_sequences_first_cycle_teaches_the_planner_acceptance_but_not_times(demo_pair):
     """Its draft step also read the whole prompt."""
     engine, drafter = demo_pair

@@ -101,6 +101,8 @@ class World:
         self.first, self.second, self.rng = first, second, random.Random(seed)
         self.verify, self.draft = verify, draft
         self.cycle = 0
+        self.now = 0.0  # ms, the cycles' and plain steps' costs
+        self.plain_steps = 0
 
     def tree(self, shape: TreeShape) -> tuple[list[int], list[int]]:
         self.cycle += 1
@@ -131,10 +133,18 @@ class World:
         return [tokens[n] for n in nodes[1:]] + [bonus]
 
     def run(self, planner: TreePlanner, cycles: int) -> None:
+        """``cycles`` of the planner's choosing; a one-node shape is a plain step (the solo fallback),
+        which the world's clock times as verify(1)."""
+        planner.fallback.clock = lambda: self.now / 1e3
         for _ in range(cycles):
             shape = planner.shape()
+            if shape.tree_tokens == 1:
+                self.now += self.verify(1)
+                self.plain_steps += 1
+                continue
             tokens, parents = self.tree(shape)
             draft, verify = self.draft(shape.depth), self.verify(len(tokens))
+            self.now += draft + verify
             planner.observe(shape, tokens, parents, self.accepted(tokens, parents), draft, verify, draft + verify)
 
     def true_rates(self, bounds: AutoTree, cycles: int = 1500) -> dict[tuple[int, int, int], float]:

@@ -1,0 +1,98 @@
+"""When a request alone should stop drafting: plain decode steps where trees do not pay.
+
+A tree pays when its cycle emits more tokens per second than a plain decode step would. Where the
+target's step costs little beside the draft's step and the round trips (a 135M model on two cores:
+~4.4 ms a step, a cycle of the smallest useful tree ~8 ms), trees emit fewer tokens per second than
+``--mode ar`` whatever the text: the demo's pair ran at 0.53-0.78x of ar.
+
+Two conditions, both needed. The costs must leave trees little room: every shape would need most of
+its possible tokens to break even (``TreePlanner.trees_hopeless``); where they have room (the 7B
+stand-in), a hard patch of text keeps its trees, as the rest of the answer pays. And the recent solo
+cycles (tokens and wall time, decaying by ``RECENT_DECAY`` a cycle; the planner's long-lived
+acceptance estimates play no part) must emit clearly fewer tokens per second than plain steps
+(``CLEARLY_SLOWER``), over at least ``PLAIN_EVIDENCE`` cycles. Then the request decodes plainly,
+timing its plain steps (the planner's estimate of one is all it has before), and every
+``probe_every`` steps verifies the smallest tree (``TreePlanner.plain_probe``): one that clearly
+pays by itself ends the plain stretch at once. A stretch of trees that turns plain again soon
+doubles the probe interval (up to ``PROBE_EVERY_MAX``); one that holds sets it back to ``PROBE_EVERY``.
+
+No torch here: the coordinator runs this.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+PLAIN_EVIDENCE = 12  # solo tree cycles the verdict needs (since the start or the last plain stretch)
+# Plain only where the trees are clearly slower: their recent rate, over ~10 cycles of 1-4 tokens,
+# moves by ~5% with the luck of the draws alone.
+CLEARLY_SLOWER = 0.9
+RECENT_DECAY = 0.9  # per cycle: the verdict reads about the last ten cycles
+PROBE_EVERY = 16  # plain steps between two probe trees, at first
+PROBE_EVERY_MAX = 256
+
+
+class PlainFallback:
+    """Whether a request alone decodes plainly now, from the recent cycles' rate against a plain step's."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.plain = False
+        self.probe_every = PROBE_EVERY
+        self._tokens = 0.0  # decayed sums over recent solo tree cycles
+        self._ms = 0.0
+        self._cycles = 0  # tree cycles since the start or since the last plain stretch ended
+        self._steps = 0  # plain steps in the current stretch
+        self._probed = False  # the trees now running came back on a probe
+        self._step_ms: float | None = None  # what the plain steps took, wall time (decaying mean)
+        self._last_step: float | None = None  # when the last plain step was asked for
+
+    def step_plain(self) -> bool:
+        """Asked before each step while plain: True for a plain step, False where a probe tree is due.
+        The time between two plain steps' asks is a plain step's whole cost: the one thing the
+        verdict must not guess (the planner's estimate ran 25% over at the demo's 4.3 ms a step)."""
+        now = self.clock()
+        if self._last_step is not None:
+            took = (now - self._last_step) * 1e3
+            self._step_ms = took if self._step_ms is None else self._step_ms + 0.2 * (took - self._step_ms)
+        self._steps += 1
+        plain = self._steps % self.probe_every != 0
+        self._last_step = now if plain else None
+        return plain
+
+    def interrupt(self) -> None:
+        """Something other than a plain step comes next (a batch formed): do not time it as one."""
+        self._last_step = None
+
+    def plain_step_ms(self, estimate: float) -> float:
+        """What a plain step costs: as timed, once plain steps have run; ``estimate`` (the planner's) before."""
+        return self._step_ms or estimate
+
+    def observe(self, tokens: int, cycle_ms: float, plain_step_ms: float, hopeless: bool = True) -> None:
+        """A solo tree cycle that emitted ``tokens`` in ``cycle_ms``; ``plain_step_ms``: a plain decode
+        step's cost (``plain_step_ms``); ``hopeless``: whether trees need near-perfect acceptance to pay
+        here at all (``TreePlanner.trees_hopeless``): only then do poor recent cycles turn plain."""
+        if cycle_ms <= 0 or plain_step_ms <= 0:
+            return
+        if self.plain:
+            if CLEARLY_SLOWER * tokens * plain_step_ms > cycle_ms:  # the probe paid: trees again, judged afresh
+                self.plain, self._probed = False, True
+                self._tokens, self._ms, self._cycles = float(tokens), cycle_ms, 1
+            return
+        self._tokens = self._tokens * RECENT_DECAY + tokens
+        self._ms = self._ms * RECENT_DECAY + cycle_ms
+        self._cycles += 1
+        if hopeless and self._cycles >= PLAIN_EVIDENCE and self._tokens * plain_step_ms < CLEARLY_SLOWER * self._ms:
+            if self._probed:
+                # Trees a probe brought back that lasted about one verdict's worth of cycles: probe
+                # half as often this time; trees that held for longer: as often as at first.
+                quick = self._cycles < 2 * PLAIN_EVIDENCE
+                self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX) if quick else PROBE_EVERY
+            self.plain, self._steps = True, 0
+
+    def describe(self) -> str:
+        state = f"plain (a probe tree every {self.probe_every} steps)" if self.plain else "trees"
+        rate = f", recent trees {self._tokens / self._ms * 1e3:.1f} tokens/s" if self._ms > 0 else ""
+        step = f", plain steps {1e3 / self._step_ms:.1f} tokens/s" if self._step_ms else ""
+        return state + rate + step
