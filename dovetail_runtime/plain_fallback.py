@@ -31,6 +31,7 @@ CLEARLY_SLOWER = 0.9
 RECENT_DECAY = 0.9  # per cycle: the verdict reads about the last ten cycles
 PROBE_EVERY = 16  # plain steps between two probe trees, at first
 PROBE_EVERY_MAX = 256
+GAP = 3.0  # the time between two plain steps' asks counts as a step only up to this many steps' worth
 
 
 class PlainFallback:
@@ -47,15 +48,19 @@ class PlainFallback:
         self._probed = False  # the trees now running came back on a probe
         self._step_ms: float | None = None  # what the plain steps took, wall time (decaying mean)
         self._last_step: float | None = None  # when the last plain step was asked for
+        self._estimate: float | None = None  # the planner's latest estimate of a plain step
 
     def step_plain(self) -> bool:
         """Asked before each step while plain: True for a plain step, False where a probe tree is due.
         The time between two plain steps' asks is a plain step's whole cost: the one thing the
         verdict must not guess (the planner's estimate ran 25% over at the demo's 4.3 ms a step)."""
         now = self.clock()
+        reference = self._step_ms or self._estimate
         if self._last_step is not None:
             took = (now - self._last_step) * 1e3
-            self._step_ms = took if self._step_ms is None else self._step_ms + 0.2 * (took - self._step_ms)
+            # Far longer than a step: a gap (the request ended, the next one's prompt ran), not a step.
+            if reference is None or took <= GAP * reference:
+                self._step_ms = took if self._step_ms is None else self._step_ms + 0.2 * (took - self._step_ms)
         self._steps += 1
         plain = self._steps % self.probe_every != 0
         self._last_step = now if plain else None
@@ -67,6 +72,7 @@ class PlainFallback:
 
     def plain_step_ms(self, estimate: float) -> float:
         """What a plain step costs: as timed, once plain steps have run; ``estimate`` (the planner's) before."""
+        self._estimate = estimate
         return self._step_ms or estimate
 
     def observe(self, tokens: int, cycle_ms: float, plain_step_ms: float, hopeless: bool = True) -> None:

@@ -153,3 +153,8 @@ def test_timed_plain_steps_replace_the_planners_estimate():
     assert fallback.plain and "plain steps 250.0 tokens/s" in fallback.describe()
     fallback.observe(3, 9.0, fallback.plain_step_ms(STEP_MS))  # 3 ms a token
     assert not fallback.plain
+    # The next request's first ask comes after its prompt ran: a gap, not a plain step.
+    fallback.step_plain()
+    now[0] += 0.2
+    fallback.step_plain()
+    assert fallback.plain_step_ms(STEP_MS) == pytest.approx(4.0)
