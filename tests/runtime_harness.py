@@ -19,6 +19,11 @@ BIN = Path(sys.executable).parent
 TEST_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os", "for i in range(10):", "def __init__(self):",
                 "if __name__ == '__main__':", "with open(path) as f:", "try:", "return", "@property"]
 
+# A fixed tree, for tests that check the trees (their verification, the head's acceptance):
+# --tree-tokens auto decodes plainly where the costs leave trees no room (the 9M code pair on two
+# cores: a two-node cycle costs ~3 plain steps) and the trees run slower than plain steps.
+FIXED_TREE = ("--tree-tokens", "8", "--depth", "4")
+
 
 def code_pair(args: tuple[str, ...]) -> list[str]:
     """``args`` naming the 9M code pair where they name no target: without --target, dovetail-run

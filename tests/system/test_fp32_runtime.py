@@ -8,14 +8,14 @@ import json
 
 from test_runtime_e2e import CODE_PROMPTS
 
-from runtime_harness import dovetail_run
+from runtime_harness import FIXED_TREE, dovetail_run
 
 
 def test_fp32_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft):
     prompt_file = tmp_path / "code.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
     done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--compare-ar", "--json",
-                        "--prompt-file", str(prompt_file), "--max-new-tokens", "64", "--log-level", "info")
+                        "--prompt-file", str(prompt_file), "--max-new-tokens", "64", "--log-level", "info", *FIXED_TREE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("target: fp32 (mkl-packed)" in done.stderr or "target: fp32 (dovetail-fp32)" in done.stderr)
     assert "trees verified bit-exact" in done.stderr

@@ -15,7 +15,7 @@ from dovetail_runtime.chat_template import ChatTemplate
 from dovetail_runtime.tokenizer import Tokenizer
 
 from conftest import save_random_head
-from runtime_harness import TEST_PROMPTS, dovetail_run
+from runtime_harness import FIXED_TREE, TEST_PROMPTS, dovetail_run
 
 NEW_TOKENS = 48
 CHATS = ["What is the capital of France?", "Write a haiku about rain.", "Explain recursion in one sentence."]
@@ -44,7 +44,8 @@ def prompt_file(directory: Path, prompts: list[str]) -> Path:
 
 def test_a_gguf_target_is_lossless_and_gives_its_folders_tokens(tmp_path, demo_gguf, demo_target, demo_draft):
     prompts = str(prompt_file(tmp_path, TEST_PROMPTS))
-    ours = run_json("--target", str(demo_gguf), "--draft", str(demo_draft), "--compare-ar", "--prompt-file", prompts)
+    ours = run_json("--target", str(demo_gguf), "--draft", str(demo_draft), "--compare-ar", "--prompt-file", prompts,
+                    *FIXED_TREE)
     # auto: the file's Q4_0 blocks with 16-bit activations, as the folder quantized to q4_0-a16
     folder = run_json("--target", str(demo_target), "--target-dtype", "q4_0-a16", "--mode", "ar", "--prompt-file",
                       prompts)

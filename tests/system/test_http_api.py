@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dovetail_runtime.client import DovetailClient
 
 from conftest import DEMO_DRAFT, DEMO_TARGET
-from runtime_harness import BIN, Server, dovetail_run
+from runtime_harness import BIN, FIXED_TREE, Server, dovetail_run
 
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os"]
 EOS_PROMPT = "for i in range(10):"
@@ -98,7 +98,7 @@ def chat_reference(chat_target) -> dict:
 def chat_server(tmp_path_factory, chat_target):
     socket_dir = tmp_path_factory.mktemp("sock")
     running = Server("--target", str(chat_target), "--draft", str(DEMO_DRAFT), "--cpu-cores", "0",
-                     "--bind", f"ipc://{socket_dir}/dovetail.sock", "--http", "127.0.0.1:0")
+                     "--bind", f"ipc://{socket_dir}/dovetail.sock", "--http", "127.0.0.1:0", *FIXED_TREE)
     yield running
     assert running.stop() == 0
 

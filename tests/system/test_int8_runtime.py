@@ -9,7 +9,7 @@ import json
 import pytest
 from test_runtime_e2e import CODE_PROMPTS
 
-from runtime_harness import dovetail_run
+from runtime_harness import FIXED_TREE, dovetail_run
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
@@ -18,7 +18,7 @@ def test_int8_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_d
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS))
     done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "int8-row",
                         "--kv-dtype", kv_dtype, "--compare-ar", "--json", "--prompt-file", str(prompt_file),
-                        "--max-new-tokens", "64", "--max-len", "2048", "--log-level", "info")
+                        "--max-new-tokens", "64", "--max-len", "2048", "--log-level", "info", *FIXED_TREE)
     assert done.returncode == 0, done.stderr[-3000:]
     # The cache reported at startup: 6 layers x (K, V) x 2048 slots x 4 heads x 64, at 4 or 2 bytes.
     name, size = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}[kv_dtype]
@@ -36,7 +36,7 @@ def test_block_targets_through_the_runtime_equal_ar(tmp_path, demo_target, demo_
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS[:2]))
     done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", precision,
                         "--compare-ar", "--json", "--prompt-file", str(prompt_file), "--max-new-tokens", "48",
-                        "--log-level", "info")
+                        "--log-level", "info", *FIXED_TREE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"target: {precision} (dovetail-blocks-" in done.stderr and "trees verified bit-exact" in done.stderr
     for line in map(json.loads, done.stdout.splitlines()):
@@ -50,7 +50,7 @@ def test_a_q4_0_draft_through_the_runtime_equals_ar(tmp_path, demo_target, demo_
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS[:2]))
     done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "q4_0",
                         "--draft-device", "cpu", "--draft-dtype", "q4_0", "--compare-ar", "--json", "--prompt-file",
-                        str(prompt_file), "--max-new-tokens", "48", "--log-level", "info")
+                        str(prompt_file), "--max-new-tokens", "48", "--log-level", "info", *FIXED_TREE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'dtype': 'q4_0'" in done.stderr.split("gpu_worker ready", 1)[1].splitlines()[0], done.stderr[-3000:]
     for line in map(json.loads, done.stdout.splitlines()):
