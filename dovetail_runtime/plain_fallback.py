@@ -75,10 +75,12 @@ class PlainFallback:
         self._estimate = estimate
         return self._step_ms or estimate
 
-    def observe(self, tokens: int, cycle_ms: float, plain_step_ms: float, hopeless: bool = True) -> None:
+    def observe(self, tokens: int, cycle_ms: float, plain_step_ms: float,
+                hopeless: Callable[[], bool] = lambda: True) -> None:
         """A solo tree cycle that emitted ``tokens`` in ``cycle_ms``; ``plain_step_ms``: a plain decode
-        step's cost (``plain_step_ms``); ``hopeless``: whether trees need near-perfect acceptance to pay
-        here at all (``TreePlanner.trees_hopeless``): only then do poor recent cycles turn plain."""
+        step's cost (``plain_step_ms``); ``hopeless()``: whether trees need near-perfect acceptance to pay
+        here at all (``TreePlanner.trees_hopeless``, asked only when the recent cycles say plain): only
+        then do poor recent cycles turn plain."""
         if cycle_ms <= 0 or plain_step_ms <= 0:
             return
         if self.plain:
@@ -89,7 +91,8 @@ class PlainFallback:
         self._tokens = self._tokens * RECENT_DECAY + tokens
         self._ms = self._ms * RECENT_DECAY + cycle_ms
         self._cycles += 1
-        if hopeless and self._cycles >= PLAIN_EVIDENCE and self._tokens * plain_step_ms < CLEARLY_SLOWER * self._ms:
+        slower = self._cycles >= PLAIN_EVIDENCE and self._tokens * plain_step_ms < CLEARLY_SLOWER * self._ms
+        if slower and hopeless():
             if self._probed:
                 # Trees a probe brought back that lasted about one verdict's worth of cycles: probe
                 # half as often this time; trees that held for longer: as often as at first.

@@ -387,7 +387,7 @@ class TreePlanner:
         if self.fallback.plain or (shape.tree_tokens, shape.depth, top_k) == self.best:
             # A probe during plain steps, or the best tree: whether it pays, not what exploring costs.
             plain_ms = self.fallback.plain_step_ms(self.plain_step_ms())
-            self.fallback.observe(len(accepted), cycle_ms, plain_ms, self.trees_hopeless(plain_ms))
+            self.fallback.observe(len(accepted), cycle_ms, plain_ms, lambda: self.trees_hopeless(plain_ms))
         self._choose()
 
     def describe(self) -> str:
