@@ -25,7 +25,7 @@ import torch
 
 from cpu_worker.engine import StepOutput, TargetEngine, VerifyOutcome, tree_paths
 from cpu_worker.kernels.exact_attention import TreePaths
-from cpu_worker.model.llama import Attention, DecoderLayer, FusedProjection, LlamaDecoder
+from cpu_worker.model.llama import CacheSegment, DecoderLayer, LlamaDecoder
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.sampling import Sampler
 
@@ -121,13 +121,14 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
                 streams.append(x)
             first = cut
     else:
+        by_sequence = [CacheSegment(step.engine.cache, step.engine.committed, begin, end, paths=paths)
+                       for step, (begin, end), paths in zip(steps, bounds, trees, strict=True)]
         for index, layer in enumerate(model.layers):
             assert isinstance(layer, DecoderLayer)  # a target's layers are
             if index in aux_layers:
                 streams.append(x)
             # DecoderLayer.forward's two residual steps, the attention split by sequence.
-            attended = _attend(layer.self_attn, layer.input_layernorm(x), cos, sin, steps, bounds, trees, index)
-            x = x + layer.self_attn.o_proj(attended)
+            x = x + layer.self_attn.forward_segments(layer.input_layernorm(x), cos, sin, by_sequence, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
     features = model.norm(x)[0]
     logits = model.lm_head(features)
@@ -142,27 +143,3 @@ def _loop_applies(loop: NativeLayers, x: torch.Tensor, steps: Sequence[SequenceS
             and all(loop.cache_qualifies(cache) for cache in caches)
             and len({(cache.max_len, cache.keys.dtype) for cache in caches}) == 1)
 
-
-def _attend(attention: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            steps: Sequence[SequenceStep], bounds: Sequence[tuple[int, int]], trees: Sequence[TreePaths | None],
-            layer: int) -> torch.Tensor:
-    """``Attention.forward`` up to its output projection, for every sequence's rows of ``h``
-    [1, N, d]: one q/k/v projection over all of them, then each sequence's rotary, cache write and
-    attention over its own cache; [1, N, heads * head_dim]."""
-    projection = attention.projection
-    fused = attention.qkv_proj
-    projected = fused(h) if fused is not None and isinstance(projection, FusedProjection) else None
-    pieces = []
-    for step, (begin, end), paths in zip(steps, bounds, trees, strict=True):
-        cache, start = step.engine.cache, step.engine.committed
-        keys, values = cache.keys[layer], cache.values[layer]
-        rows_cos, rows_sin = cos[begin:end], sin[begin:end]
-        if projected is not None:
-            assert isinstance(projection, FusedProjection)
-            q, k, v = projection.from_projected(attention, projected[:, begin:end], rows_cos, rows_sin, keys,
-                                                values, start)
-        else:
-            q, k, v = projection.into_cache(attention, h[:, begin:end], rows_cos, rows_sin, keys, values, start)
-        out = attention.kernel.attend(q, k, v, keys, values, start, None, paths, attention.gqa)
-        pieces.append(out.to(h.dtype).transpose(1, 2).reshape(1, end - begin, -1))
-    return torch.cat(pieces, dim=1)

@@ -63,6 +63,9 @@ class FullVocabHead(nn.Module):
     def forward(self, *args: Any) -> torch.Tensor:
         return self.inner(*args)
 
+    def forward_segments(self, *args: Any) -> torch.Tensor:
+        return self.inner.forward_segments(*args)
+
     def log_probs(self, output: torch.Tensor) -> torch.Tensor:
         draft = self.inner.log_probs(output)
         full = draft.new_full((draft.shape[0], self.inner.vocab_size), float("-inf"))

@@ -59,6 +59,11 @@ PROBE_BUDGET = 1.3  # a probe may cost up to this many times the best shape's cy
 # most 5 tokens against 107 ms), where a hard patch of text must keep its trees (the rest of the
 # answers pays: 1.1-1.5x of ar over the same prompts).
 HOPELESS_SHARE = 0.6
+# What one sequence's share of a batched draft step costs, as a share of its solo step, until batched
+# cycles say: the gpu_worker runs the batch's drafts in one head forward per tree level, and on
+# 2 cores a sequence's share measured 0.53-0.78 at 2 sequences and 0.22-0.66 at 4 (heads of the
+# 9M, 135M and 7B pairs); a GPU's is far smaller (kernel launches, not arithmetic).
+BATCH_DRAFT_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,7 @@ class TreePlanner:
         self.accepted_sum: dict[Cell, float] = dict.fromkeys(self.cells, 0.0)
         self.verify_scale = 1.0
         self.draft_scale = 1.0
+        self.batch_draft_share = BATCH_DRAFT_SHARE  # learnt from batched cycles (observe)
         # Observed cost per tree size / per (depth, top_k): (decayed count, decayed total ms).
         self.seen_verify: dict[int, tuple[float, float]] = {}
         self.seen_draft: dict[tuple[int, int], tuple[float, float]] = {}
@@ -278,7 +284,8 @@ class TreePlanner:
     def batch_shape(self, batch: int) -> TreeShape:
         """The tree for a sequence verified with ``batch - 1`` others (load-aware speculation): the
         rated shape with the most tokens per second when every sequence of the batch drafts one
-        (their drafts one after another, their trees' rows in one pass: t_verify(batch x T)), or
+        (their drafts together, each at ``batch_draft_share`` of its solo cost; their trees' rows in
+        one pass: t_verify(batch x T)), or
         no draft tokens at all (T = 1: the batch decodes plainly) when that is faster, as it is
         where many rows cost nearly as much each as one (AVX2) and the batch already fills the
         pass over the weights. No probing: the rates come from solo cycles."""
@@ -288,7 +295,7 @@ class TreePlanner:
             tokens = self.expected_tokens(cell)
             if tokens is not None:
                 size, depth, top_k = cell
-                draft = self.draft_scale * interpolate(self.draft_ms[top_k], depth)
+                draft = self.batch_draft_share * self.draft_scale * interpolate(self.draft_ms[top_k], depth)
                 rated.append((tokens / (batch * draft + self.batch_verify_ms(batch * size) + self.ipc_ms), cell))
         if not rated:  # nothing rated yet: the solo choice, until cycles rate the shapes
             return TreeShape.clamped(*self.best)
@@ -341,9 +348,10 @@ class TreePlanner:
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None:
         """Learn from one verified tree (its nodes in selection order, as the drafter sends them);
-        from a batched cycle (``batch`` > 1) its acceptance only: its times are the batch's; and
-        likewise where ``timed`` is False (a sequence's first cycle, whose draft step also read the
-        whole prompt: 2-3x a cycle's draft time at the 7B stand-in)."""
+        from a batched cycle (``batch`` > 1) its acceptance, and its share of the batch's draft time
+        against its solo cost (``batch_draft_share``): its other times are the batch's; nothing
+        but acceptance where ``timed`` is False (a sequence's first cycle, whose draft step also read
+        the whole prompt: 2-3x a cycle's draft time at the 7B stand-in)."""
         size = len(tokens)
         if size < 2:
             return
@@ -371,12 +379,15 @@ class TreePlanner:
                     inside += 1
                 self.weight[cell] += 1.0
                 self.accepted_sum[cell] += inside
+        predicted_draft = interpolate(self.draft_ms.get(top_k, self.draft_ms[self.bounds.top_k]), shape.depth)
+        alpha = self.smoothing
         if batch > 1 or not timed:
+            if timed and predicted_draft > 0 and draft_ms > 0:
+                share = draft_ms / (self.draft_scale * predicted_draft)
+                self.batch_draft_share += alpha * (share - self.batch_draft_share)
             self._choose()
             return
-        alpha = self.smoothing
         predicted_verify = interpolate(self.verify_ms, size)
-        predicted_draft = interpolate(self.draft_ms.get(top_k, self.draft_ms[self.bounds.top_k]), shape.depth)
         if predicted_verify > 0 and verify_ms > 0:
             self.verify_scale += alpha * (verify_ms / predicted_verify - self.verify_scale)
         if predicted_draft > 0 and draft_ms > 0:

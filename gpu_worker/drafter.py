@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cpu_worker.model import KVCache, RotaryTable
+from cpu_worker.model import CacheSegment, KVCache, RotaryTable
 from ipc.tree import TreeShape
 
 from .checkpoint import AnyHead, draft_fusion, head_spec, load_head
@@ -42,7 +43,7 @@ from .cpu_format import fastest_cpu_format
 from .device import resolve_device, resolve_dtype
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head_formats import PROJECTION_FORMATS
-from .tree import DraftTree, build_tree, root_only
+from .tree import DraftTree, ExpandCall, ExpandResult, build_trees, root_only, tree_search
 
 # Attention on CUDA without cuDNN's: torch tries cuDNN first for half precision on Hopper, and it
 # builds an execution plan for every new key length, tens of ms each; a draft's keys grow by a few
@@ -148,13 +149,9 @@ class Drafter:
         self._root_feature: torch.Tensor | None = None
         self._root_scores: torch.Tensor | None = None  # _root_log_probs, once a tree needed them
 
-    @torch.inference_mode()
-    def extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> None:
-        """Commit n pairs (f_i, x_{i+1}) at the next draft positions.
-
-        features: [n, feature_size] target rows (any device/dtype; converted here);
-        tokens: [n] the (target) tokens that follow each row's position.
-        """
+    def check_extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> PendingExtend:
+        """``extend``'s pairs checked against this sequence (ValueError, DraftContextError) and moved
+        to the head's device, nothing computed yet."""
         tokens_cpu = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
         count = int(tokens_cpu.shape[0])
         if count == 0:
@@ -166,17 +163,22 @@ class Drafter:
         start = self._length
         if start + count > self.max_len:
             raise DraftContextError(f"draft cache full: {start} + {count} pairs exceed max_len {self.max_len}")
-        features = features.to(device=self.device, dtype=self.dtype, non_blocking=True)
-        token_ids = tokens_cpu.to(self.device, non_blocking=True)
-        cos = self.rotary.cos[start:start + count]
-        sin = self.rotary.sin[start:start + count]
-        # mask None: a plain causal continuation of the committed prefix.
-        with attention_backends(self.device):
-            out = self.head(features, token_ids, cos, sin, self.cache, start, None)
+        return PendingExtend(features=features.to(device=self.device, dtype=self.dtype, non_blocking=True),
+                             tokens=tokens_cpu, token_ids=tokens_cpu.to(self.device, non_blocking=True), start=start)
+
+    def extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> None:
+        """Commit n pairs (f_i, x_{i+1}) at the next draft positions.
+
+        features: [n, feature_size] target rows (any device/dtype; converted here);
+        tokens: [n] the (target) tokens that follow each row's position.
+        """
+        Drafter.extend_together([(self, self.check_extend(features, tokens))])
+
+    def _commit(self, pending: PendingExtend, out: torch.Tensor) -> None:
         self._root_feature = out[-1]
         self._root_scores = None
-        self._root_token = int(tokens_cpu[-1])
-        self._length = start + count
+        self._root_token = int(pending.tokens[-1])
+        self._length = pending.start + pending.count
 
     @property
     def _root_log_probs(self) -> torch.Tensor | None:
@@ -187,15 +189,12 @@ class Drafter:
             self._root_scores = self.head.log_probs(self._root_feature[None])[0]
         return self._root_scores
 
-    @torch.inference_mode()
-    def propose(self, shape: TreeShape) -> DraftTree:
-        """An EAGLE-2 tree of ``shape.tree_tokens`` nodes (root included; fewer only when the
-        expansion yields fewer candidates). The root is the last token passed to ``extend``.
-        Leaves the committed cache as is, so calling it twice gives the same tree."""
+    def check_shape(self, shape: TreeShape) -> None:
+        """Whether ``propose(shape)`` can run on this sequence (RuntimeError, DraftContextError)."""
         if self._root_token is None or self._root_feature is None:
             raise RuntimeError("propose() before extend(): the drafter has no sequence")
         if shape.tree_tokens == 1:
-            return root_only(self._root_token)
+            return
         if shape.top_k > self.draft_vocab_size:
             raise DraftContextError(f"top_k {shape.top_k} exceeds the vocabulary size {self.draft_vocab_size} "
                                     "the draft head scores")
@@ -203,24 +202,123 @@ class Drafter:
             raise DraftContextError(
                 f"tree T={shape.tree_tokens} depth={shape.depth} top_k={shape.top_k} needs {shape.scratch_slots} "
                 f"scratch slots, this drafter was sized for {self.scratch_len}")
+
+    def propose(self, shape: TreeShape) -> DraftTree:
+        """An EAGLE-2 tree of ``shape.tree_tokens`` nodes (root included; fewer only when the
+        expansion yields fewer candidates). The root is the last token passed to ``extend``.
+        Leaves the committed cache as is, so calling it twice gives the same tree."""
+        return Drafter.propose_together([self], [shape])[0]
+
+    def _beam_segment(self, ancestors: torch.Tensor, begin: int) -> CacheSegment:
+        """Where a beam of ``ancestors.shape[0]`` nodes at ``node_depth`` goes: its scratch slots
+        past the committed pairs, attending to all of them and to its own ancestors (``tree``)."""
         committed = self._length
-        rotary, cache, head = self.rotary, self.cache, self.head
+        count, scratch = ancestors.shape
+        mask = torch.empty(count, committed + scratch, dtype=torch.bool, device=ancestors.device)
+        mask[:, :committed] = True
+        mask[:, committed:] = ancestors
+        return CacheSegment(self.cache, committed + scratch - count, begin, begin + count, mask=mask)
 
-        def expand(tokens: torch.Tensor, parent_features: torch.Tensor, node_depth: int,
-                   ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            count, scratch = ancestors.shape
-            start = committed + scratch - count  # this beam's scratch slots
-            mask = torch.empty(count, committed + scratch, dtype=torch.bool, device=ancestors.device)
-            mask[:, :committed] = True
-            mask[:, committed:] = ancestors
-            position = committed - 1 + node_depth
-            cos = rotary.cos[position].expand(count, -1)
-            sin = rotary.sin[position].expand(count, -1)
-            out = head(parent_features, tokens, cos, sin, cache, start, mask)
-            return out, head.log_probs(out)
+    def _beam_rotary(self, node_depth: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        position = self._length - 1 + node_depth
+        return self.rotary.cos[position].expand(count, -1), self.rotary.sin[position].expand(count, -1)
 
-        root_log_probs = self._root_log_probs
-        assert root_log_probs is not None
-        with attention_backends(self.device):
-            return build_tree(self._root_token, self._root_feature, root_log_probs, expand, shape,
-                              to_target=self.to_target)
+    # --- several sequences in one head forward (the gpu_worker's DraftBatch) -------------------
+
+    @staticmethod
+    @torch.inference_mode()
+    def extend_together(steps: Sequence[tuple[Drafter, PendingExtend]]) -> None:
+        """Each drafter's checked ``extend`` (``check_extend``), all in one head forward: every
+        projection over all the rows at once, each sequence's rows attending over its own cache."""
+        if not steps:
+            return
+        head = _shared_head([drafter for drafter, _ in steps])
+        segments, cos, sin = [], [], []
+        begin = 0
+        for drafter, pending in steps:
+            end = pending.start + pending.count
+            cos.append(drafter.rotary.cos[pending.start:end])
+            sin.append(drafter.rotary.sin[pending.start:end])
+            segments.append(CacheSegment(drafter.cache, pending.start, begin, begin + pending.count))
+            begin += pending.count
+        features = torch.cat([pending.features for _, pending in steps])
+        tokens = torch.cat([pending.token_ids for _, pending in steps])
+        with attention_backends(steps[0][0].device):
+            out = head.forward_segments(features, tokens, torch.cat(cos), torch.cat(sin), segments)
+        for (drafter, pending), segment in zip(steps, segments, strict=True):
+            drafter._commit(pending, out[segment.begin:segment.end])
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_together(drafters: Sequence[Drafter], shapes: Sequence[TreeShape]) -> list[DraftTree]:
+        """Each drafter's ``propose(shape)`` (checked first: ``check_shape``), their trees grown level
+        by level in lockstep, each level of all of them in one head forward (``tree.build_trees``).
+        The trees equal the ones ``propose`` gives where the head's projections are row-invariant."""
+        for drafter, shape in zip(drafters, shapes, strict=True):
+            drafter.check_shape(shape)
+        if not drafters:
+            return []
+        head = _shared_head(drafters)
+        trees: list[DraftTree | None] = [None] * len(drafters)
+        growing: list[int] = []
+        for index, (drafter, shape) in enumerate(zip(drafters, shapes, strict=True)):
+            if shape.tree_tokens == 1:  # plain decoding: no vocabulary projection at all
+                assert drafter._root_token is not None
+                trees[index] = root_only(drafter._root_token)
+            else:
+                growing.append(index)
+        unscored = [drafters[index] for index in growing if drafters[index]._root_scores is None]
+        if unscored:  # the roots' log-probabilities in one vocabulary projection
+            scores = head.log_probs(torch.stack([drafter._root_feature for drafter in unscored]))  # type: ignore[misc]
+            for drafter, row in zip(unscored, scores, strict=True):
+                drafter._root_scores = row
+        searches = []
+        for index in growing:
+            drafter = drafters[index]
+            assert drafter._root_token is not None and drafter._root_feature is not None
+            assert drafter._root_scores is not None
+            searches.append(tree_search(drafter._root_token, drafter._root_feature, drafter._root_scores,
+                                        shapes[index], drafter.to_target))
+
+        def expand_many(calls: list[tuple[int, ExpandCall]]) -> list[ExpandResult]:
+            segments, cos, sin = [], [], []
+            begin = 0
+            for search, (_, _, depth, ancestors) in calls:
+                drafter = drafters[growing[search]]
+                segments.append(drafter._beam_segment(ancestors, begin))
+                rows_cos, rows_sin = drafter._beam_rotary(depth, ancestors.shape[0])
+                cos.append(rows_cos)
+                sin.append(rows_sin)
+                begin += ancestors.shape[0]
+            tokens = torch.cat([call[0] for _, call in calls])
+            features = torch.cat([call[1] for _, call in calls])
+            out = head.forward_segments(features, tokens, torch.cat(cos), torch.cat(sin), segments)
+            log_probs = head.log_probs(out)
+            return [(out[segment.begin:segment.end], log_probs[segment.begin:segment.end]) for segment in segments]
+
+        with attention_backends(drafters[0].device):
+            for index, tree in zip(growing, build_trees(searches, expand_many), strict=True):
+                trees[index] = tree
+        return [tree for tree in trees if tree is not None]
+
+@dataclass(frozen=True)
+class PendingExtend:
+    """An ``extend`` checked against its sequence (``Drafter.check_extend``): its pairs on the
+    head's device and the committed length they start at."""
+
+    features: torch.Tensor
+    tokens: torch.Tensor  # on the CPU
+    token_ids: torch.Tensor  # on the head's device
+    start: int
+
+    @property
+    def count(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _shared_head(drafters: Sequence[Drafter]) -> AnyHead:
+    """The one head several drafters share (``Drafter.sibling``); a batched step needs that."""
+    head = drafters[0].head
+    if any(drafter.head is not head for drafter in drafters):
+        raise ValueError("drafters batched together must share one head (Drafter.sibling)")
+    return head

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import cast
 
 import torch
@@ -41,6 +42,7 @@ from torch import nn
 from cpu_worker.model import (
     MLP,
     Attention,
+    CacheSegment,
     DecoderLayer,
     KVCache,
     LlamaSpec,
@@ -208,6 +210,17 @@ class Eagle3Head(nn.Module):
         """
         g = self.reduce(features).unsqueeze(0)
         return self.layers(g, tokens.unsqueeze(0), cos, sin, cache, start, mask)[0]
+
+    def forward_segments(self, features: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         segments: Sequence[CacheSegment]) -> torch.Tensor:
+        """``forward`` for several sequences' rows stacked [N, ...] (a batched draft step): every
+        projection over all N rows at once, each segment's rows attending over its own cache."""
+        g = self.reduce(features).unsqueeze(0)
+        attn = self.midlayer.self_attn
+        x = self.layer_with(g, tokens.unsqueeze(0), lambda h: attn.forward_segments(h, cos, sin, segments, 0))
+        attends = [partial(layer.self_attn.forward_segments, cos=cos, sin=sin, segments=segments, layer=index)
+                   for index, layer in enumerate(self.plain_layers, 1)]
+        return self.post_layers_with(x, attends)[0]
 
     def log_probs(self, output: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [S, draft_vocab] in fp32 (half-precision log_softmax loses ranks)."""

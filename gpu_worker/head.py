@@ -12,11 +12,15 @@ Parameter names follow the published layouts so checkpoints load by name:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cpu_worker.model import (
+    CacheSegment,
     DecoderLayer,
     KVCache,
     LlamaSpec,
@@ -102,6 +106,18 @@ class DraftHead(nn.Module):
         x = self.fuse(features, tokens).unsqueeze(0)
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask)
+        return x[0]
+
+    def forward_segments(self, features: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         segments: Sequence[CacheSegment]) -> torch.Tensor:
+        """``forward`` for several sequences' pairs stacked [N, ...] (a batched draft step): every
+        projection over all N rows at once, each segment's rows attending over its own cache."""
+        x = self.fuse(features, tokens).unsqueeze(0)
+        for index, module in enumerate(self.layers):
+            layer = cast(DecoderLayer, module)
+            # DecoderLayer.forward's two residual steps, the attention split by sequence.
+            x = x + layer.self_attn.forward_segments(layer.input_layernorm(x), cos, sin, segments, index)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x[0]
 
     def log_probs(self, output_features: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 
 from .device import resolve_device
 from .draft_cost import DraftCostCache, beam_key, draft_cost_key, measure_draft_ms
-from .drafter import DraftContextError, Drafter
+from .drafter import DraftContextError, Drafter, PendingExtend
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +83,50 @@ class DraftService:
                              compute_ms=compute_ms)
 
     def draft_batch(self, request: m.DraftBatch) -> m.DraftBatchResult:
-        """Each item's draft step, one after another (a failed item gets a WorkerError, the others run)."""
+        """Every item's draft step, the sequences together: their extends in one head forward, then
+        their trees' levels in lockstep, each level in one forward (``Drafter.extend_together``,
+        ``propose_together``). An item that does not fit its sequence gets a WorkerError and the
+        others run; each result's compute_ms is its share of the batch's time."""
         started = time.perf_counter()
-        results: list[m.DraftResult | m.WorkerError] = []
-        for item in request.items:
+        results: dict[int, m.DraftResult | m.WorkerError] = {}
+
+        def fail(index: int, error: Exception) -> None:
+            item = request.items[index]
+            results[index] = m.WorkerError(worker="gpu_worker", message=str(error), seq_id=item.seq_id)
+
+        extends: dict[int, tuple[Drafter, PendingExtend]] = {}
+        seen: set[int] = set()
+        for index, item in enumerate(request.items):
             try:
-                if any(item.seq_id == done.seq_id for done in results):
+                if item.seq_id in seen:
                     raise SequenceError(f"sequence {item.seq_id} appears twice in one batch")
-                results.append(self.draft(item))
-            except SequenceError as error:
-                results.append(m.WorkerError(worker="gpu_worker", message=str(error), seq_id=item.seq_id))
-        return m.DraftBatchResult(items=results, compute_ms=(time.perf_counter() - started) * 1e3)
+                seen.add(item.seq_id)
+                drafter = self._drafter(item)
+                for other, (taken, _) in list(extends.items()):
+                    if taken is drafter:  # that sequence was ended to make room for this one (_drafter)
+                        del extends[other]
+                        fail(other, SequenceError(f"sequence {request.items[other].seq_id} was ended to make room"))
+                features = get_block(item.features, self.rings, device=drafter.device)
+                extends[index] = drafter, drafter.check_extend(features, item.tokens)
+            except (SequenceError, DraftContextError, ValueError) as error:
+                fail(index, error)
+        Drafter.extend_together(list(extends.values()))
+        proposals: dict[int, Drafter] = {}
+        for index, (drafter, _) in extends.items():
+            try:
+                drafter.check_shape(request.items[index].shape)
+                proposals[index] = drafter
+            except (DraftContextError, RuntimeError) as error:
+                fail(index, error)
+        trees = Drafter.propose_together(list(proposals.values()),
+                                         [request.items[index].shape for index in proposals])
+        compute_ms = (time.perf_counter() - started) * 1e3
+        share = compute_ms / max(len(proposals), 1)
+        for index, tree in zip(proposals, trees, strict=True):
+            results[index] = m.DraftResult(seq_id=request.items[index].seq_id, tokens=tree.tokens.tolist(),
+                                           parents=tree.parents.tolist(), compute_ms=share)
+        return m.DraftBatchResult(items=[results[index] for index in range(len(request.items))],
+                                  compute_ms=compute_ms)
 
     def _observe(self, request: m.DraftRequest, compute_ms: float) -> None:
         """A cycle's draft step into its beam's curve; not a sequence's first (it absorbs the whole prompt)."""

@@ -20,7 +20,7 @@ rows are carried incrementally: a new beam node copies its parent's row and mark
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,11 @@ from ipc.tree import TreeShape
 
 # expand(tokens [k] (target ids), parent_features [k, d], depth, ancestors bool [k, depth*k])
 #   -> (output_features [k, d], log_probs fp32 [k, vocab]) (vocab: the head's, maybe a reduced one)
-ExpandFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ExpandCall = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]
+ExpandResult = tuple[torch.Tensor, torch.Tensor]
+ExpandFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], ExpandResult]
+# A tree's beam search as a generator: yields ExpandCalls, is sent their results, returns the tree.
+TreeSearch = Generator[ExpandCall, ExpandResult, "DraftTree"]
 
 
 @dataclass
@@ -60,6 +64,46 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
     at the root (the last committed pair). ``to_target``: maps the ids the log-probabilities
     are over to target ids (a reduced draft vocabulary's ``d2t``), applied to every child as it
     is chosen, so ``expand`` and the returned tree see target ids only."""
+    search = tree_search(root_token, root_feature, root_log_probs, shape, to_target)
+    try:
+        call = next(search)
+        while True:
+            call = search.send(expand(*call))
+    except StopIteration as done:
+        return done.value
+
+
+def build_trees(searches: Sequence[TreeSearch],
+                expand_many: Callable[[list[tuple[int, ExpandCall]]], list[ExpandResult]]) -> list[DraftTree]:
+    """Several sequences' trees level by level in lockstep: each round, every search still
+    expanding hands its beam (with its index in ``searches``) to ONE ``expand_many`` call (a
+    batched head forward over all the beams, each over its own cache), which answers in order."""
+    trees: list[DraftTree | None] = [None] * len(searches)
+    pending: dict[int, ExpandCall] = {}
+    for index, search in enumerate(searches):
+        _step(index, search, None, pending, trees)
+    while pending:
+        indices = list(pending)
+        results = expand_many([(index, pending.pop(index)) for index in indices])
+        for index, result in zip(indices, results, strict=True):
+            _step(index, searches[index], result, pending, trees)
+    assert all(tree is not None for tree in trees)
+    return [tree for tree in trees if tree is not None]
+
+
+def _step(index: int, search: TreeSearch, result: ExpandResult | None, pending: dict[int, ExpandCall],
+          trees: list[DraftTree | None]) -> None:
+    try:
+        pending[index] = next(search) if result is None else search.send(result)
+    except StopIteration as done:
+        trees[index] = done.value
+
+
+def tree_search(root_token: int, root_feature: torch.Tensor, root_log_probs: torch.Tensor, shape: TreeShape,
+                to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TreeSearch:
+    """``build_tree`` as a generator: it yields each level's expand call (``ExpandFn``'s
+    arguments), is sent that call's result, and returns the tree; a caller can so run several
+    sequences' levels in one batched forward (``build_trees``)."""
     def chosen(ids: torch.Tensor) -> torch.Tensor:
         return ids if to_target is None else to_target(ids)
 
@@ -67,7 +111,7 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
         return root_only(root_token)
     if shape.top_k > root_log_probs.shape[-1]:
         raise ValueError(f"top_k {shape.top_k} exceeds the vocabulary size {root_log_probs.shape[-1]}")
-    candidates = _expand_levels(root_feature, root_log_probs, expand, shape, chosen)
+    candidates = yield from _expand_levels(root_feature, root_log_probs, shape, chosen)
     return _select(root_token, candidates, shape.tree_tokens)
 
 
@@ -81,8 +125,8 @@ class _Candidates:
     parents: list[torch.Tensor]
 
 
-def _expand_levels(root_feature: torch.Tensor, root_log_probs: torch.Tensor, expand: ExpandFn, shape: TreeShape,
-                   chosen: Callable[[torch.Tensor], torch.Tensor]) -> _Candidates:
+def _expand_levels(root_feature: torch.Tensor, root_log_probs: torch.Tensor, shape: TreeShape,
+                   chosen: Callable[[torch.Tensor], torch.Tensor]) -> Generator[ExpandCall, ExpandResult, _Candidates]:
     """The beam search: the root's top-k children, then each level's k best nodes expanded."""
     device = root_log_probs.device
     k = shape.top_k
@@ -101,7 +145,7 @@ def _expand_levels(root_feature: torch.Tensor, root_log_probs: torch.Tensor, exp
     for level in range(1, levels):
         offset = (level - 1) * k
         ancestors[:, offset:offset + k] = eye
-        features, log_probs = expand(beam_tokens, beam_features, level, ancestors[:, :offset + k])
+        features, log_probs = yield beam_tokens, beam_features, level, ancestors[:, :offset + k]
         child_log_probs, child_tokens = log_probs.topk(k, dim=-1)  # [k, k]
         child_tokens = chosen(child_tokens)
         scores = (beam_scores.unsqueeze(1) + child_log_probs).reshape(-1)

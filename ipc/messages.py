@@ -357,14 +357,14 @@ class StepBatchResult(Message):
 
 
 class DraftBatch(Message):
-    """gpu_worker: several sequences' draft steps."""
+    """gpu_worker: several sequences' draft steps, drafted together (one head forward per level)."""
 
     items: Annotated[list[DraftRequest], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
 class DraftBatchResult(Message):
-    items: Annotated[list[DraftResult | WorkerError], Meta(max_length=MAX_BATCH)]
-    compute_ms: Millis = 0.0
+    items: Annotated[list[DraftResult | WorkerError], Meta(max_length=MAX_BATCH)]  # compute_ms: a share
+    compute_ms: Millis = 0.0  # the whole batch's
 
 
 # --- cost measurements (the tree planner's inputs, asked once at startup) ----------------

@@ -72,6 +72,7 @@ def one_stream(endpoint: str, fields: dict, out: dict) -> None:
                 tokens.extend(event.token_ids)
             elif isinstance(event, m.GenerateDone):
                 tokens = event.token_ids
+                out["stats"] = event.stats
     out["tokens"], out["times"] = tokens, times
 
 
@@ -96,6 +97,14 @@ def p95_itl_ms(results: list[dict]) -> float:
         for (before, _), (after, count) in zip(times, times[1:], strict=False):
             gaps += [(after - before) / count * 1e3] * count
     return statistics.quantiles(gaps, n=20)[-1] if len(gaps) >= 2 else float("nan")
+
+
+def tree_cycles(results: list[dict]) -> str:
+    """How many of the streams' cycles verified a tree (more than one node), and their tokens per cycle."""
+    stats = [result["stats"] for result in results if "stats" in result]
+    trees = sum(count for stat in stats for shape, count in stat.trees.items() if not shape.startswith("1/"))
+    cycles = sum(stat.cycles for stat in stats)
+    return f"{trees} of {cycles}"
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -127,8 +136,9 @@ def main(target: str, draft: str | None, streams: str, max_new_tokens: int, chat
                 solo_wall += wall
                 solo_tokens.append(result["tokens"])
             solo_tps = sum(len(tokens) for tokens in solo_tokens) / solo_wall
-            print(markdown_header(["mode", "streams", "aggregate tok/s", "x solo ar", "p95 ITL ms", "same tokens"]))
-            print(markdown_row(["ar (solo, one at a time)", 1, f"{solo_tps:.1f}", "1.00x", "", "reference"]))
+            print(markdown_header(["mode", "streams", "aggregate tok/s", "x solo ar", "p95 ITL ms", "same tokens",
+                                   "cycles with a tree"]))
+            print(markdown_row(["ar (solo, one at a time)", 1, f"{solo_tps:.1f}", "1.00x", "", "reference", ""]))
             for mode in modes:
                 for count in counts:
                     wall, results = run_streams(server.endpoint, [fields | {"mode": mode} for fields in
@@ -136,7 +146,8 @@ def main(target: str, draft: str | None, streams: str, max_new_tokens: int, chat
                     total = sum(len(result["tokens"]) for result in results)
                     same = all(result["tokens"] == solo_tokens[index] for index, result in enumerate(results))
                     print(markdown_row([mode, count, f"{total / wall:.1f}", f"{total / wall / solo_tps:.2f}x",
-                                        f"{p95_itl_ms(results):.1f}", "yes" if same else "NO"]), flush=True)
+                                        f"{p95_itl_ms(results):.1f}", "yes" if same else "NO",
+                                        tree_cycles(results) if mode == "dovetail" else ""]), flush=True)
         finally:
             server.stop()
 

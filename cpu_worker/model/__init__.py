@@ -34,6 +34,9 @@ if TYPE_CHECKING:
         Attention as Attention,
     )
     from cpu_worker.model.llama import (
+        CacheSegment as CacheSegment,
+    )
+    from cpu_worker.model.llama import (
         DecoderLayer as DecoderLayer,
     )
     from cpu_worker.model.llama import (
@@ -96,8 +99,8 @@ _HOMES = {
     "cpu_worker.kernels.huge_pages": ("release_freed_memory",),
     "cpu_worker.kernels.int8": ("RowwiseInt8Linear", "quantize_linears"),
     "cpu_worker.model.fusion": ("fuse_projections",),
-    "cpu_worker.model.llama": ("MLP", "Attention", "DecoderLayer", "KVCache", "LlamaDecoder", "LlamaSpec",
-                               "ModelConfigError", "RMSNorm", "RotaryTable", "apply_rope"),
+    "cpu_worker.model.llama": ("MLP", "Attention", "CacheSegment", "DecoderLayer", "KVCache", "LlamaDecoder",
+                               "LlamaSpec", "ModelConfigError", "RMSNorm", "RotaryTable", "apply_rope"),
     "cpu_worker.model.loading": ("WeightPlacer", "iter_tensors", "load_decoder", "load_spec", "read_tensors",
                                  "tensor_shapes", "weight_files"),
     "cpu_worker.model.model_dir": ("ModelLoadError", "context_limit", "read_config", "resolve_model_dir"),

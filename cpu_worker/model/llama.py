@@ -204,6 +204,20 @@ class KVCache:
         self.values[:, :, :, destination_start:end] = self.values.index_select(3, source)
 
 
+@dataclass(frozen=True)
+class CacheSegment:
+    """One sequence's rows in a forward over several sequences' stacked rows: rows [begin, end)
+    go to slots [start, start + end - begin) of its own ``cache`` and attend over that cache only,
+    as the sequence alone would (``mask`` or ``paths`` as ``Attention.forward`` takes them)."""
+
+    cache: KVCache
+    start: int
+    begin: int
+    end: int
+    mask: torch.Tensor | None = None
+    paths: TreePaths | None = None
+
+
 class Projection(Protocol):
     """How a layer gets its rotated queries and keys and its values [B, heads, S, head_dim]:
     on the separate q/k/v layers or the fused one, rotated by torch's ops or, with a cache, in
@@ -384,6 +398,32 @@ class Attention(nn.Module):
             out = self.kernel.attend(q, k, v, keys, values, start, mask, paths, self.gqa)
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, length, -1))
 
+
+    def forward_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         segments: Sequence[CacheSegment], layer: int) -> torch.Tensor:
+        """``forward`` for several sequences' rows stacked in x [1, N, d] (cos/sin [N, head_dim]),
+        each segment on layer ``layer`` of its own cache: one q/k/v projection and one output
+        projection over all N rows, each segment's cache write and attention on its own. A row
+        gets the bits it would get alone wherever the projections are row-invariant."""
+        projection = self.projection
+        fused = self.qkv_proj is not None and isinstance(projection, FusedProjection)
+        projected = self.qkv_proj(x) if fused and self.qkv_proj is not None else None
+        rows = None if projected is not None else projection.window(self, x, cos, sin)
+        pieces = []
+        for segment in segments:
+            begin, end = segment.begin, segment.end
+            keys, values = segment.cache.keys[layer], segment.cache.values[layer]
+            if projected is not None:
+                assert isinstance(projection, FusedProjection)
+                q, k, v = projection.from_projected(self, projected[:, begin:end], cos[begin:end], sin[begin:end],
+                                                    keys, values, segment.start)
+            else:
+                assert rows is not None
+                q, k, v = _into_slots(tuple(part[:, :, begin:end] for part in rows),  # type: ignore[arg-type]
+                                      keys, values, segment.start)
+            out = self.kernel.attend(q, k, v, keys, values, segment.start, segment.mask, segment.paths, self.gqa)
+            pieces.append(out.to(x.dtype).transpose(1, 2).reshape(1, end - begin, -1))
+        return self.o_proj(torch.cat(pieces, dim=1))
 
 def _native_cache_layer(keys: torch.Tensor, values: torch.Tensor) -> bool:
     """A one-sequence fp32 or bf16 cache layer that ``layer_ops.rope_qkv`` can write into."""

@@ -343,15 +343,44 @@ def test_in_a_batch_speculation_shrinks_to_plain_decoding_where_rows_cost_nearly
 
 @pytest.mark.parametrize("batch, timed", [(4, True), (1, False)])
 def test_batched_and_untimed_cycles_teach_acceptance_but_not_costs(batch, timed):
-    """A batched cycle's times are the batch's; an untimed one's (a sequence's first, whose draft
-    step also read the prompt) are not a cycle's."""
+    """A batched cycle's times are the batch's (its draft time only says what its share of a batched
+    draft costs); an untimed one's (a sequence's first, whose draft step also read the prompt) are
+    not a cycle's."""
     planner = batch_planner(lambda size: 100.0 + 1.0 * size)
     costs = (planner.verify_scale, planner.draft_scale, planner.ipc_ms, dict(planner.seen_verify),
              dict(planner.seen_draft))
     shape = planner.shape(batch)
     tokens, parents = random_tree(shape, seed=3)
     before = dict(planner.weight)
-    planner.observe(shape, tokens, parents, [tokens[1], 5], 300.0, 900.0, 1250.0, batch=batch, timed=timed)
+    share = planner.batch_draft_share
+    solo_draft = planner.draft_scale * 2.0 * shape.depth
+    planner.observe(shape, tokens, parents, [tokens[1], 5], 0.2 * solo_draft, 900.0, 1250.0, batch=batch,
+                    timed=timed)
     assert (planner.verify_scale, planner.draft_scale, planner.ipc_ms, planner.seen_verify,
             planner.seen_draft) == costs
     assert any(planner.weight[cell] != before[cell] for cell in before)
+    if batch > 1:  # a step toward 0.2 of the solo draft
+        assert planner.batch_draft_share == pytest.approx(share + planner.smoothing * (0.2 - share))
+    else:
+        assert planner.batch_draft_share == share
+
+
+def test_a_batch_speculates_once_its_drafts_prove_cheap_together():
+    """A draft as dear as a CPU's (here 30 ms a level): drafted one after another, a batch of 4
+    cannot pay for trees; once batched cycles show each sequence's share of the batch's draft step
+    is a twentieth of its solo step (as on a GPU), the batch speculates."""
+    verify = lambda size: 100.0 + 4.0 * size  # noqa: E731 - rows cheap next to the weights' pass
+    bounds = AutoTree(max_tree_tokens=32, max_depth=6, top_k=3)
+    draft = lambda depth: 30.0 * depth  # noqa: E731
+    planner = TreePlanner(bounds, {size: verify(size) for size in bounds.tree_sizes},
+                          {depth: draft(depth) for depth in range(1, 7)})
+    World(0.8, verify=verify, draft=draft).run(planner, 300)
+    planner.batch_draft_share = 1.0
+    assert planner.shape(1).tree_tokens > 1 and planner.shape(4).tree_tokens == 1
+    shape = planner.shape(1)
+    tokens, parents = random_tree(shape, seed=4)
+    for _ in range(30):
+        planner.observe(shape, tokens, parents, [tokens[1]], 0.05 * planner.draft_scale * draft(shape.depth), 400.0,
+                        600.0, batch=4)
+    assert planner.batch_draft_share == pytest.approx(0.05 + 0.95 * (1 - planner.smoothing) ** 30)
+    assert planner.shape(4).tree_tokens > 1
