@@ -54,6 +54,33 @@ def _blocks(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().reshape(rows, k // BLOCK, BLOCK)
 
 
+# The source dtypes the library's block quantizer reads as they are (dovetail.h's dtype codes).
+_SOURCE_DTYPES = {torch.float32: native.DTYPE_FP32, torch.float16: native.DTYPE_FP16,
+                  torch.bfloat16: native.DTYPE_BF16}
+
+
+def _native_quantize(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The stored integers [rows, k] int16, scales and minimums [rows, k / 32] fp32 from the kernel
+    library's quantizer (``dovetail_quantize_weight_blocks``: the torch path's arithmetic, every bit;
+    it reads fp16 and bf16 rows as they are), or None for a source it does not read (another dtype
+    or device: the torch path quantizes those)."""
+    if weight.dtype not in _SOURCE_DTYPES or weight.device.type != "cpu":
+        return None
+    rows, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"block-quantized weights need an input width that is a multiple of {BLOCK}, got {k}")
+    source = weight.contiguous()
+    values = torch.empty(rows, k, dtype=torch.int16)
+    scales = torch.empty(rows, k // BLOCK, dtype=torch.float32)
+    minimums = torch.empty(rows, k // BLOCK, dtype=torch.float32)
+    status = library().dovetail_quantize_weight_blocks(source.data_ptr(), _SOURCE_DTYPES[weight.dtype],
+                                                     TYPES[kind], values.data_ptr(), scales.data_ptr(),
+                                                     minimums.data_ptr(), rows, k, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"quantizing a {rows}x{k} weight: no memory for a row buffer")
+    return values, scales, minimums
+
+
 def group_outputs(values: torch.Tensor) -> torch.Tensor:
     """[n_out, blocks] -> [ceil(n_out / 16), blocks, 16], padded with zeros: the kernel reads the 16
     lanes' scales of a block in one load."""
@@ -164,6 +191,18 @@ class BlockWeights:
 
     @classmethod
     def _quantize_rows(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
+        if kind not in TYPES:
+            raise ValueError(f"unknown block type {kind!r}; known: {', '.join(TYPES)}")
+        native_blocks = _native_quantize(weight.detach(), kind)
+        if native_blocks is not None:
+            values, scales, minimums = native_blocks
+            return cls.from_values(kind, values, scales, minimums if kind == "q4_1" else None)
+        return cls._torch_quantize_rows(weight, kind)
+
+    @classmethod
+    def _torch_quantize_rows(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
+        """The same blocks in torch's ops: the reference the library's quantizer is held to, and the
+        path for sources it does not read."""
         blocks = _blocks(weight.detach())
         rows, k = weight.shape
         if kind == "q8_0":

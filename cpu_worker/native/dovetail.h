@@ -46,7 +46,7 @@
 #define DOVETAIL_BLOCK_Q4_1 2 /* 4-bit values q, an fp16 scale and an fp16 minimum */
 
 /* Statuses of dovetail_int8_forward, dovetail_attention, dovetail_decoder_layers and
- * dovetail_quantize_weight_rows (0: done). */
+ * dovetail_quantize_weight_rows / _blocks (0: done). */
 #define DOVETAIL_NO_MEMORY (-1) /* scratch memory could not be allocated */
 #define DOVETAIL_BAD_SHAPE (-2) /* dovetail_int8_forward: a shape the layout cannot hold; nothing written */
 
@@ -112,6 +112,8 @@ void dovetail_quantize_rows(const float *x, uint8_t *xu, float *scale, int64_t r
 void dovetail_widen_half(const uint16_t *h, float *out, int64_t n);
 int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *scale, int64_t n_rows, int64_t k,
                                   int threads);
+int dovetail_quantize_weight_blocks(const void *w, int dtype, int type, int16_t *q, float *d, float *m,
+                                    int64_t n_rows, int64_t k, int threads);
 void dovetail_pack_tiles(const int8_t *w, int8_t *tiles, int64_t n_rows, int64_t k, int threads);
 void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, int64_t k);
 int dovetail_int8_linear(const uint8_t *xu, const float *x_scale, const int8_t *w, const float *w_scale,

@@ -155,6 +155,71 @@ int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *sc
     return failed ? DOVETAIL_NO_MEMORY : 0;
 }
 
+/* Load time: llama.cpp's reference block quantizers (quantize_row_q8_0/q4_0/q4_1_ref) on blocks
+ * of 32, the same float32 arithmetic step by step as block_quant.BlockWeights._quantize_rows (the
+ * torch path, kept where there is no library; tests/unit/test_block_quant.py holds them to the same
+ * bits): per block, Q8_0 d = max|x| / 127, q = roundf(x * (1 / d)); Q4_0 d = x[first argmax |x|] / -8,
+ * q = min(trunc(x * (1 / d) + 8.5), 15); Q4_1 d = (max - min) / 15, m = min, q = min(trunc((x - m) *
+ * (1 / d) + 0.5), 15); 1 / d taken as 0 where d is 0. The torch path took 55 of a 7B target's 96 s
+ * of loading at q4_0. w: [n_rows, k] (dtype DOVETAIL_DTYPE_*, widened a row at a time), k % 32 == 0;
+ * q: [n_rows, k] int16 (the stored integers); d, m: [n_rows, k / 32] (m: Q4_1 only, else unused). */
+int dovetail_quantize_weight_blocks(const void *w, int dtype, int type, int16_t *q, float *d, float *m,
+                                    int64_t n_rows, int64_t k, int threads) {
+    int failed = 0;
+    int64_t blocks = k / 32;
+#pragma omp parallel num_threads(threads) reduction(|| : failed)
+    {
+        float *wide = dtype == DOVETAIL_DTYPE_FP32 ? NULL : (float *)malloc((size_t)k * sizeof(float));
+        if (dtype != DOVETAIL_DTYPE_FP32 && wide == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < n_rows; n++) {
+            if (dtype != DOVETAIL_DTYPE_FP32 && wide == NULL) continue;
+            const float *row = (const float *)w + n * k;
+            if (dtype != DOVETAIL_DTYPE_FP32) {
+                widen_row((const uint16_t *)w + n * k, dtype, k, wide);
+                row = wide;
+            }
+            for (int64_t b = 0; b < blocks; b++) {
+                const float *x = row + 32 * b;
+                int16_t *out = q + n * k + 32 * b;
+                float scale, inverse;
+                if (type == DOVETAIL_BLOCK_Q8_0) {
+                    float amax = 0.0f;
+                    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+                    scale = amax / 127.0f;
+                    inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+                    for (int i = 0; i < 32; i++) out[i] = (int16_t)roundf(x[i] * inverse);
+                } else if (type == DOVETAIL_BLOCK_Q4_0) {
+                    int at = 0;
+                    for (int i = 1; i < 32; i++) at = fabsf(x[i]) > fabsf(x[at]) ? i : at;
+                    scale = x[at] / -8.0f;
+                    inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+                    for (int i = 0; i < 32; i++) {
+                        float v = truncf(x[i] * inverse + 8.5f);
+                        out[i] = (int16_t)(v > 15.0f ? 15.0f : v);
+                    }
+                } else {
+                    float low = x[0], high = x[0];
+                    for (int i = 1; i < 32; i++) {
+                        low = x[i] < low ? x[i] : low;
+                        high = x[i] > high ? x[i] : high;
+                    }
+                    scale = (high - low) / 15.0f;
+                    inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+                    for (int i = 0; i < 32; i++) {
+                        float v = truncf((x[i] - low) * inverse + 0.5f);
+                        out[i] = (int16_t)(v > 15.0f ? 15.0f : v);
+                    }
+                    m[n * blocks + b] = low;
+                }
+                d[n * blocks + b] = scale;
+            }
+        }
+        free(wide);
+    }
+    return failed ? DOVETAIL_NO_MEMORY : 0;
+}
+
 /* [n_rows, k] int8 -> the tile layout (int8_kernel.pack_tiles, TILE_OUT below): four bytes at
  * a time; needs n_rows % 16 == 0 and k % 64 == 0. */
 void dovetail_pack_tiles(const int8_t *w, int8_t *tiles, int64_t n_rows, int64_t k, int threads) {

@@ -123,6 +123,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_quantize_rows": ([_P, _P, _P, _I64, _I64], None),
     "dovetail_widen_half": ([_P, _P, _I64], None),
     "dovetail_quantize_weight_rows": ([_P, _INT, _P, _P, _I64, _I64, _INT], _INT),
+    "dovetail_quantize_weight_blocks": ([_P, _INT, _INT, _P, _P, _P, _I64, _I64, _INT], _INT),
     "dovetail_pack_tiles": ([_P, _P, _I64, _I64, _INT], None),
     "dovetail_weight_offsets": ([_P, _P, _I64, _I64], None),
     "dovetail_int8_linear": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT], _INT),

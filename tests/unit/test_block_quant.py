@@ -86,6 +86,28 @@ def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
     assert torch.equal(again.data, blocks.data) and torch.equal(again.dequantize(), blocks.dequantize())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_librarys_quantizer_gives_the_torch_paths_bits(kind, dtype):
+    """The load-time quantizer in C (fp16/bf16 rows read as stored) against the torch ops it replaced:
+    ties for the largest magnitude, zero blocks, exact halves, subnormal-scale blocks, every dtype."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(40, 320, generator=generator) * torch.logspace(-4, 2, 40).unsqueeze(1)
+    weight[0, :32] = 0.0
+    weight[1, :6] = torch.tensor([127.0, 40.5, -2.5, 0.5, -0.5, 1.5])
+    weight[2, :32] = -2.0
+    weight[2, 7] = 2.0  # +2 and -2 tie for Q4_0's largest magnitude: the first one sets the sign
+    weight[3, 32:64] = torch.linspace(-1, 1, 32)
+    weight[4] *= 1e-38
+    weight = weight.to(dtype)
+    native = block_quant.BlockWeights._quantize_rows(weight, kind)
+    reference = block_quant.BlockWeights._torch_quantize_rows(weight, kind)
+    assert torch.equal(native.data, reference.data) and torch.equal(native.scales, reference.scales)
+    assert (native.minimums is None) == (reference.minimums is None)
+    if native.minimums is not None and reference.minimums is not None:
+        assert torch.equal(native.minimums, reference.minimums)
+
+
 def test_the_kernel_layout_keeps_every_value_and_pads_a_last_group():
     for kind in KINDS:
         values = torch.randint(-127 if kind == "q8_0" else 0, 128 if kind == "q8_0" else 16, (13, 96),
