@@ -210,8 +210,8 @@ class Drafter:
         return Drafter.propose_together([self], [shape])[0]
 
     def _beam_segment(self, ancestors: torch.Tensor, begin: int) -> CacheSegment:
-        """Where a beam of ``ancestors.shape[0]`` nodes at ``node_depth`` goes: its scratch slots
-        past the committed pairs, attending to all of them and to its own ancestors (``tree``)."""
+        """Where a beam of ``ancestors.shape[0]`` nodes goes (rows [begin, ...) of a head forward): its
+        scratch slots past the committed pairs, attending to all of them and to its own ancestors (``tree``)."""
         committed = self._length
         count, scratch = ancestors.shape
         mask = torch.empty(count, committed + scratch, dtype=torch.bool, device=ancestors.device)
@@ -253,7 +253,7 @@ class Drafter:
     def propose_together(drafters: Sequence[Drafter], shapes: Sequence[TreeShape]) -> list[DraftTree]:
         """Each drafter's ``propose(shape)`` (checked first: ``check_shape``), their trees grown level
         by level in lockstep, each level of all of them in one head forward (``tree.build_trees``).
-        The trees equal the ones ``propose`` gives where the head's projections are row-invariant."""
+        Each tree is the one its sequence gets alone wherever the head's projections are row-invariant."""
         for drafter, shape in zip(drafters, shapes, strict=True):
             drafter.check_shape(shape)
         if not drafters:

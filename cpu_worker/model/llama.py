@@ -398,7 +398,6 @@ class Attention(nn.Module):
             out = self.kernel.attend(q, k, v, keys, values, start, mask, paths, self.gqa)
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, length, -1))
 
-
     def forward_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          segments: Sequence[CacheSegment], layer: int) -> torch.Tensor:
         """``forward`` for several sequences' rows stacked in x [1, N, d] (cos/sin [N, head_dim]),
@@ -424,6 +423,7 @@ class Attention(nn.Module):
             out = self.kernel.attend(q, k, v, keys, values, segment.start, segment.mask, segment.paths, self.gqa)
             pieces.append(out.to(x.dtype).transpose(1, 2).reshape(1, end - begin, -1))
         return self.o_proj(torch.cat(pieces, dim=1))
+
 
 def _native_cache_layer(keys: torch.Tensor, values: torch.Tensor) -> bool:
     """A one-sequence fp32 or bf16 cache layer that ``layer_ops.rope_qkv`` can write into."""
