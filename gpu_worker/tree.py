@@ -65,12 +65,7 @@ def build_tree(root_token: int, root_feature: torch.Tensor, root_log_probs: torc
     are over to target ids (a reduced draft vocabulary's ``d2t``), applied to every child as it
     is chosen, so ``expand`` and the returned tree see target ids only."""
     search = tree_search(root_token, root_feature, root_log_probs, shape, to_target)
-    try:
-        call = next(search)
-        while True:
-            call = search.send(expand(*call))
-    except StopIteration as done:
-        return done.value
+    return build_trees([search], lambda calls: [expand(*call) for _, call in calls])[0]
 
 
 def build_trees(searches: Sequence[TreeSearch],
