@@ -23,6 +23,7 @@ from cpu_worker.native import library as native
 BLOCK = 32
 GROUP = 16  # outputs side by side in the kernel's layout (AMX's tile width)
 TYPES = {"q8_0": native.BLOCK_Q8_0, "q4_0": native.BLOCK_Q4_0, "q4_1": native.BLOCK_Q4_1}
+GROUP_BLOCK_BYTES = {"q8_0": GROUP * BLOCK, "q4_0": GROUP * BLOCK // 2, "q4_1": GROUP * BLOCK // 2}  # a (group, block)
 ACTIVATION_PLANES = {8: 1, 16: 2}  # activation bits -> int8 planes per block
 
 
@@ -43,7 +44,7 @@ def round_half_away(values: torch.Tensor) -> torch.Tensor:
     return torch.sign(values) * (whole + torch.floor(2 * (magnitude - whole)))
 
 
-# Rows quantized at a time (a multiple of GROUP, so chunks join as whole groups of outputs).
+# Rows the torch path quantizes at a time (a multiple of GROUP, so chunks join as whole groups of outputs).
 QUANTIZE_ROWS = 4096
 
 
@@ -59,26 +60,30 @@ _SOURCE_DTYPES = {torch.float32: native.DTYPE_FP32, torch.float16: native.DTYPE_
                   torch.bfloat16: native.DTYPE_BF16}
 
 
-def _native_quantize(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The stored integers [rows, k] int16, scales and minimums [rows, k / 32] fp32 from the kernel
-    library's quantizer (``dovetail_quantize_weight_blocks``: the torch path's arithmetic, every bit;
-    it reads fp16 and bf16 rows as they are), or None for a source it does not read (another dtype
-    or device: the torch path quantizes those)."""
+def _native_quantize(weight: torch.Tensor, kind: str) -> BlockWeights | None:
+    """The blocks of ``weight`` from the kernel library's quantizer (``dovetail_quantize_weight_layout``:
+    the torch path's arithmetic, every bit, written straight into the kernel's layout; it reads fp16
+    and bf16 rows as they are), or None for a source it does not read (another dtype or device: the
+    torch path quantizes those). It holds one row in floats per thread, so a whole matrix goes at once."""
     if weight.dtype not in _SOURCE_DTYPES or weight.device.type != "cpu":
         return None
     rows, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"block-quantized weights need an input width that is a multiple of {BLOCK}, got {k}")
     source = weight.contiguous()
-    values = torch.empty(rows, k, dtype=torch.int16)
+    groups = (rows + GROUP - 1) // GROUP
+    data = empty_on_huge_pages((groups, k // BLOCK * GROUP_BLOCK_BYTES[kind]), torch.uint8)
+    if rows % GROUP:
+        data[-1].zero_()  # the last group's missing outputs: zero weights (their scales are padded with zeros)
     scales = torch.empty(rows, k // BLOCK, dtype=torch.float32)
     minimums = torch.empty(rows, k // BLOCK, dtype=torch.float32)
-    status = library().dovetail_quantize_weight_blocks(source.data_ptr(), _SOURCE_DTYPES[weight.dtype],
-                                                     TYPES[kind], values.data_ptr(), scales.data_ptr(),
-                                                     minimums.data_ptr(), rows, k, torch.get_num_threads())
+    status = library().dovetail_quantize_weight_layout(source.data_ptr(), _SOURCE_DTYPES[weight.dtype], TYPES[kind],
+                                                     data.data_ptr(), scales.data_ptr(), minimums.data_ptr(),
+                                                     rows, k, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"quantizing a {rows}x{k} weight: no memory for a row buffer")
-    return values, scales, minimums
+    return BlockWeights(kind, data, group_outputs(scales.half()),
+                        group_outputs(minimums.half()) if kind == "q4_1" else None, k, rows)
 
 
 def group_outputs(values: torch.Tensor) -> torch.Tensor:
@@ -180,24 +185,20 @@ class BlockWeights:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
-        """llama.cpp's reference quantizers (``quantize_row_*_ref``), from float weights, QUANTIZE_ROWS
-        rows at a time: the float temporaries of a whole 49k x 4096 lm_head took 5.5 GB of peak RSS.
-        Rows are quantized on their own, so the chunks join (whole groups of outputs) bit for bit."""
-        rows = weight.shape[0]
-        if rows <= QUANTIZE_ROWS:
-            return cls._quantize_rows(weight, kind)
-        return cls.concatenate([cls._quantize_rows(weight[start:start + QUANTIZE_ROWS], kind)
-                                for start in range(0, rows, QUANTIZE_ROWS)])
-
-    @classmethod
-    def _quantize_rows(cls, weight: torch.Tensor, kind: str) -> BlockWeights:
+        """llama.cpp's reference quantizers (``quantize_row_*_ref``), from float weights: in C, the whole
+        matrix into its final buffer; in torch (sources the library does not read), QUANTIZE_ROWS rows
+        at a time (the float temporaries of a whole 49k x 4096 lm_head took 5.5 GB of peak RSS). Rows
+        are quantized on their own, so the chunks join (whole groups of outputs) bit for bit."""
         if kind not in TYPES:
             raise ValueError(f"unknown block type {kind!r}; known: {', '.join(TYPES)}")
         native_blocks = _native_quantize(weight.detach(), kind)
         if native_blocks is not None:
-            values, scales, minimums = native_blocks
-            return cls.from_values(kind, values, scales, minimums if kind == "q4_1" else None)
-        return cls._torch_quantize_rows(weight, kind)
+            return native_blocks
+        rows = weight.shape[0]
+        if rows <= QUANTIZE_ROWS:
+            return cls._torch_quantize_rows(weight, kind)
+        return cls.concatenate([cls._torch_quantize_rows(weight[start:start + QUANTIZE_ROWS], kind)
+                                for start in range(0, rows, QUANTIZE_ROWS)])
 
     @classmethod
     def _torch_quantize_rows(cls, weight: torch.Tensor, kind: str) -> BlockWeights:

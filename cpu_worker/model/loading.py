@@ -7,6 +7,7 @@ side's ``cpu_worker.target_loading`` adds its precisions) and the draft heads
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cpu_worker.kernels.huge_pages import release_freed_memory
+from cpu_worker.kernels.huge_pages import empty_on_huge_pages, release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.kernels.linear import is_linear
 from cpu_worker.kernels.progress import progress_bar
@@ -124,12 +125,13 @@ def _stream_safetensors(file: Path, names: set[str] | None = None) -> Iterator[t
             if dtype is None:
                 raise ModelLoadError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
             size = info["data_offsets"][1] - start
-            buffer = bytearray(size)
+            # On huge pages where they are advised: a fresh 4 KB page faulted in for every 4 KB read
+            # (and bytearray's zeroing) was a quarter of a 7B load.
+            buffer = empty_on_huge_pages((size,), torch.uint8)
             handle.seek(base + start)
-            if handle.readinto(buffer) != size:
+            if size and handle.readinto((ctypes.c_char * size).from_address(buffer.data_ptr())) != size:
                 raise ModelLoadError(f"{file} is truncated (tensor {name})")
-            flat = torch.frombuffer(buffer, dtype=dtype) if size else torch.empty(0, dtype=dtype)
-            yield name, flat.reshape(info["shape"])
+            yield name, buffer.view(dtype).reshape(info["shape"])
 
 
 def _files_for(model_dir: Path, wanted: set[str] | None) -> list[Path]:

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 6
+#define DOVETAIL_ABI_VERSION 7
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -112,7 +112,7 @@ void dovetail_quantize_rows(const float *x, uint8_t *xu, float *scale, int64_t r
 void dovetail_widen_half(const uint16_t *h, float *out, int64_t n);
 int dovetail_quantize_weight_rows(const void *w, int dtype, int8_t *q, float *scale, int64_t n_rows, int64_t k,
                                   int threads);
-int dovetail_quantize_weight_blocks(const void *w, int dtype, int type, int16_t *q, float *d, float *m,
+int dovetail_quantize_weight_layout(const void *w, int dtype, int type, uint8_t *data, float *d, float *m,
                                     int64_t n_rows, int64_t k, int threads);
 void dovetail_pack_tiles(const int8_t *w, int8_t *tiles, int64_t n_rows, int64_t k, int threads);
 void dovetail_weight_offsets(const int8_t *w, int32_t *offset, int64_t n_rows, int64_t k);

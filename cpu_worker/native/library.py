@@ -34,13 +34,14 @@ log = logging.getLogger("dovetail.cpu_worker")
 DIRECTORY = Path(__file__).parent
 HEADER = DIRECTORY / "dovetail.h"
 SOURCES = tuple(DIRECTORY / name for name in ("int8_gemv.c", "fp32_rows.c", "attention.c", "layer_ops.c",
-                                              "decoder_layers.c", "block_gemv.c", "abi.c"))
+                                              "decoder_layers.c", "block_gemv.c", "weight_quant.c",
+                                              "abi.c"))
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default ~/.cache/dovetail/kernels)
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 6
+ABI_VERSION = 7
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK = 0, 1, 2, 3, 4  # a Linear's kind
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2  # a weight's source dtype for the quantizer
@@ -123,7 +124,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_quantize_rows": ([_P, _P, _P, _I64, _I64], None),
     "dovetail_widen_half": ([_P, _P, _I64], None),
     "dovetail_quantize_weight_rows": ([_P, _INT, _P, _P, _I64, _I64, _INT], _INT),
-    "dovetail_quantize_weight_blocks": ([_P, _INT, _INT, _P, _P, _P, _I64, _I64, _INT], _INT),
+    "dovetail_quantize_weight_layout": ([_P, _INT, _INT, _P, _P, _P, _I64, _I64, _INT], _INT),
     "dovetail_pack_tiles": ([_P, _P, _I64, _I64, _INT], None),
     "dovetail_weight_offsets": ([_P, _P, _I64, _I64], None),
     "dovetail_int8_linear": ([_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT], _INT),

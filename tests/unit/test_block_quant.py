@@ -86,26 +86,47 @@ def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
     assert torch.equal(again.data, blocks.data) and torch.equal(again.dequantize(), blocks.dequantize())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_librarys_quantizer_gives_the_torch_paths_bits(kind, dtype):
-    """The load-time quantizer in C (fp16/bf16 rows read as stored) against the torch ops it replaced:
-    ties for the largest magnitude, zero blocks, exact halves, subnormal-scale blocks, every dtype."""
+def test_every_builds_quantizer_gives_the_torch_paths_bits(tmp_path, use_library):
+    """The load-time quantizer in C (fp16/bf16 rows read as stored, written straight into the kernel's
+    layout; 8 lanes at a time on AVX2 builds, plain C on the others) against the torch ops it replaced:
+    ties for the largest magnitude, zero blocks of either sign, exact halves, subnormal scales (whose
+    inverse overflows), every dtype, every build this CPU runs."""
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(40, 320, generator=generator) * torch.logspace(-4, 2, 40).unsqueeze(1)
     weight[0, :32] = 0.0
+    weight[0, 40] = -0.0  # a block with a signed zero among its values
     weight[1, :6] = torch.tensor([127.0, 40.5, -2.5, 0.5, -0.5, 1.5])
     weight[2, :32] = -2.0
     weight[2, 7] = 2.0  # +2 and -2 tie for Q4_0's largest magnitude: the first one sets the sign
     weight[3, 32:64] = torch.linspace(-1, 1, 32)
     weight[4] *= 1e-38
-    weight = weight.to(dtype)
-    native = block_quant.BlockWeights._quantize_rows(weight, kind)
-    reference = block_quant.BlockWeights._torch_quantize_rows(weight, kind)
-    assert torch.equal(native.data, reference.data) and torch.equal(native.scales, reference.scales)
-    assert (native.minimums is None) == (reference.minimums is None)
-    if native.minimums is not None and reference.minimums is not None:
-        assert torch.equal(native.minimums, reference.minimums)
+    weight[5, 64:96] = -weight[5, 64:96].abs()  # all negative: Q4_1's maximum below zero
+    weight[5, 70] = -0.0  # ... and then a zero of either sign as the maximum
+    weight[5, 75] = 0.0
+    first: dict[tuple[str, torch.dtype, str], block_quant.BlockWeights] = {}
+    for name, library in runnable_builds(tmp_path):  # the plain C build first
+        use_library(library)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            source = weight.to(dtype)
+            for kind in KINDS:
+                native = block_quant.BlockWeights.quantize(source, kind)  # 40 rows: a last group of 8 padded with zeros
+                reference = block_quant.BlockWeights._torch_quantize_rows(source, kind)
+                assert torch.equal(native.data, reference.data), (name, dtype, kind)
+                assert torch.equal(native.scales, reference.scales), (name, dtype, kind)
+                assert (native.minimums is None) == (reference.minimums is None)
+                if native.minimums is not None and reference.minimums is not None:
+                    assert torch.equal(native.minimums, reference.minimums), (name, dtype, kind)
+                # Every build the plain C's bits, signed zeros included (torch picks a zero's sign its own way),
+                # and on a block with a NaN (where torch's answer differs: the AVX2 path defers to the plain loop).
+                poisoned = source.clone()
+                poisoned[6, 100] = float("nan")
+                for case, blocks in (("clean", native), ("nan", block_quant.BlockWeights.quantize(poisoned, kind))):
+                    plain = first.setdefault((case, dtype, kind), blocks)
+                    assert torch.equal(blocks.data, plain.data), (name, case, dtype, kind)
+                    for part in ("scales", "minimums"):
+                        ours, theirs = getattr(blocks, part), getattr(plain, part)
+                        assert ours is None or theirs is None or \
+                            torch.equal(ours.view(torch.int16), theirs.view(torch.int16)), (name, case, dtype, kind)
 
 
 def test_the_kernel_layout_keeps_every_value_and_pads_a_last_group():
@@ -282,9 +303,10 @@ def test_whole_groups_join_as_they_lie_and_gguf_bytes_are_only_moved(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_tall_matrix_quantized_in_row_chunks_has_the_bytes_of_one_pass(kind, monkeypatch):
-    """Quantization goes QUANTIZE_ROWS rows at a time (a vocabulary-sized lm_head's float temporaries
-    were GBs): the chunks, a short last one included, give exactly the one-pass bytes."""
-    weight = torch.randn(16 * 7 + 5, 96)
+    """The torch path (sources the library does not read: float64 here) goes QUANTIZE_ROWS rows at a time
+    (a vocabulary-sized lm_head's float temporaries were GBs): the chunks, a short last one included,
+    give exactly the one-pass bytes, and the library's one pass over the fp32 copy gives them too."""
+    weight = torch.randn(16 * 7 + 5, 96, dtype=torch.float64)
     whole = block_quant.BlockWeights.quantize(weight, kind)
     monkeypatch.setattr(block_quant, "QUANTIZE_ROWS", 32)
     chunked = block_quant.BlockWeights.quantize(weight, kind)
@@ -292,3 +314,7 @@ def test_a_tall_matrix_quantized_in_row_chunks_has_the_bytes_of_one_pass(kind, m
         assert (getattr(chunked, name) is None and getattr(whole, name) is None) or \
             torch.equal(getattr(chunked, name), getattr(whole, name)), name
     assert (chunked.out_features, chunked.in_features) == (117, 96)
+    native = block_quant.BlockWeights.quantize(weight.float(), kind)
+    for name in ("data", "scales", "minimums"):
+        assert (getattr(native, name) is None and getattr(whole, name) is None) or \
+            torch.equal(getattr(native, name), getattr(whole, name)), name
