@@ -19,6 +19,7 @@ from cpu_worker.kernels.attention import AttentionKernel
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_rows import prompt_rows
 from cpu_worker.kernels.linear import row_invariant_linears
+from cpu_worker.model.embedding import output_dtype
 from cpu_worker.model.llama import Attention, KVCache, LlamaDecoder, RotaryTable
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.sampling import Sampler
@@ -49,13 +50,13 @@ class Kernels:
 def choose_kernels(model: LlamaDecoder, kv_dtype: torch.dtype) -> Kernels:
     """Fix the kernels of ``model``'s layers for an engine over a ``kv_dtype`` cache (one sequence,
     contiguous, run without autograd), from what is fixed once the model is built: its activations'
-    dtype and device (its embedding's) and which native kernels this process has. The exact
+    dtype (its embedding's output) and device and which native kernels this process has. The exact
     attention kernel and the native rotary + cache write take fp32 activations on the CPU over an
     fp32 or bf16 cache, where the library builds (or is not forced off); torch's ops otherwise.
     A model shared by several engines runs with the last one's choice (as ``layer_loop``)."""
-    weight = model.embed_tokens.weight
-    fp32_cpu = weight.dtype == torch.float32 and weight.device.type == "cpu"
-    kernel = attention_kernels.choose(weight.dtype, weight.device, kv_dtype)
+    dtype, device = output_dtype(model.embed_tokens), model.norm.weight.device
+    fp32_cpu = dtype == torch.float32 and device.type == "cpu"
+    kernel = attention_kernels.choose(dtype, device, kv_dtype)
     native_rope = fp32_cpu and kv_dtype in layer_ops.CACHE_DTYPES and layer_ops.available()
     projections = []
     for module in model.modules():

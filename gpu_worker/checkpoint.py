@@ -32,6 +32,7 @@ from cpu_worker.model import (
     tensor_shapes,
 )
 from cpu_worker.model import read_tensors as read_checkpoint_tensors
+from cpu_worker.model.embedding import NARROW_FLOATS, StoredEmbedding, table
 from cpu_worker.model.model_dir import is_gguf, read_config
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
@@ -199,7 +200,8 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
     if fusion in EAGLE3_FUSIONS:
         state = {name: tensor for name, tensor in read_tensors(draft_dir).items()
                  if not name.endswith(_IGNORED_SUFFIXES)}
-        eagle3 = load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype)
+        eagle3 = load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype,
+                                  stored_table=projections is not None)
         return quantize_projections(eagle3, projections) if projections else eagle3
     spec = _spec_with_weight_biases(config, shapes, "layers.0.")
     fc_bias = "fc.bias" in shapes  # the weights decide; a config's "bias": false agrees with them
@@ -338,11 +340,12 @@ def _eagle3_spec(draft_dir: Path, config: Any, state: dict[str, torch.Tensor]) -
 
 def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: dict[str, torch.Tensor],
                      fusion: str, target_dir: Path | str | None, device: torch.device | str,
-                     dtype: torch.dtype) -> Eagle3Head:
+                     dtype: torch.dtype, stored_table: bool = False) -> Eagle3Head:
     """An ``Eagle3Head`` from a folder in the published EAGLE-3 layout (or Dovetail's own):
     config with ``draft_vocab_size`` (optional ``target_hidden_size``), weights ``fc``,
     ``midlayer.*``, ``norm``, ``lm_head`` [draft vocab, H], ``d2t``, ``t2d``; the embedding
-    from the folder if it has one, else from the target's."""
+    from the folder if it has one, else from the target's. ``stored_table`` (a quantized head on
+    the CPU): an fp16 or bf16 embedding stays so, its rows widened on lookup (``StoredEmbedding``)."""
     spec = _eagle3_spec(draft_dir, config, state)
     for name in ("fc.weight", "lm_head.weight"):
         if name not in state:
@@ -387,11 +390,17 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
         raise DraftCheckpointError(
             f"draft weights in {draft_dir} do not fit a {fusion} head: "
             f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
-    integer = {"d2t", "t2d"}  # ids and flags keep their dtypes
-    state = {name: tensor.to(device=device) if name in integer else tensor.to(device=device, dtype=dtype)
+    kept = {"d2t", "t2d"}  # ids and flags keep their dtypes
+    narrow = stored_table and dtype == torch.float32 and torch.device(device).type == "cpu" \
+        and state["embed_tokens.weight"].dtype in NARROW_FLOATS
+    if narrow:
+        kept.add("embed_tokens.weight")
+    state = {name: tensor.to(device=device) if name in kept else tensor.to(device=device, dtype=dtype)
              for name, tensor in state.items()}
     head.load_state_dict(state, assign=True, strict=True)
-    head.embed_tokens.weight.requires_grad_(False)
+    if narrow:
+        head.embed_tokens = StoredEmbedding(table(head.embed_tokens))
+    head.embed_tokens.requires_grad_(False)
     return head.eval()
 
 

@@ -36,6 +36,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cpu_worker.model import CacheSegment, KVCache, RotaryTable
+from cpu_worker.model.embedding import output_dtype, table
 from ipc.tree import TreeShape
 
 from .checkpoint import AnyHead, draft_fusion, head_spec, load_head
@@ -79,10 +80,9 @@ class Drafter:
     def __init__(self, head: AnyHead, max_len: int, scratch_len: int = TreeShape().scratch_slots):
         if max_len < 1 or scratch_len < 0:
             raise ValueError(f"max_len must be >= 1 and scratch_len >= 0, got {max_len}, {scratch_len}")
-        parameter = head.embed_tokens.weight  # stays in the activation dtype when the rest is int8
         self.head = head.eval()
-        self.device = parameter.device
-        self.dtype = parameter.dtype
+        self.device = table(head.embed_tokens).device
+        self.dtype = output_dtype(head.embed_tokens)  # the activations' (a quantized head's table may be fp16)
         self.max_len = max_len
         self.scratch_len = scratch_len
         spec = head.spec

@@ -100,7 +100,7 @@ class Eagle3Head(nn.Module):
         self.vocab_size = spec.vocab_size
         self.draft_vocab_size = draft_vocab_size
         # The target's embedding, frozen; loaded from the target folder, not the head's.
-        self.embed_tokens = nn.Embedding(spec.vocab_size, d)
+        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, d)  # or a StoredEmbedding (HeadPlacer)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc: nn.Linear | RowwiseInt8Linear = nn.Linear(self.feature_size, d, bias=False)
         self.midlayer = Eagle3Layer(spec)

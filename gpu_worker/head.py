@@ -50,7 +50,7 @@ class DraftHead(nn.Module):
         self.fusion = fusion
         d = spec.hidden_size
         # Frozen copies of the target's embedding and head: trained heads never update them.
-        self.embed_tokens = nn.Embedding(spec.vocab_size, d)
+        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, d)  # or a StoredEmbedding (HeadPlacer)
         self.embed_tokens.weight.requires_grad_(False)
         if fusion == "dgf":
             self.input_layernorm = RMSNorm(d, spec.rms_norm_eps)

@@ -20,7 +20,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from cpu_worker.kernels.block_quant import BlockQuantLinear, BlockWeights
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.kernels.progress import progress_bar
+from cpu_worker.model.embedding import BlockEmbedding, StoredEmbedding, table
 from cpu_worker.model.gguf_file import GGUFError, GGUFFile, TensorInfo
 from cpu_worker.model.gguf_model import (
     NATIVE_TYPES,
@@ -156,6 +157,18 @@ class _Reader:
                      ", ".join(f"{n} {kind}" for kind, n in sorted(self.dequantized.items())))
 
 
+def stored_embedding(file: GGUFFile, info: TensorInfo, spec: LlamaSpec) -> torch.nn.Module | None:
+    """A quantized model's embedding as the file stores it, rows widened on lookup (``embedding``):
+    F16 and BF16 values, or any block type gguf dequantizes; None for F32 (placed as it is)."""
+    if info.type == GGMLQuantizationType.F32:
+        return None
+    rows = np.array(file.data(info.name))  # a copy: the file's pages are dropped and the map closed after loading
+    if info.type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        narrow = torch.float16 if info.type == GGMLQuantizationType.F16 else torch.bfloat16
+        return StoredEmbedding(torch.from_numpy(rows).view(narrow).reshape(info.shape))
+    return BlockEmbedding(rows, info.type, spec.hidden_size)
+
+
 def _linear_maker(activation_bits: int, int8_row: bool) -> LinearMaker:
     def make(weight: Any, bias: torch.Tensor | None, name: str) -> torch.nn.Module:
         if isinstance(weight, BlockWeights):
@@ -181,7 +194,12 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
         placer = WeightPlacer(model, dtype, _linear_maker(activation_bits, int8_row) if quantize else False)
         with progress_bar(len(names), f"load {Path(path).name}", "tensor") as bar:
             for count, (gguf_name, name) in enumerate(names.items(), 1):
-                placer.place(name, reader.read(file.tensors[gguf_name], name))  # type: ignore[arg-type]
+                stored = stored_embedding(file, file.tensors[gguf_name], spec) if name == "embed_tokens.weight" \
+                    and quantize and dtype == torch.float32 else None
+                if stored is not None:
+                    model.embed_tokens = stored
+                else:
+                    placer.place(name, reader.read(file.tensors[gguf_name], name))  # type: ignore[arg-type]
                 file.release(gguf_name)
                 bar.update()
                 if count % 16 == 0:
@@ -192,7 +210,7 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
                 placer.place("lm_head.weight", head)  # type: ignore[arg-type]
                 file.release("token_embd.weight")
             else:
-                model.lm_head.weight = model.embed_tokens.weight
+                model.lm_head.weight = cast(torch.nn.Parameter, table(model.embed_tokens))
         reader.report()
     if placer.unplaced():  # tensor_names checked the file against the config; the decoder must agree
         raise GGUFError(f"{path}: the decoder still lacks {', '.join(placer.unplaced()[:5])}")

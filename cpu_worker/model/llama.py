@@ -492,8 +492,9 @@ class LlamaDecoder(nn.Module):
         # The loaders build this on the meta device and place the checkpoint's weights; an empty
         # weight skips nn.Embedding's normal_ init, which on meta tensors first imports torch._dynamo
         # (2.1 s of a process's first model load).
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
-                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
+        # A quantized model may hold its table as stored instead (``embedding``: rows widened on lookup).
+        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                                    _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)

@@ -11,6 +11,7 @@ import ctypes
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from cpu_worker.kernels.huge_pages import empty_on_huge_pages, release_freed_mem
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.kernels.linear import is_linear
 from cpu_worker.kernels.progress import progress_bar
+from cpu_worker.model.embedding import NARROW_FLOATS, StoredEmbedding, table
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_safetensors_header
 
@@ -237,13 +239,17 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMak
         model = LlamaDecoder(spec)
     expected = set(model.state_dict().keys())
     placer = WeightPlacer(model, dtype, quantize)
+    narrow_table = bool(quantize) and dtype == torch.float32  # an fp16/bf16 table stays so, rows widened on lookup
     loaded: set[str] = set()
     with progress_bar(len(expected), f"{'load+quantize' if quantize else 'load'} {model_dir.name}", "tensor") as bar:
         for name, tensor in iter_tensors(model_dir):
             for prefix in _PREFIXES:
                 name = name.removeprefix(prefix)
             if name in expected and name not in loaded:
-                placer.place(name, tensor)
+                if name == "embed_tokens.weight" and narrow_table and tensor.dtype in NARROW_FLOATS:
+                    model.embed_tokens = StoredEmbedding(tensor)
+                else:
+                    placer.place(name, tensor)
                 loaded.add(name)
                 bar.update()
             del tensor
@@ -251,9 +257,9 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMak
                 release_freed_memory()
     if "lm_head.weight" not in loaded and spec.tie_word_embeddings and "embed_tokens.weight" in loaded:
         if quantize:
-            placer.place("lm_head.weight", model.embed_tokens.weight)
+            placer.place("lm_head.weight", table(model.embed_tokens))
         else:
-            model.lm_head.weight = model.embed_tokens.weight
+            model.lm_head.weight = cast(nn.Parameter, table(model.embed_tokens))
         loaded.add("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:

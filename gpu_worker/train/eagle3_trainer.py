@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from cpu_worker.model import RotaryTable, load_spec, resolve_model_dir
+from cpu_worker.model.embedding import table
 from gpu_worker.checkpoint import load_target_frozen
 from gpu_worker.eagle3 import Eagle3Head
 
@@ -107,7 +108,7 @@ def new_eagle3_head(target_dir: Path, fusion: str, draft_ids: torch.Tensor, seed
     head.set_draft_vocab(draft_ids)
     frozen = load_target_frozen(target_dir)
     with torch.no_grad():
-        head.embed_tokens.weight.copy_(frozen["embed_tokens.weight"].float())
+        table(head.embed_tokens).copy_(frozen["embed_tokens.weight"].float())
         assert isinstance(head.lm_head, torch.nn.Linear)
         head.lm_head.weight.copy_(frozen["lm_head.weight"].float()[head.target_draft_ids()])
     return head

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from cpu_worker.model import load_spec, resolve_model_dir
+from cpu_worker.model.embedding import table
 from gpu_worker.checkpoint import load_target_frozen, save_head
 from gpu_worker.head import DraftHead
 
@@ -74,7 +75,7 @@ def new_head(target_dir: Path, fusion: str, layers: int, seed: int) -> DraftHead
     head = DraftHead(spec, fusion=fusion)
     frozen = load_target_frozen(target_dir)
     with torch.no_grad():
-        head.embed_tokens.weight.copy_(frozen["embed_tokens.weight"].float())
+        table(head.embed_tokens).copy_(frozen["embed_tokens.weight"].float())
         assert isinstance(head.lm_head, torch.nn.Linear)  # a fresh head is never quantized
         head.lm_head.weight.copy_(frozen["lm_head.weight"].float())
     return head

@@ -1,0 +1,86 @@
+"""Token embeddings kept as the checkpoint stores them, a looked-up row widened to fp32 at a time.
+
+Why: a quantized model's activations are fp32, and an fp32 copy of its embedding table was the
+largest tensor that is not a projection: 0.8 GB of a 7B stand-in's 5 GB at q4_0 (49k x 4096). A
+forward reads only its tokens' rows, so the table stays as stored (fp16 or bf16 values, or a GGUF
+file's blocks) and each row is widened on lookup, exactly: the fp32 values the fp32 table held.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # gguf is imported where a GGUF file is read (93 ms)
+    from gguf import GGMLQuantizationType
+
+# Stored dtypes that widen to fp32 exactly.
+NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+class StoredEmbedding(nn.Module):
+    """An fp16 or bf16 table whose rows come out as fp32."""
+
+    out_dtype = torch.float32
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        if weight.dtype not in NARROW_FLOATS:
+            raise ValueError(f"a stored embedding is fp16 or bf16, not {weight.dtype}")
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight).float()
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, stored {self.weight.dtype}, out fp32"
+
+
+class BlockEmbedding(nn.Module):
+    """A GGUF file's table in its blocks (any type ``gguf.quants.dequantize`` reads): each looked-up
+    row dequantized on lookup. Dequantizing works block by block, so a row's values are the ones the
+    whole table's dequantization gives."""
+
+    out_dtype = torch.float32
+
+    def __init__(self, rows: np.ndarray, kind: GGMLQuantizationType, hidden_size: int):
+        super().__init__()
+        self.rows = np.ascontiguousarray(rows)  # [vocab, bytes a row], a copy owned here (not the file's map)
+        self.kind = kind
+        self.hidden_size = hidden_size
+        self.nbytes = self.rows.nbytes  # weight_bytes counts it
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.rows.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.detach().cpu().reshape(-1).numpy()
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must be in 0..{self.num_embeddings - 1}")
+        from gguf.quants import dequantize
+
+        values = np.asarray(dequantize(self.rows[ids], self.kind), dtype=np.float32)
+        return torch.from_numpy(values.reshape(*tokens.shape, self.hidden_size))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.hidden_size}, stored {self.kind.name}, out fp32"
+
+
+def table(embedding: nn.Module) -> torch.Tensor:
+    """An embedding module's table as a tensor (nn.Embedding's or StoredEmbedding's weight); a block
+    table has none."""
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(embedding).__name__} holds no table tensor")
+    return weight
+
+
+def output_dtype(embedding: nn.Module) -> torch.dtype:
+    """The dtype an embedding module's rows come out in (a model's activations)."""
+    dtype = getattr(embedding, "out_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else table(embedding).dtype
