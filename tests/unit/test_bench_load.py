@@ -1,0 +1,32 @@
+"""tools.bench_load prints a row per checkout, precision and round, with the load's numbers and, for an
+HF folder at a block precision, the CPU work split into reading and quantizing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import save_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_row_per_precision_with_its_seconds_memory_and_work(tmp_path):
+    folder = save_tiny_model(tmp_path / "tiny", "llama", seed=5)
+    done = subprocess.run([sys.executable, "-m", "tools.bench_load", "--target", str(folder), "--precisions",
+                           "q4_0,fp32", "--threads", "1"], cwd=REPO, capture_output=True, text=True, check=True)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith(f"| {REPO.name} |")]
+    assert [row[1].strip() for row in rows] == ["q4_0", "fp32"]
+    for row in rows:
+        seconds, peak, weights = (float(cell) for cell in row[3:6])
+        assert seconds > 0 and peak > 0.05 and weights > 0  # a Python process with torch holds > 50 MB
+    q4_0_work, fp32_work = rows[0][6:8], rows[1][6:8]
+    assert all(float(cell) >= 0 for cell in q4_0_work)
+    assert all(cell.strip() == "nan" for cell in fp32_work)  # not a block precision: no split
+
+
+def test_a_missing_target_is_named(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tools.bench_load", "--target", str(tmp_path / "nope")],
+                          cwd=REPO, capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and "no target at" in done.stderr
