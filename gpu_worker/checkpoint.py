@@ -390,7 +390,15 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
         raise DraftCheckpointError(
             f"draft weights in {draft_dir} do not fit a {fusion} head: "
             f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
-    kept = {"d2t", "t2d"}  # ids and flags keep their dtypes
+    _assign_state(head, state, device, dtype, stored_table)
+    return head.eval()
+
+
+def _assign_state(head: Eagle3Head, state: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
+                  stored_table: bool) -> None:
+    """``state`` into ``head`` in ``dtype`` on ``device``; ids and flags keep their dtypes, and so does an
+    fp16/bf16 embedding with ``stored_table`` on the CPU at fp32 (a ``StoredEmbedding``)."""
+    kept = {"d2t", "t2d"}
     narrow = stored_table and dtype == torch.float32 and torch.device(device).type == "cpu" \
         and state["embed_tokens.weight"].dtype in NARROW_FLOATS
     if narrow:
@@ -401,7 +409,6 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
     if narrow:
         head.embed_tokens = StoredEmbedding(table(head.embed_tokens))
     head.embed_tokens.requires_grad_(False)
-    return head.eval()
 
 
 def head_config(head: DraftHead) -> dict[str, Any]:
