@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from cpu_worker.model import WeightPlacer
-from cpu_worker.model.embedding import NARROW_FLOATS, StoredEmbedding
 
 from .head import DraftHead
 from .head_formats import FUSION_WEIGHTS, projection_maker
@@ -35,9 +34,6 @@ class HeadPlacer(WeightPlacer):
 
     def place(self, name: str, tensor: torch.Tensor) -> None:
         head = self.head
-        if self.make is not None and name == "embed_tokens.weight" and tensor.dtype in NARROW_FLOATS:
-            head.embed_tokens = StoredEmbedding(tensor)  # as the target stores it, rows widened on lookup
-            return
         if self.make is not None and name in FUSION_WEIGHTS:
             if head.int8_fusion is None:
                 head.int8_fusion = nn.ModuleDict()

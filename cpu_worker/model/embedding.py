@@ -53,6 +53,9 @@ class BlockEmbedding(nn.Module):
         self.kind = kind
         self.hidden_size = hidden_size
         self.nbytes = self.rows.nbytes  # weight_bytes counts it
+        from gguf.quants import dequantize
+
+        self._dequantize = dequantize  # imported here, not on every lookup (a decode step's path)
 
     @property
     def num_embeddings(self) -> int:
@@ -62,9 +65,7 @@ class BlockEmbedding(nn.Module):
         ids = tokens.detach().cpu().reshape(-1).numpy()
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in 0..{self.num_embeddings - 1}")
-        from gguf.quants import dequantize
-
-        values = np.asarray(dequantize(self.rows[ids], self.kind), dtype=np.float32)
+        values = np.asarray(self._dequantize(self.rows[ids], self.kind), dtype=np.float32)
         return torch.from_numpy(values.reshape(*tokens.shape, self.hidden_size))
 
     def extra_repr(self) -> str:

@@ -187,7 +187,9 @@ class WeightPlacer:
     final dtype and device as it arrives: ``quantize`` makes every linear weight W8A8 int8 at
     once (True), or whatever layer a ``LinearMaker`` makes of it (block-quantized weights), so
     peak memory stays near the converted model plus one source tensor. ``trainable`` keeps each
-    parameter's ``requires_grad`` (a head being trained); else all are frozen."""
+    parameter's ``requires_grad`` (a head being trained); else all are frozen. A quantized model with
+    fp32 activations on the CPU keeps an fp16/bf16 embedding table as it comes (``StoredEmbedding``:
+    rows widened on lookup, exactly)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, quantize: bool | LinearMaker,
                  device: torch.device | str = "cpu", trainable: bool = False):
@@ -204,17 +206,27 @@ class WeightPlacer:
         if self.make_linear is not None and is_linear(module):
             self._place_quantized(module_name, module, attribute, tensor)
             return
+        if self._keeps_table(module, attribute, tensor):
+            self._replace(module_name, StoredEmbedding(tensor))
+            return
         requires_grad = self.trainable and getattr(module, attribute).requires_grad
         setattr(module, attribute, nn.Parameter(tensor.to(device=self.device, dtype=self.dtype),
                                                 requires_grad=requires_grad))
 
+    def _keeps_table(self, module: nn.Module, attribute: str, tensor: torch.Tensor) -> bool:
+        return (self.quantize and isinstance(module, nn.Embedding) and attribute == "weight"
+                and tensor.dtype in NARROW_FLOATS and self.dtype == torch.float32 and self.device.type == "cpu")
+
+    def _replace(self, module_name: str, replacement: nn.Module) -> None:
+        parent_name, _, child = module_name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        setattr(parent, child, replacement)
+
     def _place_quantized(self, module_name: str, module: nn.Module, attribute: str, tensor: torch.Tensor) -> None:
         bias = module.bias if isinstance(module.bias, torch.Tensor) and not module.bias.is_meta else None
         if attribute == "weight":
-            parent_name, _, child = module_name.rpartition(".")
-            parent = self.model.get_submodule(parent_name) if parent_name else self.model
             assert self.make_linear is not None
-            setattr(parent, child, self.make_linear(tensor, bias, module_name))
+            self._replace(module_name, self.make_linear(tensor, bias, module_name))
         else:  # a bias, before or after its weight
             module.bias = nn.Parameter(tensor.to(torch.float32), requires_grad=False)
 
@@ -239,17 +251,13 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMak
         model = LlamaDecoder(spec)
     expected = set(model.state_dict().keys())
     placer = WeightPlacer(model, dtype, quantize)
-    narrow_table = bool(quantize) and dtype == torch.float32  # an fp16/bf16 table stays so, rows widened on lookup
     loaded: set[str] = set()
     with progress_bar(len(expected), f"{'load+quantize' if quantize else 'load'} {model_dir.name}", "tensor") as bar:
         for name, tensor in iter_tensors(model_dir):
             for prefix in _PREFIXES:
                 name = name.removeprefix(prefix)
             if name in expected and name not in loaded:
-                if name == "embed_tokens.weight" and narrow_table and tensor.dtype in NARROW_FLOATS:
-                    model.embed_tokens = StoredEmbedding(tensor)
-                else:
-                    placer.place(name, tensor)
+                placer.place(name, tensor)
                 loaded.add(name)
                 bar.update()
             del tensor
