@@ -32,12 +32,12 @@ from cpu_worker.model import (
     tensor_shapes,
 )
 from cpu_worker.model import read_tensors as read_checkpoint_tensors
-from cpu_worker.model.embedding import NARROW_FLOATS, StoredEmbedding, table
+from cpu_worker.model.embedding import NARROW_FLOATS, BlockEmbedding, StoredEmbedding, table
 from cpu_worker.model.model_dir import is_gguf, read_config
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
-from .head_formats import quantize_projections
+from .head_formats import FUSION_WEIGHTS, quantize_projections
 from .head_placer import HeadPlacer
 
 AnyHead = DraftHead | Eagle3Head
@@ -200,9 +200,7 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
     if fusion in EAGLE3_FUSIONS:
         state = {name: tensor for name, tensor in read_tensors(draft_dir).items()
                  if not name.endswith(_IGNORED_SUFFIXES)}
-        eagle3 = load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype,
-                                  stored_table=projections is not None)
-        return quantize_projections(eagle3, projections) if projections else eagle3
+        return load_eagle3_head(draft_dir, config, raw, state, fusion, target_dir, device, dtype, projections)
     spec = _spec_with_weight_biases(config, shapes, "layers.0.")
     fc_bias = "fc.bias" in shapes  # the weights decide; a config's "bias": false agrees with them
     frozen_sources = _frozen_sources(draft_dir, target_dir, spec, shapes)
@@ -223,7 +221,7 @@ def load_head(draft_dir: Path | str, target_dir: Path | str | None = None,
     _place_head(head, draft_dir, target_dir, set(shapes.keys() - frozen_sources.keys()), frozen_sources,
                 HeadPlacer(head, device, dtype, projections))
     release_freed_memory()
-    head.embed_tokens.weight.requires_grad_(False)
+    head.embed_tokens.requires_grad_(False)
     if isinstance(head.lm_head, torch.nn.Linear):  # an int8 lm_head holds no float weight
         head.lm_head.weight.requires_grad_(False)
     return head.eval()
@@ -272,7 +270,13 @@ def _place_head(head: DraftHead, draft_dir: Path, target_dir: Path | str | None,
             release_freed_memory()  # the source and its fp32 copy, before the next one comes
         for name, source in frozen_sources.items():
             assert target_dir is not None
-            placer.place(name, read_tensors(Path(target_dir), [source])[source])
+            # A quantized head keeps a GGUF target's table as the file stores it (not in fp32).
+            stored = _stored_target_table(target_dir) if name == "embed_tokens.weight" and placer.keeps_tables else None
+            if isinstance(stored, BlockEmbedding):
+                placer.place_table("embed_tokens", stored)
+            else:
+                placer.place(name, stored.weight.detach() if isinstance(stored, StoredEmbedding)
+                             else read_tensors(Path(target_dir), [source])[source])
             release_freed_memory()
     except ModelLoadError as error:
         raise DraftCheckpointError(str(error)) from None
@@ -340,12 +344,14 @@ def _eagle3_spec(draft_dir: Path, config: Any, state: dict[str, torch.Tensor]) -
 
 def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: dict[str, torch.Tensor],
                      fusion: str, target_dir: Path | str | None, device: torch.device | str,
-                     dtype: torch.dtype, stored_table: bool = False) -> Eagle3Head:
+                     dtype: torch.dtype, projections: str | None = None) -> Eagle3Head:
     """An ``Eagle3Head`` from a folder in the published EAGLE-3 layout (or Dovetail's own):
     config with ``draft_vocab_size`` (optional ``target_hidden_size``), weights ``fc``,
     ``midlayer.*``, ``norm``, ``lm_head`` [draft vocab, H], ``d2t``, ``t2d``; the embedding
-    from the folder if it has one, else from the target's. ``stored_table`` (a quantized head on
-    the CPU): an fp16 or bf16 embedding stays so, its rows widened on lookup (``StoredEmbedding``)."""
+    from the folder if it has one, else from the target's. ``projections`` (int8 or q4_0, on the CPU
+    at fp32: ``head_formats``): every projection quantized, each widened to fp32 only as it is (the
+    head never whole in fp32), and the embedding kept as stored (an fp16/bf16 table, a GGUF file's blocks).
+    ``state`` is consumed (emptied once the head holds its tensors)."""
     spec = _eagle3_spec(draft_dir, config, state)
     for name in ("fc.weight", "lm_head.weight"):
         if name not in state:
@@ -359,7 +365,6 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
         raise DraftCheckpointError(
             f"fc.weight in {draft_dir} reads rows of {fc_columns} floats; an EAGLE-3 head reads 3 x the target's "
             f"hidden size {target_hidden} (config target_hidden_size, else hidden_size) = {3 * target_hidden}")
-    embed_source = f"the draft folder {draft_dir}"
     if target_dir is not None:
         target_config = _hf_config(Path(target_dir))
         _check_match("vocab_size", spec.vocab_size, int(target_config.vocab_size))
@@ -367,22 +372,16 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
             raise DraftCheckpointError(
                 f"draft head reads target rows of 3 x {target_hidden} (its config.json), the target's hidden size is "
                 f"{int(target_config.hidden_size)}")
-        if "embed_tokens.weight" not in state:
-            state["embed_tokens.weight"] = load_target_embedding(target_dir)
-            embed_source = f"the target folder {target_dir}"
-    elif "embed_tokens.weight" not in state:
-        raise DraftCheckpointError(
-            f"EAGLE-3 head {draft_dir} has no embed_tokens: pass the target's folder to take it from")
-    embed = state["embed_tokens.weight"]
-    _check_tensor("vocab_size", spec.vocab_size, "embed_tokens.weight", "rows", int(embed.shape[0]), embed_source)
-    _check_tensor("hidden_size", spec.hidden_size, "embed_tokens.weight", "columns", int(embed.shape[1]),
-                  embed_source)
+    quantized = projections is not None
+    block_table = _eagle3_embedding(draft_dir, target_dir, state, spec, quantized and _keeps_tables(device, dtype))
     _vocab_maps(draft_dir, state, spec.vocab_size, draft_vocab)
     try:
         with torch.device("meta"):  # every tensor comes from the files
             head = Eagle3Head(spec, target_hidden_size=target_hidden, draft_vocab_size=draft_vocab, fusion=fusion)
     except ValueError as error:
         raise DraftCheckpointError(f"EAGLE-3 head {draft_dir}: {error}") from None
+    if block_table is not None:
+        head.embed_tokens = block_table
     expected = set(head.state_dict().keys())
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
@@ -390,17 +389,70 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
         raise DraftCheckpointError(
             f"draft weights in {draft_dir} do not fit a {fusion} head: "
             f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
-    _assign_state(head, state, device, dtype, stored_table)
-    return head.eval()
+    _assign_state(head, state, device, dtype, quantized)
+    state.clear()  # the head holds the tensors now: each projection's source goes as it is quantized
+    return (quantize_projections(head, projections) if projections else head).eval()
+
+
+def _keeps_tables(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a quantized head on ``device`` in ``dtype`` may keep an embedding as stored (fp32 on the
+    CPU, as ``WeightPlacer.keeps_tables``)."""
+    return dtype == torch.float32 and torch.device(device).type == "cpu"
+
+
+def _eagle3_embedding(draft_dir: Path, target_dir: Path | str | None, state: dict[str, torch.Tensor],
+                      spec: LlamaSpec, stored_table: bool) -> torch.nn.Module | None:
+    """The embedding an EAGLE-3 head reads: the draft folder's, else the target's, checked against the
+    head's config. ``stored_table``: a GGUF target's table is taken as its file stores it, returned as
+    a block module (``BlockEmbedding``), or put in ``state`` as fp16/bf16; else it comes in ``state``."""
+    source = f"the draft folder {draft_dir}"
+    block_table = None
+    if "embed_tokens.weight" not in state:
+        if target_dir is None:
+            raise DraftCheckpointError(
+                f"EAGLE-3 head {draft_dir} has no embed_tokens: pass the target's folder to take it from")
+        source = f"the target folder {target_dir}"
+        stored = _stored_target_table(target_dir) if stored_table else None
+        if isinstance(stored, StoredEmbedding):
+            state["embed_tokens.weight"] = stored.weight.detach()
+        elif isinstance(stored, BlockEmbedding):
+            block_table = stored
+        else:
+            state["embed_tokens.weight"] = load_target_embedding(target_dir)
+    rows, columns = ((block_table.num_embeddings, block_table.hidden_size) if block_table is not None
+                     else tuple(state["embed_tokens.weight"].shape))
+    _check_tensor("vocab_size", spec.vocab_size, "embed_tokens.weight", "rows", int(rows), source)
+    _check_tensor("hidden_size", spec.hidden_size, "embed_tokens.weight", "columns", int(columns), source)
+    return block_table
+
+
+def _stored_target_table(target_dir: Path | str) -> torch.nn.Module | None:
+    """A GGUF target's embedding as its file stores it (``gguf_loading.gguf_stored_table``); None for a
+    folder (its fp16/bf16 tensors are kept as read) or an F32 table."""
+    if not is_gguf(Path(target_dir)):
+        return None
+    from cpu_worker.model.gguf_loading import gguf_stored_table  # imports gguf: only for a GGUF target
+
+    try:
+        return gguf_stored_table(target_dir)
+    except ModelLoadError as error:
+        raise DraftCheckpointError(str(error)) from None
 
 
 def _assign_state(head: Eagle3Head, state: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
-                  stored_table: bool) -> None:
-    """``state`` into ``head`` in ``dtype`` on ``device``; ids and flags keep their dtypes, and so does an
-    fp16/bf16 embedding with ``stored_table`` on the CPU at fp32 (a ``StoredEmbedding``)."""
+                  quantized: bool) -> None:
+    """``state`` into ``head`` in ``dtype`` on ``device``; ids and flags keep their dtypes. A head whose
+    projections are quantized next (``quantized``, on the CPU at fp32) keeps their weights as read, since
+    the quantizer widens each to fp32 in turn: never a whole fp32 copy next to the fp16 one (a 7B-wide
+    q4_0 head's peak RSS 3.1-3.4 -> 1.4-1.7 GB, with the read tensors dropped as they are quantized), the
+    same fp32 values, so the same bits. It keeps an fp16/bf16 embedding as a ``StoredEmbedding``. A head
+    given a block table already (``_eagle3_embedding``) finds no embedding in ``state``."""
     kept = {"d2t", "t2d"}
-    narrow = stored_table and dtype == torch.float32 and torch.device(device).type == "cpu" \
-        and state["embed_tokens.weight"].dtype in NARROW_FLOATS
+    keeps = quantized and _keeps_tables(device, dtype)
+    if keeps:
+        kept |= _projection_weights(head)
+    embed = state.get("embed_tokens.weight")
+    narrow = keeps and embed is not None and embed.dtype in NARROW_FLOATS
     if narrow:
         kept.add("embed_tokens.weight")
     state = {name: tensor.to(device=device) if name in kept else tensor.to(device=device, dtype=dtype)
@@ -409,6 +461,13 @@ def _assign_state(head: Eagle3Head, state: dict[str, torch.Tensor], device: torc
     if narrow:
         head.embed_tokens = StoredEmbedding(table(head.embed_tokens))
     head.embed_tokens.requires_grad_(False)
+
+
+def _projection_weights(head: Eagle3Head) -> set[str]:
+    """The state names of every weight ``quantize_projections`` replaces: each linear layer's weight
+    (not its bias) and DGF's W_1/W_2/W_z."""
+    names = {f"{name}.weight" for name, module in head.named_modules() if isinstance(module, torch.nn.Linear)}
+    return names | {name for name in FUSION_WEIGHTS if isinstance(getattr(head, name, None), torch.nn.Parameter)}
 
 
 def head_config(head: DraftHead) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cpu_worker.model import CacheSegment, KVCache, RotaryTable
-from cpu_worker.model.embedding import output_dtype, table
+from cpu_worker.model.embedding import device_of, output_dtype
 from ipc.tree import TreeShape
 
 from .checkpoint import AnyHead, draft_fusion, head_spec, load_head
@@ -81,7 +81,7 @@ class Drafter:
         if max_len < 1 or scratch_len < 0:
             raise ValueError(f"max_len must be >= 1 and scratch_len >= 0, got {max_len}, {scratch_len}")
         self.head = head.eval()
-        self.device = table(head.embed_tokens).device
+        self.device = device_of(head.embed_tokens)
         self.dtype = output_dtype(head.embed_tokens)  # the activations' (a quantized head's table may be fp16)
         self.max_len = max_len
         self.scratch_len = scratch_len

@@ -81,6 +81,13 @@ def table(embedding: nn.Module) -> torch.Tensor:
     return weight
 
 
+def device_of(embedding: nn.Module) -> torch.device:
+    """Where an embedding module's rows come out: its table's device (a block table's is the CPU)."""
+    if isinstance(embedding, BlockEmbedding):
+        return torch.device("cpu")
+    return table(embedding).device
+
+
 def output_dtype(embedding: nn.Module) -> torch.dtype:
     """The dtype an embedding module's rows come out in (a model's activations)."""
     dtype = getattr(embedding, "out_dtype", None)

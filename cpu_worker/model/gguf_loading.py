@@ -169,6 +169,19 @@ def stored_embedding(file: GGUFFile, info: TensorInfo, spec: LlamaSpec) -> torch
     return BlockEmbedding(rows, info.type, spec.hidden_size)
 
 
+def gguf_stored_table(path: str | Path) -> torch.nn.Module | None:
+    """The embedding of the GGUF file at ``path`` as the file stores it (``stored_embedding``): what a
+    quantized draft head on the CPU keeps of a GGUF target's table instead of an fp32 copy (a 7B Q4_0
+    file's 74 MB against 524 MB); None where the file's table is F32."""
+    with GGUFFile(path) as file:
+        spec = gguf_spec(file)
+        names = {name: gguf_name for gguf_name, name in tensor_names(file, hf_config(file)).items()}
+        info = file.tensors[names["embed_tokens.weight"]]
+        stored = stored_embedding(file, info, spec)
+        file.release(info.name)
+    return stored
+
+
 def _linear_maker(activation_bits: int, int8_row: bool) -> LinearMaker:
     def make(weight: Any, bias: torch.Tensor | None, name: str) -> torch.nn.Module:
         if isinstance(weight, BlockWeights):

@@ -213,9 +213,22 @@ class WeightPlacer:
         setattr(module, attribute, nn.Parameter(tensor.to(device=self.device, dtype=self.dtype),
                                                 requires_grad=requires_grad))
 
+    @property
+    def keeps_tables(self) -> bool:
+        """Whether an embedding stays as its checkpoint stores it: a quantized model with fp32
+        activations on the CPU."""
+        return self.quantize and self.dtype == torch.float32 and self.device.type == "cpu"
+
     def _keeps_table(self, module: nn.Module, attribute: str, tensor: torch.Tensor) -> bool:
-        return (self.quantize and isinstance(module, nn.Embedding) and attribute == "weight"
-                and tensor.dtype in NARROW_FLOATS and self.dtype == torch.float32 and self.device.type == "cpu")
+        return (self.keeps_tables and isinstance(module, nn.Embedding) and attribute == "weight"
+                and tensor.dtype in NARROW_FLOATS)
+
+    def place_table(self, module_name: str, embedding: nn.Module) -> None:
+        """An embedding module made elsewhere in place of ``module_name`` (a GGUF file's table in its
+        blocks: ``gguf_loading.gguf_stored_table``); only where ``keeps_tables``."""
+        if not self.keeps_tables:
+            raise ValueError("a stored embedding table is for a quantized model with fp32 activations on the CPU")
+        self._replace(module_name, embedding)
 
     def _replace(self, module_name: str, replacement: nn.Module) -> None:
         parent_name, _, child = module_name.rpartition(".")

@@ -320,6 +320,41 @@ def test_tensor_by_tensor_load_equals_the_old_path(tmp_path, projections):
     assert torch.equal(run_head(old, features, tokens, [5, 4]), run_head(new, features, tokens, [5, 4]))
 
 
+@pytest.mark.parametrize("projections", ["int8", "q4_0"])
+def test_a_quantized_eagle3_head_from_fp16_files_is_its_fp32_load_quantized(tmp_path, projections):
+    """An fp16 EAGLE-3 folder at int8/q4_0 is read whole, but each projection is widened to fp32 only
+    as it is quantized: the quantized weights, the other tensors' values and the trees are those of
+    loading it in fp32 and quantizing after."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import DEMO_TARGET
+    from eagle3_folders import save_published_eagle3
+
+    draft = save_published_eagle3(tmp_path / "e3", DEMO_TARGET, range(0, 8192, 64), aux_layers=[1, 3, 4])
+    weights = draft / "model.safetensors"
+    save_file({name: tensor.half() if tensor.is_floating_point() else tensor
+               for name, tensor in load_file(str(weights)).items()}, str(weights))
+    new = load_head(draft, DEMO_TARGET, projections=projections)
+    old = quantize_projections(load_head(draft, DEMO_TARGET), projections)
+    old_weights, new_weights = _quantized_weights(old), _quantized_weights(new)
+    assert old_weights.keys() == new_weights.keys() and len(new_weights) >= 6
+    assert all(torch.equal(a, b) for name in old_weights for a, b in zip(old_weights[name], new_weights[name]))
+    old_state, new_state = old.state_dict(), new.state_dict()
+    assert old_state.keys() == new_state.keys()
+    for name, tensor in new_state.items():  # the embedding stays fp16 (widened on lookup); the rest as fp32's
+        assert torch.equal(tensor.to(old_state[name].dtype), old_state[name]), name
+        assert tensor.dtype == old_state[name].dtype or name == "embed_tokens.weight", name
+    drafters = [Drafter(head, max_len=64) for head in (old, new)]
+    generator = torch.Generator().manual_seed(2)
+    features = torch.randn(10, drafters[0].feature_size, generator=generator)
+    tokens = torch.randint(0, new.spec.vocab_size, (10,), generator=generator)
+    trees = []
+    for drafter in drafters:
+        drafter.extend(features, tokens)
+        trees.append(drafter.propose(TreeShape.clamped(8, 4, 4)))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].scores, trees[1].scores)
+
+
 def test_misshapen_draft_weight_is_a_clear_error(tmp_path):
     from safetensors.torch import load_file, save_file
 

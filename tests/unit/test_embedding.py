@@ -12,7 +12,7 @@ from torch import nn
 from cpu_worker.engine import TargetEngine
 from cpu_worker.model.embedding import BlockEmbedding, StoredEmbedding, output_dtype
 from cpu_worker.model.gguf_file import GGUFFile
-from cpu_worker.model.gguf_loading import read_float
+from cpu_worker.model.gguf_loading import gguf_tensors, read_float
 from cpu_worker.target_loading import load_target_model
 from gpu_worker.drafter import Drafter
 from ipc.tree import TreeShape
@@ -106,12 +106,47 @@ def test_a_quantized_cpu_head_keeps_an_fp16_targets_table_with_the_fp32_tables_t
     assert isinstance(stored, StoredEmbedding) and stored.weight.dtype == torch.float16
     assert heads[0].dtype == torch.float32
     heads[1].head.embed_tokens = nn.Embedding.from_pretrained(stored.weight.detach().float(), freeze=True)
+    assert_same_trees(heads)
+
+
+def assert_same_trees(heads: list[Drafter]) -> None:
+    """Both drafters, given the same rows, draft the same tree with the same scores."""
     generator = torch.Generator().manual_seed(3)
     features = torch.randn(12, heads[0].feature_size, generator=generator)
-    tokens = torch.randint(0, stored.weight.shape[0], (12,), generator=generator)
+    tokens = torch.randint(0, heads[0].head.spec.vocab_size, (12,), generator=generator)
     trees = []
     for drafter in heads:
         drafter.extend(features, tokens)
         trees.append(drafter.propose(TreeShape.clamped(8, 4, 4)))
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
     assert torch.equal(trees[0].scores, trees[1].scores)
+
+
+@pytest.fixture(scope="module")
+def demo_ggufs(tmp_path_factory):
+    """The demo target as GGUF files whose embedding is Q8_0, F16 or F32."""
+    root = tmp_path_factory.mktemp("demo-gguf")
+    return {stored: write_gguf(DEMO_TARGET, root / f"{stored.name}.gguf",
+                               {"proj": Q.Q8_0, "embd": stored, "output": Q.Q8_0})
+            for stored in (Q.Q8_0, Q.F16, Q.F32)}
+
+
+@pytest.mark.parametrize("stored, kind", [(Q.Q8_0, BlockEmbedding), (Q.F16, StoredEmbedding), (Q.F32, nn.Embedding)])
+@pytest.mark.parametrize("layout", ["dgf", "eagle3"])
+def test_a_quantized_cpu_head_keeps_a_gguf_targets_table_as_the_file_stores_it(demo_ggufs, stored, kind, layout,
+                                                                                tmp_path):
+    """A quantized head on the CPU takes a GGUF target's embedding in the file's blocks (or its fp16
+    values), not as an fp32 copy, and drafts the tree the whole table dequantized gives; a float head
+    keeps an ordinary fp32 table."""
+    target = demo_ggufs[stored]
+    draft = DEMO_DRAFT if layout == "dgf" else \
+        save_published_eagle3(tmp_path / "e3", DEMO_TARGET, range(0, 8192, 64), aux_layers=[1, 3, 4])
+    heads = [Drafter.from_pretrained(draft, target, max_len=256, device="cpu", dtype="int8") for _ in range(2)]
+    assert type(heads[0].head.embed_tokens) is kind
+    assert heads[0].device == torch.device("cpu") and heads[0].dtype == torch.float32
+    table = gguf_tensors(target, {"model.embed_tokens.weight"})["model.embed_tokens.weight"]
+    assert table.dtype == torch.float32
+    heads[1].head.embed_tokens = nn.Embedding.from_pretrained(table, freeze=True)
+    assert_same_trees(heads)
+    float_head = Drafter.from_pretrained(draft, target, max_len=256, device="cpu", dtype="fp32").head
+    assert type(float_head.embed_tokens) is nn.Embedding and float_head.embed_tokens.weight.dtype == torch.float32
