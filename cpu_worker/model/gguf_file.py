@@ -136,7 +136,37 @@ def _value(cursor: _Cursor, value_type: GGUFValueType, what: str, depth: int = 0
         items = np.frombuffer(cursor.view, dtype=_NUMPY[item_type], count=count, offset=cursor.at).copy()
         cursor.at += count * smallest
         return items
+    if item_type == GGUFValueType.STRING:
+        return _strings(cursor, count, what)
     return [_value(cursor, item_type, what, depth + 1) for _ in range(count)]
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+def _strings(cursor: _Cursor, count: int, what: str) -> list[str]:
+    """An array of ``count`` strings, each checked as ``_Cursor.string`` checks one: a vocabulary's
+    ~100k tokens and merges in one tight loop (the per-item reads took 1 s of a start-up's parses)."""
+    view, at, end = cursor.view, cursor.at, len(cursor.view)
+    unpack = _LENGTH.unpack_from
+    items = []
+    for index in range(count):
+        if at + 8 > end:
+            cursor.at = at
+            raise cursor.fail(f"the length of item {index} of {what} runs past the end of the file")
+        (length,) = unpack(view, at)
+        at += 8
+        if length > end - at:
+            cursor.at = at
+            raise cursor.fail(f"item {index} of {what} runs past the end of the file")
+        try:
+            items.append(str(view[at:at + length], "utf-8"))
+        except UnicodeDecodeError:
+            cursor.at = at
+            raise cursor.fail(f"item {index} of {what} is not UTF-8") from None
+        at += length
+    cursor.at = at
+    return items
 
 
 def _metadata(cursor: _Cursor, count: int) -> dict[str, Any]:

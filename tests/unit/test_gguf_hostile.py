@@ -70,6 +70,11 @@ CASES = {
     "array past the end": (lambda d: d.__setitem__(slice(_at(d, b"tokenizer.ggml.tokens") + 4,
                                                          _at(d, b"tokenizer.ggml.tokens") + 12),
                                                    struct.pack("<Q", 1 << 50)), "past the end"),
+    # tokenizer.ggml.tokens: value type, item type, count (4 + 4 + 8 bytes), then item 0's length and bytes.
+    "token past the end": (lambda d: d.__setitem__(slice(_at(d, b"tokenizer.ggml.tokens") + 16,
+                                                         _at(d, b"tokenizer.ggml.tokens") + 24),
+                                                   struct.pack("<Q", 1 << 40)), "item 0 of .* past the end"),
+    "token not UTF-8": (lambda d: d.__setitem__(_at(d, b"tokenizer.ggml.tokens") + 24, 0xFF), "item 0 of .* UTF-8"),
     "offset outside the file": (lambda d: d.__setitem__(slice(_at(d, b"output.weight") + 4 + 16 + 4,
                                                               _at(d, b"output.weight") + 4 + 16 + 12),
                                                         struct.pack("<Q", 1 << 33)), "outside the file"),
