@@ -1,0 +1,63 @@
+"""tools.gguf_standin: a model folder written as a GGUF file from the command line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from cpu_worker.engine import TargetEngine
+from cpu_worker.model.gguf_file import GGUFFile
+from cpu_worker.target_loading import load_target_model
+from dovetail_runtime.tokenizer import Tokenizer
+from tools.gguf_standin import main
+
+from conftest import DEMO_TARGET
+
+PROMPT = [3, 17, 42, 5, 88, 60, 2, 9, 31]
+
+
+def logits(path) -> torch.Tensor:
+    return TargetEngine(load_target_model(path, "fp32"), max_len=64).prefill(PROMPT).logits
+
+
+def test_a_float_file_with_its_tokenizer_decodes_as_its_folder(tmp_path):
+    out = tmp_path / "demo.gguf"
+    assert main([str(DEMO_TARGET), str(out), "--proj", "f32", "--embd", "f32", "--output", "f32", "--tokenizer"]) == 0
+    with GGUFFile(out) as file:
+        assert {info.type for info in file.tensors.values()} == {GGMLQuantizationType.F32}
+        assert "tokenizer.ggml.tokens" in file.metadata
+    assert torch.equal(logits(out), logits(DEMO_TARGET))  # q/k rows permuted as llama.cpp's, and back
+    text = "def walk(path):\n    return os.listdir(path)"
+    assert Tokenizer.from_dir(out).encode(text) == Tokenizer.from_dir(DEMO_TARGET).encode(text)
+
+
+def test_types_by_role(tmp_path):
+    out = tmp_path / "demo.gguf"
+    main([str(DEMO_TARGET), str(out), "--proj", "q4_1", "--embd", "q8_0"])
+    with GGUFFile(out) as file:
+        kinds = {name: info.type for name, info in file.tensors.items()}
+        assert "tokenizer.ggml.tokens" not in file.metadata
+    assert kinds["token_embd.weight"] == GGMLQuantizationType.Q8_0
+    assert kinds["blk.0.ffn_down.weight"] == GGMLQuantizationType.Q4_1
+    assert kinds["blk.0.attn_norm.weight"] == GGMLQuantizationType.F32
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--proj", "q9_9"], "unknown GGUF type"),
+    ([], "exists"),
+])
+def test_bad_arguments_are_refused(tmp_path, capsys, args, message):
+    out = tmp_path / "taken.gguf"
+    out.write_bytes(b"")
+    with pytest.raises(SystemExit):
+        main([str(DEMO_TARGET), str(out), *args])
+    assert message in capsys.readouterr().err
+    assert out.read_bytes() == b""  # an existing file is never overwritten
+
+
+def test_a_folder_without_a_config_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), str(tmp_path / "out.gguf")])
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "out.gguf").exists()
