@@ -212,6 +212,34 @@ def inflate_head(sources: Sources, shape_name: str, shape: tuple[int, ...]) -> P
     return ensure_inflated(what, arguments, sources.work_dir / name, size)
 
 
+GGUF_KINDS = ("q4_0", "q4_1", "q8_0")
+
+
+def gguf_target(target_dir: Path, kind: str) -> Path:
+    """The inflated target as a GGUF file, as llama.cpp's converter and quantizer would make it
+    (``tools.gguf_standin``: projections and embedding in ``kind`` blocks, the output matrix Q8_0, the
+    tokenizer and chat template in its metadata), cached beside the folder."""
+    from gguf import GGMLQuantizationType
+
+    from tools.gguf_standin import chat_template_metadata, tokenizer_metadata, write_gguf
+
+    path = target_dir.with_name(f"{target_dir.name}.{kind}.gguf")
+    if path.is_file():
+        print(f"reusing {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
+        return path
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    check_free_space(path.parent, folder_bytes(target_dir) // 2)  # 4-8.5 bits a weight against fp16's 16
+    print(f"writing the target as a {kind} GGUF -> {path} ...", flush=True)
+    started = time.perf_counter()
+    block = GGMLQuantizationType[kind.upper()]
+    write_gguf(target_dir, partial, {"proj": block, "embd": block, "output": GGMLQuantizationType.Q8_0},
+               tokenizer_metadata(target_dir) | chat_template_metadata(target_dir))
+    partial.rename(path)
+    print(f"  done in {time.perf_counter() - started:.1f} s, {path.stat().st_size / 1e9:.2f} GB", flush=True)
+    return path
+
+
 # --- prompts -------------------------------------------------------------------------------
 
 
@@ -929,6 +957,9 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG of the sweep and the modelled speedup; needs matplotlib (pip install -e '.[bench]'). "
                    "[default: WORK_DIR/bench_real.png]")
+@click.option("--gguf", type=click.Choice(GGUF_KINDS), default=None,
+              help="Run each target from a GGUF file of these blocks (projections and embedding; output Q8_0), "
+                   "written from the inflated folder and cached beside it, as a llama.cpp user would load it.")
 @click.option("--dry-run", is_flag=True,
               help="Smoke test: --runs tiny-1k:fp32 --layers 2 --prompts 2 --max-new-tokens 8 --sweep-repeats 2, "
                    "for each of those options not given.")
@@ -959,6 +990,8 @@ def main(context: click.Context, **values: Any) -> None:
     for shape_name, precision, draft_dtype in runs:
         layers = max(values["layers"] or shapes[shape_name][5], source_layers)
         target_dir = inflate_target(sources, shape_name, shapes[shape_name], layers)
+        if values["gguf"]:
+            target_dir = gguf_target(target_dir, values["gguf"])
         head_dir = inflate_head(sources, shape_name, shapes[shape_name])
         plan.append((RunResult(shape_name, precision, layers, trees, target_dir, draft_dtype=draft_dtype), head_dir))
     inflate_s = time.perf_counter() - started
