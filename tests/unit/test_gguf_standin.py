@@ -61,3 +61,23 @@ def test_a_folder_without_a_config_is_refused(tmp_path, capsys):
         main([str(tmp_path), str(tmp_path / "out.gguf")])
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_bench_real_writes_a_targets_gguf_once_and_reuses_it(tmp_path):
+    """bench_real --gguf: the inflated folder written as a GGUF beside it (via a partial file), then
+    reused as it is; it carries the folder's tokenizer."""
+    import shutil
+
+    from tools.bench_real import gguf_target
+
+    folder = shutil.copytree(DEMO_TARGET, tmp_path / "target-demo")
+    path = gguf_target(folder, "q8_0")
+    assert path == tmp_path / "target-demo.q8_0.gguf" and path.is_file()
+    assert not (tmp_path / "target-demo.q8_0.gguf.partial").exists()
+    with GGUFFile(path) as file:
+        assert file.tensors["blk.0.ffn_up.weight"].type == GGMLQuantizationType.Q8_0
+        assert file.tensors["token_embd.weight"].type == GGMLQuantizationType.Q8_0
+    made = path.stat().st_mtime_ns
+    assert gguf_target(folder, "q8_0") == path and path.stat().st_mtime_ns == made
+    text = "import os"
+    assert Tokenizer.from_dir(path).encode(text) == Tokenizer.from_dir(folder).encode(text)
