@@ -171,7 +171,7 @@ def stored_embedding(file: GGUFFile, info: TensorInfo, spec: LlamaSpec) -> torch
 
 def gguf_stored_table(path: str | Path) -> torch.nn.Module | None:
     """The embedding of the GGUF file at ``path`` as the file stores it (``stored_embedding``): what a
-    quantized draft head on the CPU keeps of a GGUF target's table instead of an fp32 copy (a 7B Q4_0
+    quantized draft head on the CPU keeps of a GGUF target's table instead of an fp32 copy (a Llama-2-7B Q4_0
     file's 74 MB against 524 MB); None where the file's table is F32."""
     with GGUFFile(path) as file:
         spec = gguf_spec(file)
