@@ -28,6 +28,7 @@ from cpu_worker.model import (
     ModelLoadError,
     fuse_projections,
     iter_tensors,
+    keeps_stored_tables,
     release_freed_memory,
     tensor_shapes,
 )
@@ -372,8 +373,8 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
             raise DraftCheckpointError(
                 f"draft head reads target rows of 3 x {target_hidden} (its config.json), the target's hidden size is "
                 f"{int(target_config.hidden_size)}")
-    quantized = projections is not None
-    block_table = _eagle3_embedding(draft_dir, target_dir, state, spec, quantized and _keeps_tables(device, dtype))
+    keeps = keeps_stored_tables(projections is not None, dtype, device)
+    block_table = _eagle3_embedding(draft_dir, target_dir, state, spec, keeps)
     _vocab_maps(draft_dir, state, spec.vocab_size, draft_vocab)
     try:
         with torch.device("meta"):  # every tensor comes from the files
@@ -389,15 +390,9 @@ def load_eagle3_head(draft_dir: Path, config: Any, raw: dict[str, Any], state: d
         raise DraftCheckpointError(
             f"draft weights in {draft_dir} do not fit a {fusion} head: "
             f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
-    _assign_state(head, state, device, dtype, quantized)
+    _assign_state(head, state, device, dtype, keeps)
     state.clear()  # the head holds the tensors now: each projection's source goes as it is quantized
     return (quantize_projections(head, projections) if projections else head).eval()
-
-
-def _keeps_tables(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether a quantized head on ``device`` in ``dtype`` may keep an embedding as stored (fp32 on the
-    CPU, as ``WeightPlacer.keeps_tables``)."""
-    return dtype == torch.float32 and torch.device(device).type == "cpu"
 
 
 def _eagle3_embedding(draft_dir: Path, target_dir: Path | str | None, state: dict[str, torch.Tensor],
@@ -440,15 +435,15 @@ def _stored_target_table(target_dir: Path | str) -> torch.nn.Module | None:
 
 
 def _assign_state(head: Eagle3Head, state: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
-                  quantized: bool) -> None:
+                  keeps: bool) -> None:
     """``state`` into ``head`` in ``dtype`` on ``device``; ids and flags keep their dtypes. A head whose
-    projections are quantized next (``quantized``, on the CPU at fp32) keeps their weights as read, since
-    the quantizer widens each to fp32 in turn: never a whole fp32 copy next to the fp16 one (a 7B-wide
-    q4_0 head's peak RSS 3.1-3.4 -> 1.4-1.7 GB, with the read tensors dropped as they are quantized), the
-    same fp32 values, so the same bits. It keeps an fp16/bf16 embedding as a ``StoredEmbedding``. A head
-    given a block table already (``_eagle3_embedding``) finds no embedding in ``state``."""
+    projections are quantized next on the CPU at fp32 (``keeps``: ``keeps_stored_tables``) keeps their
+    weights as read, since the quantizer widens each to fp32 in turn: never a whole fp32 copy next to the
+    fp16 one (a 7B-wide q4_0 head's peak RSS 3.1-3.4 -> 1.4-1.7 GB, with the read tensors dropped as they
+    are quantized), the same fp32 values, so the same bits. It keeps an fp16/bf16 embedding as a
+    ``StoredEmbedding``. A head given a block table already (``_eagle3_embedding``) finds no embedding in
+    ``state``."""
     kept = {"d2t", "t2d"}
-    keeps = quantized and _keeps_tables(device, dtype)
     if keeps:
         kept |= _projection_weights(head)
     embed = state.get("embed_tokens.weight")

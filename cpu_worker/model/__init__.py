@@ -67,6 +67,9 @@ if TYPE_CHECKING:
         iter_tensors as iter_tensors,
     )
     from cpu_worker.model.loading import (
+        keeps_stored_tables as keeps_stored_tables,
+    )
+    from cpu_worker.model.loading import (
         load_decoder as load_decoder,
     )
     from cpu_worker.model.loading import (
@@ -101,8 +104,8 @@ _HOMES = {
     "cpu_worker.model.fusion": ("fuse_projections",),
     "cpu_worker.model.llama": ("MLP", "Attention", "CacheSegment", "DecoderLayer", "KVCache", "LlamaDecoder",
                                "LlamaSpec", "ModelConfigError", "RMSNorm", "RotaryTable", "apply_rope"),
-    "cpu_worker.model.loading": ("WeightPlacer", "iter_tensors", "load_decoder", "load_spec", "read_tensors",
-                                 "tensor_shapes", "weight_files"),
+    "cpu_worker.model.loading": ("WeightPlacer", "iter_tensors", "keeps_stored_tables", "load_decoder", "load_spec",
+                                 "read_tensors", "tensor_shapes", "weight_files"),
     "cpu_worker.model.model_dir": ("ModelLoadError", "context_limit", "read_config", "resolve_model_dir"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

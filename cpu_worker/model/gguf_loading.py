@@ -208,9 +208,9 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
         with progress_bar(len(names), f"load {Path(path).name}", "tensor") as bar:
             for count, (gguf_name, name) in enumerate(names.items(), 1):
                 stored = stored_embedding(file, file.tensors[gguf_name], spec) if name == "embed_tokens.weight" \
-                    and quantize and dtype == torch.float32 else None
+                    and placer.keeps_tables else None
                 if stored is not None:
-                    model.embed_tokens = stored
+                    placer.place_table("embed_tokens", stored)
                 else:
                     placer.place(name, reader.read(file.tensors[gguf_name], name))  # type: ignore[arg-type]
                 file.release(gguf_name)

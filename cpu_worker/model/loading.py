@@ -182,6 +182,13 @@ def _rowwise_int8(weight: torch.Tensor, bias: torch.Tensor | None, name: str) ->
     return RowwiseInt8Linear(weight, bias)
 
 
+def keeps_stored_tables(quantized: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a model keeps its embedding table as the checkpoint stores it (fp16/bf16 values, a GGUF
+    file's blocks; rows widened on lookup): a quantized model with fp32 activations on the CPU, whose
+    table serves lookups only."""
+    return quantized and dtype == torch.float32 and torch.device(device).type == "cpu"
+
+
 class WeightPlacer:
     """Puts checkpoint tensors into a model built on the meta device, converting each to its
     final dtype and device as it arrives: ``quantize`` makes every linear weight W8A8 int8 at
@@ -215,9 +222,8 @@ class WeightPlacer:
 
     @property
     def keeps_tables(self) -> bool:
-        """Whether an embedding stays as its checkpoint stores it: a quantized model with fp32
-        activations on the CPU."""
-        return self.quantize and self.dtype == torch.float32 and self.device.type == "cpu"
+        """Whether an embedding stays as its checkpoint stores it (``keeps_stored_tables``)."""
+        return keeps_stored_tables(self.quantize, self.dtype, self.device)
 
     def _keeps_table(self, module: nn.Module, attribute: str, tensor: torch.Tensor) -> bool:
         return (self.keeps_tables and isinstance(module, nn.Embedding) and attribute == "weight"
