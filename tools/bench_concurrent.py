@@ -3,10 +3,13 @@ streams (dovetail and ar) against one solo ar stream, measured side by side in o
 stream's p95 inter-token latency and whether every stream's tokens equal its solo ar run.
 
     python -m tools.bench_concurrent --target PATH [--draft PATH] [--streams 1,2,4,8] [--max-new-tokens 64]
-        [-- more dovetail-run flags, e.g. --target-dtype int8 --cpu-threads 2]
+        [--rounds 1] [-- more dovetail-run flags, e.g. --target-dtype int8 --cpu-threads 2]
 
 The server runs with --max-batch at the largest stream count. Greedy requests, one prompt per
 stream (held-out chat prompts through the chat template when the target has one, else code prompts).
+Each stream count runs in ar and then at once in dovetail mode, so the two rows of a pair share the
+host's moment (a shared machine's memory speed moves by a third within minutes); ``--rounds`` repeats
+the pairs and prints the median of their ratios.
 """
 
 from __future__ import annotations
@@ -114,8 +117,10 @@ def tree_cycles(results: list[dict]) -> str:
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--chat/--code", default=None, help="chat or code prompts  [default: chat when the target has a chat "
               "template]")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="times to run every (stream count, mode) pair; the median dovetail / ar ratio per count at the end")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-def main(target: str, draft: str | None, streams: str, max_new_tokens: int, chat: bool | None,
+def main(target: str, draft: str | None, streams: str, max_new_tokens: int, chat: bool | None, rounds: int,
          server_args: tuple[str, ...]) -> None:
     counts = sorted({int(count) for count in streams.split(",")})
     args = ["--target", target, *(["--draft", draft] if draft else ["--mode", "ar"]), "--max-batch", str(max(counts)),
@@ -136,18 +141,29 @@ def main(target: str, draft: str | None, streams: str, max_new_tokens: int, chat
                 solo_wall += wall
                 solo_tokens.append(result["tokens"])
             solo_tps = sum(len(tokens) for tokens in solo_tokens) / solo_wall
-            print(markdown_header(["mode", "streams", "aggregate tok/s", "x solo ar", "p95 ITL ms", "same tokens",
-                                   "cycles with a tree"]))
-            print(markdown_row(["ar (solo, one at a time)", 1, f"{solo_tps:.1f}", "1.00x", "", "reference", ""]))
-            for mode in modes:
+            print(markdown_header(["mode", "streams", "aggregate tok/s", "x solo ar", "x ar just before",
+                                   "p95 ITL ms", "same tokens", "cycles with a tree"]))
+            print(markdown_row(["ar (solo, one at a time)", 1, f"{solo_tps:.1f}", "1.00x", "", "", "reference", ""]))
+            ratios: dict[int, list[float]] = {count: [] for count in counts}
+            for _ in range(rounds):
                 for count in counts:
-                    wall, results = run_streams(server.endpoint, [fields | {"mode": mode} for fields in
-                                                                  requests[:count]])
-                    total = sum(len(result["tokens"]) for result in results)
-                    same = all(result["tokens"] == solo_tokens[index] for index, result in enumerate(results))
-                    print(markdown_row([mode, count, f"{total / wall:.1f}", f"{total / wall / solo_tps:.2f}x",
-                                        f"{p95_itl_ms(results):.1f}", "yes" if same else "NO",
-                                        tree_cycles(results) if mode == "dovetail" else ""]), flush=True)
+                    rates = {}
+                    for mode in modes:
+                        wall, results = run_streams(server.endpoint, [fields | {"mode": mode} for fields in
+                                                                      requests[:count]])
+                        total = sum(len(result["tokens"]) for result in results)
+                        rates[mode] = total / wall
+                        same = all(result["tokens"] == solo_tokens[index] for index, result in enumerate(results))
+                        versus_ar = f"{rates[mode] / rates['ar']:.2f}x" if mode == "dovetail" else ""
+                        print(markdown_row([mode, count, f"{rates[mode]:.1f}", f"{rates[mode] / solo_tps:.2f}x",
+                                            versus_ar, f"{p95_itl_ms(results):.1f}", "yes" if same else "NO",
+                                            tree_cycles(results) if mode == "dovetail" else ""]), flush=True)
+                    if "dovetail" in rates:
+                        ratios[count].append(rates["dovetail"] / rates["ar"])
+            if draft and rounds > 1:
+                print("dovetail / ar just before, median of rounds: " + ", ".join(
+                    f"{count} streams {statistics.median(values):.2f}x ({', '.join(f'{v:.2f}' for v in values)})"
+                    for count, values in ratios.items()))
         finally:
             server.stop()
 
