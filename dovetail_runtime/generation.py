@@ -1,7 +1,7 @@
 """One request's decoding loop, driven by the coordinator over the two workers.
 
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps while
-no tree pays (a request alone: ``plain_fallback``; a busy batch keeps its trees at one node), back
+no tree pays (a request alone: ``plain_fallback``; in a busy batch: ``TreePlanner.batch_shape``), back
 to trees when one does; ar mode: prefill -> decode -> decode ... on the cpu_worker alone. A long
 prompt's prefill is several calls, one per chunk of ``Job.prefill_chunk`` tokens. Each loop is a
 generator (``ar_steps``, ``dovetail_steps``) that yields its next worker request (a ``Call``) and
@@ -34,9 +34,6 @@ from ipc.tree import TreeShape
 from .tree_planner import FixedTree, ShapePlanner
 
 Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
-# One-node trees in a row (chosen because the batch is busy, not by acceptance) after which a
-# dovetail request decodes plainly, until the batch's load allows a tree again.
-PLAIN_AFTER = 4
 # Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
 # prompt delays the running requests by one such chunk per round.
 DEFAULT_PREFILL_CHUNK = 256
@@ -268,7 +265,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             raise RuntimeError("the cpu_worker returned no prompt features")
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
         pair_tokens, features, reset = prompt_ids[1:] + [prefill.token], prefill.features, True
-        length, one_node_streak, planned = len(prompt_ids) + 1, 0, None
+        length, planned = len(prompt_ids) + 1, None
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
         while True:
@@ -278,10 +275,10 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 break
             together = batch()
             shape, planned = (planned or planner.shape(together)).fitted(room), None  # planned: what ended plain
-            one_node_streak = one_node_streak + 1 if shape.tree_tokens == 1 else 0
-            if one_node_streak > (PLAIN_AFTER if together > 1 else 0) and not reset:
-                # No tree pays (alone: the planner says so; busy batch: a few one-node trees): plain steps until
-                # one does, not one-node trees (a head's step each). The first cycle drafts: the prompt.
+            if shape.tree_tokens == 1 and not reset:
+                # No tree pays (alone: the planner's fallback; in a busy batch: its load): plain steps until
+                # one does, not one-node trees (a head's step and a round trip each, for nothing: the draft
+                # goes on well without those positions, below). The first cycle drafts: the prompt.
                 resumed = yield from plain_until_tree(seq_id, pair_tokens[-1], length, context, budget, stats,
                                                       lambda: planner.shape(batch()))
                 if resumed is None:
@@ -289,7 +286,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 verified, length, planned = resumed
                 # The draft goes on from its own context, without the plain steps: restarted from this
                 # one row it accepted 1.27 tokens a cycle at first (real pair, 8/4/4); this way 2.59.
-                pair_tokens, features, one_node_streak = verified.accepted_tokens, verified.features, 0
+                pair_tokens, features = verified.accepted_tokens, verified.features
                 continue
             cycle_started = time.perf_counter()
             draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,

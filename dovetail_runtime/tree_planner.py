@@ -181,6 +181,9 @@ class TreePlanner:
                                   for size in bounds.tree_sizes if size >= 2
                                   for depth in range(1, min(size - 1, bounds.max_depth) + 1)
                                   if size - 1 <= draft_capacity(depth, top_k)]
+        # The least tree of each depth and beam: the cheapest way to its most tokens (depth + 1).
+        self.leanest: list[Cell] = [min(cell for cell in self.cells if cell[1:] == (depth, top_k))
+                                    for depth, top_k in sorted({cell[1:] for cell in self.cells})]
         self.weight: dict[Cell, float] = dict.fromkeys(self.cells, 0.0)
         self.accepted_sum: dict[Cell, float] = dict.fromkeys(self.cells, 0.0)
         self.verify_scale = 1.0
@@ -288,22 +291,30 @@ class TreePlanner:
         one pass: t_verify(batch x T)), or
         no draft tokens at all (T = 1: the batch decodes plainly) when that is faster, as it is
         where many rows cost nearly as much each as one (AVX2) and the batch already fills the
-        pass over the weights. No probing: the rates come from solo cycles."""
+        pass over the weights. Where no tree could beat plain steps at this load even with every
+        drafted token accepted (a 135M target's batch of 4 on two cores), one node at once: from the
+        first cycle, before any shape is rated, not after a round of trees that learns it. Before any
+        rating otherwise, the solo choice. No probing: the rates come from solo cycles."""
         plain = 1.0 / (self.batch_verify_ms(batch) + self.ipc_ms)
-        rated = []
-        for cell in self.cells:
-            tokens = self.expected_tokens(cell)
-            if tokens is not None:
-                size, depth, top_k = cell
-                draft = self.batch_draft_share * self.draft_scale * interpolate(self.draft_ms[top_k], depth)
-                rated.append((tokens / (batch * draft + self.batch_verify_ms(batch * size) + self.ipc_ms), cell))
+        one_node = TreeShape.clamped(1, 1, self.bounds.top_k)
+        if max((cell[1] + 1) / self.batch_cycle_ms(batch, cell) for cell in self.leanest) <= plain:
+            return one_node
+        rated = [(tokens / self.batch_cycle_ms(batch, cell), cell) for cell in self.cells
+                 if (tokens := self.expected_tokens(cell)) is not None]
         if not rated:  # nothing rated yet: the solo choice, until cycles rate the shapes
             return TreeShape.clamped(*self.best)
         rate, cell = max(rated)
         if rate <= plain:
-            return TreeShape.clamped(1, 1, self.bounds.top_k)
+            return one_node
         self.chosen[cell] += 1
         return TreeShape.clamped(*cell)
+
+    def batch_cycle_ms(self, batch: int, cell: Cell) -> float:
+        """A cycle in which ``batch`` sequences each draft a tree of this shape (their drafts together,
+        each at ``batch_draft_share`` of its solo cost) and the target verifies all their rows in one pass."""
+        size, depth, top_k = cell
+        draft = self.batch_draft_share * self.draft_scale * interpolate(self.draft_ms[top_k], depth)
+        return batch * draft + self.batch_verify_ms(batch * size) + self.ipc_ms
 
     def batch_verify_ms(self, rows: int) -> float:
         """t_verify of ``rows`` rows in one pass: the measured curve, continued in proportion past its

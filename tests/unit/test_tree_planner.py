@@ -341,6 +341,22 @@ def test_in_a_batch_speculation_shrinks_to_plain_decoding_where_rows_cost_nearly
     assert flat.shape(4).tree_tokens > 1
 
 
+def test_before_any_rating_a_batch_decodes_plainly_where_no_tree_could_pay_it():
+    """Nothing rated yet (a fresh server's first busy cycles): where even trees whose every drafted
+    token were accepted emit fewer tokens per second than plain steps at this batch size (the demo's
+    135M target on two cores: a row of arithmetic costs a third of a step), the batch's first cycle
+    is one node; where rows are nearly free beside the weights' pass, it starts with the solo choice
+    (a tree) as before, and alone a request still gets its tree."""
+    bounds = AutoTree(max_tree_tokens=32, max_depth=6, top_k=4)
+    draft = {depth: 1.6 + 1.2 * (depth - 1) for depth in range(1, 7)}
+    steep = TreePlanner(bounds, {size: 3.0 + 1.3 * size for size in bounds.tree_sizes}, draft)
+    assert all(steep.expected_tokens(cell) is None for cell in steep.cells)
+    assert steep.shape(4).tree_tokens == 1
+    assert steep.shape(1).tree_tokens > 1
+    flat = TreePlanner(bounds, {size: 100.0 + 1.0 * size for size in bounds.tree_sizes}, draft)
+    assert flat.shape(4) == TreeShape.clamped(*flat.best) and flat.best[0] > 1
+
+
 @pytest.mark.parametrize("batch, timed", [(4, True), (1, False)])
 def test_batched_and_untimed_cycles_teach_acceptance_but_not_costs(batch, timed):
     """A batched cycle's times are the batch's (its draft time only says what its share of a batched
