@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,9 +41,11 @@ class _Sequence:
     engine: TargetEngine  # its own KV cache on the shared model
     sampler: Sampler
     logprobs: int | None  # alternatives per token; None: off
-    # While its prompt arrives in chunks: the feature rows so far (None once the prompt is in).
-    prompt_features: list[torch.Tensor] | None = None
+    prompt_complete: bool = False  # False while its prompt arrives in chunks
     return_features: bool = True
+    # While its prompt arrives in chunks: each chunk's (start, feature rows) no answer has carried
+    # since the draft last read (``PrefillRequest.features_from``).
+    unread: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 class TargetService:
@@ -72,9 +74,9 @@ class TargetService:
         sequence = self.sequences.get(seq_id)
         if sequence is None:
             raise SequenceError(f"sequence {seq_id} is not active (active: {sorted(self.sequences) or 'none'})")
-        if prompt_complete and sequence.prompt_features is not None:
+        if prompt_complete and not sequence.prompt_complete:
             raise SequenceError(f"sequence {seq_id}'s prompt is not complete: more chunks must come first")
-        if not prompt_complete and sequence.prompt_features is None:
+        if not prompt_complete and sequence.prompt_complete:
             raise SequenceError(f"sequence {seq_id}'s prompt is complete: no chunk can follow it")
         return sequence
 
@@ -89,25 +91,29 @@ class TargetService:
             self._end(seq_id)
 
     def prefill(self, request: m.PrefillRequest) -> m.PrefillResult | m.PrefillPartial:
-        """A prompt, or one chunk of it (``offset``, ``more``): the last chunk answers for the
-        whole prompt, its feature rows written to the prefill ring at once."""
+        """A prompt, or one chunk of it (``offset``, ``more``); each answer writes the prompt's feature
+        rows from ``features_from`` through this chunk to the prefill ring (the coordinator has the
+        draft read them, or asks for them again with the next chunk, before the ring's one slot is
+        written again), and the last chunk answers with the first new token."""
         started = time.perf_counter()
         sequence = (self._start(request) if request.offset == 0 else
                     self._sequence(request.seq_id, prompt_complete=False))
+        kept = _rows_from(sequence, request)
         try:
             step = sequence.engine.prefill(request.token_ids, request.offset)
         except (ContextOverflowError, ValueError) as error:
             self._end(request.seq_id)
             raise SequenceError(str(error)) from None
-        features = sequence.prompt_features
-        assert features is not None
+        ring_ref = None
         if sequence.return_features:
-            features.append(step.features)
+            kept.append((request.offset, step.features))
+            rows = [features for _, features in kept]
+            ring_ref = self.prefill_ring.write(rows[0] if len(rows) == 1 else torch.cat(rows))
         if request.more:
-            return m.PrefillPartial(seq_id=request.seq_id, compute_ms=(time.perf_counter() - started) * 1e3)
-        sequence.prompt_features = None
-        ring_ref = (self.prefill_ring.write(features[0] if len(features) == 1 else torch.cat(features))
-                    if sequence.return_features else None)
+            sequence.unread = kept
+            return m.PrefillPartial(seq_id=request.seq_id, features=ring_ref,
+                                    compute_ms=(time.perf_counter() - started) * 1e3)
+        sequence.prompt_complete, sequence.unread = True, []
         # The new token's position is the prompt's length.
         prompt_length = request.offset + len(request.token_ids)
         token = sequence.sampler.pick(step.logits, prompt_length)
@@ -126,7 +132,7 @@ class TargetService:
             self._end(oldest)
         engine = self._spare.pop() if self._spare else self.engine.sibling()
         engine.reset()
-        sequence = _Sequence(engine, Sampler(request.sampling), request.logprobs, prompt_features=[],
+        sequence = _Sequence(engine, Sampler(request.sampling), request.logprobs,
                              return_features=request.return_features)
         self.sequences[request.seq_id] = sequence
         return sequence
@@ -231,6 +237,18 @@ class TargetService:
         return {m.PrefillRequest: self.prefill, m.VerifyRequest: self.verify,
                 m.DecodeRequest: self.decode, m.StepBatch: self.step_batch, m.ReleaseSequence: self.release,
                 m.MeasureVerifyCost: self.measure_verify_cost}
+
+
+def _rows_from(sequence: _Sequence, request: m.PrefillRequest) -> list[tuple[int, torch.Tensor]]:
+    """The kept chunks' rows from ``request.features_from`` on (the earlier ones are dropped: read);
+    SequenceError, before anything runs, where that is not a kept chunk's start or this chunk's."""
+    if not sequence.return_features:
+        return []
+    starts = [start for start, _ in sequence.unread] + [request.offset]
+    if request.features_from not in starts:
+        raise SequenceError(f"features_from {request.features_from} is not where a chunk whose rows are kept "
+                            f"starts ({', '.join(map(str, starts))})")
+    return [(start, rows) for start, rows in sequence.unread if start >= request.features_from]
 
 
 def _logprob(sequence: _Sequence, logits: torch.Tensor, token: int) -> m.TokenLogprob | None:

@@ -9,9 +9,11 @@ nearly N times the tokens per second of one.
 
 A new sequence's prefill runs on its own, at most one call per round: a long prompt comes in
 chunks (``Job.prefill_chunk``, 256 tokens by default), one per round, so it delays the running
-streams by one chunk per round, never by its whole prefill. Only the last chunk's answer carries
-the prompt's feature rows; they wait in the prefill ring's single slot until the sequence's first
-draft reads them, in the next round.
+streams by one chunk per round, never by its whole prefill. While others run, each chunk's answer
+carries its feature rows; they wait in the prefill ring's single slot until the sequence's draft
+reads them at the start of the next round (a DraftExtend in that round's DraftBatch, or after the
+last chunk its first draft step), before any prefill call can write the slot again: so the draft,
+too, takes in a long prompt a chunk per round (``generation.prefill_steps``).
 
 A call that fails for one sequence (a WorkerError item) ends that stream alone; a worker that
 dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream (``abort``).

@@ -3,7 +3,8 @@
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps while
 no tree pays (a request alone: ``plain_fallback``; in a busy batch: ``TreePlanner.batch_shape``), back
 to trees when one does; ar mode: prefill -> decode -> decode ... on the cpu_worker alone. A long
-prompt's prefill is several calls, one per chunk of ``Job.prefill_chunk`` tokens. Each loop is a
+prompt's prefill is several calls, one per chunk of ``Job.prefill_chunk`` tokens (dovetail in a
+busy batch: the draft reads each chunk's feature rows before the next chunk). Each loop is a
 generator (``ar_steps``, ``dovetail_steps``) that yields its next worker request (a ``Call``) and
 is sent the reply, so one driver runs it alone (``run_alone``: ``generate_ar``,
 ``generate_dovetail``) and another runs many side by side, their calls merged into batches
@@ -25,8 +26,6 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
-
-import msgspec
 
 from ipc import messages as m
 from ipc.tree import TreeShape
@@ -102,9 +101,9 @@ class Stats:
 
     def record_cycle(self, shape: TreeShape, draft_ms: float, verify_ms: float, accepted: int) -> None:
         """One draft/verify cycle of ``shape`` that emitted ``accepted`` tokens. The first cycle's draft
-        step also absorbed the prompt."""
+        step also absorbed the prompt (or its last chunk: ``prefill_steps`` counts the others')."""
         if self.cycles == 0:
-            self.draft_prompt_ms = draft_ms
+            self.draft_prompt_ms += draft_ms
         self.draft_ms += draft_ms
         self.verify_ms += verify_ms
         self.cycles += 1
@@ -176,29 +175,49 @@ def _reply(reply: m.Message, expect: type[R]) -> R:
     return reply
 
 
-def prefill_steps(job: Job, return_features: bool, emit: Emit) -> Generator[Call, m.Message, m.PrefillResult | None]:
+Prefilled = tuple[m.PrefillResult, int]  # the last chunk's answer, where its feature rows start
+
+
+def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
+                  together: Callable[[], int] = lambda: 1) -> Generator[Call, m.Message, Prefilled | None]:
     """The prompt's prefill, ``job.prefill_chunk`` tokens per call (a batch runs one call per round,
-    so a long prompt holds up the running streams one chunk at a time, not for its whole prefill);
-    returns the last chunk's PrefillResult, its compute time the sum of all chunks'. Between two
-    chunks ``emit([], [])`` is asked whether to stop (a cancel, a deadline, a client gone): then
-    None, the rest of the prompt never run."""
+    so a long prompt holds up the running streams one chunk at a time, not for its whole prefill).
+    With ``feed_draft`` (dovetail) the answers carry the prompt's feature rows; while other sequences
+    run (``together() > 1``) the draft reads each chunk's rows (a DraftExtend) before the next chunk,
+    so it never absorbs a whole long prompt in one step while they wait either. Alone, it reads
+    them with its first tree, after the first token. Returns the last chunk's PrefillResult and the
+    prompt position its rows start at (what the draft has not read); the compute times go to
+    ``stats``. Between two chunks ``emit([], [])`` is asked whether to stop (a cancel, a deadline, a
+    client gone): then None, the rest of the prompt never run."""
     prompt = job.prompt_ids
     size = job.prefill_chunk or len(prompt)
     if size < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {size}")
-    compute_ms = 0.0
+    unread = 0  # the first prompt position whose feature row the draft has not read
     for offset in range(0, len(prompt), size):
         if offset and emit([], []):
             return None
         more = offset + size < len(prompt)
         request = m.PrefillRequest(seq_id=job.seq_id, token_ids=prompt[offset:offset + size], sampling=job.sampling,
-                                   return_features=return_features, logprobs=job.logprobs, offset=offset, more=more)
-        if more:
-            partial = _reply((yield Call("cpu", request, m.PrefillPartial)), m.PrefillPartial)
-            compute_ms += partial.compute_ms
-            continue
-        result = _reply((yield Call("cpu", request, m.PrefillResult)), m.PrefillResult)
-        return msgspec.structs.replace(result, compute_ms=compute_ms + result.compute_ms)
+                                   return_features=feed_draft, logprobs=job.logprobs, offset=offset, more=more,
+                                   features_from=unread)
+        if not more:
+            result = _reply((yield Call("cpu", request, m.PrefillResult)), m.PrefillResult)
+            stats.prefill_ms += result.compute_ms
+            return result, unread
+        partial = _reply((yield Call("cpu", request, m.PrefillPartial)), m.PrefillPartial)
+        stats.prefill_ms += partial.compute_ms
+        if feed_draft and together() > 1:
+            if partial.features is None:
+                raise RuntimeError("the cpu_worker returned no features for a prompt chunk")
+            # Pairs: the feature of position i with token i + 1, all inside the prompt here.
+            end = offset + size
+            chunk = m.DraftExtend(seq_id=job.seq_id, tokens=prompt[unread + 1:end + 1], features=partial.features,
+                                  reset=unread == 0)
+            extended = _reply((yield Call("gpu", chunk, m.DraftExtended)), m.DraftExtended)
+            stats.draft_ms += extended.compute_ms
+            stats.draft_prompt_ms += extended.compute_ms
+            unread = end
     raise PromptTooLong("the prompt is empty after tokenization")
 
 
@@ -209,10 +228,10 @@ def ar_steps(job: Job, emit: Emit) -> Steps:
     started = time.perf_counter()
     try:
         context.check_prompt(job.prompt_ids)
-        result = yield from prefill_steps(job, False, emit)
-        if result is None:  # stopped between two prompt chunks
+        prefilled = yield from prefill_steps(job, stats, emit, feed_draft=False)
+        if prefilled is None:  # stopped between two prompt chunks
             return "stop", stats
-        stats.prefill_ms = result.compute_ms
+        result = prefilled[0]
         if not budget.push([result.token], [result.logprob] if result.logprob else []):
             yield from plain_steps(seq_id, result.token, len(job.prompt_ids) + 1, context, budget, stats)
     finally:
@@ -257,14 +276,17 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
-        prefill = yield from prefill_steps(job, True, emit)
-        if prefill is None:  # stopped between two prompt chunks
+        prefilled = yield from prefill_steps(job, stats, emit, True, batch)
+        if prefilled is None:  # stopped between two prompt chunks
             return "stop", stats
-        stats.prefill_ms = prefill.compute_ms
+        prefill, unread = prefilled
         if prefill.features is None:
             raise RuntimeError("the cpu_worker returned no prompt features")
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
-        pair_tokens, features, reset = prompt_ids[1:] + [prefill.token], prefill.features, True
+        # The first step reads the prompt's rows from ``unread`` on (``absorbing``): all of them,
+        # unless the draft read its first chunks while other sequences ran.
+        pair_tokens, features = prompt_ids[unread + 1:] + [prefill.token], prefill.features
+        reset, absorbing = unread == 0, True
         length, planned = len(prompt_ids) + 1, None
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
@@ -275,7 +297,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 break
             together = batch()
             shape, planned = (planned or planner.shape(together)).fitted(room), None  # planned: what ended plain
-            if shape.tree_tokens == 1 and not reset:
+            if shape.tree_tokens == 1 and not absorbing:
                 # No tree pays (alone: the planner's fallback; in a busy batch: its load): plain steps until
                 # one does, not one-node trees (a head's step and a round trip each, for nothing: the draft
                 # goes on well without those positions, below). The first cycle drafts: the prompt.
@@ -296,11 +318,12 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                                                                    parents=draft.parents), m.VerifyResult)),
                               m.VerifyResult)
             accepted = verified.accepted_tokens
-            # The first draft step read the whole prompt too: its times mislead the planner.
+            # The first draft step read (the last chunk of) the prompt too: its times mislead the planner.
             planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
-                            (time.perf_counter() - cycle_started) * 1e3, together, timed=not reset)
+                            (time.perf_counter() - cycle_started) * 1e3, together, timed=not absorbing)
             stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
-            length, pair_tokens, features, reset = length + len(accepted), accepted, verified.features, False
+            length, pair_tokens, features = length + len(accepted), accepted, verified.features
+            reset = absorbing = False
             if budget.push(accepted, verified.logprobs):
                 break
     finally:

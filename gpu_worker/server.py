@@ -17,6 +17,7 @@ from ipc import messages as m
 from ipc.cost_cache import OnlineCurve
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing, get_block
+from ipc.tree import TreeShape
 from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 
 from .device import resolve_device
@@ -51,7 +52,7 @@ class DraftService:
             drafter.reset()
             self._spare.append(drafter)
 
-    def _drafter(self, request: m.DraftRequest) -> Drafter:
+    def _drafter(self, request: m.DraftRequest | m.DraftExtend) -> Drafter:
         if not request.reset:
             drafter = self.sequences.get(request.seq_id)
             if drafter is None:
@@ -82,13 +83,24 @@ class DraftService:
         return m.DraftResult(seq_id=request.seq_id, tokens=tree.tokens.tolist(), parents=tree.parents.tolist(),
                              compute_ms=compute_ms)
 
+    def extend(self, request: m.DraftExtend) -> m.DraftExtended:
+        """A prompt chunk into the sequence's draft cache, no tree."""
+        started = time.perf_counter()
+        drafter = self._drafter(request)
+        features = get_block(request.features, self.rings, device=drafter.device)
+        try:
+            drafter.extend(features, request.tokens)
+        except (DraftContextError, ValueError) as error:
+            raise SequenceError(str(error)) from None
+        return m.DraftExtended(seq_id=request.seq_id, compute_ms=(time.perf_counter() - started) * 1e3)
+
     def draft_batch(self, request: m.DraftBatch) -> m.DraftBatchResult:
         """Every item's draft step, the sequences together: their extends in one head forward, then
         their trees' levels in lockstep, each level in one forward (``Drafter.extend_together``,
         ``propose_together``). An item that does not fit its sequence gets a WorkerError and the
         others run; each result's compute_ms is its share of the batch's time."""
         started = time.perf_counter()
-        results: dict[int, m.DraftResult | m.WorkerError] = {}
+        results: dict[int, m.DraftResult | m.DraftExtended | m.WorkerError] = {}
 
         def fail(index: int, error: Exception) -> None:
             item = request.items[index]
@@ -111,27 +123,34 @@ class DraftService:
             except (SequenceError, DraftContextError, ValueError) as error:
                 fail(index, error)
         Drafter.extend_together(list(extends.values()))
-        proposals: dict[int, Drafter] = {}
+        proposals: dict[int, tuple[Drafter, TreeShape]] = {}
         for index, (drafter, _) in extends.items():
+            item = request.items[index]
+            if isinstance(item, m.DraftExtend):
+                continue  # a prompt chunk: its extend was all
             try:
-                drafter.check_shape(request.items[index].shape)
-                proposals[index] = drafter
+                drafter.check_shape(item.shape)
+                proposals[index] = drafter, item.shape
             except (DraftContextError, RuntimeError) as error:
                 fail(index, error)
-        trees = Drafter.propose_together(list(proposals.values()),
-                                         [request.items[index].shape for index in proposals])
+        trees = Drafter.propose_together([drafter for drafter, _ in proposals.values()],
+                                         [shape for _, shape in proposals.values()])
         compute_ms = (time.perf_counter() - started) * 1e3
-        share = compute_ms / max(len(proposals), 1)
+        share = compute_ms / max(len(extends), 1)
         for index, tree in zip(proposals, trees, strict=True):
             results[index] = m.DraftResult(seq_id=request.items[index].seq_id, tokens=tree.tokens.tolist(),
                                            parents=tree.parents.tolist(), compute_ms=share)
+        for index in extends:
+            if isinstance(request.items[index], m.DraftExtend):
+                results[index] = m.DraftExtended(seq_id=request.items[index].seq_id, compute_ms=share)
         return m.DraftBatchResult(items=[results[index] for index in range(len(request.items))],
                                   compute_ms=compute_ms)
 
     def _observe(self, request: m.DraftRequest, compute_ms: float) -> None:
-        """A cycle's draft step into its beam's curve; not a sequence's first (it absorbs the whole prompt)."""
+        """A cycle's draft step into its beam's curve; not a sequence's first (it absorbs the
+        prompt, or its last chunk: more pairs than a tree's accepted path can bring)."""
         curve = self.curves.get(request.shape.top_k)
-        if curve is not None and not request.reset:
+        if curve is not None and not request.reset and len(request.tokens) <= request.shape.depth + 1:
             curve.observe(request.shape.depth, compute_ms)
 
     def release(self, request: m.ReleaseSequence) -> None:
@@ -162,8 +181,8 @@ class DraftService:
             raise SequenceError(str(error)) from None
 
     def handlers(self) -> Handlers:
-        return {m.DraftRequest: self.draft, m.DraftBatch: self.draft_batch, m.ReleaseSequence: self.release,
-                m.MeasureDraftCost: self.measure_draft_cost}
+        return {m.DraftRequest: self.draft, m.DraftExtend: self.extend, m.DraftBatch: self.draft_batch,
+                m.ReleaseSequence: self.release, m.MeasureDraftCost: self.measure_draft_cost}
 
 
 def draft_threads(requested: int | None, device: torch.device) -> int | None:

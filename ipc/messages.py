@@ -243,7 +243,10 @@ class PrefillRequest(Message):
     """Run a prompt, or one chunk of it. ``offset`` 0 starts sequence ``seq_id`` (the worker keeps
     ``sampling`` and ``logprobs`` for the whole sequence); a later chunk names the prompt tokens
     already cached as its ``offset``. ``more``: chunks follow, answered with a PrefillPartial; the
-    last chunk is answered with the PrefillResult of the whole prompt."""
+    last chunk is answered with the PrefillResult of the whole prompt. With ``return_features``
+    each answer carries the prompt's feature rows from position ``features_from`` (a chunk's start,
+    at most ``offset``) through this chunk: the rows before it were read already, and the worker
+    keeps the later ones until an answer carries them."""
 
     seq_id: SeqId
     token_ids: TokenIds
@@ -252,19 +255,24 @@ class PrefillRequest(Message):
     logprobs: LogprobCount | None = None  # every result of the sequence carries TokenLogprobs
     offset: Count = 0
     more: bool = False
+    features_from: Count = 0
 
 
 class PrefillPartial(Message):
-    """A prompt chunk is cached; send the next one."""
+    """A prompt chunk is cached; send the next one. ``features``: the rows from ``features_from``
+    through this chunk (as the PrefillResult's), for the draft to read now (``DraftExtend``) or
+    with a later answer."""
 
     seq_id: SeqId
     compute_ms: Millis = 0.0
+    features: RingRef | None = None
 
 
 class PrefillResult(Message):
-    """The first new token, and the feature rows of every prompt position when asked: the last
-    layer's state after the final norm (hidden floats), or for an EAGLE-3 head the residual
-    streams entering its three target layers side by side (3 x hidden)."""
+    """The first new token, and when asked the prompt's feature rows from ``features_from`` on (the
+    whole prompt's unless the draft read its first chunks already): the last layer's state after
+    the final norm (hidden floats), or for an EAGLE-3 head the residual streams entering its three
+    target layers side by side (3 x hidden)."""
 
     seq_id: SeqId
     token: TokenId
@@ -327,6 +335,22 @@ class DraftRequest(Message):
     reset: bool = False
 
 
+class DraftExtend(Message):
+    """Feed ``tokens`` paired with the rows of ``features`` into the draft's KV cache, no tree: a
+    long prompt's chunks so far, read while other sequences run (so no single draft step absorbs a
+    whole long prompt while they wait). ``reset``: a new sequence."""
+
+    seq_id: SeqId
+    tokens: Annotated[list[TokenId], Meta(min_length=1, max_length=1 << 20)]
+    features: RingRef
+    reset: bool = False
+
+
+class DraftExtended(Message):
+    seq_id: SeqId
+    compute_ms: Millis = 0.0
+
+
 class DraftResult(Message):
     """A compact tree: ``tokens[T]`` and ``parents[T]``, target ids only (a head with a reduced
     draft vocabulary maps its ids before the tree leaves the gpu_worker)."""
@@ -357,13 +381,14 @@ class StepBatchResult(Message):
 
 
 class DraftBatch(Message):
-    """gpu_worker: several sequences' draft steps, drafted together (one head forward per level)."""
+    """gpu_worker: several sequences' draft steps (and prompt chunks: ``DraftExtend``), drafted
+    together (their extends in one head forward, then one per tree level)."""
 
-    items: Annotated[list[DraftRequest], Meta(min_length=1, max_length=MAX_BATCH)]
+    items: Annotated[list[DraftRequest | DraftExtend], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
 class DraftBatchResult(Message):
-    items: Annotated[list[DraftResult | WorkerError], Meta(max_length=MAX_BATCH)]  # compute_ms: a share
+    items: Annotated[list[DraftResult | DraftExtended | WorkerError], Meta(max_length=MAX_BATCH)]  # compute_ms: a share
     compute_ms: Millis = 0.0  # the whole batch's
 
 
@@ -522,9 +547,10 @@ TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, Decod
                                             MeasureVerifyCost, Shutdown, Ping)
 FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, PrefillPartial, VerifyResult, DecodeResult,
                                               StepBatchResult, VerifyCost, Ready, WorkerError, Pong)
-TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, DraftBatch, ReleaseSequence, MeasureDraftCost, Shutdown,
-                                            Ping)
-FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, DraftBatchResult, DraftCost, Ready, WorkerError, Pong)
+TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, DraftExtend, DraftBatch, ReleaseSequence, MeasureDraftCost,
+                                            Shutdown, Ping)
+FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, DraftExtended, DraftBatchResult, DraftCost, Ready,
+                                              WorkerError, Pong)
 ALL_MESSAGES: tuple[type[Message], ...] = tuple(dict.fromkeys(
     CLIENT_TO_COORDINATOR + COORDINATOR_TO_CLIENT + TO_CPU_WORKER + FROM_CPU_WORKER + TO_GPU_WORKER
     + FROM_GPU_WORKER))

@@ -1,7 +1,8 @@
 """A long prompt prefilled in chunks (``Job.prefill_chunk``, ``PrefillRequest.offset/more``): the
-chunks compute the prompt the whole-prompt prefill computes, the worker answers the last chunk for
-the whole prompt (every row's features), a stream in chunks gets the tokens it gets alone and lets
-the running streams step between its chunks, and chunks out of order are refused."""
+chunks compute the prompt the whole-prompt prefill computes, the worker answers each chunk with its
+feature rows from where the draft last read (in a busy batch it reads each chunk before the next),
+a stream in chunks gets the tokens it gets alone and lets the running streams step between its
+chunks, and chunks out of order are refused."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dovetail_runtime.local_workers import local_workers
 from dovetail_runtime.workers import WorkerRequestError
 from gpu_worker.drafter import Drafter
 from ipc import messages as m
+from ipc.shm_ring import ShmRing, get_block
 from ipc.tree import TreeShape
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
@@ -63,42 +65,73 @@ def test_a_prompt_in_chunks_computes_what_the_whole_prompt_does(precision):
         engine.prefill([5], 3)
 
 
-def test_the_worker_answers_the_last_chunk_with_every_prompt_rows_features(demo_pair):
+def test_the_worker_answers_each_chunk_with_the_rows_not_read_yet(demo_pair):
     engine, _ = demo_pair
     with local_workers(engine, max_sequences=2) as (cpu, _):
         whole = cpu.request(m.PrefillRequest(seq_id=1, token_ids=LONG), m.PrefillResult)
         assert whole.features is not None and whole.features.rows == len(LONG)
-        for offset in (0, 32):
-            partial = cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[offset:offset + 32], offset=offset,
-                                                   more=True), m.PrefillPartial)
-            assert partial.seq_id == 2
-        # A step before the prompt is complete, or a chunk at the wrong offset, is refused.
-        with pytest.raises(WorkerRequestError, match="not complete"):
-            cpu.request(m.DecodeRequest(seq_id=2, token=5), m.DecodeResult)
-        cpu.send(m.ReleaseSequence(seq_id=2))
-        with pytest.raises(WorkerRequestError, match="not active"):
-            cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[64:], offset=64), m.PrefillResult)
-        # A complete prompt takes no more chunks.
-        with pytest.raises(WorkerRequestError, match="is complete"):
-            cpu.request(m.PrefillRequest(seq_id=1, token_ids=[5], offset=len(LONG)), m.PrefillResult)
-        for offset in (0, 32):
-            cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[offset:offset + 32], offset=offset, more=True),
-                        m.PrefillPartial)
-        last = cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[64:], offset=64), m.PrefillResult)
-        assert last.features is not None and last.features.rows == len(LONG)
-        assert last.compute_ms > 0
+        ring = ShmRing.attach(whole.features.ring)
+        try:
+            whole_rows = get_block(whole.features, {ring.name: ring}).clone()
+            for offset in (0, 32):
+                partial = cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[offset:offset + 32], offset=offset,
+                                                       more=True), m.PrefillPartial)
+                assert partial.seq_id == 2 and partial.features is not None
+                assert partial.features.rows == offset + 32  # features_from 0: nothing read yet
+            # A step before the prompt is complete, or a chunk at the wrong offset, is refused.
+            with pytest.raises(WorkerRequestError, match="not complete"):
+                cpu.request(m.DecodeRequest(seq_id=2, token=5), m.DecodeResult)
+            cpu.send(m.ReleaseSequence(seq_id=2))
+            with pytest.raises(WorkerRequestError, match="not active"):
+                cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[64:], offset=64), m.PrefillResult)
+            # A complete prompt takes no more chunks.
+            with pytest.raises(WorkerRequestError, match="is complete"):
+                cpu.request(m.PrefillRequest(seq_id=1, token_ids=[5], offset=len(LONG)), m.PrefillResult)
+            # Each answer carries the rows from features_from on: read from the first chunk's answer,
+            # not from the second's (the worker keeps them), then from 32 on with the last.
+            rows = []
+            for offset in (0, 32):
+                partial = cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[offset:offset + 32], offset=offset,
+                                                       more=True), m.PrefillPartial)
+                assert partial.features is not None and partial.features.rows == offset + 32
+                if offset == 0:
+                    rows.append(get_block(partial.features, {ring.name: ring}).clone())
+            with pytest.raises(WorkerRequestError, match=r"features_from 16 is not where .* \(0, 32, 64\)"):
+                cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[64:], offset=64, features_from=16),
+                            m.PrefillResult)
+            last = cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[64:], offset=64, features_from=32),
+                               m.PrefillResult)
+            assert last.features is not None and last.features.rows == len(LONG) - 32
+            rows.append(get_block(last.features, {ring.name: ring}).clone())
+            assert last.compute_ms > 0
+            # int8 (its KV cache too): a chunk boundary moves a few roundings, no more.
+            torch.testing.assert_close(torch.cat(rows), whole_rows, rtol=0.05, atol=0.05)
+        finally:
+            ring.close()
+        # ar's prompts (no features asked) put nothing in the ring.
+        plain = cpu.request(m.PrefillRequest(seq_id=4, token_ids=LONG[:32], return_features=False, more=True),
+                            m.PrefillPartial)
+        assert plain.features is None
 
 
 @pytest.mark.parametrize("dovetail", [True, False])
 def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between_its_chunks(demo_pair, dovetail):
     engine, drafter = demo_pair
 
+    batch_size = [1]
+
     def steps(job: Job, tokens: list[int]):
-        return dovetail_steps(job, SHAPE, collect(tokens)) if dovetail else ar_steps(job, collect(tokens))
+        return (dovetail_steps(job, SHAPE, collect(tokens), lambda: batch_size[0]) if dovetail
+                else ar_steps(job, collect(tokens)))
 
     alone: list[int] = []
     with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        gpu = Recorder(gpu) if dovetail else gpu
         run_alone(steps(make_job(1, LONG, 16), alone), cpu, gpu)
+    if dovetail:
+        # Alone, the draft reads the whole prompt with its first tree (the first token comes sooner).
+        first, *_ = gpu.items((m.DraftExtend, m.DraftRequest))
+        assert isinstance(first, m.DraftRequest) and list(first.tokens) == LONG[1:] + [alone[0]] and first.reset
     running_alone: list[int] = []
     with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
         run_alone(steps(make_job(2, SHORT, 16, max_new_tokens=40), running_alone), cpu, gpu)
@@ -107,22 +140,54 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
     long_tokens: list[int] = []
     short_tokens: list[int] = []
     with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
+        cpu, gpu = Recorder(cpu), Recorder(gpu)
         batcher = Batcher(cpu, gpu)
+        batch_size[0] = 2  # the coordinator's: how many streams the batch runs
         short = batcher.add(2, steps(make_job(2, SHORT, 16, max_new_tokens=40), short_tokens), uses_gpu=dovetail)
         batcher.round()  # its prefill
         batcher.round()
         long = batcher.add(1, steps(make_job(1, LONG, 16), long_tokens), uses_gpu=dovetail)
-        offsets = []
-        while long.call is not None and isinstance(long.call.message, m.PrefillRequest):
-            offsets.append(long.call.message.offset)
+        rounds = 0
+        while long.call is not None and isinstance(long.call.message, (m.PrefillRequest, m.DraftExtend)):
             before = len(short_tokens)
             batcher.round()
+            rounds += 1
             assert len(short_tokens) > before  # the running stream stepped in the same round
-        assert offsets == [0, 16, 32, 48, 64]
+        assert rounds == 5  # a chunk per round (and the draft reads the one before it in that round)
+        assert [message.offset for message in cpu.items(m.PrefillRequest)] == [0, 16, 32, 48, 64]
         while batcher.streams:
             batcher.round()
+        draft_reads = gpu.items((m.DraftExtend, m.DraftRequest))
+        if dovetail:
+            # Others running: the draft reads a chunk a round (pairs: row i with token i + 1), the last
+            # chunk with the first new token.
+            assert [list(message.tokens) for message in draft_reads[:5]] == [
+                *(LONG[offset + 1:offset + 17] for offset in (0, 16, 32, 48)), LONG[65:] + [long_tokens[0]]]
+            assert [message.reset for message in draft_reads[:5]] == [True, False, False, False, False]
+            assert isinstance(draft_reads[4], m.DraftRequest) and len(gpu.items(m.DraftExtend)) == 4
+        else:
+            assert draft_reads == []
     assert long.outcome is not None and short.outcome is not None
     assert long_tokens == alone and short_tokens == running_alone
+
+
+class Recorder:
+    """A worker whose every message for sequence 1 (batches unpacked) is kept, in order."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.seen: list[m.Message] = []
+
+    def request(self, message, expect):
+        items = message.items if isinstance(message, (m.StepBatch, m.DraftBatch)) else [message]
+        self.seen.extend(item for item in items if getattr(item, "seq_id", None) == 1)
+        return self.worker.request(message, expect)
+
+    def send(self, message):
+        self.worker.send(message)
+
+    def items(self, kinds):
+        return [message for message in self.seen if isinstance(message, kinds)]
 
 
 def test_the_flag_sets_the_chunk_for_every_request_and_0_means_whole_prompts():

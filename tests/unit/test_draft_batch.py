@@ -125,3 +125,35 @@ def test_a_draft_batch_fails_bad_items_alone_and_shares_its_time():
         assert good.compute_ms == second.compute_ms and good.compute_ms * 2 <= reply.compute_ms + 1e-9
         reference.extend(*pairs(drafter, 5, seed=1))
         assert good.tokens == reference.propose(SHAPES[0]).tokens.tolist()
+
+
+def test_a_prompt_chunk_in_a_draft_batch_only_extends_its_sequence():
+    """A long prompt's chunks (DraftExtend), each beside another sequence's draft step: the chunked
+    sequence holds every pair and drafts the tree it drafts after reading the prompt whole."""
+    head = quantize_projections(tiny_head("dgf", layers=2, seed=7), "int8")
+    drafter = Drafter(head, max_len=64, scratch_len=16)
+    with ShmRing.create(1 << 16, 8) as ring:
+        service = DraftService(drafter, {ring.name: ring}, max_sequences=4)
+        features, tokens = pairs(drafter, 30, seed=11)
+        other_features, other_tokens = pairs(drafter, 6, seed=12)
+        first = service.draft(m.DraftRequest(seq_id=2, tokens=other_tokens.tolist(),
+                                             features=ring.write(other_features), shape=SHAPES[0], reset=True))
+        for begin, end in ((0, 12), (12, 24)):
+            chunk = m.DraftExtend(seq_id=1, tokens=tokens[begin:end].tolist(), features=ring.write(features[begin:end]),
+                                  reset=begin == 0)
+            step = m.DraftRequest(seq_id=2, tokens=first.tokens[:1], features=ring.write(other_features[-1:]),
+                                  shape=SHAPES[2])
+            reply = service.draft_batch(m.DraftBatch(items=[chunk, step]))
+            extended, drafted = reply.items
+            assert isinstance(extended, m.DraftExtended) and extended.seq_id == 1 and extended.compute_ms > 0
+            assert isinstance(drafted, m.DraftResult) and len(drafted.tokens) == 12
+        assert service.sequences[1].length == 24
+        last = service.draft(m.DraftRequest(seq_id=1, tokens=tokens[24:].tolist(), features=ring.write(features[24:]),
+                                            shape=SHAPES[0]))
+        whole = drafter.sibling()
+        whole.extend(features, tokens)
+        assert last.tokens == whole.propose(SHAPES[0]).tokens.tolist()
+        # A chunk of a sequence the worker does not hold (not reset) is refused alone.
+        stray = m.DraftExtend(seq_id=9, tokens=[1], features=ring.write(features[:1]))
+        refused, = service.draft_batch(m.DraftBatch(items=[stray])).items
+        assert isinstance(refused, m.WorkerError) and "not active" in refused.message

@@ -74,8 +74,12 @@ SAMPLES = [
     M.StepBatchResult(items=[M.DecodeResult(seq_id=9, token=18, compute_ms=23.0),
                              M.WorkerError(worker="cpu_worker", message="sequence 10 is not active", seq_id=10)],
                       compute_ms=23.0),
-    M.DraftBatch(items=[M.DraftRequest(seq_id=9, tokens=[8], features=RING, shape=TreeShape(), reset=True)]),
-    M.DraftBatchResult(items=[M.DraftResult(seq_id=9, tokens=[8, 1], parents=[-1, 0])], compute_ms=3.0),
+    M.DraftBatch(items=[M.DraftRequest(seq_id=9, tokens=[8], features=RING, shape=TreeShape(), reset=True),
+                        M.DraftExtend(seq_id=10, tokens=[8, 9], features=RING, reset=True)]),
+    M.DraftBatchResult(items=[M.DraftResult(seq_id=9, tokens=[8, 1], parents=[-1, 0]),
+                              M.DraftExtended(seq_id=10, compute_ms=1.0)], compute_ms=3.0),
+    M.DraftExtend(seq_id=9, tokens=[8, 9, 10], features=RING),
+    M.DraftExtended(seq_id=9, compute_ms=2.0),
     M.MeasureVerifyCost(tree_sizes=[1, 2, 4, 64]),
     M.VerifyCost(tree_sizes=[1, 2], ms=[400.5, 460.0], cached=True, cache_path="/tmp/x.json"),
     M.MeasureDraftCost(depths=[1, 2, 3], top_k=8),
@@ -91,7 +95,7 @@ SAMPLES = [
                    ipc_s=0.125, queue_depth=2, running=1, worker_restarts=1, uptime_s=12.5),
     M.Shutdown(),
     M.PrefillRequest(seq_id=9, token_ids=[5, 6, 7], offset=256, more=True),  # a prompt chunk
-    M.PrefillPartial(seq_id=9, compute_ms=3.5),
+    M.PrefillPartial(seq_id=9, compute_ms=3.5, features=RING),
 ]
 
 
