@@ -11,9 +11,14 @@ cache, as that sequence alone would. So every request gets exactly the tokens it
 alone (``tests/unit/test_batched.py``). An engine whose linears are not exact (bf16 on oneDNN)
 runs its steps one by one instead.
 
+A new sequence's prompt chunk rides along (vLLM's chunked prefill, exactly): its rows take the
+same linear calls, attend causally over their own cache with the call their own prefill makes,
+and only its last row is scored; a chunk whose own prefill takes a GEMM of its own (fp32 from
+``PROMPT_GEMM_ROWS`` rows) runs apart, as the bits of that GEMM depend on its row count.
+
 The batched pass takes the engine's native layer loop (``native_layers``: every layer in one foreign
-call, each sequence's rows attending over its own cache there) where the model has one, and the
-Python layers otherwise; both give the same bits.
+call, each sequence's rows attending over its own cache there) where the model has one and no
+prompt chunk rides along, and the Python layers otherwise; both give the same bits.
 """
 
 from __future__ import annotations
@@ -33,24 +38,38 @@ from cpu_worker.sampling import Sampler
 @dataclass(frozen=True)
 class SequenceStep:
     """One sequence's part of a batched forward: a decode step (``parents`` None: one token,
-    appended to the sequence) or a draft tree to verify (``parents`` as ``TargetEngine.verify``
-    takes them; ``sampler`` picks at its nodes, greedy when None)."""
+    appended to the sequence), a draft tree to verify (``parents`` as ``TargetEngine.verify``
+    takes them; ``sampler`` picks at its nodes, greedy when None), or with ``prompt`` a chunk of
+    its prompt (``TargetEngine.prefill``'s rows: appended, each attending causally)."""
 
     engine: TargetEngine
     tokens: Sequence[int]
     parents: Sequence[int] | None = None
     sampler: Sampler | None = None
+    prompt: bool = False
 
     def check(self) -> torch.Tensor:
         """The rows' positions, once the step is checked to fit its sequence (ValueError,
         ``ContextOverflowError``: nothing has been written yet)."""
         engine = self.engine
+        if self.prompt:
+            if not self.tokens:
+                raise ValueError("a prompt chunk needs at least one token")
+            engine._check_room(len(self.tokens))
+            return torch.arange(engine.committed, engine.committed + len(self.tokens))
         if self.parents is None:
             if len(self.tokens) != 1:
                 raise ValueError(f"a decode step takes one token, got {len(self.tokens)}")
             engine._check_room(1)
             return torch.tensor([engine.committed])
         return engine.tree_positions(self.tokens, self.parents)
+
+    @property
+    def shares_forward(self) -> bool:
+        """Whether this step may share a forward with others and keep its bits: a prompt chunk only
+        below the rows where its own prefill takes a GEMM of its own (fp32)."""
+        limit = self.engine.prompt_gemm_rows
+        return not self.prompt or limit is None or len(self.tokens) < limit
 
 
 def can_batch(steps: Sequence[SequenceStep]) -> bool:
@@ -70,25 +89,42 @@ def run_steps(steps: Sequence[SequenceStep]) -> list[StepOutput | VerifyOutcome]
     does not fit its sequence raises before anything is computed or written; a caller that wants
     to run the others checks each itself and leaves it out."""
     positions = [step.check() for step in steps]
-    if len(steps) <= 1 or not can_batch(steps):
+    together = [index for index, step in enumerate(steps) if step.shares_forward]
+    if len(together) <= 1 or not can_batch([steps[index] for index in together]):
         return [_run_alone(step) for step in steps]
+    outcomes: dict[int, StepOutput | VerifyOutcome] = {
+        index: _run_alone(step) for index, step in enumerate(steps) if index not in together}
+    batched = _run_together([steps[index] for index in together], [positions[index] for index in together])
+    outcomes.update(zip(together, batched, strict=True))
+    return [outcomes[index] for index in range(len(steps))]
+
+
+def _run_together(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -> list[StepOutput | VerifyOutcome]:
     features, logits = _forward(steps, positions)
     results: list[StepOutput | VerifyOutcome] = []
-    row = 0
+    row = scored = 0  # scored: the logits rows so far
     for step in steps:
         end = row + len(step.tokens)
         engine = step.engine
-        if step.parents is None:
+        if step.prompt:
+            engine.committed += len(step.tokens)
+            results.append(StepOutput(features=features[row:end], logits=logits[scored]))
+            scored += 1
+        elif step.parents is None:
             engine.committed += 1
-            results.append(StepOutput(features=features[row:end], logits=logits[row]))
+            results.append(StepOutput(features=features[row:end], logits=logits[scored]))
+            scored += 1
         else:
-            results.append(engine.accept_tree(step.tokens, step.parents, features[row:end], logits[row:end],
-                                              step.sampler))
+            results.append(engine.accept_tree(step.tokens, step.parents, features[row:end],
+                                              logits[scored:scored + len(step.tokens)], step.sampler))
+            scored += len(step.tokens)
         row = end
     return results
 
 
 def _run_alone(step: SequenceStep) -> StepOutput | VerifyOutcome:
+    if step.prompt:
+        return step.engine.prefill(step.tokens, step.engine.committed)
     if step.parents is None:
         return step.engine.decode(int(step.tokens[0]))
     return step.engine.verify(step.tokens, step.parents, step.sampler)
@@ -96,7 +132,8 @@ def _run_alone(step: SequenceStep) -> StepOutput | VerifyOutcome:
 
 @torch.inference_mode()
 def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """features [N, feature_size] and fp32 logits [N, vocab] for every step's rows, in order."""
+    """features [N, feature_size] for every step's rows, in order, and fp32 logits for the rows that
+    need them: every row of a decode step or tree, a prompt chunk's last."""
     lead = steps[0].engine
     model: LlamaDecoder = lead.model
     tokens = torch.as_tensor([int(token) for step in steps for token in step.tokens], dtype=torch.long)
@@ -111,7 +148,9 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
     x = model.embed_tokens(tokens).unsqueeze(0)
     streams: list[torch.Tensor] = []
     loop = model.layer_loop
-    if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps):
+    # The C loop takes decode steps and trees; a prompt chunk attends causally, as its own prefill
+    # does on the Python layers (the two paths give decode and tree rows the same bits).
+    if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps) and not any(step.prompt for step in steps):
         # As LlamaDecoder.forward: the layers between aux layers in one foreign call each.
         segments = [(step.engine.cache, step.engine.committed, paths) for step, paths in zip(steps, trees, strict=True)]
         first = 0
@@ -131,7 +170,10 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
             x = x + layer.self_attn.forward_segments(layer.input_layernorm(x), cos, sin, by_sequence, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
     features = model.norm(x)[0]
-    logits = model.lm_head(features)
+    # A prompt chunk needs its last row's logits only, as its own prefill computes them.
+    wanted = [row for step, (begin, end) in zip(steps, bounds, strict=True)
+              for row in ([end - 1] if step.prompt else range(begin, end))]
+    logits = model.lm_head(features if len(wanted) == len(features) else features[torch.tensor(wanted)])
     if aux_layers:
         features = torch.cat(streams, dim=-1)[0]
     return features, logits.float()

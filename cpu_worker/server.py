@@ -36,6 +36,9 @@ from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 log = logging.getLogger(__name__)
 
 
+StepResult = m.DecodeResult | m.VerifyResult | m.PrefillPartial | m.PrefillResult
+
+
 @dataclass
 class _Sequence:
     engine: TargetEngine  # its own KV cache on the shared model
@@ -96,14 +99,23 @@ class TargetService:
         draft read them, or asks for them again with the next chunk, before the ring's one slot is
         written again), and the last chunk answers with the first new token."""
         started = time.perf_counter()
-        sequence = (self._start(request) if request.offset == 0 else
-                    self._sequence(request.seq_id, prompt_complete=False))
-        kept = _rows_from(sequence, request)
+        sequence, kept = self._prompt_sequence(request)
         try:
             step = sequence.engine.prefill(request.token_ids, request.offset)
         except (ContextOverflowError, ValueError) as error:
             self._end(request.seq_id)
             raise SequenceError(str(error)) from None
+        return self._prefill_answer(request, sequence, kept, step, (time.perf_counter() - started) * 1e3)
+
+    def _prompt_sequence(self, request: m.PrefillRequest) -> tuple[_Sequence, list[tuple[int, torch.Tensor]]]:
+        """The sequence a prompt chunk goes to (a new one for the first) and the kept rows its
+        answer carries before its own (``_rows_from``)."""
+        sequence = (self._start(request) if request.offset == 0 else
+                    self._sequence(request.seq_id, prompt_complete=False))
+        return sequence, _rows_from(sequence, request)
+
+    def _prefill_answer(self, request: m.PrefillRequest, sequence: _Sequence, kept: list[tuple[int, torch.Tensor]],
+                        step: StepOutput, compute_ms: float) -> m.PrefillResult | m.PrefillPartial:
         ring_ref = None
         if sequence.return_features:
             kept.append((request.offset, step.features))
@@ -111,14 +123,12 @@ class TargetService:
             ring_ref = self.prefill_ring.write(rows[0] if len(rows) == 1 else torch.cat(rows))
         if request.more:
             sequence.unread = kept
-            return m.PrefillPartial(seq_id=request.seq_id, features=ring_ref,
-                                    compute_ms=(time.perf_counter() - started) * 1e3)
+            return m.PrefillPartial(seq_id=request.seq_id, features=ring_ref, compute_ms=compute_ms)
         sequence.prompt_complete, sequence.unread = True, []
         # The new token's position is the prompt's length.
         prompt_length = request.offset + len(request.token_ids)
         token = sequence.sampler.pick(step.logits, prompt_length)
-        return m.PrefillResult(seq_id=request.seq_id, token=token, features=ring_ref,
-                               compute_ms=(time.perf_counter() - started) * 1e3,
+        return m.PrefillResult(seq_id=request.seq_id, token=token, features=ring_ref, compute_ms=compute_ms,
                                logprob=_logprob(sequence, step.logits, token))
 
     def _start(self, request: m.PrefillRequest) -> _Sequence:
@@ -177,39 +187,65 @@ class TargetService:
                               logprob=_logprob(sequence, step.logits, token))
 
     def step_batch(self, request: m.StepBatch) -> m.StepBatchResult:
-        """Every item's decode step or tree in one forward (``cpu_worker.batched``); an item that
-        names no active sequence, repeats one, or does not fit its context gets a WorkerError and
-        the others run."""
-        results: list[m.DecodeResult | m.VerifyResult | m.WorkerError | None] = [None] * len(request.items)
+        """Every item's decode step, tree or prompt chunk in one forward (``cpu_worker.batched``); an
+        item that names no active sequence, repeats one, or does not fit its context gets a
+        WorkerError and the others run."""
+        results: list[StepResult | m.WorkerError | None] = [None] * len(request.items)
         steps: list[SequenceStep] = []
-        taken: list[tuple[int, _Sequence]] = []
+        taken: list[tuple[int, _Sequence, list[tuple[int, torch.Tensor]]]] = []
         for index, item in enumerate(request.items):
             try:
-                sequence = self._sequence(item.seq_id)
-                if any(item.seq_id == request.items[other].seq_id for other, _ in taken):
+                if any(item.seq_id == request.items[other].seq_id for other, _, _ in taken):
                     raise SequenceError(f"sequence {item.seq_id} appears twice in one batch")
-                step = (SequenceStep(sequence.engine, [item.token]) if isinstance(item, m.DecodeRequest) else
-                        SequenceStep(sequence.engine, item.tokens, item.parents, sequence.sampler))
-                step.check()
+                sequence, kept, step = self._batch_step(item)
             except (SequenceError, ValueError) as error:  # ContextOverflowError is a ValueError
                 results[index] = m.WorkerError(worker="cpu_worker", message=str(error), seq_id=item.seq_id)
                 continue
             steps.append(step)
-            taken.append((index, sequence))
+            taken.append((index, sequence, kept))
         started = time.perf_counter()
         outcomes = run_steps(steps)
         compute_ms = (time.perf_counter() - started) * 1e3
-        if self.curve is not None and steps:
+        if self.curve is not None and steps and not any(step.prompt for step in steps):
             self.curve.observe(sum(len(step.tokens) for step in steps), compute_ms)
-        for (index, sequence), outcome in zip(taken, outcomes, strict=True):
+        for (index, sequence, kept), outcome in zip(taken, outcomes, strict=True):
             item = request.items[index]
-            if isinstance(item, m.DecodeRequest):
+            if isinstance(item, m.PrefillRequest):
+                assert isinstance(outcome, StepOutput)
+                results[index] = self._prefill_answer(item, sequence, kept, outcome, compute_ms)
+            elif isinstance(item, m.DecodeRequest):
                 assert isinstance(outcome, StepOutput)
                 results[index] = self._decode_result(item, sequence, outcome, compute_ms)
             else:
                 assert isinstance(outcome, VerifyOutcome)
                 results[index] = self._verify_result(item, sequence, outcome, compute_ms)
         return m.StepBatchResult(items=[result for result in results if result is not None], compute_ms=compute_ms)
+
+    def _batch_step(self, item: m.DecodeRequest | m.VerifyRequest | m.PrefillRequest,
+                    ) -> tuple[_Sequence, list[tuple[int, torch.Tensor]], SequenceStep]:
+        """An item's sequence, the prompt rows its answer carries first (a chunk's) and its checked
+        step (SequenceError, ValueError: nothing has run; a prompt that cannot fit ends its sequence,
+        as ``prefill`` does)."""
+        if not isinstance(item, m.PrefillRequest):
+            sequence = self._sequence(item.seq_id)
+            step = (SequenceStep(sequence.engine, [item.token]) if isinstance(item, m.DecodeRequest) else
+                    SequenceStep(sequence.engine, item.tokens, item.parents, sequence.sampler))
+            step.check()
+            return sequence, [], step
+        others = len(self.sequences) - (item.seq_id in self.sequences)
+        if item.offset == 0 and others >= self.max_sequences:
+            raise SequenceError(f"no room for sequence {item.seq_id} in a batch: {others} sequences are active")
+        sequence, kept = self._prompt_sequence(item)
+        if item.offset != sequence.engine.committed:
+            raise SequenceError(f"a prompt chunk at offset {item.offset}, but sequence {item.seq_id} holds "
+                                f"{sequence.engine.committed} tokens")
+        step = SequenceStep(sequence.engine, item.token_ids, prompt=True)
+        try:
+            step.check()
+        except ValueError:
+            self._end(item.seq_id)
+            raise
+        return sequence, kept, step
 
     def release(self, request: m.ReleaseSequence) -> None:
         self._end(request.seq_id)

@@ -7,13 +7,15 @@ forward (``cpu_worker.batched``), each sequence getting exactly the result it wo
 On a memory-bound CPU that pass costs little more than one sequence's, so N streams run at
 nearly N times the tokens per second of one.
 
-A new sequence's prefill runs on its own, at most one call per round: a long prompt comes in
-chunks (``Job.prefill_chunk``, 256 tokens by default), one per round, so it delays the running
-streams by one chunk per round, never by its whole prefill. While others run, each chunk's answer
-carries its feature rows; they wait in the prefill ring's single slot until the sequence's draft
-reads them at the start of the next round (a DraftExtend in that round's DraftBatch, or after the
-last chunk its first draft step), before any prefill call can write the slot again: so the draft,
-too, takes in a long prompt a chunk per round (``generation.prefill_steps``).
+A new sequence's prefill takes at most one call per round, in the round's StepBatch: a long
+prompt comes in chunks (``Job.prefill_chunk``, 256 tokens by default), one per round, so it delays
+the running streams by one chunk per round, never by its whole prefill; the chunk's rows share the
+steps' pass over the weights wherever that keeps their bits (``cpu_worker.batched``). While others
+run, each chunk's answer carries its feature rows; they wait in the prefill ring's single slot until
+the sequence's draft reads them at the start of the next round (a DraftExtend in that round's
+DraftBatch, or after the last chunk its first draft step), before any prefill call can write the
+slot again: so the draft, too, takes in a long prompt a chunk per round
+(``generation.prefill_steps``).
 
 A call that fails for one sequence (a WorkerError item) ends that stream alone; a worker that
 dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream (``abort``).
@@ -75,10 +77,10 @@ class Batcher:
         prefills = [stream for stream, call in waiting if isinstance(call.message, m.PrefillRequest)]
         steps = [stream for stream, call in waiting
                  if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest)]
-        if steps:
-            self._dispatch(self.cpu, steps, m.StepBatch, m.StepBatchResult)
-        if prefills:
-            self._call(self.cpu, prefills[0])
+        # One prompt chunk a round, in the running steps' forward (the cpu_worker runs it apart where
+        # that would change its bits: cpu_worker.batched).
+        if steps or prefills:
+            self._dispatch(self.cpu, steps + prefills[:1], m.StepBatch, m.StepBatchResult)
         ended = [stream for stream in self.streams if stream.done]
         self.streams = [stream for stream in self.streams if not stream.done]
         return ended

@@ -351,8 +351,9 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--prefill-chunk", type=click.IntRange(min=0, max=1 << 20), default=DEFAULT_PREFILL_CHUNK,
               show_default=True,
               help="Prompt tokens per prefill pass. A longer prompt is run in chunks, one per cycle of the running "
-                   "requests, so it delays them by one chunk at a time. Every request and mode takes the same "
-                   "chunks (its tokens never depend on what runs beside it). 0: each prompt in one pass.")
+                   "requests (in their pass over the weights), so it delays them by one chunk at a time: smaller "
+                   "chunks, shorter stalls, a later first token for the long prompt. Every request and mode takes "
+                   "the same chunks (its tokens never depend on what runs beside it). 0: each prompt in one pass.")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail",
               help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline).")
 @click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")

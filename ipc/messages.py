@@ -367,16 +367,18 @@ MAX_BATCH = 64  # sequences a worker holds at once, and items in one batch messa
 
 
 class StepBatch(Message):
-    """cpu_worker: several sequences' decode steps and trees, verified in one target forward
-    (``cpu_worker.batched``); each gets exactly the result it would get alone."""
+    """cpu_worker: several sequences' decode steps and trees, and a new sequence's prompt chunk,
+    verified in one target forward (``cpu_worker.batched``); each gets exactly the result it would
+    get alone."""
 
-    items: Annotated[list[DecodeRequest | VerifyRequest], Meta(min_length=1, max_length=MAX_BATCH)]
+    items: Annotated[list[DecodeRequest | VerifyRequest | PrefillRequest], Meta(min_length=1, max_length=MAX_BATCH)]
 
 
 class StepBatchResult(Message):
     """One result per item, in order; a WorkerError for an item that failed (the others ran)."""
 
-    items: Annotated[list[DecodeResult | VerifyResult | WorkerError], Meta(max_length=MAX_BATCH)]
+    items: Annotated[list[DecodeResult | VerifyResult | PrefillPartial | PrefillResult | WorkerError],
+                     Meta(max_length=MAX_BATCH)]
     compute_ms: Millis = 0.0  # the whole batch's
 
 

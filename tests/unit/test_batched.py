@@ -95,6 +95,51 @@ def test_each_sequence_gets_its_solo_bits(demo_target, precision, kv_dtype, batc
         assert calls.count(len(PROMPTS)) == 2 * cycles
 
 
+LONG_PROMPT = [(31 * index) % 900 + 20 for index in range(100)]
+CHUNKS = [16, 1, 80, 3]
+
+
+@pytest.mark.parametrize(("precision", "kv_dtype"), [("fp32", "fp32"), ("int8", "bf16"), ("q4_0", "fp32"),
+                                                     ("q4_1-a16", "bf16"), ("int8-row", "fp32")])
+def test_a_prompt_chunk_shares_the_steps_forward_and_keeps_its_solo_prefill_bits(demo_target, precision, kv_dtype,
+                                                                                 monkeypatch):
+    """Each chunk of a long prompt beside another sequence's decode step and a third's tree: every
+    one gets its solo bits, and the chunk's rows ride in the same forward unless its own prefill
+    takes a GEMM of its own (fp32 from 64 rows), where it runs apart."""
+    import cpu_worker.batched as batched
+
+    engine, _ = build_engine(str(demo_target), precision, 256, kv_dtype)
+    vocab = engine.spec.vocab_size
+    solo, lone_decoder, lone_verifier = engine.sibling(), engine.sibling(), engine.sibling()
+    chunked, decoder, verifier = engine.sibling(), engine.sibling(), engine.sibling()
+    for one, prompt in ((lone_decoder, PROMPTS[0]), (decoder, PROMPTS[0]), (lone_verifier, PROMPTS[1]),
+                        (verifier, PROMPTS[1])):
+        one.prefill(prompt)
+    rows: list[int] = []
+    forward = batched._forward
+    monkeypatch.setattr(batched, "_forward", lambda steps, positions: rows.append(
+        sum(len(step.tokens) for step in steps)) or forward(steps, positions))
+    token, offset = 7, 0
+    for cycle, size in enumerate(CHUNKS):
+        chunk = LONG_PROMPT[offset:offset + size]
+        tree = tree_for(1, cycle, vocab)
+        expected = [solo.prefill(chunk, offset), lone_decoder.decode(token), lone_verifier.verify(tree, TREE_PARENTS)]
+        got = run_steps([SequenceStep(decoder, [token]), SequenceStep(chunked, chunk, prompt=True),
+                         SequenceStep(verifier, tree, TREE_PARENTS)])
+        decoded, prefilled, verified = got
+        assert isinstance(prefilled, StepOutput) and isinstance(decoded, StepOutput)
+        assert isinstance(verified, VerifyOutcome) and isinstance(expected[2], VerifyOutcome)
+        assert_same_bits([expected[0].features, expected[0].logits, expected[1].features, expected[1].logits,
+                          expected[2].features, expected[2].logits, torch.tensor(expected[2].tokens)],
+                         [prefilled.features, prefilled.logits, decoded.features, decoded.logits,
+                          verified.features, verified.logits, torch.tensor(verified.tokens)])
+        offset += size
+        assert chunked.committed == offset
+        token = int(decoded.logits.argmax())
+    apart = precision == "fp32"  # 80 rows: its own prefill's GEMM
+    assert rows == [1 + 16 + 7, 1 + 1 + 7, 1 + (0 if apart else 80) + 7, 1 + 3 + 7]
+
+
 def test_eagle3_feature_rows_are_each_sequences_own(demo_target):
     engine, _ = build_engine(str(demo_target), "int8", 128, "fp32", aux_layers=[0, 1, 2])
     expected = [solo_run(engine.sibling(), prompt, index, 2, None) for index, prompt in enumerate(PROMPTS[:3])]

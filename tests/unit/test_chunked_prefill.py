@@ -229,3 +229,29 @@ def test_a_stop_asked_between_two_chunks_ends_the_prefill_there(demo_pair, dovet
         steps = dovetail_steps(job, SHAPE, emit) if dovetail else ar_steps(job, emit)
         finish, stats = run_alone(steps, cpu, gpu)
     assert sent == [0, 16] and finish == "stop" and stats.new_tokens == 0
+
+
+def test_a_prompt_chunk_in_a_step_batch_fails_alone(demo_pair):
+    engine, _ = demo_pair
+    with local_workers(engine, max_sequences=3) as (cpu, _):
+        first = cpu.request(m.PrefillRequest(seq_id=1, token_ids=SHORT, return_features=False), m.PrefillResult)
+        cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[:16], return_features=False, more=True),
+                    m.PrefillPartial)
+        reply = cpu.request(m.StepBatch(items=[
+            m.DecodeRequest(seq_id=1, token=first.token),
+            m.PrefillRequest(seq_id=2, token_ids=LONG[20:36], offset=20, return_features=False, more=True),
+        ]), m.StepBatchResult)
+        decoded, misplaced = reply.items
+        assert isinstance(decoded, m.DecodeResult)
+        assert isinstance(misplaced, m.WorkerError) and "offset 20, but sequence 2 holds 16" in misplaced.message
+        # The right chunk runs beside the next step; one past the context ends its sequence alone.
+        reply = cpu.request(m.StepBatch(items=[
+            m.DecodeRequest(seq_id=1, token=decoded.token),
+            m.PrefillRequest(seq_id=2, token_ids=LONG[16:32], offset=16, return_features=False, more=True),
+            m.PrefillRequest(seq_id=3, token_ids=[5] * 300, return_features=False),
+        ]), m.StepBatchResult)
+        stepped, chunk, too_long = reply.items
+        assert isinstance(stepped, m.DecodeResult) and isinstance(chunk, m.PrefillPartial)
+        assert isinstance(too_long, m.WorkerError) and "exceeds the context" in too_long.message
+        with pytest.raises(WorkerRequestError, match="sequence 3 is not active"):
+            cpu.request(m.DecodeRequest(seq_id=3, token=5), m.DecodeResult)
