@@ -69,12 +69,20 @@ class DraftService:
         self.sequences[request.seq_id] = drafter
         return drafter
 
-    def draft(self, request: m.DraftRequest) -> m.DraftResult:
-        started = time.perf_counter()
+    def _extended(self, request: m.DraftRequest | m.DraftExtend) -> Drafter:
+        """The request's sequence with its pairs fed in (SequenceError where they do not fit)."""
         drafter = self._drafter(request)
         features = get_block(request.features, self.rings, device=drafter.device)
         try:
             drafter.extend(features, request.tokens)
+        except (DraftContextError, ValueError) as error:
+            raise SequenceError(str(error)) from None
+        return drafter
+
+    def draft(self, request: m.DraftRequest) -> m.DraftResult:
+        started = time.perf_counter()
+        drafter = self._extended(request)
+        try:
             tree = drafter.propose(request.shape)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
@@ -86,12 +94,7 @@ class DraftService:
     def extend(self, request: m.DraftExtend) -> m.DraftExtended:
         """A prompt chunk into the sequence's draft cache, no tree."""
         started = time.perf_counter()
-        drafter = self._drafter(request)
-        features = get_block(request.features, self.rings, device=drafter.device)
-        try:
-            drafter.extend(features, request.tokens)
-        except (DraftContextError, ValueError) as error:
-            raise SequenceError(str(error)) from None
+        self._extended(request)
         return m.DraftExtended(seq_id=request.seq_id, compute_ms=(time.perf_counter() - started) * 1e3)
 
     def draft_batch(self, request: m.DraftBatch) -> m.DraftBatchResult:
