@@ -119,8 +119,9 @@ class TargetService:
         ring_ref = None
         if sequence.return_features:
             kept.append((request.offset, step.features))
-            rows = [features for _, features in kept]
-            ring_ref = self.prefill_ring.write(rows[0] if len(rows) == 1 else torch.cat(rows))
+            if request.features_now or not request.more:
+                rows = [features for _, features in kept]
+                ring_ref = self.prefill_ring.write(rows[0] if len(rows) == 1 else torch.cat(rows))
         if request.more:
             sequence.unread = kept
             return m.PrefillPartial(seq_id=request.seq_id, features=ring_ref, compute_ms=compute_ms)

@@ -198,16 +198,17 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
         if offset and emit([], []):
             return None
         more = offset + size < len(prompt)
+        read_now = feed_draft and more and together() > 1  # else the rows wait for the first draft step
         request = m.PrefillRequest(seq_id=job.seq_id, token_ids=prompt[offset:offset + size], sampling=job.sampling,
                                    return_features=feed_draft, logprobs=job.logprobs, offset=offset, more=more,
-                                   features_from=unread)
+                                   features_from=unread, features_now=read_now)
         if not more:
             result = _reply((yield Call("cpu", request, m.PrefillResult)), m.PrefillResult)
             stats.prefill_ms += result.compute_ms
             return result, unread
         partial = _reply((yield Call("cpu", request, m.PrefillPartial)), m.PrefillPartial)
         stats.prefill_ms += partial.compute_ms
-        if feed_draft and together() > 1:
+        if read_now:
             if partial.features is None:
                 raise RuntimeError("the cpu_worker returned no features for a prompt chunk")
             # Pairs: the feature of position i with token i + 1, all inside the prompt here.

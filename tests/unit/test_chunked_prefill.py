@@ -92,10 +92,12 @@ def test_the_worker_answers_each_chunk_with_the_rows_not_read_yet(demo_pair):
             rows = []
             for offset in (0, 32):
                 partial = cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[offset:offset + 32], offset=offset,
-                                                       more=True), m.PrefillPartial)
-                assert partial.features is not None and partial.features.rows == offset + 32
+                                                       more=True, features_now=offset == 0), m.PrefillPartial)
                 if offset == 0:
+                    assert partial.features is not None and partial.features.rows == 32
                     rows.append(get_block(partial.features, {ring.name: ring}).clone())
+                else:
+                    assert partial.features is None  # not read now: kept for the next answer
             with pytest.raises(WorkerRequestError, match=r"features_from 16 is not where .* \(0, 32, 64\)"):
                 cpu.request(m.PrefillRequest(seq_id=3, token_ids=LONG[64:], offset=64, features_from=16),
                             m.PrefillResult)
@@ -126,12 +128,15 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
 
     alone: list[int] = []
     with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
-        gpu = Recorder(gpu) if dovetail else gpu
+        cpu, gpu = Recorder(cpu), Recorder(gpu) if dovetail else gpu
         run_alone(steps(make_job(1, LONG, 16), alone), cpu, gpu)
     if dovetail:
-        # Alone, the draft reads the whole prompt with its first tree (the first token comes sooner).
+        # Alone, the draft reads the whole prompt with its first tree (the first token comes sooner),
+        # and no chunk's answer carries rows before that.
         first, *_ = gpu.items((m.DraftExtend, m.DraftRequest))
         assert isinstance(first, m.DraftRequest) and list(first.tokens) == LONG[1:] + [alone[0]] and first.reset
+        chunks = cpu.items(m.PrefillRequest)
+        assert len(chunks) == 5 and not any(chunk.features_now for chunk in chunks[:4])
     running_alone: list[int] = []
     with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
         run_alone(steps(make_job(2, SHORT, 16, max_new_tokens=40), running_alone), cpu, gpu)
