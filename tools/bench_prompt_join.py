@@ -7,8 +7,10 @@ same streams and prompt on each.
 
 Each row: the running streams' longest gap between two tokens while the long prompt joined, their
 p95 inter-token latency, the long request's time to first token, and whether every request's
-tokens were the same under every chunk size (they may differ from another chunk size's only at fp32,
-whose prompt GEMM's bits depend on its row count; the tool says so).
+tokens were those of the first row. They may not be: a prompt's roundings depend on how it is
+chunked (the prompt GEMM at fp32, the prompt attention's call shape at every precision), so each
+chunk size is its own reference; within one server every request gets its solo ar tokens at that
+chunk size whatever runs beside it (tests/unit/test_chunked_prefill.py, test_batched.py).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def main(target: str, draft: str | None, chunks: str, prompt_tokens: int, stream
     mode = "dovetail" if draft else "ar"
     prompt = long_prompt(prompt_tokens)
     print(markdown_header(["--prefill-chunk", "running streams' longest gap ms", "their p95 ITL ms",
-                           "long prompt's TTFT s", "same tokens as the first row"]))
+                           "long prompt's TTFT s", "tokens as the first row's"]))
     first = None
     for chunk in [int(value) for value in chunks.split(",")]:
         args = ["--target", target, *(["--draft", draft] if draft else ["--mode", "ar"]),
