@@ -30,6 +30,7 @@ import torch
 
 from cpu_worker.engine import StepOutput, TargetEngine, VerifyOutcome, tree_paths
 from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
 from cpu_worker.model.llama import CacheSegment, DecoderLayer, LlamaDecoder
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.sampling import Sampler
@@ -90,6 +91,9 @@ def run_steps(steps: Sequence[SequenceStep]) -> list[StepOutput | VerifyOutcome]
     to run the others checks each itself and leaves it out."""
     positions = [step.check() for step in steps]
     together = [index for index, step in enumerate(steps) if step.shares_forward]
+    if sum(len(steps[index].tokens) for index in together) > MAX_KERNEL_ROWS:
+        # Past the fp32 row kernel's rows every row would take F.linear: a chunk runs apart instead.
+        together = [index for index in together if not steps[index].prompt]
     if len(together) <= 1 or not can_batch([steps[index] for index in together]):
         return [_run_alone(step) for step in steps]
     outcomes: dict[int, StepOutput | VerifyOutcome] = {

@@ -17,7 +17,8 @@ from cpu_worker.kernels import attention as attention_kernels
 from cpu_worker.kernels import layer_ops
 from cpu_worker.kernels.attention import AttentionKernel
 from cpu_worker.kernels.exact_attention import TreePaths
-from cpu_worker.kernels.fp32_rows import PROMPT_GEMM_ROWS, prompt_rows, takes_prompt_gemm
+from cpu_worker.kernels.fp32_packed import PackedFp32Linear
+from cpu_worker.kernels.fp32_rows import PROMPT_GEMM_ROWS, RowInvariantFp32Linear, prompt_rows
 from cpu_worker.kernels.linear import row_invariant_linears
 from cpu_worker.model.embedding import output_dtype
 from cpu_worker.model.llama import Attention, KVCache, LlamaDecoder, RotaryTable
@@ -143,9 +144,12 @@ class TargetEngine:
         self.kernels = choose_kernels(self.model, self.kv_dtype)
         # Decode steps and trees through every layer in one foreign call, where the layers allow it.
         self.model.layer_loop = NativeLayers.build(self.model)
-        # Prompt chunks of this many rows or more take a GEMM of their own (fp32): they cannot share a
-        # batch's forward and keep their bits (``cpu_worker.batched``).
-        self.prompt_gemm_rows = PROMPT_GEMM_ROWS if takes_prompt_gemm(self.model) else None
+        # Prompt chunks of this many rows or more may not share a batch's forward (``cpu_worker.batched``):
+        # fp32's exact kernels keep a row's bits among others only below it (ours hands a prompt's
+        # calls from there on to F.linear's GEMM; MKL's packed sgemm is checked up to 64 rows).
+        fp32_exact = any(isinstance(module, (RowInvariantFp32Linear, PackedFp32Linear))
+                         for module in self.model.modules())
+        self.prompt_gemm_rows = PROMPT_GEMM_ROWS if fp32_exact else None
         return self.kernels
 
     def sibling(self) -> TargetEngine:

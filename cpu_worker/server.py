@@ -109,9 +109,16 @@ class TargetService:
 
     def _prompt_sequence(self, request: m.PrefillRequest) -> tuple[_Sequence, list[tuple[int, torch.Tensor]]]:
         """The sequence a prompt chunk goes to (a new one for the first) and the kept rows its
-        answer carries before its own (``_rows_from``)."""
-        sequence = (self._start(request) if request.offset == 0 else
-                    self._sequence(request.seq_id, prompt_complete=False))
+        answer carries before its own (``_rows_from``). SequenceError, before anything changes, for
+        a chunk at another offset than its sequence holds or rows asked from where none are kept."""
+        if request.offset == 0:
+            if request.features_from != 0:
+                raise SequenceError(f"features_from {request.features_from} on a prompt's first chunk (it must be 0)")
+            return self._start(request), []
+        sequence = self._sequence(request.seq_id, prompt_complete=False)
+        if request.offset != sequence.engine.committed:
+            raise SequenceError(f"a prompt chunk at offset {request.offset}, but sequence {request.seq_id} holds "
+                                f"{sequence.engine.committed} tokens")
         return sequence, _rows_from(sequence, request)
 
     def _prefill_answer(self, request: m.PrefillRequest, sequence: _Sequence, kept: list[tuple[int, torch.Tensor]],
@@ -198,6 +205,9 @@ class TargetService:
             try:
                 if any(item.seq_id == request.items[other].seq_id for other, _, _ in taken):
                     raise SequenceError(f"sequence {item.seq_id} appears twice in one batch")
+                if isinstance(item, m.PrefillRequest) and any(step.prompt for step in steps):
+                    # Each answer's rows take the prefill ring's one slot.
+                    raise SequenceError("one prompt chunk per batch")
                 sequence, kept, step = self._batch_step(item)
             except (SequenceError, ValueError) as error:  # ContextOverflowError is a ValueError
                 results[index] = m.WorkerError(worker="cpu_worker", message=str(error), seq_id=item.seq_id)
@@ -237,9 +247,6 @@ class TargetService:
         if item.offset == 0 and others >= self.max_sequences:
             raise SequenceError(f"no room for sequence {item.seq_id} in a batch: {others} sequences are active")
         sequence, kept = self._prompt_sequence(item)
-        if item.offset != sequence.engine.committed:
-            raise SequenceError(f"a prompt chunk at offset {item.offset}, but sequence {item.seq_id} holds "
-                                f"{sequence.engine.committed} tokens")
         step = SequenceStep(sequence.engine, item.token_ids, prompt=True)
         try:
             step.check()

@@ -60,9 +60,10 @@ class Batcher:
         """Start a loop; it takes part from the next round (or has already ended: a prompt
         that cannot fit raises before its first call)."""
         stream = Stream(seq_id, steps, uses_gpu)
+        self.streams.append(stream)  # counted already while its first call is made (the batch's size)
         self._advance(stream, None)
-        if not stream.done:
-            self.streams.append(stream)
+        if stream.done:
+            self.streams.remove(stream)
         return stream
 
     def round(self) -> list[Stream]:

@@ -246,8 +246,8 @@ class PrefillRequest(Message):
     last chunk is answered with the PrefillResult of the whole prompt. With ``return_features``
     each answer carries the prompt's feature rows from position ``features_from`` (a chunk's start,
     at most ``offset``) through this chunk: the rows before it were read already, and the worker
-    keeps the later ones until an answer carries them. ``features_now`` False: a PrefillPartial
-    carries none (nobody reads them yet; they stay kept)."""
+    keeps the later ones until an answer carries them; a PrefillPartial carries them only with
+    ``features_now`` (someone reads them now; else they stay kept)."""
 
     seq_id: SeqId
     token_ids: TokenIds
@@ -257,7 +257,7 @@ class PrefillRequest(Message):
     offset: Count = 0
     more: bool = False
     features_from: Count = 0
-    features_now: bool = True
+    features_now: bool = False
 
 
 class PrefillPartial(Message):

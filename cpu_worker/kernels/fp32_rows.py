@@ -90,12 +90,6 @@ class RowInvariantFp32Linear(LinearKernel):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp32 row-invariant kernel"
 
 
-def takes_prompt_gemm(model: nn.Module) -> bool:
-    """Whether a prompt's calls of ``PROMPT_GEMM_ROWS`` rows or more round differently from the
-    same rows among others (this kernel's linears: they take ``F.linear`` there)."""
-    return any(isinstance(module, RowInvariantFp32Linear) for module in model.modules())
-
-
 def use_fp32_row_kernel(model: nn.Module) -> bool:
     """Swap every fp32 ``nn.Linear`` under ``model`` for a RowInvariantFp32Linear (sharing its
     weight, which moves onto huge pages). False, and nothing changed, when the kernel library cannot be built."""

@@ -186,3 +186,28 @@ def test_the_benchmark_prints_a_row_per_sequence_count(demo_target):
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split("|")[1].strip() for row in rows] == ["1", "3"] and all(row.endswith("x |") for row in rows)
+
+
+def test_a_chunk_that_would_push_a_call_past_the_row_kernel_runs_apart(demo_target, monkeypatch):
+    """fp32's row kernel hands calls of more than MAX_KERNEL_ROWS rows to F.linear (other bits for
+    every row): a chunk that would take the shared call there runs on its own."""
+    import cpu_worker.batched as batched
+    from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
+
+    engine, _ = build_engine(str(demo_target), "fp32", 1200, "fp32")
+    chunked, solo, decoder, verifier = (engine.sibling() for _ in range(4))
+    for one in (decoder, verifier):
+        one.prefill(PROMPTS[0])
+    rows: list[int] = []
+    forward = batched._forward
+    monkeypatch.setattr(batched, "_forward", lambda steps, positions: rows.append(
+        sum(len(step.tokens) for step in steps)) or forward(steps, positions))
+    star = MAX_KERNEL_ROWS - 34  # a wide tree: with a decode step and a 40-row chunk, past the limit
+    parents = [-1] + [0] * (star - 1)
+    tree = [(5 + node) % engine.spec.vocab_size for node in range(star)]
+    _, prefilled, _ = run_steps([SequenceStep(decoder, [7]), SequenceStep(chunked, LONG_PROMPT[:40], prompt=True),
+                                 SequenceStep(verifier, tree, parents)])
+    assert rows == [1 + star]
+    expected = solo.prefill(LONG_PROMPT[:40])
+    assert isinstance(prefilled, StepOutput)
+    assert_same_bits([expected.features, expected.logits], [prefilled.features, prefilled.logits])

@@ -75,9 +75,15 @@ def test_the_worker_answers_each_chunk_with_the_rows_not_read_yet(demo_pair):
             whole_rows = get_block(whole.features, {ring.name: ring}).clone()
             for offset in (0, 32):
                 partial = cpu.request(m.PrefillRequest(seq_id=2, token_ids=LONG[offset:offset + 32], offset=offset,
-                                                       more=True), m.PrefillPartial)
+                                                       more=True, features_now=True), m.PrefillPartial)
                 assert partial.seq_id == 2 and partial.features is not None
                 assert partial.features.rows == offset + 32  # features_from 0: nothing read yet
+            # A chunk at another offset, or rows asked from where none are kept, is refused before
+            # anything changes (the sequence goes on).
+            with pytest.raises(WorkerRequestError, match="offset 70, but sequence 2 holds 64"):
+                cpu.request(m.PrefillRequest(seq_id=2, token_ids=[5], offset=70, more=True), m.PrefillPartial)
+            with pytest.raises(WorkerRequestError, match="on a prompt's first chunk"):
+                cpu.request(m.PrefillRequest(seq_id=2, token_ids=[5], features_from=3), m.PrefillResult)
             # A step before the prompt is complete, or a chunk at the wrong offset, is refused.
             with pytest.raises(WorkerRequestError, match="not complete"):
                 cpu.request(m.DecodeRequest(seq_id=2, token=5), m.DecodeResult)
@@ -120,10 +126,14 @@ def test_the_worker_answers_each_chunk_with_the_rows_not_read_yet(demo_pair):
 def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between_its_chunks(demo_pair, dovetail):
     engine, drafter = demo_pair
 
-    batch_size = [1]
+    batcher: Batcher | None = None
+
+    def together() -> int:
+        """How many streams the batch runs (as the coordinator's ``_batch_size``); 1 alone."""
+        return len(batcher.streams) if batcher else 1
 
     def steps(job: Job, tokens: list[int]):
-        return (dovetail_steps(job, SHAPE, collect(tokens), lambda: batch_size[0]) if dovetail
+        return (dovetail_steps(job, SHAPE, collect(tokens), together) if dovetail
                 else ar_steps(job, collect(tokens)))
 
     alone: list[int] = []
@@ -137,6 +147,7 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
         assert isinstance(first, m.DraftRequest) and list(first.tokens) == LONG[1:] + [alone[0]] and first.reset
         chunks = cpu.items(m.PrefillRequest)
         assert len(chunks) == 5 and not any(chunk.features_now for chunk in chunks[:4])
+        solo_trees = gpu.replies(m.DraftResult)
     running_alone: list[int] = []
     with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
         run_alone(steps(make_job(2, SHORT, 16, max_new_tokens=40), running_alone), cpu, gpu)
@@ -147,7 +158,6 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
     with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
         cpu, gpu = Recorder(cpu), Recorder(gpu)
         batcher = Batcher(cpu, gpu)
-        batch_size[0] = 2  # the coordinator's: how many streams the batch runs
         short = batcher.add(2, steps(make_job(2, SHORT, 16, max_new_tokens=40), short_tokens), uses_gpu=dovetail)
         batcher.round()  # its prefill
         batcher.round()
@@ -170,6 +180,8 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
                 *(LONG[offset + 1:offset + 17] for offset in (0, 16, 32, 48)), LONG[65:] + [long_tokens[0]]]
             assert [message.reset for message in draft_reads[:5]] == [True, False, False, False, False]
             assert isinstance(draft_reads[4], m.DraftRequest) and len(gpu.items(m.DraftExtend)) == 4
+            # Read in chunks, the draft proposes the tree it proposes after reading the prompt whole.
+            assert gpu.replies(m.DraftResult)[0].tokens == solo_trees[0].tokens
         else:
             assert draft_reads == []
     assert long.outcome is not None and short.outcome is not None
@@ -177,22 +189,33 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
 
 
 class Recorder:
-    """A worker whose every message for sequence 1 (batches unpacked) is kept, in order."""
+    """A worker whose every message and reply for sequence 1 (batches unpacked) is kept, in order."""
 
     def __init__(self, worker):
         self.worker = worker
         self.seen: list[m.Message] = []
+        self.answers: list[m.Message] = []
 
     def request(self, message, expect):
-        items = message.items if isinstance(message, (m.StepBatch, m.DraftBatch)) else [message]
-        self.seen.extend(item for item in items if getattr(item, "seq_id", None) == 1)
-        return self.worker.request(message, expect)
+        self.seen.extend(mine(message))
+        reply = self.worker.request(message, expect)
+        self.answers.extend(mine(reply))
+        return reply
+
+    def replies(self, kinds):
+        return [message for message in self.answers if isinstance(message, kinds)]
 
     def send(self, message):
         self.worker.send(message)
 
     def items(self, kinds):
         return [message for message in self.seen if isinstance(message, kinds)]
+
+
+def mine(message: m.Message) -> list[m.Message]:
+    items = message.items if isinstance(message, (m.StepBatch, m.DraftBatch, m.StepBatchResult,
+                                                  m.DraftBatchResult)) else [message]
+    return [item for item in items if getattr(item, "seq_id", None) == 1]
 
 
 def test_the_flag_sets_the_chunk_for_every_request_and_0_means_whole_prompts():
@@ -249,14 +272,23 @@ def test_a_prompt_chunk_in_a_step_batch_fails_alone(demo_pair):
         decoded, misplaced = reply.items
         assert isinstance(decoded, m.DecodeResult)
         assert isinstance(misplaced, m.WorkerError) and "offset 20, but sequence 2 holds 16" in misplaced.message
-        # The right chunk runs beside the next step; one past the context ends its sequence alone.
+        # The right chunk runs beside the next step; a second chunk in one batch is refused (each
+        # answer's rows take the prefill ring's one slot).
         reply = cpu.request(m.StepBatch(items=[
             m.DecodeRequest(seq_id=1, token=decoded.token),
             m.PrefillRequest(seq_id=2, token_ids=LONG[16:32], offset=16, return_features=False, more=True),
+            m.PrefillRequest(seq_id=3, token_ids=SHORT, return_features=False),
+        ]), m.StepBatchResult)
+        stepped, chunk, second = reply.items
+        assert isinstance(stepped, m.DecodeResult) and isinstance(chunk, m.PrefillPartial)
+        assert isinstance(second, m.WorkerError) and "one prompt chunk per batch" in second.message
+        # A prompt past the context ends its sequence alone.
+        reply = cpu.request(m.StepBatch(items=[
+            m.DecodeRequest(seq_id=1, token=stepped.token),
             m.PrefillRequest(seq_id=3, token_ids=[5] * 300, return_features=False),
         ]), m.StepBatchResult)
-        stepped, chunk, too_long = reply.items
-        assert isinstance(stepped, m.DecodeResult) and isinstance(chunk, m.PrefillPartial)
+        stepped, too_long = reply.items
+        assert isinstance(stepped, m.DecodeResult)
         assert isinstance(too_long, m.WorkerError) and "exceeds the context" in too_long.message
         with pytest.raises(WorkerRequestError, match="sequence 3 is not active"):
             cpu.request(m.DecodeRequest(seq_id=3, token=5), m.DecodeResult)
