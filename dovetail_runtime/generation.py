@@ -205,6 +205,8 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
         if not more:
             result = _reply((yield Call("cpu", request, m.PrefillResult)), m.PrefillResult)
             stats.prefill_ms += result.compute_ms
+            if feed_draft and result.features is None:
+                raise RuntimeError("the cpu_worker returned no prompt features")
             return result, unread
         partial = _reply((yield Call("cpu", request, m.PrefillPartial)), m.PrefillPartial)
         stats.prefill_ms += partial.compute_ms
@@ -281,19 +283,15 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
         if prefilled is None:  # stopped between two prompt chunks
             return "stop", stats
         prefill, unread = prefilled
-        if prefill.features is None:
-            raise RuntimeError("the cpu_worker returned no prompt features")
-        # Draft pairs: feature of position i with token i+1; the first new token closes the prompt.
-        # The first step reads the prompt's rows from ``unread`` on (``absorbing``): all of them,
-        # unless the draft read its first chunks while other sequences ran.
-        pair_tokens, features = prompt_ids[unread + 1:] + [prefill.token], prefill.features
-        reset, absorbing = unread == 0, True
+        assert prefill.features is not None  # prefill_steps checked (feed_draft)
+        # Draft pairs: feature of position i with token i+1; the first new token closes the prompt. The first
+        # step reads the rows from ``unread`` on (all, unless the draft read chunks while others ran).
+        pair_tokens, features, absorbing = prompt_ids[unread + 1:] + [prefill.token], prefill.features, True
         length, planned = len(prompt_ids) + 1, None
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
         while True:
-            room = context.room(length)
-            if room < 1:
+            if (room := context.room(length)) < 1:
                 budget.finish_reason = "length"
                 break
             together = batch()
@@ -312,9 +310,9 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 pair_tokens, features = verified.accepted_tokens, verified.features
                 continue
             cycle_started = time.perf_counter()
-            draft = _reply((yield Call("gpu", m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features,
-                                                               shape=shape, reset=reset), m.DraftResult)),
-                           m.DraftResult)
+            request = m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features, shape=shape,
+                                     reset=absorbing and unread == 0)
+            draft = _reply((yield Call("gpu", request, m.DraftResult)), m.DraftResult)
             verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens,
                                                                    parents=draft.parents), m.VerifyResult)),
                               m.VerifyResult)
@@ -324,7 +322,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                             (time.perf_counter() - cycle_started) * 1e3, together, timed=not absorbing)
             stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
             length, pair_tokens, features = length + len(accepted), accepted, verified.features
-            reset = absorbing = False
+            absorbing = False
             if budget.push(accepted, verified.logprobs):
                 break
     finally:
