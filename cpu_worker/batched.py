@@ -154,7 +154,8 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
     loop = model.layer_loop
     # The C loop takes decode steps and trees; a prompt chunk attends causally, as its own prefill
     # does on the Python layers (the two paths give decode and tree rows the same bits).
-    if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps) and not any(step.prompt for step in steps):
+    with_prompt = any(step.prompt for step in steps)
+    if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps) and not with_prompt:
         # As LlamaDecoder.forward: the layers between aux layers in one foreign call each.
         segments = [(step.engine.cache, step.engine.committed, paths) for step, paths in zip(steps, trees, strict=True)]
         first = 0
@@ -174,10 +175,12 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
             x = x + layer.self_attn.forward_segments(layer.input_layernorm(x), cos, sin, by_sequence, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
     features = model.norm(x)[0]
-    # A prompt chunk needs its last row's logits only, as its own prefill computes them.
-    wanted = [row for step, (begin, end) in zip(steps, bounds, strict=True)
-              for row in ([end - 1] if step.prompt else range(begin, end))]
-    logits = model.lm_head(features if len(wanted) == len(features) else features[torch.tensor(wanted)])
+    if with_prompt:  # a prompt chunk needs its last row's logits only, as its own prefill computes them
+        wanted = [row for step, (begin, end) in zip(steps, bounds, strict=True)
+                  for row in ([end - 1] if step.prompt else range(begin, end))]
+        logits = model.lm_head(features[torch.tensor(wanted)])
+    else:
+        logits = model.lm_head(features)
     if aux_layers:
         features = torch.cat(streams, dim=-1)[0]
     return features, logits.float()
