@@ -150,6 +150,10 @@ class TargetEngine:
         fp32_exact = any(isinstance(module, (RowInvariantFp32Linear, PackedFp32Linear))
                          for module in self.model.modules())
         self.prompt_gemm_rows = PROMPT_GEMM_ROWS if fp32_exact else None
+        # A prompt's bits then do not depend on how it is cut into chunks: every row attends as its
+        # decode would (the exact kernels) through row-invariant linears, with no prompt GEMM.
+        self.chunk_invariant = (self.kernels.attention.row_invariant and self.kernels.row_invariant_linears
+                                and self.prompt_gemm_rows is None)
         return self.kernels
 
     def sibling(self) -> TargetEngine:

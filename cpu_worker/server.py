@@ -368,7 +368,8 @@ def load_service(settings: m.TargetSettings) -> tuple[m.TargetInfo, Handlers]:
                         hidden_size=engine.spec.hidden_size, vocab_size=engine.spec.vocab_size, dtype=precision,
                         weight_bytes=weight_bytes(engine.model), kv_cache_bytes=engine.cache.nbytes,
                         kv_dtype=kv_name, exact_tree=engine.exact_tree, kernel=kernel,
-                        feature_size=engine.feature_size, aux_layers=list(engine.aux_layers or []))
+                        feature_size=engine.feature_size, aux_layers=list(engine.aux_layers or []),
+                        chunk_invariant=engine.chunk_invariant)
     return info, service.handlers()
 
 

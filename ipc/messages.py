@@ -501,6 +501,8 @@ class TargetInfo(Nested, frozen=True):
     kernel: Name | None
     feature_size: Dim
     aux_layers: Layers
+    # A prompt's bits do not depend on its chunks: the coordinator may cut it by load (--join-chunk).
+    chunk_invariant: bool = False
 
 
 class DraftInfo(Nested, frozen=True):

@@ -6,8 +6,9 @@ get the bits each row's one-token decode would.
   differently from its one-row call (~1e-6), which an int8 target's per-row activation rounding
   can amplify into another token, so an exact tree attends row by row (``attend_per_row``), each
   row re-reading the whole cached prefix.
-- ``ExactAttention``: decode steps and tree rows on our kernel (``exact_attention``), which reads
-  the prefix once for the whole tree and rounds every node as its later decode will. It needs fp32
+- ``ExactAttention``: decode steps, tree rows and prompt chunks on our kernels
+  (``exact_attention``), which read the prefix once for the whole tree or chunk and round every
+  row as its one-token decode does (so a prompt's bits do not depend on its chunks either). It needs fp32
   queries on the CPU over an fp32 or bf16 cache, without autograd: the engine picks it when it is
   built (``cpu_worker.engine.choose_kernels``) where its model and cache are so.
 
@@ -113,8 +114,8 @@ class TorchAttention:
 
 
 class ExactAttention:
-    """Decode steps and tree rows on the exact kernel (fp32 queries, an fp32 or bf16 cache, the
-    CPU, no autograd: whoever picks it has checked); prefills and masked calls on torch's."""
+    """Decode steps, tree rows and prompt chunks on the exact kernels (fp32 queries, an fp32 or
+    bf16 cache, the CPU, no autograd: whoever picks it has checked); masked calls on torch's."""
 
     name = "exact"
     row_invariant = True
@@ -126,8 +127,11 @@ class ExactAttention:
                start: int, mask: torch.Tensor | None, paths: TreePaths | None, gqa: bool) -> torch.Tensor:
         if paths is not None:
             return exact_attention.attend(q, keys, values, start, paths)
-        if q.shape[2] == 1 and mask is None:
-            return exact_attention.attend(q, keys, values, start + 1)
+        if mask is None:
+            if q.shape[2] == 1:
+                return exact_attention.attend(q, keys, values, start + 1)
+            # A prompt chunk: each row as its decode would round it, so chunks of any size agree.
+            return exact_attention.attend_causal(q, keys, values, start)
         return self._torch.attend(q, k, v, keys, values, start, mask, paths, gqa)
 
 

@@ -107,5 +107,31 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: in
     return out.unsqueeze(0)
 
 
+def attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                  library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A prompt chunk: q [1, heads, rows, head_dim], row r at slot ``start`` + r (its keys and values
+    already in the cache) attending to slots [0, start + r]. Each row rounds exactly as its
+    one-token decode would (``attend`` with ``start`` + r + 1 shared slots), so a prompt gets the
+    same bits however it is cut into chunks. Returns [1, heads, rows, head_dim]."""
+    library = library or native.load()
+    assert library is not None
+    _, heads, rows, head_dim = q.shape
+    kv_heads, max_len = keys.shape[1], keys.shape[2]
+    if start < 0 or rows < 1 or start + rows > max_len:
+        raise ValueError(f"{rows} prompt rows after {start} cached slots of a {max_len}-slot cache")
+    if keys.dtype not in CACHE_DTYPES or values.dtype != keys.dtype or values.shape != keys.shape \
+            or not values.is_contiguous():
+        raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} and values {values.dtype} {tuple(values.shape)}: "
+                         "the kernel reads one contiguous fp32 or bf16 cache layer")
+    queries = q[0].contiguous()
+    out = torch.empty_like(queries)
+    if library.dovetail_attention_causal(queries.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                         int(keys.dtype == torch.bfloat16), max_len, start, out.data_ptr(), rows,
+                                         heads, kv_heads, head_dim, 1.0 / math.sqrt(head_dim),
+                                         torch.get_num_threads()) != 0:
+        raise MemoryError(f"attention: no memory for {rows} prompt rows' scores")
+    return out.unsqueeze(0)
+
+
 def clear_cache() -> None:
     available.cache_clear()

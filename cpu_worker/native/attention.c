@@ -263,3 +263,92 @@ int dovetail_attention(const float *q, const void *keys, const void *values, int
     }
     return failed ? DOVETAIL_NO_MEMORY : 0;
 }
+
+#define CAUSAL_TILE 32 /* prompt rows per work item: their queries, scores and sums stay in L2 */
+
+/* The scores, softmax and output of one kv head's queries for prompt rows [r0, r1), row r over
+ * slots [0, start + r + 1): per row, exactly the sums dovetail_attention makes for a decode of
+ * that row (scores8 and dot_fixed, add_scaled8 and add_scaled give the same bits, so which keys
+ * go in blocks does not matter, only their order, ascending). Returns 0 or 1 (no memory). */
+static int causal_tile(const float *q_group, const void *k_head, const void *v_head, int bf16, int64_t start,
+                       int64_t r0, int64_t r1, int64_t rows, int64_t group, int64_t head_dim, float scale,
+                       float *out_group) {
+    int64_t count = r1 - r0, longest = start + r1, queries = group * count;
+    float *scores = (float *)malloc((size_t)(queries * longest) * sizeof(float));
+    float *acc = (float *)calloc((size_t)(queries * head_dim), sizeof(float));
+    float *row = (float *)malloc((size_t)(KEY_BLOCK * head_dim) * sizeof(float));
+    if (scores == NULL || acc == NULL || row == NULL) {
+        free(scores);
+        free(acc);
+        free(row);
+        return 1;
+    }
+    /* local query u = h * count + (r - r0); its head-major index in q is h * rows + r */
+#define CAUSAL_Q(u) (q_group + (((u) / count) * rows + r0 + (u) % count) * head_dim)
+#define CAUSAL_KEYS(u) (start + r0 + (u) % count + 1)
+    int blocks = DOVETAIL_KEY_BLOCKS && head_dim % 8 == 0;
+#if DOVETAIL_KEY_BLOCKS
+    for (int64_t j = 0; blocks && j + KEY_BLOCK <= longest; j += KEY_BLOCK) {
+        const float *k[KEY_BLOCK];
+        cache_block(k_head, j, head_dim, bf16, row, k);
+        for (int64_t u = 0; u < queries; u++)
+            if (j + KEY_BLOCK <= CAUSAL_KEYS(u))
+                _mm256_storeu_ps(scores + u * longest + j, scores8(CAUSAL_Q(u), k, head_dim, scale));
+    }
+#endif
+    for (int64_t u = 0; u < queries; u++) {
+        int64_t n = CAUSAL_KEYS(u), tail = blocks ? n / KEY_BLOCK * KEY_BLOCK : 0;
+        for (int64_t t = tail; t < n; t++)
+            scores[u * longest + t] = dot_fixed(CAUSAL_Q(u), cache_row(k_head, t, head_dim, bf16, row), head_dim) * scale;
+        softmax_numerators(scores + u * longest, n);
+    }
+#if DOVETAIL_KEY_BLOCKS
+    for (int64_t j = 0; blocks && j + KEY_BLOCK <= longest; j += KEY_BLOCK) {
+        const float *v[KEY_BLOCK];
+        cache_block(v_head, j, head_dim, bf16, row, v);
+        for (int64_t u = 0; u < queries; u++)
+            if (j + KEY_BLOCK <= CAUSAL_KEYS(u)) add_scaled8(acc + u * head_dim, v, scores + u * longest + j, head_dim);
+    }
+#endif
+    for (int64_t u = 0; u < queries; u++) {
+        int64_t n = CAUSAL_KEYS(u), tail = blocks ? n / KEY_BLOCK * KEY_BLOCK : 0;
+        const float *s = scores + u * longest;
+        for (int64_t t = tail; t < n; t++) add_scaled(acc + u * head_dim, cache_row(v_head, t, head_dim, bf16, row), s[t], head_dim);
+        float total = 0.0f;
+        for (int64_t t = 0; t < n; t++) total += s[t];
+        float inverse = 1.0f / total;
+        float *o = out_group + (CAUSAL_Q(u) - q_group);
+        for (int64_t i = 0; i < head_dim; i++) o[i] = acc[u * head_dim + i] * inverse;
+    }
+#undef CAUSAL_Q
+#undef CAUSAL_KEYS
+    free(scores);
+    free(acc);
+    free(row);
+    return 0;
+}
+
+/* A prompt chunk's causal attention: q, out [heads, rows, head_dim], row r at slot start + r
+ * attending to slots [0, start + r + 1) of the cache (its own rows already written there).
+ * Each row gets the bits dovetail_attention gives that row as a one-token decode, so a prompt's
+ * attention does not depend on how it was cut into chunks: a chunk of any size (one row, a
+ * batch's share, a whole prompt) rounds alike. Work items: (kv head, CAUSAL_TILE rows), handed
+ * out dynamically (the last tiles see more keys). Returns 0 or DOVETAIL_NO_MEMORY. */
+int dovetail_attention_causal(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
+                              int64_t start, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, float scale, int threads) {
+    int64_t group = heads / kv_heads, tiles = (rows + CAUSAL_TILE - 1) / CAUSAL_TILE;
+    size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic) reduction(|| : failed)
+    for (int64_t item = 0; item < kv_heads * tiles; item++) {
+        /* the last tiles first: they are the longest, so the short ones even out the end */
+        int64_t g = item % kv_heads, tile = tiles - 1 - item / kv_heads;
+        int64_t r0 = tile * CAUSAL_TILE, r1 = r0 + CAUSAL_TILE < rows ? r0 + CAUSAL_TILE : rows;
+        const char *k_head = (const char *)keys + (size_t)(g * max_len * head_dim) * element;
+        const char *v_head = (const char *)values + (size_t)(g * max_len * head_dim) * element;
+        failed = causal_tile(q + g * group * rows * head_dim, k_head, v_head, bf16, start, r0, r1, rows, group,
+                             head_dim, scale, out + g * group * rows * head_dim) || failed;
+    }
+    return failed ? DOVETAIL_NO_MEMORY : 0;
+}

@@ -136,6 +136,9 @@ float dovetail_dot_fixed(const float *a, const float *b, int64_t d);
 int dovetail_attention(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
                        int64_t shared, const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int threads);
+int dovetail_attention_causal(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
+                              int64_t start, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                              int64_t head_dim, float scale, int threads);
 
 /* ---- layer_ops.c: a decoder layer's small steps ---- */
 

@@ -134,6 +134,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_exp_nonpositive": ([_P, _I64], None),
     "dovetail_dot_fixed": ([_P, _P, _I64], _FLOAT),
     "dovetail_attention": ([_P, _P, _P, _INT, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _FLOAT, _INT], _INT),
+    "dovetail_attention_causal": ([_P, _P, _P, _INT, _I64, _I64, _P, _I64, _I64, _I64, _I64, _FLOAT, _INT], _INT),
     "dovetail_rms_norm": ([_P, _P, _P, _I64, _I64, _FLOAT, _INT], None),
     "dovetail_rope_qkv": ([_P, _P, _P, _P, _P, _P, _INT, _I64, _I64, _I64, _I64, _I64, _I64, _INT], None),
     "dovetail_silu_mul": ([_P, _P, _I64, _P, _I64, _I64, _INT], None),

@@ -65,6 +65,33 @@ def test_a_prompt_in_chunks_computes_what_the_whole_prompt_does(precision):
         engine.prefill([5], 3)
 
 
+@pytest.mark.parametrize(("precision", "kv_dtype", "invariant"), [
+    ("int8", "fp32", True), ("q4_0", "bf16", True), ("q4_1-a16", "fp32", True), ("int8-row", "fp32", True),
+    ("fp32", "fp32", False), ("bf16", "bf16", False)])
+def test_a_prompt_s_bits_do_not_depend_on_its_chunks_where_the_engine_says_so(precision, kv_dtype, invariant):
+    """Where the engine declares it (the exact attention kernels, row-invariant linears, no fp32 prompt
+    GEMM), a prompt cut any way gives the same bits: its cache, every feature row, the last logits and
+    the next token's. So the coordinator may size a joining prompt's chunks by load (--join-chunk)."""
+    engine, _ = build_engine(str(DEMO / "target-code-9m"), precision, 256, kv_dtype=kv_dtype)
+    assert engine.chunk_invariant is invariant
+    if not invariant:
+        return  # fp32 (its prompt GEMM from 64 rows) and bf16 (torch's attention) keep fixed chunks
+    reference = None
+    for cuts in ([70], [16, 16, 16, 16, 6], [1] * 70, [33, 37], [64, 6]):
+        offset, features = 0, []
+        for size in cuts:
+            step = engine.prefill(LONG[offset:offset + size], offset)
+            features.append(step.features)
+            offset += size
+        cache = (engine.cache.keys[..., :70, :].clone(), engine.cache.values[..., :70, :].clone())
+        following = engine.decode(int(step.logits.argmax()))
+        signature = (torch.cat(features), step.logits, *cache, following.logits)
+        if reference is None:
+            reference = signature
+        for got, expected in zip(signature, reference, strict=True):
+            assert torch.equal(got, expected), cuts
+
+
 def test_the_worker_answers_each_chunk_with_the_rows_not_read_yet(demo_pair):
     engine, _ = demo_pair
     with local_workers(engine, max_sequences=2) as (cpu, _):

@@ -1,7 +1,7 @@
-"""Exact attention (cpu_worker/native/attention.c): close to torch's attention, a tree row equal bit for
-bit to the decode of its path, a bf16 cache read as its exact fp32 widening, the same bits at any
-thread count, and the engine's tree logits equal to its decode logits with the kernel and with
-torch's per-row fallback, over an fp32 or a bf16 cache."""
+"""Exact attention (cpu_worker/native/attention.c): close to torch's attention, a tree row and a prompt
+chunk's row equal bit for bit to their decodes, a bf16 cache read as its exact fp32 widening, the
+same bits at any thread count, and the engine's tree logits equal to its decode logits with the
+kernel and with torch's per-row fallback, over an fp32 or a bf16 cache."""
 
 from __future__ import annotations
 
@@ -79,6 +79,32 @@ def test_a_bf16_cache_is_read_as_its_exact_fp32_widening(parents):
         exact_attention.attend(q[:, :, :1], keys, wide_values, 131)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 20), (4, 4, 128)])
+@pytest.mark.parametrize(("start", "rows"), [(0, 1), (0, 70), (13, 9), (100, 33)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_chunk_row_equals_its_decode_bit_for_bit(heads, kv_heads, head_dim, start, rows, cache_dtype):
+    """Row r of a chunk starting at slot ``start`` attends to slots [0, start + r] exactly as the
+    decode of that token does: so a prompt's attention is the same bits however it is cut (70 rows
+    cross the kernel's 32-row tiles; head_dim 20 takes the scalar path)."""
+    keys, values = (each.to(cache_dtype) for each in cache(kv_heads, head_dim, seed=8))
+    q = torch.randn(1, heads, rows, head_dim, generator=torch.Generator().manual_seed(9)) * 4
+    chunk = exact_attention.attend_causal(q, keys, values, start)
+    for row in range(rows):
+        decode = exact_attention.attend(q[:, :, row:row + 1], keys, values, start + row + 1)
+        assert torch.equal(decode[0, :, 0], chunk[0, :, row]), f"row {row}"
+    end = start + rows
+    mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(q, keys[:, :, :end].float(), values[:, :, :end].float(),
+                                              attn_mask=mask, enable_gqa=heads != kv_heads)
+    assert torch.allclose(chunk, expected, atol=1e-5, rtol=1e-5), (chunk - expected).abs().max()
+
+
+def test_a_prompt_chunk_is_refused_where_it_does_not_fit_the_cache():
+    keys, values = cache(2, 16, length=10)
+    with pytest.raises(ValueError, match="4 prompt rows after 7 cached slots of a 10-slot cache"):
+        exact_attention.attend_causal(torch.randn(1, 2, 4, 16), keys, values, 7)
+
+
 def test_the_thread_count_does_not_change_a_bit():
     keys, values = cache(8, 64)
     q = torch.randn(1, 16, 5, 64, generator=torch.Generator().manual_seed(3))
@@ -87,11 +113,13 @@ def test_the_thread_count_does_not_change_a_bit():
     try:
         torch.set_num_threads(1)
         one = exact_attention.attend(q, keys, values, 200, paths)
+        one_chunk = exact_attention.attend_causal(q, keys, values, 200)
         torch.set_num_threads(3)
         three = exact_attention.attend(q, keys, values, 200, paths)
+        three_chunk = exact_attention.attend_causal(q, keys, values, 200)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, three)
+    assert torch.equal(one, three) and torch.equal(one_chunk, three_chunk)
 
 
 def test_gradients_or_other_dtypes_keep_torch_attention():
@@ -125,6 +153,8 @@ def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
     paths = tree_of([-1, 0, 0, 1, 3, 4])
     native = exact_attention.attend(q, keys, values, 93, paths)
     assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, library=plain))
+    chunk = exact_attention.attend_causal(q, keys, values, 93)
+    assert torch.equal(chunk, exact_attention.attend_causal(q, keys, values, 93, library=plain))
     keys, values = keys.bfloat16(), values.bfloat16()  # the plain widening of a bf16 row too
     native = exact_attention.attend(q, keys, values, 93, paths)
     assert torch.equal(native, exact_attention.attend(q, keys, values, 93, paths, library=plain))
