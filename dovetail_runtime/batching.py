@@ -8,9 +8,12 @@ On a memory-bound CPU that pass costs little more than one sequence's, so N stre
 nearly N times the tokens per second of one.
 
 A new sequence's prefill takes at most one call per round, in the round's StepBatch: a long
-prompt comes in chunks (``Job.prefill_chunk``, 256 tokens by default), one per round, so it delays
-the running streams by one chunk per round, never by its whole prefill; the chunk's rows share the
-steps' pass over the weights wherever that keeps their bits (``cpu_worker.batched``). While others
+prompt comes in chunks, one per round, so it delays the running streams by one chunk per round,
+never by its whole prefill; the chunk's rows share the steps' pass over the weights wherever that
+keeps their bits (``cpu_worker.batched``). A chunk is ``Job.prefill_chunk`` tokens (256 by
+default), or, where the target's prompt bits do not depend on the chunks, ``Job.join_chunk()``
+while others run: with ``--join-chunk auto`` the batch tells a ``JoinSizer`` each round's time, and
+it sizes the next chunk to about one round of the running streams. While others
 run, each chunk's answer carries its feature rows; they wait in the prefill ring's single slot until
 the sequence's draft reads them at the start of the next round (a DraftExtend in that round's
 DraftBatch, or after the last chunk its first draft step), before any prefill call can write the
@@ -23,12 +26,14 @@ dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ipc import messages as m
 
 from .generation import Call, FinishReason, Stats, Steps, Worker
+from .join_sizing import JoinSizer
 from .workers import WorkerRequestError
 
 Outcome = tuple[FinishReason, Stats] | BaseException
@@ -50,11 +55,15 @@ class Stream:
         return self.outcome is not None
 
 
+PROMPT_WORK = (m.PrefillRequest, m.DraftExtend)  # calls of a sequence still taking in its prompt
+
+
 class Batcher:
-    def __init__(self, cpu: Worker, gpu: Worker | None):
+    def __init__(self, cpu: Worker, gpu: Worker | None, join: JoinSizer | None = None):
         self.cpu = cpu
         self.gpu = gpu
         self.streams: list[Stream] = []
+        self.join = join  # told each round's costs, it sizes joining prompts' chunks (--join-chunk auto)
 
     def add(self, seq_id: int, steps: Steps, uses_gpu: bool) -> Stream:
         """Start a loop; it takes part from the next round (or has already ended: a prompt
@@ -69,6 +78,9 @@ class Batcher:
     def round(self) -> list[Stream]:
         """One round (see the module doc); returns the streams that ended in it. A worker's
         death (``WorkerFailed``) propagates: call ``abort``."""
+        started = time.perf_counter()
+        calls = [stream.call.message for stream in self.streams if stream.call is not None]
+        running = sum(not isinstance(message, PROMPT_WORK) for message in calls)
         drafts = [stream for stream in self.streams if stream.call is not None and stream.call.worker == "gpu"]
         if drafts:
             if self.gpu is None:
@@ -80,8 +92,13 @@ class Batcher:
                  if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest)]
         # One prompt chunk a round, in the running steps' forward (the cpu_worker runs it apart where
         # that would change its bits: cpu_worker.batched).
+        chunk = prefills[0].call.message if prefills and prefills[0].call is not None else None
         if steps or prefills:
             self._dispatch(self.cpu, steps + prefills[:1], m.StepBatch, m.StepBatchResult)
+        if self.join is not None:
+            rows = len(chunk.token_ids) if isinstance(chunk, m.PrefillRequest) else 0
+            self.join.observe((time.perf_counter() - started) * 1e3, running, rows,
+                              any(isinstance(message, PROMPT_WORK) for message in calls))
         ended = [stream for stream in self.streams if stream.done]
         self.streams = [stream for stream in self.streams if not stream.done]
         return ended

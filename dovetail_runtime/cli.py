@@ -255,6 +255,26 @@ class TreeTokens(click.ParamType):
         return ("auto", size) if auto else size
 
 
+class JoinChunk(click.ParamType):
+    """``auto`` (sized by the running requests' cycle) or a number of prompt tokens."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            size = int(text)
+        except ValueError:
+            self.fail(f"{value!r} is not 'auto' or a number of prompt tokens", param, ctx)
+        if size < 1:
+            self.fail(f"a chunk needs at least 1 prompt token, got {size}", param, ctx)
+        return size
+
+
 def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k: int) -> TreeShape | AutoTree:
     try:
         if isinstance(tree_tokens, tuple):
@@ -354,6 +374,12 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "requests (in their pass over the weights), so it delays them by one chunk at a time: smaller "
                    "chunks, shorter stalls, a later first token for the long prompt. Every request and mode takes "
                    "the same chunks (its tokens never depend on what runs beside it). 0: each prompt in one pass.")
+@click.option("--join-chunk", type=JoinChunk(), default="auto", show_default=True,
+              help="Serving: prompt tokens per pass while other requests run (at most --prefill-chunk). auto: sized "
+                   "from the measured costs so each chunk delays the running requests by about one of their "
+                   "cycles. Where a prompt's bits do not depend on how it is cut (int8 and GGUF precisions on "
+                   "the exact kernels), so its tokens never depend on the load; elsewhere (fp32, bf16) a prompt "
+                   "always takes --prefill-chunk pieces.")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail",
               help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline).")
 @click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")
@@ -449,7 +475,7 @@ def run_main(**values: Any) -> None:
 ONE_SHOT_ONLY = ("as_json", "compare_ar", "chat", "stops", "max_new_tokens", "temperature", "sample_top_k", "top_p",
                  "seed")
 SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout",
-                "max_batch", "kv_memory", "served_model_name")
+                "max_batch", "kv_memory", "served_model_name", "join_chunk")
 DRAFT_ONLY = ("draft", "draft_device", "draft_dtype", "draft_threads", "draft_cores", "tree_tokens", "depth",
               "tree_top_k")
 
@@ -510,6 +536,7 @@ def runtime_settings(options: RunOptions, target: str, draft: str | None) -> Run
                            startup_timeout_s=workers.startup_timeout, max_restarts=workers.max_restarts,
                            worker_timeout_s="auto" if workers.worker_timeout is None else workers.worker_timeout,
                            max_batch=1 if one_shot else options.serving.max_batch,
+                           join_chunk=options.serving.join_chunk,
                            kv_memory_bytes=(None if options.serving.kv_memory is None
                                             else int(options.serving.kv_memory * 1e9)))
 

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 G = TypeVar("G")
 
@@ -75,6 +75,7 @@ class ServingOptions:
     max_queue: int
     max_queue_per_client: int
     max_batch: int  # requests run at once, their steps verified together
+    join_chunk: int | Literal["auto"]  # prompt tokens per pass while others run, or "auto"
     kv_memory: float | None  # GB the running requests' KV caches may reserve; None: a share of free memory
     request_timeout: float | None
 

@@ -45,6 +45,7 @@ from .admission import KvBudget
 from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import DEFAULT_PREFILL_CHUNK, Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
+from .join_sizing import JoinSizer
 from .metrics import ServerMetrics
 from .text import TextStream
 from .tokenizer import Tokenizer
@@ -123,6 +124,10 @@ class RuntimeSettings:
     # Every request and mode takes the same chunks, so a prompt's bits never depend on what runs
     # beside it. None: each prompt in one call.
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
+    # Prompt tokens per call while other requests run: "auto" sizes each chunk to about one of their
+    # cycles (``join_sizing``); None: --prefill-chunk. Only where the target's prompt bits do not
+    # depend on their chunks (``TargetInfo.chunk_invariant``); elsewhere --prefill-chunk throughout.
+    join_chunk: int | Literal["auto"] | None = "auto"
 
 
 class TooManyRestarts(RuntimeError):
@@ -161,6 +166,7 @@ class Coordinator:
         self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
         self._seq_ids = itertools.count(1)
         self._batcher: Batcher | None = None
+        self._join_chunk: Callable[[], int] | None = None  # Job.join_chunk, set by batcher()
         self._restarts: collections.deque[float] = collections.deque()
         # Called every ~100 ms while a worker computes or starts (serving reads its clients).
         self.while_waiting: Callable[[], None] | None = None
@@ -396,12 +402,12 @@ class Coordinator:
             return error_reply(request.request_id, error.code, message=str(error))
         job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
                   self.tokenizer.eos_token_ids, self.max_len, logprobs=request.logprobs,
-                  prefill_chunk=self.settings.prefill_chunk)
+                  prefill_chunk=self.settings.prefill_chunk, join_chunk=self._join_chunk)
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
                           job.seq_id, request.mode == "dovetail", on_text)
         started.steps = (dovetail_steps(job, self.tree, started.emit, self._batch_size) if started.uses_gpu
-                         else ar_steps(job, started.emit))
+                         else ar_steps(job, started.emit, self._batch_size))
         return started
 
     def conclude(self, started: Started, outcome: Outcome) -> m.GenerateDone | m.ErrorReply:
@@ -430,10 +436,30 @@ class Coordinator:
     def batcher(self) -> Batcher:
         """The batch of requests over this coordinator's workers (``--max-batch``); its size sizes
         each request's trees (``TreePlanner.batch_shape``)."""
-        if self.cpu is None:
+        if self.cpu is None or self.cpu.info is None:
             raise RuntimeError("a batch before start()")
-        self._batcher = Batcher(self.cpu, self.gpu)
+        sizer, self._join_chunk = self._joining(self.cpu.info)
+        self._batcher = Batcher(self.cpu, self.gpu, sizer)
         return self._batcher
+
+    def _joining(self, info: m.TargetInfo) -> tuple[JoinSizer | None, Callable[[], int] | None]:
+        """How a prompt is cut while other requests run (--join-chunk): the sizer the batch tells its
+        rounds' costs (auto), and what each request asks for its next chunk's tokens (None: the
+        --prefill-chunk pieces it takes alone)."""
+        setting, alone = self.settings.join_chunk, self.settings.prefill_chunk or self.max_len
+        if setting is None or self.settings.max_batch <= 1:
+            return None, None
+        if not info.chunk_invariant:
+            log.info("a prompt joins running requests in --prefill-chunk pieces (%s): this target's prompt bits "
+                     "depend on how it is cut (%s; int8 and GGUF precisions do not)", alone, info.dtype)
+            return None, None
+        if setting == "auto":
+            sizer = JoinSizer(alone)
+            log.info("a prompt joins running requests in chunks of about one of their cycles (--join-chunk auto; "
+                     "alone: --prefill-chunk %d)", alone)
+            return sizer, sizer.rows
+        fixed = min(setting, alone)
+        return None, lambda: fixed
 
     def kv_budget(self) -> KvBudget | None:
         """The running requests' KV memory budget (serving admits by it): --kv-memory, or a share of

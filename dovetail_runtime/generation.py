@@ -3,8 +3,9 @@
 dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain decode steps while
 no tree pays (a request alone: ``plain_fallback``; in a busy batch: ``TreePlanner.batch_shape``), back
 to trees when one does; ar mode: prefill -> decode -> decode ... on the cpu_worker alone. A long
-prompt's prefill is several calls, one per chunk of ``Job.prefill_chunk`` tokens (dovetail in a
-busy batch: the draft reads each chunk's feature rows before the next chunk). Each loop is a
+prompt's prefill is several calls, one per chunk of ``Job.prefill_chunk`` tokens, or in a busy
+batch of ``Job.join_chunk()`` where the target allows it (dovetail in a busy batch: the draft reads
+each chunk's feature rows before the next chunk). Each loop is a
 generator (``ar_steps``, ``dovetail_steps``) that yields its next worker request (a ``Call``) and
 is sent the reply, so one driver runs it alone (``run_alone``: ``generate_ar``,
 ``generate_dovetail``) and another runs many side by side, their calls merged into batches
@@ -66,6 +67,10 @@ class Job:
     # Prompt tokens per prefill call (``prefill_steps``); None: the whole prompt in one. Every mode
     # chunks a prompt alike, so its bits never depend on the mode or on what else runs.
     prefill_chunk: int | None = None
+    # Prompt tokens for the next call while other sequences run (asked call by call: sized so a long
+    # prompt stalls them about one cycle a round, ``join_sizing``). Only for a target whose prompt
+    # bits do not depend on the chunks (``TargetInfo.chunk_invariant``); None: ``prefill_chunk`` always.
+    join_chunk: Callable[[], int] | None = None
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,8 @@ Prefilled = tuple[m.PrefillResult, int]  # the last chunk's answer, where its fe
 def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
                   together: Callable[[], int] = lambda: 1) -> Generator[Call, m.Message, Prefilled | None]:
     """The prompt's prefill, ``job.prefill_chunk`` tokens per call (a batch runs one call per round,
-    so a long prompt holds up the running streams one chunk at a time, not for its whole prefill).
+    so a long prompt holds up the running streams one chunk at a time, not for its whole prefill),
+    or ``job.join_chunk`` per call while others run (``together() > 1``; chosen call by call).
     With ``feed_draft`` (dovetail) the answers carry the prompt's feature rows; while other sequences
     run (``together() > 1``) the draft reads each chunk's rows (a DraftExtend) before the next chunk,
     so it never absorbs a whole long prompt in one step while they wait either. Alone, it reads
@@ -190,15 +196,20 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
     ``stats``. Between two chunks ``emit([], [])`` is asked whether to stop (a cancel, a deadline, a
     client gone): then None, the rest of the prompt never run."""
     prompt = job.prompt_ids
-    size = job.prefill_chunk or len(prompt)
-    if size < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {size}")
+    alone_size = job.prefill_chunk or len(prompt)
+    if alone_size < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {alone_size}")
     unread = 0  # the first prompt position whose feature row the draft has not read
-    for offset in range(0, len(prompt), size):
+    offset = 0
+    while offset < len(prompt):
         if offset and emit([], []):
             return None
+        busy = together() > 1
+        size = job.join_chunk() if busy and job.join_chunk is not None else alone_size
+        if size < 1:
+            raise ValueError(f"a prompt chunk of {size} tokens")
         more = offset + size < len(prompt)
-        read_now = feed_draft and more and together() > 1  # else the rows wait for the first draft step
+        read_now = feed_draft and more and busy  # else the rows wait for the first draft step
         request = m.PrefillRequest(seq_id=job.seq_id, token_ids=prompt[offset:offset + size], sampling=job.sampling,
                                    return_features=feed_draft, logprobs=job.logprobs, offset=offset, more=more,
                                    features_from=unread, features_now=read_now)
@@ -221,17 +232,19 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
             stats.draft_ms += extended.compute_ms
             stats.draft_prompt_ms += extended.compute_ms
             unread = end
+        offset += size
     raise PromptTooLong("the prompt is empty after tokenization")
 
 
-def ar_steps(job: Job, emit: Emit) -> Steps:
+def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1) -> Steps:
+    """Plain decoding; ``batch()``: how many sequences run together now (a joining prompt's chunks)."""
     seq_id, context = job.seq_id, Context(job.max_len)
     stats = Stats()
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     started = time.perf_counter()
     try:
         context.check_prompt(job.prompt_ids)
-        prefilled = yield from prefill_steps(job, stats, emit, feed_draft=False)
+        prefilled = yield from prefill_steps(job, stats, emit, False, batch)
         if prefilled is None:  # stopped between two prompt chunks
             return "stop", stats
         result = prefilled[0]

@@ -1,16 +1,18 @@
 """What a long prompt joining a batch costs the streams already running, with and without chunked
-prefill (``--prefill-chunk``), measured side by side in one run: one server per chunk size, the
-same streams and prompt on each.
+prefill (``--prefill-chunk``, ``--join-chunk``), measured side by side in one run: one server per
+setting, the same streams and prompt on each.
 
-    python -m tools.bench_prompt_join --target PATH [--draft PATH] [--chunks 0,256] [--prompt-tokens 1500]
+    python -m tools.bench_prompt_join --target PATH [--draft PATH] [--chunks 0,256,256:8] [--prompt-tokens 1500]
         [--streams 2] [--max-new-tokens 96] [-- more dovetail-run flags]
 
-Each row: the running streams' longest gap between two tokens while the long prompt joined, their
-p95 inter-token latency, the long request's time to first token, and whether every request's
-tokens were those of the first row. They may not be: a prompt's roundings depend on how it is
-chunked (the prompt GEMM at fp32, the prompt attention's call shape at every precision), so each
-chunk size is its own reference; within one server every request gets its solo ar tokens at that
-chunk size whatever runs beside it (tests/unit/test_chunked_prefill.py, test_batched.py).
+``--chunks`` lists settings: ``N`` is ``--prefill-chunk N`` with the default ``--join-chunk auto``,
+``N:J`` adds ``--join-chunk J`` (``N:N``: every chunk N tokens, busy or not). Each row: the running
+streams' longest gap between two tokens while the long prompt joined, their p95 inter-token
+latency, the long request's time to first token, and whether every request's tokens were those of
+the first row. Where the target's prompt bits do not depend on its chunks (int8 and the GGUF
+precisions: ``TargetInfo.chunk_invariant``) they must be; at fp32 and bf16 a prompt's roundings
+depend on its chunks, so each chunk size is its own reference. Within one server every request
+gets its solo ar tokens whatever runs beside it (tests/unit/test_chunked_prefill.py, test_batched.py).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def measure(args: list[str], streams: int, max_new_tokens: int, prompt: str, mod
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--target", required=True)
 @click.option("--draft", default=None, help="a draft head (without it the streams decode with --mode ar)")
-@click.option("--chunks", default="0,256", show_default=True, help="comma list of --prefill-chunk values (0: whole)")
+@click.option("--chunks", default="0,256", show_default=True,
+              help="comma list of N (--prefill-chunk N, 0: whole) or N:J (and --join-chunk J)")
 @click.option("--prompt-tokens", type=click.IntRange(min=16), default=1500, show_default=True)
 @click.option("--streams", type=click.IntRange(min=1, max=63), default=2, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=8), default=96, show_default=True)
@@ -69,15 +72,18 @@ def main(target: str, draft: str | None, chunks: str, prompt_tokens: int, stream
          server_args: tuple[str, ...]) -> None:
     mode = "dovetail" if draft else "ar"
     prompt = long_prompt(prompt_tokens)
-    print(markdown_header(["--prefill-chunk", "running streams' longest gap ms", "their p95 ITL ms",
+    print(markdown_header(["--prefill-chunk[:--join-chunk]", "running streams' longest gap ms", "their p95 ITL ms",
                            "long prompt's TTFT s", "tokens as the first row's"]))
     first = None
-    for chunk in [int(value) for value in chunks.split(",")]:
+    for setting in chunks.split(","):
+        chunk, _, join = setting.partition(":")
         args = ["--target", target, *(["--draft", draft] if draft else ["--mode", "ar"]),
-                "--max-batch", str(streams + 1), "--prefill-chunk", str(chunk), *server_args]
+                "--max-batch", str(streams + 1), "--prefill-chunk", chunk, *(["--join-chunk", join] if join else []),
+                *server_args]
         result = measure(args, streams, max_new_tokens, prompt, mode)
         first = first or result["tokens"]
-        print(markdown_row([chunk or "0 (whole prompt)", f"{result['max_gap_ms']:.0f}", f"{result['p95_ms']:.1f}",
+        print(markdown_row([setting if setting != "0" else "0 (whole prompt)", f"{result['max_gap_ms']:.0f}",
+                            f"{result['p95_ms']:.1f}",
                             f"{result['ttft_s']:.2f}", "yes" if result["tokens"] == first else "NO"]), flush=True)
 
 

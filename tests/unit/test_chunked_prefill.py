@@ -6,6 +6,7 @@ chunks, and chunks out of order are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,45 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
             assert draft_reads == []
     assert long.outcome is not None and short.outcome is not None
     assert long_tokens == alone and short_tokens == running_alone
+
+
+@pytest.mark.parametrize("dovetail", [True, False])
+def test_a_prompt_joining_in_chunks_sized_by_load_gets_the_tokens_it_gets_whole(demo_pair, dovetail):
+    """An int8 target's prompt bits do not depend on its chunks, so a prompt joining running streams
+    may take whatever ``Job.join_chunk`` says each round (the load's sizes), and alone its whole
+    prompt in one call: the same tokens either way, and the running stream's are its solo ones."""
+    engine, drafter = demo_pair
+    assert engine.chunk_invariant
+    batcher: Batcher | None = None
+
+    def together() -> int:
+        return len(batcher.streams) if batcher else 1
+
+    def steps(job: Job, tokens: list[int]):
+        return (dovetail_steps(job, SHAPE, collect(tokens), together) if dovetail
+                else ar_steps(job, collect(tokens), together))
+
+    whole: list[int] = []
+    running_alone: list[int] = []
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        run_alone(steps(make_job(1, LONG, None), whole), cpu, gpu)
+        run_alone(steps(make_job(2, SHORT, None, max_new_tokens=80), running_alone), cpu, gpu)
+    sizes = [5, 9, 3, 16, 1, 11, 7, 13, 2, 8]
+    asked = iter(sizes)
+    joined: list[int] = []
+    running: list[int] = []
+    with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
+        cpu = Recorder(cpu)
+        batcher = Batcher(cpu, gpu)
+        batcher.add(2, steps(make_job(2, SHORT, None, max_new_tokens=80), running), uses_gpu=dovetail)
+        batcher.round()
+        job = dataclasses.replace(make_job(1, LONG, None), join_chunk=lambda: next(asked))
+        batcher.add(1, steps(job, joined), uses_gpu=dovetail)
+        while batcher.streams:
+            batcher.round()
+        chunks = [len(message.token_ids) for message in cpu.items(m.PrefillRequest)]
+    assert chunks == [5, 9, 3, 16, 1, 11, 7, 13, 2, 3]  # as asked while the other ran; the last what was left
+    assert joined == whole and running == running_alone
 
 
 class Recorder:
