@@ -152,8 +152,9 @@ class TargetEngine:
         self.prompt_gemm_rows = PROMPT_GEMM_ROWS if fp32_exact else None
         # A prompt's bits then do not depend on how it is cut into chunks: every row attends as its
         # decode would (the exact kernels) through row-invariant linears, with no prompt GEMM.
+        # (The native norms and SiLU too: torch's may round a row by its call-mates.)
         self.chunk_invariant = (self.kernels.attention.row_invariant and self.kernels.row_invariant_linears
-                                and self.prompt_gemm_rows is None)
+                                and self.prompt_gemm_rows is None and layer_ops.available())
         return self.kernels
 
     def sibling(self) -> TargetEngine:
@@ -186,8 +187,9 @@ class TargetEngine:
             self.reset()
         elif offset != self.committed:
             raise ValueError(f"a prompt chunk at offset {offset}, but the sequence holds {self.committed} tokens")
-        # Every mode prefills a prompt in the same chunks (``Job.prefill_chunk``), so its rows may
-        # take a faster GEMM whose bits depend on the row count (fp32); decodes and trees never do.
+        # Every mode prefills a prompt in the same chunks (``Job.prefill_chunk``; by load only where
+        # ``chunk_invariant``), so its rows may take a faster GEMM whose bits depend on the row count
+        # (fp32); decodes and trees never do.
         with prompt_rows():
             return self.extend(token_ids)
 

@@ -26,6 +26,7 @@ dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from ipc import messages as m
 from .generation import Call, FinishReason, Stats, Steps, Worker
 from .join_sizing import JoinSizer
 from .workers import WorkerRequestError
+
+log = logging.getLogger(__name__)
 
 Outcome = tuple[FinishReason, Stats] | BaseException
 
@@ -55,7 +58,19 @@ class Stream:
         return self.outcome is not None
 
 
-PROMPT_WORK = (m.PrefillRequest, m.DraftExtend)  # calls of a sequence still taking in its prompt
+PROMPT_CALLS = (m.PrefillRequest, m.DraftExtend)  # calls of a sequence still taking in its prompt
+
+
+def decoding(call: Call | None) -> bool:
+    """Whether a pending call is a step of a stream past its prompt (one a joining prompt delays)."""
+    return call is not None and not isinstance(call.message, PROMPT_CALLS)
+
+
+def prompt_rows_read(call: Call) -> int:
+    """Prompt rows this draft call reads (a DraftExtend, or a first draft step reading the rest)."""
+    if isinstance(call.message, m.DraftExtend) or (call.reads_prompt and isinstance(call.message, m.DraftRequest)):
+        return len(call.message.tokens)
+    return 0
 
 
 class Batcher:
@@ -64,6 +79,10 @@ class Batcher:
         self.gpu = gpu
         self.streams: list[Stream] = []
         self.join = join  # told each round's costs, it sizes joining prompts' chunks (--join-chunk auto)
+
+    def running(self) -> int:
+        """Streams past their prompt, whose next tokens a joining prompt's chunk would delay."""
+        return sum(decoding(stream.call) for stream in self.streams)
 
     def add(self, seq_id: int, steps: Steps, uses_gpu: bool) -> Stream:
         """Start a loop; it takes part from the next round (or has already ended: a prompt
@@ -79,8 +98,9 @@ class Batcher:
         """One round (see the module doc); returns the streams that ended in it. A worker's
         death (``WorkerFailed``) propagates: call ``abort``."""
         started = time.perf_counter()
-        calls = [stream.call.message for stream in self.streams if stream.call is not None]
-        running = sum(not isinstance(message, PROMPT_WORK) for message in calls)
+        calls = [stream.call for stream in self.streams if stream.call is not None]
+        running = sum(decoding(call) for call in calls)
+        draft_rows = sum(prompt_rows_read(call) for call in calls)
         drafts = [stream for stream in self.streams if stream.call is not None and stream.call.worker == "gpu"]
         if drafts:
             if self.gpu is None:
@@ -91,14 +111,20 @@ class Batcher:
         steps = [stream for stream, call in waiting
                  if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest)]
         # One prompt chunk a round, in the running steps' forward (the cpu_worker runs it apart where
-        # that would change its bits: cpu_worker.batched).
+        # that would change its bits: cpu_worker.batched); none while the chunks' sizer has never
+        # seen these streams' cycle without prompt work (it could not tell what a chunk adds).
+        if self.join is not None and running and not self.join.knows(running):
+            prefills = []
         chunk = prefills[0].call.message if prefills and prefills[0].call is not None else None
         if steps or prefills:
             self._dispatch(self.cpu, steps + prefills[:1], m.StepBatch, m.StepBatchResult)
         if self.join is not None:
             rows = len(chunk.token_ids) if isinstance(chunk, m.PrefillRequest) else 0
-            self.join.observe((time.perf_counter() - started) * 1e3, running, rows,
-                              any(isinstance(message, PROMPT_WORK) for message in calls))
+            self.join.observe((time.perf_counter() - started) * 1e3, running, rows, draft_rows,
+                              rows > 0 or draft_rows > 0)
+            if rows:
+                log.debug("a prompt chunk of %d rows beside %d streams; next: %s", rows, running,
+                          self.join.describe(running))
         ended = [stream for stream in self.streams if stream.done]
         self.streams = [stream for stream in self.streams if not stream.done]
         return ended

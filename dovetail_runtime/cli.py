@@ -261,7 +261,7 @@ class JoinChunk(click.ParamType):
     name = "auto|N"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "auto":
+        if value == "auto":
             return value
         text = str(value).strip().lower()
         if text == "auto":

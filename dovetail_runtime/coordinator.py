@@ -121,8 +121,9 @@ class RuntimeSettings:
     # once the models are loaded (KV_MEMORY_SHARE).
     kv_memory_bytes: int | None = None
     # Prompt tokens per prefill call: a long prompt joins a running batch one chunk per round.
-    # Every request and mode takes the same chunks, so a prompt's bits never depend on what runs
-    # beside it. None: each prompt in one call.
+    # Every request and mode takes the same chunks (a busy batch cuts otherwise only where that
+    # cannot change a bit: join_chunk), so a prompt's bits never depend on what runs beside it.
+    # None: each prompt in one call.
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
     # Prompt tokens per call while other requests run: "auto" sizes each chunk to about one of their
     # cycles (``join_sizing``); None: --prefill-chunk. Only where the target's prompt bits do not
@@ -166,7 +167,7 @@ class Coordinator:
         self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
         self._seq_ids = itertools.count(1)
         self._batcher: Batcher | None = None
-        self._join_chunk: Callable[[], int] | None = None  # Job.join_chunk, set by batcher()
+        self._join_chunk: Callable[[], int | None] | None = None  # Job.join_chunk, set by batcher()
         self._restarts: collections.deque[float] = collections.deque()
         # Called every ~100 ms while a worker computes or starts (serving reads its clients).
         self.while_waiting: Callable[[], None] | None = None
@@ -400,9 +401,11 @@ class Coordinator:
                           else encode_chat(self.tokenizer, self.chat_template, request.messages))
         except ChatTemplateError as error:
             return error_reply(request.request_id, error.code, message=str(error))
+        # Chunks by load only while the target (a restarted one too) says they cannot change a bit.
+        invariant = self.cpu.info is not None and self.cpu.info.chunk_invariant
         job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
                   self.tokenizer.eos_token_ids, self.max_len, logprobs=request.logprobs,
-                  prefill_chunk=self.settings.prefill_chunk, join_chunk=self._join_chunk)
+                  prefill_chunk=self.settings.prefill_chunk, join_chunk=self._join_chunk if invariant else None)
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
                           job.seq_id, request.mode == "dovetail", on_text)
@@ -438,28 +441,34 @@ class Coordinator:
         each request's trees (``TreePlanner.batch_shape``)."""
         if self.cpu is None or self.cpu.info is None:
             raise RuntimeError("a batch before start()")
-        sizer, self._join_chunk = self._joining(self.cpu.info)
-        self._batcher = Batcher(self.cpu, self.gpu, sizer)
-        return self._batcher
+        batcher = Batcher(self.cpu, self.gpu)
+        batcher.join, self._join_chunk = self._joining(self.cpu.info, batcher)
+        self._batcher = batcher
+        return batcher
 
-    def _joining(self, info: m.TargetInfo) -> tuple[JoinSizer | None, Callable[[], int] | None]:
-        """How a prompt is cut while other requests run (--join-chunk): the sizer the batch tells its
-        rounds' costs (auto), and what each request asks for its next chunk's tokens (None: the
-        --prefill-chunk pieces it takes alone)."""
+    def _joining(self, info: m.TargetInfo,
+                 batcher: Batcher) -> tuple[JoinSizer | None, Callable[[], int | None] | None]:
+        """How a prompt is cut while other requests decode (--join-chunk): the sizer the batch tells
+        its rounds' costs (auto), and what each request asks for its next chunk's tokens (None back
+        while nobody decodes: then the --prefill-chunk pieces it takes alone)."""
         setting, alone = self.settings.join_chunk, self.settings.prefill_chunk or self.max_len
         if setting is None or self.settings.max_batch <= 1:
             return None, None
         if not info.chunk_invariant:
-            log.info("a prompt joins running requests in --prefill-chunk pieces (%s): this target's prompt bits "
-                     "depend on how it is cut (%s; int8 and GGUF precisions do not)", alone, info.dtype)
+            log.info("a prompt joins running requests in --prefill-chunk pieces: this target's prompt bits depend "
+                     "on how it is cut (%s, %s; so do fp32's and bf16's, and any without the native kernels)",
+                     info.dtype, info.kernel or "torch's kernels")
             return None, None
         if setting == "auto":
             sizer = JoinSizer(alone)
-            log.info("a prompt joins running requests in chunks of about one of their cycles (--join-chunk auto; "
-                     "alone: --prefill-chunk %d)", alone)
-            return sizer, sizer.rows
+            log.info("a prompt joins running requests in chunks of about one of their cycles (--join-chunk auto)")
+
+            def measured() -> int | None:
+                running = batcher.running()
+                return sizer.rows(running) if running else None
+            return sizer, measured
         fixed = min(setting, alone)
-        return None, lambda: fixed
+        return None, lambda: fixed if batcher.running() else None
 
     def kv_budget(self) -> KvBudget | None:
         """The running requests' KV memory budget (serving admits by it): --kv-memory, or a share of

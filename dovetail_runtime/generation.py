@@ -65,12 +65,14 @@ class Job:
     max_len: int
     logprobs: int | None = None  # alternatives per token's log-probability; None: none
     # Prompt tokens per prefill call (``prefill_steps``); None: the whole prompt in one. Every mode
-    # chunks a prompt alike, so its bits never depend on the mode or on what else runs.
+    # chunks a prompt alike (and in a busy batch only a chunk-invariant target cuts it otherwise,
+    # ``join_chunk``), so its bits never depend on the mode or on what else runs.
     prefill_chunk: int | None = None
-    # Prompt tokens for the next call while other sequences run (asked call by call: sized so a long
-    # prompt stalls them about one cycle a round, ``join_sizing``). Only for a target whose prompt
-    # bits do not depend on the chunks (``TargetInfo.chunk_invariant``); None: ``prefill_chunk`` always.
-    join_chunk: Callable[[], int] | None = None
+    # Prompt tokens for the next call while other sequences run, asked call by call (sized so a long
+    # prompt stalls them about one cycle a round, ``join_sizing``; None back: no other sequence is
+    # decoding, ``prefill_chunk``). Only for a target whose prompt bits do not depend on the chunks
+    # (``TargetInfo.chunk_invariant``); None: ``prefill_chunk`` always.
+    join_chunk: Callable[[], int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,9 @@ class Call:
     worker: Literal["cpu", "gpu"]
     message: m.Message
     expect: type[m.Message]
+    # A draft step that also reads the prompt's rows (a dovetail stream's first): its round is
+    # not a plain cycle for --join-chunk's measurements (``join_sizing``).
+    reads_prompt: bool = False
 
 
 # Yields Calls, is sent each one's reply, returns how the request ended.
@@ -187,7 +192,7 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
                   together: Callable[[], int] = lambda: 1) -> Generator[Call, m.Message, Prefilled | None]:
     """The prompt's prefill, ``job.prefill_chunk`` tokens per call (a batch runs one call per round,
     so a long prompt holds up the running streams one chunk at a time, not for its whole prefill),
-    or ``job.join_chunk`` per call while others run (``together() > 1``; chosen call by call).
+    or ``job.join_chunk()`` per call while others decode (asked call by call).
     With ``feed_draft`` (dovetail) the answers carry the prompt's feature rows; while other sequences
     run (``together() > 1``) the draft reads each chunk's rows (a DraftExtend) before the next chunk,
     so it never absorbs a whole long prompt in one step while they wait either. Alone, it reads
@@ -205,7 +210,8 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
         if offset and emit([], []):
             return None
         busy = together() > 1
-        size = job.join_chunk() if busy and job.join_chunk is not None else alone_size
+        joining = job.join_chunk() if busy and job.join_chunk is not None else None
+        size = alone_size if joining is None else joining
         if size < 1:
             raise ValueError(f"a prompt chunk of {size} tokens")
         more = offset + size < len(prompt)
@@ -325,7 +331,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
             cycle_started = time.perf_counter()
             request = m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features, shape=shape,
                                      reset=absorbing and unread == 0)
-            draft = _reply((yield Call("gpu", request, m.DraftResult)), m.DraftResult)
+            draft = _reply((yield Call("gpu", request, m.DraftResult, absorbing)), m.DraftResult)
             verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens,
                                                                    parents=draft.parents), m.VerifyResult)),
                               m.VerifyResult)

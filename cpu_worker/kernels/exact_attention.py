@@ -1,12 +1,14 @@
-"""Exact attention on our native kernel (``attention.c``): decode steps and tree rows, fp32
-queries over an fp32 or bf16 KV cache, fp32 arithmetic.
+"""Exact attention on our native kernel (``attention.c``): decode steps, tree rows and prompt
+chunks, fp32 queries over an fp32 or bf16 KV cache, fp32 arithmetic.
 
 A tree node must attend exactly as the one-token decode of the same prefix would, bit for bit
 (an int8 target's per-row rounding can turn a 1e-6 difference into another token). torch's
 batched masked attention does not round like its one-row call, so without this kernel tree
 rows attend one at a time (``attention.attend_per_row``), each re-reading the whole cached
 prefix. The kernel reads the prefix once for all rows and sums every row's keys in the order a
-later decode sees them, so decoding and verification both call it and agree.
+later decode sees them, so decoding and verification both call it and agree. A prompt chunk's
+rows (``attend_causal``) are summed the same way, each as its own decode: a prompt's bits then do
+not depend on how it is cut into chunks.
 
 Used for fp32 queries over an fp32 or bf16 cache on the CPU, without autograd, whenever the
 library builds (a bf16 cache halves the bytes a step reads; its rows are widened exactly, so
@@ -119,8 +121,13 @@ def attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     kv_heads, max_len = keys.shape[1], keys.shape[2]
     if start < 0 or rows < 1 or start + rows > max_len:
         raise ValueError(f"{rows} prompt rows after {start} cached slots of a {max_len}-slot cache")
+    # The kernel trusts its shapes: it reads q and the cache as dense fp32 / bf16 arrays.
+    if q.dtype != torch.float32 or q.shape[0] != 1 or keys.shape[0] != 1 or keys.shape[3] != head_dim \
+            or heads % kv_heads != 0:
+        raise ValueError(f"queries {q.dtype} {tuple(q.shape)} over a cache {tuple(keys.shape)}: the kernel takes "
+                         "fp32 queries of one sequence, heads a multiple of the cache's, the same head size")
     if keys.dtype not in CACHE_DTYPES or values.dtype != keys.dtype or values.shape != keys.shape \
-            or not values.is_contiguous():
+            or not keys.is_contiguous() or not values.is_contiguous():
         raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} and values {values.dtype} {tuple(values.shape)}: "
                          "the kernel reads one contiguous fp32 or bf16 cache layer")
     queries = q[0].contiguous()

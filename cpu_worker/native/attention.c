@@ -266,23 +266,25 @@ int dovetail_attention(const float *q, const void *keys, const void *values, int
 
 #define CAUSAL_TILE 32 /* prompt rows per work item: their queries, scores and sums stay in L2 */
 
+/* One thread's scratch for causal tiles, sized once for the longest tile of the call (a tile's
+ * scores are queries x keys: allocating them per tile, megabytes at a long prompt, cost a fresh
+ * mapping and its page faults every time). */
+typedef struct {
+    float *scores; /* group * CAUSAL_TILE rows of up to start + rows keys */
+    float *acc;    /* group * CAUSAL_TILE rows of head_dim */
+    float *row;    /* KEY_BLOCK cache rows widened from bf16 */
+} causal_scratch;
+
 /* The scores, softmax and output of one kv head's queries for prompt rows [r0, r1), row r over
  * slots [0, start + r + 1): per row, exactly the sums dovetail_attention makes for a decode of
  * that row (scores8 and dot_fixed, add_scaled8 and add_scaled give the same bits, so which keys
- * go in blocks does not matter, only their order, ascending). Returns 0 or 1 (no memory). */
-static int causal_tile(const float *q_group, const void *k_head, const void *v_head, int bf16, int64_t start,
-                       int64_t r0, int64_t r1, int64_t rows, int64_t group, int64_t head_dim, float scale,
-                       float *out_group) {
+ * go in blocks does not matter, only their order, ascending). */
+static void causal_tile(const float *q_group, const void *k_head, const void *v_head, int bf16, int64_t start,
+                        int64_t r0, int64_t r1, int64_t rows, int64_t group, int64_t head_dim, float scale,
+                        float *out_group, const causal_scratch *scratch) {
     int64_t count = r1 - r0, longest = start + r1, queries = group * count;
-    float *scores = (float *)malloc((size_t)(queries * longest) * sizeof(float));
-    float *acc = (float *)calloc((size_t)(queries * head_dim), sizeof(float));
-    float *row = (float *)malloc((size_t)(KEY_BLOCK * head_dim) * sizeof(float));
-    if (scores == NULL || acc == NULL || row == NULL) {
-        free(scores);
-        free(acc);
-        free(row);
-        return 1;
-    }
+    float *scores = scratch->scores, *acc = scratch->acc, *row = scratch->row;
+    memset(acc, 0, (size_t)(queries * head_dim) * sizeof(float));
     /* local query u = h * count + (r - r0); its head-major index in q is h * rows + r */
 #define CAUSAL_Q(u) (q_group + (((u) / count) * rows + r0 + (u) % count) * head_dim)
 #define CAUSAL_KEYS(u) (start + r0 + (u) % count + 1)
@@ -322,10 +324,6 @@ static int causal_tile(const float *q_group, const void *k_head, const void *v_h
     }
 #undef CAUSAL_Q
 #undef CAUSAL_KEYS
-    free(scores);
-    free(acc);
-    free(row);
-    return 0;
 }
 
 /* A prompt chunk's causal attention: q, out [heads, rows, head_dim], row r at slot start + r
@@ -338,17 +336,32 @@ int dovetail_attention_causal(const float *q, const void *keys, const void *valu
                               int64_t start, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
                               int64_t head_dim, float scale, int threads) {
     int64_t group = heads / kv_heads, tiles = (rows + CAUSAL_TILE - 1) / CAUSAL_TILE;
+    int64_t tile_queries = group * (rows < CAUSAL_TILE ? rows : CAUSAL_TILE);
     size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic) reduction(|| : failed)
-    for (int64_t item = 0; item < kv_heads * tiles; item++) {
-        /* the last tiles first: they are the longest, so the short ones even out the end */
-        int64_t g = item % kv_heads, tile = tiles - 1 - item / kv_heads;
-        int64_t r0 = tile * CAUSAL_TILE, r1 = r0 + CAUSAL_TILE < rows ? r0 + CAUSAL_TILE : rows;
-        const char *k_head = (const char *)keys + (size_t)(g * max_len * head_dim) * element;
-        const char *v_head = (const char *)values + (size_t)(g * max_len * head_dim) * element;
-        failed = causal_tile(q + g * group * rows * head_dim, k_head, v_head, bf16, start, r0, r1, rows, group,
-                             head_dim, scale, out + g * group * rows * head_dim) || failed;
+#pragma omp parallel num_threads(threads) reduction(|| : failed)
+    {
+        causal_scratch scratch = {
+            (float *)malloc((size_t)(tile_queries * (start + rows)) * sizeof(float)),
+            (float *)malloc((size_t)(tile_queries * head_dim) * sizeof(float)),
+            (float *)malloc((size_t)(KEY_BLOCK * head_dim) * sizeof(float))};
+        int mine = scratch.scores == NULL || scratch.acc == NULL || scratch.row == NULL;
+        /* every thread takes part in the loop (a worksharing construct), skipping items if it has no memory */
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < kv_heads * tiles; item++) {
+            if (mine) continue;
+            /* the last tiles first: they are the longest, so the short ones even out the end */
+            int64_t g = item % kv_heads, tile = tiles - 1 - item / kv_heads;
+            int64_t r0 = tile * CAUSAL_TILE, r1 = r0 + CAUSAL_TILE < rows ? r0 + CAUSAL_TILE : rows;
+            const char *k_head = (const char *)keys + (size_t)(g * max_len * head_dim) * element;
+            const char *v_head = (const char *)values + (size_t)(g * max_len * head_dim) * element;
+            causal_tile(q + g * group * rows * head_dim, k_head, v_head, bf16, start, r0, r1, rows, group, head_dim,
+                        scale, out + g * group * rows * head_dim, &scratch);
+        }
+        free(scratch.scores);
+        free(scratch.acc);
+        free(scratch.row);
+        failed = failed || mine;
     }
     return failed ? DOVETAIL_NO_MEMORY : 0;
 }

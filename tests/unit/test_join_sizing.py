@@ -5,51 +5,75 @@ chunks, and the flag parses as auto or a positive count."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 import pytest
 
+from cpu_worker.server import build_engine
 from dovetail_runtime import cli
+from dovetail_runtime.batching import Batcher
 from dovetail_runtime.cli_options import run_options
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+from dovetail_runtime.generation import Job, ar_steps
 from dovetail_runtime.join_sizing import FIRST_ROWS, JoinSizer
+from dovetail_runtime.local_workers import local_workers
 from ipc import messages as m
+
+DEMO = Path(__file__).resolve().parents[2] / "demo"
 
 
 def test_a_chunk_settles_at_about_one_cycle_of_the_running_streams():
     sizer = JoinSizer(limit=256)
-    assert sizer.rows() == FIRST_ROWS  # nothing measured yet
-    sizer.observe(40.0, steps=2, chunk_rows=0, prompt_work=False)  # a cycle of 40 ms
-    assert sizer.rows() == FIRST_ROWS  # no chunk measured yet
-    rows = sizer.rows()
+    assert sizer.rows(2) == FIRST_ROWS  # nothing measured yet
+    sizer.observe(40.0, streams=2, chunk_rows=0, draft_rows=0, prompt_work=False)  # a cycle of 40 ms
+    assert sizer.rows(2) == FIRST_ROWS  # no chunk measured yet
+    rows = sizer.rows(2)
     for _ in range(12):  # each prompt row adds 1.25 ms: 32 rows make one more cycle
-        sizer.observe(40.0 + 1.25 * rows, steps=2, chunk_rows=rows, prompt_work=True)
-        following = sizer.rows()
+        sizer.observe(40.0 + 1.25 * rows, streams=2, chunk_rows=rows, draft_rows=rows, prompt_work=True)
+        following = sizer.rows(2)
         assert following <= 2 * rows  # never more than twice the last chunk
         rows = following
     assert rows == 32
-    assert sizer.describe() == "32 rows (cycle 40.0 ms, 1.25 ms a prompt row)"
+    assert sizer.describe(2) == "32 rows (cycle 40.0 ms, 1.25 ms a prompt row)"
+    # Four streams make a longer cycle, so room for more rows; a size never measured takes the nearest's.
+    sizer.observe(60.0, streams=4, chunk_rows=0, draft_rows=0, prompt_work=False)
+    assert sizer.rows(4) == 48 and sizer.rows(5) == 48 and sizer.rows(1) == 32
 
 
-def test_rounds_without_running_streams_teach_nothing_and_the_limit_holds():
+def test_rounds_without_running_streams_or_with_a_whole_prompt_read_teach_nothing_and_the_limit_holds():
     sizer = JoinSizer(limit=20)
-    sizer.observe(500.0, steps=0, chunk_rows=256, prompt_work=True)  # a prompt alone: nobody waited
-    sizer.observe(500.0, steps=0, chunk_rows=0, prompt_work=False)
-    assert sizer.cycle_ms is None and sizer.row_ms is None
-    sizer.observe(10.0, steps=1, chunk_rows=0, prompt_work=False)
-    sizer.observe(9.0, steps=1, chunk_rows=8, prompt_work=True)  # noise: the chunk seemed free
-    assert sizer.row_ms == 0.0 and sizer.rows() == 16  # twice the last chunk, no more
-    sizer.observe(10.0, steps=1, chunk_rows=16, prompt_work=True)
-    assert sizer.rows() == 20  # --prefill-chunk caps it
-    # The draft reading a chunk's rows is prompt work: that round is not a cycle.
-    sizer.observe(300.0, steps=1, chunk_rows=0, prompt_work=True)
-    assert sizer.cycle_ms == 10.0
-    assert JoinSizer(limit=4).rows() == 4
+    sizer.observe(500.0, streams=0, chunk_rows=256, draft_rows=0, prompt_work=True)  # a prompt alone
+    sizer.observe(500.0, streams=0, chunk_rows=0, draft_rows=0, prompt_work=False)
+    assert sizer.cycles_ms == {} and sizer.row_ms is None
+    sizer.observe(10.0, streams=1, chunk_rows=0, draft_rows=0, prompt_work=False)
+    # A first draft step reading a whole prompt is prompt work: not a cycle, and no row cost either.
+    sizer.observe(300.0, streams=1, chunk_rows=0, draft_rows=600, prompt_work=True)
+    sizer.observe(300.0, streams=1, chunk_rows=8, draft_rows=600, prompt_work=True)
+    assert sizer.cycles_ms == {1: 10.0} and sizer.row_ms is None
+    sizer.observe(9.0, streams=1, chunk_rows=8, draft_rows=8, prompt_work=True)  # noise: the chunk seemed free
+    assert sizer.row_ms == 0.0 and sizer.rows(1) == 16  # twice the last chunk, no more
+    sizer.observe(10.0, streams=1, chunk_rows=16, draft_rows=8, prompt_work=True)
+    assert sizer.rows(1) == 20  # --prefill-chunk caps it
+    sizer.row_ms = 1e-310  # decayed towards nothing: no overflow, the caps decide
+    assert sizer.rows(1) == 20
+    assert JoinSizer(limit=4).rows(3) == 4
 
 
 def info(chunk_invariant: bool, dtype: str = "int8") -> m.TargetInfo:
     return m.TargetInfo(threads=2, cores=[0, 1], max_len=512, hidden_size=64, vocab_size=100, dtype=dtype,
                         weight_bytes=1, kv_cache_bytes=1, kv_dtype="float32", exact_tree=True, kernel=None,
                         feature_size=64, aux_layers=[], chunk_invariant=chunk_invariant)
+
+
+class Running:
+    """A batch with this many streams past their prompt."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def running(self) -> int:
+        return self.count
 
 
 @pytest.mark.parametrize(("join_chunk", "max_batch", "invariant", "expected"), [
@@ -60,13 +84,63 @@ def test_the_coordinator_sizes_joining_chunks_only_where_the_target_allows_it(jo
                                                                               expected):
     coordinator = Coordinator(RuntimeSettings(target="/t", draft=None, max_batch=max_batch, prefill_chunk=64,
                                               join_chunk=join_chunk))
-    sizer, join = coordinator._joining(info(invariant))
+    batch = Running(2)
+    sizer, join = coordinator._joining(info(invariant), batch)  # type: ignore[arg-type]
     if expected is None:
         assert sizer is None and join is None
-    elif expected == "auto":
-        assert sizer is not None and sizer.limit == 64 and join == sizer.rows and join() == FIRST_ROWS
+        return
+    assert join is not None
+    if expected == "auto":
+        assert sizer is not None and sizer.limit == 64 and join() == FIRST_ROWS
     else:
-        assert sizer is None and join is not None and join() == expected
+        assert sizer is None and join() == expected
+    batch.count = 0  # nobody decoding: nobody to protect, the prompt takes --prefill-chunk pieces
+    assert join() is None
+
+
+def test_a_prompt_with_nobody_decoding_takes_whole_chunks_and_one_joining_a_stream_takes_measured_ones():
+    """Two long prompts arrive at an idle server: the first goes in --prefill-chunk pieces though the
+    second waits beside it (only prompts run: no stream to protect); the second, once the first
+    decodes, in the sizer's (8 rows at first, then at most twice the last), with the same tokens."""
+    engine, _ = build_engine(str(DEMO / "target-code-9m"), "int8", 256)
+    coordinator = Coordinator(RuntimeSettings(target="/t", draft=None, max_batch=4, prefill_chunk=32))
+    prompt = [1] + [(37 * index) % 900 + 20 for index in range(1, 70)]
+    tokens: list[list[int]] = [[], []]
+    with local_workers(engine, max_sequences=4) as (cpu, _):
+        recorder = Sizes(cpu)
+        batcher = Batcher(recorder, None)
+        batcher.join, join = coordinator._joining(info(True), batcher)
+        for seq_id in (1, 2):
+            job = Job(seq_id=seq_id, prompt_ids=prompt, max_new_tokens=40, sampling=m.Sampling(),
+                      eos_token_ids=frozenset(), max_len=256, prefill_chunk=32, join_chunk=join)
+            into = tokens[seq_id - 1]
+            batcher.add(seq_id, ar_steps(job, lambda new, _logprobs, into=into: into.extend(new) or False,
+                                         lambda: len(batcher.streams)), uses_gpu=False)
+        while batcher.streams:
+            batcher.round()
+    first, second = recorder.sizes[1], recorder.sizes[2]
+    assert first == [32, 32, 6]
+    assert second[:2] == [32, FIRST_ROWS] and sum(second) == len(prompt) and len(second) > 3
+    assert all(1 <= after <= min(32, 2 * before) for before, after in zip(second[1:], second[2:-1], strict=False))
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 40  # the same prompt, the same tokens
+
+
+class Sizes:
+    """A worker that notes each sequence's prompt chunk sizes (batches unpacked)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.sizes: dict[int, list[int]] = {1: [], 2: []}
+
+    def request(self, message, expect):
+        items = message.items if isinstance(message, m.StepBatch) else [message]
+        for item in items:
+            if isinstance(item, m.PrefillRequest):
+                self.sizes[item.seq_id].append(len(item.token_ids))
+        return self.worker.request(message, expect)
+
+    def send(self, message):
+        self.worker.send(message)
 
 
 def test_the_flag_takes_auto_or_a_positive_count():
