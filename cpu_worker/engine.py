@@ -57,7 +57,9 @@ def choose_kernels(model: LlamaDecoder, kv_dtype: torch.dtype) -> Kernels:
     A model shared by several engines runs with the last one's choice (as ``layer_loop``)."""
     dtype, device = output_dtype(model.embed_tokens), model.norm.weight.device
     fp32_cpu = dtype == torch.float32 and device.type == "cpu"
-    kernel = attention_kernels.choose(dtype, device, kv_dtype)
+    # Where a prompt's linears take a GEMM whose bits follow the row count, its bits depend on its
+    # chunks anyway: its prompts keep torch's attention (faster over long contexts).
+    kernel = attention_kernels.choose(dtype, device, kv_dtype, exact_prompts=not prompt_gemm_linears(model))
     native_rope = fp32_cpu and kv_dtype in layer_ops.CACHE_DTYPES and layer_ops.available()
     projections = []
     for module in model.modules():
@@ -65,6 +67,13 @@ def choose_kernels(model: LlamaDecoder, kv_dtype: torch.dtype) -> Kernels:
             module.choose_kernels(kernel, native_rope)
             projections.append(module.projection.name)
     return Kernels(kernel, tuple(projections), row_invariant_linears(model))
+
+
+def prompt_gemm_linears(model: LlamaDecoder) -> bool:
+    """Whether the model's linears are fp32's exact kernels, whose prompt calls from
+    ``PROMPT_GEMM_ROWS`` rows on take a GEMM (ours hands them to F.linear; MKL's packed sgemm is
+    checked row-invariant only up to 64 rows)."""
+    return any(isinstance(module, (RowInvariantFp32Linear, PackedFp32Linear)) for module in model.modules())
 
 
 def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
@@ -145,16 +154,14 @@ class TargetEngine:
         # Decode steps and trees through every layer in one foreign call, where the layers allow it.
         self.model.layer_loop = NativeLayers.build(self.model)
         # Prompt chunks of this many rows or more may not share a batch's forward (``cpu_worker.batched``):
-        # fp32's exact kernels keep a row's bits among others only below it (ours hands a prompt's
-        # calls from there on to F.linear's GEMM; MKL's packed sgemm is checked up to 64 rows).
-        fp32_exact = any(isinstance(module, (RowInvariantFp32Linear, PackedFp32Linear))
-                         for module in self.model.modules())
-        self.prompt_gemm_rows = PROMPT_GEMM_ROWS if fp32_exact else None
+        # fp32's exact kernels keep a row's bits among others only below it.
+        self.prompt_gemm_rows = PROMPT_GEMM_ROWS if prompt_gemm_linears(self.model) else None
         # A prompt's bits then do not depend on how it is cut into chunks: every row attends as its
         # decode would (the exact kernels) through row-invariant linears, with no prompt GEMM.
         # (The native norms and SiLU too: torch's may round a row by its call-mates.)
-        self.chunk_invariant = (self.kernels.attention.row_invariant and self.kernels.row_invariant_linears
-                                and self.prompt_gemm_rows is None and layer_ops.available())
+        self.chunk_invariant = (self.kernels.attention is attention_kernels.EXACT
+                                and self.kernels.row_invariant_linears and self.prompt_gemm_rows is None
+                                and layer_ops.available())
         return self.kernels
 
     def sibling(self) -> TargetEngine:

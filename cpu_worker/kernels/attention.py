@@ -114,22 +114,24 @@ class TorchAttention:
 
 
 class ExactAttention:
-    """Decode steps, tree rows and prompt chunks on the exact kernels (fp32 queries, an fp32 or
-    bf16 cache, the CPU, no autograd: whoever picks it has checked); masked calls on torch's."""
+    """Decode steps, tree rows and (``prompts``) prompt chunks on the exact kernels (fp32 queries,
+    an fp32 or bf16 cache, the CPU, no autograd: whoever picks it has checked); masked calls, and
+    prompt chunks otherwise, on torch's."""
 
     name = "exact"
     row_invariant = True
 
-    def __init__(self) -> None:
+    def __init__(self, prompts: bool = True) -> None:
         self._torch = TorchAttention()
+        self.prompts = prompts
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                start: int, mask: torch.Tensor | None, paths: TreePaths | None, gqa: bool) -> torch.Tensor:
         if paths is not None:
             return exact_attention.attend(q, keys, values, start, paths)
-        if mask is None:
-            if q.shape[2] == 1:
-                return exact_attention.attend(q, keys, values, start + 1)
+        if mask is None and q.shape[2] == 1:
+            return exact_attention.attend(q, keys, values, start + 1)
+        if mask is None and self.prompts:
             # A prompt chunk: each row as its decode would round it, so chunks of any size agree.
             return exact_attention.attend_causal(q, keys, values, start)
         return self._torch.attend(q, k, v, keys, values, start, mask, paths, gqa)
@@ -155,13 +157,16 @@ class AutoAttention:
 
 TORCH = TorchAttention()
 EXACT = ExactAttention()
+EXACT_TREES = ExactAttention(prompts=False)  # for a model whose prompts are not chunk-invariant anyway
 AUTO = AutoAttention()
 
 
-def choose(query_dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype) -> AttentionKernel:
+def choose(query_dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype,
+           exact_prompts: bool = True) -> AttentionKernel:
     """The strategy for a model whose queries are ``query_dtype`` on ``device`` over a cache of
-    ``cache_dtype``, run without autograd: the exact kernel where it applies and builds."""
+    ``cache_dtype``, run without autograd: the exact kernel where it applies and builds, for its
+    prompts too unless ``exact_prompts`` is False (torch's SDPA is faster over long contexts)."""
     if (query_dtype == torch.float32 and device.type == "cpu" and cache_dtype in exact_attention.CACHE_DTYPES
             and exact_attention.available()):
-        return EXACT
+        return EXACT if exact_prompts else EXACT_TREES
     return TORCH

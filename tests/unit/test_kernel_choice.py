@@ -31,11 +31,14 @@ def outputs(engine: TargetEngine) -> list[torch.Tensor]:
 def test_an_fp32_rows_engine_reports_exact_attention_and_row_invariant_linears(demo_target):
     engine, kernel = build_engine(str(demo_target), "fp32", 64)
     assert kernel == "dovetail-fp32"
-    assert engine.kernels.attention is attention.EXACT and engine.kernels.attention.row_invariant
-    assert engine.kernels.row_invariant_linears and engine.exact_tree
+    # Exact decodes and trees; its prompts (a GEMM from 64 rows: chunk-dependent anyway) on torch's SDPA.
+    assert engine.kernels.attention is attention.EXACT_TREES and engine.kernels.attention.row_invariant
+    assert engine.kernels.row_invariant_linears and engine.exact_tree and not engine.chunk_invariant
     assert set(engine.kernels.projections) == {"native-rope"}
     assert len(engine.kernels.projections) == engine.spec.num_layers
-    assert all(layer.self_attn.kernel is attention.EXACT for layer in engine.model.layers)
+    assert all(layer.self_attn.kernel is attention.EXACT_TREES for layer in engine.model.layers)
+    int8, _ = build_engine(str(demo_target), "int8", 64)
+    assert int8.kernels.attention is attention.EXACT and int8.chunk_invariant
 
 
 def test_plain_linears_are_not_row_invariant_and_bf16_takes_torch_s_attention(demo_target):
@@ -87,7 +90,8 @@ def test_a_new_linear_kernel_is_one_class(tiny_models):
 def test_forwards_take_the_kernels_chosen_at_build_and_never_ask_again(demo_target, monkeypatch, precision):
     monkeypatch.setenv(NATIVE_LAYERS_VARIABLE, "python")  # the Python layers: the ones choosing kernels
     engine, _ = build_engine(str(demo_target), precision, 64)
-    assert engine.model.layer_loop is None and engine.kernels.attention is attention.EXACT
+    assert engine.model.layer_loop is None
+    assert engine.kernels.attention is (attention.EXACT_TREES if precision == "fp32" else attention.EXACT)
     reference = outputs(engine)
     calls = []
     real_attend = exact_attention.attend
