@@ -111,9 +111,9 @@ class Batcher:
         steps = [stream for stream, call in waiting
                  if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest)]
         # One prompt chunk a round, in the running steps' forward (the cpu_worker runs it apart where
-        # that would change its bits: cpu_worker.batched); none while the chunks' sizer has never
-        # seen these streams' cycle without prompt work (it could not tell what a chunk adds).
-        if self.join is not None and running and not self.join.knows(running):
+        # that would change its bits: cpu_worker.batched); none in a round the chunks' sizer wants
+        # free of prompt work, to measure the running streams' cycle (join_sizing).
+        if self.join is not None and running and self.join.wants_clean_round(running):
             prefills = []
         chunk = prefills[0].call.message if prefills and prefills[0].call is not None else None
         if steps or prefills:

@@ -9,7 +9,8 @@ round's cost follows its size), and a round with a chunk, less the cycle, is wha
 A chunk grows at most twofold from one round to the next, so one noisy round cannot stall the
 others for a whole ``--prefill-chunk``. While every round carries prompt work no cycle could be
 measured, so the batch holds a prompt's chunk back for a round when it has never seen a clean
-round of that many streams (once per batch size, a cycle's delay for the joining prompt). The
+round of that many streams, and again every ``PROBE_EVERY`` chunks (so one odd round does not
+size a whole prompt's chunks, and the cycle follows the streams' trees as they change). The
 sizes lag the rounds by one: a chunk is asked for before its round runs (a prompt's first chunk
 when it arrives: one that arrives while another prompt prefills, with no stream decoding yet,
 takes a whole ``--prefill-chunk`` first).
@@ -27,6 +28,7 @@ SMOOTHING = 0.3  # the newest round's weight in the running averages
 # A round whose draft read more prompt rows than this many times its chunk's (a prompt that ran
 # alone until now, its rows read at once; a first draft step) says little about a row's cost.
 DRAFT_ROWS_RATIO = 2
+PROBE_EVERY = 16  # chunk rounds between two rounds held clean of prompt work (the joining prompt: ~6% later)
 
 
 def _average(old: float | None, new: float) -> float:
@@ -41,10 +43,12 @@ class JoinSizer:
     cycles_ms: dict[int, float] = field(default_factory=dict)  # running streams -> a round without prompt work
     row_ms: float | None = None  # what one prompt row adds to a round
     last_rows: int = 0  # the last measured chunk's rows
+    chunks_since_clean: int = 0  # rounds with a chunk since the last round without prompt work
 
-    def knows(self, streams: int) -> bool:
-        """Whether a round of exactly ``streams`` running streams was measured without prompt work."""
-        return streams in self.cycles_ms
+    def wants_clean_round(self, streams: int) -> bool:
+        """Whether the next round should run without a prompt chunk, to measure the cycle of
+        ``streams`` running streams: never measured, or not for ``PROBE_EVERY`` chunks."""
+        return streams not in self.cycles_ms or self.chunks_since_clean >= PROBE_EVERY
 
     def cycle_ms(self, streams: int) -> float | None:
         """A round of ``streams`` running streams: measured, else the nearest size measured."""
@@ -70,7 +74,9 @@ class JoinSizer:
             return
         if not prompt_work:
             self.cycles_ms[streams] = _average(self.cycles_ms.get(streams), round_ms)
+            self.chunks_since_clean = 0
             return
+        self.chunks_since_clean += chunk_rows > 0
         cycle = self.cycle_ms(streams)
         if chunk_rows > 0 and cycle is not None and draft_rows <= DRAFT_ROWS_RATIO * chunk_rows:
             self.row_ms = _average(self.row_ms, max(round_ms - cycle, 0.0) / chunk_rows)

@@ -16,7 +16,7 @@ from dovetail_runtime.batching import Batcher
 from dovetail_runtime.cli_options import run_options
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from dovetail_runtime.generation import Job, ar_steps
-from dovetail_runtime.join_sizing import FIRST_ROWS, JoinSizer
+from dovetail_runtime.join_sizing import FIRST_ROWS, PROBE_EVERY, SMOOTHING, JoinSizer
 from dovetail_runtime.local_workers import local_workers
 from ipc import messages as m
 
@@ -58,6 +58,21 @@ def test_rounds_without_running_streams_or_with_a_whole_prompt_read_teach_nothin
     sizer.row_ms = 1e-310  # decayed towards nothing: no overflow, the caps decide
     assert sizer.rows(1) == 20
     assert JoinSizer(limit=4).rows(3) == 4
+
+
+def test_a_round_is_held_clean_of_prompt_work_where_a_cycle_is_unknown_or_stale():
+    sizer = JoinSizer(limit=256)
+    assert sizer.wants_clean_round(2)  # never measured
+    sizer.observe(100.0, streams=2, chunk_rows=0, draft_rows=0, prompt_work=False)
+    assert not sizer.wants_clean_round(2) and sizer.wants_clean_round(3)
+    for _ in range(PROBE_EVERY):
+        assert not sizer.wants_clean_round(2)
+        sizer.observe(150.0, streams=2, chunk_rows=8, draft_rows=8, prompt_work=True)
+    assert sizer.wants_clean_round(2)  # again, to follow the cycle
+    sizer.observe(300.0, streams=2, chunk_rows=0, draft_rows=8, prompt_work=True)  # the draft read rows: not clean
+    assert sizer.wants_clean_round(2)
+    sizer.observe(120.0, streams=2, chunk_rows=0, draft_rows=0, prompt_work=False)
+    assert not sizer.wants_clean_round(2) and sizer.cycles_ms[2] == 100.0 + SMOOTHING * 20.0
 
 
 def info(chunk_invariant: bool, dtype: str = "int8") -> m.TargetInfo:
