@@ -120,7 +120,8 @@ class Batcher:
             self._dispatch(self.cpu, steps + prefills[:1], m.StepBatch, m.StepBatchResult)
         if self.join is not None:
             rows = len(chunk.token_ids) if isinstance(chunk, m.PrefillRequest) else 0
-            self.join.observe((time.perf_counter() - started) * 1e3, running, rows, draft_rows,
+            # (A round whose streams all ended before their target step is no cycle: counted as none.)
+            self.join.observe((time.perf_counter() - started) * 1e3, running if steps else 0, rows, draft_rows,
                               rows > 0 or draft_rows > 0)
             if rows:
                 log.debug("a prompt chunk of %d rows beside %d streams; next: %s", rows, running,
