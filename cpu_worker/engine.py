@@ -57,16 +57,19 @@ def choose_kernels(model: LlamaDecoder, kv_dtype: torch.dtype) -> Kernels:
     A model shared by several engines runs with the last one's choice (as ``layer_loop``)."""
     dtype, device = output_dtype(model.embed_tokens), model.norm.weight.device
     fp32_cpu = dtype == torch.float32 and device.type == "cpu"
-    # Where a prompt's linears take a GEMM whose bits follow the row count, its bits depend on its
-    # chunks anyway: its prompts keep torch's attention (faster over long contexts).
-    kernel = attention_kernels.choose(dtype, device, kv_dtype, exact_prompts=not prompt_gemm_linears(model))
+    # Only row-invariant linears without a prompt GEMM (whose bits follow the row count) can make a
+    # prompt's bits independent of its chunks; elsewhere its prompts keep torch's attention (faster
+    # over long contexts, and what a model run outside an engine, as feature extraction, computes).
+    invariant_linears = row_invariant_linears(model)
+    exact_prompts = invariant_linears and not prompt_gemm_linears(model)
+    kernel = attention_kernels.choose(dtype, device, kv_dtype, exact_prompts=exact_prompts)
     native_rope = fp32_cpu and kv_dtype in layer_ops.CACHE_DTYPES and layer_ops.available()
     projections = []
     for module in model.modules():
         if isinstance(module, Attention):
             module.choose_kernels(kernel, native_rope)
             projections.append(module.projection.name)
-    return Kernels(kernel, tuple(projections), row_invariant_linears(model))
+    return Kernels(kernel, tuple(projections), invariant_linears)
 
 
 def prompt_gemm_linears(model: LlamaDecoder) -> bool:

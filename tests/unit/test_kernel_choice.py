@@ -44,7 +44,9 @@ def test_an_fp32_rows_engine_reports_exact_attention_and_row_invariant_linears(d
 def test_plain_linears_are_not_row_invariant_and_bf16_takes_torch_s_attention(demo_target):
     dense = TargetEngine(load_target_model(demo_target), max_len=64)
     assert not dense.kernels.row_invariant_linears and not dense.exact_tree
-    assert dense.kernels.attention is attention.EXACT  # fp32 queries on the CPU: the kernel all the same
+    # fp32 queries on the CPU: the kernel all the same for decodes and trees (prompts: torch's, as
+    # rows of plain linears depend on their call-mates anyway)
+    assert dense.kernels.attention is attention.EXACT_TREES and not dense.chunk_invariant
     assert set(dense.kernels.projections) == {"separate"}  # unfused
     bf16, _ = build_engine(str(demo_target), "bf16", 64)
     assert bf16.kernels.attention is attention.TORCH and not bf16.kernels.attention.row_invariant
