@@ -7,8 +7,9 @@ forward (``cpu_worker.batched``), each sequence getting exactly the result it wo
 On a memory-bound CPU that pass costs little more than one sequence's, so N streams run at
 nearly N times the tokens per second of one.
 
-A new sequence's prefill takes at most one call per round, in the round's StepBatch: a long
-prompt comes in chunks, one per round, so it delays the running streams by one chunk per round,
+A new sequence's prefill takes at most one call per round, in the round's StepBatch (of the
+prompts waiting, the one with the fewest tokens left: a short prompt never waits out a long one's
+prefill): a long prompt comes in chunks, one per round, so it delays the running streams by one chunk per round,
 never by its whole prefill; the chunk's rows share the steps' pass over the weights wherever that
 keeps their bits (``cpu_worker.batched``). A chunk is ``Job.prefill_chunk`` tokens (256 by
 default), or, where the target's prompt bits do not depend on the chunks, ``Job.join_chunk()``
@@ -107,7 +108,10 @@ class Batcher:
                 raise RuntimeError("a draft step without a gpu_worker")
             self._dispatch(self.gpu, drafts, m.DraftBatch, m.DraftBatchResult)
         waiting = [(stream, stream.call) for stream in self.streams if stream.call is not None]
-        prefills = [stream for stream, call in waiting if isinstance(call.message, m.PrefillRequest)]
+        # The prompt closest to its first token first (arrival order among equals): a short prompt
+        # never waits out a long one's prefill, which takes many rounds in small chunks.
+        prefills = sorted((stream for stream, call in waiting if isinstance(call.message, m.PrefillRequest)),
+                          key=lambda stream: stream.call.prompt_left if stream.call is not None else 0)
         steps = [stream for stream, call in waiting
                  if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest)]
         # One prompt chunk a round, in the running steps' forward (the cpu_worker runs it apart where

@@ -173,6 +173,9 @@ class Call:
     # A draft step that also reads the prompt's rows (a dovetail stream's first): its round is
     # not a plain cycle for --join-chunk's measurements (``join_sizing``).
     reads_prompt: bool = False
+    # A prompt chunk: the prompt tokens not cached yet, its own included (a batch runs the chunk of
+    # the prompt with the fewest first, so a short prompt never waits out a long one's prefill).
+    prompt_left: int = 0
 
 
 # Yields Calls, is sent each one's reply, returns how the request ended.
@@ -220,12 +223,14 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
                                    return_features=feed_draft, logprobs=job.logprobs, offset=offset, more=more,
                                    features_from=unread, features_now=read_now)
         if not more:
-            result = _reply((yield Call("cpu", request, m.PrefillResult)), m.PrefillResult)
+            result = _reply((yield Call("cpu", request, m.PrefillResult, prompt_left=len(prompt) - offset)),
+                            m.PrefillResult)
             stats.prefill_ms += result.compute_ms
             if feed_draft and result.features is None:
                 raise RuntimeError("the cpu_worker returned no prompt features")
             return result, unread
-        partial = _reply((yield Call("cpu", request, m.PrefillPartial)), m.PrefillPartial)
+        partial = _reply((yield Call("cpu", request, m.PrefillPartial, prompt_left=len(prompt) - offset)),
+                         m.PrefillPartial)
         stats.prefill_ms += partial.compute_ms
         if read_now:
             if partial.features is None:

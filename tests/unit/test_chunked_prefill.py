@@ -255,6 +255,56 @@ def test_a_prompt_joining_in_chunks_sized_by_load_gets_the_tokens_it_gets_whole(
     assert joined == whole and running == running_alone
 
 
+@pytest.mark.parametrize("dovetail", [True, False])
+def test_a_short_prompt_goes_before_the_rest_of_a_long_one(demo_pair, dovetail):
+    """One prompt chunk a round, and of the prompts waiting the one with the fewest tokens left: a
+    short prompt arriving while a long one joins in small chunks gets its first token at once, and
+    every stream keeps its solo tokens (dovetail: the prefill ring's one slot passes between the two
+    prompts' rows, each read by its draft before the next chunk is run)."""
+    engine, drafter = demo_pair
+    batcher: Batcher | None = None
+
+    def together() -> int:
+        return len(batcher.streams) if batcher else 1
+
+    def steps(job: Job, tokens: list[int]):
+        return (dovetail_steps(job, SHAPE, collect(tokens), together) if dovetail
+                else ar_steps(job, collect(tokens), together))
+
+    prompts = {1: LONG, 2: SHORT, 3: [1, 77, 78, 79]}
+    solo: dict[int, list[int]] = {1: [], 2: [], 3: []}
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        for seq_id, prompt in prompts.items():
+            run_alone(steps(make_job(seq_id, prompt, None, max_new_tokens=30), solo[seq_id]), cpu, gpu)
+    tokens: dict[int, list[int]] = {1: [], 2: [], 3: []}
+    order: list[tuple[int, int]] = []  # (sequence, offset) of each prompt chunk, as run
+    with local_workers(engine, drafter, SHAPE, max_sequences=3) as (cpu, gpu):
+        original = cpu.request
+
+        def noting(message, expect):
+            for item in (message.items if isinstance(message, m.StepBatch) else [message]):
+                if isinstance(item, m.PrefillRequest):
+                    order.append((item.seq_id, item.offset))
+            return original(message, expect)
+
+        cpu.request = noting  # type: ignore[method-assign]
+        batcher = Batcher(cpu, gpu)
+        batcher.add(2, steps(make_job(2, SHORT, None, max_new_tokens=30), tokens[2]), dovetail)
+        batcher.round()
+        long_job = dataclasses.replace(make_job(1, LONG, None, max_new_tokens=30), join_chunk=lambda: 4)
+        batcher.add(1, steps(long_job, tokens[1]), dovetail)
+        for _ in range(3):
+            batcher.round()
+        batcher.add(3, steps(make_job(3, prompts[3], None, max_new_tokens=30), tokens[3]), dovetail)
+        while batcher.streams:
+            batcher.round()
+    assert order[:5] == [(2, 0), (1, 0), (1, 4), (1, 8), (3, 0)]  # the short prompt at once
+    # 4 tokens a round while another stream decodes, the rest in one call once it runs alone
+    offsets = [offset for seq_id, offset in order if seq_id == 1]
+    assert offsets == list(range(0, offsets[-1] + 1, 4)) and offsets[-1] >= 16
+    assert tokens == solo
+
+
 class Recorder:
     """A worker whose every message and reply for sequence 1 (batches unpacked) is kept, in order."""
 
