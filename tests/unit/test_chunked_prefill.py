@@ -223,14 +223,8 @@ def test_a_prompt_joining_in_chunks_sized_by_load_gets_the_tokens_it_gets_whole(
     prompt in one call: the same tokens either way, and the running stream's are its solo ones."""
     engine, drafter = demo_pair
     assert engine.chunk_invariant
-    batcher: Batcher | None = None
-
-    def together() -> int:
-        return len(batcher.streams) if batcher else 1
-
-    def steps(job: Job, tokens: list[int]):
-        return (dovetail_steps(job, SHAPE, collect(tokens), together) if dovetail
-                else ar_steps(job, collect(tokens), together))
+    loops = Loops(dovetail)
+    steps = loops.steps
 
     whole: list[int] = []
     running_alone: list[int] = []
@@ -243,7 +237,7 @@ def test_a_prompt_joining_in_chunks_sized_by_load_gets_the_tokens_it_gets_whole(
     running: list[int] = []
     with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
         cpu = Recorder(cpu)
-        batcher = Batcher(cpu, gpu)
+        batcher = loops.batcher = Batcher(cpu, gpu)
         batcher.add(2, steps(make_job(2, SHORT, None, max_new_tokens=80), running), uses_gpu=dovetail)
         batcher.round()
         job = dataclasses.replace(make_job(1, LONG, None), join_chunk=lambda: next(asked))
@@ -262,14 +256,8 @@ def test_a_short_prompt_goes_before_the_rest_of_a_long_one(demo_pair, dovetail):
     every stream keeps its solo tokens (dovetail: the prefill ring's one slot passes between the two
     prompts' rows, each read by its draft before the next chunk is run)."""
     engine, drafter = demo_pair
-    batcher: Batcher | None = None
-
-    def together() -> int:
-        return len(batcher.streams) if batcher else 1
-
-    def steps(job: Job, tokens: list[int]):
-        return (dovetail_steps(job, SHAPE, collect(tokens), together) if dovetail
-                else ar_steps(job, collect(tokens), together))
+    loops = Loops(dovetail)
+    steps = loops.steps
 
     prompts = {1: LONG, 2: SHORT, 3: [1, 77, 78, 79]}
     solo: dict[int, list[int]] = {1: [], 2: [], 3: []}
@@ -288,7 +276,7 @@ def test_a_short_prompt_goes_before_the_rest_of_a_long_one(demo_pair, dovetail):
             return original(message, expect)
 
         cpu.request = noting  # type: ignore[method-assign]
-        batcher = Batcher(cpu, gpu)
+        batcher = loops.batcher = Batcher(cpu, gpu)
         batcher.add(2, steps(make_job(2, SHORT, None, max_new_tokens=30), tokens[2]), dovetail)
         batcher.round()
         long_job = dataclasses.replace(make_job(1, LONG, None, max_new_tokens=30), join_chunk=lambda: 4)
@@ -303,6 +291,22 @@ def test_a_short_prompt_goes_before_the_rest_of_a_long_one(demo_pair, dovetail):
     offsets = [offset for seq_id, offset in order if seq_id == 1]
     assert offsets == list(range(0, offsets[-1] + 1, 4)) and offsets[-1] >= 16
     assert tokens == solo
+
+
+class Loops:
+    """Streams' decoding loops (dovetail or ar), each told the size of ``batcher`` as the
+    coordinator's ``_batch_size`` tells it (1 before there is one)."""
+
+    def __init__(self, dovetail: bool):
+        self.dovetail = dovetail
+        self.batcher: Batcher | None = None
+
+    def together(self) -> int:
+        return len(self.batcher.streams) if self.batcher else 1
+
+    def steps(self, job: Job, tokens: list[int]):
+        return (dovetail_steps(job, SHAPE, collect(tokens), self.together) if self.dovetail
+                else ar_steps(job, collect(tokens), self.together))
 
 
 class Recorder:
