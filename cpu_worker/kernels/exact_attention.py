@@ -74,6 +74,14 @@ def applies(q: torch.Tensor, keys: torch.Tensor) -> bool:
             and available())
 
 
+def check_cache_layer(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The kernels read one contiguous fp32 or bf16 cache layer, keys and values alike: else ValueError."""
+    if keys.dtype not in CACHE_DTYPES or values.dtype != keys.dtype or values.shape != keys.shape \
+            or not keys.is_contiguous() or not values.is_contiguous():
+        raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} and values {values.dtype} {tuple(values.shape)}: "
+                         "the kernel reads one contiguous fp32 or bf16 cache layer")
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: int, tree: TreePaths | None = None,
            library: ctypes.CDLL | None = None) -> torch.Tensor:
     """q [1, heads, rows, head_dim] over one layer's cache ``keys``/``values`` [1, kv_heads,
@@ -91,10 +99,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, shared: in
                          f"{max_len}-slot cache")
     if tree is not None and tree.size != rows:
         raise ValueError(f"{rows} query rows for a {tree.size}-node tree")
-    if keys.dtype not in CACHE_DTYPES or values.dtype != keys.dtype or values.shape != keys.shape \
-            or not values.is_contiguous():
-        raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} and values {values.dtype} {tuple(values.shape)}: "
-                         "the kernel reads one contiguous fp32 or bf16 cache layer")
+    check_cache_layer(keys, values)
     queries = q[0].contiguous()
     out = torch.empty_like(queries)
     if tree is not None:
@@ -126,10 +131,7 @@ def attend_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
             or heads % kv_heads != 0:
         raise ValueError(f"queries {q.dtype} {tuple(q.shape)} over a cache {tuple(keys.shape)}: the kernel takes "
                          "fp32 queries of one sequence, heads a multiple of the cache's, the same head size")
-    if keys.dtype not in CACHE_DTYPES or values.dtype != keys.dtype or values.shape != keys.shape \
-            or not keys.is_contiguous() or not values.is_contiguous():
-        raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} and values {values.dtype} {tuple(values.shape)}: "
-                         "the kernel reads one contiguous fp32 or bf16 cache layer")
+    check_cache_layer(keys, values)
     queries = q[0].contiguous()
     out = torch.empty_like(queries)
     if library.dovetail_attention_causal(queries.data_ptr(), keys.data_ptr(), values.data_ptr(),
