@@ -105,10 +105,16 @@ def test_a_prompt_chunk_shares_the_steps_forward_and_keeps_its_solo_prefill_bits
                                                                                  monkeypatch):
     """Each chunk of a long prompt beside another sequence's decode step and a third's tree: every
     one gets its solo bits, and the chunk's rows ride in the same forward unless its own prefill
-    takes a GEMM of its own (fp32 from 64 rows), where it runs apart."""
+    takes a GEMM of its own (fp32 from 64 rows), where it runs apart. A chunk-invariant engine's
+    forwards take the native layer loop (the chunk as a chain), the others' the Python layers."""
     import cpu_worker.batched as batched
 
     engine, _ = build_engine(str(demo_target), precision, 256, kv_dtype)
+    loop = engine.model.layer_loop
+    assert isinstance(loop, NativeLayers)
+    native_rows: list[int] = []
+    original = loop.run_segments
+    loop.run_segments = lambda x, *args: native_rows.append(x.shape[1]) or original(x, *args)  # type: ignore[method-assign]
     vocab = engine.spec.vocab_size
     solo, lone_decoder, lone_verifier = engine.sibling(), engine.sibling(), engine.sibling()
     chunked, decoder, verifier = engine.sibling(), engine.sibling(), engine.sibling()
@@ -138,6 +144,13 @@ def test_a_prompt_chunk_shares_the_steps_forward_and_keeps_its_solo_prefill_bits
         token = int(decoded.logits.argmax())
     apart = precision == "fp32"  # 80 rows: its own prefill's GEMM
     assert rows == [1 + 16 + 7, 1 + 1 + 7, 1 + (0 if apart else 80) + 7, 1 + 3 + 7]
+    # The batched forwards through the C loop (one call each, no aux layers): with their chunk as a
+    # chain where the engine is chunk-invariant; at fp32 only the round whose chunk ran apart.
+    assert [count for count in native_rows if count in rows] == (rows if engine.chunk_invariant else [1 + 7])
+    assert engine.chunk_invariant == (precision != "fp32")
+    # The chunks' cache rows: a decode after the whole prompt reads them all.
+    after_solo, after_chunks = solo.decode(token), chunked.decode(token)
+    assert_same_bits([after_solo.features, after_solo.logits], [after_chunks.features, after_chunks.logits])
 
 
 def test_eagle3_feature_rows_are_each_sequences_own(demo_target):
