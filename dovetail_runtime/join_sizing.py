@@ -5,9 +5,16 @@ rows cost, so a chunk sized to about one round's own cost delays them by about o
 round, while the joining prompt still goes in as fast as that allows. Both costs are measured as
 rounds run (their wall time: the target's pass, the draft's reading of the rows, the messages):
 a round of running streams without prompt work is their cycle (kept per number of streams, as a
-round's cost follows its size), and a round with a chunk, less the cycle, is what its rows add.
-A chunk grows at most twofold from one round to the next, so one noisy round cannot stall the
-others for a whole ``--prefill-chunk``. While every round carries prompt work no cycle could be
+round's cost follows its size), and a round with a chunk, less the cycle, is what the chunk adds:
+a part that grows with its rows and a fixed part (the draft's call to read them, the messages),
+fitted as a line through the chunk rounds (``ChunkCost``; successive chunks alternate a little
+around the size wanted so the line stays measurable). Taken per row, the fixed part would shrink
+each next chunk until one-row chunks each still paid it (seen before the chunk rode in the native
+layer loop: 8 ms of a 135M target's Python layers beside a 6 ms cycle, 40-token prompts in one-row
+chunks and the batch at half its speed). Where that fixed part is more than half a cycle, a chunk
+is sized so its rows cost at least as much (each round then delays the others by up to twice that
+fixed part). A chunk grows at most twofold from one round to the next, so one noisy round cannot
+stall the others for a whole ``--prefill-chunk``. While every round carries prompt work no cycle could be
 measured, so the batch holds a prompt's chunk back for a round when it has never seen a clean
 round of that many streams, and again every ``PROBE_EVERY`` chunks (so one odd round does not
 size a whole prompt's chunks, and the cycle follows the streams' trees as they change). The
@@ -29,10 +36,48 @@ SMOOTHING = 0.3  # the newest round's weight in the running averages
 # alone until now, its rows read at once; a first draft step) says little about a row's cost.
 DRAFT_ROWS_RATIO = 2
 PROBE_EVERY = 16  # chunk rounds between two rounds held clean of prompt work (the joining prompt: ~6% later)
+SPREAD = 0.15  # every other chunk this share larger, every other this share smaller (at least a row apart)
 
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else old + SMOOTHING * (new - old)
+
+
+@dataclass
+class ChunkCost:
+    """What a prompt chunk adds to its round, ``fixed_ms + row_ms * rows``: a least-squares line
+    through the chunk rounds seen, each new one weighing ``SMOOTHING`` (exponentially weighted
+    means, variance and covariance of rows and added time)."""
+
+    count: int = 0
+    mean_rows: float = 0.0
+    mean_ms: float = 0.0
+    var_rows: float = 0.0
+    cov: float = 0.0
+
+    def add(self, rows: int, ms: float) -> None:
+        if self.count == 0:
+            self.mean_rows, self.mean_ms = float(rows), ms
+        else:
+            d_rows, d_ms = rows - self.mean_rows, ms - self.mean_ms
+            self.mean_rows += SMOOTHING * d_rows
+            self.mean_ms += SMOOTHING * d_ms
+            self.var_rows = (1 - SMOOTHING) * (self.var_rows + SMOOTHING * d_rows * d_rows)
+            self.cov = (1 - SMOOTHING) * (self.cov + SMOOTHING * d_rows * d_ms)
+        self.count += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed_ms, row_ms), both >= 0; None before any chunk round. While the chunks seen hardly
+        differ in size, all of their cost is taken as the rows' (no fixed part can be told apart)."""
+        if self.count == 0:
+            return None
+        if self.var_rows < 0.01 * self.mean_rows ** 2 or self.var_rows < 0.05:
+            return 0.0, self.mean_ms / self.mean_rows
+        row_ms = max(self.cov / self.var_rows, 0.0)
+        fixed_ms = self.mean_ms - row_ms * self.mean_rows
+        if fixed_ms < 0.0:  # noise: the line would cross below zero rows; the rows take it all
+            return 0.0, self.mean_ms / self.mean_rows
+        return fixed_ms, row_ms
 
 
 @dataclass
@@ -41,9 +86,10 @@ class JoinSizer:
 
     limit: int  # never more rows than this (--prefill-chunk)
     cycles_ms: dict[int, float] = field(default_factory=dict)  # running streams -> a round without prompt work
-    row_ms: float | None = None  # what one prompt row adds to a round
+    cost: ChunkCost = field(default_factory=ChunkCost)  # what a chunk adds to a round
     last_rows: int = 0  # the last measured chunk's rows
     chunks_since_clean: int = 0  # rounds with a chunk since the last round without prompt work
+    asked: int = 0  # chunks sized so far (every other one a little larger)
 
     def wants_clean_round(self, streams: int) -> bool:
         """Whether the next round should run without a prompt chunk, to measure the cycle of
@@ -57,14 +103,29 @@ class JoinSizer:
         nearest = min(self.cycles_ms, key=lambda size: (abs(size - streams), -size))
         return self.cycles_ms[nearest]
 
-    def rows(self, streams: int) -> int:
-        """The next chunk's rows while ``streams`` streams run."""
-        cycle = self.cycle_ms(streams)
-        if cycle is None or self.row_ms is None:
-            return max(1, min(FIRST_ROWS, self.limit))
+    def target_rows(self, streams: int) -> int | None:
+        """The chunk that adds about one cycle of ``streams`` streams to a round (or, where a chunk's
+        fixed part is over half a cycle, twice that part): None before both are measured."""
+        cycle, line = self.cycle_ms(streams), self.cost.line()
+        if cycle is None or line is None:
+            return None
+        fixed_ms, row_ms = line
+        budget = max(cycle, 2.0 * fixed_ms) - fixed_ms
         # (row_ms may be 0 or tiny after noisy rounds: then the growth cap and the limit decide.)
-        fitting = self.limit if self.row_ms * self.limit <= cycle else int(cycle / self.row_ms)
-        return max(1, min(self.limit, 2 * self.last_rows, fitting))
+        return self.limit if row_ms * self.limit <= budget else max(1, int(budget / row_ms + 1e-9))
+
+    def rows(self, streams: int) -> int:
+        """The next chunk's rows while ``streams`` streams run (counted as asked: every other chunk
+        ``SPREAD`` larger, the others as much smaller, so the chunk-cost line stays measurable)."""
+        target = self.target_rows(streams)
+        self.asked += 1
+        if target is None:
+            return max(1, min(FIRST_ROWS, self.limit))
+        if target >= self.limit:  # the rows' cost does not limit the chunk: no need to measure it
+            return max(1, min(self.limit, 2 * self.last_rows))
+        step = max(1, round(SPREAD * target))
+        wanted = target + step if self.asked % 2 else max(1, target - step)
+        return max(1, min(self.limit, 2 * self.last_rows, wanted))
 
     def observe(self, round_ms: float, streams: int, chunk_rows: int, draft_rows: int, prompt_work: bool) -> None:
         """One round: its wall time, how many running streams stepped in it (decode steps, trees,
@@ -79,11 +140,12 @@ class JoinSizer:
         self.chunks_since_clean += chunk_rows > 0
         cycle = self.cycle_ms(streams)
         if chunk_rows > 0 and cycle is not None and draft_rows <= DRAFT_ROWS_RATIO * chunk_rows:
-            self.row_ms = _average(self.row_ms, max(round_ms - cycle, 0.0) / chunk_rows)
+            self.cost.add(chunk_rows, max(round_ms - cycle, 0.0))
             self.last_rows = chunk_rows
 
     def describe(self, streams: int) -> str:
-        cycle = self.cycle_ms(streams)
-        if cycle is None or self.row_ms is None:
-            return f"{self.rows(streams)} rows (not measured yet)"
-        return f"{self.rows(streams)} rows (cycle {cycle:.1f} ms, {self.row_ms:.2f} ms a prompt row)"
+        target, line, cycle = self.target_rows(streams), self.cost.line(), self.cycle_ms(streams)
+        if target is None or line is None or cycle is None:
+            return "not measured yet"
+        return (f"about {target} rows (cycle {cycle:.1f} ms; a chunk adds {line[0]:.2f} ms and {line[1]:.2f} ms "
+                "a prompt row)")
