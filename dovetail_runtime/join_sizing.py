@@ -5,22 +5,22 @@ rows cost, so a chunk sized to about one round's own cost delays them by about o
 round, while the joining prompt still goes in as fast as that allows. Both costs are measured as
 rounds run (their wall time: the target's pass, the draft's reading of the rows, the messages):
 a round of running streams without prompt work is their cycle (kept per number of streams, as a
-round's cost follows its size), and a round with a chunk, less the cycle, is what the chunk adds:
-a part that grows with its rows and a fixed part (the draft's call to read them, the messages),
-fitted as a line through the chunk rounds (``ChunkCost``; successive chunks alternate a little
-around the size wanted so the line stays measurable). Taken per row, the fixed part would shrink
-each next chunk until one-row chunks each still paid it (seen before the chunk rode in the native
-layer loop: 8 ms of a 135M target's Python layers beside a 6 ms cycle, 40-token prompts in one-row
-chunks and the batch at half its speed). Where that fixed part is more than half a cycle, a chunk
-is sized so its rows cost at least as much (each round then delays the others by up to twice that
-fixed part). A chunk grows at most twofold from one round to the next, so one noisy round cannot
-stall the others for a whole ``--prefill-chunk``. While every round carries prompt work no cycle could be
-measured, so the batch holds a prompt's chunk back for a round when it has never seen a clean
-round of that many streams, and again every ``PROBE_EVERY`` chunks (so one odd round does not
-size a whole prompt's chunks, and the cycle follows the streams' trees as they change). The
-sizes lag the rounds by one: a chunk is asked for before its round runs (a prompt's first chunk
-when it arrives: one that arrives while another prompt prefills, with no stream decoding yet,
-takes a whole ``--prefill-chunk`` first).
+round's cost follows its size), and a round with a chunk, less the cycle, is what the chunk adds.
+Its average per row sizes the next chunk: were part of it fixed (the draft's call to read the rows,
+the messages), a chunk sized so settles where the fixed part and the rows together make one cycle.
+Where the fixed part is a cycle or more, no size can, and sized per row the chunks would shrink to
+one row, each still paying it (seen before the chunk rode in the native layer loop: 8 ms of a 135M
+target's Python layers beside a 6 ms cycle, 40-token prompts in one-row chunks and the batch at half
+its speed). So the fixed part is fitted apart too (``ChunkCost``, a line through the chunk rounds),
+and where it is over half a cycle a chunk's rows cost at least as much as it (each round then
+delays the others by about twice that fixed part). A chunk grows at most twofold from one round
+to the next, so one noisy round cannot stall the others for a whole ``--prefill-chunk``. While
+every round carries prompt work no cycle could be measured, so the batch holds a prompt's chunk back
+for a round when it has never seen a clean round of that many streams, and again every
+``PROBE_EVERY`` chunks (so one odd round does not size a whole prompt's chunks, and the cycle
+follows the streams' trees as they change). The sizes lag the rounds by one: a chunk is asked for
+before its round runs (a prompt's first chunk when it arrives: one that arrives while another prompt
+prefills, with no stream decoding yet, takes a whole ``--prefill-chunk`` first).
 
 Only for a target whose prompt bits do not depend on how the prompt is cut
 (``TargetInfo.chunk_invariant``): these sizes follow the load, a request's tokens must not.
@@ -28,6 +28,7 @@ Only for a target whose prompt bits do not depend on how the prompt is cut
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 FIRST_ROWS = 8  # a chunk's rows before any round with a chunk has been measured
@@ -36,7 +37,7 @@ SMOOTHING = 0.3  # the newest round's weight in the running averages
 # alone until now, its rows read at once; a first draft step) says little about a row's cost.
 DRAFT_ROWS_RATIO = 2
 PROBE_EVERY = 16  # chunk rounds between two rounds held clean of prompt work (the joining prompt: ~6% later)
-SPREAD = 0.15  # every other chunk this share larger, every other this share smaller (at least a row apart)
+MIN_FIT_ROUNDS = 4  # chunk rounds before a fitted fixed part is believed
 
 
 def _average(old: float | None, new: float) -> float:
@@ -45,15 +46,16 @@ def _average(old: float | None, new: float) -> float:
 
 @dataclass
 class ChunkCost:
-    """What a prompt chunk adds to its round, ``fixed_ms + row_ms * rows``: a least-squares line
-    through the chunk rounds seen, each new one weighing ``SMOOTHING`` (exponentially weighted
-    means, variance and covariance of rows and added time)."""
+    """What a prompt chunk adds to its round: the average time per row, and a line ``fixed_ms +
+    row_ms * rows`` fitted through the chunk rounds (least squares, each new round weighing
+    ``SMOOTHING``: exponentially weighted means, variance and covariance of rows and added time)."""
 
     count: int = 0
     mean_rows: float = 0.0
     mean_ms: float = 0.0
     var_rows: float = 0.0
     cov: float = 0.0
+    fitted: tuple[float, float] | None = None  # (fixed_ms, row_ms) when the rows last differed enough
 
     def add(self, rows: int, ms: float) -> None:
         if self.count == 0:
@@ -65,19 +67,14 @@ class ChunkCost:
             self.var_rows = (1 - SMOOTHING) * (self.var_rows + SMOOTHING * d_rows * d_rows)
             self.cov = (1 - SMOOTHING) * (self.cov + SMOOTHING * d_rows * d_ms)
         self.count += 1
+        if self.var_rows >= max(0.05, 0.01 * self.mean_rows ** 2):  # sizes far enough apart to tell
+            row_ms = max(self.cov / self.var_rows, 0.0)
+            fixed_ms = self.mean_ms - row_ms * self.mean_rows
+            self.fitted = (fixed_ms, row_ms) if fixed_ms >= 0.0 else (0.0, self.mean_ms / self.mean_rows)
 
-    def line(self) -> tuple[float, float] | None:
-        """(fixed_ms, row_ms), both >= 0; None before any chunk round. While the chunks seen hardly
-        differ in size, all of their cost is taken as the rows' (no fixed part can be told apart)."""
-        if self.count == 0:
-            return None
-        if self.var_rows < 0.01 * self.mean_rows ** 2 or self.var_rows < 0.05:
-            return 0.0, self.mean_ms / self.mean_rows
-        row_ms = max(self.cov / self.var_rows, 0.0)
-        fixed_ms = self.mean_ms - row_ms * self.mean_rows
-        if fixed_ms < 0.0:  # noise: the line would cross below zero rows; the rows take it all
-            return 0.0, self.mean_ms / self.mean_rows
-        return fixed_ms, row_ms
+    def per_row_ms(self) -> float | None:
+        """The chunks' added time over their rows (averages); None before any chunk round."""
+        return self.mean_ms / self.mean_rows if self.count else None
 
 
 @dataclass
@@ -89,7 +86,6 @@ class JoinSizer:
     cost: ChunkCost = field(default_factory=ChunkCost)  # what a chunk adds to a round
     last_rows: int = 0  # the last measured chunk's rows
     chunks_since_clean: int = 0  # rounds with a chunk since the last round without prompt work
-    asked: int = 0  # chunks sized so far (every other one a little larger)
 
     def wants_clean_round(self, streams: int) -> bool:
         """Whether the next round should run without a prompt chunk, to measure the cycle of
@@ -104,28 +100,31 @@ class JoinSizer:
         return self.cycles_ms[nearest]
 
     def target_rows(self, streams: int) -> int | None:
-        """The chunk that adds about one cycle of ``streams`` streams to a round (or, where a chunk's
-        fixed part is over half a cycle, twice that part): None before both are measured."""
-        cycle, line = self.cycle_ms(streams), self.cost.line()
-        if cycle is None or line is None:
+        """The largest chunk that adds at most about one cycle of ``streams`` streams to a round, or
+        where a chunk's fixed part is over half a cycle, the smallest whose rows cost as much as it:
+        None before both a cycle and a chunk are measured."""
+        cycle, per_row = self.cycle_ms(streams), self.cost.per_row_ms()
+        if cycle is None or per_row is None:
             return None
-        fixed_ms, row_ms = line
-        budget = max(cycle, 2.0 * fixed_ms) - fixed_ms
-        # (row_ms may be 0 or tiny after noisy rounds: then the growth cap and the limit decide.)
-        return self.limit if row_ms * self.limit <= budget else max(1, int(budget / row_ms + 1e-9))
+        # (per_row may be 0 or tiny after noisy rounds: then the growth cap and the limit decide.)
+        rows = self.limit if per_row * self.limit <= cycle else max(1, int(cycle / per_row + 1e-9))
+        # Sized per row, a fixed part keeps chunks smaller than they need be (at a cycle or more, one
+        # row): the fitted line lifts them, never lowers them (not from the first few rounds, whose
+        # noise can show a fixed part that is not there).
+        if self.cost.fitted is not None and self.cost.count >= MIN_FIT_ROUNDS:
+            fixed_ms, row_ms = self.cost.fitted
+            if row_ms > 0.0:
+                fitting = (math.ceil(fixed_ms / row_ms - 1e-9) if fixed_ms > cycle / 2
+                           else int((cycle - fixed_ms) / row_ms + 1e-9))
+                rows = max(rows, fitting)
+        return min(rows, self.limit)
 
     def rows(self, streams: int) -> int:
-        """The next chunk's rows while ``streams`` streams run (counted as asked: every other chunk
-        ``SPREAD`` larger, the others as much smaller, so the chunk-cost line stays measurable)."""
+        """The next chunk's rows while ``streams`` streams run."""
         target = self.target_rows(streams)
-        self.asked += 1
         if target is None:
             return max(1, min(FIRST_ROWS, self.limit))
-        if target >= self.limit:  # the rows' cost does not limit the chunk: no need to measure it
-            return max(1, min(self.limit, 2 * self.last_rows))
-        step = max(1, round(SPREAD * target))
-        wanted = target + step if self.asked % 2 else max(1, target - step)
-        return max(1, min(self.limit, 2 * self.last_rows, wanted))
+        return max(1, min(target, 2 * self.last_rows))
 
     def observe(self, round_ms: float, streams: int, chunk_rows: int, draft_rows: int, prompt_work: bool) -> None:
         """One round: its wall time, how many running streams stepped in it (decode steps, trees,
@@ -144,8 +143,9 @@ class JoinSizer:
             self.last_rows = chunk_rows
 
     def describe(self, streams: int) -> str:
-        target, line, cycle = self.target_rows(streams), self.cost.line(), self.cycle_ms(streams)
-        if target is None or line is None or cycle is None:
+        target, cycle, per_row = self.target_rows(streams), self.cycle_ms(streams), self.cost.per_row_ms()
+        if target is None or cycle is None or per_row is None:
             return "not measured yet"
-        return (f"about {target} rows (cycle {cycle:.1f} ms; a chunk adds {line[0]:.2f} ms and {line[1]:.2f} ms "
-                "a prompt row)")
+        fitted = self.cost.fitted
+        fixed = "" if fitted is None else f"; fitted: {fitted[0]:.2f} ms a chunk and {fitted[1]:.2f} ms a row"
+        return f"{target} rows (cycle {cycle:.1f} ms, {per_row:.2f} ms a prompt row{fixed})"

@@ -11,7 +11,7 @@ import click
 import pytest
 
 from cpu_worker.server import build_engine
-from dovetail_runtime import cli
+from dovetail_runtime import cli, join_sizing
 from dovetail_runtime.batching import Batcher
 from dovetail_runtime.cli_options import run_options
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
@@ -28,59 +28,58 @@ def test_a_chunk_settles_at_about_one_cycle_of_the_running_streams():
     assert sizer.rows(2) == FIRST_ROWS  # nothing measured yet
     sizer.observe(40.0, streams=2, chunk_rows=0, draft_rows=0, prompt_work=False)  # a cycle of 40 ms
     assert sizer.rows(2) == FIRST_ROWS  # no chunk measured yet
-    rows, sizes = FIRST_ROWS, []
+    rows = sizer.rows(2)
     for _ in range(12):  # each prompt row adds 1.25 ms: 32 rows make one more cycle
         sizer.observe(40.0 + 1.25 * rows, streams=2, chunk_rows=rows, draft_rows=rows, prompt_work=True)
         following = sizer.rows(2)
         assert following <= 2 * rows  # never more than twice the last chunk
         rows = following
-        sizes.append(rows)
-    assert sizer.target_rows(2) == 32 and sorted(set(sizes[-4:])) == [27, 37]  # every other one 15% larger
-    assert sizer.describe(2) == "about 32 rows (cycle 40.0 ms; a chunk adds 0.00 ms and 1.25 ms a prompt row)"
+    assert rows == 32
+    assert sizer.describe(2) == ("32 rows (cycle 40.0 ms, 1.25 ms a prompt row; "
+                                 "fitted: 0.00 ms a chunk and 1.25 ms a row)")
     # Four streams make a longer cycle, so room for more rows; a size never measured takes the nearest's.
     sizer.observe(60.0, streams=4, chunk_rows=0, draft_rows=0, prompt_work=False)
-    assert sizer.target_rows(4) == 48 and sizer.target_rows(5) == 48 and sizer.target_rows(1) == 32
+    assert sizer.rows(4) == 48 and sizer.rows(5) == 48 and sizer.rows(1) == 32
 
 
-@pytest.mark.parametrize(("fixed_ms", "cycle_ms", "expected"), [
-    (10.0, 6.0, 11),  # the fixed part alone is more than a cycle: rows that cost as much again (10 ms)
-    (2.5, 6.0, 3),  # less than half a cycle: rows to fill the rest of one cycle (3.5 ms)
+@pytest.mark.parametrize(("fixed_ms", "expected", "extra_ms", "per_row_alone"), [
+    (10.0, 12, 20.8, 1),  # over half a cycle: rows that cost at least as much, a round 20.8 ms longer
+    (2.5, 3, 5.2, 3),  # under: the fixed part and the rows make at most about one cycle
 ])
-def test_a_chunk_s_fixed_cost_is_told_apart_from_its_rows(fixed_ms, cycle_ms, expected):
-    """A chunk's round pays a fixed part (the draft's call to read the rows, the messages) beside 0.9 ms
-    a row. Taken per row it shrank every next chunk down to one row (each still paying the fixed
-    part); fitted apart, the chunks settle where the rows fill the budget."""
-    sizer = JoinSizer(limit=256)
-    sizer.observe(cycle_ms, streams=1, chunk_rows=0, draft_rows=0, prompt_work=False)
-    rows, sizes = sizer.rows(1), []
-    for _ in range(40):
-        sizer.observe(cycle_ms + fixed_ms + 0.9 * rows, streams=1, chunk_rows=rows, draft_rows=rows,
-                      prompt_work=True)
+def test_a_chunk_s_fixed_cost_never_shrinks_it_to_a_row(fixed_ms, expected, extra_ms, per_row_alone, monkeypatch):
+    """A chunk's round pays a fixed part (the draft's call to read the rows, the messages) beside
+    0.9 ms a row, a cycle being 6 ms. Sized per row alone (the fitted line never believed), a fixed
+    part of a cycle or more shrinks every next chunk down to one row, each still paying it."""
+    def settle() -> JoinSizer:
+        sizer = JoinSizer(limit=256)
+        sizer.observe(6.0, streams=1, chunk_rows=0, draft_rows=0, prompt_work=False)
         rows = sizer.rows(1)
-        sizes.append(rows)
-    fixed, per_row = sizer.cost.line() or (None, None)
-    assert fixed == pytest.approx(fixed_ms) and per_row == pytest.approx(0.9)
-    assert sizer.target_rows(1) == expected
-    assert set(sizes[-6:]) == {expected - max(1, round(0.15 * expected)), expected + max(1, round(0.15 * expected))}
-    # All of a round's extra time taken per row (the old arithmetic): from a one-row chunk, one row again.
-    proportional = JoinSizer(limit=256)
-    proportional.cycles_ms[1] = cycle_ms
-    proportional.cost.add(1, fixed_ms + 0.9)
-    assert proportional.target_rows(1) == 1
+        for _ in range(30):
+            sizer.observe(6.0 + fixed_ms + 0.9 * rows, streams=1, chunk_rows=rows, draft_rows=rows,
+                          prompt_work=True)
+            rows = sizer.rows(1)
+        return sizer
+
+    sizer = settle()
+    assert sizer.rows(1) == expected and fixed_ms + 0.9 * expected == pytest.approx(extra_ms)
+    fitted = sizer.cost.fitted
+    assert fitted is not None and fitted == (pytest.approx(fixed_ms), pytest.approx(0.9))
+    monkeypatch.setattr(join_sizing, "MIN_FIT_ROUNDS", 10**6)
+    assert settle().rows(1) == per_row_alone
 
 
 def test_rounds_without_running_streams_or_with_a_whole_prompt_read_teach_nothing_and_the_limit_holds():
     sizer = JoinSizer(limit=20)
     sizer.observe(500.0, streams=0, chunk_rows=256, draft_rows=0, prompt_work=True)  # a prompt alone
     sizer.observe(500.0, streams=0, chunk_rows=0, draft_rows=0, prompt_work=False)
-    assert sizer.cycles_ms == {} and sizer.cost.line() is None
+    assert sizer.cycles_ms == {} and sizer.cost.per_row_ms() is None
     sizer.observe(10.0, streams=1, chunk_rows=0, draft_rows=0, prompt_work=False)
     # A first draft step reading a whole prompt is prompt work: not a cycle, and no row cost either.
     sizer.observe(300.0, streams=1, chunk_rows=0, draft_rows=600, prompt_work=True)
     sizer.observe(300.0, streams=1, chunk_rows=8, draft_rows=600, prompt_work=True)
-    assert sizer.cycles_ms == {1: 10.0} and sizer.cost.line() is None
+    assert sizer.cycles_ms == {1: 10.0} and sizer.cost.per_row_ms() is None
     sizer.observe(9.0, streams=1, chunk_rows=8, draft_rows=8, prompt_work=True)  # noise: the chunk seemed free
-    assert sizer.cost.line() == (0.0, 0.0) and sizer.rows(1) == 16  # twice the last chunk, no more
+    assert sizer.cost.per_row_ms() == 0.0 and sizer.rows(1) == 16  # twice the last chunk, no more
     sizer.observe(10.0, streams=1, chunk_rows=16, draft_rows=8, prompt_work=True)
     assert sizer.rows(1) == 20  # --prefill-chunk caps it
     sizer.cost = ChunkCost(count=1, mean_rows=16.0, mean_ms=1e-308)  # decayed towards nothing: no overflow
