@@ -68,9 +68,13 @@ def decoding(call: Call | None) -> bool:
 
 
 def prompt_rows_read(call: Call) -> int:
-    """Prompt rows this draft call reads (a DraftExtend, or a first draft step reading the rest)."""
-    if isinstance(call.message, m.DraftExtend) or (call.reads_prompt and isinstance(call.message, m.DraftRequest)):
-        return len(call.message.tokens)
+    """Prompt rows this draft call reads (a DraftExtend, or a first draft step reading the rest;
+    one reading rows a DraftExtend left unread counts its own only)."""
+    message = call.message
+    if isinstance(message, m.DraftExtend):
+        return 0 if message.defer else len(message.tokens)
+    if call.reads_prompt and isinstance(message, m.DraftRequest):
+        return len(message.tokens)
     return 0
 
 

@@ -191,18 +191,19 @@ def _reply(reply: m.Message, expect: type[R]) -> R:
 Prefilled = tuple[m.PrefillResult, int]  # the last chunk's answer, where its feature rows start
 
 
-def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
-                  together: Callable[[], int] = lambda: 1) -> Generator[Call, m.Message, Prefilled | None]:
-    """The prompt's prefill, ``job.prefill_chunk`` tokens per call (a batch runs one call per round,
-    so a long prompt holds up the running streams one chunk at a time, not for its whole prefill),
-    or ``job.join_chunk()`` per call while others decode (asked call by call).
-    With ``feed_draft`` (dovetail) the answers carry the prompt's feature rows; while other sequences
-    run (``together() > 1``) the draft reads each chunk's rows (a DraftExtend) before the next chunk,
-    so it never absorbs a whole long prompt in one step while they wait either. Alone, it reads
-    them with its first tree, after the first token. Returns the last chunk's PrefillResult and the
-    prompt position its rows start at (what the draft has not read); the compute times go to
-    ``stats``. Between two chunks ``emit([], [])`` is asked whether to stop (a cancel, a deadline, a
-    client gone): then None, the rest of the prompt never run."""
+def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool, together: Callable[[], int] = lambda: 1,
+                  draft_reads: Callable[[int], bool] = lambda _: True) -> Generator[Call, m.Message, Prefilled | None]:
+    """The prompt's prefill, ``job.prefill_chunk`` tokens per call (a batch runs one call per round, so a long prompt
+    holds up the running streams one chunk at a time, not for its whole prefill), or ``job.join_chunk()`` per
+    call while others decode (asked call by call). With ``feed_draft`` (dovetail) the answers carry the
+    prompt's feature rows; while other sequences run (``together() > 1``) the draft reads each chunk's rows (a
+    DraftExtend) before the next chunk, so it never absorbs a whole long prompt in one step while they wait
+    either, unless ``draft_reads(together())`` says no tree may pay at that load: then the cpu_worker keeps
+    the rows and the last answer carries them all (a busy batch's sequence decodes plainly and its draft need
+    not read them, maybe ever). Alone, it reads them with its first tree, after the first token. Returns the
+    last chunk's PrefillResult and the prompt position its rows start at (what the draft has not read); the
+    compute times go to ``stats``. Between two chunks ``emit([], [])`` is asked whether to stop (a cancel, a
+    deadline, a client gone): then None, the rest of the prompt never run."""
     prompt = job.prompt_ids
     alone_size = job.prefill_chunk or len(prompt)
     if alone_size < 1:
@@ -212,13 +213,14 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool,
     while offset < len(prompt):
         if offset and emit([], []):
             return None
-        busy = together() > 1
+        batched = together()
+        busy = batched > 1
         joining = job.join_chunk() if busy and job.join_chunk is not None else None
         size = alone_size if joining is None else joining
         if size < 1:
             raise ValueError(f"a prompt chunk of {size} tokens")
         more = offset + size < len(prompt)
-        read_now = feed_draft and more and busy  # else the rows wait for the first draft step
+        read_now = feed_draft and more and busy and draft_reads(batched)  # else the rows wait for the last answer
         request = m.PrefillRequest(seq_id=job.seq_id, token_ids=prompt[offset:offset + size], sampling=job.sampling,
                                    return_features=feed_draft, logprobs=job.logprobs, offset=offset, more=more,
                                    features_from=unread, features_now=read_now)
@@ -303,14 +305,14 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
-        prefilled = yield from prefill_steps(job, stats, emit, True, batch)
+        prefilled = yield from prefill_steps(job, stats, emit, True, batch, planner.trees_may_pay)
         if prefilled is None:  # stopped between two prompt chunks
             return "stop", stats
         prefill, unread = prefilled
         assert prefill.features is not None  # prefill_steps checked (feed_draft)
         # Draft pairs: feature of position i with token i+1; the first new token closes the prompt. The first
         # step reads the rows from ``unread`` on (all, unless the draft read chunks while others ran).
-        pair_tokens, features, absorbing = prompt_ids[unread + 1:] + [prefill.token], prefill.features, True
+        feed = DraftFeed(prompt_ids[unread + 1:] + [prefill.token], prefill.features, fresh=unread == 0)
         length, planned = len(prompt_ids) + 1, None
         if budget.push([prefill.token], [prefill.logprob] if prefill.logprob else []):
             return budget.finish_reason or "stop", stats
@@ -320,38 +322,69 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 break
             together = batch()
             shape, planned = (planned or planner.shape(together)).fitted(room), None  # planned: what ended plain
-            if shape.tree_tokens == 1 and not absorbing:
+            if shape.tree_tokens == 1 and (not feed.prompt or together > 1):
                 # No tree pays (alone: the planner's fallback; in a busy batch: its load): plain steps until
                 # one does, not one-node trees (a head's step and a round trip each, for nothing: the draft
-                # goes on well without those positions, below). The first cycle drafts: the prompt.
-                resumed = yield from plain_until_tree(seq_id, pair_tokens[-1], length, context, budget, stats,
+                # goes on well without those positions, below). Alone the first cycle drafts: the prompt;
+                # in a busy batch the draft keeps the prompt's rows unread until a tree pays, if ever.
+                if feed.prompt and not feed.kept:
+                    yield from defer_prompt(seq_id, feed)
+                resumed = yield from plain_until_tree(seq_id, feed.tokens[-1], length, context, budget, stats,
                                                       lambda: planner.shape(batch()))
                 if resumed is None:
                     break
                 verified, length, planned = resumed
                 # The draft goes on from its own context, without the plain steps: restarted from this
                 # one row it accepted 1.27 tokens a cycle at first (real pair, 8/4/4); this way 2.59.
-                pair_tokens, features = verified.accepted_tokens, verified.features
+                feed.tokens, feed.features = verified.accepted_tokens, verified.features
                 continue
-            cycle_started = time.perf_counter()
-            request = m.DraftRequest(seq_id=seq_id, tokens=pair_tokens, features=features, shape=shape,
-                                     reset=absorbing and unread == 0)
-            draft = _reply((yield Call("gpu", request, m.DraftResult, absorbing)), m.DraftResult)
-            verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens,
-                                                                   parents=draft.parents), m.VerifyResult)),
-                              m.VerifyResult)
-            accepted = verified.accepted_tokens
-            # The first draft step read (the last chunk of) the prompt too: its times mislead the planner.
-            planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
-                            (time.perf_counter() - cycle_started) * 1e3, together, timed=not absorbing)
-            stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
-            length, pair_tokens, features = length + len(accepted), accepted, verified.features
-            absorbing = False
-            if budget.push(accepted, verified.logprobs):
+            verified = yield from tree_cycle(seq_id, feed, shape, planner, together, stats)
+            length += len(verified.accepted_tokens)
+            feed = DraftFeed(verified.accepted_tokens, verified.features, fresh=False, prompt=False)
+            if budget.push(verified.accepted_tokens, verified.logprobs):
                 break
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
     return budget.finish_reason or "stop", stats
+
+
+@dataclass
+class DraftFeed:
+    """What a dovetail sequence's next draft step feeds in: pairs (token i + 1, the target's feature
+    row of position i), and how the draft stands."""
+
+    tokens: list[int]
+    features: m.RingRef
+    fresh: bool  # the draft holds nothing of this sequence yet: its next call starts it (reset)
+    prompt: bool = True  # the next draft step reads the prompt's rows (so its time misleads the planner)
+    kept: bool = False  # the prompt's rows are with the draft, unread (``defer_prompt``)
+
+
+def tree_cycle(seq_id: int, feed: DraftFeed, shape: TreeShape, planner: ShapePlanner, together: int,
+               stats: Stats) -> Generator[Call, m.Message, m.VerifyResult]:
+    """One speculative cycle: the draft reads ``feed`` and proposes a tree of ``shape``, the target
+    verifies it (beside ``together - 1`` other sequences); the planner and the stats are told."""
+    cycle_started = time.perf_counter()
+    request = m.DraftRequest(seq_id=seq_id, tokens=feed.tokens, features=feed.features, shape=shape,
+                             reset=feed.fresh)
+    draft = _reply((yield Call("gpu", request, m.DraftResult, feed.prompt)), m.DraftResult)
+    verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens, parents=draft.parents),
+                                  m.VerifyResult)), m.VerifyResult)
+    accepted = verified.accepted_tokens
+    # A draft step that read (the last chunk of) the prompt too: its times mislead the planner.
+    planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
+                    (time.perf_counter() - cycle_started) * 1e3, together, timed=not feed.prompt)
+    stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
+    return verified
+
+
+def defer_prompt(seq_id: int, feed: DraftFeed) -> Generator[Call, m.Message, None]:
+    """Hand the prompt's pairs to the draft to keep, unread (a DraftExtend that defers): a sequence
+    that joins a busy batch decodes plainly, maybe to its end, and only a tree needs them read (the
+    draft's next step reads them with its own pairs). The feed keeps its last token, the next step's."""
+    message = m.DraftExtend(seq_id=seq_id, tokens=feed.tokens, features=feed.features, reset=feed.fresh, defer=True)
+    _reply((yield Call("gpu", message, m.DraftExtended)), m.DraftExtended)
+    feed.fresh, feed.kept = False, True
 
 
 # What plain steps end with: the root-only verify's result, the sequence's length, the next tree.

@@ -104,6 +104,11 @@ class ShapePlanner(Protocol):
         """The next tree of a sequence whose cycle is verified with ``batch - 1`` others."""
         ...
 
+    def trees_may_pay(self, batch: int) -> bool:
+        """Whether a tree may pay at this load (asking changes nothing): False where the sequence
+        would decode plainly from its first cycle (so its draft need not read its prompt yet)."""
+        ...
+
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None: ...
 
@@ -116,6 +121,9 @@ class FixedTree:
 
     def shape(self, batch: int = 1) -> TreeShape:
         return self.envelope
+
+    def trees_may_pay(self, batch: int) -> bool:
+        return self.envelope.tree_tokens > 1
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None:
@@ -297,7 +305,7 @@ class TreePlanner:
         rating otherwise, the solo choice. No probing: the rates come from solo cycles."""
         plain = 1.0 / (self.batch_verify_ms(batch) + self.ipc_ms)
         one_node = TreeShape.clamped(1, 1, self.bounds.top_k)
-        if max((cell[1] + 1) / self.batch_cycle_ms(batch, cell) for cell in self.leanest) <= plain:
+        if not self.trees_may_pay(batch):
             return one_node
         rated = [(tokens / self.batch_cycle_ms(batch, cell), cell) for cell in self.cells
                  if (tokens := self.expected_tokens(cell)) is not None]
@@ -308,6 +316,14 @@ class TreePlanner:
             return one_node
         self.chosen[cell] += 1
         return TreeShape.clamped(*cell)
+
+    def trees_may_pay(self, batch: int) -> bool:
+        """Alone, always (the fallback decides as cycles come); in a batch, unless even trees whose
+        every drafted token were accepted would emit fewer tokens per second than plain steps."""
+        if batch <= 1:
+            return True
+        plain = 1.0 / (self.batch_verify_ms(batch) + self.ipc_ms)
+        return max((cell[1] + 1) / self.batch_cycle_ms(batch, cell) for cell in self.leanest) > plain
 
     def batch_cycle_ms(self, batch: int, cell: Cell) -> float:
         """A cycle in which ``batch`` sequences each draft a tree of this shape (their drafts together,

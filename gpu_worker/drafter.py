@@ -148,10 +148,11 @@ class Drafter:
         self._root_token: int | None = None
         self._root_feature: torch.Tensor | None = None
         self._root_scores: torch.Tensor | None = None  # _root_log_probs, once a tree needed them
+        self._deferred: PendingExtend | None = None  # pairs kept to be read with the next extend (``defer``)
 
     def check_extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> PendingExtend:
         """``extend``'s pairs checked against this sequence (ValueError, DraftContextError) and moved
-        to the head's device, nothing computed yet."""
+        to the head's device, nothing computed yet; after the pairs ``defer`` kept, which it reads too."""
         tokens_cpu = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
         count = int(tokens_cpu.shape[0])
         if count == 0:
@@ -160,11 +161,29 @@ class Drafter:
         if tuple(features.shape) != (count, width):
             raise ValueError(f"features must be [{count}, {width}] to pair with {count} tokens, "
                              f"got {list(features.shape)}")
-        start = self._length
+        kept = self._deferred
+        start = self._length + (0 if kept is None else kept.count)
         if start + count > self.max_len:
             raise DraftContextError(f"draft cache full: {start} + {count} pairs exceed max_len {self.max_len}")
-        return PendingExtend(features=features.to(device=self.device, dtype=self.dtype, non_blocking=True),
-                             tokens=tokens_cpu, token_ids=tokens_cpu.to(self.device, non_blocking=True), start=start)
+        pending = PendingExtend(features=features.to(device=self.device, dtype=self.dtype, non_blocking=True),
+                                tokens=tokens_cpu, token_ids=tokens_cpu.to(self.device, non_blocking=True),
+                                start=start)
+        if kept is None:
+            return pending
+        return PendingExtend(features=torch.cat([kept.features, pending.features]),
+                             tokens=torch.cat([kept.tokens, pending.tokens]),
+                             token_ids=torch.cat([kept.token_ids, pending.token_ids]), start=kept.start)
+
+    def defer(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> None:
+        """Take n pairs as ``extend`` does but compute nothing yet: they are read with the next
+        ``extend`` (or a batch's), in one head forward with its pairs. A sequence that decodes
+        plainly to its end (a busy batch) never pays for reading its prompt."""
+        self._deferred = self.check_extend(features, tokens)
+
+    @property
+    def deferred(self) -> int:
+        """Pairs kept by ``defer``, not read yet."""
+        return 0 if self._deferred is None else self._deferred.count
 
     def extend(self, features: torch.Tensor, tokens: torch.Tensor | Sequence[int]) -> None:
         """Commit n pairs (f_i, x_{i+1}) at the next draft positions.
@@ -175,6 +194,7 @@ class Drafter:
         Drafter.extend_together([(self, self.check_extend(features, tokens))])
 
     def _commit(self, pending: PendingExtend, out: torch.Tensor) -> None:
+        self._deferred = None  # read now, with these pairs (check_extend put them first)
         self._root_feature = out[-1]
         self._root_scores = None
         self._root_token = int(pending.tokens[-1])

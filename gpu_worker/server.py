@@ -69,30 +69,37 @@ class DraftService:
         self.sequences[request.seq_id] = drafter
         return drafter
 
-    def _extended(self, request: m.DraftRequest | m.DraftExtend) -> Drafter:
-        """The request's sequence with its pairs fed in (SequenceError where they do not fit)."""
-        drafter = self._drafter(request)
+    def _extended(self, request: m.DraftRequest | m.DraftExtend, drafter: Drafter | None = None) -> Drafter:
+        """The request's sequence with its pairs fed in, or kept unread where it says ``defer``
+        (SequenceError where they do not fit)."""
+        drafter = self._drafter(request) if drafter is None else drafter
         features = get_block(request.features, self.rings, device=drafter.device)
         try:
-            drafter.extend(features, request.tokens)
+            if isinstance(request, m.DraftExtend) and request.defer:
+                drafter.defer(features, request.tokens)
+            else:
+                drafter.extend(features, request.tokens)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
         return drafter
 
     def draft(self, request: m.DraftRequest) -> m.DraftResult:
         started = time.perf_counter()
-        drafter = self._extended(request)
+        drafter = self._drafter(request)
+        kept = drafter.deferred  # pairs an earlier DraftExtend left unread: this step reads them too
+        self._extended(request, drafter)
         try:
             tree = drafter.propose(request.shape)
         except (DraftContextError, ValueError) as error:
             raise SequenceError(str(error)) from None
         compute_ms = (time.perf_counter() - started) * 1e3
-        self._observe(request, compute_ms)
+        if not kept:
+            self._observe(request, compute_ms)
         return m.DraftResult(seq_id=request.seq_id, tokens=tree.tokens.tolist(), parents=tree.parents.tolist(),
                              compute_ms=compute_ms)
 
     def extend(self, request: m.DraftExtend) -> m.DraftExtended:
-        """A prompt chunk into the sequence's draft cache, no tree."""
+        """A prompt chunk into the sequence's draft cache, no tree (or kept for the next draft step)."""
         started = time.perf_counter()
         self._extended(request)
         return m.DraftExtended(seq_id=request.seq_id, compute_ms=(time.perf_counter() - started) * 1e3)
@@ -121,6 +128,10 @@ class DraftService:
                     if taken is drafter:  # that sequence was ended to make room for this one (_drafter)
                         del extends[other]
                         fail(other, SequenceError(f"sequence {request.items[other].seq_id} was ended to make room"))
+                if isinstance(item, m.DraftExtend) and item.defer:  # kept unread: nothing to compute
+                    self._extended(item, drafter)
+                    results[index] = m.DraftExtended(seq_id=item.seq_id)
+                    continue
                 features = get_block(item.features, self.rings, device=drafter.device)
                 extends[index] = drafter, drafter.check_extend(features, item.tokens)
             except (SequenceError, DraftContextError, ValueError) as error:

@@ -340,12 +340,15 @@ class DraftRequest(Message):
 class DraftExtend(Message):
     """Feed ``tokens`` paired with the rows of ``features`` into the draft's KV cache, no tree: a
     long prompt's chunks so far, read while other sequences run (so no single draft step absorbs a
-    whole long prompt while they wait). ``reset``: a new sequence."""
+    whole long prompt while they wait). ``reset``: a new sequence. ``defer``: keep the pairs (off
+    the ring) without reading them yet; the sequence's next draft step reads them with its own (a
+    request that decodes plainly in a busy batch to its end never pays for reading its prompt)."""
 
     seq_id: SeqId
     tokens: Annotated[list[TokenId], Meta(min_length=1, max_length=1 << 20)]
     features: RingRef
     reset: bool = False
+    defer: bool = False
 
 
 class DraftExtended(Message):

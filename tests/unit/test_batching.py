@@ -198,6 +198,9 @@ class BusyPlanner(FixedTree):
     def shape(self, batch: int = 1) -> TreeShape:
         return self.envelope if batch == 1 else TreeShape.clamped(1, 1, 1)
 
+    def trees_may_pay(self, batch: int) -> bool:
+        return batch == 1
+
     def observe(self, shape: TreeShape, *args, **kwargs) -> None:
         self.observed += shape.tree_tokens > 1
 
@@ -232,29 +235,39 @@ def test_under_sustained_load_dovetail_streams_decode_plainly_with_their_solo_to
         assert together[index].tokens == solo[index].tokens and len(solo[index].tokens) == 40, index
         finish, stats = streams[index].outcome
         assert stats.trees["1/0/0"] >= 25 and stats.new_tokens == 40  # mostly plain decode steps
-        # One draft step each, the prompt's (a one-node tree), then plain steps: no head step or round
-        # trip to the gpu_worker for a one-node tree while the batch stays busy.
-        assert stats.trees["1/0/1"] == 1, index
-    # The prompts' draft steps (alone or batched), and trees once a stream is alone at the end.
-    assert gpu.counts.get("DraftBatch", 0) + gpu.counts.get("DraftRequest", 0) <= len(indices) + 3
+        # No draft step at all while the batch stays busy: not for the prompt (its rows go to the
+        # draft unread), nor a head step and round trip for a one-node tree.
+        assert "1/0/1" not in stats.trees, index
+    # Each prompt's rows handed over unread (alone or batched), and trees once a stream is alone at the end.
+    assert gpu.counts.get("DraftBatch/DraftExtend", 0) + gpu.counts.get("DraftExtend", 0) == len(indices)
+    assert gpu.counts.get("DraftBatch", 0) + gpu.counts.get("DraftRequest", 0) + gpu.counts.get("DraftExtend", 0) \
+        <= len(indices) + 3
     assert steps_sent["DecodeRequest"] >= 4 * 25
 
 
 def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
     """A dovetail request kept at one-node trees by a busy batch decodes plainly while the batch is
-    busy (after its prompt's draft), then, alone again, gets full trees (the draft going on from its
-    own context and a root-only feature row), its tokens its solo tokens all along."""
+    busy (its prompt's rows handed to the draft unread), then, alone again, gets full trees (the
+    draft reading the prompt's rows with a root-only feature row, and going on from there), its
+    tokens its solo tokens all along."""
     engine, drafter = demo_pair
-    long_job, short_job = job(0, 60)[0], job(1, 16)[0]  # dovetail greedy; ar with logprobs
+    short_job = job(1, 16)[0]  # ar with logprobs
+    # Dovetail, greedy, a 40-token prompt in 8-token chunks (run while the ar request decodes).
+    long_job = Job(seq_id=100, prompt_ids=[1] + [(37 * index) % 900 + 20 for index in range(1, 40)],
+                   max_new_tokens=60, sampling=m.Sampling(), eos_token_ids=frozenset(), max_len=256, prefill_chunk=8)
     solo = Recorder()
     with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
         run_alone(dovetail_steps(long_job, BusyPlanner(SHAPE), solo), cpu, gpu)
     resets: list[int] = []
+    draft_calls: list[tuple[str, int]] = []  # (kind, pairs sent)
 
     class Watching(LocalWorker):
         def request(self, message, expect):
             items = message.items if isinstance(message, m.DraftBatch) else [message]
-            resets.extend(item.seq_id for item in items if isinstance(item, m.DraftRequest) and item.reset)
+            resets.extend(item.seq_id for item in items
+                          if isinstance(item, m.DraftRequest | m.DraftExtend) and item.reset)
+            draft_calls.extend(("kept" if isinstance(item, m.DraftExtend) and item.defer else type(item).__name__,
+                                len(item.tokens)) for item in items if item.seq_id == long_job.seq_id)
             return super().request(message, expect)
 
     together, short = Recorder(), Recorder()
@@ -271,11 +284,15 @@ def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
             batcher.round()
     assert together.tokens == solo.tokens and len(solo.tokens) == 60
     finish, stats = stream.outcome
-    assert stats.trees["1/0/1"] == 1  # the prompt's draft, a one-node tree while the ar request ran ...
-    assert stats.trees["1/0/0"] >= 3  # ... then plain steps (and the root-only verify) ...
+    assert "1/0/1" not in stats.trees  # no draft step while the ar request ran: the prompt's rows kept ...
+    assert stats.trees["1/0/0"] >= 3  # ... plain steps (and the root-only verify) ...
     full = stats.trees[f"{SHAPE.tree_tokens}/{SHAPE.depth}/{SHAPE.top_k}"]
     assert full >= 3 and planner.observed == full  # ... then full trees again
-    assert resets == [long_job.seq_id]  # the prompt's draft only: it goes on from its own context
+    assert resets == [long_job.seq_id]  # the kept prompt's only: the draft goes on from its own context
+    # The whole prompt's pairs handed over unread after its last chunk (the cpu_worker kept the chunks'
+    # rows: no tree could pay meanwhile), then the first tree's step with one root-only pair.
+    assert draft_calls[:2] == [("kept", len(long_job.prompt_ids)), ("DraftRequest", 1)]
+    assert all(kind == "DraftRequest" for kind, _ in draft_calls[1:])
 
 
 class PlainForAWhile(FixedTree):

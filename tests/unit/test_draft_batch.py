@@ -17,6 +17,7 @@ from gpu_worker.tree import DraftTree
 from ipc import messages as m
 from ipc.shm_ring import ShmRing
 from ipc.tree import TreeShape
+from ipc.worker_loop import SequenceError
 
 # Different shapes in one batch: a deep narrow tree, a one-node tree (plain decoding), a wide one.
 SHAPES = [TreeShape.clamped(8, 4, 2), TreeShape.clamped(1, 1, 1), TreeShape.clamped(12, 3, 4)]
@@ -157,3 +158,51 @@ def test_a_prompt_chunk_in_a_draft_batch_only_extends_its_sequence():
         stray = m.DraftExtend(seq_id=9, tokens=[1], features=ring.write(features[:1]))
         refused, = service.draft_batch(m.DraftBatch(items=[stray])).items
         assert isinstance(refused, m.WorkerError) and "not active" in refused.message
+
+
+def test_a_prompt_kept_unread_is_read_with_the_next_draft_step_as_if_read_first():
+    """A busy batch's new sequence hands the draft its prompt's pairs to keep (DraftExtend with defer):
+    nothing computed, the ring slot free; its next draft step, alone or batched, reads them with its
+    own pairs and proposes the tree the sequence gets when it reads the prompt first. Released
+    before that, the kept pairs are dropped; kept pairs count against the cache."""
+    head = quantize_projections(tiny_head("dgf", layers=2, seed=8), "int8")
+    drafter = Drafter(head, max_len=40, scratch_len=16)
+    features, tokens = pairs(drafter, 30, seed=21)
+    step_features, step_tokens = pairs(drafter, 2, seed=22)
+    whole = drafter.sibling()
+    whole.extend(features, tokens)
+    whole.extend(step_features, step_tokens)
+    expected = whole.propose(SHAPES[2]).tokens.tolist()
+    forwards: list[int] = []
+    forward = head.forward_segments
+    head.forward_segments = lambda *args: forwards.append(1) or forward(*args)  # type: ignore[method-assign]
+    with ShmRing.create(1 << 16, 8) as ring:
+        service = DraftService(drafter, {ring.name: ring}, max_sequences=4)
+        for batched in (False, True):
+            forwards.clear()
+            keep = m.DraftExtend(seq_id=1, tokens=tokens.tolist(), features=ring.write(features), reset=True,
+                                 defer=True)
+            kept = service.draft_batch(m.DraftBatch(items=[keep])).items[0] if batched else service.extend(keep)
+            assert isinstance(kept, m.DraftExtended) and forwards == []  # nothing read yet
+            sequence = service.sequences[1]
+            assert sequence.length == 0 and sequence.deferred == 30
+            step = m.DraftRequest(seq_id=1, tokens=step_tokens.tolist(), features=ring.write(step_features),
+                                  shape=SHAPES[2])
+            other = m.DraftRequest(seq_id=2, tokens=step_tokens.tolist(), features=ring.write(step_features),
+                                   shape=SHAPES[0], reset=True)
+            drafted = (service.draft_batch(m.DraftBatch(items=[step, other])).items[0] if batched
+                       else service.draft(step))
+            assert isinstance(drafted, m.DraftResult) and drafted.tokens == expected, batched
+            assert sequence.length == 32 and sequence.deferred == 0 and forwards
+        # Released with its pairs still kept: gone; a later sequence in its drafter starts empty.
+        service.extend(m.DraftExtend(seq_id=3, tokens=tokens.tolist(), features=ring.write(features), reset=True,
+                                     defer=True))
+        service.release(m.ReleaseSequence(seq_id=3))
+        assert 3 not in service.sequences and all(held.deferred == 0 for held in service._spare)
+        # Kept pairs take their room: 30 kept and 11 more overflow a 40-pair cache.
+        service.extend(m.DraftExtend(seq_id=4, tokens=tokens.tolist(), features=ring.write(features), reset=True,
+                                     defer=True))
+        more_features, more_tokens = pairs(drafter, 11, seed=23)
+        with pytest.raises(SequenceError, match="draft cache full"):
+            service.draft(m.DraftRequest(seq_id=4, tokens=more_tokens.tolist(), features=ring.write(more_features),
+                                         shape=SHAPES[0]))
