@@ -19,7 +19,8 @@ run, each chunk's answer carries its feature rows; they wait in the prefill ring
 the sequence's draft reads them at the start of the next round (a DraftExtend in that round's
 DraftBatch, or after the last chunk its first draft step), before any prefill call can write the
 slot again: so the draft, too, takes in a long prompt a chunk per round
-(``generation.prefill_steps``).
+(``generation.prefill_steps``). Where no tree can pay at the batch's load, the rows wait with the
+cpu_worker for the last chunk's answer, and the draft keeps them unread (``generation.defer_prompt``).
 
 A call that fails for one sequence (a WorkerError item) ends that stream alone; a worker that
 dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream (``abort``).
