@@ -351,9 +351,12 @@ def test_before_any_rating_a_batch_decodes_plainly_where_no_tree_could_pay_it():
     draft = {depth: 1.6 + 1.2 * (depth - 1) for depth in range(1, 7)}
     steep = TreePlanner(bounds, {size: 3.0 + 1.3 * size for size in bounds.tree_sizes}, draft)
     assert all(steep.expected_tokens(cell) is None for cell in steep.cells)
+    # Asked beforehand (does the draft need the prompt read?), without counting as a cycle.
+    assert not steep.trees_may_pay(4) and steep.trees_may_pay(1) and steep.cycles == 0
     assert steep.shape(4).tree_tokens == 1
     assert steep.shape(1).tree_tokens > 1
     flat = TreePlanner(bounds, {size: 100.0 + 1.0 * size for size in bounds.tree_sizes}, draft)
+    assert flat.trees_may_pay(4)
     assert flat.shape(4) == TreeShape.clamped(*flat.best) and flat.best[0] > 1
 
 
