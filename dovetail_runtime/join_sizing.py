@@ -12,7 +12,8 @@ Where the fixed part is a cycle or more, no size can, and sized per row the chun
 one row, each still paying it (seen before the chunk rode in the native layer loop: 8 ms of a 135M
 target's Python layers beside a 6 ms cycle, 40-token prompts in one-row chunks and the batch at half
 its speed). So the fixed part is fitted apart too (``ChunkCost``, a line through the chunk rounds),
-and where it is over half a cycle a chunk's rows cost at least as much as it (each round then
+and the line only ever lifts a chunk: to the rows that fit beside the fixed part in a cycle, or
+where that part is over half a cycle, to rows that cost at least as much as it (each round then
 delays the others by about twice that fixed part). A chunk grows at most twofold from one round
 to the next, so one noisy round cannot stall the others for a whole ``--prefill-chunk``. While
 every round carries prompt work no cycle could be measured, so the batch holds a prompt's chunk back
