@@ -303,9 +303,9 @@ class TreePlanner:
         drafted token accepted (a 135M target's batch of 4 on two cores), one node at once: from the
         first cycle, before any shape is rated, not after a round of trees that learns it. Before any
         rating otherwise, the solo choice. No probing: the rates come from solo cycles."""
-        plain = 1.0 / (self.batch_verify_ms(batch) + self.ipc_ms)
+        plain = self.plain_rate(batch)
         one_node = TreeShape.clamped(1, 1, self.bounds.top_k)
-        if not self.trees_may_pay(batch):
+        if self.best_case_rate(batch) <= plain:
             return one_node
         rated = [(tokens / self.batch_cycle_ms(batch, cell), cell) for cell in self.cells
                  if (tokens := self.expected_tokens(cell)) is not None]
@@ -320,10 +320,15 @@ class TreePlanner:
     def trees_may_pay(self, batch: int) -> bool:
         """Alone, always (the fallback decides as cycles come); in a batch, unless even trees whose
         every drafted token were accepted would emit fewer tokens per second than plain steps."""
-        if batch <= 1:
-            return True
-        plain = 1.0 / (self.batch_verify_ms(batch) + self.ipc_ms)
-        return max((cell[1] + 1) / self.batch_cycle_ms(batch, cell) for cell in self.leanest) > plain
+        return batch <= 1 or self.best_case_rate(batch) > self.plain_rate(batch)
+
+    def plain_rate(self, batch: int) -> float:
+        """Tokens per ms of a sequence decoding plainly in a batch of ``batch``."""
+        return 1.0 / (self.batch_verify_ms(batch) + self.ipc_ms)
+
+    def best_case_rate(self, batch: int) -> float:
+        """Tokens per ms of the leanest trees in a batch of ``batch`` with every drafted token accepted."""
+        return max((cell[1] + 1) / self.batch_cycle_ms(batch, cell) for cell in self.leanest)
 
     def batch_cycle_ms(self, batch: int, cell: Cell) -> float:
         """A cycle in which ``batch`` sequences each draft a tree of this shape (their drafts together,
