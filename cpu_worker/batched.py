@@ -52,6 +52,10 @@ class SequenceStep:
     parents: Sequence[int] | None = None
     sampler: Sampler | None = None
     prompt: bool = False
+    # A chunk that runs apart may run in parts of about this many ms (``TargetEngine.prefill_part``;
+    # 0: whole), or go on with the part way one (``resume``): its outcome is then None until done.
+    budget_ms: float = 0.0
+    resume: bool = False
 
     def check(self) -> torch.Tensor:
         """The rows' positions, once the step is checked to fit its sequence (ValueError,
@@ -72,9 +76,10 @@ class SequenceStep:
     @property
     def shares_forward(self) -> bool:
         """Whether this step may share a forward with others and keep its bits: a prompt chunk only
-        below the rows where its own prefill takes a GEMM of its own (fp32)."""
+        below the rows where its own prefill takes a GEMM of its own (fp32), and not part way
+        through its layers already."""
         limit = self.engine.prompt_gemm_rows
-        return not self.prompt or limit is None or len(self.tokens) < limit
+        return not self.prompt or (not self.resume and (limit is None or len(self.tokens) < limit))
 
 
 def can_batch(steps: Sequence[SequenceStep]) -> bool:
@@ -87,12 +92,13 @@ def can_batch(steps: Sequence[SequenceStep]) -> bool:
             and all(engine.aux_layers == engines[0].aux_layers for engine in engines))
 
 
-def run_steps(steps: Sequence[SequenceStep]) -> list[StepOutput | VerifyOutcome]:
+def run_steps(steps: Sequence[SequenceStep]) -> list[StepOutput | VerifyOutcome | None]:
     """Every step, in one forward where ``can_batch`` allows (else one by one): a decode step's
     ``StepOutput`` (its sequence one token longer) or a tree's ``VerifyOutcome`` (its accepted
-    path kept), in the steps' order. Every step is checked first (``SequenceStep.check``): one that
-    does not fit its sequence raises before anything is computed or written; a caller that wants
-    to run the others checks each itself and leaves it out."""
+    path kept), in the steps' order (None: a chunk run apart in parts, with layers left). Every
+    step is checked first (``SequenceStep.check``): one that does not fit its sequence raises
+    before anything is computed or written; a caller that wants to run the others checks each
+    itself and leaves it out."""
     positions = [step.check() for step in steps]
     together = [index for index, step in enumerate(steps) if step.shares_forward]
     if sum(len(steps[index].tokens) for index in together) > MAX_KERNEL_ROWS:
@@ -100,7 +106,7 @@ def run_steps(steps: Sequence[SequenceStep]) -> list[StepOutput | VerifyOutcome]
         together = [index for index in together if not steps[index].prompt]
     if len(together) <= 1 or not can_batch([steps[index] for index in together]):
         return [_run_alone(step) for step in steps]
-    outcomes: dict[int, StepOutput | VerifyOutcome] = {
+    outcomes: dict[int, StepOutput | VerifyOutcome | None] = {
         index: _run_alone(step) for index, step in enumerate(steps) if index not in together}
     batched = _run_together([steps[index] for index in together], [positions[index] for index in together])
     outcomes.update(zip(together, batched, strict=True))
@@ -130,12 +136,15 @@ def _run_together(steps: Sequence[SequenceStep], positions: Sequence[torch.Tenso
     return results
 
 
-def _run_alone(step: SequenceStep) -> StepOutput | VerifyOutcome:
+def _run_alone(step: SequenceStep) -> StepOutput | VerifyOutcome | None:
+    engine = step.engine
+    if step.prompt and (step.budget_ms > 0 or step.resume):
+        return engine.prefill_part(step.tokens, engine.committed, step.budget_ms, step.resume)
     if step.prompt:
-        return step.engine.prefill(step.tokens, step.engine.committed)
+        return engine.prefill(step.tokens, engine.committed)
     if step.parents is None:
-        return step.engine.decode(int(step.tokens[0]))
-    return step.engine.verify(step.tokens, step.parents, step.sampler)
+        return engine.decode(int(step.tokens[0]))
+    return engine.verify(step.tokens, step.parents, step.sampler)
 
 
 @torch.inference_mode()

@@ -23,6 +23,7 @@ from cpu_worker.kernels.linear import row_invariant_linears
 from cpu_worker.model.embedding import output_dtype
 from cpu_worker.model.llama import Attention, KVCache, LlamaDecoder, RotaryTable
 from cpu_worker.native_layers import NativeLayers
+from cpu_worker.prompt_parts import PendingChunk
 from cpu_worker.sampling import Sampler
 from ipc.tree import tree_depths, validate_parents
 
@@ -149,6 +150,7 @@ class TargetEngine:
         self.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, max_len, self.kv_dtype)
         self.rotary = RotaryTable(spec, max_len, activation_dtype)
         self.committed = 0
+        self.pending: PendingChunk | None = None  # a prompt chunk part of the way through the layers
 
     def choose_kernels(self) -> Kernels:
         """Choose the model's kernels for this engine (``choose_kernels``; done when it is built, and
@@ -176,10 +178,12 @@ class TargetEngine:
         spec = self.spec
         twin.cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.max_len, self.kv_dtype)
         twin.committed = 0
+        twin.pending = None
         return twin
 
     def reset(self) -> None:
         self.committed = 0
+        self.pending = None
 
     def _check_room(self, extra: int) -> None:
         if self.committed + extra > self.max_len:
@@ -193,6 +197,7 @@ class TargetEngine:
         ``offset`` prompt tokens cached so far; features for every position of the chunk."""
         if len(token_ids) == 0:
             raise ValueError("prefill needs at least one token")
+        self.pending = None  # a chunk left part way through is dropped (its rows are overwritten)
         if offset == 0:
             self.reset()
         elif offset != self.committed:
@@ -202,6 +207,32 @@ class TargetEngine:
         # (fp32); decodes and trees never do.
         with prompt_rows():
             return self.extend(token_ids)
+
+    def prefill_part(self, token_ids: Sequence[int], offset: int, budget_ms: float,
+                     resume: bool = False) -> StepOutput | None:
+        """``prefill`` of a chunk in parts (``prompt_parts``), with its bits: layers until about
+        ``budget_ms`` have passed (at least one), then None while layers are left (call again with
+        ``resume`` and the same chunk), or the chunk's StepOutput once all have run."""
+        if resume:
+            pending = self.resumable(token_ids, offset)
+        else:
+            self.pending = pending = PendingChunk.start(self, token_ids, offset)
+        try:
+            step = pending.advance(self, budget_ms)
+        except BaseException:
+            self.pending = None
+            raise
+        if step is not None:
+            self.pending = None
+        return step
+
+    def resumable(self, token_ids: Sequence[int], offset: int) -> PendingChunk:
+        """The chunk part way through its layers, if it is this one (ValueError otherwise)."""
+        pending = self.pending
+        if pending is None or pending.offset != offset or pending.tokens != [int(token) for token in token_ids]:
+            raise ValueError(f"no prompt chunk of {len(token_ids)} tokens at offset {offset} is part way through "
+                             "the layers: nothing to resume")
+        return pending
 
     @torch.inference_mode()
     def extend(self, token_ids: Sequence[int]) -> StepOutput:

@@ -36,7 +36,8 @@ from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
 log = logging.getLogger(__name__)
 
 
-StepResult = m.DecodeResult | m.VerifyResult | m.PrefillPartial | m.PrefillResult
+PrefillReply = m.PrefillPending | m.PrefillPartial | m.PrefillResult  # an answer to a PrefillRequest
+StepResult = m.DecodeResult | m.VerifyResult | PrefillReply
 
 
 @dataclass
@@ -93,15 +94,20 @@ class TargetService:
         for seq_id in list(self.sequences):
             self._end(seq_id)
 
-    def prefill(self, request: m.PrefillRequest) -> m.PrefillResult | m.PrefillPartial:
+    def prefill(self, request: m.PrefillRequest) -> PrefillReply:
         """A prompt, or one chunk of it (``offset``, ``more``); each answer writes the prompt's feature
         rows from ``features_from`` through this chunk to the prefill ring (the coordinator has the
         draft read them, or asks for them again with the next chunk, before the ring's one slot is
-        written again), and the last chunk answers with the first new token."""
+        written again), and the last chunk answers with the first new token. With ``budget_ms`` a
+        chunk may take several calls (PrefillPending, then ``resume``)."""
         started = time.perf_counter()
         sequence, kept = self._prompt_sequence(request)
+        engine = sequence.engine
         try:
-            step = sequence.engine.prefill(request.token_ids, request.offset)
+            if request.budget_ms > 0 or request.resume:  # in parts of a few layers (prompt_parts)
+                step = engine.prefill_part(request.token_ids, request.offset, request.budget_ms, request.resume)
+            else:
+                step = engine.prefill(request.token_ids, request.offset)
         except (ContextOverflowError, ValueError) as error:
             self._end(request.seq_id)
             raise SequenceError(str(error)) from None
@@ -111,6 +117,13 @@ class TargetService:
         """The sequence a prompt chunk goes to (a new one for the first) and the kept rows its
         answer carries before its own (``_rows_from``). SequenceError, before anything changes, for
         a chunk at another offset than its sequence holds or rows asked from where none are kept."""
+        if request.resume:  # the chunk part way through its layers: its sequence as it stands
+            sequence = self._sequence(request.seq_id, prompt_complete=False)
+            try:
+                sequence.engine.resumable(request.token_ids, request.offset)
+            except ValueError as error:
+                raise SequenceError(str(error)) from None
+            return sequence, _rows_from(sequence, request) if request.offset else []
         if request.offset == 0:
             if request.features_from != 0:
                 raise SequenceError(f"features_from {request.features_from} on a prompt's first chunk (it must be 0)")
@@ -122,7 +135,12 @@ class TargetService:
         return sequence, _rows_from(sequence, request)
 
     def _prefill_answer(self, request: m.PrefillRequest, sequence: _Sequence, kept: list[tuple[int, torch.Tensor]],
-                        step: StepOutput, compute_ms: float) -> m.PrefillResult | m.PrefillPartial:
+                        step: StepOutput | None, compute_ms: float) -> PrefillReply:
+        if step is None:  # layers of the chunk are left (PrefillRequest.budget_ms)
+            pending = sequence.engine.pending
+            assert pending is not None
+            return m.PrefillPending(seq_id=request.seq_id, layers_done=pending.layers_done,
+                                    layers=sequence.engine.spec.num_layers, compute_ms=compute_ms)
         ring_ref = None
         if sequence.return_features:
             kept.append((request.offset, step.features))
@@ -222,7 +240,7 @@ class TargetService:
         for (index, sequence, kept), outcome in zip(taken, outcomes, strict=True):
             item = request.items[index]
             if isinstance(item, m.PrefillRequest):
-                assert isinstance(outcome, StepOutput)
+                assert outcome is None or isinstance(outcome, StepOutput)
                 results[index] = self._prefill_answer(item, sequence, kept, outcome, compute_ms)
             elif isinstance(item, m.DecodeRequest):
                 assert isinstance(outcome, StepOutput)
@@ -247,7 +265,7 @@ class TargetService:
         if item.offset == 0 and others >= self.max_sequences:
             raise SequenceError(f"no room for sequence {item.seq_id} in a batch: {others} sequences are active")
         sequence, kept = self._prompt_sequence(item)
-        step = SequenceStep(sequence.engine, item.token_ids, prompt=True)
+        step = SequenceStep(sequence.engine, item.token_ids, prompt=True, budget_ms=item.budget_ms, resume=item.resume)
         try:
             step.check()
         except ValueError:

@@ -21,6 +21,9 @@ DraftBatch, or after the last chunk its first draft step), before any prefill ca
 slot again: so the draft, too, takes in a long prompt a chunk per round
 (``generation.prefill_steps``). Where no tree can pay at the batch's load, the rows wait with the
 cpu_worker for the last chunk's answer, and the draft keeps them unread (``generation.defer_prompt``).
+Where a prompt's bits depend on its chunks (fp32, bf16), its ``--prefill-chunk`` pieces keep their
+size, and one that runs apart from the others' steps goes a few layers a round instead, each part
+about one of their cycles (``Job.join_budget``, ``cpu_worker.prompt_parts``).
 
 A call that fails for one sequence (a WorkerError item) ends that stream alone; a worker that
 dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream (``abort``).
@@ -128,10 +131,13 @@ class Batcher:
         if steps or prefills:
             self._dispatch(self.cpu, steps + prefills[:1], m.StepBatch, m.StepBatchResult)
         if self.join is not None:
-            rows = len(chunk.token_ids) if isinstance(chunk, m.PrefillRequest) else 0
+            # A chunk that may go in parts of its layers (a target whose prompt bits depend on the cuts)
+            # tells a cycle apart from prompt work, not a row's cost.
+            parted = isinstance(chunk, m.PrefillRequest) and (chunk.budget_ms > 0 or chunk.resume)
+            rows = len(chunk.token_ids) if isinstance(chunk, m.PrefillRequest) and not parted else 0
             # (A round whose streams all ended before their target step is no cycle: counted as none.)
             self.join.observe((time.perf_counter() - started) * 1e3, running if steps else 0, rows, draft_rows,
-                              rows > 0 or draft_rows > 0)
+                              rows > 0 or draft_rows > 0 or parted, parted)
             if rows:
                 log.debug("a prompt chunk of %d rows beside %d streams; next: %s", rows, running,
                           self.join.describe(running))

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import psutil
@@ -152,6 +152,17 @@ def error_reply(request_id: str | None, code: str, message: str) -> m.ErrorReply
                         message=message if len(message) <= limit else message[:limit] + " [...]")
 
 
+
+class Joining(NamedTuple):
+    """How prompts join running requests: the sizer the batch tells its rounds' costs (auto), what
+    a request asks for its next chunk's tokens (``Job.join_chunk``) or, where the target's prompt
+    bits depend on the cuts, for the ms a piece's layers may take per round (``Job.join_budget``);
+    each callable answers None while nobody decodes."""
+
+    sizer: JoinSizer | None
+    chunk: Callable[[], int | None] | None
+    budget: Callable[[], float | None] | None
+
 class Coordinator:
     def __init__(self, settings: RuntimeSettings):
         self.settings = settings
@@ -168,6 +179,7 @@ class Coordinator:
         self._seq_ids = itertools.count(1)
         self._batcher: Batcher | None = None
         self._join_chunk: Callable[[], int | None] | None = None  # Job.join_chunk, set by batcher()
+        self._join_budget: Callable[[], float | None] | None = None  # Job.join_budget, set by batcher()
         self._restarts: collections.deque[float] = collections.deque()
         # Called every ~100 ms while a worker computes or starts (serving reads its clients).
         self.while_waiting: Callable[[], None] | None = None
@@ -405,7 +417,8 @@ class Coordinator:
         invariant = self.cpu.info is not None and self.cpu.info.chunk_invariant
         job = Job(next(self._seq_ids), prompt_ids, request.max_new_tokens, request.sampling,
                   self.tokenizer.eos_token_ids, self.max_len, logprobs=request.logprobs,
-                  prefill_chunk=self.settings.prefill_chunk, join_chunk=self._join_chunk if invariant else None)
+                  prefill_chunk=self.settings.prefill_chunk, join_chunk=self._join_chunk if invariant else None,
+                  join_budget=None if invariant else self._join_budget)
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
                           job.seq_id, request.mode == "dovetail", on_text)
@@ -442,23 +455,31 @@ class Coordinator:
         if self.cpu is None or self.cpu.info is None:
             raise RuntimeError("a batch before start()")
         batcher = Batcher(self.cpu, self.gpu)
-        batcher.join, self._join_chunk = self._joining(self.cpu.info, batcher)
+        batcher.join, self._join_chunk, self._join_budget = self._joining(self.cpu.info, batcher)
         self._batcher = batcher
         return batcher
 
-    def _joining(self, info: m.TargetInfo,
-                 batcher: Batcher) -> tuple[JoinSizer | None, Callable[[], int | None] | None]:
-        """How a prompt is cut while other requests decode (--join-chunk): the sizer the batch tells
-        its rounds' costs (auto), and what each request asks for its next chunk's tokens (None back
-        while nobody decodes: then the --prefill-chunk pieces it takes alone)."""
+    def _joining(self, info: m.TargetInfo, batcher: Batcher) -> Joining:
+        """How a prompt is cut while other requests decode (--join-chunk, ``Joining``). A target whose
+        prompt bits depend on the cuts keeps its --prefill-chunk pieces; with auto, a piece that runs
+        apart from the others' steps goes in parts of its layers, each about one of their cycles."""
         setting, alone = self.settings.join_chunk, self.settings.prefill_chunk or self.max_len
         if setting is None or self.settings.max_batch <= 1:
-            return None, None
+            return Joining(None, None, None)
         if not info.chunk_invariant:
-            log.info("a prompt joins running requests in --prefill-chunk pieces: this target's prompt bits depend "
+            parts = setting == "auto"
+            log.info("a prompt joins running requests in --prefill-chunk pieces%s: this target's prompt bits depend "
                      "on how it is cut (%s, %s; so do fp32's and bf16's, and any without the native kernels)",
+                     ", each in parts of about one of their cycles (--join-chunk auto)" if parts else "",
                      info.dtype, info.kernel or "torch's kernels")
-            return None, None
+            if not parts:
+                return Joining(None, None, None)
+            sizer = JoinSizer(alone)  # it measures the running streams' cycle here, not a row's cost
+
+            def budget() -> float | None:
+                running = batcher.running()
+                return sizer.cycle_ms(running) if running else None
+            return Joining(sizer, None, budget)
         if setting == "auto":
             sizer = JoinSizer(alone)
             log.info("a prompt joins running requests in chunks of about one of their cycles (--join-chunk auto)")
@@ -466,9 +487,9 @@ class Coordinator:
             def measured() -> int | None:
                 running = batcher.running()
                 return sizer.rows(running) if running else None
-            return sizer, measured
+            return Joining(sizer, measured, None)
         fixed = min(setting, alone)
-        return None, lambda: fixed if batcher.running() else None
+        return Joining(None, lambda: fixed if batcher.running() else None, None)
 
     def kv_budget(self) -> KvBudget | None:
         """The running requests' KV memory budget (serving admits by it): --kv-memory, or a share of

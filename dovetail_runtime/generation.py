@@ -4,8 +4,9 @@ dovetail mode: prefill (cpu) -> [draft (gpu) -> verify (cpu)] ... , and plain de
 no tree pays (a request alone: ``plain_fallback``; in a busy batch: ``TreePlanner.batch_shape``), back
 to trees when one does; ar mode: prefill -> decode -> decode ... on the cpu_worker alone. A long
 prompt's prefill is several calls, one per chunk of ``Job.prefill_chunk`` tokens, or in a busy
-batch of ``Job.join_chunk()`` where the target allows it (dovetail in a busy batch: the draft reads
-each chunk's feature rows before the next chunk). Each loop is a
+batch of ``Job.join_chunk()`` where the target allows it (elsewhere a chunk may take several calls
+there, a few layers each: ``chunk_steps``; dovetail in a busy batch: the draft reads each chunk's
+feature rows before the next chunk). Each loop is a
 generator (``ar_steps``, ``dovetail_steps``) that yields its next worker request (a ``Call``) and
 is sent the reply, so one driver runs it alone (``run_alone``: ``generate_ar``,
 ``generate_dovetail``) and another runs many side by side, their calls merged into batches
@@ -27,6 +28,8 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
+
+import msgspec
 
 from ipc import messages as m
 from ipc.tree import TreeShape
@@ -73,6 +76,10 @@ class Job:
     # decoding, ``prefill_chunk``). Only for a target whose prompt bits do not depend on the chunks
     # (``TargetInfo.chunk_invariant``); None: ``prefill_chunk`` always.
     join_chunk: Callable[[], int | None] | None = None
+    # For a target whose prompt bits depend on the chunks: ms of layers a ``prefill_chunk`` piece
+    # may run per round while others decode, asked call by call (None back: nobody decodes, the
+    # whole piece at once; ``PrefillRequest.budget_ms``). None: every piece whole.
+    join_budget: Callable[[], float | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -224,16 +231,15 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool, together
         request = m.PrefillRequest(seq_id=job.seq_id, token_ids=prompt[offset:offset + size], sampling=job.sampling,
                                    return_features=feed_draft, logprobs=job.logprobs, offset=offset, more=more,
                                    features_from=unread, features_now=read_now)
+        answer = yield from chunk_steps(job, request, len(prompt) - offset, stats, emit, busy)
+        if answer is None:  # stopped between two parts of the chunk
+            return None
         if not more:
-            result = _reply((yield Call("cpu", request, m.PrefillResult, prompt_left=len(prompt) - offset)),
-                            m.PrefillResult)
-            stats.prefill_ms += result.compute_ms
+            result = _reply(answer, m.PrefillResult)
             if feed_draft and result.features is None:
                 raise RuntimeError("the cpu_worker returned no prompt features")
             return result, unread
-        partial = _reply((yield Call("cpu", request, m.PrefillPartial, prompt_left=len(prompt) - offset)),
-                         m.PrefillPartial)
-        stats.prefill_ms += partial.compute_ms
+        partial = _reply(answer, m.PrefillPartial)
         if read_now:
             if partial.features is None:
                 raise RuntimeError("the cpu_worker returned no features for a prompt chunk")
@@ -247,6 +253,26 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool, together
             unread = end
         offset += size
     raise PromptTooLong("the prompt is empty after tokenization")
+
+
+def chunk_steps(job: Job, request: m.PrefillRequest, prompt_left: int, stats: Stats, emit: Emit,
+                busy: bool) -> Generator[Call, m.Message, m.PrefillAnswer | None]:
+    """One prompt chunk's answer (a PrefillPartial, or the last chunk's PrefillResult). While others
+    decode, a chunk of a target whose prompt bits depend on the cuts may run in parts of a few
+    layers, one per round (``Job.join_budget``: the worker answers PrefillPending until the last
+    part); None: stopped between two parts (``emit([], [])``, as between chunks)."""
+    budget = job.join_budget() if busy and job.join_budget is not None else None
+    request = msgspec.structs.replace(request, budget_ms=budget or 0.0)
+    while True:
+        answer = _reply((yield Call("cpu", request, m.PrefillAnswer, prompt_left=prompt_left)), m.PrefillAnswer)
+        stats.prefill_ms += answer.compute_ms
+        if not isinstance(answer, m.PrefillPending):
+            return answer
+        if emit([], []):
+            return None
+        # The next part, sized for the batch as it is now (none left running: the rest at once).
+        budget = job.join_budget() if job.join_budget is not None else None
+        request = msgspec.structs.replace(request, resume=True, budget_ms=budget or 0.0)
 
 
 def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1) -> Steps:

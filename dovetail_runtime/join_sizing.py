@@ -127,17 +127,19 @@ class JoinSizer:
             return max(1, min(FIRST_ROWS, self.limit))
         return max(1, min(target, 2 * self.last_rows))
 
-    def observe(self, round_ms: float, streams: int, chunk_rows: int, draft_rows: int, prompt_work: bool) -> None:
+    def observe(self, round_ms: float, streams: int, chunk_rows: int, draft_rows: int, prompt_work: bool,
+                part: bool = False) -> None:
         """One round: its wall time, how many running streams stepped in it (decode steps, trees,
-        draft steps), its prompt chunk's rows (0: none), the prompt rows the draft read in it, and
-        whether it did any prompt work (a chunk, the draft reading prompt rows)."""
+        draft steps), its prompt chunk's rows (0: none), the prompt rows the draft read in it,
+        whether it did any prompt work (a chunk, the draft reading prompt rows), and whether that
+        was part of a chunk's layers (``Job.join_budget``: only the cycle is measured then)."""
         if streams == 0:  # only prompts ran: no one was held up, and no cycle to compare with
             return
         if not prompt_work:
             self.cycles_ms[streams] = _average(self.cycles_ms.get(streams), round_ms)
             self.chunks_since_clean = 0
             return
-        self.chunks_since_clean += chunk_rows > 0
+        self.chunks_since_clean += chunk_rows > 0 or part
         cycle = self.cycle_ms(streams)
         if chunk_rows > 0 and cycle is not None and draft_rows <= DRAFT_ROWS_RATIO * chunk_rows:
             self.cost.add(chunk_rows, max(round_ms - cycle, 0.0))

@@ -39,7 +39,7 @@ class LocalWorker:
             raise WorkerRequestError(f"{self.name}: {reply.message}")
         if not isinstance(reply, expect):
             raise TypeError(f"{self.name} answered {type(reply).__name__}, expected {expect.__name__}")
-        decoded = decode(encode(reply), (expect,))
+        decoded = decode(encode(reply), (type(reply),))  # expect may be a base (PrefillAnswer)
         assert isinstance(decoded, expect)
         return decoded
 

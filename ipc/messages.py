@@ -247,7 +247,13 @@ class PrefillRequest(Message):
     each answer carries the prompt's feature rows from position ``features_from`` (a chunk's start,
     at most ``offset``) through this chunk: the rows before it were read already, and the worker
     keeps the later ones until an answer carries them; a PrefillPartial carries them only with
-    ``features_now`` (someone reads them now; else they stay kept)."""
+    ``features_now`` (someone reads them now; else they stay kept).
+
+    ``budget_ms`` > 0 lets the worker run a chunk that would run apart from a batch's other steps
+    (one whose bits depend on its rows: fp32's prompt GEMM, bf16) a few layers at a time: it stops
+    after the layers that fit in about that time (at least one) and answers PrefillPending; the
+    same request again with ``resume`` runs the next layers. The chunk's bits are the same however
+    its layers are split (``cpu_worker.prompt_parts``). 0: the whole chunk in this call."""
 
     seq_id: SeqId
     token_ids: TokenIds
@@ -258,28 +264,41 @@ class PrefillRequest(Message):
     more: bool = False
     features_from: Count = 0
     features_now: bool = False
+    budget_ms: Millis = 0.0
+    resume: bool = False  # go on with this chunk, part way through the layers (after a PrefillPending)
 
 
-class PrefillPartial(Message):
+class PrefillAnswer(Message):
+    """Any answer to a PrefillRequest (never sent itself): PrefillPending, PrefillPartial or PrefillResult."""
+
+    seq_id: SeqId
+    compute_ms: Millis = 0.0
+
+
+class PrefillPending(PrefillAnswer, kw_only=True):
+    """A chunk sent with a ``budget_ms`` has run ``layers_done`` of the target's ``layers`` layers:
+    send the same request again with ``resume`` for the rest."""
+
+    layers_done: Count
+    layers: Count
+
+
+class PrefillPartial(PrefillAnswer, kw_only=True):
     """A prompt chunk is cached; send the next one. ``features``: the rows from ``features_from``
     through this chunk (as the PrefillResult's), for the draft to read now (``DraftExtend``) or
     with a later answer."""
 
-    seq_id: SeqId
-    compute_ms: Millis = 0.0
     features: RingRef | None = None
 
 
-class PrefillResult(Message):
+class PrefillResult(PrefillAnswer, kw_only=True):
     """The first new token, and when asked the prompt's feature rows from ``features_from`` on (the
     whole prompt's unless the draft read its first chunks already): the last layer's state after
     the final norm (hidden floats), or for an EAGLE-3 head the residual streams entering its three
     target layers side by side (3 x hidden)."""
 
-    seq_id: SeqId
     token: TokenId
     features: RingRef | None
-    compute_ms: Millis = 0.0
     logprob: TokenLogprob | None = None  # when the sequence asked for logprobs
 
 
@@ -382,7 +401,7 @@ class StepBatch(Message):
 class StepBatchResult(Message):
     """One result per item, in order; a WorkerError for an item that failed (the others ran)."""
 
-    items: Annotated[list[DecodeResult | VerifyResult | PrefillPartial | PrefillResult | WorkerError],
+    items: Annotated[list[DecodeResult | VerifyResult | PrefillPending | PrefillPartial | PrefillResult | WorkerError],
                      Meta(max_length=MAX_BATCH)]
     compute_ms: Millis = 0.0  # the whole batch's
 
@@ -554,7 +573,7 @@ CLIENT_TO_COORDINATOR: tuple[type[Message], ...] = (GenerateRequest, Cancel, Pin
 COORDINATOR_TO_CLIENT: tuple[type[Message], ...] = (TokenChunk, GenerateDone, ErrorReply, Pong, MetricsReply)
 TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, StepBatch, ReleaseSequence,
                                             MeasureVerifyCost, Shutdown, Ping)
-FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, PrefillPartial, VerifyResult, DecodeResult,
+FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, PrefillPartial, PrefillPending, VerifyResult, DecodeResult,
                                               StepBatchResult, VerifyCost, Ready, WorkerError, Pong)
 TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, DraftExtend, DraftBatch, ReleaseSequence, MeasureDraftCost,
                                             Shutdown, Ping)

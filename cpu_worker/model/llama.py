@@ -515,20 +515,34 @@ class LlamaDecoder(nn.Module):
         cos, sin = rotary.lookup(positions)
         x = self.embed_tokens(tokens).unsqueeze(0)
         streams: list[torch.Tensor] = []
+        x = self.run_layers(x, cos, sin, cache, start, mask, paths, aux_layers, streams, 0, len(self.layers))
+        return self.finish(x, streams, logits_rows, aux_layers)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+                   mask: torch.Tensor | None, paths: TreePaths | None, aux_layers: Sequence[int] | None,
+                   streams: list[torch.Tensor], first: int, end: int) -> torch.Tensor:
+        """Layers ``first`` to ``end - 1`` of ``forward`` (the residual stream entering each aux layer
+        appended to ``streams``): a forward may run in several such parts, with the same bits."""
+        aux = [layer for layer in aux_layers or () if first <= layer < end]
         loop = self.layer_loop
         if loop is not None and loop.applies(x, cache, mask, paths):
             # The layers between aux layers in one call each (every layer in one without them).
-            first = 0
-            for cut in [*(aux_layers or ()), len(self.layers)]:
-                x = loop.run(x, cos, sin, cache, start, paths, first, cut)  # a new tensor each time
-                if cut < len(self.layers):
+            for cut in [*aux, end]:
+                if cut > first:
+                    x = loop.run(x, cos, sin, cache, start, paths, first, cut)  # a new tensor each time
+                if cut < end:
                     streams.append(x)
                 first = cut
-        else:
-            for index, layer in enumerate(self.layers):
-                if aux_layers and index in aux_layers:
-                    streams.append(x)  # layers return new tensors: keeping a reference copies nothing
-                x = layer(x, cos, sin, cache.keys[index], cache.values[index], start, mask, paths)
+            return x
+        for index in range(first, end):
+            if index in aux:
+                streams.append(x)  # layers return new tensors: keeping a reference copies nothing
+            x = self.layers[index](x, cos, sin, cache.keys[index], cache.values[index], start, mask, paths)
+        return x
+
+    def finish(self, x: torch.Tensor, streams: list[torch.Tensor], logits_rows: slice | torch.Tensor | None,
+               aux_layers: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s features and logits from the last layer's output ``x`` and the aux streams."""
         # Logits exactly as without aux rows, so --mode ar on the same worker rounds alike.
         features = self.norm(x)[0]
         head_input = features if logits_rows is None else features[logits_rows]

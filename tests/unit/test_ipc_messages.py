@@ -96,6 +96,8 @@ SAMPLES = [
     M.Shutdown(),
     M.PrefillRequest(seq_id=9, token_ids=[5, 6, 7], offset=256, more=True),  # a prompt chunk
     M.PrefillPartial(seq_id=9, compute_ms=3.5, features=RING),
+    M.PrefillRequest(seq_id=9, token_ids=[5, 6, 7], offset=256, more=True, budget_ms=12.5, resume=True),  # in parts
+    M.PrefillPending(seq_id=9, layers_done=3, layers=30, compute_ms=11.0),
 ]
 
 

@@ -120,18 +120,26 @@ class Running:
 
 @pytest.mark.parametrize(("join_chunk", "max_batch", "invariant", "expected"), [
     ("auto", 4, True, "auto"), (16, 4, True, 16), (999, 4, True, 64),  # never more than --prefill-chunk
-    ("auto", 4, False, None), (16, 4, False, None),  # fp32/bf16: --prefill-chunk pieces
+    ("auto", 4, False, "parts"), (16, 4, False, None),  # fp32/bf16: --prefill-chunk pieces (auto: in parts)
     ("auto", 1, True, None), (None, 4, True, None)])
 def test_the_coordinator_sizes_joining_chunks_only_where_the_target_allows_it(join_chunk, max_batch, invariant,
                                                                               expected):
     coordinator = Coordinator(RuntimeSettings(target="/t", draft=None, max_batch=max_batch, prefill_chunk=64,
                                               join_chunk=join_chunk))
     batch = Running(2)
-    sizer, join = coordinator._joining(info(invariant), batch)  # type: ignore[arg-type]
+    sizer, join, budget = coordinator._joining(info(invariant), batch)  # type: ignore[arg-type]
     if expected is None:
-        assert sizer is None and join is None
+        assert sizer is None and join is None and budget is None
         return
-    assert join is not None
+    if expected == "parts":  # the pieces' layers in parts of one measured cycle of the running streams
+        assert sizer is not None and join is None and budget is not None
+        assert budget() is None  # no cycle measured yet: the whole piece
+        sizer.observe(12.0, 2, 0, 0, False)
+        assert budget() == 12.0
+        batch.count = 0
+        assert budget() is None
+        return
+    assert join is not None and budget is None
     if expected == "auto":
         assert sizer is not None and sizer.limit == 64 and join() == FIRST_ROWS
     else:
@@ -151,7 +159,7 @@ def test_a_prompt_with_nobody_decoding_takes_whole_chunks_and_one_joining_a_stre
     with local_workers(engine, max_sequences=4) as (cpu, _):
         recorder = Sizes(cpu)
         batcher = Batcher(recorder, None)
-        batcher.join, join = coordinator._joining(info(True), batcher)
+        batcher.join, join, _ = coordinator._joining(info(True), batcher)
         for seq_id in (1, 2):
             job = Job(seq_id=seq_id, prompt_ids=prompt, max_new_tokens=40, sampling=m.Sampling(),
                       eos_token_ids=frozenset(), max_len=256, prefill_chunk=32, join_chunk=join)
