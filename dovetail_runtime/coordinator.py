@@ -46,6 +46,7 @@ from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import DEFAULT_PREFILL_CHUNK, Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
 from .join_sizing import JoinSizer
+from .memory_fit import TargetSize, auto_precision, gguf_need_bytes, shortfall
 from .metrics import ServerMetrics
 from .text import TextStream
 from .tokenizer import Tokenizer
@@ -98,7 +99,7 @@ def target_precision(target_dir: Path) -> str:
 class RuntimeSettings:
     target: str
     draft: str | None
-    target_dtype: str = "fp32"  # or "auto": a GGUF file's own precision, else fp32 (``target_precision``)
+    target_dtype: str = "fp32"  # or "auto": a GGUF file's own precision, else fp32 if it fits (``_settle_precision``)
     kv_dtype: str = "auto"
     cpu_threads: int | None = None
     cpu_cores: list[int] | None = None
@@ -198,11 +199,7 @@ class Coordinator:
             raise ValueError("dovetail mode needs a draft head (--draft)")
         target_dir = resolve_model_dir(settings.target)
         config, limit = self._read_target(target_dir)
-        if settings.target_dtype == "auto":
-            settings.target_dtype = target_precision(target_dir)
-            log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype,
-                     "the GGUF file's own blocks, 16-bit activations" if is_gguf(target_dir)
-                     else "a model folder's default")
+        self._settle_precision(target_dir, config)
         # The draft head decides what a feature row holds (EAGLE-3: three target layers).
         draft_dir = resolve_model_dir(settings.draft) if settings.draft else None
         layout = feature_layout(draft_dir, config) if draft_dir else FeatureLayout(config["hidden_size"])
@@ -224,6 +221,37 @@ class Coordinator:
         self._report_target(self.cpu.info, limit)
         if isinstance(settings.tree, AutoTree) and self.gpu is not None:
             self.tree = self.plan_trees(settings.tree)
+
+    def _settle_precision(self, target_dir: Path, config: dict[str, Any]) -> None:
+        """--target-dtype auto resolved (a GGUF file's own blocks; for a model folder fp32, or where
+        that would take most of this machine's memory int8, then q4_0), and the precision checked
+        against the memory free now (``memory_fit``): a warning naming what would fit, a refusal
+        where even all of the machine's memory and swap could not hold it."""
+        settings = self.settings
+        size = TargetSize.from_config(config)
+        gguf = is_gguf(target_dir)
+        if settings.target_dtype == "auto":
+            if gguf:
+                settings.target_dtype = target_precision(target_dir)
+                why = "the GGUF file's own blocks, 16-bit activations"
+            else:
+                settings.target_dtype = auto_precision(size, self.max_len, settings.kv_dtype)
+                fp32_gb = size.need_bytes("fp32", self.max_len, settings.kv_dtype) / 1e9
+                total_gb = psutil.virtual_memory().total / 1e9
+                why = ("a model folder's default" if settings.target_dtype == "fp32" else
+                       f"fp32 would take ~{fp32_gb:.1f} GB of this machine's {total_gb:.1f} GB")
+            log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype, why)
+        precision = settings.target_dtype
+        need = (gguf_need_bytes(target_dir, size, self.max_len, precision, settings.kv_dtype) if gguf
+                else size.need_bytes(precision, self.max_len, settings.kv_dtype))
+        memory = psutil.virtual_memory().total + psutil.swap_memory().total
+        if need > memory:
+            raise ValueError(f"the target at {precision} needs about {need / 1e9:.1f} GB, more than this machine's "
+                             f"{memory / 1e9:.1f} GB of memory and swap"
+                             + ("" if gguf else "; try --target-dtype int8 or q4_0"))
+        warning = shortfall(need, precision, None if gguf else size, self.max_len, settings.kv_dtype)
+        if warning:
+            log.warning(warning)
 
     def _read_target(self, target_dir: Path) -> tuple[dict[str, Any], int]:
         """The target's config and context limit; loads the tokenizer and chat template and

@@ -106,7 +106,10 @@ class WorkerHandle(Generic[Info]):
             if not self.alive():
                 code = process.returncode
                 self.stop()
-                raise WorkerFailed(f"{self.name} exited with code {code} before it was ready (see its log above)")
+                # SIGKILL while loading is most often the kernel's out-of-memory killer.
+                hint = " (killed: most often the system ran out of memory; see --target-dtype)" if code == -9 else ""
+                raise WorkerFailed(f"{self.name} exited with code {code} before it was ready{hint} "
+                                   "(see its log above)")
             self._waited()
         self.stop()
         raise WorkerFailed(f"{self.name} was not ready within {timeout_s:.0f} s")

@@ -8,8 +8,10 @@ import os
 import types
 from pathlib import Path
 
+import pytest
+
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
-from dovetail_runtime.workers import WorkerHandle
+from dovetail_runtime.workers import WorkerFailed, WorkerHandle
 from ipc import messages as m
 from ipc.channels import RuntimeDir
 from ipc.shm_ring import ShmRing, slot_bytes_for
@@ -63,3 +65,22 @@ def test_closing_asks_every_worker_to_stop_before_waiting_for_any():
     coordinator.cpu, coordinator.gpu = fake("cpu"), fake("gpu")  # type: ignore[assignment]
     coordinator.close()
     assert calls == ["ask cpu", "ask gpu", "wait cpu", "wait gpu"]
+
+
+def test_a_worker_killed_while_loading_says_memory_is_the_likely_cause(demo_target, tmp_path):
+    """SIGKILL before the handshake is most often the out-of-memory killer: the error says so
+    instead of only "exited with code -9"."""
+    (tmp_path / "kill_probe.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    settings = m.TargetSettings(log_level="warning", max_len=64, threads=1, target=str(demo_target),
+                                rings=m.RingNames(cycle="unused", prefill="unused"))
+    with RuntimeDir() as rundir:
+        worker = WorkerHandle("cpu_worker", "kill_probe", settings, rundir, m.FROM_CPU_WORKER, m.TargetInfo, env=env)
+        try:
+            worker.spawn()
+            with pytest.raises(WorkerFailed, match=r"exited with code -9 before it was ready \(killed: most often the "
+                                                   r"system ran out of memory; see --target-dtype\)"):
+                worker.wait_ready(120)
+        finally:
+            worker.kill()
+            worker.stop()
