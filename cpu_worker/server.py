@@ -116,7 +116,11 @@ class TargetService:
     def _prompt_sequence(self, request: m.PrefillRequest) -> tuple[_Sequence, list[tuple[int, torch.Tensor]]]:
         """The sequence a prompt chunk goes to (a new one for the first) and the kept rows its
         answer carries before its own (``_rows_from``). SequenceError, before anything changes, for
-        a chunk at another offset than its sequence holds or rows asked from where none are kept."""
+        a chunk at another offset than its sequence holds, a new chunk while one is part way through
+        its layers (or a resume of another), or rows asked from where none are kept. (A first chunk,
+        offset 0, starts the sequence over.)"""
+        if request.offset == 0 and request.features_from != 0:
+            raise SequenceError(f"features_from {request.features_from} on a prompt's first chunk (it must be 0)")
         if request.resume:  # the chunk part way through its layers: its sequence as it stands
             sequence = self._sequence(request.seq_id, prompt_complete=False)
             try:
@@ -125,10 +129,11 @@ class TargetService:
                 raise SequenceError(str(error)) from None
             return sequence, _rows_from(sequence, request) if request.offset else []
         if request.offset == 0:
-            if request.features_from != 0:
-                raise SequenceError(f"features_from {request.features_from} on a prompt's first chunk (it must be 0)")
             return self._start(request), []
         sequence = self._sequence(request.seq_id, prompt_complete=False)
+        if (pending := sequence.engine.pending) is not None:
+            raise SequenceError(f"sequence {request.seq_id}'s chunk at offset {pending.offset} is part way through "
+                                "the layers: resume it before another chunk")
         if request.offset != sequence.engine.committed:
             raise SequenceError(f"a prompt chunk at offset {request.offset}, but sequence {request.seq_id} holds "
                                 f"{sequence.engine.committed} tokens")

@@ -323,7 +323,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Target precision on the CPU. auto: a GGUF file's own blocks, as stored, times 16-bit "
                    "activations (q4_1-a16 for a Q4_1 file, int8 for Q8_0; give q4_1 or q8_0 for llama.cpp's "
                    "8-bit activations: verification a third faster, text further from fp32's), fp32 for a "
-                   "model folder (int8, else q4_0, where fp32 would take over 80% of this machine's memory; a "
+                   "model folder (int8, else q4_0, where fp32 would take over 90% of this machine's memory; a "
                    "precision that does not fit the memory free now gets a warning naming what would). "
                    "int8: 8-bit weights in blocks of 32 "
                    "(Q8_0's) times activations quantized to 16 bits per block, the 8-bit that keeps a real "

@@ -224,7 +224,7 @@ class Coordinator:
 
     def _settle_precision(self, target_dir: Path, config: dict[str, Any]) -> None:
         """--target-dtype auto resolved (a GGUF file's own blocks; for a model folder fp32, or where
-        that would take most of this machine's memory int8, then q4_0), and the precision checked
+        that would take nearly all of this machine's memory int8, then q4_0), and the precision checked
         against the memory free now (``memory_fit``): a warning naming what would fit, a refusal
         where even all of the machine's memory and swap could not hold it."""
         settings = self.settings
@@ -235,21 +235,20 @@ class Coordinator:
                 settings.target_dtype = target_precision(target_dir)
                 why = "the GGUF file's own blocks, 16-bit activations"
             else:
-                settings.target_dtype = auto_precision(size, self.max_len, settings.kv_dtype)
-                fp32_gb = size.need_bytes("fp32", self.max_len, settings.kv_dtype) / 1e9
+                settings.target_dtype = auto_precision(size)
+                fp32_gb = size.need_bytes("fp32") / 1e9
                 total_gb = psutil.virtual_memory().total / 1e9
                 why = ("a model folder's default" if settings.target_dtype == "fp32" else
                        f"fp32 would take ~{fp32_gb:.1f} GB of this machine's {total_gb:.1f} GB")
             log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype, why)
         precision = settings.target_dtype
-        need = (gguf_need_bytes(target_dir, size, self.max_len, precision, settings.kv_dtype) if gguf
-                else size.need_bytes(precision, self.max_len, settings.kv_dtype))
+        need = gguf_need_bytes(target_dir, size, precision) if gguf else size.need_bytes(precision)
         memory = psutil.virtual_memory().total + psutil.swap_memory().total
         if need > memory:
             raise ValueError(f"the target at {precision} needs about {need / 1e9:.1f} GB, more than this machine's "
                              f"{memory / 1e9:.1f} GB of memory and swap"
                              + ("" if gguf else "; try --target-dtype int8 or q4_0"))
-        warning = shortfall(need, precision, None if gguf else size, self.max_len, settings.kv_dtype)
+        warning = shortfall(need, precision, None if gguf else size)
         if warning:
             log.warning(warning)
 
@@ -506,7 +505,7 @@ class Coordinator:
 
             def budget() -> float | None:
                 running = batcher.running()
-                return sizer.cycle_ms(running) if running else None
+                return sizer.part_budget_ms(running) if running else None
             return Joining(sizer, None, budget)
         if setting == "auto":
             sizer = JoinSizer(alone)

@@ -77,8 +77,8 @@ class Job:
     # (``TargetInfo.chunk_invariant``); None: ``prefill_chunk`` always.
     join_chunk: Callable[[], int | None] | None = None
     # For a target whose prompt bits depend on the chunks: ms of layers a ``prefill_chunk`` piece
-    # may run per round while others decode, asked call by call (None back: nobody decodes, the
-    # whole piece at once; ``PrefillRequest.budget_ms``). None: every piece whole.
+    # may run per round while others decode, asked call by call (``PrefillRequest.budget_ms``; None
+    # back while nobody decodes: the whole piece at once). None: every piece whole.
     join_budget: Callable[[], float | None] | None = None
 
 

@@ -23,8 +23,10 @@ follows the streams' trees as they change). The sizes lag the rounds by one: a c
 before its round runs (a prompt's first chunk when it arrives: one that arrives while another prompt
 prefills, with no stream decoding yet, takes a whole ``--prefill-chunk`` first).
 
-Only for a target whose prompt bits do not depend on how the prompt is cut
-(``TargetInfo.chunk_invariant``): these sizes follow the load, a request's tokens must not.
+Chunks sized so only for a target whose prompt bits do not depend on how the prompt is cut
+(``TargetInfo.chunk_invariant``): these sizes follow the load, a request's tokens must not. For
+one whose bits do (fp32, bf16) the sizer measures the cycle alone: a ``--prefill-chunk`` piece that
+runs apart goes that many ms of its layers a round (``part_budget_ms``; ``cpu_worker.prompt_parts``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ SMOOTHING = 0.3  # the newest round's weight in the running averages
 DRAFT_ROWS_RATIO = 2
 PROBE_EVERY = 16  # chunk rounds between two rounds held clean of prompt work (the joining prompt: ~6% later)
 MIN_FIT_ROUNDS = 4  # chunk rounds before a fitted fixed part is believed
+FIRST_PART_MS = 1e-3  # a piece's part before any cycle is measured: one layer
 
 
 def _average(old: float | None, new: float) -> float:
@@ -99,6 +102,12 @@ class JoinSizer:
             return None
         nearest = min(self.cycles_ms, key=lambda size: (abs(size - streams), -size))
         return self.cycles_ms[nearest]
+
+    def part_budget_ms(self, streams: int) -> float:
+        """The ms of layers a piece that runs apart may take in a round beside ``streams`` running
+        streams: one of their cycles (one layer before any is measured)."""
+        cycle = self.cycle_ms(streams)
+        return FIRST_PART_MS if cycle is None else cycle
 
     def target_rows(self, streams: int) -> int | None:
         """The largest chunk that adds at most about one cycle of ``streams`` streams to a round, or

@@ -1,15 +1,17 @@
 """Whether a target fits this machine's memory at a precision, before a worker tries to load it.
 
-Why: a model folder runs at fp32 unless told otherwise, and a 7B folder at fp32 needs ~28 GB. On a
+Why: a model folder runs at fp32 unless told otherwise, and a 7B folder at fp32 needs ~27 GB. On a
 smaller machine the cpu_worker used to load for minutes and then vanish (the kernel's out-of-memory
 killer: "exited with code -9" and nothing else). Estimated from the config instead (the sums the
 loaders make: the token table in fp32 or bf16, at the integer precisions as stored; projections in
-the precision's blocks; an output matrix of its own at the integer precisions; one sequence's KV
-cache; the process's own), the coordinator can pick a precision that fits for ``--target-dtype
-auto`` and say what would fit when the one asked for cannot.
+the precision's blocks; an output matrix of its own at the integer precisions; the process's own),
+the coordinator can pick a precision that fits for ``--target-dtype auto`` and say what would fit
+when the one asked for cannot. The KV cache is left out: its pages are committed only as sequences
+fill them (``KVCache``), and the running requests' share is budgeted apart (``--kv-memory``).
 
 ``auto`` follows the machine's installed memory, not what happens to be free at the moment, so a
-machine always picks the same precision for a model (and the same tokens).
+machine always picks the same precision for a model (and the same tokens); it steps down from fp32
+only where fp32 would take nearly all of it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 34 / 32, "q8_0": 34 / 32, 
 OUTPUT_BYTES_PER_WEIGHT = 34 / 32  # the integer precisions' output matrix (q8_0 blocks)
 STORED_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # config.json's (torch_)dtype
 PROCESS_BYTES = 600 * 2 ** 20  # the worker's own: torch, the native library, buffers
-AUTO_SHARE = 0.8  # --target-dtype auto takes a precision whose estimate is at most this share of RAM
+AUTO_SHARE = 0.9  # --target-dtype auto takes a precision whose estimate is at most this share of RAM
 # What --target-dtype auto tries for a model folder, most precise first: fp32 (exact against the
 # checkpoint), int8 (keeps a real model's text: docs/performance.md), then 4-bit.
 AUTO_LADDER = ("fp32", "int8", "q4_0")
@@ -65,42 +67,39 @@ class TargetSize:
         table_bytes = table * (self.stored_bytes + OUTPUT_BYTES_PER_WEIGHT)
         return int(self.projections * BYTES_PER_WEIGHT[precision] + table_bytes)
 
-    def kv_bytes(self, max_len: int, precision: str, kv_dtype: str) -> int:
-        """One sequence's KV cache (the one the worker allocates at start)."""
-        wide = kv_dtype == "fp32" or (kv_dtype == "auto" and precision == "fp32")
-        return 2 * self.layers * max_len * self.kv_width * (4 if wide else 2)
-
-    def need_bytes(self, precision: str, max_len: int, kv_dtype: str) -> int:
-        return self.weight_bytes(precision) + self.kv_bytes(max_len, precision, kv_dtype) + PROCESS_BYTES
+    def need_bytes(self, precision: str) -> int:
+        """The worker's memory at ``precision`` once loaded, before any KV page is committed."""
+        return self.weight_bytes(precision) + PROCESS_BYTES
 
 
-def gguf_need_bytes(file: Path, size: TargetSize, max_len: int, precision: str, kv_dtype: str) -> int:
-    """A GGUF target: the file's bytes (its blocks load as stored, its token table too) and at most
-    an output matrix of its own in q8_0 blocks (a tied one's copy, or one requantized)."""
+def gguf_need_bytes(file: Path, size: TargetSize, precision: str) -> int:
+    """A GGUF target: at its blocks, the file's bytes (they load as stored, the token table too) and
+    at most an output matrix of its own in q8_0 blocks (a tied one's copy, or one requantized); at
+    fp32 or bf16, dequantized, a folder's sums."""
+    if precision in ("fp32", "bf16"):
+        return size.need_bytes(precision)
     output = int(size.vocab * size.hidden * OUTPUT_BYTES_PER_WEIGHT)
-    return file.stat().st_size + output + size.kv_bytes(max_len, precision, kv_dtype) + PROCESS_BYTES
+    return file.stat().st_size + output + PROCESS_BYTES
 
 
-def auto_precision(size: TargetSize, max_len: int, kv_dtype: str, total_bytes: int | None = None) -> str:
+def auto_precision(size: TargetSize, total_bytes: int | None = None) -> str:
     """--target-dtype auto for a model folder: the most precise of ``AUTO_LADDER`` whose estimate
     takes at most ``AUTO_SHARE`` of the installed memory (the last one when none does)."""
     total = psutil.virtual_memory().total if total_bytes is None else total_bytes
     for precision in AUTO_LADDER:
-        if size.need_bytes(precision, max_len, kv_dtype) <= AUTO_SHARE * total:
+        if size.need_bytes(precision) <= AUTO_SHARE * total:
             return precision
     return AUTO_LADDER[-1]
 
 
-def shortfall(need: int, precision: str, size: TargetSize | None, max_len: int, kv_dtype: str,
-              available_bytes: int | None = None) -> str | None:
+def shortfall(need: int, precision: str, size: TargetSize | None, available_bytes: int | None = None) -> str | None:
     """A warning when ``need`` bytes exceed the memory available now, naming the precisions that
     would fit (None when it fits)."""
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     if need <= available:
         return None
-    fitting = [] if size is None else [
-        f"{other} ~{size.need_bytes(other, max_len, kv_dtype) / 1e9:.1f} GB" for other in AUTO_LADDER[1:]
-        if other != precision and size.need_bytes(other, max_len, kv_dtype) <= available]
+    fitting = [] if size is None else [f"{other} ~{size.need_bytes(other) / 1e9:.1f} GB" for other in AUTO_LADDER[1:]
+                                       if other != precision and size.need_bytes(other) <= available]
     hint = f"; --target-dtype {fitting[0].split()[0]} would fit ({', '.join(fitting)})" if fitting else ""
     return (f"the target at {precision} needs about {need / 1e9:.1f} GB and {available / 1e9:.1f} GB of memory is "
             f"available now: loading may fail, or the system may kill the worker{hint}")

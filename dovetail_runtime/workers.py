@@ -107,7 +107,7 @@ class WorkerHandle(Generic[Info]):
                 code = process.returncode
                 self.stop()
                 # SIGKILL while loading is most often the kernel's out-of-memory killer.
-                hint = " (killed: most often the system ran out of memory; see --target-dtype)" if code == -9 else ""
+                hint = " (killed: most often the system ran out of memory)" if code == -9 else ""
                 raise WorkerFailed(f"{self.name} exited with code {code} before it was ready{hint} "
                                    "(see its log above)")
             self._waited()

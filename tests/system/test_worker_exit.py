@@ -79,7 +79,7 @@ def test_a_worker_killed_while_loading_says_memory_is_the_likely_cause(demo_targ
         try:
             worker.spawn()
             with pytest.raises(WorkerFailed, match=r"exited with code -9 before it was ready \(killed: most often the "
-                                                   r"system ran out of memory; see --target-dtype\)"):
+                                                   r"system ran out of memory\)"):
                 worker.wait_ready(120)
         finally:
             worker.kill()

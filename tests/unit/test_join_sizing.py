@@ -16,7 +16,7 @@ from dovetail_runtime.batching import Batcher
 from dovetail_runtime.cli_options import run_options
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from dovetail_runtime.generation import Job, ar_steps
-from dovetail_runtime.join_sizing import FIRST_ROWS, PROBE_EVERY, SMOOTHING, ChunkCost, JoinSizer
+from dovetail_runtime.join_sizing import FIRST_PART_MS, FIRST_ROWS, PROBE_EVERY, SMOOTHING, ChunkCost, JoinSizer
 from dovetail_runtime.local_workers import local_workers
 from ipc import messages as m
 
@@ -133,7 +133,7 @@ def test_the_coordinator_sizes_joining_chunks_only_where_the_target_allows_it(jo
         return
     if expected == "parts":  # the pieces' layers in parts of one measured cycle of the running streams
         assert sizer is not None and join is None and budget is not None
-        assert budget() is None  # no cycle measured yet: the whole piece
+        assert budget() == FIRST_PART_MS  # no cycle measured yet: one layer
         sizer.observe(12.0, 2, 0, 0, False)
         assert budget() == 12.0
         batch.count = 0

@@ -47,30 +47,33 @@ def test_the_estimate_holds_for_a_tied_real_model_and_its_gguf():
         held = weight_bytes(load_target_model(SMOLLM2_DIR, precision))
         assert size.weight_bytes(precision) == pytest.approx(held, rel=0.01)
     held = weight_bytes(load_target_model(SMOLLM2_GGUF, "q4_1-a16"))
-    estimate = gguf_need_bytes(SMOLLM2_GGUF, size, 1, "q4_1-a16", "auto") - memory_fit.PROCESS_BYTES
+    estimate = gguf_need_bytes(SMOLLM2_GGUF, size, "q4_1-a16") - memory_fit.PROCESS_BYTES
     assert estimate == pytest.approx(held, rel=0.02)
+    # Run at fp32 a GGUF is dequantized: a folder's sums.
+    assert gguf_need_bytes(SMOLLM2_GGUF, size, "fp32") == size.need_bytes("fp32")
 
 
 def test_auto_takes_the_most_precise_that_fits_the_machine():
     size = TargetSize.from_config(LLAMA2_7B)
     assert 26.5 * GB < size.weight_bytes("fp32") < 27.5 * GB  # 6.74B weights
     assert 7 * GB < size.weight_bytes("int8") < 8 * GB and 3.5 * GB < size.weight_bytes("q4_0") < 4.2 * GB
-    assert auto_precision(size, 4096, "auto", total_bytes=64 * GB) == "fp32"
-    assert auto_precision(size, 4096, "auto", total_bytes=23 * GB) == "int8"
-    assert auto_precision(size, 4096, "auto", total_bytes=6 * GB) == "q4_0"
-    assert auto_precision(size, 4096, "auto", total_bytes=2 * GB) == "q4_0"  # the smallest, with a warning
+    assert auto_precision(size, total_bytes=32 * GB) == "fp32"  # 27.6 GB of 32: fits, as before
+    assert auto_precision(size, total_bytes=23 * GB) == "int8"
+    assert auto_precision(size, total_bytes=6 * GB) == "q4_0"
+    assert auto_precision(size, total_bytes=2 * GB) == "q4_0"  # the smallest, with a warning
     small = TargetSize.from_config(read_config(DEMO_TARGET))
-    assert auto_precision(small, 4096, "auto", total_bytes=2 * GB) == "fp32"
+    assert auto_precision(small, total_bytes=2 * GB) == "fp32"
 
 
 def test_a_shortfall_names_what_would_fit():
     size = TargetSize.from_config(LLAMA2_7B)
-    assert shortfall(size.need_bytes("int8", 4096, "auto"), "int8", size, 4096, "auto", available_bytes=20 * GB) is None
-    warning = shortfall(size.need_bytes("fp32", 4096, "auto"), "fp32", size, 4096, "auto", available_bytes=20 * GB)
-    assert warning is not None and "needs about 31.9 GB and 20.0 GB" in warning
-    assert "--target-dtype int8 would fit (int8 ~" in warning and "q4_0 ~" in warning
-    warning = shortfall(size.need_bytes("int8", 4096, "auto"), "int8", size, 4096, "auto", available_bytes=8 * GB)
-    assert warning is not None and "--target-dtype q4_0 would fit" in warning
+    assert shortfall(size.need_bytes("int8"), "int8", size, available_bytes=20 * GB) is None
+    warning = shortfall(size.need_bytes("fp32"), "fp32", size, available_bytes=20 * GB)
+    assert warning is not None and "needs about 27.6 GB and 20.0 GB" in warning
+    assert "--target-dtype int8 would fit (int8 ~7.9 GB, q4_0 ~4.7 GB)" in warning
+    warning = shortfall(size.need_bytes("int8"), "int8", size, available_bytes=6 * GB)
+    assert warning is not None and "--target-dtype q4_0 would fit (q4_0 ~4.7 GB)" in warning
+    assert "would fit" not in (shortfall(size.need_bytes("q4_0"), "q4_0", size, available_bytes=3 * GB) or "")
 
 
 def machine(monkeypatch, total_gb: float, available_gb: float, swap_gb: float = 0.0) -> None:
@@ -90,12 +93,12 @@ def test_the_coordinator_settles_auto_warns_and_refuses(monkeypatch, caplog):
     caplog.set_level("INFO", logger="dovetail_runtime.coordinator")
     machine(monkeypatch, total_gb=23, available_gb=20)
     assert settled("auto", LLAMA2_7B).settings.target_dtype == "int8"
-    assert "target precision int8 (fp32 would take ~31.9 GB of this machine's 23.0 GB" in caplog.text
+    assert "target precision int8 (fp32 would take ~27.6 GB of this machine's 23.0 GB" in caplog.text
     caplog.clear()
     machine(monkeypatch, total_gb=40, available_gb=20)  # fp32 could fit the machine, not what is free now
     assert settled("fp32", LLAMA2_7B).settings.target_dtype == "fp32"  # asked for: kept, with a warning
     assert "loading may fail" in caplog.text and "--target-dtype int8 would fit" in caplog.text
     machine(monkeypatch, total_gb=16, available_gb=12, swap_gb=8)
-    with pytest.raises(ValueError, match=r"needs about 31\.9 GB, more than this machine's 24\.0 GB of memory and "
+    with pytest.raises(ValueError, match=r"needs about 27\.6 GB, more than this machine's 24\.0 GB of memory and "
                                          r"swap; try --target-dtype int8 or q4_0"):
         settled("fp32", LLAMA2_7B)

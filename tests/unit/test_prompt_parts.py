@@ -204,3 +204,28 @@ def test_a_stop_asked_between_two_parts_ends_the_prefill_there():
         cpu.request = counting  # type: ignore[method-assign]
         finish, stats = run_alone(ar_steps(job, emit, lambda: 2), cpu, None)  # as if another stream ran
     assert sent == [(0, False), (0, True)] and finish == "stop" and stats.new_tokens == 0
+
+
+def test_a_new_chunk_is_refused_while_one_is_part_way_and_the_batch_runs_on():
+    """A chunk that is not the part way one's resume (here: a short one at the same offset, which
+    would ride the others' forward) gets a WorkerError in its batch, the other items run, and the
+    part way chunk then finishes with the bits of its whole prefill."""
+    engine, _ = build_engine(TARGET, "fp32", 256)
+    solo = engine.sibling()
+    solo.prefill(LONG[:6])
+    whole = solo.prefill(LONG[6:70], 6)
+    with local_workers(engine.sibling(), max_sequences=2) as (cpu, _):
+        cpu.request(m.PrefillRequest(seq_id=1, token_ids=LONG[:6], more=True), m.PrefillPartial)
+        cpu.request(m.PrefillRequest(seq_id=2, token_ids=SHORT), m.PrefillResult)
+        parted = m.PrefillRequest(seq_id=1, token_ids=LONG[6:70], offset=6, budget_ms=TINY_BUDGET)
+        assert isinstance(cpu.request(parted, m.PrefillAnswer), m.PrefillPending)
+        batch = cpu.request(m.StepBatch(items=[m.PrefillRequest(seq_id=1, token_ids=LONG[6:11], offset=6),
+                                               m.DecodeRequest(seq_id=2, token=7)]), m.StepBatchResult)
+        refused, decoded = batch.items
+        assert isinstance(refused, m.WorkerError) and "part way through the layers: resume it" in refused.message
+        assert isinstance(decoded, m.DecodeResult)
+        answer: m.Message = m.PrefillPending(seq_id=1, layers_done=0, layers=LAYERS)
+        while isinstance(answer, m.PrefillPending):
+            answer = cpu.request(m.PrefillRequest(seq_id=1, token_ids=LONG[6:70], offset=6, budget_ms=TINY_BUDGET,
+                                                  resume=True), m.PrefillAnswer)
+        assert isinstance(answer, m.PrefillResult) and answer.token == int(whole.logits.argmax())
