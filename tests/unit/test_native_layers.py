@@ -45,7 +45,8 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
                 engine.cache.values[:, :, :, :engine.committed].float()]
     if native and loop is not None:
         del loop.run  # the class's method again
-        calls_per_forward = 1 + len(engine.aux_layers or ())
+        # One call per segment between aux layers (an aux layer 0 starts the first: no empty call).
+        calls_per_forward = 1 + len([layer for layer in engine.aux_layers or () if layer > 0])
         assert len(calls) == 6 * calls_per_forward  # 3 decodes, the tree, its verification, 1 decode
     return outputs
 
