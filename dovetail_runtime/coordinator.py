@@ -46,7 +46,7 @@ from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import DEFAULT_PREFILL_CHUNK, Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
 from .join_sizing import JoinSizer
-from .memory_fit import TargetSize, auto_precision, gguf_need_bytes, shortfall
+from .memory_fit import TargetSize, auto_precision, gguf_need_bytes, machine_memory, shortfall
 from .metrics import ServerMetrics
 from .text import TextStream
 from .tokenizer import Tokenizer
@@ -237,13 +237,13 @@ class Coordinator:
             else:
                 settings.target_dtype = auto_precision(size)
                 fp32_gb = size.need_bytes("fp32") / 1e9
-                total_gb = psutil.virtual_memory().total / 1e9
+                total_gb = machine_memory()[0] / 1e9
                 why = ("a model folder's default" if settings.target_dtype == "fp32" else
                        f"fp32 would take ~{fp32_gb:.1f} GB of this machine's {total_gb:.1f} GB")
             log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype, why)
         precision = settings.target_dtype
         need = gguf_need_bytes(target_dir, size, precision) if gguf else size.need_bytes(precision)
-        memory = psutil.virtual_memory().total + psutil.swap_memory().total
+        memory = machine_memory()[0] + psutil.swap_memory().total
         if need > memory:
             raise ValueError(f"the target at {precision} needs about {need / 1e9:.1f} GB, more than this machine's "
                              f"{memory / 1e9:.1f} GB of memory and swap"
@@ -528,7 +528,7 @@ class Coordinator:
             return None
         budget = self.settings.kv_memory_bytes
         if budget is None:
-            budget = int(psutil.virtual_memory().available * KV_MEMORY_SHARE)
+            budget = int(machine_memory()[1] * KV_MEMORY_SHARE)
         per_token = info.kv_cache_bytes / info.max_len
         log.info("KV memory budget %.2f GB: %d full-context sequences of %.2f GB at once (--max-batch %d)",
                  budget / 1e9, budget // info.kv_cache_bytes, info.kv_cache_bytes / 1e9, self.settings.max_batch)

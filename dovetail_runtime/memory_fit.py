@@ -11,7 +11,8 @@ fill them (``KVCache``), and the running requests' share is budgeted apart (``--
 
 ``auto`` follows the machine's installed memory, not what happens to be free at the moment, so a
 machine always picks the same precision for a model (and the same tokens); it steps down from fp32
-only where fp32 would take nearly all of it.
+only where fp32 would take nearly all of it. Inside a container "the machine" is its memory limit
+(cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), which psutil does not see.
 """
 
 from __future__ import annotations
@@ -32,6 +33,32 @@ AUTO_SHARE = 0.9  # --target-dtype auto takes a precision whose estimate is at m
 # What --target-dtype auto tries for a model folder, most precise first: fp32 (exact against the
 # checkpoint), int8 (keeps a real model's text: docs/performance.md), then 4-bit.
 AUTO_LADDER = ("fp32", "int8", "q4_0")
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# (limit, usage) files of cgroup v2 and v1; a limit of "max" or one past the host's memory is none.
+CGROUP_FILES = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
+
+
+def _read_bytes(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):  # absent, unreadable, or "max"
+        return None
+
+
+def machine_memory(root: Path | None = None) -> tuple[int, int]:
+    """(installed, available now) bytes for this process: psutil's, within its container's limit
+    (the cgroup files under ``root``, ``CGROUP_ROOT`` by default)."""
+    root = CGROUP_ROOT if root is None else root
+    memory = psutil.virtual_memory()
+    total, available = int(memory.total), int(memory.available)
+    for limit_name, usage_name in CGROUP_FILES:
+        limit = _read_bytes(root / limit_name)
+        if limit is not None and limit < total:
+            usage = _read_bytes(root / usage_name)
+            return limit, min(available, max(limit - (usage or 0), 0))
+    return total, available
 
 
 @dataclass(frozen=True)
@@ -85,7 +112,7 @@ def gguf_need_bytes(file: Path, size: TargetSize, precision: str) -> int:
 def auto_precision(size: TargetSize, total_bytes: int | None = None) -> str:
     """--target-dtype auto for a model folder: the most precise of ``AUTO_LADDER`` whose estimate
     takes at most ``AUTO_SHARE`` of the installed memory (the last one when none does)."""
-    total = psutil.virtual_memory().total if total_bytes is None else total_bytes
+    total = machine_memory()[0] if total_bytes is None else total_bytes
     for precision in AUTO_LADDER:
         if size.need_bytes(precision) <= AUTO_SHARE * total:
             return precision
@@ -95,7 +122,7 @@ def auto_precision(size: TargetSize, total_bytes: int | None = None) -> str:
 def shortfall(need: int, precision: str, size: TargetSize | None, available_bytes: int | None = None) -> str | None:
     """A warning when ``need`` bytes exceed the memory available now, naming the precisions that
     would fit (None when it fits)."""
-    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    available = machine_memory()[1] if available_bytes is None else available_bytes
     if need <= available:
         return None
     fitting = [] if size is None else [f"{other} ~{size.need_bytes(other) / 1e9:.1f} GB" for other in AUTO_LADDER[1:]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import click.testing
 import pytest
@@ -48,7 +49,9 @@ def coordinator_with(max_batch: int, kv_memory_bytes: int | None) -> Coordinator
 def test_the_budget_is_the_flag_or_a_share_of_free_memory_and_none_for_one_request_at_a_time(monkeypatch):
     budget = coordinator_with(4, 2_000_000_000).kv_budget()
     assert budget is not None and budget.budget_bytes == 2_000_000_000 and budget.bytes_per_token == 4000.0
-    monkeypatch.setattr("psutil.virtual_memory", lambda: types.SimpleNamespace(available=10_000_000_000))
+    monkeypatch.setattr("psutil.virtual_memory",
+                        lambda: types.SimpleNamespace(total=40_000_000_000, available=10_000_000_000))
+    monkeypatch.setattr("dovetail_runtime.memory_fit.CGROUP_ROOT", Path("/nonexistent-cgroup"))  # no container
     budget = coordinator_with(4, None).kv_budget()
     assert budget is not None and budget.budget_bytes == int(10_000_000_000 * KV_MEMORY_SHARE)
     assert coordinator_with(1, 2_000_000_000).kv_budget() is None

@@ -76,7 +76,9 @@ def test_a_shortfall_names_what_would_fit():
     assert "would fit" not in (shortfall(size.need_bytes("q4_0"), "q4_0", size, available_bytes=3 * GB) or "")
 
 
-def machine(monkeypatch, total_gb: float, available_gb: float, swap_gb: float = 0.0) -> None:
+def machine(monkeypatch, total_gb: float, available_gb: float, swap_gb: float = 0.0, cgroup: Path | None = None):
+    """psutil's view of a machine, outside any container (or in ``cgroup``'s)."""
+    monkeypatch.setattr(memory_fit, "CGROUP_ROOT", cgroup or Path("/nonexistent-cgroup"))
     memory = types.SimpleNamespace(total=int(total_gb * GB), available=int(available_gb * GB))
     monkeypatch.setattr("psutil.virtual_memory", lambda: memory)
     monkeypatch.setattr("psutil.swap_memory", lambda: types.SimpleNamespace(total=int(swap_gb * GB)))
@@ -102,3 +104,18 @@ def test_the_coordinator_settles_auto_warns_and_refuses(monkeypatch, caplog):
     with pytest.raises(ValueError, match=r"needs about 27\.6 GB, more than this machine's 24\.0 GB of memory and "
                                          r"swap; try --target-dtype int8 or q4_0"):
         settled("fp32", LLAMA2_7B)
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_container_s_memory_limit_is_the_machine(monkeypatch, tmp_path, version):
+    limit, usage = ("memory.max", "memory.current") if version == 2 else (
+        "memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")
+    (tmp_path / "memory").mkdir()
+    (tmp_path / limit).write_text(f"{16 * GB}\n")
+    (tmp_path / usage).write_text(f"{4 * GB}\n")
+    machine(monkeypatch, total_gb=64, available_gb=60, cgroup=tmp_path)
+    assert memory_fit.machine_memory() == (16 * GB, 12 * GB)
+    assert settled("auto", LLAMA2_7B).settings.target_dtype == "int8"  # fp32 fits the host, not the container
+    (tmp_path / limit).write_text("max\n" if version == 2 else f"{2 ** 63 - 4096}\n")  # no limit
+    assert memory_fit.machine_memory() == (64 * GB, 60 * GB)
+    assert settled("auto", LLAMA2_7B).settings.target_dtype == "fp32"
