@@ -153,7 +153,6 @@ def error_reply(request_id: str | None, code: str, message: str) -> m.ErrorReply
                         message=message if len(message) <= limit else message[:limit] + " [...]")
 
 
-
 class Joining(NamedTuple):
     """How prompts join running requests: the sizer the batch tells its rounds' costs (auto), what
     a request asks for its next chunk's tokens (``Job.join_chunk``) or, where the target's prompt
@@ -163,6 +162,7 @@ class Joining(NamedTuple):
     sizer: JoinSizer | None
     chunk: Callable[[], int | None] | None
     budget: Callable[[], float | None] | None
+
 
 class Coordinator:
     def __init__(self, settings: RuntimeSettings):
