@@ -68,8 +68,6 @@ class TargetSize:
     vocab: int
     hidden: int
     projections: int  # weights of every decoder layer's linear layers
-    layers: int
-    kv_width: int  # key (or value) floats per token and layer
     tied: bool
     stored_bytes: int = 4  # a weight's bytes in the checkpoint (the integer precisions keep its token table so)
 
@@ -82,7 +80,7 @@ class TargetSize:
         inner = int(config.get("intermediate_size", 4 * hidden))
         per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inner
         stored = STORED_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), 4)
-        return cls(int(config.get("vocab_size", 32000)), hidden, layers * per_layer, layers, kv_heads * head_dim,
+        return cls(int(config.get("vocab_size", 32000)), hidden, layers * per_layer,
                    bool(config.get("tie_word_embeddings", False)), stored)
 
     def weight_bytes(self, precision: str) -> int:
