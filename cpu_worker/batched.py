@@ -138,10 +138,8 @@ def _run_together(steps: Sequence[SequenceStep], positions: Sequence[torch.Tenso
 
 def _run_alone(step: SequenceStep) -> StepOutput | VerifyOutcome | None:
     engine = step.engine
-    if step.prompt and (step.budget_ms > 0 or step.resume):
+    if step.prompt:  # whole, or in parts of its layers (``TargetEngine.prefill_part``)
         return engine.prefill_part(step.tokens, engine.committed, step.budget_ms, step.resume)
-    if step.prompt:
-        return engine.prefill(step.tokens, engine.committed)
     if step.parents is None:
         return engine.decode(int(step.tokens[0]))
     return engine.verify(step.tokens, step.parents, step.sampler)

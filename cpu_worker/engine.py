@@ -212,7 +212,10 @@ class TargetEngine:
                      resume: bool = False) -> StepOutput | None:
         """``prefill`` of a chunk in parts (``prompt_parts``), with its bits: layers until about
         ``budget_ms`` have passed (at least one), then None while layers are left (call again with
-        ``resume`` and the same chunk), or the chunk's StepOutput once all have run."""
+        ``resume`` and the same chunk), or the chunk's StepOutput once all have run. A new chunk
+        without a budget is ``prefill``."""
+        if budget_ms <= 0 and not resume:
+            return self.prefill(token_ids, offset)
         if resume:
             pending = self.resumable(token_ids, offset)
         else:

@@ -102,12 +102,8 @@ class TargetService:
         chunk may take several calls (PrefillPending, then ``resume``)."""
         started = time.perf_counter()
         sequence, kept = self._prompt_sequence(request)
-        engine = sequence.engine
         try:
-            if request.budget_ms > 0 or request.resume:  # in parts of a few layers (prompt_parts)
-                step = engine.prefill_part(request.token_ids, request.offset, request.budget_ms, request.resume)
-            else:
-                step = engine.prefill(request.token_ids, request.offset)
+            step = sequence.engine.prefill_part(request.token_ids, request.offset, request.budget_ms, request.resume)
         except (ContextOverflowError, ValueError) as error:
             self._end(request.seq_id)
             raise SequenceError(str(error)) from None
