@@ -8,7 +8,7 @@ costs. It stays exact: the linear layers of an exact engine give a row the same 
 else shares the call (``kernels.linear.row_invariant_linears``), norms, rotary and the MLP's
 activation are row by row, and each sequence's rows attend in their own call over their own
 cache, as that sequence alone would. So every request gets exactly the tokens it would get
-alone (``tests/unit/test_batched.py``). An engine whose linears are not exact (bf16 on oneDNN)
+alone (``tests/unit/test_batched.py``). An engine whose linears are not exact (F.linear, without a C compiler)
 runs its steps one by one instead.
 
 A new sequence's prompt chunk rides along (vLLM's chunked prefill, exactly): its rows take the

@@ -16,6 +16,7 @@ from cpu_worker.acceptance import accept_path
 from cpu_worker.kernels import attention as attention_kernels
 from cpu_worker.kernels import layer_ops
 from cpu_worker.kernels.attention import AttentionKernel
+from cpu_worker.kernels.bf16_rows import RowInvariantBf16Linear
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_packed import PackedFp32Linear
 from cpu_worker.kernels.fp32_rows import PROMPT_GEMM_ROWS, RowInvariantFp32Linear, prompt_rows
@@ -74,10 +75,11 @@ def choose_kernels(model: LlamaDecoder, kv_dtype: torch.dtype) -> Kernels:
 
 
 def prompt_gemm_linears(model: LlamaDecoder) -> bool:
-    """Whether the model's linears are fp32's exact kernels, whose prompt calls from
+    """Whether the model's linears are fp32's or bf16's exact kernels, whose prompt calls from
     ``PROMPT_GEMM_ROWS`` rows on take a GEMM (ours hands them to F.linear; MKL's packed sgemm is
     checked row-invariant only up to 64 rows)."""
-    return any(isinstance(module, (RowInvariantFp32Linear, PackedFp32Linear)) for module in model.modules())
+    return any(isinstance(module, (RowInvariantFp32Linear, PackedFp32Linear, RowInvariantBf16Linear))
+               for module in model.modules())
 
 
 def tree_ancestor_mask(parents: Sequence[int]) -> torch.Tensor:

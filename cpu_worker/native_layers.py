@@ -9,9 +9,10 @@ the Python path's bits: decode and tree still agree, and so do prefill (still in
 decode.
 
 It takes a model whose every decoder layer is fused (q/k/v, gate/up) on our kernels (int8-row
-W8A8 on the GEMV kernel, the block formats, or fp32 on the row kernel), with RMSNorms, and a call that is a decode step
-or a tree over a one-sequence fp32 or bf16 cache. Anything else (prefill, masks, autograd,
-fbgemm or MKL linears, torch's attention forced) runs the Python layers.
+W8A8 on the GEMV kernel, the block formats, or fp32 or bf16 weights on the row kernel), with
+RMSNorms, and a call that is a decode step or a tree over a one-sequence fp32 or bf16 cache.
+Anything else (prefill, masks, autograd, fbgemm or MKL linears, torch's attention forced) runs the
+Python layers.
 ``DOVETAIL_NATIVE_LAYERS=python`` forces them (for comparisons).
 """
 
@@ -24,6 +25,7 @@ import os
 import torch
 
 from cpu_worker.kernels import exact_attention, layer_ops
+from cpu_worker.kernels.bf16_rows import RowInvariantBf16Linear
 from cpu_worker.kernels.block_quant import ACTIVATION_PLANES, TYPES, BlockQuantLinear
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
@@ -57,9 +59,10 @@ def _linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
         return _Linear(native.LINEAR_BLOCK, blocks.data.data_ptr(), None, None, bias, module.out_features,
                        module.in_features, blocks.scales.data_ptr(), minimums, TYPES[blocks.kind],
                        ACTIVATION_PLANES[module.activation_bits]), MAX_KERNEL_ROWS
-    if isinstance(module, RowInvariantFp32Linear):
+    if isinstance(module, (RowInvariantFp32Linear, RowInvariantBf16Linear)):
         bias = None if module.bias is None else module.bias.data_ptr()
-        return _Linear(_LINEAR_FP32, module.weight.data_ptr(), None, None, bias, module.out_features,
+        kind = _LINEAR_FP32 if isinstance(module, RowInvariantFp32Linear) else native.LINEAR_BF16
+        return _Linear(kind, module.weight.data_ptr(), None, None, bias, module.out_features,
                        module.in_features), MAX_KERNEL_ROWS
     return None
 

@@ -1,6 +1,7 @@
-"""Target precision on the CPU: fp32 (the reference), bf16, a block format (int8: Q8_0's weights,
-activations 16 bits per block of 32; q8_0, q4_0 alias int4, q4_1: llama.cpp's blocks of 32,
-activations int8 per block), or int8-row (W8A8, one scale per weight row and per token).
+"""Target precision on the CPU: fp32 (the reference), bf16 (weights; activations fp32), a block
+format (int8: Q8_0's weights, activations 16 bits per block of 32; q8_0, q4_0 alias int4, q4_1:
+llama.cpp's blocks of 32, activations int8 per block), or int8-row (W8A8, one scale per weight row
+and per token).
 
 Lossless means equal to the target as it runs at that precision, in ``--mode ar``: every
 kernel here gives a row the same result whatever other rows share its call (see
@@ -9,21 +10,20 @@ kernel here gives a row the same result whatever other rows share its call (see
 
 from __future__ import annotations
 
-import logging
 from typing import TypeVar
 
 import torch
 from torch import nn
 
 from cpu_worker.kernels import exact_attention
+from cpu_worker.kernels.bf16_rows import bf16_linear_maker
 from cpu_worker.kernels.block_quant import quantize_block_linears
 from cpu_worker.kernels.int8 import quantize_linears
+from cpu_worker.model.embedding import StoredEmbedding
 from cpu_worker.model.fusion import fuse_projections
 from cpu_worker.model.llama import LlamaDecoder
 from ipc.dtypes import BLOCK_PRECISIONS, KV_DTYPES, TARGET_PRECISIONS, WIDE_ACTIVATION_PRECISIONS
 from ipc.placement import cpu_flags
-
-log = logging.getLogger(__name__)
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -58,16 +58,17 @@ def is_integer(precision: str) -> bool:
 
 
 def activation_dtype(precision: str) -> torch.dtype:
-    """The dtype of activations (and, by default, of the KV cache) at a target precision."""
+    """The dtype of activations at a target precision: fp32 at every one (bf16 is the weights'
+    dtype: ``bf16_rows``)."""
     if precision not in TARGET_PRECISIONS:
         raise ValueError(f"target dtype {precision!r} is not one of {', '.join(TARGET_PRECISIONS)}")
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    return torch.float32
 
 
 def kv_cache_dtype(precision: str, requested: str = "auto") -> torch.dtype:
-    """The KV cache's dtype: ``fp32``/``bf16`` as asked, or ``auto``: bf16 for an int8 target
-    where bf16 attention is cheap (our exact attention kernel builds, or the CPU has native
-    bf16), else the activation dtype.
+    """The KV cache's dtype: ``fp32``/``bf16`` as asked, or ``auto``: bf16 for a bf16 target, and for
+    an integer one where bf16 attention is cheap (our exact attention kernel builds, or the CPU has
+    native bf16); else fp32.
 
     Why: a bf16 cache halves the cache and the bytes attention reads per step. Tree rows and
     decodes read the same rounded keys and values back from the cache (``Attention.forward``;
@@ -77,12 +78,13 @@ def kv_cache_dtype(precision: str, requested: str = "auto") -> torch.dtype:
     held-out prompts x 128 tokens was 0.9945 with an fp32 cache and 0.9951 with bf16. An fp32
     target keeps an fp32 cache: whoever asked for fp32 asked for full precision, and where its
     linears are not batch-invariant a bf16 rounding of K/V amplifies their ~1e-6 tree/decode
-    difference to ~1e-2 (measured on the demo target); ask for bf16 explicitly to trade that.
+    difference to ~1e-2 (measured on the demo target); ask for bf16 explicitly to trade that. A bf16
+    target asked for bf16's memory: its cache is bf16 too.
     """
     if requested not in KV_DTYPES:
         raise ValueError(f"KV cache dtype {requested!r} is not one of {', '.join(KV_DTYPES)}")
     if requested == "auto":
-        if is_integer(precision) and (exact_attention.available() or cpu_has_native_bf16()):
+        if precision == "bf16" or (is_integer(precision) and (exact_attention.available() or cpu_has_native_bf16())):
             return torch.bfloat16
         return activation_dtype(precision)
     activation_dtype(precision)  # the precision's own check
@@ -92,8 +94,11 @@ def kv_cache_dtype(precision: str, requested: str = "auto") -> torch.dtype:
 def apply_precision(model: ModuleT, precision: str) -> tuple[ModuleT, torch.dtype]:
     """Convert ``model`` in place; returns it and the dtype of its activations and KV cache."""
     dtype = activation_dtype(precision)
-    if precision == "bf16" and not cpu_has_native_bf16():
-        log.warning("this CPU has no native bf16 (avx512_bf16/amx_bf16): bf16 will be slow; fp32 is likely faster")
+    if precision == "bf16":
+        narrow_weights(model.float())
+        if isinstance(model, LlamaDecoder):
+            fuse_projections(model)  # as loading does
+        return model, dtype
     if is_integer(precision):
         kind = block_type(precision)
         if kind is None:
@@ -104,3 +109,25 @@ def apply_precision(model: ModuleT, precision: str) -> tuple[ModuleT, torch.dtyp
             fuse_projections(model)  # q/k/v and gate/up in one call each, the same bits
         return model, dtype
     return model.to(dtype), dtype
+
+
+def narrow_weights(model: nn.Module) -> None:
+    """A bf16 target from an fp32 model, in place: each linear layer on bf16 weights (``bf16_rows``),
+    each embedding table stored in bf16 (a tied lm_head keeps sharing it), as ``load_target_model``
+    builds it tensor by tensor."""
+    make = bf16_linear_maker()
+    narrowed: dict[int, nn.Parameter] = {}  # id of an fp32 table -> its bf16 replacement
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Embedding):
+            stored = StoredEmbedding(module.weight.detach().to(torch.bfloat16))
+            narrowed[id(module.weight)] = stored.weight
+            _replace(model, name, stored)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            weight = narrowed.get(id(module.weight), module.weight)
+            _replace(model, name, make(weight, module.bias, name))
+
+
+def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)

@@ -1,6 +1,6 @@
 """A prompt chunk run through the target's layers in parts, a few layers per call.
 
-Why: a target whose prompt bits depend on how the prompt is cut (fp32's prompt GEMM, bf16) must
+Why: a target whose prompt bits depend on how the prompt is cut (fp32's and bf16's prompt GEMM) must
 prefill a prompt in the same chunks however busy the server is (``--prefill-chunk``), and a
 chunk of 256 rows runs apart from the others' steps (``cpu_worker.batched``): while one joins,
 every running stream waited out the whole chunk each round (a 135M fp32 target: ~0.5 s gaps

@@ -21,6 +21,7 @@ import torch
 from cpu_worker.batched import SequenceStep, run_steps
 from cpu_worker.engine import ContextOverflowError, StepOutput, TargetEngine, VerifyOutcome
 from cpu_worker.kernels import block_quant, int8_kernel
+from cpu_worker.kernels.bf16_rows import bf16_kernel_name
 from cpu_worker.kernels.fp32_packed import pack_fp32_linears
 from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
 from cpu_worker.logprobs import path_logprobs, token_logprob
@@ -336,7 +337,7 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
     """The target engine exactly as the cpu_worker runs it (benchmarks time this one too), and
     its linear layers' kernel (fp32: dovetail-fp32, mkl-packed or F.linear; int8-row: dovetail-amx,
     dovetail-vnni, dovetail-avx2, dovetail-portable or fbgemm; block formats: dovetail-blocks-vnni,
-    -avx2 or -portable; None for bf16)."""
+    -avx2 or -portable; bf16: dovetail-bf16 or F.linear)."""
     model = load_target_model(target, precision)
     kernel = None
     if precision == "fp32":
@@ -352,6 +353,11 @@ def build_engine(target: str, precision: str, max_len: int | None, kv_dtype: str
         else:
             kernel = "F.linear"
             log.warning("fp32 linears run on F.linear (no exact row kernel here): trees are verified to float "
+                        "tolerance, so a near-tied token may differ from --mode ar")
+    elif precision == "bf16":
+        kernel = bf16_kernel_name(model)
+        if kernel != "dovetail-bf16":
+            log.warning("bf16 linears run on F.linear (no exact row kernel here): trees are verified to float "
                         "tolerance, so a near-tied token may differ from --mode ar")
     elif precision == "int8-row":
         kernel = int8_kernel.kernel_name()

@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from cpu_worker.kernels.bf16_rows import bf16_linear_maker
 from cpu_worker.kernels.block_quant import BlockQuantLinear
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.progress import progress_bar
 from cpu_worker.model import LlamaDecoder, fuse_projections, load_decoder, load_spec, resolve_model_dir
 from cpu_worker.model.gguf_loading import load_gguf_decoder
+from cpu_worker.model.loading import LinearMaker
 from cpu_worker.model.model_dir import is_gguf
 from cpu_worker.precision import activation_bits, activation_dtype, block_type, head_block_type, is_integer
 
@@ -26,15 +29,20 @@ def load_target_model(path_or_id: str | Path, precision: str = "fp32") -> LlamaD
     (``gguf_loading``)."""
     model_dir = resolve_model_dir(path_or_id)
     kind = block_type(precision)
+    bf16 = precision == "bf16"  # bf16 weights (and table), fp32 activations: ``bf16_rows``
     if is_gguf(model_dir):
         model = load_gguf_decoder(model_dir, activation_dtype(precision), kind, head_block_type(precision),
-                                  activation_bits(precision), int8_row=precision == "int8-row")
+                                  activation_bits(precision), int8_row=precision == "int8-row", bf16=bf16)
     else:
-        quantize = (BlockQuantLinear.maker(kind, head_block_type(precision), activation_bits(precision))
-                    if kind is not None else precision == "int8-row")
-        model = load_decoder(model_dir, activation_dtype(precision), quantize=quantize, spec=load_spec(model_dir))
+        quantize: bool | LinearMaker = precision == "int8-row"
+        if kind is not None:
+            quantize = BlockQuantLinear.maker(kind, head_block_type(precision), activation_bits(precision))
+        elif bf16:
+            quantize = bf16_linear_maker()
+        model = load_decoder(model_dir, activation_dtype(precision), quantize=quantize, spec=load_spec(model_dir),
+                             table_dtype=torch.bfloat16 if bf16 else None)
     spec = model.spec
-    if is_integer(precision):
+    if is_integer(precision) or bf16:
         fuse_layers(model)  # q/k/v and gate/up in one call each, the same bits
     release_freed_memory()
     log.info("loaded %s: %s, %d layers, hidden %d, %s, %.2f GB resident", model_dir, spec.model_type,

@@ -330,19 +330,18 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "model's text. q8_0, q4_0 (alias int4) and q4_1: llama.cpp's block formats and arithmetic "
                    "(activations int8 per block). "
                    "int8-row: one scale per weight row and per token, the fastest 8-bit with AMX but the "
-                   "coarsest. The integer formats and fp32 (our row kernel; without a C "
-                   "compiler, MKL's packed sgemm where a load-time check passes) give exactly --mode ar's "
-                   "tokens; the startup log says 'trees verified bit-exact'. bf16, and fp32 without a C "
-                   "compiler or MKL, verify trees with batched kernels that round differently from one-token "
-                   "decoding (bf16 ~1e-2, fp32 ~1e-6), so they can differ from --mode ar where "
-                   "two tokens nearly tie. bf16 halves fp32's memory but runs on torch's kernels: without AMX "
-                   "slower than fp32 (SmolLM2-135M on a Zen 4: 31 ms a step against 21), and a busy batch "
-                   "steps its requests one after another; int8 is smaller, faster and exact.")
+                   "coarsest. bf16: bf16 weights (half of fp32's memory and bytes a step: SmolLM2-135M on a "
+                   "Zen 4 decodes in 14-16 ms a step against fp32's 22-23, int8's 5.5) with fp32 activations, "
+                   "on any x86 CPU. The integer formats, bf16 and fp32 (our row kernel; fp32 without a C "
+                   "compiler: MKL's packed sgemm where a load-time check passes) give exactly --mode ar's "
+                   "tokens; the startup log says 'trees verified bit-exact'. Without a C compiler (and MKL, "
+                   "for fp32) fp32 and bf16 verify trees with kernels that round differently from one-token "
+                   "decoding (~1e-6), so they can differ from --mode ar where two tokens nearly tie.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto",
               help="The target's KV cache dtype. bf16 halves its memory and the bytes attention reads per step; "
                    "attention reads the cached keys and values back (our kernel widens them to fp32 exactly). "
-                   "auto: bf16 for an int8 target (where the native library builds or the CPU has native bf16), "
-                   "else the activations' dtype. bf16 K/V keeps an exact target (int8, packed fp32) exact "
+                   "auto: bf16 for a bf16 target, and for an integer one where the native library builds or the "
+                   "CPU has native bf16; else fp32. bf16 K/V keeps an exact target (integer, fp32, bf16) exact "
                    "against --mode ar with the same --kv-dtype; with a target verified to float tolerance it "
                    "amplifies ~1e-6 to ~1e-2.")
 @click.option("--draft-device", default="auto",

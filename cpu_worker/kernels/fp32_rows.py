@@ -49,6 +49,11 @@ def prompt_rows() -> Iterator[None]:
         _in_prompt.reset(token)
 
 
+def in_prompt() -> bool:
+    """Whether this call computes a prompt's rows (inside ``prompt_rows()``)."""
+    return _in_prompt.get()
+
+
 class RowInvariantFp32Linear(LinearKernel):
     """``y = x W^T + b`` in fp32 on ``dovetail_fp32_linear`` (a prompt's calls of ``PROMPT_GEMM_ROWS``
     rows or more, and any of more than ``MAX_KERNEL_ROWS``, on ``F.linear``)."""
@@ -77,7 +82,7 @@ class RowInvariantFp32Linear(LinearKernel):
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
-        if count > MAX_KERNEL_ROWS or (count >= PROMPT_GEMM_ROWS and _in_prompt.get()):
+        if count > MAX_KERNEL_ROWS or (count >= PROMPT_GEMM_ROWS and in_prompt()):
             return F.linear(x, self.weight, self.bias)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.to(torch.float32).contiguous()

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from cpu_worker.kernels.bf16_rows import Bf16Linear
 from cpu_worker.kernels.block_quant import BlockQuantLinear
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.model.llama import MLP, Attention
@@ -23,12 +24,16 @@ from cpu_worker.model.llama import MLP, Attention
 
 def _concatenate(layers: Sequence[nn.Module], dense: bool) -> nn.Module | None:
     """One layer computing ``layers`` side by side, or None (left unfused): int8 layers on one
-    kernel and block layers of one type always, float ``nn.Linear`` layers of one dtype when ``dense``."""
+    kernel, bf16 layers of one kind and block layers of one type always, float ``nn.Linear`` layers of
+    one dtype when ``dense``."""
     if all(isinstance(layer, RowwiseInt8Linear) for layer in layers):
         int8_layers = [layer for layer in layers if isinstance(layer, RowwiseInt8Linear)]
         if len({layer.kernel for layer in int8_layers}) == 1:
             return RowwiseInt8Linear.concatenate(int8_layers)
         return None
+    halves = [layer for layer in layers if isinstance(layer, Bf16Linear)]
+    if len(halves) == len(layers):  # bf16 weights: rows independent on the row kernel
+        return type(halves[0]).concatenate(halves) if len({type(layer) for layer in halves}) == 1 else None
     blocks = [layer for layer in layers if isinstance(layer, BlockQuantLinear)]
     if len(blocks) == len(layers):
         same = len({(layer.weights.kind, layer.activation_bits) for layer in blocks}) == 1

@@ -27,6 +27,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from cpu_worker.kernels.bf16_rows import bf16_linear_maker
 from cpu_worker.kernels.block_quant import BlockQuantLinear, BlockWeights
 from cpu_worker.kernels.huge_pages import release_freed_memory
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
@@ -182,33 +183,39 @@ def gguf_stored_table(path: str | Path) -> torch.nn.Module | None:
     return stored
 
 
-def _linear_maker(activation_bits: int, int8_row: bool) -> LinearMaker:
+def _linear_maker(activation_bits: int, int8_row: bool, bf16: bool) -> LinearMaker:
+    bf16_linear = bf16_linear_maker() if bf16 else None
+
     def make(weight: Any, bias: torch.Tensor | None, name: str) -> torch.nn.Module:
         if isinstance(weight, BlockWeights):
             return BlockQuantLinear(weight, bias, activation_bits)
         if int8_row:
             return RowwiseInt8Linear(weight, bias)
+        if bf16_linear is not None:
+            return bf16_linear(weight, bias, name)
         raise GGUFError(f"{name}: a float weight reached the block placer")  # _Reader never sends one
     return make
 
 
 def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = None, head_kind: str | None = None,
-                      activation_bits: int = 8, int8_row: bool = False) -> LlamaDecoder:
+                      activation_bits: int = 8, int8_row: bool = False, bf16: bool = False) -> LlamaDecoder:
     """The decoder in the GGUF file at ``path``: activations in ``dtype``; projections in blocks of
     ``kind`` (the lm_head of ``head_kind``; ``block_kind`` says when the file's own are kept) with
-    activations of ``activation_bits`` per block, W8A8 rows with ``int8_row``, else floats.
+    activations of ``activation_bits`` per block, W8A8 rows with ``int8_row``, bf16 weights with
+    ``bf16`` (``bf16_rows``; the token table in bf16 too, a tied head sharing it), else floats.
     Tensor by tensor, each one's file pages dropped once it is converted."""
     with GGUFFile(path) as file:
         spec = gguf_spec(file)
         model = _meta_model(file, spec)
         names = tensor_names(file, hf_config(file))
         reader = _Reader(file, spec, kind, head_kind)
-        quantize = kind is not None or int8_row
-        placer = WeightPlacer(model, dtype, _linear_maker(activation_bits, int8_row) if quantize else False)
+        quantize = kind is not None or int8_row or bf16
+        placer = WeightPlacer(model, dtype, _linear_maker(activation_bits, int8_row, bf16) if quantize else False,
+                              table_dtype=torch.bfloat16 if bf16 else None)
         with progress_bar(len(names), f"load {Path(path).name}", "tensor") as bar:
             for count, (gguf_name, name) in enumerate(names.items(), 1):
                 stored = stored_embedding(file, file.tensors[gguf_name], spec) if name == "embed_tokens.weight" \
-                    and placer.keeps_tables else None
+                    and placer.keeps_tables and not bf16 else None  # bf16: the table in bf16, as a folder's
                 if stored is not None:
                     placer.place_table("embed_tokens", stored)
                 else:
@@ -218,7 +225,9 @@ def load_gguf_decoder(path: str | Path, dtype: torch.dtype, kind: str | None = N
                 if count % 16 == 0:
                     release_freed_memory()
         if "lm_head.weight" not in names.values():  # tied: the embedding's matrix, at the head's precision
-            if placer.quantize:
+            if bf16:  # the bf16 table itself, shared
+                placer.place("lm_head.weight", table(model.embed_tokens))
+            elif placer.quantize:
                 head = reader.read(file.tensors["token_embd.weight"], "lm_head.weight")
                 placer.place("lm_head.weight", head)  # type: ignore[arg-type]
                 file.release("token_embd.weight")

@@ -196,12 +196,14 @@ class WeightPlacer:
     peak memory stays near the converted model plus one source tensor. ``trainable`` keeps each
     parameter's ``requires_grad`` (a head being trained); else all are frozen. A quantized model with
     fp32 activations on the CPU keeps an fp16/bf16 embedding table as it comes (``StoredEmbedding``:
-    rows widened on lookup, exactly)."""
+    rows widened on lookup, exactly); with ``table_dtype`` any table is stored in that dtype (a bf16
+    target's, like its other weights: one copy that a tied lm_head shares)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, quantize: bool | LinearMaker,
-                 device: torch.device | str = "cpu", trainable: bool = False):
+                 device: torch.device | str = "cpu", trainable: bool = False, table_dtype: torch.dtype | None = None):
         self.model = model
         self.dtype = dtype
+        self.table_dtype = table_dtype
         self.make_linear: LinearMaker | None = _rowwise_int8 if quantize is True else (quantize or None)
         self.quantize = self.make_linear is not None
         self.device = torch.device(device)
@@ -214,7 +216,8 @@ class WeightPlacer:
             self._place_quantized(module_name, module, attribute, tensor)
             return
         if self._keeps_table(module, attribute, tensor):
-            self._replace(module_name, StoredEmbedding(tensor))
+            stored = tensor if self.table_dtype is None else tensor.to(self.table_dtype)
+            self._replace(module_name, StoredEmbedding(stored))
             return
         requires_grad = self.trainable and getattr(module, attribute).requires_grad
         setattr(module, attribute, nn.Parameter(tensor.to(device=self.device, dtype=self.dtype),
@@ -227,7 +230,7 @@ class WeightPlacer:
 
     def _keeps_table(self, module: nn.Module, attribute: str, tensor: torch.Tensor) -> bool:
         return (self.keeps_tables and isinstance(module, nn.Embedding) and attribute == "weight"
-                and tensor.dtype in NARROW_FLOATS)
+                and (tensor.dtype in NARROW_FLOATS or self.table_dtype is not None))
 
     def place_table(self, module_name: str, embedding: nn.Module) -> None:
         """An embedding module made elsewhere in place of ``module_name`` (a GGUF file's table in its
@@ -255,10 +258,10 @@ class WeightPlacer:
 
 
 def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMaker = False,
-                 spec: LlamaSpec | None = None) -> LlamaDecoder:
+                 spec: LlamaSpec | None = None, table_dtype: torch.dtype | None = None) -> LlamaDecoder:
     """The decoder in ``model_dir`` (its ``spec`` read there unless given), built tensor by
-    tensor in ``dtype``, every linear quantized as ``quantize`` says (``WeightPlacer``); every
-    weight must be present.
+    tensor in ``dtype``, every linear quantized as ``quantize`` says and the embedding table
+    kept in ``table_dtype`` (``WeightPlacer``); every weight must be present.
     Frozen, in eval mode, its projections separate (``fusion`` joins them). A GGUF file's comes in
     ``dtype`` (dequantized: the reference its blocks stand for) with ``quantize`` False."""
     if is_gguf(model_dir) and not quantize:
@@ -269,7 +272,7 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, quantize: bool | LinearMak
     with torch.device("meta"):
         model = LlamaDecoder(spec)
     expected = set(model.state_dict().keys())
-    placer = WeightPlacer(model, dtype, quantize)
+    placer = WeightPlacer(model, dtype, quantize, table_dtype=table_dtype)
     loaded: set[str] = set()
     with progress_bar(len(expected), f"{'load+quantize' if quantize else 'load'} {model_dir.name}", "tensor") as bar:
         for name, tensor in iter_tensors(model_dir):

@@ -22,6 +22,7 @@ int64_t dovetail_abi(dovetail_abi_info *info, int64_t size) {
     info->linear_int8_packed = DOVETAIL_LINEAR_INT8_PACKED;
     info->linear_int8_tiles = DOVETAIL_LINEAR_INT8_TILES;
     info->linear_block = DOVETAIL_LINEAR_BLOCK;
+    info->linear_bf16 = DOVETAIL_LINEAR_BF16;
     info->dtype_fp32 = DOVETAIL_DTYPE_FP32;
     info->dtype_fp16 = DOVETAIL_DTYPE_FP16;
     info->dtype_bf16 = DOVETAIL_DTYPE_BF16;

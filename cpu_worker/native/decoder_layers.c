@@ -9,7 +9,7 @@
  * loop in C.
  *
  * Same bits as the Python layers: every step is the same kernel the module calls (RMSNorm,
- * int8, block or fp32 row linear, rotary and cache write, exact attention, SiLU from layer_ops.c), and the
+ * int8, block, fp32 or bf16 row linear, rotary and cache write, exact attention, SiLU from layer_ops.c), and the
  * steps that are torch's in Python (the residual add, the transpose) are exact. So a row's values
  * depend on nothing else in its call, and a tree node equals its decode step bit for bit, whichever
  * path either took.
@@ -42,6 +42,10 @@ static int block_layer(const dovetail_linear *layer, const float *x, float *y, i
 
 static int linear(const dovetail_linear *layer, const float *x, float *y, int64_t rows, int threads) {
     if (layer->kind == DOVETAIL_LINEAR_BLOCK) return block_layer(layer, x, y, rows, threads);
+    if (layer->kind == DOVETAIL_LINEAR_BF16) {
+        dovetail_bf16_linear(x, (const uint16_t *)layer->weight, layer->bias, y, rows, layer->n_out, layer->k, threads);
+        return 0;
+    }
     if (layer->kind != DOVETAIL_LINEAR_FP32) {
         int layout = layer->kind == DOVETAIL_LINEAR_INT8_TILES    ? DOVETAIL_LAYOUT_TILES
                      : layer->kind == DOVETAIL_LINEAR_INT8_PACKED ? DOVETAIL_LAYOUT_PACKED

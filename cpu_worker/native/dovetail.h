@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 7
+#define DOVETAIL_ABI_VERSION 8
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -28,6 +28,7 @@
 #define DOVETAIL_LINEAR_INT8_PACKED 2 /* int8, DOVETAIL_LAYOUT_PACKED */
 #define DOVETAIL_LINEAR_INT8_TILES 3  /* int8, DOVETAIL_LAYOUT_TILES */
 #define DOVETAIL_LINEAR_BLOCK 4       /* block-quantized (dovetail_block_linear) */
+#define DOVETAIL_LINEAR_BF16 5        /* bf16 [n_out, k] (dovetail_bf16_linear) */
 
 /* A weight's source dtype (dovetail_quantize_weight_rows). */
 #define DOVETAIL_DTYPE_FP32 0
@@ -55,7 +56,7 @@
 /* One linear layer as its module holds it (native_layers.py fills these). */
 typedef struct {
     int64_t kind;           /* DOVETAIL_LINEAR_* */
-    const void *weight;     /* [n_out, k], int8 or fp32; or int8 packed or in tiles */
+    const void *weight;     /* [n_out, k], int8, fp32 or bf16; or int8 packed or in tiles */
     const float *scales;    /* int8: per-output-row weight scales */
     const int32_t *offsets; /* int8: 128 * each weight row's sum */
     const float *bias;      /* [n_out] or NULL */
@@ -90,7 +91,7 @@ typedef struct {
     int64_t version;
     int64_t linear_size, layer_size, shape_size, segment_size;
     int64_t layout_rows, layout_packed, layout_tiles;
-    int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block;
+    int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block, linear_bf16;
     int64_t dtype_fp32, dtype_fp16, dtype_bf16;
     int64_t simd_plain, simd_avx2, simd_avx512;
     int64_t no_memory, bad_shape;
@@ -123,10 +124,12 @@ int dovetail_int8_forward(const float *x, const int8_t *w, const float *w_scale,
                           const float *bias, float *y, int64_t rows, int64_t n_out, int64_t k, int layout,
                           int threads);
 
-/* ---- fp32_rows.c: the fp32 row kernel ---- */
+/* ---- fp32_rows.c: the fp32 row kernel, on fp32 or bf16 weights ---- */
 
 int dovetail_fp32_simd(void);
 void dovetail_fp32_linear(const float *x, const float *w, const float *bias, float *y, int64_t rows,
+                          int64_t n_out, int64_t k, int threads);
+void dovetail_bf16_linear(const float *x, const uint16_t *w, const float *bias, float *y, int64_t rows,
                           int64_t n_out, int64_t k, int threads);
 
 /* ---- attention.c: exact attention, and the library's one exp and one fixed-order dot ---- */

@@ -41,9 +41,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default ~/.cache/dovetail/kernels)
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 7
+ABI_VERSION = 8
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
-LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK = 0, 1, 2, 3, 4  # a Linear's kind
+# a Linear's kind
+LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5
 DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2  # a weight's source dtype for the quantizer
 SIMD_PLAIN, SIMD_AVX2, SIMD_AVX512 = 0, 1, 2  # dovetail_int8_simd, dovetail_fp32_simd
 NO_MEMORY, BAD_SHAPE = -1, -2  # statuses
@@ -88,7 +89,7 @@ class Segment(ctypes.Structure):
 
 _ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "layout_rows", "layout_packed",
                "layout_tiles",
-               "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block",
+               "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block", "linear_bf16",
                "dtype_fp32", "dtype_fp16",
                "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
                "block_q4_0", "block_q4_1")
@@ -107,7 +108,7 @@ def expected_abi() -> dict[str, int]:
             "layout_packed": LAYOUT_PACKED,
             "layout_tiles": LAYOUT_TILES, "linear_int8": LINEAR_INT8, "linear_fp32": LINEAR_FP32,
             "linear_int8_packed": LINEAR_INT8_PACKED, "linear_int8_tiles": LINEAR_INT8_TILES,
-            "linear_block": LINEAR_BLOCK,
+            "linear_block": LINEAR_BLOCK, "linear_bf16": LINEAR_BF16,
             "dtype_fp32": DTYPE_FP32, "dtype_fp16": DTYPE_FP16, "dtype_bf16": DTYPE_BF16, "simd_plain": SIMD_PLAIN,
             "simd_avx2": SIMD_AVX2, "simd_avx512": SIMD_AVX512, "no_memory": NO_MEMORY, "bad_shape": BAD_SHAPE,
             "block_q8_0": BLOCK_Q8_0, "block_q4_0": BLOCK_Q4_0, "block_q4_1": BLOCK_Q4_1}
@@ -131,6 +132,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_int8_forward": ([_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT], _INT),
     "dovetail_fp32_simd": ([], _INT),
     "dovetail_fp32_linear": ([_P, _P, _P, _P, _I64, _I64, _I64, _INT], None),
+    "dovetail_bf16_linear": ([_P, _P, _P, _P, _I64, _I64, _I64, _INT], None),
     "dovetail_exp_nonpositive": ([_P, _I64], None),
     "dovetail_dot_fixed": ([_P, _P, _I64], _FLOAT),
     "dovetail_attention": ([_P, _P, _P, _INT, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _FLOAT, _INT], _INT),

@@ -1,6 +1,7 @@
-"""Integer targets through the whole runtime (dovetail-run processes): dovetail gives exactly
---mode ar's tokens at int8 (with an fp32 or a bf16 KV cache) and in the block formats (the
-in-process checks are in tests/unit/test_int8.py and tests/unit/test_block_quant.py)."""
+"""Integer and bf16 targets through the whole runtime (dovetail-run processes): dovetail gives exactly
+--mode ar's tokens at int8 (with an fp32 or a bf16 KV cache), in the block formats and at bf16 (the
+in-process checks are in tests/unit/test_int8.py, tests/unit/test_block_quant.py and
+tests/unit/test_bf16_rows.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,21 @@ def test_block_targets_through_the_runtime_equal_ar(tmp_path, demo_target, demo_
     assert f"target: {precision} (dovetail-blocks-" in done.stderr and "trees verified bit-exact" in done.stderr
     for line in map(json.loads, done.stdout.splitlines()):
         assert line["ar"]["same_tokens"], f"{precision} dovetail differs from {precision} ar for {line['prompt']!r}"
+        assert line["stats"]["tau"] > 1.5
+
+
+def test_a_bf16_target_through_the_runtime_equals_ar(tmp_path, demo_target, demo_draft):
+    """bf16 weights on the row kernel: trees verified bit-exact, a bf16 KV cache by default."""
+    prompt_file = tmp_path / "code.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CODE_PROMPTS[:2]))
+    done = dovetail_run("--target", str(demo_target), "--draft", str(demo_draft), "--target-dtype", "bf16",
+                        "--compare-ar", "--json", "--prompt-file", str(prompt_file), "--max-new-tokens", "48",
+                        "--log-level", "info", *FIXED_TREE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "target: bf16 (dovetail-bf16)" in done.stderr and "trees verified bit-exact" in done.stderr
+    assert "KV cache bfloat16" in done.stderr
+    for line in map(json.loads, done.stdout.splitlines()):
+        assert line["ar"]["same_tokens"], f"bf16 dovetail differs from bf16 ar for {line['prompt']!r}"
         assert line["stats"]["tau"] > 1.5
 
 

@@ -28,9 +28,11 @@ def outputs(engine: TargetEngine) -> list[torch.Tensor]:
     return [*got, engine.tree_logits(*TREE)[1]]
 
 
-def test_an_fp32_rows_engine_reports_exact_attention_and_row_invariant_linears(demo_target):
-    engine, kernel = build_engine(str(demo_target), "fp32", 64)
-    assert kernel == "dovetail-fp32"
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_row_kernel_engine_reports_exact_attention_and_row_invariant_linears(demo_target, precision):
+    """fp32, and bf16 (its weights widened on the same kernel): exact trees, fp32 activations."""
+    engine, kernel = build_engine(str(demo_target), precision, 64)
+    assert kernel == f"dovetail-{precision}"
     # Exact decodes and trees; its prompts (a GEMM from 64 rows: chunk-dependent anyway) on torch's SDPA.
     assert engine.kernels.attention is attention.EXACT_TREES and engine.kernels.attention.row_invariant
     assert engine.kernels.row_invariant_linears and engine.exact_tree and not engine.chunk_invariant
@@ -41,16 +43,13 @@ def test_an_fp32_rows_engine_reports_exact_attention_and_row_invariant_linears(d
     assert int8.kernels.attention is attention.EXACT and int8.chunk_invariant
 
 
-def test_plain_linears_are_not_row_invariant_and_bf16_takes_torch_s_attention(demo_target):
+def test_plain_linears_are_not_row_invariant(demo_target):
     dense = TargetEngine(load_target_model(demo_target), max_len=64)
     assert not dense.kernels.row_invariant_linears and not dense.exact_tree
     # fp32 queries on the CPU: the kernel all the same for decodes and trees (prompts: torch's, as
     # rows of plain linears depend on their call-mates anyway)
     assert dense.kernels.attention is attention.EXACT_TREES and not dense.chunk_invariant
     assert set(dense.kernels.projections) == {"separate"}  # unfused
-    bf16, _ = build_engine(str(demo_target), "bf16", 64)
-    assert bf16.kernels.attention is attention.TORCH and not bf16.kernels.attention.row_invariant
-    assert not bf16.kernels.row_invariant_linears
 
 
 class RowByRow(LinearKernel):
