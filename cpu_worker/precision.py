@@ -66,9 +66,10 @@ def activation_dtype(precision: str) -> torch.dtype:
 
 
 def kv_cache_dtype(precision: str, requested: str = "auto") -> torch.dtype:
-    """The KV cache's dtype: ``fp32``/``bf16`` as asked, or ``auto``: bf16 for a bf16 target, and for
-    an integer one where bf16 attention is cheap (our exact attention kernel builds, or the CPU has
-    native bf16); else fp32.
+    """The KV cache's dtype: ``fp32``/``bf16`` as asked, or ``auto``: bf16 for a bf16 target on the
+    native kernels (exact; without them its trees are ~1e-6 off decoding, which bf16 K/V would
+    amplify) and for an integer one where bf16 attention is cheap (our exact attention kernel
+    builds, or the CPU has native bf16); else fp32.
 
     Why: a bf16 cache halves the cache and the bytes attention reads per step. Tree rows and
     decodes read the same rounded keys and values back from the cache (``Attention.forward``;
@@ -84,7 +85,9 @@ def kv_cache_dtype(precision: str, requested: str = "auto") -> torch.dtype:
     if requested not in KV_DTYPES:
         raise ValueError(f"KV cache dtype {requested!r} is not one of {', '.join(KV_DTYPES)}")
     if requested == "auto":
-        if precision == "bf16" or (is_integer(precision) and (exact_attention.available() or cpu_has_native_bf16())):
+        if precision == "bf16" and exact_attention.available():
+            return torch.bfloat16
+        if is_integer(precision) and (exact_attention.available() or cpu_has_native_bf16()):
             return torch.bfloat16
         return activation_dtype(precision)
     activation_dtype(precision)  # the precision's own check

@@ -320,13 +320,14 @@ class Coordinator:
 
     def _report_target(self, info: m.TargetInfo, limit: int) -> None:
         """Say how the target runs, and when its trees can differ from one-token decoding."""
-        if info.dtype == "bf16" and not info.exact_tree and self.gpu is not None:
+        inexact = not info.exact_tree and self.gpu is not None  # fp32 or bf16 without the row kernel
+        if inexact and info.dtype in ("fp32", "bf16") and info.kv_dtype == "bfloat16":
+            log.warning("%s target with a bf16 KV cache: tree verification differs from one-token decoding by "
+                        "~1e-2 (bf16 rounding of K/V amplifies its linears' ~1e-6), so dovetail can differ from "
+                        "--mode ar where two tokens nearly tie; an int8 target is exact with it", info.dtype)
+        elif inexact and info.dtype == "bf16":
             log.warning("bf16 target without the row kernel: tree verification rounds differently from one-token "
                         "decoding (~1e-6), so dovetail can differ from --mode ar where two tokens nearly tie")
-        if info.dtype == "fp32" and info.kv_dtype == "bfloat16" and not info.exact_tree and self.gpu is not None:
-            log.warning("fp32 target with a bf16 KV cache: tree verification differs from one-token decoding by "
-                        "~1e-2 (bf16 rounding of K/V amplifies fp32's ~1e-6), so dovetail can differ from --mode "
-                        "ar where two tokens nearly tie; an int8 target is exact with it")
         kernel = f" ({info.kernel})" if info.kernel else ""
         log.info("target: %s%s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
                  "%.2f GB at full context, committed as it fills; trees verified %s", info.dtype, kernel,

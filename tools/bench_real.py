@@ -118,10 +118,9 @@ class Dims:
 
     def streamed_bytes(self, precision: str) -> int:
         """Bytes one decode step must read at this precision. The embedding is left out: a
-        step reads one row of it. The integer formats keep norms in fp32 (int8-row's per-channel
+        step reads one row of it. Every precision keeps norms in fp32 (int8-row's per-channel
         scales are ~0.1%)."""
-        norm_bytes = 2 if precision == "bf16" else 4
-        return int(self.linear_params * PRECISION_BYTES[precision]) + self.norm_params * norm_bytes
+        return int(self.linear_params * PRECISION_BYTES[precision]) + self.norm_params * 4
 
 
 def fingerprint(*folders: Path) -> str:
@@ -941,8 +940,8 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin the target worker (and the sweep) to these cores, e.g. 0-7,16-23.")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="auto", show_default=True,
-              help="The target's KV cache dtype, as dovetail-run's --kv-dtype (auto: bf16 for int8 targets where "
-                   "the native library builds or the CPU has native bf16, else the activations' dtype).")
+              help="The target's KV cache dtype, as dovetail-run's --kv-dtype (auto: bf16 for a bf16 target, and for "
+                   "integer ones where the native library builds or the CPU has native bf16; else fp32).")
 @click.option("--draft-device", default="auto", help="Draft device: auto (CUDA if present, else CPU), cpu, cuda:N.")
 @click.option("--draft-threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of the draft worker, as dovetail-run's. [default: as dovetail-run]")

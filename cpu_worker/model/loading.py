@@ -208,6 +208,7 @@ class WeightPlacer:
         self.quantize = self.make_linear is not None
         self.device = torch.device(device)
         self.trainable = trainable
+        self._waiting: dict[str, torch.Tensor] = {}  # a linear's weight whose bias has not come yet
 
     def place(self, name: str, tensor: torch.Tensor) -> None:
         module_name, _, attribute = name.rpartition(".")
@@ -245,12 +246,21 @@ class WeightPlacer:
         setattr(parent, child, replacement)
 
     def _place_quantized(self, module_name: str, module: nn.Module, attribute: str, tensor: torch.Tensor) -> None:
-        bias = module.bias if isinstance(module.bias, torch.Tensor) and not module.bias.is_meta else None
+        """A linear layer is built once its weight and bias (if it has one) have both come: the
+        layers keep their bias where the kernels read it, so one set afterwards would be lost
+        (a pytorch_model.bin stores a layer's weight before its bias)."""
+        if attribute == "weight" and isinstance(module.bias, torch.Tensor) and module.bias.is_meta:
+            self._waiting[module_name] = tensor  # its bias is still to come
+            return
         if attribute == "weight":
-            assert self.make_linear is not None
-            self._replace(module_name, self.make_linear(tensor, bias, module_name))
+            weight, bias = tensor, module.bias if isinstance(module.bias, torch.Tensor) else None
         else:  # a bias, before or after its weight
             module.bias = nn.Parameter(tensor.to(torch.float32), requires_grad=False)
+            if module_name not in self._waiting:
+                return
+            weight, bias = self._waiting.pop(module_name), module.bias
+        assert self.make_linear is not None
+        self._replace(module_name, self.make_linear(weight, bias, module_name))
 
     def unplaced(self) -> list[str]:
         """Names of parameters still on the meta device (none once every tensor came)."""

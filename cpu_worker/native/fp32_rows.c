@@ -61,10 +61,19 @@ static inline f32_vector vector_load(const float *p) {
 }
 static inline f32_vector vector_madd(f32_vector sum, f32_vector a, f32_vector b) { return sum + a * b; }
 static inline f32_vector vector_zero(void) { return (f32_vector){0}; }
-static inline float widen_bf16(uint16_t value);
+typedef uint16_t u16_vector __attribute__((vector_size(16)));
 static inline f32_vector vector_load_bf16(const uint16_t *p) {
+    /* The 4 values into the low half, then interleaved with zeros: each becomes the top half of a
+     * 32-bit lane (little-endian: x86, ARM), as SSE2's punpcklwd or NEON's zip does, in whole-vector ops. */
+    u16_vector half = {0}, zero = {0};
+    memcpy(&half, p, F32_LANES * sizeof *p);
+#if defined(__clang__)
+    u16_vector spread = __builtin_shufflevector(zero, half, 0, 8, 1, 9, 2, 10, 3, 11);
+#else
+    u16_vector spread = __builtin_shuffle(zero, half, (u16_vector){0, 8, 1, 9, 2, 10, 3, 11});
+#endif
     f32_vector v;
-    for (int i = 0; i < F32_LANES; i++) v[i] = widen_bf16(p[i]);
+    memcpy(&v, &spread, sizeof v);
     return v;
 }
 #endif

@@ -14,7 +14,7 @@ from test_int8_kernel import build_for
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_worker.kernels import bf16_rows, int8_kernel
+from cpu_worker.kernels import bf16_rows, exact_attention, int8_kernel
 from cpu_worker.kernels.bf16_rows import Bf16Linear, RowInvariantBf16Linear, widened_linear
 from cpu_worker.kernels.fp32_rows import PROMPT_GEMM_ROWS, RowInvariantFp32Linear, prompt_rows
 from cpu_worker.model.embedding import StoredEmbedding
@@ -100,16 +100,19 @@ def test_a_bf16_engine_verifies_trees_exactly_in_half_of_fp32s_memory(demo_targe
 def test_a_tied_table_is_stored_once_in_bf16(tmp_path):
     path = save_tiny_model(tmp_path / "tied", weight_format="sharded", **TINY_FAMILIES["llama-gqa-tied"])
     model = load_target_model(path, "bf16")
+    assert isinstance(model.embed_tokens, StoredEmbedding) and isinstance(model.lm_head, Bf16Linear)
     assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
 
 
 def test_without_a_compiler_bf16_runs_the_widened_gemm_and_the_worker_says_so(demo_target, monkeypatch, caplog):
     int8_kernel.clear_cache()
+    exact_attention.clear_cache()
     try:
         monkeypatch.setenv("CC", "/nonexistent/cc")
         with caplog.at_level(logging.WARNING):
             engine, kernel = build_engine(str(demo_target), "bf16", 64)
         assert kernel == "F.linear" and not engine.exact_tree and "float tolerance" in caplog.text
+        assert engine.kv_dtype == torch.float32  # a bf16 cache would amplify the ~1e-6 to ~1e-2
         linears = [module for module in engine.model.modules() if isinstance(module, Bf16Linear)]
         assert linears and not any(isinstance(module, RowInvariantBf16Linear) for module in linears)
         layer = linears[0]
@@ -117,3 +120,4 @@ def test_without_a_compiler_bf16_runs_the_widened_gemm_and_the_worker_says_so(de
         assert torch.equal(layer(rows), F.linear(rows, layer.weight.float(), layer.bias))
     finally:
         int8_kernel.clear_cache()
+        exact_attention.clear_cache()

@@ -143,6 +143,23 @@ def test_loading_converts_tensor_by_tensor_to_the_same_model(tmp_path, family, p
     assert not any(p.is_meta for p in streamed.parameters())
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8-row", "int8"])
+def test_a_bias_stored_after_its_weight_is_kept(tmp_path, precision):
+    """A pytorch_model.bin stores a layer's weight before its bias, and our layers keep the bias where
+    their kernels read it: the streamed model's unfused o_proj and down_proj keep theirs, as
+    converting the whole fp32 model does (prefill on the Python layers, decode on the C loop)."""
+    path = save_tiny_model(tmp_path / "bin", "llama", weight_format="bin", attention_bias=True, mlp_bias=True)
+    streamed = load_target_model(path, precision)
+    converted, dtype = apply_precision(load_target_model(path), precision)
+    assert streamed.layers[0].self_attn.o_proj.bias is not None
+    tokens = [3, 14, 15, 92, 65, 35]
+    outputs = []
+    for model in (streamed, converted):
+        engine = TargetEngine(model, max_len=16, activation_dtype=dtype)
+        outputs.append(torch.stack([engine.prefill(tokens).logits, engine.decode(7).logits]))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_the_loaders_skeleton_runs_no_embedding_init(tmp_path, monkeypatch):
     """The decoder the loaders fill is built on the meta device without nn.Embedding's normal_ init
     (which on meta tensors first imports torch._dynamo: 2.1 s of a process's first load), and still
