@@ -7,6 +7,8 @@ testbed target stored in fp16, and its trained DGF head), never ``../shared``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 # Before torch loads OpenMP: idle pool threads must sleep, not spin. On a 2-core machine a
@@ -23,6 +25,25 @@ if "DOVETAIL_CACHE_DIR" not in os.environ:
 
 import pytest
 import torch
+
+
+@cache
+def shared_build(flags: Sequence[str]):
+    """The kernel library built with ``flags`` (another -march than this CPU's: tests that compare
+    builds), compiled once per test session into one temporary folder: a compile takes seconds, and
+    a dozen tests build the same few."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from cpu_worker.native import library as native_library
+
+    compiler = native_library.find_compiler()
+    assert compiler is not None, "the kernel tests need a C compiler"
+    directory = Path(tempfile.mkdtemp(prefix="dovetail-test-build-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return native_library.build(compiler, list(flags), directory)
+
 
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 DEMO_TARGET = DEMO / "target-code-9m"

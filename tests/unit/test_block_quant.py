@@ -4,15 +4,14 @@ dequantized product."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from cpu_worker.kernels import block_quant
-from cpu_worker.native import library as native_library
 from ipc.placement import cpu_flags
 from tools import quant_reference
+
+from conftest import shared_build
 
 # (-march flags, the x86 flags a CPU needs to run that build, dovetail_block_simd's answer)
 BUILDS = [(["-march=x86-64-v2"], set(), 0),
@@ -23,14 +22,12 @@ BUILDS = [(["-march=x86-64-v2"], set(), 0),
 KINDS = list(block_quant.TYPES)
 
 
-def runnable_builds(directory: Path) -> list[tuple[str, object]]:
-    compiler = native_library.find_compiler()
-    assert compiler is not None, "the kernel tests need a C compiler"
+def runnable_builds() -> list[tuple[str, object]]:
+    """Each build of ``BUILDS`` this CPU can run (compiled once per test session)."""
     built = []
     for arch, needs, simd in BUILDS:
         if needs <= cpu_flags():
-            flags = [*arch, "-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-            library = native_library.build(compiler, flags, directory / arch[-1].lstrip("-"))
+            library = shared_build((*arch, "-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"))
             assert library.dovetail_block_simd() == simd, arch
             built.append((" ".join(arch), library))
     return built
@@ -86,7 +83,7 @@ def test_weights_round_as_llama_cpp_and_keep_ggufs_byte_layout(kind):
     assert torch.equal(again.data, blocks.data) and torch.equal(again.dequantize(), blocks.dequantize())
 
 
-def test_every_builds_quantizer_gives_the_torch_paths_bits(tmp_path, use_library):
+def test_every_builds_quantizer_gives_the_torch_paths_bits(use_library):
     """The load-time quantizer in C (fp16/bf16 rows read as stored, written straight into the kernel's
     layout; 8 lanes at a time on AVX2 builds, plain C on the others) against the torch ops it replaced:
     ties for the largest magnitude, zero blocks of either sign, exact halves, subnormal scales (whose
@@ -104,7 +101,7 @@ def test_every_builds_quantizer_gives_the_torch_paths_bits(tmp_path, use_library
     weight[5, 70] = -0.0  # ... and then a zero of either sign as the maximum
     weight[5, 75] = 0.0
     first: dict[tuple[str, torch.dtype, str], block_quant.BlockWeights] = {}
-    for name, library in runnable_builds(tmp_path):  # the plain C build first
+    for name, library in runnable_builds():  # the plain C build first
         use_library(library)
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             source = weight.to(dtype)
@@ -140,8 +137,8 @@ def test_the_kernel_layout_keeps_every_value_and_pads_a_last_group():
 
 
 @pytest.mark.parametrize("bits", [8, 16])
-def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_path, use_library, bits):
-    builds = runnable_builds(tmp_path)
+def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(use_library, bits):
+    builds = runnable_builds()
     assert builds[0][0] == "-march=x86-64-v2"
     generator = torch.Generator().manual_seed(0)
     planes = block_quant.ACTIVATION_PLANES[bits]
@@ -171,7 +168,7 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(tmp_
 
 
 @pytest.mark.parametrize("bits", [8, 16])
-def test_every_build_sums_the_largest_products_without_overflow(tmp_path, use_library, bits):
+def test_every_build_sums_the_largest_products_without_overflow(use_library, bits):
     """Weights at their extreme integers (Q8_0 +-127, and -128, which a GGUF file may hold though
     llama.cpp never writes it; 4-bit nibbles all 15 or all 0) against activation digits at +-127 in
     every block: the integer sums at their largest (AVX2 adds a 4-bit block's pair sums in 16 bits, up
@@ -189,7 +186,7 @@ def test_every_build_sums_the_largest_products_without_overflow(tmp_path, use_li
         scales = torch.ones(n_out, k // 32)
         blocks = block_quant.BlockWeights.from_values(kind, values, scales, scales if kind == "q4_1" else None)
         exact = per_block_int8(rows, bits).double() @ blocks.dequantize().double().T
-        for name, library in runnable_builds(tmp_path):
+        for name, library in runnable_builds():
             use_library(library)
             out = block_quant.block_linear(rows, blocks, planes=planes)
             assert torch.allclose(out.double(), exact, rtol=1e-6, atol=1e-6), (name, kind)

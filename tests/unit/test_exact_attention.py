@@ -14,6 +14,8 @@ from cpu_worker.engine import tree_paths
 from cpu_worker.kernels import exact_attention
 from cpu_worker.native import library as native_library
 
+from conftest import shared_build
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
@@ -141,13 +143,11 @@ def test_engine_tree_logits_equal_decode_logits_on_either_attention(demo_target,
     assert gap == 0.0
 
 
-def test_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
+def test_the_plain_c_build_gives_the_native_build_s_bits():
     """The AVX2 exponential and the plain C one must round alike (a row's tail, past its last
     multiple of 8, always takes the plain one)."""
-    compiler = native_library.find_compiler()
-    assert compiler is not None
     flags = [flag for flag in native_library.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    plain = native_library.build(compiler, flags, tmp_path)
+    plain = shared_build(tuple(flags))
     keys, values = cache(4, 64, seed=4)
     q = torch.randn(1, 8, 6, 64, generator=torch.Generator().manual_seed(5)) * 8
     paths = tree_of([-1, 0, 0, 1, 3, 4])

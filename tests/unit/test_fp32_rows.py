@@ -74,7 +74,7 @@ def _linear(library: ctypes.CDLL, rows: torch.Tensor, weight: torch.Tensor, bias
     return out
 
 
-def test_every_build_gives_a_row_its_bits_alone_and_the_right_sums(tmp_path):
+def test_every_build_gives_a_row_its_bits_alone_and_the_right_sums():
     """Each build this CPU can run (always plain C: 4 lanes, multiply then add; AVX2 with FMA: 8
     lanes, rows in pairs; AVX-512: 16 lanes, rows in fours, remainders of 3, 2, 1): every row
     count from 1 to 9, across the 64-row parking limit, a k with and without a tail past the last
@@ -82,7 +82,7 @@ def test_every_build_gives_a_row_its_bits_alone_and_the_right_sums(tmp_path):
     runnable = [(arch, simd) for arch, needs, simd in BUILDS if needs <= cpu_flags()]
     assert runnable[0] == ("x86-64-v2", 0)
     for arch, simd in runnable:
-        library = build_for(arch, tmp_path / arch)
+        library = build_for(arch)
         assert library.dovetail_fp32_simd() == simd
         generator = torch.Generator().manual_seed(simd)
         for n_out, k in ((37, 600), (64, 512), (21, 1031), (6, 3)):

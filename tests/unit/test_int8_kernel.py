@@ -9,7 +9,6 @@ import ctypes
 import logging
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +21,8 @@ from cpu_worker.native import library as native_library
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
 from ipc.placement import cpu_flags
+
+from conftest import shared_build
 
 
 def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:
@@ -45,11 +46,9 @@ def flags_for(arch: str) -> list[str]:
     return [flag for flag in native_library.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
 
 
-def build_for(arch: str, directory: Path) -> ctypes.CDLL:
-    """The kernel library built for ``-march=arch`` instead of this CPU."""
-    compiler = native_library.find_compiler()
-    assert compiler is not None
-    return native_library.build(compiler, flags_for(arch), directory)
+def build_for(arch: str) -> ctypes.CDLL:
+    """The kernel library built for ``-march=arch`` instead of this CPU (once per test session)."""
+    return shared_build(tuple(flags_for(arch)))
 
 
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3", "icelake-server"])
@@ -111,7 +110,7 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call_with_packed_weights(k
         assert torch.equal(weights(rows[:count]), alone[:count]), f"a call of {count} rows changed a row"
 
 
-def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_path):
+def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel):
     """On a CPU with AVX512-VNNI (this machine) the native build is the VNNI path, so this
     compares all three code paths: AVX2 (-march=x86-64-v3, built where the CPU can run it) and
     plain C (-march=x86-64-v2) against it; elsewhere, the paths this CPU has."""
@@ -126,7 +125,7 @@ def test_the_avx2_and_plain_c_builds_give_the_native_build_s_bits(kernel, tmp_pa
     # 200 columns: the AVX2 paths' 32-byte steps and an 8-column tail
     expected = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, native)(rows)
     for arch, simd in builds.items():
-        library = build_for(arch, tmp_path / arch)
+        library = build_for(arch)
         assert library.dovetail_int8_simd() == simd and library.dovetail_int8_has_vnni() == 0
         got = int8_kernel.Int8Weights(layer._int8.values, layer._int8.scales, layer.bias, library)(rows)
         assert torch.equal(got, expected), arch
@@ -251,15 +250,15 @@ def _row_layout_case(seed: int, out_features: int, rows_in_call: int
 
 
 @pytest.mark.parametrize("rows_in_call", [1, 2, 3, 8, 9])
-def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_path, rows_in_call):
+def test_packed_weights_give_the_row_layout_s_bits_on_every_build(kernel, rows_in_call):
     """Every build (native, and AVX2 / plain C where the CPU runs them) with the weight packed
     gives the bits of the native build with it as [N, K]: single rows, pairs and both mixed.
     Called directly, so the VNNI path's packed loops are checked too where this CPU has VNNI."""
     native, values, weights, rows, expected = _row_layout_case(3, 12, rows_in_call)  # 3 blocks, 5 chunks
     packed = int8_kernel.pack_blocks(values)
-    libraries = {"native": native, "x86-64-v2": build_for("x86-64-v2", tmp_path / "v2")}
+    libraries = {"native": native, "x86-64-v2": build_for("x86-64-v2")}
     if "avx2" in cpu_flags():
-        libraries["x86-64-v3"] = build_for("x86-64-v3", tmp_path / "v3")
+        libraries["x86-64-v3"] = build_for("x86-64-v3")
     for arch, library in libraries.items():
         assert torch.equal(_forward(library, rows, packed, weights, "packed"), expected), arch
         assert torch.equal(_forward(library, rows, values, weights, "rows"), expected), arch
@@ -288,13 +287,13 @@ def test_the_library_quantizes_weights_as_torch_does(kernel):
     assert values[3].abs().sum() == 0
 
 
-def test_every_fp16_value_widens_as_torch_widens_it_on_every_build(kernel, tmp_path):
+def test_every_fp16_value_widens_as_torch_widens_it_on_every_build(kernel):
     """The quantizer reads fp16 checkpoints as they are: F16C where the build has it, a plain C
     conversion elsewhere (and for a row's last values). All 65536 halves: normals, subnormals,
     zeros and infinities bit for bit, NaNs as NaNs (F16C quiets a signalling one)."""
     halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
     expected = halves.float()
-    for library in (native_library.load(), build_for("x86-64-v2", tmp_path / "plain")):
+    for library in (native_library.load(), build_for("x86-64-v2")):
         widened = torch.empty(halves.numel(), dtype=torch.float32)
         library.dovetail_widen_half(halves.data_ptr(), widened.data_ptr(), halves.numel())
         nan = torch.isnan(expected)
@@ -326,7 +325,7 @@ def test_tiles_hold_the_weight_and_unpack_to_it():
 
 
 @pytest.mark.parametrize("rows_in_call", [1, 2, 3, 4, 5, 8, 16, 17, 33])
-def test_tiled_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_path, rows_in_call):
+def test_tiled_weights_give_the_row_layout_s_bits_on_every_build(kernel, rows_in_call):
     """Every path over the tile layout gives the bits of the native build on [N, K] weights: AMX
     (one call, 16-row groups, a padded last group) where this CPU has it, the VNNI loop (native
     with AMX turned off, or an icelake-server build), AVX2 and plain C builds (the portable loop).
@@ -339,11 +338,11 @@ def test_tiled_weights_give_the_row_layout_s_bits_on_every_build(kernel, tmp_pat
         assert torch.equal(_forward(native, rows, tiles, weights, "tiles"), expected), "native without AMX"
     finally:
         native.dovetail_int8_tiles_amx_from(1)
-    libraries = {"x86-64-v2": build_for("x86-64-v2", tmp_path / "v2")}
+    libraries = {"x86-64-v2": build_for("x86-64-v2")}
     if "avx2" in cpu_flags():
-        libraries["x86-64-v3"] = build_for("x86-64-v3", tmp_path / "v3")
+        libraries["x86-64-v3"] = build_for("x86-64-v3")
     if {"avx512_vnni", "avx512bw"} <= cpu_flags():
-        libraries["icelake-server"] = build_for("icelake-server", tmp_path / "icelake")
+        libraries["icelake-server"] = build_for("icelake-server")
     for arch, library in libraries.items():
         assert not library.dovetail_int8_amx_ready(), arch
         assert torch.equal(_forward(library, rows, tiles, weights, "tiles"), expected), arch

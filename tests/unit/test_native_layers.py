@@ -16,6 +16,8 @@ from cpu_worker.native_layers import NativeLayers
 from cpu_worker.server import build_engine
 from cpu_worker.target_loading import load_target_model
 
+from conftest import shared_build
+
 PROMPT = [5, 17, 230, 41, 9, 300, 77, 12, 8, 150, 33, 64]
 TREE_TOKENS = [40, 41, 42, 43, 44, 45, 46]
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 5]
@@ -155,11 +157,9 @@ def test_silu_mul_is_close_to_torch_and_row_invariant(width):
     assert torch.equal(out[1:4], layer_ops.silu_mul(gate[1:4].t().contiguous().t(), up[1:4]))  # other strides
 
 
-def test_silu_mul_of_the_plain_c_build_gives_the_native_build_s_bits(tmp_path):
-    compiler = native_library.find_compiler()
-    assert compiler is not None
+def test_silu_mul_of_the_plain_c_build_gives_the_native_build_s_bits():
     flags = [flag for flag in native_library.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    plain = native_library.build(compiler, flags, tmp_path)
+    plain = shared_build(tuple(flags))
     gate_up = torch.randn(300, 2 * 515, generator=torch.Generator().manual_seed(1)) * 5  # on the thread pool
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(layer_ops.silu_mul(gate, up), layer_ops.silu_mul(gate, up, library=plain))
