@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, PROMPT_GEMM_ROWS, in_prompt
+from cpu_worker.kernels.fp32_rows import run_row_kernel
 from cpu_worker.kernels.huge_pages import on_huge_pages
 from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
@@ -85,20 +85,9 @@ class RowInvariantBf16Linear(Bf16Linear):
             raise RuntimeError("the bf16 row kernel needs the compiled kernel library (a C compiler)")
         super().__init__(weight, bias)
         self._function = library.dovetail_bf16_linear
-        self._bias_pointer = None if self.bias is None else self.bias.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features)
-        count = rows.shape[0]
-        if count > MAX_KERNEL_ROWS or (count >= PROMPT_GEMM_ROWS and in_prompt()):
-            return widened_linear(x, self.weight, self.bias)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.to(torch.float32).contiguous()
-        out = torch.empty(count, self.out_features, dtype=torch.float32)
-        self._function(rows.data_ptr(), self.weight.data_ptr(), self._bias_pointer, out.data_ptr(), count,
-                       self.out_features, self.in_features, torch.get_num_threads())
-        return out.reshape(*shape[:-1], self.out_features)
+        return run_row_kernel(self._function, x, self.weight, self.bias, super().forward)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", row-invariant kernel"

@@ -19,7 +19,7 @@ Measurements: docs/kernels.md, "fp32 row kernel" (``python -m tools.bench_fp32_k
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -54,6 +54,25 @@ def in_prompt() -> bool:
     return _in_prompt.get()
 
 
+def run_row_kernel(function: Callable[..., None], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``x W^T + b`` on a row kernel (``dovetail_fp32_linear`` or ``_bf16_linear``, fp32 rows against
+    ``weight``), or on ``gemm`` for a prompt's calls of ``PROMPT_GEMM_ROWS`` rows or more and any of more
+    than ``MAX_KERNEL_ROWS``."""
+    out_features, in_features = weight.shape
+    shape = x.shape
+    rows = x.reshape(-1, in_features)
+    count = rows.shape[0]
+    if count > MAX_KERNEL_ROWS or (count >= PROMPT_GEMM_ROWS and in_prompt()):
+        return gemm(x)
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.to(torch.float32).contiguous()
+    out = torch.empty(count, out_features, dtype=torch.float32)
+    function(rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), count,
+             out_features, in_features, torch.get_num_threads())
+    return out.reshape(*shape[:-1], out_features)
+
+
 class RowInvariantFp32Linear(LinearKernel):
     """``y = x W^T + b`` in fp32 on ``dovetail_fp32_linear`` (a prompt's calls of ``PROMPT_GEMM_ROWS``
     rows or more, and any of more than ``MAX_KERNEL_ROWS``, on ``F.linear``)."""
@@ -76,20 +95,12 @@ class RowInvariantFp32Linear(LinearKernel):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(),
                                                            requires_grad=False)
         self.out_features, self.in_features = self.weight.shape
-        self._bias_pointer = None if self.bias is None else self.bias.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features)
-        count = rows.shape[0]
-        if count > MAX_KERNEL_ROWS or (count >= PROMPT_GEMM_ROWS and in_prompt()):
-            return F.linear(x, self.weight, self.bias)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.to(torch.float32).contiguous()
-        out = torch.empty(count, self.out_features, dtype=torch.float32)
-        self._function(rows.data_ptr(), self.weight.data_ptr(), self._bias_pointer, out.data_ptr(), count,
-                       self.out_features, self.in_features, torch.get_num_threads())
-        return out.reshape(*shape[:-1], self.out_features)
+        return run_row_kernel(self._function, x, self.weight, self.bias, self._gemm)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp32 row-invariant kernel"

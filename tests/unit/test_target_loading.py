@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from cpu_worker.engine import TargetEngine, greedy_decode
 from cpu_worker.model import ModelLoadError
@@ -132,6 +134,14 @@ def test_loading_converts_tensor_by_tensor_to_the_same_model(tmp_path, family, p
     exactly the model that converting a whole fp32 model builds; fp16 shards, tied heads and
     qkv biases included."""
     path = save_tiny_model(tmp_path / family, weight_format="sharded", **TINY_FAMILIES[family])
+    streamed, streamed_logits, converted_logits = streamed_and_converted(path, precision)
+    assert torch.equal(streamed_logits, converted_logits)
+    assert not any(p.is_meta for p in streamed.parameters())
+
+
+def streamed_and_converted(path: Path, precision: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model loaded at ``precision`` tensor by tensor, and a prefill's and a decode's logits from it
+    and from the whole fp32 model converted (``apply_precision``)."""
     streamed = load_target_model(path, precision)
     converted, dtype = apply_precision(load_target_model(path), precision)
     tokens = [3, 14, 15, 92, 65, 35]
@@ -139,8 +149,7 @@ def test_loading_converts_tensor_by_tensor_to_the_same_model(tmp_path, family, p
     for model in (streamed, converted):
         engine = TargetEngine(model, max_len=16, activation_dtype=dtype)
         outputs.append(torch.stack([engine.prefill(tokens).logits, engine.decode(7).logits]))
-    assert torch.equal(outputs[0], outputs[1])
-    assert not any(p.is_meta for p in streamed.parameters())
+    return streamed, outputs[0], outputs[1]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8-row", "int8"])
@@ -149,15 +158,9 @@ def test_a_bias_stored_after_its_weight_is_kept(tmp_path, precision):
     their kernels read it: the streamed model's unfused o_proj and down_proj keep theirs, as
     converting the whole fp32 model does (prefill on the Python layers, decode on the C loop)."""
     path = save_tiny_model(tmp_path / "bin", "llama", weight_format="bin", attention_bias=True, mlp_bias=True)
-    streamed = load_target_model(path, precision)
-    converted, dtype = apply_precision(load_target_model(path), precision)
+    streamed, streamed_logits, converted_logits = streamed_and_converted(path, precision)
     assert streamed.layers[0].self_attn.o_proj.bias is not None
-    tokens = [3, 14, 15, 92, 65, 35]
-    outputs = []
-    for model in (streamed, converted):
-        engine = TargetEngine(model, max_len=16, activation_dtype=dtype)
-        outputs.append(torch.stack([engine.prefill(tokens).logits, engine.decode(7).logits]))
-    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(streamed_logits, converted_logits)
 
 
 def test_the_loaders_skeleton_runs_no_embedding_init(tmp_path, monkeypatch):
