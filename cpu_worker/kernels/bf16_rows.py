@@ -93,12 +93,10 @@ class RowInvariantBf16Linear(Bf16Linear):
         return super().extra_repr() + ", row-invariant kernel"
 
 
-def bf16_linear_maker(native_kernel: bool = True) -> Callable[[torch.Tensor, torch.Tensor | None, str], Bf16Linear]:
+def bf16_linear_maker() -> Callable[[torch.Tensor, torch.Tensor | None, str], Bf16Linear]:
     """Builds each linear layer of a bf16 target from its checkpoint weight as it streams in
-    (``WeightPlacer``): on the row kernel where the library builds and ``native_kernel``, else
-    on the widened GEMM."""
-    exact = native_kernel and native.load() is not None
-    kind = RowInvariantBf16Linear if exact else Bf16Linear
+    (``WeightPlacer``): on the row kernel where the library builds, else on the widened GEMM."""
+    kind = RowInvariantBf16Linear if native.load() is not None else Bf16Linear
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> Bf16Linear:
         return kind(weight, bias)
