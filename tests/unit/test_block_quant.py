@@ -39,7 +39,8 @@ def per_block_int8(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     top = 127 if bits == 8 else 32512
     blocks = x.reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    q = torch.round(blocks * torch.where(amax > 0, top / amax, 0)).clamp(-top, top)
+    inverse = torch.full_like(amax, top) / amax  # a true division, as the kernel's (``top / tensor`` is not)
+    q = torch.round(blocks * torch.where(amax > 0, inverse, 0)).clamp(-top, top)
     return (q * (amax / top)).reshape(x.shape)
 
 

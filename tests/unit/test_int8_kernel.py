@@ -34,7 +34,9 @@ def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:
 def integer_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     maxima = rows.abs().amax(dim=1, keepdim=True)
-    inverse = torch.where(maxima > 0, 127.0 / maxima, torch.zeros_like(maxima))
+    # A true division, as the kernel's: torch's ``127.0 / tensor`` is a reciprocal times 127, which
+    # rounds differently now and then (a 70.5 tie where the kernel has 70.500008: one in ~200 draws).
+    inverse = torch.where(maxima > 0, torch.full_like(maxima, 127.0) / maxima, torch.zeros_like(maxima))
     quantized = torch.round(rows * inverse).clamp(-127, 127).to(torch.int64)
     sums = (quantized @ values.to(torch.int64).T).to(torch.int32)
     out = sums.to(torch.float32) * (maxima / 127.0) * scales
