@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cpu_worker.kernels.fp32_rows import run_row_kernel
-from cpu_worker.kernels.huge_pages import on_huge_pages
+from cpu_worker.kernels.fp32_rows import frozen_bias, run_row_kernel, streamed_weight
 from cpu_worker.kernels.linear import LinearKernel
 from cpu_worker.native import library as native
 
@@ -47,14 +46,8 @@ class Bf16Linear(LinearKernel):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        if isinstance(weight, nn.Parameter) and weight.dtype == torch.bfloat16 and weight.is_contiguous():
-            self.weight = weight  # the same parameter: a tied lm_head shares its embedding's table
-        else:
-            self.weight = nn.Parameter(weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
-        # Every call streams the weight: onto huge pages, as fp32's (swapping .data keeps the parameter).
-        self.weight.data = on_huge_pages(self.weight.data)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(),
-                                                           requires_grad=False)
+        self.weight = streamed_weight(weight, torch.bfloat16)  # a tied lm_head shares its embedding's table
+        self.bias = frozen_bias(bias)
         self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,24 @@ def in_prompt() -> bool:
     return _in_prompt.get()
 
 
+def streamed_weight(weight: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    """A row kernel's weight: ``weight`` itself where it is already a contiguous ``dtype`` parameter
+    (a tied lm_head stays tied to its table), else a frozen contiguous copy in ``dtype``. Every call
+    streams it, so it goes onto huge pages (1.08x a 1B fp32 decode step on the EPYC); swapping
+    .data keeps the parameter, so whatever shares it (a tied embedding) follows."""
+    if isinstance(weight, nn.Parameter) and weight.dtype == dtype and weight.is_contiguous():
+        parameter = weight
+    else:
+        parameter = nn.Parameter(weight.detach().to(dtype).contiguous(), requires_grad=False)
+    parameter.data = on_huge_pages(parameter.data)
+    return parameter
+
+
+def frozen_bias(bias: torch.Tensor | None) -> nn.Parameter | None:
+    """A row kernel's bias: fp32, contiguous, frozen."""
+    return None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(), requires_grad=False)
+
+
 def run_row_kernel(function: Callable[..., None], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``x W^T + b`` on a row kernel (``dovetail_fp32_linear`` or ``_bf16_linear``, fp32 rows against
@@ -85,15 +103,8 @@ class RowInvariantFp32Linear(LinearKernel):
         if library is None:
             raise RuntimeError("the fp32 row kernel needs the compiled kernel library (a C compiler)")
         self._function = library.dovetail_fp32_linear
-        if isinstance(weight, nn.Parameter) and weight.dtype == torch.float32 and weight.is_contiguous():
-            self.weight = weight  # the same parameter: a tied lm_head stays tied
-        else:
-            self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous(), requires_grad=False)
-        # Every call streams the weight: onto huge pages (1.08x a 1B fp32 decode step on the EPYC).
-        # Swapping .data keeps the parameter, so whatever shares it (a tied embedding) follows.
-        self.weight.data = on_huge_pages(self.weight.data)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).contiguous(),
-                                                           requires_grad=False)
+        self.weight = streamed_weight(weight, torch.float32)
+        self.bias = frozen_bias(bias)
         self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
