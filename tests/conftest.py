@@ -7,7 +7,6 @@ testbed target stored in fp16, and its trained DGF head), never ``../shared``.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -27,11 +26,22 @@ import pytest
 import torch
 
 
+def flags_for(arch: str, *extra: str) -> list[str]:
+    """The kernel library's build flags with ``-march=arch`` (and ``extra`` -m flags) instead of this CPU's."""
+    from cpu_worker.native import library as native_library
+
+    return [flag for flag in native_library.FLAGS if flag != "-march=native"] + [f"-march={arch}", *extra]
+
+
+def build_for(arch: str, *extra: str):
+    """The kernel library built for ``-march=arch`` (and ``extra``) instead of this CPU: tests that
+    compare builds. Compiled once per test session into one temporary folder: a compile takes
+    seconds, and a dozen tests build the same few."""
+    return _shared_build(tuple(flags_for(arch, *extra)))
+
+
 @cache
-def shared_build(flags: Sequence[str]):
-    """The kernel library built with ``flags`` (another -march than this CPU's: tests that compare
-    builds), compiled once per test session into one temporary folder: a compile takes seconds, and
-    a dozen tests build the same few."""
+def _shared_build(flags: tuple[str, ...]):
     import atexit
     import shutil
     import tempfile

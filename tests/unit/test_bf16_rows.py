@@ -10,7 +10,6 @@ import logging
 import torch
 from test_fp32_rows import BUILDS
 from test_int8 import worst_tree_vs_decode_gap
-from test_int8_kernel import build_for
 from torch import nn
 from torch.nn import functional as F
 
@@ -22,7 +21,7 @@ from cpu_worker.server import build_engine
 from cpu_worker.target_loading import load_target_model, weight_bytes
 from ipc.placement import cpu_flags
 
-from conftest import TINY_FAMILIES, save_tiny_model
+from conftest import TINY_FAMILIES, build_for, save_tiny_model
 
 
 def _call(function, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, threads: int = 2) -> torch.Tensor:

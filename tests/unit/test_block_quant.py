@@ -11,14 +11,14 @@ from cpu_worker.kernels import block_quant
 from ipc.placement import cpu_flags
 from tools import quant_reference
 
-from conftest import shared_build
+from conftest import build_for
 
-# (-march flags, the x86 flags a CPU needs to run that build, dovetail_block_simd's answer)
-BUILDS = [(["-march=x86-64-v2"], set(), 0),
-          (["-march=x86-64-v3"], {"avx2", "fma", "f16c", "bmi2", "movbe"}, 1),
-          (["-march=x86-64-v3", "-mavxvnni"], {"avx2", "fma", "f16c", "bmi2", "movbe", "avx_vnni"}, 2),
-          (["-march=x86-64-v4", "-mavx512vnni"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, 2),
-          (["-march=sapphirerapids"], {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}, 2)]
+# (-march and other -m flags' arguments, the x86 flags a CPU needs to run that build, dovetail_block_simd's answer)
+BUILDS = [(("x86-64-v2",), set(), 0),
+          (("x86-64-v3",), {"avx2", "fma", "f16c", "bmi2", "movbe"}, 1),
+          (("x86-64-v3", "-mavxvnni"), {"avx2", "fma", "f16c", "bmi2", "movbe", "avx_vnni"}, 2),
+          (("x86-64-v4", "-mavx512vnni"), {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, 2),
+          (("sapphirerapids",), {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"}, 2)]
 KINDS = list(block_quant.TYPES)
 
 
@@ -27,7 +27,7 @@ def runnable_builds() -> list[tuple[str, object]]:
     built = []
     for arch, needs, simd in BUILDS:
         if needs <= cpu_flags():
-            library = shared_build((*arch, "-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"))
+            library = build_for(*arch)
             assert library.dovetail_block_simd() == simd, arch
             built.append((" ".join(arch), library))
     return built
@@ -140,7 +140,7 @@ def test_the_kernel_layout_keeps_every_value_and_pads_a_last_group():
 @pytest.mark.parametrize("bits", [8, 16])
 def test_every_build_gives_a_row_its_bits_alone_and_the_dequantized_product(use_library, bits):
     builds = runnable_builds()
-    assert builds[0][0] == "-march=x86-64-v2"
+    assert builds[0][0] == "x86-64-v2"
     generator = torch.Generator().manual_seed(0)
     planes = block_quant.ACTIVATION_PLANES[bits]
     for kind in KINDS:

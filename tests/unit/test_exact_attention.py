@@ -12,9 +12,8 @@ from test_int8 import forced_tree_vs_decode_gap
 
 from cpu_worker.engine import tree_paths
 from cpu_worker.kernels import exact_attention
-from cpu_worker.native import library as native_library
 
-from conftest import shared_build
+from conftest import build_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,8 +145,7 @@ def test_engine_tree_logits_equal_decode_logits_on_either_attention(demo_target,
 def test_the_plain_c_build_gives_the_native_build_s_bits():
     """The AVX2 exponential and the plain C one must round alike (a row's tail, past its last
     multiple of 8, always takes the plain one)."""
-    flags = [flag for flag in native_library.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    plain = shared_build(tuple(flags))
+    plain = build_for("x86-64-v2")
     keys, values = cache(4, 64, seed=4)
     q = torch.randn(1, 8, 6, 64, generator=torch.Generator().manual_seed(5)) * 8
     paths = tree_of([-1, 0, 0, 1, 3, 4])

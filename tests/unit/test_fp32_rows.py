@@ -11,7 +11,6 @@ import subprocess
 import pytest
 import torch
 from test_int8 import worst_tree_vs_decode_gap
-from test_int8_kernel import build_for, flags_for
 from torch import nn
 from torch.nn import functional as F
 
@@ -28,6 +27,8 @@ from cpu_worker.native import library as native_library
 from cpu_worker.target_loading import load_target_model, weight_bytes
 from ipc.placement import cpu_flags
 from ipc.tree import MAX_TREE_TOKENS
+
+from conftest import build_for, flags_for
 
 
 @pytest.mark.parametrize("shape", [(96, 320), (37, 33), (5, 15), (515, 768)])

@@ -22,7 +22,7 @@ from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
 from ipc.placement import cpu_flags
 
-from conftest import shared_build
+from conftest import build_for, flags_for
 
 
 def reference(rows: torch.Tensor, layer: RowwiseInt8Linear) -> torch.Tensor:
@@ -41,16 +41,6 @@ def integer_reference(rows: torch.Tensor, values: torch.Tensor, scales: torch.Te
     sums = (quantized @ values.to(torch.int64).T).to(torch.int32)
     out = sums.to(torch.float32) * (maxima / 127.0) * scales
     return out + bias if bias is not None else out
-
-
-def flags_for(arch: str) -> list[str]:
-    """The library's build flags with ``-march=arch`` instead of this CPU's."""
-    return [flag for flag in native_library.FLAGS if flag != "-march=native"] + [f"-march={arch}"]
-
-
-def build_for(arch: str) -> ctypes.CDLL:
-    """The kernel library built for ``-march=arch`` instead of this CPU (once per test session)."""
-    return shared_build(tuple(flags_for(arch)))
 
 
 @pytest.mark.parametrize("arch", ["native", "x86-64-v3", "icelake-server"])

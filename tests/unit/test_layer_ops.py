@@ -12,10 +12,9 @@ from test_int8 import forced_tree_vs_decode_gap
 
 from cpu_worker.kernels import layer_ops
 from cpu_worker.model.llama import RMSNorm, apply_rope
-from cpu_worker.native import library as native_library
 from cpu_worker.server import build_engine
 
-from conftest import shared_build
+from conftest import build_for
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,8 +116,7 @@ def test_rope_qkv_refuses_shapes_and_slots_it_would_read_or_write_past():
 
 
 def test_the_plain_c_build_gives_the_native_build_s_bits():
-    flags = [flag for flag in native_library.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    plain = shared_build(tuple(flags))
+    plain = build_for("x86-64-v2")
     x, weight = rows(70, 1037, seed=6), rows(1, 1037, seed=7)[0]
     assert torch.equal(layer_ops.rms_norm(x, weight, 1e-6), layer_ops.rms_norm(x, weight, 1e-6, library=plain))
     qkv, cos, sin = rows(3, 8 * 36, seed=8).unsqueeze(0), rows(3, 36, seed=9), rows(3, 36, seed=10)

@@ -11,12 +11,11 @@ import torch.nn.functional as F
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import block_quant, int8_kernel, layer_ops
-from cpu_worker.native import library as native_library
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.server import build_engine
 from cpu_worker.target_loading import load_target_model
 
-from conftest import shared_build
+from conftest import build_for
 
 PROMPT = [5, 17, 230, 41, 9, 300, 77, 12, 8, 150, 33, 64]
 TREE_TOKENS = [40, 41, 42, 43, 44, 45, 46]
@@ -158,8 +157,7 @@ def test_silu_mul_is_close_to_torch_and_row_invariant(width):
 
 
 def test_silu_mul_of_the_plain_c_build_gives_the_native_build_s_bits():
-    flags = [flag for flag in native_library.FLAGS if flag != "-march=native"] + ["-march=x86-64-v2"]
-    plain = shared_build(tuple(flags))
+    plain = build_for("x86-64-v2")
     gate_up = torch.randn(300, 2 * 515, generator=torch.Generator().manual_seed(1)) * 5  # on the thread pool
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(layer_ops.silu_mul(gate, up), layer_ops.silu_mul(gate, up, library=plain))
