@@ -26,7 +26,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -73,6 +73,24 @@ WORKER_TIMEOUT_FLOOR_S = 30.0
 UNMEASURED_WORKER_TIMEOUT_S = 300.0
 # A request's newly final tokens, their text and (when asked) their log-probabilities -> cancel?
 OnText = Callable[[list[int], str, list[m.TokenLogprob]], bool]
+
+
+# libgomp's idle threads spin GOMP_SPINCOUNT times before they sleep: by default 300,000, ~9 ms on a
+# 2-core Zen 4 (CPU burnt by an idle process after a parallel region). The target's last region of a
+# verify pass is followed at once by the draft's step, which then shares the cores with a spinning
+# target thread: at the llama2-7b stand-in (q4_0 target, 3/2/4 trees, draft on the same 2 cores) the
+# draft's step cost 18-20% of a verify pass against 15-16% with 30,000 spins (~1 ms; docs/performance.md).
+# Not fewer: the gaps between a step's own native calls must stay covered (a target that sleeps at
+# once, PASSIVE, made the demo's steps 2.5x slower); 3,000 (~0.1 ms) decoded the 7B as fast, too.
+TARGET_SPIN_COUNT = "30000"
+
+
+def target_worker_env(with_draft: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """The target worker's environment beyond ours: a short OpenMP spin where a draft worker runs
+    beside it, unless the user chose a wait policy or spin count (``environ``)."""
+    if not with_draft or "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": TARGET_SPIN_COUNT}
 
 
 # A GGUF's own weights, activations at 16 bits per block: the file's model as near its fp32 meaning as its
@@ -210,7 +228,7 @@ class Coordinator:
                                      cycle_slots(settings.max_batch)),
                       ShmRing.create(slot_bytes_for(self.max_len, layout.row_width, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
-        self.cpu = self._target_worker(target_dir, layout)
+        self.cpu = self._target_worker(target_dir, layout, with_draft=draft_dir is not None)
         if draft_dir is not None:
             self.gpu = self._draft_worker(draft_dir, target_dir, layout, envelope)
         for worker in self.workers():
@@ -272,7 +290,7 @@ class Coordinator:
     def _rings(self) -> m.RingNames:
         return m.RingNames(cycle=self.rings[0].name, prefill=self.rings[1].name)
 
-    def _target_worker(self, target_dir: Path, layout: FeatureLayout) -> WorkerHandle[m.TargetInfo]:
+    def _target_worker(self, target_dir: Path, layout: FeatureLayout, with_draft: bool) -> WorkerHandle[m.TargetInfo]:
         settings = self.settings
         worker_settings = m.TargetSettings(
             log_level=settings.log_level, max_len=self.max_len, rings=self._rings(), target=str(target_dir),
@@ -280,7 +298,8 @@ class Coordinator:
             aux_layers=list(layout.aux_layers or []), kv_dtype=settings.kv_dtype, max_sequences=settings.max_batch)
         assert self.runtime_dir is not None
         return WorkerHandle("cpu_worker", "cpu_worker.server", worker_settings, self.runtime_dir, m.FROM_CPU_WORKER,
-                            m.TargetInfo, reply_timeout_s=self._initial_worker_timeout(), on_wait=self._waiting)
+                            m.TargetInfo, env=target_worker_env(with_draft, os.environ),
+                            reply_timeout_s=self._initial_worker_timeout(), on_wait=self._waiting)
 
     def _draft_worker(self, draft_dir: Path, target_dir: Path, layout: FeatureLayout,
                       envelope: TreeShape) -> WorkerHandle[m.DraftInfo]:

@@ -137,6 +137,29 @@ def test_cpu_cores_confine_every_target_thread(server):
     assert thread_affinities(cpu) == {(0,)}
 
 
+def test_a_wait_policy_the_user_set_reaches_the_target_unchanged(server):
+    # The suite sets OMP_WAIT_POLICY (conftest): the target keeps libgomp's reading of it, no spin count of ours.
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"
+    workers = server.workers()
+    assert "GOMP_SPINCOUNT" not in workers["cpu_worker"].environ()
+    assert workers["gpu_worker"].environ()["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_beside_a_draft_the_target_spins_briefly_and_the_draft_sleeps(demo_target, demo_random_head):
+    """Without a policy of the user's, the target's idle OpenMP threads spin ~1 ms, not libgomp's ~9 ms
+    (they would spin on the cores the draft's step runs on next), and the draft's sleep at once."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    running = Server("--target", str(demo_target), "--draft", str(demo_random_head), "--cpu-cores", "0",
+                     env=environment)
+    try:
+        workers = running.workers()
+        assert workers["cpu_worker"].environ()["GOMP_SPINCOUNT"] == "30000"
+        assert "OMP_WAIT_POLICY" not in workers["cpu_worker"].environ()
+        assert workers["gpu_worker"].environ()["OMP_WAIT_POLICY"] == "PASSIVE"
+    finally:
+        assert running.stop() == 0
+
+
 def test_ipc_and_tcp_clients_stream_correct_output_at_once(server, reference_ids):
     ipc_endpoint, tcp_endpoint = server.endpoints
     assert ipc_endpoint.startswith("ipc://") and tcp_endpoint.startswith("tcp://127.0.0.1:")

@@ -159,3 +159,12 @@ def test_recover_gives_up_beyond_the_restart_budget_until_the_window_passes(reco
     coordinator.recover()
     assert cpu.events[-3:] == ["stop", "spawn", "wait_ready 7"] and len(cpu.events) == 6
     assert coordinator.metrics.reply(queue_depth=0).worker_restarts == 3
+
+
+def test_the_target_spins_briefly_only_beside_a_draft_and_only_where_the_user_chose_no_policy():
+    from dovetail_runtime.coordinator import TARGET_SPIN_COUNT, target_worker_env
+
+    assert target_worker_env(True, {"PATH": "/bin"}) == {"GOMP_SPINCOUNT": TARGET_SPIN_COUNT}
+    assert target_worker_env(False, {"PATH": "/bin"}) == {}  # --mode ar without a draft: libgomp's default
+    assert target_worker_env(True, {"GOMP_SPINCOUNT": "5"}) == {}
+    assert target_worker_env(True, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
