@@ -75,22 +75,43 @@ UNMEASURED_WORKER_TIMEOUT_S = 300.0
 OnText = Callable[[list[int], str, list[m.TokenLogprob]], bool]
 
 
-# libgomp's idle threads spin GOMP_SPINCOUNT times before they sleep: by default 300,000, ~9 ms on a
-# 2-core Zen 4 (CPU burnt by an idle process after a parallel region). The target's last region of a
-# verify pass is followed at once by the draft's step, which then shares the cores with a spinning
-# target thread: at the llama2-7b stand-in (q4_0 target, 3/2/4 trees, draft on the same 2 cores) the
-# draft's step cost 18-20% of a verify pass against 15-16% with 30,000 spins (~1 ms; docs/performance.md).
-# Not fewer: the gaps between a step's own native calls must stay covered (a target that sleeps at
-# once, PASSIVE, made the demo's steps 2.5x slower); 3,000 (~0.1 ms) decoded the 7B as fast, too.
-TARGET_SPIN_COUNT = "30000"
+# OpenMP waits of two workers on shared cores. libgomp's idle threads spin GOMP_SPINCOUNT times before
+# they sleep: 300,000 by default (~9 ms on a 2-core Zen 4: CPU burnt by an idle process after one parallel
+# region), none under OMP_WAIT_POLICY=PASSIVE, and a count given explicitly overrides PASSIVE's none. Each
+# cycle hands the cores from the target's verify pass to the draft's step and back, so each worker must
+# sleep soon after its own step (a draft spinning libgomp's ~9 ms doubled the verify pass: 16.4 against
+# 8.2 ms a cycle passive, tools/bench_e2e), yet stay awake across the microsecond gaps between its step's
+# native calls (a wake-up through the kernel for each of a passive draft's dozens of calls a step cost
+# it 2-3x the same step in a loop). Measured on 2 cores (docs/performance.md, 2026-12-06):
+# - at the llama2-7b stand-in the target at libgomp's default spun through most of the draft's step: the
+#   draft cost 18-20% of a verify pass, 15-16% at 30,000 target spins (~1 ms), 14-15% with both counts
+#   below; 3,000 (~0.1 ms) decodes the 7B as fast as the default;
+# - at the demo's size (4/3/4 trees) a passive draft beside a target at 30,000 spent 40% longer on its
+#   steps than one spinning 10,000 times (~0.3 ms) beside a target at 3,000; verify passes kept their speed.
+TARGET_SPIN_COUNT = "3000"
+DRAFT_SPIN_COUNT = "10000"
+
+
+def _user_chose_waits(environ: Mapping[str, str]) -> bool:
+    """Whether the user set OpenMP's waits: then both workers inherit them as set."""
+    return "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ
 
 
 def target_worker_env(with_draft: bool, environ: Mapping[str, str]) -> dict[str, str]:
-    """The target worker's environment beyond ours: a short OpenMP spin where a draft worker runs
-    beside it, unless the user chose a wait policy or spin count (``environ``)."""
-    if not with_draft or "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+    """The target worker's environment beyond ``environ``: a short OpenMP spin where a draft worker
+    runs beside it (alone, --mode ar, libgomp's default), unless the user chose the waits."""
+    if not with_draft or _user_chose_waits(environ):
         return {}
     return {"GOMP_SPINCOUNT": TARGET_SPIN_COUNT}
+
+
+def draft_worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The draft worker's environment beyond ``environ``: its idle threads sleep (PASSIVE, for any
+    OpenMP runtime) after a short spin (libgomp's count, which overrides PASSIVE), unless the user
+    chose the waits."""
+    if _user_chose_waits(environ):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": DRAFT_SPIN_COUNT}
 
 
 # A GGUF's own weights, activations at 16 bits per block: the file's model as near its fp32 meaning as its
@@ -309,16 +330,10 @@ class Coordinator:
             target=str(target_dir), device=settings.draft_device, dtype=settings.draft_dtype,
             threads=settings.draft_threads, cores=settings.draft_cores, scratch_len=envelope.scratch_slots,
             row_width=layout.row_width, layout=layout.describe(), max_sequences=settings.max_batch)
-        # The draft worker's OpenMP threads must sleep when idle, or they spin on the
-        # target's cores. Measured on 2 cores with a CPU draft (tools/bench_e2e): verify
-        # 16.4 ms/cycle with both workers at the default policy, 8.2 ms with a passive draft
-        # worker, 12.6 ms with both passive (passive wake-ups slow the target's own ops).
-        # So only the draft worker is passive; an OMP_WAIT_POLICY the user set wins.
-        draft_env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         assert self.runtime_dir is not None
         return WorkerHandle("gpu_worker", "gpu_worker.server", worker_settings, self.runtime_dir, m.FROM_GPU_WORKER,
-                            m.DraftInfo, env=draft_env, reply_timeout_s=self._initial_worker_timeout(),
-                            on_wait=self._waiting)
+                            m.DraftInfo, env=draft_worker_env(os.environ),
+                            reply_timeout_s=self._initial_worker_timeout(), on_wait=self._waiting)
 
     def _initial_worker_timeout(self) -> float | None:
         """--worker-timeout, or for its default the fallback until the step costs are measured."""

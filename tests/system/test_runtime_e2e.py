@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from dovetail_runtime.client import DovetailClient, GenerationError
+from dovetail_runtime.coordinator import DRAFT_SPIN_COUNT, TARGET_SPIN_COUNT
 from dovetail_runtime.tokenizer import Tokenizer
 from ipc import messages as m
 from ipc.codec import ProtocolError, decode
@@ -144,19 +145,21 @@ def test_a_wait_policy_the_user_set_reaches_the_workers_unchanged(server):
     assert workers["cpu_worker"].environ().get("GOMP_SPINCOUNT") == os.environ.get("GOMP_SPINCOUNT")
     assert workers["cpu_worker"].environ()["OMP_WAIT_POLICY"] == policy
     assert workers["gpu_worker"].environ()["OMP_WAIT_POLICY"] == policy
+    assert workers["gpu_worker"].environ().get("GOMP_SPINCOUNT") == os.environ.get("GOMP_SPINCOUNT")
 
 
 def test_beside_a_draft_the_target_spins_briefly_and_the_draft_sleeps(demo_target, demo_random_head):
-    """Without a policy of the user's, the target's idle OpenMP threads spin ~1 ms, not libgomp's ~9 ms
-    (they would spin on the cores the draft's step runs on next), and the draft's sleep at once."""
+    """Without a policy of the user's, each worker's idle OpenMP threads spin briefly, not libgomp's
+    ~9 ms (they would spin on the cores the other's step runs on next), then sleep."""
     environment = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     running = Server("--target", str(demo_target), "--draft", str(demo_random_head), "--cpu-cores", "0",
                      env=environment)
     try:
         workers = running.workers()
-        assert workers["cpu_worker"].environ()["GOMP_SPINCOUNT"] == "30000"
+        assert workers["cpu_worker"].environ()["GOMP_SPINCOUNT"] == TARGET_SPIN_COUNT
         assert "OMP_WAIT_POLICY" not in workers["cpu_worker"].environ()
         assert workers["gpu_worker"].environ()["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert workers["gpu_worker"].environ()["GOMP_SPINCOUNT"] == DRAFT_SPIN_COUNT
     finally:
         assert running.stop() == 0
 

@@ -168,3 +168,13 @@ def test_the_target_spins_briefly_only_beside_a_draft_and_only_where_the_user_ch
     assert target_worker_env(False, {"PATH": "/bin"}) == {}  # --mode ar without a draft: libgomp's default
     assert target_worker_env(True, {"GOMP_SPINCOUNT": "5"}) == {}
     assert target_worker_env(True, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+
+
+def test_the_draft_sleeps_after_a_short_spin_unless_the_user_chose_a_policy():
+    from dovetail_runtime.coordinator import DRAFT_SPIN_COUNT, TARGET_SPIN_COUNT, draft_worker_env
+
+    assert draft_worker_env({"PATH": "/bin"}) == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": DRAFT_SPIN_COUNT}
+    # Short, but longer than the target's: a draft step's calls are many and small.
+    assert 0 < int(TARGET_SPIN_COUNT) < int(DRAFT_SPIN_COUNT) <= 30_000
+    assert draft_worker_env({"GOMP_SPINCOUNT": "5"}) == {}  # the user's count reaches it through the environment
+    assert draft_worker_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
