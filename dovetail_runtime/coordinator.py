@@ -79,10 +79,10 @@ OnText = Callable[[list[int], str, list[m.TokenLogprob]], bool]
 # they sleep: 300,000 by default (~9 ms on a 2-core Zen 4: CPU burnt by an idle process after one parallel
 # region), none under OMP_WAIT_POLICY=PASSIVE, and a count given explicitly overrides PASSIVE's none. Each
 # cycle hands the cores from the target's verify pass to the draft's step and back, so each worker must
-# sleep soon after its own step (a draft spinning libgomp's ~9 ms doubled the verify pass: 16.4 against
-# 8.2 ms a cycle passive, tools/bench_e2e), yet stay awake across the microsecond gaps between its step's
-# native calls (a wake-up through the kernel for each of a passive draft's dozens of calls a step cost
-# it 2-3x the same step in a loop). Measured on 2 cores (docs/performance.md, 2026-12-06):
+# sleep soon after its own step (both workers at libgomp's default doubled the verify pass: 16.4 ms a
+# cycle against 8.2 with a passive draft, tools/bench_e2e), yet stay awake across the microsecond gaps
+# between its step's native calls (a sleeping thread is woken through the kernel for each of them: a
+# passive target's steps took 2.5x as long at the demo's size). Measured on 2 cores (docs/performance.md):
 # - at the llama2-7b stand-in the target at libgomp's default spun through most of the draft's step: the
 #   draft cost 18-20% of a verify pass, 15-16% at 30,000 target spins (~1 ms), 14-15% with both counts
 #   below; 3,000 (~0.1 ms) decodes the 7B as fast as the default;
