@@ -9,7 +9,11 @@ deeper for the same T).
   timings cached on disk); once cycles of a size (a depth) have been seen, their observed
   mean replaces the measurement, and unseen ones are rescaled by how observed cycles
   compare with the measurement (a busy machine makes everything slower); t_ipc is the
-  observed rest of a cycle.
+  observed rest of a cycle. A tree never costs less than a smaller one, and a shared host
+  only ever makes a timing slower, so each size is rated at the least that it or any larger
+  size costs (``cheapest_from_here``): one size timed during a busy spell cannot price the
+  sizes above it at its own cost (they would look free). What this cannot tell apart: a large
+  tree's cycles timed in a quiet spell price the smaller sizes down to them.
 - E[accepted | T, depth] is learnt online, and one verified tree answers it for every smaller
   tree: the drafter returns nodes in selection order, so the tree for (T', d') is the root
   plus the first T' - 1 nodes no deeper than d' (``gpu_worker.tree``), and its accepted path
@@ -154,6 +158,20 @@ def interpolate(points: Mapping[int, float], x: int) -> float:
     return points[xs[-1]]
 
 
+def cheapest_from_here(costs: Mapping[int, float]) -> dict[int, float]:
+    """Each size's cost as the least of its own and every larger size's: non-decreasing, as a
+    tree's cost is, and robust to the error a shared host makes (a timing taken during a busy
+    spell is too high, never too low). The running maximum kept before let one slow timing of
+    T = 2 in the cache (157 ms against 132 for T = 3, the 7B chat stand-in on 2 cores) price T = 2,
+    3 and 4 alike, 21 ms under T = 6: the planner started at 6/3/8 and often settled on 6-node
+    trees (docs/performance.md, 2026-12-06 eleventh session)."""
+    cheapest, least = {}, float("inf")
+    for size in sorted(costs, reverse=True):
+        least = min(least, costs[size])
+        cheapest[size] = least
+    return dict(sorted(cheapest.items()))
+
+
 Cell = tuple[int, int, int]  # (T, depth, top_k)
 
 
@@ -161,6 +179,14 @@ def draft_capacity(depth: int, top_k: int) -> int:
     """Draft nodes a tree of this depth and beam width can offer (``gpu_worker.tree``: top_k
     children of the root, then top_k**2 per further level); a larger T cannot be filled."""
     return top_k + (depth - 1) * top_k * top_k
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the planner rates cycles by: t_verify per tree size, t_draft per beam width and depth (ms)."""
+
+    verify: dict[int, float]
+    draft: dict[int, dict[int, float]]
 
 
 class TreePlanner:
@@ -172,15 +198,13 @@ class TreePlanner:
                  draft_ms_by_top_k: Mapping[int, Mapping[int, float]] | None = None):
         self.bounds = bounds
         self.envelope = bounds.envelope
-        # Measured on a busy machine a larger tree can time faster than a smaller one; a tree
-        # never costs less than any smaller tree, so keep the running maximum.
-        self.verify_ms: dict[int, float] = {}
-        for size in sorted(verify_ms):
-            self.verify_ms[size] = max([verify_ms[size], *self.verify_ms.values()])
-        self.draft_ms = {top_k: dict(draft_ms) for top_k in bounds.top_ks}
+        # Measured on a busy machine a larger tree can time faster than a smaller one: the smaller
+        # one's timing is the wrong one (cheapest_from_here).
+        self.verify_ms = cheapest_from_here(verify_ms)
+        self.draft_ms = {top_k: cheapest_from_here(draft_ms) for top_k in bounds.top_ks}
         for top_k, measured in (draft_ms_by_top_k or {}).items():
             if top_k in self.draft_ms and measured:
-                self.draft_ms[top_k] = dict(measured)
+                self.draft_ms[top_k] = cheapest_from_here(measured)
         self.explore_every = explore_every
         self.min_samples = min_samples
         self.decay = decay  # per cycle: acceptance changes with the text, old cycles count less
@@ -200,6 +224,7 @@ class TreePlanner:
         # Observed cost per tree size / per (depth, top_k): (decayed count, decayed total ms).
         self.seen_verify: dict[int, tuple[float, float]] = {}
         self.seen_draft: dict[tuple[int, int], tuple[float, float]] = {}
+        self._costs: Costs | None = None  # what the above make of each size and depth, until they change
         self.ipc_ms = 0.0
         self.cycles = 0
         self.best: Cell = self.first_shape()
@@ -223,15 +248,29 @@ class TreePlanner:
     # --- the model -------------------------------------------------------------------------
 
     def cycle_ms(self, cell: Cell) -> float:
-        """What a cycle of this shape costs: what such cycles took, where seen often enough,
-        else the startup measurement rescaled (a measurement taken on a busy machine can be
-        off for one size; the cycles themselves are not)."""
+        """What a cycle of this shape costs (``costs``)."""
         size, depth, top_k = cell
-        draft = self._seen(self.seen_draft, (depth, top_k))
-        verify = self._seen(self.seen_verify, size)
-        return ((self.draft_scale * interpolate(self.draft_ms[top_k], depth) if draft is None else draft)
-                + (self.verify_scale * interpolate(self.verify_ms, size) if verify is None else verify)
-                + self.ipc_ms)
+        costs = self.costs()
+        return costs.draft[top_k][depth] + costs.verify[size] + self.ipc_ms
+
+    def costs(self) -> Costs:
+        """t_verify per tree size and t_draft per beam width and depth: what such cycles took, where
+        seen often enough, else the startup measurement rescaled (a measurement taken on a busy
+        machine can be off for one size; the cycles themselves are not); then each at the least
+        of its own and every larger size's (``cheapest_from_here``: cycles seen during a busy
+        spell, or long ago, are no better than a measurement)."""
+        if self._costs is None:
+            def seen_or(table: Mapping[Any, tuple[float, float]], key: Any, measured: float) -> float:
+                seen = self._seen(table, key)
+                return measured if seen is None else seen
+
+            verify = {size: seen_or(self.seen_verify, size, self.verify_scale * interpolate(self.verify_ms, size))
+                      for size in self.bounds.tree_sizes}
+            draft = {top_k: cheapest_from_here({
+                depth: seen_or(self.seen_draft, (depth, top_k), self.draft_scale * interpolate(by_depth, depth))
+                for depth in range(1, self.bounds.max_depth + 1)}) for top_k, by_depth in self.draft_ms.items()}
+            self._costs = Costs(cheapest_from_here(verify), draft)
+        return self._costs
 
     @staticmethod
     def _seen(table: Mapping[Any, tuple[float, float]], key: Any) -> float | None:
@@ -258,7 +297,7 @@ class TreePlanner:
         """What a plain decode step should cost, until plain steps are timed (``plain_fallback``):
         t_verify(1) at the verify scale cycles show, and half the rest of a cycle (a cycle makes two
         round trips, a plain step one; with the whole rest the estimate ran ~25% over at the demo)."""
-        return self.verify_scale * interpolate(self.verify_ms, 1) + self.ipc_ms / 2
+        return self.costs().verify[1] + self.ipc_ms / 2
 
     # --- choosing ------------------------------------------------------------------------
 
@@ -419,6 +458,7 @@ class TreePlanner:
                 self.batch_draft_share += alpha * (share - self.batch_draft_share)
             self._choose()
             return
+        self._costs = None
         predicted_verify = interpolate(self.verify_ms, size)
         if predicted_verify > 0 and verify_ms > 0:
             self.verify_scale += alpha * (verify_ms / predicted_verify - self.verify_scale)
@@ -437,9 +477,8 @@ class TreePlanner:
         size, depth, top_k = self.best
         tokens = self.expected_tokens(self.best)
         expected = f"{tokens:.2f} tokens per cycle" if tokens is not None else "no acceptance data yet"
-        draft = (self._seen(self.seen_draft, (depth, top_k))
-                 or self.draft_scale * interpolate(self.draft_ms[top_k], depth))
-        verify = self._seen(self.seen_verify, size) or self.verify_scale * interpolate(self.verify_ms, size)
+        costs = self.costs()
+        draft, verify = costs.draft[top_k][depth], costs.verify[size]
         return (f"T={size} depth={depth} top_k={top_k} ({expected}; draft {draft:.1f} ms, "
                 f"verify {verify:.1f} ms, other {self.ipc_ms:.1f} ms per cycle); alone: {self.fallback.describe()}")
 
