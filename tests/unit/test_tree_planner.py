@@ -313,19 +313,19 @@ def test_verify_costs_are_made_non_decreasing_and_interpolated():
 
 def test_one_size_timed_during_a_busy_spell_does_not_price_the_sizes_above_it():
     """The 7B chat stand-in's curve as it stood in the cache (q4_0, 2 cores: T = 2 timed while the host
-    was busy, 157.5 ms against 131.9 for T = 3) and its head's draft curves. Under the running maximum
-    T = 2, 3 and 4 all cost 157.5 ms (so 3-node trees were never tried, and the first trees had 6 nodes);
-    rated at the least of their own and larger sizes' costs, T = 3 is the cheaper one again, and the
-    first trees are smaller."""
+    was busy, 157.5 ms against 131.9 for T = 3) and its head's draft curve. Under the running maximum
+    T = 2, 3 and 4 all cost 157.5 ms (a 3-node tree looked no cheaper than a 4-node one, and the first
+    trees had 6 nodes); rated at the least of their own and larger sizes' costs, T = 3 is the cheaper
+    one again, and the first trees are smaller."""
     cached = {1: 115.5, 2: 157.5, 3: 131.9, 4: 153.6, 6: 178.6, 8: 197.9, 12: 236.9, 16: 412.3, 24: 615.3,
               32: 828.5, 48: 1223.7, 64: 1425.9}
     draft = {1: 10.2, 2: 20.6, 3: 38.5, 4: 46.2, 5: 57.3, 6: 62.7, 7: 93.3, 8: 104.2, 9: 114.2, 10: 121.3}
     planner = TreePlanner(AutoTree(), cached, draft)
-    costs = planner.costs()
-    assert costs.verify[2] == costs.verify[3] == 131.9 and costs.verify[4] == 153.6
     assert planner.cycle_ms((3, 2, 8)) == pytest.approx(131.9 + 20.6)
     assert planner.cycle_ms((3, 2, 8)) < planner.cycle_ms((4, 2, 8)) - 20
     assert planner.first_shape()[0] <= 4
+    costs = planner.costs()
+    assert costs.verify[2] == costs.verify[3] == 131.9 and costs.verify[4] == 153.6
 
 
 def test_drafting_cannot_pay_is_said_only_when_even_perfect_acceptance_loses():
