@@ -258,7 +258,7 @@ class TreePlanner:
         seen often enough, else the startup measurement rescaled (a measurement taken on a busy
         machine can be off for one size; the cycles themselves are not); then each at the least
         of its own and every larger size's (``cheapest_from_here``: cycles seen during a busy
-        spell, or long ago, are no better than a measurement)."""
+        spell are no better than a measurement taken in one)."""
         if self._costs is None:
             def seen_or(table: Mapping[Any, tuple[float, float]], key: Any, measured: float) -> float:
                 seen = self._seen(table, key)
