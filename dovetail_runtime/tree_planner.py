@@ -260,22 +260,19 @@ class TreePlanner:
         of its own and every larger size's (``cheapest_from_here``: cycles seen during a busy
         spell are no better than a measurement taken in one)."""
         if self._costs is None:
-            def seen_or(table: Mapping[Any, tuple[float, float]], key: Any, measured: float) -> float:
-                seen = self._seen(table, key)
-                return measured if seen is None else seen
-
-            verify = {size: seen_or(self.seen_verify, size, self.verify_scale * interpolate(self.verify_ms, size))
+            verify = {size: self._seen(self.seen_verify, size, self.verify_scale * interpolate(self.verify_ms, size))
                       for size in self.bounds.tree_sizes}
             draft = {top_k: cheapest_from_here({
-                depth: seen_or(self.seen_draft, (depth, top_k), self.draft_scale * interpolate(by_depth, depth))
+                depth: self._seen(self.seen_draft, (depth, top_k), self.draft_scale * interpolate(by_depth, depth))
                 for depth in range(1, self.bounds.max_depth + 1)}) for top_k, by_depth in self.draft_ms.items()}
             self._costs = Costs(cheapest_from_here(verify), draft)
         return self._costs
 
     @staticmethod
-    def _seen(table: Mapping[Any, tuple[float, float]], key: Any) -> float | None:
+    def _seen(table: Mapping[Any, tuple[float, float]], key: Any, measured: float) -> float:
+        """The mean of the cycles seen for ``key`` where seen often enough, else ``measured``."""
         weight, total = table.get(key, (0.0, 0.0))
-        return total / weight if weight >= SEEN_ENOUGH else None
+        return total / weight if weight >= SEEN_ENOUGH else measured
 
     @staticmethod
     def _see(table: dict[Any, tuple[float, float]], key: Any, ms: float) -> None:
@@ -295,7 +292,7 @@ class TreePlanner:
 
     def plain_step_ms(self) -> float:
         """What a plain decode step should cost, until plain steps are timed (``plain_fallback``):
-        t_verify(1) at the verify scale cycles show, and half the rest of a cycle (a cycle makes two
+        t_verify(1) as the planner rates it (``costs``), and half the rest of a cycle (a cycle makes two
         round trips, a plain step one; with the whole rest the estimate ran ~25% over at the demo)."""
         return self.costs().verify[1] + self.ipc_ms / 2
 
