@@ -32,9 +32,10 @@ from typing import Literal, Protocol, TypeVar
 import msgspec
 
 from ipc import messages as m
-from ipc.tree import TreeShape
+from ipc.tree import MAX_TREE_TOKENS, TreeShape
 
-from .tree_planner import FixedTree, ShapePlanner
+from .lookup import PromptLookup, graft
+from .tree_planner import FixedTree, ShapePlanner, accepted_path
 
 Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
 # Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
@@ -112,10 +113,15 @@ class Stats:
     wall_ms: float = 0.0
     accept_per_depth: list[int] = field(default_factory=list)
     trees: collections.Counter[str] = field(default_factory=collections.Counter)  # "T/depth/top_k": cycles
+    lookup_nodes: int = 0  # tree nodes a prompt-lookup branch added (``lookup``)
+    lookup_tokens: int = 0  # accepted tokens that only such nodes offered
 
-    def record_cycle(self, shape: TreeShape, draft_ms: float, verify_ms: float, accepted: int) -> None:
-        """One draft/verify cycle of ``shape`` that emitted ``accepted`` tokens. The first cycle's draft
-        step also absorbed the prompt (or its last chunk: ``prefill_steps`` counts the others')."""
+    def record_cycle(self, shape: TreeShape, draft_ms: float, verify_ms: float, accepted: int,
+                     grafted: int = 0) -> None:
+        """One draft/verify cycle of ``shape`` that emitted ``accepted`` tokens, ``grafted`` of them on a
+        lookup branch's own nodes. The first cycle's draft step also absorbed the prompt (or its last
+        chunk: ``prefill_steps`` counts the others')."""
+        self.lookup_tokens += grafted
         if self.cycles == 0:
             self.draft_prompt_ms += draft_ms
         self.draft_ms += draft_ms
@@ -125,11 +131,13 @@ class Stats:
         self.accept_per_depth[accepted - 1] += 1
         self.trees[f"{shape.tree_tokens}/{shape.depth}/{shape.top_k}"] += 1
 
-    def record_plain(self, steps: int) -> None:
-        """``steps`` plain decode steps of a dovetail request (already counted as cycles): shown as
-        one-node trees with nothing drafted (top_k 0)."""
-        self.trees["1/0/0"] += steps
-        self.accept_per_depth[0] += steps
+    def record_plain_step(self, emitted: int) -> None:
+        """A plain step of a dovetail request (already counted as a cycle) that emitted ``emitted``
+        tokens (more than one: prompt lookup's branch): shown as a one-node tree with nothing drafted
+        (top_k 0)."""
+        self.trees["1/0/0"] += 1
+        self.accept_per_depth[emitted - 1] += 1
+        self.lookup_tokens += emitted - 1
 
     def message(self) -> m.RequestStats:
         compute = self.prefill_ms + self.draft_ms + self.verify_ms
@@ -142,7 +150,9 @@ class Stats:
             draft_prompt_ms=round(self.draft_prompt_ms, 3), verify_ms=round(self.verify_ms, 3),
             # Time not spent computing in a worker: messages, ring copies, coordinator work.
             ipc_ms=round(max(self.wall_ms - compute, 0.0), 3), wall_ms=round(self.wall_ms, 3),
-            accept_per_depth=list(self.accept_per_depth), trees=dict(self.trees.most_common()))
+            accept_per_depth=list(self.accept_per_depth), lookup_nodes=self.lookup_nodes,
+            lookup_tokens=self.lookup_tokens,
+            trees=dict(self.trees.most_common()))
 
 
 class Budget:
@@ -154,6 +164,7 @@ class Budget:
         self.emit = emit
         self.stats = stats
         self.finish_reason: FinishReason | None = None
+        self.kept: list[int] = []  # every token emitted so far
 
     def push(self, tokens: Sequence[int], logprobs: Sequence[m.TokenLogprob] = ()) -> bool:
         kept = list(tokens[: self.left])
@@ -162,6 +173,7 @@ class Budget:
             kept = kept[: end + 1]
             self.finish_reason = "stop"
         self.left -= len(kept)
+        self.kept += kept
         self.stats.new_tokens += len(kept)
         if self.left == 0 and self.finish_reason is None:
             self.finish_reason = "length"
@@ -295,12 +307,14 @@ def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1) -> Step
 
 
 def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                until: Callable[[], bool] | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
+                until: Callable[[], bool] | None = None, lookup: Lookup | None = None,
+                on_step: Callable[[int], None] | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
     """Plain decode steps from ``token`` (emitted, not cached yet; the sequence ``length`` tokens
     long) until the budget or the context ends (None): ar's loop, and dovetail's under sustained
     load. ``until``: asked before each step but the first (whoever calls has just decided on a plain
     step); when it says so the steps stop there and return the pending token and the length, to go on
-    another way."""
+    another way. ``lookup``: a dovetail request's prompt lookup (``lookup_step``); ``on_step``: told
+    each step's emitted tokens."""
     first = True
     while True:
         if context.room(length) < 1:
@@ -309,25 +323,58 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
         if until is not None and not first and until():
             return token, length
         first = False
-        step = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
-                      m.DecodeResult)
-        stats.verify_ms += step.compute_ms
-        stats.cycles += 1
-        stats.cycle_tokens += 1
-        token = step.token
-        length += 1
-        if budget.push([token], [step.logprob] if step.logprob else []):
+        if lookup is not None and (branch := lookup(branch_room(context, length, 1))):
+            step = yield from lookup_step(seq_id, token, branch, stats)
+            emitted, logprobs = step.accepted_tokens, step.logprobs
+        else:
+            decoded = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
+                             m.DecodeResult)
+            stats.verify_ms += decoded.compute_ms
+            stats.cycles += 1
+            stats.cycle_tokens += 1
+            emitted, logprobs = [decoded.token], [decoded.logprob] if decoded.logprob else []
+        if on_step is not None:
+            on_step(len(emitted))
+        token = emitted[-1]
+        length += len(emitted)
+        if budget.push(emitted, logprobs):
             return None
 
 
+# A dovetail request's prompt lookup: the branch to graft after its emitted tokens, at most this long.
+Lookup = Callable[[int], list[int]]
+
+
+def branch_room(context: Context, length: int, tree_tokens: int) -> int:
+    """The longest branch a tree of ``tree_tokens`` nodes may grow by: its cache slots and a message's
+    nodes are bounded."""
+    return min(context.room(length), MAX_TREE_TOKENS) - tree_tokens
+
+
+def lookup_step(seq_id: int, token: int, branch: Sequence[int], stats: Stats,
+                ) -> Generator[Call, m.Message, m.VerifyResult]:
+    """A plain step with prompt lookup's branch after ``token``: a chain verified as a tree, so the
+    step emits the target's next token and as many more as the branch guessed right."""
+    request = m.VerifyRequest(seq_id=seq_id, tokens=[token, *branch], parents=list(range(-1, len(branch))))
+    verified = _reply((yield Call("cpu", request, m.VerifyResult)), m.VerifyResult)
+    stats.lookup_nodes += len(branch)
+    stats.verify_ms += verified.compute_ms
+    stats.cycles += 1
+    stats.cycle_tokens += len(verified.accepted_tokens)
+    return verified
+
+
 def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
-                   batch: Callable[[], int] = lambda: 1) -> Steps:
+                   batch: Callable[[], int] = lambda: 1, lookup_tokens: int = 0) -> Steps:
     """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's;
-    ``batch()``: how many sequences' cycles are verified together now (the planner sizes trees by it)."""
+    ``batch()``: how many sequences' cycles are verified together now (the planner sizes trees by it);
+    ``lookup_tokens``: the longest branch copied from earlier in the sequence onto each tree (``lookup``)."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
-    stats = Stats(accept_per_depth=[0] * (planner.envelope.depth + 1))
+    # A grafted branch hangs from the root: its path can run deeper than the draft's trees.
+    stats = Stats(accept_per_depth=[0] * (max(planner.envelope.depth, lookup_tokens) + 1))
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
+    lookup = prompt_lookup(prompt_ids, budget, lookup_tokens) if lookup_tokens else None
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
@@ -356,7 +403,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 if feed.prompt and not feed.kept:
                     yield from defer_prompt(seq_id, feed)
                 resumed = yield from plain_until_tree(seq_id, feed.tokens[-1], length, context, budget, stats,
-                                                      lambda: planner.shape(batch()))
+                                                      lambda: planner.shape(batch()), alone(lookup, batch))
                 if resumed is None:
                     break
                 verified, length, planned = resumed
@@ -364,7 +411,8 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 # one row it accepted 1.27 tokens a cycle at first (real pair, 8/4/4); this way 2.59.
                 feed.tokens, feed.features = verified.accepted_tokens, verified.features
                 continue
-            verified = yield from tree_cycle(seq_id, feed, shape, planner, together, stats)
+            branch = [] if lookup is None else lookup(branch_room(context, length, shape.tree_tokens))
+            verified = yield from tree_cycle(seq_id, feed, shape, planner, together, stats, branch)
             length += len(verified.accepted_tokens)
             feed = DraftFeed(verified.accepted_tokens, verified.features, fresh=False, prompt=False)
             if budget.push(verified.accepted_tokens, verified.logprobs):
@@ -372,6 +420,27 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
     return budget.finish_reason or "stop", stats
+
+
+def prompt_lookup(prompt_ids: Sequence[int], budget: Budget, max_tokens: int) -> Lookup:
+    """The sequence's prompt lookup (``lookup.PromptLookup``) over its prompt and every token the
+    budget has emitted so far: its branch, at most so many tokens long."""
+    index = PromptLookup(prompt_ids, max_tokens)
+
+    def branch(limit: int) -> list[int]:
+        index.extend(budget.kept[len(index.tokens) - len(prompt_ids):])
+        return index.continuation(limit)
+
+    return branch
+
+
+def alone(lookup: Lookup | None, batch: Callable[[], int]) -> Lookup | None:
+    """Prompt lookup for plain steps, only while the sequence runs alone: in a batch whose load
+    leaves no tree room its rows would slow every sequence in it, and plain batched decoding is
+    the floor there (a branch's row emits ~0.4 tokens on the real pair's chat)."""
+    if lookup is None:
+        return None
+    return lambda limit: lookup(limit) if batch() == 1 else []
 
 
 @dataclass
@@ -387,21 +456,33 @@ class DraftFeed:
 
 
 def tree_cycle(seq_id: int, feed: DraftFeed, shape: TreeShape, planner: ShapePlanner, together: int,
-               stats: Stats) -> Generator[Call, m.Message, m.VerifyResult]:
-    """One speculative cycle: the draft reads ``feed`` and proposes a tree of ``shape``, the target
-    verifies it (beside ``together - 1`` other sequences); the planner and the stats are told."""
+               stats: Stats, branch: Sequence[int] = ()) -> Generator[Call, m.Message, m.VerifyResult]:
+    """One speculative cycle: the draft reads ``feed`` and proposes a tree of ``shape``, ``branch``
+    (prompt lookup's guess) is grafted onto it, the target verifies it (beside ``together - 1``
+    other sequences); the planner and the stats are told."""
     cycle_started = time.perf_counter()
     request = m.DraftRequest(seq_id=seq_id, tokens=feed.tokens, features=feed.features, shape=shape,
                              reset=feed.fresh)
     draft = _reply((yield Call("gpu", request, m.DraftResult, feed.prompt)), m.DraftResult)
-    verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=draft.tokens, parents=draft.parents),
+    tokens, parents = graft(draft.tokens, draft.parents, branch) if branch else (draft.tokens, draft.parents)
+    stats.lookup_nodes += len(tokens) - len(draft.tokens)
+    verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=tokens, parents=parents),
                                   m.VerifyResult)), m.VerifyResult)
     accepted = verified.accepted_tokens
     # A draft step that read (the last chunk of) the prompt too: its times mislead the planner.
-    planner.observe(shape, draft.tokens, draft.parents, accepted, draft.compute_ms, verified.compute_ms,
-                    (time.perf_counter() - cycle_started) * 1e3, together, timed=not feed.prompt)
-    stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted))
+    planner.observe(shape, tokens, parents, accepted, draft.compute_ms, verified.compute_ms,
+                    (time.perf_counter() - cycle_started) * 1e3, together, timed=not feed.prompt,
+                    drafted=len(draft.tokens))
+    grafted = len(accepted) - 1 - drafted_prefix(tokens, parents, accepted, len(draft.tokens)) if branch else 0
+    stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted), grafted)
     return verified
+
+
+def drafted_prefix(tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int], drafted: int) -> int:
+    """How many of the accepted nodes (``accepted`` but its bonus token) lie among the first ``drafted``
+    nodes of the tree: the draft's own, before any grafted ones."""
+    path = accepted_path(tokens, parents, accepted)
+    return next((index for index, node in enumerate(path) if node >= drafted), len(path))
 
 
 def defer_prompt(seq_id: int, feed: DraftFeed) -> Generator[Call, m.Message, None]:
@@ -418,30 +499,29 @@ Resumed = tuple[m.VerifyResult, int, TreeShape]
 
 
 def plain_until_tree(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                     next_shape: Callable[[], TreeShape]) -> Generator[Call, m.Message, Resumed | None]:
-    """A dovetail request's plain steps (the tokens stay ar's) while ``next_shape()`` (asked before
-    each) says one node, then one more step as a root-only tree: the same next token, plus the
-    feature row the draft goes on from. Returns that verify's result, the sequence's length after
-    it and the tree to draft next, or None when the answer ended first."""
-    before = stats.cycles
+                     next_shape: Callable[[], TreeShape], lookup: Lookup | None = None,
+                     ) -> Generator[Call, m.Message, Resumed | None]:
+    """A dovetail request's plain steps (the tokens stay ar's; with ``lookup``'s branch where it has
+    one) while ``next_shape()`` (asked before each) says one node, then one more step as a tree
+    without draft nodes: the same tokens, plus the feature rows the draft goes on from. Returns that
+    verify's result, the sequence's length after it and the tree to draft next, or None when the
+    answer ended first."""
     planned: list[TreeShape] = []
 
     def tree_fits() -> bool:
         planned[:] = [next_shape()]
         return planned[0].tree_tokens > 1
 
-    pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits)
+    pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits, lookup=lookup,
+                                     on_step=stats.record_plain_step)
     if pending is None:
-        stats.record_plain(stats.cycles - before)
         return None
     token, length = pending
-    verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=[token], parents=[-1]),
-                                  m.VerifyResult)), m.VerifyResult)
-    stats.verify_ms += verified.compute_ms
-    stats.cycles += 1
-    stats.cycle_tokens += 1
-    stats.record_plain(stats.cycles - before)
-    return None if budget.push(verified.accepted_tokens, verified.logprobs) else (verified, length + 1, planned[0])
+    branch = lookup(branch_room(context, length, 1)) if lookup is not None else []
+    verified = yield from lookup_step(seq_id, token, branch, stats)
+    accepted = verified.accepted_tokens
+    stats.record_plain_step(len(accepted))
+    return None if budget.push(accepted, verified.logprobs) else (verified, length + len(accepted), planned[0])
 
 
 def run_alone(steps: Steps, cpu: Worker, gpu: Worker | None) -> tuple[FinishReason, Stats]:
@@ -468,10 +548,11 @@ def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]
 
 
 def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | ShapePlanner,
-                      emit: Emit) -> tuple[FinishReason, Stats]:
-    """Speculative decoding, one request alone; ``tree``: a fixed shape, or a planner that picks each cycle's."""
+                      emit: Emit, lookup_tokens: int = 0) -> tuple[FinishReason, Stats]:
+    """Speculative decoding, one request alone; ``tree``: a fixed shape, or a planner that picks each
+    cycle's; ``lookup_tokens``: prompt lookup's longest branch (``dovetail_steps``)."""
     try:
-        return run_alone(dovetail_steps(job, tree, emit), cpu, gpu)
+        return run_alone(dovetail_steps(job, tree, emit, lookup_tokens=lookup_tokens), cpu, gpu)
     finally:
         cpu.send(m.ReleaseSequence(seq_id=job.seq_id))
         gpu.send(m.ReleaseSequence(seq_id=job.seq_id))

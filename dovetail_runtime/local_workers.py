@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeVar
 
+from dovetail_runtime.lookup import accepted_rows
 from dovetail_runtime.workers import WorkerRequestError
 from ipc import messages as m
 from ipc.codec import decode, encode
@@ -49,15 +50,16 @@ class LocalWorker:
 
 @contextlib.contextmanager
 def local_workers(engine: TargetEngine, drafter: Drafter | None = None, largest_tree: TreeShape = TreeShape(),
-                  max_sequences: int = 1) -> Iterator[tuple[LocalWorker, LocalWorker | None]]:
+                  max_sequences: int = 1, lookup_tokens: int = 0) -> Iterator[tuple[LocalWorker, LocalWorker | None]]:
     """(cpu, gpu) local workers over an in-process TargetEngine and Drafter, with rings sized as
-    the coordinator sizes them (for trees up to ``largest_tree``, the engine's context and
-    ``max_sequences`` sequences at once)."""
+    the coordinator sizes them (for trees up to ``largest_tree`` with prompt-lookup branches up to
+    ``lookup_tokens``, the engine's context and ``max_sequences`` sequences at once)."""
     from cpu_worker.server import TargetService
     from gpu_worker.server import DraftService
 
     width = engine.feature_size  # 3 x hidden for an EAGLE-3 head's target rows
-    cycle = ShmRing.create(slot_bytes_for(largest_tree.feature_rows, width, "float32"), cycle_slots(max_sequences))
+    rows = accepted_rows(largest_tree.depth, lookup_tokens)
+    cycle = ShmRing.create(slot_bytes_for(rows, width, "float32"), cycle_slots(max_sequences))
     prefill = ShmRing.create(slot_bytes_for(engine.max_len, width, "float32"), 1)
     try:
         cpu = LocalWorker("cpu_worker", TargetService(engine, cycle, prefill, max_sequences=max_sequences).handlers())

@@ -57,9 +57,9 @@ class Histogram:
 
 
 def spec_tokens(stats: m.RequestStats) -> tuple[int, int]:
-    """(drafted, accepted) tokens of one request: every verified tree's nodes but its root, and
-    the draft tokens its cycles accepted (trees are keyed "T/depth/top_k")."""
-    drafted = sum((int(shape.split("/")[0]) - 1) * cycles for shape, cycles in stats.trees.items())
+    """(drafted, accepted) tokens of one request: every verified tree's nodes but its root (prompt
+    lookup's among them), and the draft tokens its cycles accepted (trees are keyed "T/depth/top_k")."""
+    drafted = stats.lookup_nodes + sum((int(shape.split("/")[0]) - 1) * cycles for shape, cycles in stats.trees.items())
     accepted = sum(depth * cycles for depth, cycles in enumerate(stats.accept_per_depth))
     return drafted, accepted
 

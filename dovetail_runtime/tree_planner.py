@@ -114,7 +114,8 @@ class ShapePlanner(Protocol):
         ...
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None: ...
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
+                drafted: int | None = None) -> None: ...
 
 
 class FixedTree:
@@ -130,7 +131,8 @@ class FixedTree:
         return self.envelope.tree_tokens > 1
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None:
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
+                drafted: int | None = None) -> None:
         pass
 
 
@@ -414,17 +416,22 @@ class TreePlanner:
     # --- learning ------------------------------------------------------------------------
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
-                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True) -> None:
-        """Learn from one verified tree (its nodes in selection order, as the drafter sends them);
-        from a batched cycle (``batch`` > 1) its acceptance, and its share of the batch's draft time
-        against its solo cost (``batch_draft_share``): its other times are the batch's; nothing
-        but acceptance where ``timed`` is False (a sequence's first cycle, whose draft step also read
-        the whole prompt: 2-3x a cycle's draft time at the 7B stand-in)."""
+                draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
+                drafted: int | None = None) -> None:
+        """Learn from one verified tree (its first ``drafted`` nodes, all by default, in selection
+        order as the drafter sends them, then any grafted by prompt lookup, which the draft's
+        acceptance is not rated on but the cost and the tokens emitted are); from a batched cycle
+        (``batch`` > 1) its acceptance, and its share of the batch's draft time against its solo cost
+        (``batch_draft_share``): its other times are the batch's; nothing but acceptance where
+        ``timed`` is False (a sequence's first cycle, whose draft step also read the whole prompt:
+        2-3x a cycle's draft time at the 7B stand-in)."""
         size = len(tokens)
-        if size < 2:
+        drafted = size if drafted is None else drafted
+        if drafted < 2:
             return
         depths = tree_depths(parents)
         path = accepted_path(tokens, parents, accepted)
+        path = path[:next((index for index, node in enumerate(path) if node >= drafted), len(path))]
         for cell in self.cells:
             self.weight[cell] *= self.decay
             self.accepted_sum[cell] *= self.decay
@@ -432,7 +439,7 @@ class TreePlanner:
         for depth_limit in range(1, shape.depth + 1):
             # Rank of each node among the nodes no deeper than depth_limit.
             rank_within, count = {}, 0
-            for node in range(1, size):
+            for node in range(1, drafted):
                 if depths[node] <= depth_limit:
                     rank_within[node] = count
                     count += 1

@@ -113,6 +113,8 @@ class RequestStats(Nested, frozen=True):
     ipc_ms: float = 0.0  # wall time not spent computing in a worker
     wall_ms: float = 0.0
     accept_per_depth: list[Count] = []  # cycles that accepted 0, 1, 2, ... draft tokens
+    lookup_nodes: Count = 0  # tree nodes a prompt-lookup branch added (copied from earlier in the sequence)
+    lookup_tokens: Count = 0  # of the accepted draft tokens, those only such nodes offered
     # Cycles per tree shape verified, keyed "T/depth/top_k" (most used first).
     trees: Annotated[dict[Annotated[str, Meta(max_length=32)], Count], Meta(max_length=1024)] = {}
 

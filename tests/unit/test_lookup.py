@@ -1,0 +1,238 @@
+"""Prompt lookup (dovetail_runtime/lookup.py): the branch it guesses, how the branch joins a draft
+tree, and that a cycle with it still emits the target's own tokens."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from dovetail_runtime.lookup import PromptLookup, graft
+from dovetail_runtime.metrics import spec_tokens
+from dovetail_runtime.tree_planner import AutoTree, TreePlanner
+from ipc.messages import Sampling
+from ipc.tree import TreeShape, validate_parents
+
+
+def brute_force_continuation(tokens: list[int], count: int, min_ngram: int = 2, max_ngram: int = 4) -> list[int]:
+    """The rule read literally: the longest suffix (max_ngram down to min_ngram tokens) with an earlier
+    occurrence, the latest such occurrence, the ``count`` tokens after it, copied one by one as the
+    sequence would go on if it repeated them (so a copy may read its own output)."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                grown = list(tokens)
+                for index in range(count):
+                    grown.append(grown[start + n + index])
+                return grown[len(tokens):]
+    return []
+
+
+def test_the_longest_suffix_match_wins_over_a_later_shorter_one():
+    a, b, c, d, x, y = 10, 11, 12, 13, 20, 21
+    lookup = PromptLookup([a, b, c, d, x, 5, c, d, y, 6, a, b, c, d], max_tokens=3)
+    assert lookup.continuation() == [x, 5, c]  # "a b c d" at the start, not "c d" before y
+
+
+def test_a_sequence_never_matches_its_own_suffix():
+    assert PromptLookup([1, 2, 3], max_tokens=4).continuation() == []
+    # The earlier "1 2", two back: the copy runs into the present and goes on from itself.
+    assert PromptLookup([1, 2, 1, 2], max_tokens=5).continuation() == [1, 2, 1, 2, 1]
+    assert PromptLookup([7, 7, 7], max_tokens=4).continuation() == [7, 7, 7, 7]  # "7 7" one back
+
+
+def test_the_branch_is_cut_to_the_limit_and_off_at_zero():
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert PromptLookup(tokens, max_tokens=4).continuation() == [3, 4, 5, 6]
+    assert PromptLookup(tokens, max_tokens=4).continuation(limit=2) == [3, 4]
+    assert PromptLookup(tokens, max_tokens=0).continuation() == []
+    assert PromptLookup(tokens, max_tokens=4).continuation(limit=0) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_extending_token_by_token_matches_the_rule_read_literally(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(5) for _ in range(200)]
+    lookup = PromptLookup(tokens[:3], max_tokens=5)
+    for end in range(3, len(tokens)):
+        assert lookup.continuation() == brute_force_continuation(tokens[:end], 5), end
+        lookup.extend(tokens[end:end + 1])
+
+
+def test_bad_lengths_are_refused():
+    with pytest.raises(ValueError):
+        PromptLookup([1], max_tokens=-1)
+    with pytest.raises(ValueError):
+        PromptLookup([1], max_tokens=2, min_ngram=3, max_ngram=2)
+
+
+# A draft tree: root 10, children 11 and 12, 11's child 13.
+TOKENS, PARENTS = [10, 11, 12, 13], [-1, 0, 0, 1]
+
+
+def test_a_branch_follows_the_trees_nodes_then_goes_on_as_new_ones():
+    tokens, parents = graft(TOKENS, PARENTS, [11, 13, 14, 15])
+    assert tokens == TOKENS + [14, 15]
+    assert parents == PARENTS + [3, 4]
+
+
+def test_a_branch_the_tree_lacks_hangs_from_the_root():
+    tokens, parents = graft(TOKENS, PARENTS, [13, 11])
+    assert tokens == TOKENS + [13, 11]
+    assert parents == PARENTS + [0, 4]
+
+
+def test_a_branch_inside_the_tree_adds_nothing():
+    assert graft(TOKENS, PARENTS, [11, 13]) == (TOKENS, PARENTS)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_grafted_trees_stay_valid_with_distinct_siblings(seed):
+    rng = random.Random(seed)
+    tokens, parents = [0], [-1]
+    for _ in range(rng.randrange(1, 12)):
+        parent = rng.randrange(len(tokens))
+        taken = {tokens[node] for node in range(1, len(tokens)) if parents[node] == parent}
+        free = [token for token in range(6) if token not in taken]
+        if free:
+            tokens.append(rng.choice(free))
+            parents.append(parent)
+    grafted_tokens, grafted_parents = graft(tokens, parents, [rng.randrange(6) for _ in range(5)])
+    validate_parents(grafted_parents)
+    assert grafted_tokens[:len(tokens)] == tokens and grafted_parents[:len(parents)] == parents
+    siblings = [(grafted_parents[node], grafted_tokens[node]) for node in range(1, len(grafted_tokens))]
+    assert len(siblings) == len(set(siblings))
+
+
+def planner() -> TreePlanner:
+    bounds = AutoTree(max_tree_tokens=8, max_depth=3, top_k=4)
+    return TreePlanner(bounds, verify_ms={1: 10.0, 2: 11.0, 4: 13.0, 8: 17.0}, draft_ms={1: 1.0, 2: 2.0, 3: 3.0})
+
+
+def test_the_planner_rates_the_draft_on_its_own_nodes_and_prices_the_whole_tree():
+    """A path that leaves the draft's nodes for grafted ones rates the draft's trees as the path
+    up to there, and the cycle's verify time counts for the size verified."""
+    shape = TreeShape.clamped(4, 2, 4)
+    tokens, parents = graft(TOKENS, PARENTS, [11, 13, 14, 15])
+    with_graft, alone = planner(), planner()
+    # accepted 11, 13 (draft nodes), 14 (grafted), then the bonus 15 (grafted too)
+    with_graft.observe(shape, tokens, parents, [11, 13, 14, 15], 2.0, 15.0, 18.0, drafted=len(TOKENS))
+    alone.observe(shape, TOKENS, PARENTS, [11, 13, 14], 2.0, 15.0, 18.0)
+    assert with_graft.accepted_sum == alone.accepted_sum and with_graft.weight == alone.weight
+    assert set(with_graft.seen_verify) == {len(tokens)} and set(alone.seen_verify) == {len(TOKENS)}
+
+
+def test_without_drafted_the_grafted_nodes_would_be_rated_as_the_drafts():
+    """The check above can fail: rated as if the draft had offered them, the grafted nodes raise
+    its acceptance."""
+    shape = TreeShape.clamped(4, 2, 4)
+    tokens, parents = graft(TOKENS, PARENTS, [14])  # a third child of the root, accepted
+    rated_as_draft, rated_right = planner(), planner()
+    rated_as_draft.observe(shape, tokens, parents, [14, 1], 2.0, 15.0, 18.0)
+    rated_right.observe(shape, tokens, parents, [14, 1], 2.0, 15.0, 18.0, drafted=len(TOKENS))
+    assert rated_as_draft.accepted_sum[(4, 1, 4)] == 1.0  # as if the draft's third pick had been right
+    assert sum(rated_right.accepted_sum.values()) == 0.0  # the draft's own nodes: none accepted
+
+
+# --- a cycle with the lookup on a tiny model: the target's own tokens, and the branch used ---------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A target with an 8-token vocabulary (so its text repeats) and an untrained 1-layer head."""
+    from cpu_worker.engine import TargetEngine
+    from cpu_worker.target_loading import load_target_model
+    from gpu_worker.drafter import Drafter
+
+    from conftest import save_random_head, save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-lookup")
+    target_dir = save_tiny_model(root / "target", "llama", seed=3, vocab_size=8)
+    model = load_target_model(target_dir)
+    model.lm_head.weight.mul_(6.0)
+    engine = TargetEngine(model, max_len=96)
+    head_dir = save_random_head(root / "head", target_dir, layers=1, seed=4)
+    return engine, Drafter.from_pretrained(head_dir, target_dir, max_len=96, device="cpu")
+
+
+def run(engine, drafter, prompt: list[int], count: int, params: Sampling, lookup_tokens: int,
+        shape: TreeShape = TreeShape.clamped(3, 2, 1)):
+    from dovetail_runtime.generation import Job, generate_ar, generate_dovetail
+    from dovetail_runtime.local_workers import local_workers
+
+    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=params, eos_token_ids=frozenset(),
+              max_len=engine.max_len)
+    emitted: list[int] = []
+
+    def emit(tokens: list[int], _logprobs) -> bool:
+        emitted.extend(tokens)
+        return False
+
+    with local_workers(engine, drafter, shape, lookup_tokens=lookup_tokens) as (cpu, gpu):
+        if gpu is None:
+            _, stats = generate_ar(cpu, job, emit)
+        else:
+            _, stats = generate_dovetail(cpu, gpu, job, shape, emit, lookup_tokens=lookup_tokens)
+    return emitted, stats
+
+
+def test_greedy_with_lookup_emits_ars_tokens_and_lookup_adds_some(tiny_pair):
+    engine, drafter = tiny_pair
+    prompt = [1, 5, 2, 7, 1, 5, 2]
+    ar, _ = run(engine, None, prompt, 48, Sampling(), 0)
+    without, plain_stats = run(engine, drafter, prompt, 48, Sampling(), 0)
+    with_lookup, stats = run(engine, drafter, prompt, 48, Sampling(), 4)
+    assert without == ar and with_lookup == ar
+    assert plain_stats.lookup_tokens == 0
+    assert stats.lookup_tokens > 0  # tokens accepted on grafted nodes...
+    assert stats.cycles < plain_stats.cycles  # ...so fewer cycles for the same answer
+    drafted, accepted = spec_tokens(stats.message())  # the metrics count grafted nodes as drafted
+    assert stats.lookup_tokens <= accepted <= drafted
+    assert drafted == stats.lookup_nodes + 2 * stats.cycles
+
+
+def test_plain_steps_with_lookup_emit_ars_tokens_in_fewer_steps(tiny_pair):
+    """A one-node tree: no draft step pays, the request decodes plainly, and lookup's branch rides
+    on the plain steps."""
+    engine, drafter = tiny_pair
+    prompt, plain = [1, 5, 2, 7, 1, 5, 2], TreeShape.clamped(1, 1, 1)
+    ar, ar_stats = run(engine, None, prompt, 48, Sampling(), 0)
+    emitted, stats = run(engine, drafter, prompt, 48, Sampling(), 4, plain)
+    assert emitted == ar
+    assert stats.trees["1/0/0"] >= stats.cycles - 1  # all plain but the first (it drafts the prompt)
+    assert stats.lookup_tokens > 0 and stats.cycles < ar_stats.cycles
+    assert sum(stats.accept_per_depth) == stats.trees["1/0/0"] + 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_seeded_sampling_with_lookup_equals_seeded_ar(tiny_pair, seed):
+    engine, drafter = tiny_pair
+    params = msgspec.structs.replace(Sampling(temperature=1.0), seed=seed)
+    ar, _ = run(engine, None, [1, 5, 2, 7], 24, params, 0)
+    assert run(engine, drafter, [1, 5, 2, 7], 24, params, 4)[0] == ar
+
+
+def test_plain_steps_in_a_busy_batch_take_no_branch(tiny_pair):
+    """Where the batch's load leaves no tree room the floor is plain batched decoding: no lookup rows."""
+    from dovetail_runtime.generation import Job, dovetail_steps, run_alone
+    from dovetail_runtime.local_workers import local_workers
+
+    engine, drafter = tiny_pair
+    prompt, plain = [1, 5, 2, 7, 1, 5, 2], TreeShape.clamped(1, 1, 1)
+    ar, _ = run(engine, None, prompt, 48, Sampling(), 0)
+    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=48, sampling=Sampling(), eos_token_ids=frozenset(),
+              max_len=engine.max_len)
+    emitted: list[int] = []
+
+    def emit(tokens: list[int], _logprobs) -> bool:
+        emitted.extend(tokens)
+        return False
+
+    with local_workers(engine, drafter, plain, lookup_tokens=4) as (cpu, gpu):
+        _, stats = run_alone(dovetail_steps(job, plain, emit, batch=lambda: 2, lookup_tokens=4), cpu, gpu)
+    assert emitted == ar
+    assert stats.lookup_nodes == 0 and stats.trees["1/0/0"] == stats.cycles == 47
