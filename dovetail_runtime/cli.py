@@ -38,6 +38,7 @@ from .cli_options import (
 )
 from .demo_models import CODE_DRAFT, CODE_TARGET, FETCH_HINT, SMOLLM2_DRAFT, SMOLLM2_GGUF, real_pair_present
 from .generation import DEFAULT_PREFILL_CHUNK
+from .lookup import DEFAULT_LOOKUP_TOKENS
 from .tree_planner import TREE_SIZES, AutoTree
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ DEFAULT_MAX_BATCH = 4
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DRAFT_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "q4_0")  # --draft-dtype (int8, q4_0: CPU only)
 FIXED_DEPTH = 6  # --depth's default with a fixed --tree-tokens
+MAX_LOOKUP_TOKENS = 16  # --lookup-tokens: rows of a ring slot the longest branch may need
 AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth says otherwise
 
 
@@ -365,6 +367,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--tree-top-k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
               help="The draft tree's beam width: children kept per node and nodes per level. With "
                    "--tree-tokens auto, the widest beam tried (auto also tries half of it).")
+@click.option("--lookup-tokens", type=click.IntRange(min=0, max=MAX_LOOKUP_TOKENS), default=DEFAULT_LOOKUP_TOKENS,
+              show_default=True,
+              help="Prompt lookup: the longest branch of tokens copied onto each draft tree from what followed "
+                   "the last 2-4 tokens' latest earlier occurrence in the prompt or the answer (free to draft; "
+                   "verified like the draft's own nodes, so the output never changes). 0: off.")
 @click.option("--top-k", expose_value=False, hidden=True, callback=refuse_ambiguous_top_k,
               help="Refused: say --tree-top-k or --sample-top-k.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="New tokens per one-shot prompt.")
@@ -480,7 +487,7 @@ ONE_SHOT_ONLY = ("as_json", "compare_ar", "chat", "stops", "max_new_tokens", "te
 SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout",
                 "max_batch", "kv_memory", "served_model_name", "join_chunk")
 DRAFT_ONLY = ("draft", "draft_device", "draft_dtype", "draft_threads", "draft_cores", "tree_tokens", "depth",
-              "tree_top_k")
+              "tree_top_k", "lookup_tokens")
 
 
 def options_given(names: tuple[str, ...]) -> list[str]:
@@ -533,7 +540,8 @@ def runtime_settings(options: RunOptions, target: str, draft: str | None) -> Run
                            cpu_threads=placement.cpu_threads, cpu_cores=placement.cpu_cores,
                            draft_device=models.draft_device, draft_dtype=models.draft_dtype,
                            draft_threads=placement.draft_threads, draft_cores=placement.draft_cores,
-                           tree=make_tree(tree.tree_tokens, tree.depth, tree.tree_top_k), mode=models.mode,
+                           tree=make_tree(tree.tree_tokens, tree.depth, tree.tree_top_k),
+                           lookup_tokens=tree.lookup_tokens, mode=models.mode,
                            max_len=models.max_len, prefill_chunk=models.prefill_chunk or None,
                            log_level=options.log_level,
                            startup_timeout_s=workers.startup_timeout, max_restarts=workers.max_restarts,
@@ -692,8 +700,9 @@ def stats_line(mode: str, stats: m.RequestStats) -> str:
     plain = stats.trees.get("1/0/0", 0)
     # Plain steps: where no tree paid (the planner's fallback alone, a busy batch).
     steps = f" ({plain} of {sum(stats.trees.values())} steps plain)" if plain else ""
-    return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}{steps}, "
-            f"draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
+    lookup = f", {stats.lookup_tokens} by lookup" if stats.lookup_tokens else ""
+    return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}{steps}"
+            f"{lookup}, draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
 
 
 def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, compare_ar: bool = False,

@@ -51,6 +51,7 @@ class TreeOptions:
     tree_tokens: int | tuple[str, int]
     depth: int | None
     tree_top_k: int
+    lookup_tokens: int
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import DEFAULT_PREFILL_CHUNK, Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
 from .join_sizing import JoinSizer
+from .lookup import DEFAULT_LOOKUP_TOKENS, accepted_rows
 from .memory_fit import TargetSize, auto_precision, gguf_need_bytes, machine_memory, shortfall
 from .metrics import ServerMetrics
 from .text import TextStream
@@ -147,6 +148,8 @@ class RuntimeSettings:
     draft_threads: int | None = None
     draft_cores: list[int] | None = None
     tree: TreeShape | AutoTree = field(default_factory=AutoTree)
+    # Prompt lookup (``lookup``): the longest branch copied from earlier in a sequence onto its trees; 0: none.
+    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS
     mode: str = "dovetail"
     max_len: int | None = None
     log_level: str = "info"
@@ -216,6 +219,8 @@ class Coordinator:
         self.max_len = 0
         # The tree each cycle verifies: a fixed shape, or the planner of --tree-tokens auto.
         self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
+        # Prompt lookup's longest branch per tree (at most settings.lookup_tokens: the rings are sized for it).
+        self.lookup_tokens = settings.lookup_tokens
         self._seq_ids = itertools.count(1)
         self._batcher: Batcher | None = None
         self._join_chunk: Callable[[], int | None] | None = None  # Job.join_chunk, set by batcher()
@@ -245,7 +250,8 @@ class Coordinator:
         if layout.aux_layers:
             log.info("EAGLE-3 head: feature %s", layout.describe())
         envelope = settings.tree.envelope if isinstance(settings.tree, AutoTree) else settings.tree
-        self.rings = [ShmRing.create(slot_bytes_for(envelope.feature_rows, layout.row_width, FEATURE_DTYPE),
+        rows = accepted_rows(envelope.depth, settings.lookup_tokens)
+        self.rings = [ShmRing.create(slot_bytes_for(rows, layout.row_width, FEATURE_DTYPE),
                                      cycle_slots(settings.max_batch)),
                       ShmRing.create(slot_bytes_for(self.max_len, layout.row_width, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
@@ -484,7 +490,8 @@ class Coordinator:
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
                           job.seq_id, request.mode == "dovetail", on_text)
-        started.steps = (dovetail_steps(job, self.tree, started.emit, self._batch_size) if started.uses_gpu
+        started.steps = (dovetail_steps(job, self.tree, started.emit, self._batch_size, self.lookup_tokens)
+                         if started.uses_gpu
                          else ar_steps(job, started.emit, self._batch_size))
         return started
 
