@@ -41,8 +41,9 @@ import click
 from click.core import ParameterSource
 
 from dovetail_runtime.chat_template import encode_chat
-from dovetail_runtime.cli import AUTO_MAX_DEPTH, DRAFT_DTYPES, cores_option
+from dovetail_runtime.cli import AUTO_MAX_DEPTH, DRAFT_DTYPES, MAX_LOOKUP_TOKENS, cores_option
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+from dovetail_runtime.lookup import DEFAULT_LOOKUP_TOKENS
 from dovetail_runtime.tokenizer import Tokenizer
 from dovetail_runtime.tree_planner import TREE_SIZES, AutoTree, TreePlanner
 from gpu_worker.train.corpus import stdlib_files
@@ -350,6 +351,8 @@ class RunResult:
     sweep_prompt: list[int] = field(default_factory=list)
     sweep_ms: dict[int, float] = field(default_factory=dict)
     draft_dtype: str = "auto"  # the draft's --draft-dtype
+    # Each tree setting's --lookup-tokens (None: dovetail-run's default), parallel to ``trees``.
+    lookups: list[int | None] = field(default_factory=list)
 
     @property
     def precision_label(self) -> str:
@@ -360,11 +363,12 @@ class RunResult:
         return f"{self.shape} {self.precision_label}"
 
     def __post_init__(self) -> None:
-        self.modes = {"ar": ModeTotals(), **{tree_label(tree): ModeTotals() for tree in self.trees}}
+        self.lookups = self.lookups or [None] * len(self.trees)
+        self.modes = {"ar": ModeTotals(), **{label: ModeTotals() for label in self.tree_labels}}
 
     @property
     def tree_labels(self) -> list[str]:
-        return [tree_label(tree) for tree in self.trees]
+        return [tree_label(tree, lookup) for tree, lookup in zip(self.trees, self.lookups, strict=True)]
 
     def ratio(self, label: str) -> float | None:
         dovetail, ar = self.modes[label].tokens_per_s(), self.modes["ar"].tokens_per_s()
@@ -380,17 +384,24 @@ class RunResult:
 TreeSetting = TreeShape | AutoTree
 
 
-def tree_label(tree: TreeSetting) -> str:
+def tree_label(tree: TreeSetting, lookup: int | None = None) -> str:
+    shown = "" if lookup is None else f"@{lookup}"
     if isinstance(tree, AutoTree):
-        return "auto" if tree.max_tree_tokens == TREE_SIZES[-1] else f"auto:{tree.max_tree_tokens}"
-    return f"{tree.tree_tokens}/{tree.depth}/{tree.top_k}"
+        return ("auto" if tree.max_tree_tokens == TREE_SIZES[-1] else f"auto:{tree.max_tree_tokens}") + shown
+    return f"{tree.tree_tokens}/{tree.depth}/{tree.top_k}{shown}"
 
 
-def parse_trees(text: str, depth: int | None, top_k: int) -> list[TreeSetting]:
-    """``auto``, ``auto:N`` or ``T/depth/top_k`` items, comma-separated."""
+def parse_trees(text: str, depth: int | None, top_k: int) -> tuple[list[TreeSetting], list[int | None]]:
+    """``auto``, ``auto:N`` or ``T/depth/top_k`` items, comma-separated, each with an optional ``@N``:
+    its --lookup-tokens (else dovetail-run's default). Returns the trees and their lookups."""
     trees: list[TreeSetting] = []
-    for item in (part.strip() for part in text.split(",") if part.strip()):
+    lookups: list[int | None] = []
+    for setting in (part.strip() for part in text.split(",") if part.strip()):
+        item, _, lookup = setting.partition("@")
         try:
+            lookups.append(int(lookup) if lookup else None)
+            if lookups[-1] is not None and not 0 <= lookups[-1] <= MAX_LOOKUP_TOKENS:
+                raise ValueError(f"lookup tokens must be in 0..{MAX_LOOKUP_TOKENS}")
             if item == "auto" or item.startswith("auto:"):
                 largest = int(item.removeprefix("auto:")) if item != "auto" else TREE_SIZES[-1]
                 trees.append(AutoTree(max_tree_tokens=largest, max_depth=depth or AUTO_MAX_DEPTH, top_k=top_k))
@@ -398,11 +409,11 @@ def parse_trees(text: str, depth: int | None, top_k: int) -> list[TreeSetting]:
                 size, tree_depth, tree_top_k = (int(value) for value in item.split("/"))
                 trees.append(TreeShape.clamped(size, tree_depth, tree_top_k))
         except (ValueError, TreeError) as error:
-            raise click.BadParameter(f"{item!r}: want auto, auto:N or T/depth/top_k ({error})",
-                                     param_hint="--trees") from None
+            raise click.BadParameter(f"{setting!r}: want auto, auto:N or T/depth/top_k, each with an optional "
+                                     f"@lookup-tokens ({error})", param_hint="--trees") from None
     if not trees:
         raise click.BadParameter("no tree settings given", param_hint="--trees")
-    return trees
+    return trees, lookups
 
 
 def envelope_of(trees: list[TreeSetting]) -> TreeShape:
@@ -433,8 +444,9 @@ def proc_status_kb(pid: int) -> dict[str, int]:
     return found
 
 
-def run_prompt(coordinator: Coordinator, result: RunResult, planners: dict[str, TreePlanner | TreeShape],
-               index: int, prompt: Prompt, max_new_tokens: int) -> None:
+def run_prompt(coordinator: Coordinator, result: RunResult,
+               planners: dict[str, tuple[TreePlanner | TreeShape, int]], index: int, prompt: Prompt,
+               max_new_tokens: int) -> None:
     """ar and every tree setting on one prompt back to back (the order rotates per prompt, so no
     setting always runs on a warmer machine), each dovetail result compared with ar's tokens."""
     labels = ["ar", *planners]
@@ -442,7 +454,7 @@ def run_prompt(coordinator: Coordinator, result: RunResult, planners: dict[str, 
     tokens: dict[str, list[int]] = {}
     for label in labels[shift:] + labels[:shift]:
         if label != "ar":
-            coordinator.tree = planners[label]
+            coordinator.tree, coordinator.lookup_tokens = planners[label]
         text, messages = (prompt, None) if isinstance(prompt, str) else (None, prompt)
         reply = coordinator.generate(m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=text, messages=messages,
                                                        max_new_tokens=max_new_tokens,
@@ -485,6 +497,7 @@ class RunOptions:
     prompt_tokens: int
     max_new_tokens: int
     trees: list[TreeSetting]
+    lookups: list[int | None]  # each tree setting's --lookup-tokens (None: the default)
     cpu_threads: int | None
     cpu_cores: list[int] | None
     draft_device: str
@@ -499,11 +512,12 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
     """One Coordinator for one target: warm-up, then every prompt with ar and each tree setting.
     Returns the prompt note."""
     envelope = envelope_of(options.trees)
+    lookups = [DEFAULT_LOOKUP_TOKENS if lookup is None else lookup for lookup in options.lookups]
     settings = RuntimeSettings(
         target=str(target_dir), draft=str(head_dir), target_dtype=result.precision, kv_dtype=options.kv_dtype,
         cpu_threads=options.cpu_threads, cpu_cores=options.cpu_cores, draft_device=options.draft_device,
         draft_threads=options.draft_threads, draft_cores=options.draft_cores, draft_dtype=result.draft_dtype,
-        tree=envelope, log_level="warning", startup_timeout_s=options.startup_timeout_s,
+        tree=envelope, lookup_tokens=max(lookups), log_level="warning", startup_timeout_s=options.startup_timeout_s,
         # Room for the prompt (re-encoding a cut prompt can add a token or two; a templated chat prompt
         # is well under 256 tokens), the new tokens and one tree.
         max_len=max(options.prompt_tokens, 256 if options.chat else 0) + options.max_new_tokens
@@ -525,9 +539,9 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
         result.sweep_prompt = prompt_ids(coordinator, prompts[0])
         # Each auto setting gets its own planner (costs measured as a server measures them; the
         # target's t_verify comes from the cache after the first).
-        planners: dict[str, TreePlanner | TreeShape] = {}
-        for tree in options.trees:
-            planners[tree_label(tree)] = coordinator.plan_trees(tree) if isinstance(tree, AutoTree) else tree
+        planners: dict[str, tuple[TreePlanner | TreeShape, int]] = {}
+        for tree, lookup, label in zip(options.trees, lookups, result.tree_labels, strict=True):
+            planners[label] = (coordinator.plan_trees(tree) if isinstance(tree, AutoTree) else tree, lookup)
         for mode in ("dovetail", "ar"):  # first-call costs (allocations, thread pools) out of the numbers
             coordinator.tree = envelope
             coordinator.generate(m.GenerateRequest(request_id=f"warmup-{mode}", prompt=FALLBACK_PROMPTS[0],
@@ -537,7 +551,7 @@ def measure_run(result: RunResult, target_dir: Path, head_dir: Path, options: Ru
             run_prompt(coordinator, result, planners, index, prompt, options.max_new_tokens)
             print(f"   prompt {index + 1}/{len(prompts)}: ar and {len(planners)} tree setting(s) in "
                   f"{time.perf_counter() - step:.1f} s", flush=True)
-        for label, planner in planners.items():
+        for label, (planner, _) in planners.items():
             if isinstance(planner, TreePlanner):
                 print(f"   {label}: settled on {planner.describe()}", flush=True)
         read_worker_memory(coordinator, result)
@@ -929,7 +943,8 @@ def machine_line(threads: int | None, bandwidth: tuple[float, float]) -> str:
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, help="New tokens per request (greedy).")
 @click.option("--trees", default="auto",
               help="Tree settings to run, comma-separated, each on every prompt beside one ar run: auto, auto:N "
-                   "(--tree-tokens auto), or T/depth/top_k (fixed), e.g. auto,8/5/8,16/6/8.")
+                   "(--tree-tokens auto), or T/depth/top_k (fixed), e.g. auto,8/5/8,16/6/8; @N after one sets its "
+                   "--lookup-tokens (prompt lookup's branch; default dovetail-run's), e.g. auto,auto@0.")
 @click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=None,
               help=f"Deepest tree auto tries.  [default: {AUTO_MAX_DEPTH}]")
 @click.option("--tree-top-k", "top_k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
@@ -974,8 +989,8 @@ def main(context: click.Context, **values: Any) -> None:
     runs = parse_runs(values["runs"], shapes)
     work_dir = resolve_work_dir(values["work_dir"])
     sources = Sources(values["target_src"].resolve(), values["draft_src"].resolve(), work_dir, values["store_dtype"])
-    trees = parse_trees(values["trees"], values["depth"], values["top_k"])
-    options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], trees,
+    trees, lookups = parse_trees(values["trees"], values["depth"], values["top_k"])
+    options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], trees, lookups,
                          values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"],
                          values["kv_dtype"], values["draft_threads"], values["draft_cores"], values["chat"])
     source_layers = int(json.loads((sources.target / "config.json").read_text())["num_hidden_layers"])
@@ -992,7 +1007,8 @@ def main(context: click.Context, **values: Any) -> None:
         if values["gguf"]:
             target_dir = gguf_target(target_dir, values["gguf"])
         head_dir = inflate_head(sources, shape_name, shapes[shape_name])
-        plan.append((RunResult(shape_name, precision, layers, trees, target_dir, draft_dtype=draft_dtype), head_dir))
+        plan.append((RunResult(shape_name, precision, layers, trees, target_dir, draft_dtype=draft_dtype,
+                               lookups=lookups), head_dir))
     inflate_s = time.perf_counter() - started
 
     bandwidth = measure_bandwidth(values["cpu_threads"])  # before any worker holds memory

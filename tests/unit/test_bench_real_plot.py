@@ -5,6 +5,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -94,3 +95,14 @@ def test_an_explicit_plot_without_the_sweep_fails_before_the_runs(tmp_path, no_r
     done = CliRunner().invoke(bench_real.main, ["--plot", str(tmp_path / "p.png"), "--no-verify-sweep"])
     assert done.exit_code != 0 and not isinstance(done.exception, RunsStarted)
     assert "--no-verify-sweep" in done.output
+
+
+def test_a_tree_setting_may_name_its_lookup_tokens():
+    """--trees auto,3/2/4@0: the same tree with and without prompt lookup, each its own column."""
+    trees, lookups = bench_real.parse_trees("auto,auto@0,3/2/4@8", None, 8)
+    assert lookups == [None, 0, 8]
+    result = RunResult("llama2-7b", "q4_0", 32, trees, Path("/nowhere"), lookups=lookups)
+    assert result.tree_labels == ["auto", "auto@0", "3/2/4@8"]
+    assert list(result.modes) == ["ar", "auto", "auto@0", "3/2/4@8"]
+    with pytest.raises(click.BadParameter, match="lookup"):
+        bench_real.parse_trees("auto@99", None, 8)
