@@ -419,12 +419,12 @@ class TreePlanner:
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
                 drafted: int | None = None) -> None:
         """Learn from one verified tree (its first ``drafted`` nodes, all by default, in selection
-        order as the drafter sends them, then any grafted by prompt lookup, which the draft's
-        acceptance is not rated on but the cost and the tokens emitted are); from a batched cycle
-        (``batch`` > 1) its acceptance, and its share of the batch's draft time against its solo cost
-        (``batch_draft_share``): its other times are the batch's; nothing but acceptance where
-        ``timed`` is False (a sequence's first cycle, whose draft step also read the whole prompt:
-        2-3x a cycle's draft time at the 7B stand-in)."""
+        order as the drafter sends them, then any grafted by prompt lookup: the draft is rated, and
+        judged against plain steps, on its own nodes; the verify time counts for the whole tree's
+        size); from a batched cycle (``batch`` > 1) its acceptance, and its share of the batch's draft
+        time against its solo cost (``batch_draft_share``): its other times are the batch's; nothing
+        but acceptance where ``timed`` is False (a sequence's first cycle, whose draft step also read
+        the whole prompt: 2-3x a cycle's draft time at the 7B stand-in)."""
         size = len(tokens)
         drafted = size if drafted is None else drafted
         if drafted < 2:
@@ -474,7 +474,9 @@ class TreePlanner:
         if self.fallback.plain or (shape.tree_tokens, shape.depth, top_k) == self.best:
             # A probe during plain steps, or the best tree: whether it pays, not what exploring costs.
             plain_ms = self.fallback.plain_step_ms(self.plain_step_ms())
-            self.fallback.observe(len(accepted), cycle_ms, plain_ms, lambda: self.trees_hopeless(plain_ms))
+            # The draft's own tokens: prompt lookup's ride on plain steps as well (generation.plain_steps),
+            # so they argue for neither.
+            self.fallback.observe(len(path) + 1, cycle_ms, plain_ms, lambda: self.trees_hopeless(plain_ms))
         self._choose()
 
     def describe(self) -> str:

@@ -158,3 +158,22 @@ def test_timed_plain_steps_replace_the_planners_estimate():
     now[0] += 0.2
     fallback.step_plain()
     assert fallback.plain_step_ms(STEP_MS) == pytest.approx(4.0)
+
+
+def test_tokens_only_prompt_lookup_offered_do_not_keep_the_trees():
+    """Prompt lookup's branch rides on plain steps too (generation.plain_steps), so a cycle whose
+    accepted tokens all came from grafted nodes says nothing for the draft: at the demo's costs the
+    planner goes plain as when those cycles accept nothing (counted, the 4 tokens a cycle would keep
+    it drafting)."""
+    verify, draft = (lambda size: STEP_MS + 2.5 * (size - 1)), (lambda depth: 5.0 * depth)
+    planner = planner_on(verify, draft)
+    trees = 0
+    while (shape := planner.shape()).tree_tokens > 1 and trees < 100:
+        trees += 1
+        drafted = shape.tree_tokens
+        tokens = list(range(drafted)) + [101, 102, 103]  # the draft's nodes, then a grafted branch
+        parents = [-1] + [0] * (drafted - 1) + [0, drafted, drafted + 1]
+        took_draft, took_verify = draft(shape.depth), verify(len(tokens))
+        planner.observe(shape, tokens, parents, [101, 102, 103, 99], took_draft, took_verify,
+                        took_draft + took_verify + 1.0, drafted=drafted)
+    assert planner.fallback.plain and PLAIN_EVIDENCE <= trees < 2 * PLAIN_EVIDENCE
