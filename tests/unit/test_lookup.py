@@ -63,6 +63,19 @@ def test_extending_token_by_token_matches_the_rule_read_literally(seed):
         lookup.extend(tokens[end:end + 1])
 
 
+def test_the_branch_follows_the_answer_and_never_outgrows_what_the_budget_has_left():
+    from dovetail_runtime.generation import Budget, Stats, prompt_lookup
+
+    budget = Budget(3, frozenset(), lambda _tokens, _logprobs: False, Stats())
+    branch = prompt_lookup([1, 2, 3, 4, 5, 6, 1, 2], budget, 4)
+    assert branch(16) == [3, 4]  # 3 tokens left: two drafted, then the target's own
+    budget.push([3])
+    assert branch(16) == [4]  # the answer's token joined the index: "1 2 3" matched
+    assert branch(0) == []
+    budget.push([4, 5])
+    assert branch(16) == []  # nothing left
+
+
 def test_bad_lengths_are_refused():
     with pytest.raises(ValueError):
         PromptLookup([1], max_tokens=-1)
@@ -101,9 +114,15 @@ def test_grafted_trees_stay_valid_with_distinct_siblings(seed):
         if free:
             tokens.append(rng.choice(free))
             parents.append(parent)
-    grafted_tokens, grafted_parents = graft(tokens, parents, [rng.randrange(6) for _ in range(5)])
+    branch = [rng.randrange(6) for _ in range(5)]
+    grafted_tokens, grafted_parents = graft(tokens, parents, branch)
     validate_parents(grafted_parents)
     assert grafted_tokens[:len(tokens)] == tokens and grafted_parents[:len(parents)] == parents
+    # Walking the branch from the root through the grafted tree finds every one of its tokens.
+    node = 0
+    for token in branch:
+        node = next(child for child in range(1, len(grafted_tokens))
+                    if grafted_parents[child] == node and grafted_tokens[child] == token)
     siblings = [(grafted_parents[node], grafted_tokens[node]) for node in range(1, len(grafted_tokens))]
     assert len(siblings) == len(set(siblings))
 
@@ -203,9 +222,11 @@ def test_plain_steps_with_lookup_emit_ars_tokens_in_fewer_steps(tiny_pair):
     ar, ar_stats = run(engine, None, prompt, 48, Sampling(), 0)
     emitted, stats = run(engine, drafter, prompt, 48, Sampling(), 4, plain)
     assert emitted == ar
-    assert stats.trees["1/0/0"] >= stats.cycles - 1  # all plain but the first (it drafts the prompt)
-    assert stats.lookup_tokens > 0 and stats.cycles < ar_stats.cycles
-    assert sum(stats.accept_per_depth) == stats.trees["1/0/0"] + 1
+    assert stats.trees["1/0/0"] == stats.cycles - 1  # all plain but the first (it drafts the prompt)
+    assert sum(stats.accept_per_depth) == stats.cycles
+    # The one-node trees draft nothing: every token past one a step was the branch's.
+    assert stats.lookup_tokens == sum(k * cycles for k, cycles in enumerate(stats.accept_per_depth)) > 0
+    assert stats.cycles < ar_stats.cycles
 
 
 @pytest.mark.parametrize("seed", range(4))
