@@ -429,31 +429,10 @@ class TreePlanner:
         drafted = size if drafted is None else drafted
         if drafted < 2:
             return
-        depths = tree_depths(parents)
         path = accepted_path(tokens, parents, accepted)
         path = path[:next((index for index, node in enumerate(path) if node >= drafted), len(path))]
-        for cell in self.cells:
-            self.weight[cell] *= self.decay
-            self.accepted_sum[cell] *= self.decay
+        self._rate(shape, tree_depths(parents)[:drafted], path)
         top_k = shape.top_k
-        for depth_limit in range(1, shape.depth + 1):
-            # Rank of each node among the nodes no deeper than depth_limit.
-            rank_within, count = {}, 0
-            for node in range(1, drafted):
-                if depths[node] <= depth_limit:
-                    rank_within[node] = count
-                    count += 1
-            for cell_size in self.bounds.tree_sizes:
-                cell = (cell_size, depth_limit, top_k)
-                if cell not in self.weight or cell_size - 1 > count:
-                    continue  # a larger tree than this one holds: not observable here
-                inside = 0
-                for node in path:
-                    if node not in rank_within or rank_within[node] >= cell_size - 1:
-                        break
-                    inside += 1
-                self.weight[cell] += 1.0
-                self.accepted_sum[cell] += inside
         predicted_draft = interpolate(self.draft_ms.get(top_k, self.draft_ms[self.bounds.top_k]), shape.depth)
         alpha = self.smoothing
         if batch > 1 or not timed:
@@ -478,6 +457,31 @@ class TreePlanner:
             # so they argue for neither.
             self.fallback.observe(len(path) + 1, cycle_ms, plain_ms, lambda: self.trees_hopeless(plain_ms))
         self._choose()
+
+    def _rate(self, shape: TreeShape, depths: Sequence[int], path: Sequence[int]) -> None:
+        """Every cell this tree holds (its nodes' ``depths``, root first, in selection order) learns how
+        many of the accepted ``path``'s nodes it would have held; older cycles count less."""
+        for cell in self.cells:
+            self.weight[cell] *= self.decay
+            self.accepted_sum[cell] *= self.decay
+        for depth_limit in range(1, shape.depth + 1):
+            # Rank of each node among the nodes no deeper than depth_limit.
+            rank_within, count = {}, 0
+            for node in range(1, len(depths)):
+                if depths[node] <= depth_limit:
+                    rank_within[node] = count
+                    count += 1
+            for cell_size in self.bounds.tree_sizes:
+                cell = (cell_size, depth_limit, shape.top_k)
+                if cell not in self.weight or cell_size - 1 > count:
+                    continue  # a larger tree than this one holds: not observable here
+                inside = 0
+                for node in path:
+                    if node not in rank_within or rank_within[node] >= cell_size - 1:
+                        break
+                    inside += 1
+                self.weight[cell] += 1.0
+                self.accepted_sum[cell] += inside
 
     def describe(self) -> str:
         size, depth, top_k = self.best
