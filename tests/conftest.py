@@ -151,6 +151,21 @@ def save_random_head(directory: Path, target_dir: Path, layers: int = 1, fusion:
     return save_head(DraftHead(spec, fusion=fusion), directory, include_frozen=False)
 
 
+def sharp_tiny_pair(root: Path, max_len: int):
+    """(TargetEngine, Drafter): a target with an 8-token vocabulary (lm_head sharpened so few
+    continuations carry the mass; its text repeats) and an untrained 1-layer draft head for it."""
+    from cpu_worker.engine import TargetEngine
+    from cpu_worker.target_loading import load_target_model
+    from gpu_worker.drafter import Drafter
+
+    target_dir = save_tiny_model(root / "target", "llama", seed=3, vocab_size=8)
+    model = load_target_model(target_dir)
+    model.lm_head.weight.mul_(6.0)
+    head_dir = save_random_head(root / "head", target_dir, layers=1, seed=4)
+    return (TargetEngine(model, max_len=max_len),
+            Drafter.from_pretrained(head_dir, target_dir, max_len=max_len, device="cpu"))
+
+
 @pytest.fixture(scope="session")
 def demo_random_head(tmp_path_factory, demo_target) -> Path:
     """An untrained 1-layer head for the demo target (cheap; low acceptance)."""

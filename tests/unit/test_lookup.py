@@ -163,19 +163,9 @@ def test_without_drafted_the_grafted_nodes_would_be_rated_as_the_drafts():
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     """A target with an 8-token vocabulary (so its text repeats) and an untrained 1-layer head."""
-    from cpu_worker.engine import TargetEngine
-    from cpu_worker.target_loading import load_target_model
-    from gpu_worker.drafter import Drafter
+    from conftest import sharp_tiny_pair
 
-    from conftest import save_random_head, save_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny-lookup")
-    target_dir = save_tiny_model(root / "target", "llama", seed=3, vocab_size=8)
-    model = load_target_model(target_dir)
-    model.lm_head.weight.mul_(6.0)
-    engine = TargetEngine(model, max_len=96)
-    head_dir = save_random_head(root / "head", target_dir, layers=1, seed=4)
-    return engine, Drafter.from_pretrained(head_dir, target_dir, max_len=96, device="cpu")
+    return sharp_tiny_pair(tmp_path_factory.mktemp("tiny-lookup"), 96)
 
 
 def run(engine, drafter, prompt: list[int], count: int, params: Sampling, lookup_tokens: int,

@@ -407,20 +407,9 @@ def sample_ar(engine, prompt, count, params, seed):
 def tiny_pair(tmp_path_factory):
     """A target with an 8-token vocabulary (lm_head sharpened so few continuations carry the
     mass) and an untrained 1-layer draft head for it."""
-    from cpu_worker.engine import TargetEngine
-    from cpu_worker.target_loading import load_target_model
-    from gpu_worker.drafter import Drafter
+    from conftest import sharp_tiny_pair
 
-    from conftest import save_random_head, save_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny-sampling")
-    target_dir = save_tiny_model(root / "target", "llama", seed=3, vocab_size=8)
-    model = load_target_model(target_dir)
-    model.lm_head.weight.mul_(6.0)
-    engine = TargetEngine(model, max_len=64)
-    head_dir = save_random_head(root / "head", target_dir, layers=1, seed=4)
-    drafter = Drafter.from_pretrained(head_dir, target_dir, max_len=64, device="cpu")
-    return engine, drafter
+    return sharp_tiny_pair(tmp_path_factory.mktemp("tiny-sampling"), 64)
 
 
 def exact_continuations(engine, prompt: list[int], count: int, params: Sampling) -> dict[tuple, float]:
