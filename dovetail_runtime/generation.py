@@ -35,7 +35,7 @@ from ipc import messages as m
 from ipc.tree import MAX_TREE_TOKENS, TreeShape
 
 from .lookup import PromptLookup, graft
-from .tree_planner import FixedTree, ShapePlanner, accepted_path
+from .tree_planner import FixedTree, ShapePlanner, draft_path
 
 Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
 # Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
@@ -479,16 +479,9 @@ def tree_cycle(seq_id: int, feed: DraftFeed, shape: TreeShape, planner: ShapePla
     planner.observe(shape, tokens, parents, accepted, draft.compute_ms, verified.compute_ms,
                     (time.perf_counter() - cycle_started) * 1e3, together, timed=not feed.prompt,
                     drafted=len(draft.tokens))
-    grafted = len(accepted) - 1 - drafted_prefix(tokens, parents, accepted, len(draft.tokens)) if branch else 0
+    grafted = len(accepted) - 1 - len(draft_path(tokens, parents, accepted, len(draft.tokens))) if branch else 0
     stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted), grafted)
     return verified
-
-
-def drafted_prefix(tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int], drafted: int) -> int:
-    """How many of the accepted nodes (``accepted`` but its bonus token) lie among the first ``drafted``
-    nodes of the tree: the draft's own, before any grafted ones."""
-    path = accepted_path(tokens, parents, accepted)
-    return next((index for index, node in enumerate(path) if node >= drafted), len(path))
 
 
 def defer_prompt(seq_id: int, feed: DraftFeed) -> Generator[Call, m.Message, None]:

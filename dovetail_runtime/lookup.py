@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ipc.tree import children_by_token
+
 DEFAULT_LOOKUP_TOKENS = 4  # dovetail-run's --lookup-tokens
 MIN_NGRAM = 2  # a one-token match guesses right about a third of the time: mostly wasted rows
 MAX_NGRAM = 4
@@ -70,9 +72,7 @@ def graft(tokens: Sequence[int], parents: Sequence[int], branch: Sequence[int]) 
     branch follows the tree's nodes while they carry its tokens and goes on as new nodes, appended
     after the tree's (so parents still come before children and siblings keep distinct tokens)."""
     tokens, parents = [int(token) for token in tokens], [int(parent) for parent in parents]
-    children: dict[int, dict[int, int]] = {}
-    for node in range(1, len(parents)):
-        children.setdefault(parents[node], {})[tokens[node]] = node
+    children = children_by_token(tokens, parents)
     node = 0
     for token in branch:
         child = children.get(node, {}).get(int(token))

@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ipc.tree import TreeShape, tree_depths
+from ipc.tree import TreeShape, children_by_token, tree_depths
 
 from .plain_fallback import PlainFallback
 
@@ -139,14 +139,19 @@ class FixedTree:
 def accepted_path(tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int]) -> list[int]:
     """The accepted nodes below the root, found from the accepted tokens (the last one is the
     target's bonus token, not a node); siblings carry distinct tokens."""
-    children: dict[int, dict[int, int]] = {}
-    for node in range(1, len(parents)):
-        children.setdefault(int(parents[node]), {})[int(tokens[node])] = node
+    children = children_by_token(tokens, parents)
     path, node = [], 0
     for token in accepted[:-1]:
         node = children[node][int(token)]
         path.append(node)
     return path
+
+
+def draft_path(tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int], drafted: int) -> list[int]:
+    """The accepted nodes as far as they are the draft's own: among the tree's first ``drafted`` nodes
+    (prompt lookup grafts its nodes after them, ``lookup.graft``; a path that enters them stays there)."""
+    path = accepted_path(tokens, parents, accepted)
+    return path[:next((index for index, node in enumerate(path) if node >= drafted), len(path))]
 
 
 def interpolate(points: Mapping[int, float], x: int) -> float:
@@ -429,8 +434,7 @@ class TreePlanner:
         drafted = size if drafted is None else drafted
         if drafted < 2:
             return
-        path = accepted_path(tokens, parents, accepted)
-        path = path[:next((index for index, node in enumerate(path) if node >= drafted), len(path))]
+        path = draft_path(tokens, parents, accepted, drafted)
         self._rate(shape, tree_depths(parents)[:drafted], path)
         top_k = shape.top_k
         predicted_draft = interpolate(self.draft_ms.get(top_k, self.draft_ms[self.bounds.top_k]), shape.depth)

@@ -94,6 +94,14 @@ def validate_parents(parents: Sequence[int]) -> None:
             raise TreeError(f"node {index} has parent {parent}; parents must come before children")
 
 
+def children_by_token(tokens: Sequence[int], parents: Sequence[int]) -> dict[int, dict[int, int]]:
+    """{node: {token: child}} of a compact tree (siblings carry distinct tokens)."""
+    children: dict[int, dict[int, int]] = {}
+    for node in range(1, len(parents)):
+        children.setdefault(int(parents[node]), {})[int(tokens[node])] = node
+    return children
+
+
 def tree_depths(parents: Sequence[int]) -> list[int]:
     """Depth of every node (root 0)."""
     depths = [0] * len(parents)
