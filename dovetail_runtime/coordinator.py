@@ -44,7 +44,17 @@ from ipc.tree import TreeShape
 from .admission import KvBudget
 from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
-from .generation import DEFAULT_PREFILL_CHUNK, Job, PromptTooLong, Steps, ar_steps, dovetail_steps, run_alone
+from .generation import (
+    DEFAULT_PREFILL_CHUNK,
+    EmptyPrompt,
+    Job,
+    PromptTooLong,
+    Steps,
+    Stop,
+    ar_steps,
+    dovetail_steps,
+    run_alone,
+)
 from .join_sizing import JoinSizer
 from .lookup import DEFAULT_LOOKUP_TOKENS, accepted_rows
 from .memory_fit import TargetSize, auto_precision, gguf_need_bytes, machine_memory, shortfall
@@ -500,7 +510,8 @@ class Coordinator:
         exception that ended it (one no request should raise propagates)."""
         request = started.request
         if isinstance(outcome, PromptTooLong):
-            return error_reply(request.request_id, "prompt_too_long", message=str(outcome))
+            code = "empty_prompt" if isinstance(outcome, EmptyPrompt) else "prompt_too_long"
+            return error_reply(request.request_id, code, message=str(outcome))
         if isinstance(outcome, WorkerRequestError):
             return error_reply(request.request_id, "worker_error", message=str(outcome))
         if isinstance(outcome, WorkerFailed):
@@ -618,10 +629,16 @@ class Started:
         assert self.steps is not None
         return self.steps
 
-    def emit(self, token_ids: list[int], token_logprobs: list[m.TokenLogprob]) -> bool:
-        """The loop's ``Emit``: the text so far, on_text, and whether to stop."""
+    def emit(self, token_ids: list[int], token_logprobs: list[m.TokenLogprob]) -> bool | Stop:
+        """The loop's ``Emit``: the text so far, on_text, and whether to stop (``Stop`` where a stop string
+        ends before the cycle's last token: the tokens after it are not the request's, as in ar)."""
+        given, before = len(token_ids), len(self.stream.token_ids)
         text = self.stream.push(token_ids)
+        kept = len(self.stream.token_ids) - before
+        token_ids, token_logprobs = token_ids[:kept], token_logprobs[:kept]
         self.logprobs.extend(token_logprobs)
         if self.on_text is not None and self.on_text(token_ids, text, token_logprobs):
             self.cancelled = True
+        if kept < given:
+            return Stop(kept)
         return self.cancelled or self.stream.stopped

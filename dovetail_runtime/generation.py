@@ -37,7 +37,18 @@ from ipc.tree import MAX_TREE_TOKENS, TreeShape
 from .lookup import PromptLookup, graft
 from .tree_planner import FixedTree, ShapePlanner, draft_path
 
-Emit = Callable[[list[int], list[m.TokenLogprob]], bool]
+
+@dataclass(frozen=True)
+class Stop:
+    """An emitter's answer that ends the request after the first ``kept`` of the tokens it was given: a
+    stop string that ends inside a cycle's tokens (the rest were never ar's: ar would have stopped)."""
+
+    kept: int
+
+
+# Is given each cycle's tokens (and their log-probabilities, when asked); answers whether the request
+# stops there: False to go on, True to stop keeping them all, Stop to keep only the first few.
+Emit = Callable[[list[int], list[m.TokenLogprob]], bool | Stop]
 # Prompt tokens per prefill call (--prefill-chunk): a GEMM's worth of rows, few enough that a long
 # prompt delays the running requests by one such chunk per round.
 DEFAULT_PREFILL_CHUNK = 256
@@ -55,6 +66,10 @@ class Worker(Protocol):
 
 class PromptTooLong(ValueError):
     """The prompt leaves no room in the context for a new token."""
+
+
+class EmptyPrompt(PromptTooLong):
+    """The prompt has no tokens: there is nothing to continue from."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +106,7 @@ class Context:
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:
-            raise PromptTooLong("the prompt is empty after tokenization")
+            raise EmptyPrompt("the prompt is empty after tokenization")
         if len(prompt_ids) >= self.max_len:
             raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
                                 f"{self.max_len} tokens")
@@ -171,14 +186,17 @@ class Budget:
         end = next((index for index, token in enumerate(kept) if token in self.eos), None)
         if end is not None:
             kept = kept[: end + 1]
-            self.finish_reason = "stop"
+        answer = self.emit(kept, list(logprobs[: len(kept)])) if kept else False
+        if isinstance(answer, Stop):
+            kept = kept[: answer.kept]
         self.left -= len(kept)
         self.kept += kept
         self.stats.new_tokens += len(kept)
-        if self.left == 0 and self.finish_reason is None:
-            self.finish_reason = "length"
-        if kept and self.emit(kept, list(logprobs[: len(kept)])) and self.finish_reason is None:
+        # A stop (an end-of-sequence token, a stop string) on the last token the budget allows is a stop.
+        if (end is not None and end < len(kept)) or answer:
             self.finish_reason = "stop"
+        elif self.left == 0:
+            self.finish_reason = "length"
         return self.finish_reason is not None
 
 
@@ -264,7 +282,7 @@ def prefill_steps(job: Job, stats: Stats, emit: Emit, feed_draft: bool, together
             stats.draft_prompt_ms += extended.compute_ms
             unread = end
         offset += size
-    raise PromptTooLong("the prompt is empty after tokenization")
+    raise EmptyPrompt("the prompt is empty after tokenization")
 
 
 def chunk_steps(job: Job, request: m.PrefillRequest, prompt_left: int, stats: Stats, emit: Emit,

@@ -45,7 +45,7 @@ IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
 
 # Coordinator error codes -> HTTP status.
 ERROR_STATUS = {
-    "bad_message": 400, "prompt_too_long": 400, "unsupported": 400, "no_chat_template": 400,
+    "bad_message": 400, "prompt_too_long": 400, "empty_prompt": 400, "unsupported": 400, "no_chat_template": 400,
     "bad_messages": 400, "kv_budget_exceeded": 400, "busy": 429, "shutting_down": 503, "worker_failed": 503,
     "worker_error": 500, "internal": 500,
 }

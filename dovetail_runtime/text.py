@@ -104,11 +104,21 @@ class TextStream:
         return self._shown[0] if self._shown else ""
 
     def push(self, token_ids: Sequence[int]) -> str:
-        """Add tokens; return the newly final text ("" when nothing is final yet)."""
-        self.token_ids.extend(token_ids)
+        """Add tokens; return the newly final text ("" when nothing is final yet). With stop strings the
+        tokens go in one at a time, and those after the one that completes a stop string are not taken
+        (``token_ids`` ends there, as a decode one token at a time would have)."""
         if self.stopped:
             return ""
-        return self._release(self._decoder.push(token_ids), final=False)
+        if not self.stop:
+            self.token_ids.extend(token_ids)
+            return self._release(self._decoder.push(token_ids), final=False)
+        shown = []
+        for token in token_ids:
+            self.token_ids.append(token)
+            shown.append(self._release(self._decoder.push([token]), final=False))
+            if self.stopped:
+                break
+        return "".join(shown)
 
     def finish(self) -> str:
         """At the end of the request: whatever was held back (no stop string completed)."""

@@ -66,6 +66,15 @@ def test_lossless_at_the_files_precision_and_at_fp32(precision):
         assert line["ar"]["same_tokens"] and english(line["text"]), line["text"]
 
 
+def test_an_empty_prompt_is_refused_as_empty_and_the_next_prompt_answered():
+    """SmolLM2's tokenizer adds no BOS: "" has no tokens, nothing to continue (once reported as too long)."""
+    done = dovetail_run("--target", str(SMOLLM2_GGUF), "--draft", str(SMOLLM2_DRAFT), "--prompt", "", "--prompt",
+                        "The sky is", "--max-new-tokens", "4", "--json", "--log-level", "warning")
+    refused, answered = (json.loads(line) for line in done.stdout.splitlines())
+    assert refused["error"]["code"] == "empty_prompt" and "empty" in refused["error"]["message"]
+    assert answered["text"] and done.returncode == 1, done.stderr[-2000:]
+
+
 def test_chat_over_http_is_the_one_shot_answer(tmp_path):
     (expected,) = run_chat("--target", str(SMOLLM2_GGUF), "--mode", "ar")[:1]
     server = Server("--target", str(SMOLLM2_GGUF), "--draft", str(SMOLLM2_DRAFT), "--http", "127.0.0.1:0",
