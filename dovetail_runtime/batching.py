@@ -146,13 +146,16 @@ class Batcher:
         return ended
 
     def abort(self, error: BaseException) -> list[Stream]:
-        """End every running stream with ``error`` (a worker died: its sequences are gone)."""
+        """End every running stream with ``error`` (a worker died: its sequences are gone). The worker
+        that lives on still holds them: each is released there (``WorkerHandle.send`` skips a dead
+        worker), or its slots stay taken and later batches find no room."""
         ended = self.streams
         self.streams = []
         for stream in ended:
             stream.steps.close()
             stream.call = None
             stream.outcome = error
+            self._release(stream)
         return ended
 
     def _dispatch(self, worker: Worker, streams: Sequence[Stream], batch: type[m.StepBatch] | type[m.DraftBatch],
@@ -203,6 +206,10 @@ class Batcher:
         except Exception as raised:  # the loop's own end: a worker's error, a prompt that cannot fit
             stream.outcome = raised
         stream.call = None
+        self._release(stream)
+
+    def _release(self, stream: Stream) -> None:
+        """Free an ended stream's sequence on its workers."""
         self.cpu.send(m.ReleaseSequence(seq_id=stream.seq_id))
         if stream.uses_gpu and self.gpu is not None:
             self.gpu.send(m.ReleaseSequence(seq_id=stream.seq_id))

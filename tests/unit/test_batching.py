@@ -143,16 +143,25 @@ def test_a_failing_or_stopping_stream_changes_nobody_else(demo_pair):
         assert recorders[index].tokens == expected[index].tokens and streams[index].outcome[0] == "length"
 
 
-def test_abort_ends_every_stream(demo_pair):
+def test_abort_ends_every_stream_and_frees_its_sequence_where_the_worker_lives_on(demo_pair):
+    """One worker died; the other still holds the batch's sequences unless they are released: with
+    every slot held, the next requests found no room ("4 sequences are active") until a restart."""
     engine, drafter = demo_pair
-    with local_workers(engine, drafter, SHAPE, max_sequences=8) as (cpu, gpu):
+    with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
         batcher = Batcher(cpu, gpu)
-        first = batcher.add(1, steps_for(0, Recorder()), True)
-        second = batcher.add(2, steps_for(1, Recorder()), False)
+        first = batcher.add(job(0)[0].seq_id, steps_for(0, Recorder()), True)
+        second = batcher.add(job(1)[0].seq_id, steps_for(1, Recorder()), False)
         batcher.round()
-        error = RuntimeError("the cpu_worker died")
+        error = RuntimeError("the gpu_worker died")
         assert batcher.abort(error) == [first, second] and batcher.streams == []
         assert first.outcome is error and second.outcome is error
+        recorders = {index: Recorder() for index in (2, 4)}
+        later = [batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]), job(index)[1])
+                 for index in (2, 4)]
+        while batcher.streams:
+            batcher.round()
+        assert all(isinstance(stream.outcome, tuple) and stream.outcome[0] == "length" for stream in later), \
+            [str(stream.outcome) for stream in later]
 
 
 def test_a_batch_item_for_an_unknown_or_repeated_sequence_fails_alone(demo_pair):
