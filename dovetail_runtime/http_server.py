@@ -235,7 +235,7 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
     app.get("/v1/models/{model_id:path}")(routes.one_model)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
-    app.get("/health")(routes.health)
+    app.api_route("/health", methods=["GET", "HEAD"])(routes.health)
     app.get("/metrics")(routes.metrics)
     return app
 
@@ -245,7 +245,9 @@ async def _api_error(_request: Request, error: api.ApiError) -> JSONResponse:
 
 
 async def _http_error(_request: Request, error: HTTPException) -> JSONResponse:
-    return error_response(api.ApiError(error.status_code, str(error.detail), code=None))
+    response = error_response(api.ApiError(error.status_code, str(error.detail), code=None))
+    response.headers.update(error.headers or {})  # a 405's Allow: the methods the path takes (RFC 9110)
+    return response
 
 
 async def _client_left(_request: Request, _error: Exception) -> Response:

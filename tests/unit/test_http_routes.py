@@ -259,3 +259,10 @@ def test_a_prompt_too_long_for_the_context_is_left_to_the_coordinator(http, coor
     client.completions.create(model="code-9m", prompt="def f(x): " * 40, max_tokens=1000)
     client.completions.create(model="code-9m", prompt="é" * (CONTEXT * 1000), max_tokens=1000)
     assert len(coordinator.requests) == 2
+
+
+def test_a_wrong_method_is_a_405_that_says_which_methods_the_path_takes(http):
+    response = http.get("/v1/completions")
+    assert response.status_code == 405 and response.headers.get("allow") == "POST"  # RFC 9110: a 405 has Allow
+    assert response.json()["error"]["message"] == "Method Not Allowed"
+    assert http.head("/health").status_code == 200  # load balancers probe with HEAD
