@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import uuid
@@ -36,6 +37,7 @@ from .cli_options import (
     client_options,
     run_options,
 )
+from .click_types import FiniteFloatRange
 from .demo_models import CODE_DRAFT, CODE_TARGET, FETCH_HINT, SMOLLM2_DRAFT, SMOLLM2_GGUF, real_pair_present
 from .generation import DEFAULT_PREFILL_CHUNK
 from .lookup import DEFAULT_LOOKUP_TOKENS
@@ -63,9 +65,15 @@ AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth 
 
 
 def read_prompt_file(path: Path) -> list[str]:
-    """One prompt per line, or JSONL objects with a "prompt" field."""
+    """One prompt per line, or JSONL objects with a "prompt" field; UTF-8 text (a byte-order mark, as
+    some editors save it, is not part of the first prompt)."""
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8",
+                                 param_hint="--prompt-file") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -84,6 +92,17 @@ def read_prompt_file(path: Path) -> list[str]:
         raise click.BadParameter(f"{path} holds no prompts (it is empty or all blank lines)",
                                  param_hint="--prompt-file")
     return prompts
+
+
+def check_prompts_text(prompts: list[str]) -> None:
+    """A prompt the tokenizer can read: an argument that is not UTF-8 reaches Python as lone surrogates
+    (so does a JSON line's "\\ud800"), which no tokenizer encodes; refused before anything loads."""
+    for index, prompt in enumerate(prompts, 1):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise click.BadParameter(f"prompt {index} is not valid text (character {error.start}: "
+                                     f"{error.reason}); give UTF-8", param_hint="--prompt/--prompt-file") from None
 
 
 def resolve_models(target: str | None, draft: str | None, mode: str) -> tuple[str, str | None]:
@@ -166,12 +185,12 @@ def version() -> str:
 def sampling_options(command):
     """--temperature/--sample-top-k/--top-p/--seed, shared by dovetail-run and dovetail-client."""
     options = [
-        click.option("--temperature", type=click.FloatRange(min=0.0, max=1000.0), default=0.0,
+        click.option("--temperature", type=FiniteFloatRange(min=0.0, max=1000.0), default=0.0,
                      help=f"Sampling temperature; 0 = greedy (exactly the target's greedy decode), else >= "
                           f"{m.MIN_TEMPERATURE}."),
         click.option("--sample-top-k", type=click.IntRange(min=0, max=2**31 - 1), default=0,
                      help="Sample only among the k most likely tokens (0 = off). Not the tree's --tree-top-k."),
-        click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0,
+        click.option("--top-p", type=FiniteFloatRange(min=0.0, max=1.0, min_open=True), default=1.0,
                      help="Nucleus sampling: the smallest set of tokens with this much mass (1 = off)."),
         click.option("--seed", type=click.IntRange(min=0, max=2**63 - 1), default=None,
                      help="Random seed: the same seed and settings repeat the output (per mode)."),
@@ -401,8 +420,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--json", "as_json", is_flag=True, help="One-shot: print one JSON object per prompt on stdout.")
 @click.option("--compare-ar", is_flag=True, help="One-shot: also run each prompt in --mode ar and print both speeds "
               "(and whether the tokens are the same).")
-@click.option("--startup-timeout", type=click.FloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
-@click.option("--worker-timeout", type=click.FloatRange(min=0.1), default=None,
+@click.option("--startup-timeout", type=FiniteFloatRange(min=1), default=300.0, help="Seconds to wait for workers.")
+@click.option("--worker-timeout", type=FiniteFloatRange(min=0.1), default=None,
               help="Seconds a worker may take to answer one step (a prefill is one step) before it counts as hung: "
                    "its request fails with worker_failed and it is killed and restarted.  [default: 4x the longest "
                    "step the measured costs predict (a prompt that fills the context), at least 30 s; 300 s where "
@@ -413,7 +432,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Serving: requests that run at once. Each cycle their trees (or decode steps) are verified in one "
                    "pass of the target, each request getting exactly the tokens it would get alone; the others wait "
                    "in the queue. 1: one request at a time.")
-@click.option("--kv-memory", type=click.FloatRange(min=0.001), default=None,
+@click.option("--kv-memory", type=FiniteFloatRange(min=0.001, max=1e6), default=None,
               help="Serving: GB of KV cache the running requests may reserve together. A request reserves what its "
                    "prompt plus max_new_tokens can grow to; one that does not fit waits at the head of the queue "
                    "until enough running requests end, and one that could not fit alone is refused "
@@ -423,7 +442,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--max-queue-per-client", type=click.IntRange(min=1), default=16,
               help="Serving: requests one client (connection) may have waiting; beyond it 'busy'. Clients take "
                    "turns: one request each, round-robin.")
-@click.option("--request-timeout", type=click.FloatRange(min=0.001), default=None,
+@click.option("--request-timeout", type=FiniteFloatRange(min=0.001), default=None,
               help="Serving: every request must be answered within this many seconds of its arrival (queueing "
                    "included), else it ends with 'deadline_exceeded'; a request's own deadline_ms can be shorter. "
                    "[default: no limit]")
@@ -455,6 +474,7 @@ def run_main(**values: Any) -> None:
     target, draft = resolve_models(options.models.target, options.models.draft, options.models.mode)
     log.info("target %s, draft %s", target, draft or "none (--mode ar)")
     all_prompts = list(one_shot.prompts) + (read_prompt_file(one_shot.prompt_file) if one_shot.prompt_file else [])
+    check_prompts_text(all_prompts)
     if serving.http_address is not None and all_prompts:
         raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
     warn_ignored_options(one_shot_run=bool(all_prompts), mode=options.models.mode)
@@ -462,6 +482,10 @@ def run_main(**values: Any) -> None:
     if serving.http_address is None and http_only and not all_prompts:
         log.warning("%s: only with --http: ignored", ", ".join(http_only))
     sampling = make_sampling(**dataclasses.asdict(options.sampling))
+    if one_shot.compare_ar and sampling.temperature > 0 and sampling.seed is None:
+        # Each run would draw its own seed and so its own tokens: "same tokens: no" would read as a loss.
+        sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(63))
+        log.info("--compare-ar with sampling: both modes draw with --seed %d", sampling.seed)
     settings = runtime_settings(options, target, draft)
     try:
         check_settings(settings)  # before anything loads
@@ -485,7 +509,7 @@ def run_main(**values: Any) -> None:
 ONE_SHOT_ONLY = ("as_json", "compare_ar", "chat", "stops", "max_new_tokens", "temperature", "sample_top_k", "top_p",
                  "seed")
 SERVING_ONLY = ("binds", "api_key_file", "api_key", "max_queue", "max_queue_per_client", "request_timeout",
-                "max_batch", "kv_memory", "served_model_name", "join_chunk")
+                "max_batch", "kv_memory", "served_model_name", "cors_origins", "join_chunk")
 DRAFT_ONLY = ("draft", "draft_device", "draft_dtype", "draft_threads", "draft_cores", "tree_tokens", "depth",
               "tree_top_k", "lookup_tokens")
 
@@ -566,9 +590,12 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
     from cpu_worker.model.model_dir import ModelLoadError
 
     from .coordinator import Coordinator, TooManyRestarts
-    from .workers import WorkerFailed
+    from .workers import WorkerFailed, WorkerRequestError
+
+    received = [signal.SIGINT]  # Ctrl-C raises KeyboardInterrupt by itself
 
     def on_signal(signum, _frame):
+        received[0] = signum
         log.info("signal %d: stopping", signum)
         raise KeyboardInterrupt
 
@@ -582,8 +609,11 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
                                compare_ar=one_shot.compare_ar and settings.mode == "dovetail", chat=one_shot.chat)
         return 1 if failures else 0
     except KeyboardInterrupt:
-        return 0
-    except (ModelLoadError, WorkerFailed, TooManyRestarts, ValueError, OSError) as error:
+        # Not a success: what was printed may stop mid-answer (`dovetail-run ... > out && use out`).
+        end_completion(one_shot.as_json)
+        log.warning("interrupted by %s: the output is incomplete", signal.Signals(received[0]).name)
+        return 128 + received[0]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+    except (ModelLoadError, WorkerFailed, WorkerRequestError, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
         return 2
     finally:
@@ -785,8 +815,8 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
 @click.option("--stop", "stops", multiple=True, callback=stops_option, help="Stop string (repeatable).")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
-@click.option("--timeout", type=click.FloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
-@click.option("--deadline", type=click.FloatRange(min=0.001), default=None,
+@click.option("--timeout", type=FiniteFloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
+@click.option("--deadline", type=FiniteFloatRange(min=0.001), default=None,
               help="Seconds the server has to answer, queueing included (else deadline_exceeded). [default: none]")
 @api_key_options
 @sampling_options

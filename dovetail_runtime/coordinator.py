@@ -393,8 +393,11 @@ class Coordinator:
             return TreeShape.clamped(2, 1, bounds.top_k)
         bounds = dataclasses.replace(bounds, max_tree_tokens=sizes[-1],
                                      max_depth=min(bounds.max_depth, sizes[-1] - 1))
-        verify = self.cpu.request(m.MeasureVerifyCost(tree_sizes=sizes), m.VerifyCost)
         depths = list(range(1, bounds.envelope.depth + 1))
+        # Minutes on a large model or a deep --depth, once (cached): said, so a quiet start does not look hung.
+        log.info("tree: the cost of verifying T = 1..%d and drafting depth 1..%d on this machine: measuring, or "
+                 "read from the cache of an earlier start", sizes[-1], depths[-1])
+        verify = self.cpu.request(m.MeasureVerifyCost(tree_sizes=sizes), m.VerifyCost)
         draft_ms_by_top_k: dict[int, dict[int, float]] = {}
         drafts = []
         for top_k in bounds.top_ks:

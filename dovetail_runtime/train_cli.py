@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import click
 
+from .click_types import FiniteFloatRange
+
 ConfigT = TypeVar("ConfigT")
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -121,7 +123,20 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} GB"
 
 
-@click.group(context_settings=CONTEXT)
+class TrainCommands(click.Group):
+    """dovetail-train's commands: a bad corpus (a missing input, a malformed JSON line) is the user's
+    error, said in one line like any bad option, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from gpu_worker.train.corpus import CorpusError
+
+        try:
+            return super().invoke(ctx)
+        except CorpusError as error:
+            raise click.ClickException(str(error)) from None
+
+
+@click.group(cls=TrainCommands, context_settings=CONTEXT)
 def main() -> None:
     """Train a draft head for a target model: extract features, train, measure tau."""
 
@@ -283,18 +298,23 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
               help="Decoder layers in the head (eagle3 recipes: the EAGLE-3 layer, then plain ones; published "
                    "EAGLE-3 heads have 1).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Windows per step.")
-@click.option("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW, betas 0.9/0.95).")
+@click.option("--lr", type=FiniteFloatRange(min=0, min_open=True),
+              default=1e-3, help="Peak learning rate (AdamW, betas 0.9/0.95).")
 @click.option("--warmup", type=click.IntRange(min=0), default=100, help="Linear warmup steps.")
-@click.option("--min-lr-ratio", type=float, default=0.1, help="Cosine decays to this fraction of --lr.")
-@click.option("--weight-decay", type=float, default=0.0)
-@click.option("--clip", type=float, default=0.5, help="Gradient-norm clipping.")
-@click.option("--noise", type=float, default=0.1, help="Input-feature noise U(-a, a), a = NOISE x feature RMS.")
-@click.option("--epochs", type=float, default=1.0, help="Passes over the (capped) training windows.")
+@click.option("--min-lr-ratio", type=FiniteFloatRange(min=0, max=1),
+              default=0.1, help="Cosine decays to this fraction of --lr.")
+@click.option("--weight-decay", type=FiniteFloatRange(min=0), default=0.0)
+@click.option("--clip", type=FiniteFloatRange(min=0, min_open=True),
+              default=0.5, help="Gradient-norm clipping.")
+@click.option("--noise", type=FiniteFloatRange(min=0),
+              default=0.1, help="Input-feature noise U(-a, a), a = NOISE x feature RMS.")
+@click.option("--epochs", type=FiniteFloatRange(min=0, min_open=True),
+              default=1.0, help="Passes over the (capped) training windows.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Train exactly this many steps "
               "(overrides --epochs).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None,
               help="Use only the first N tokens of the training features (a fixed budget for ablations).")
-@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+@click.option("--time-budget", type=FiniteFloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="eagle3 recipes: train for about this long: after 20 timed steps the plan (--epochs or "
                    "--steps) shrinks to the steps that fit, the learning rate decaying over them.")
 @click.option("--features-on-host", is_flag=True, help="eagle3 recipes on CUDA: keep the training features in host "

@@ -18,6 +18,9 @@ class CoreSpecError(ValueError):
     """A core list the user typed that cannot be used."""
 
 
+MAX_CORE_NUMBER = 65536  # Linux's NR_CPUS tops out at 8192; anything far past it is a typo
+
+
 def parse_core_list(text: str) -> list[int]:
     """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]; refuses malformed or empty lists."""
     cores: set[int] = set()
@@ -33,6 +36,9 @@ def parse_core_list(text: str) -> list[int]:
             raise CoreSpecError(f"{part!r} in core list {text!r} is not a core number or a range like 0-3") from None
         if low < 0 or high < low:
             raise CoreSpecError(f"bad range {part!r} in core list {text!r}")
+        if high >= MAX_CORE_NUMBER:  # checked before the range is expanded: 0-4294967295 would fill memory
+            raise CoreSpecError(f"core {high} in {text!r}: no machine has that many cores (at most "
+                                f"{MAX_CORE_NUMBER - 1})")
         cores.update(range(low, high + 1))
     return sorted(cores)
 

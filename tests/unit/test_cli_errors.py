@@ -270,3 +270,55 @@ def test_a_draft_without_its_target_says_the_demo_target_stood_in(monkeypatch, c
     result = run(cli.run_main, ["--draft", str(EAGLE3_HEAD), "--prompt", "x"])
     assert result.exit_code == 2 and "was trained for a different target" in caplog.text
     assert f"no --target was given, so the demo target {DEMO_TARGET} stood in" in caplog.text
+
+
+# ------------------------------------------------------------------ values no check caught (an audit, 2026-12-06)
+
+@pytest.mark.parametrize("args", [["--temperature", "nan"], ["--top-p", "nan"], ["--startup-timeout", "nan"],
+                                  ["--worker-timeout", "nan"], ["--request-timeout", "inf"], ["--kv-memory", "nan"],
+                                  ["--kv-memory", "inf"], ["--kv-memory", "1e300"]])
+def test_nan_and_infinite_numbers_are_refused_before_anything_loads(args):
+    message = refused(cli.run_main, args)
+    assert "is not a finite number" in message or "not in the range" in message, message
+
+
+@pytest.mark.parametrize("args", [["--clip", "nan"], ["--epochs", "0"], ["--epochs", "-1"], ["--clip", "-3"],
+                                  ["--noise", "-1"], ["--min-lr-ratio", "5"], ["--lr", "inf"]])
+def test_training_settings_that_cannot_train_are_refused(args, tmp_path):
+    command = train_cli.main.commands["train"]
+    assert refused(command, ["--target", str(DEMO_TARGET), "--features", str(tmp_path), "--out",
+                             str(tmp_path / "out"), *args])
+
+
+def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
+    message = refused(cli.run_main, ["--cpu-cores", "0-4294967295"])  # expanded, it filled memory
+    assert "no machine has that many cores" in message
+
+
+def test_a_prompt_file_is_utf8_its_byte_order_mark_skipped_and_other_bytes_refused(tmp_path):
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "def f("}).encode() + b"\n")
+    assert cli.read_prompt_file(marked) == ["def f("]
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9\n")
+    with pytest.raises(click.BadParameter, match="is not UTF-8 text"):
+        cli.read_prompt_file(latin1)
+    with pytest.raises(click.BadParameter, match="prompt 2 is not valid text"):
+        cli.check_prompts_text(["fine", "abc\udcff"])  # a non-UTF-8 argument, as Python hands it over
+
+
+def test_a_one_shot_run_cut_short_by_a_signal_is_not_a_success(monkeypatch, capsys):
+    class Interrupted:
+        def __init__(self, _settings):
+            pass
+
+        def start(self):
+            raise KeyboardInterrupt  # Ctrl-C while the workers load
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("dovetail_runtime.coordinator.Coordinator", Interrupted)
+    options = cli.OneShotOptions(prompts=("x",), prompt_file=None, max_new_tokens=4, stops=(), as_json=False,
+                                 compare_ar=False, chat=False)
+    assert cli.run_one_shot(None, ["x"], options, m.Sampling()) == 130
