@@ -145,6 +145,8 @@ def parse_request(body: bytes, kind: type[CompletionRequest] | type[ChatRequest]
 
 def decode_object(body: bytes) -> dict[str, Any]:
     """A request body's JSON object; ApiError(400) when it is not one."""
+    if not body.strip():
+        raise ApiError(400, "the request body is empty: send a JSON object", code="invalid_json")
     try:
         data = msgspec.json.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:

@@ -72,6 +72,13 @@ def test_refusals_name_the_field(body, status, words):
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body", [b"", b"  \r\n"])
+def test_an_empty_body_is_called_empty(body):
+    with pytest.raises(api.ApiError) as info:  # not "not valid JSON: Input data was truncated"
+        api.parse_request(body, api.CompletionRequest)
+    assert (info.value.status, info.value.code) == (400, "invalid_json") and "body is empty" in info.value.message
+
+
 @pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000,
                                   b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
                                   b'{"prompt": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001])
