@@ -3,10 +3,11 @@
 Why: text repeats itself (a chat answer restates its question, a list repeats its pattern, code
 repeats names), and where it does the continuation after the last few tokens' earlier occurrence is
 a free guess that the head often misses. On the real pair's held-out chat (24 prompts x 96 greedy
-tokens, the head's own trees verified, a branch of up to 4 tokens after the latest earlier match of
-the last 4, 3 or 2 tokens counted where it would have gone further than the tree; docs/performance.md,
-2026-12-06 twelfth session) tau rose from 1.80 to about 2.12 at 4/1/8 trees for 0.75 more verified
-rows a cycle, and from 2.77 to about 2.92 at 8/4/4.
+tokens, the head's own 3/2/4 trees with a branch of up to 4 tokens grafted, verified cycle by cycle;
+docs/performance.md, 2026-12-06 thirteenth session) tau rose from 2.03 to 2.17 for 0.45 more verified
+rows a cycle. (A first estimate, 2.29, added each cycle's gain along the decode without the branch,
+where a copied stretch takes several cycles instead of one, so it counted copies several times.)
+A branch grown while copies keep being accepted added under 1% more; not worth its rule.
 
 Lossless by construction: the target accepts a path of any tree by its own picks
 (``cpu_worker.acceptance``), so a grafted branch changes how many tokens a cycle emits, never which.
