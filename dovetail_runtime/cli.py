@@ -6,6 +6,7 @@ and messages (the workers it starts hold the models).
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import importlib.metadata
 import json
@@ -68,11 +69,13 @@ def read_prompt_file(path: Path) -> list[str]:
     """One prompt per line, or JSONL objects with a "prompt" field; UTF-8 text (a byte-order mark, as
     some editors save it, is not part of the first prompt)."""
     prompts = []
+    data = path.read_bytes()
+    skipped = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        text = data[skipped:].decode("utf-8")
     except UnicodeDecodeError as error:
-        raise click.BadParameter(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8",
-                                 param_hint="--prompt-file") from None
+        raise click.BadParameter(f"{path} is not UTF-8 text (byte {skipped + error.start}: {error.reason}); save it "
+                                 "as UTF-8", param_hint="--prompt-file") from None
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -482,7 +485,7 @@ def run_main(**values: Any) -> None:
     if serving.http_address is None and http_only and not all_prompts:
         log.warning("%s: only with --http: ignored", ", ".join(http_only))
     sampling = make_sampling(**dataclasses.asdict(options.sampling))
-    if one_shot.compare_ar and sampling.temperature > 0 and sampling.seed is None:
+    if one_shot.compare_ar and options.models.mode == "dovetail" and sampling.temperature > 0 and sampling.seed is None:
         # Each run would draw its own seed and so its own tokens: "same tokens: no" would read as a loss.
         sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(63))
         log.info("--compare-ar with sampling: both modes draw with --seed %d", sampling.seed)
@@ -599,7 +602,7 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
         log.info("signal %d: stopping", signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    previous = signal.signal(signal.SIGTERM, on_signal)
     coordinator = Coordinator(settings)
     try:
         coordinator.start()
@@ -618,6 +621,7 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
         return 2
     finally:
         coordinator.close()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def served_model(target: str, coordinator, mode: str, name: str | None = None):

@@ -304,8 +304,8 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
 @click.option("--min-lr-ratio", type=FiniteFloatRange(min=0, max=1),
               default=0.1, help="Cosine decays to this fraction of --lr.")
 @click.option("--weight-decay", type=FiniteFloatRange(min=0), default=0.0)
-@click.option("--clip", type=FiniteFloatRange(min=0, min_open=True),
-              default=0.5, help="Gradient-norm clipping.")
+@click.option("--clip", type=FiniteFloatRange(min=0, min_open=True, infinity=True),
+              default=0.5, help="Gradient-norm clipping (inf: none).")
 @click.option("--noise", type=FiniteFloatRange(min=0),
               default=0.1, help="Input-feature noise U(-a, a), a = NOISE x feature RMS.")
 @click.option("--epochs", type=FiniteFloatRange(min=0, min_open=True),

@@ -18,7 +18,10 @@ minutes). Here every planner meets the same acceptance and the same (seeded) noi
   cycle costs the draft's time at its depth plus the verify time of all its rows plus the rest of a
   cycle, times the host's level (regimes that switch now and then, and per-cycle jitter). The planner
   is told the times as the workers would report them, and starts from startup curves with some
-  sizes timed during a busy spell.
+  sizes timed during a busy spell. Not modelled: the draft's reading of the prompt (a first cycle
+  costs as any), and plain steps' edges (the runtime's one root-only step before a tree that follows
+  plain steps, a first plain plan still drafted): they matter only where the plain fallback runs,
+  never at the default costs.
 
     python -m tools.sim_planner dump --out /tmp/trees.json     # the real pair (scripts/fetch_fixture.sh)
     python -m tools.sim_planner run --trees /tmp/trees.json --shapes auto,3/2/4,4/3/4 --seeds 8
@@ -200,7 +203,9 @@ def cycle(planner: TreePlanner | None, shape: TreeShape, answer: dict[str, Any],
     run.cycles += 1
     run.chosen[(size, depth, top_k)] += 1
     if planner is not None and size > 1:
-        planner.observe(shape, tokens, parents, emitted, draft_ms, verify_ms, cycle_ms, drafted=drafted)
+        # As generation.tree_cycle: a sequence's first draft step also reads the prompt, so its times mislead.
+        planner.observe(shape, tokens, parents, emitted, draft_ms, verify_ms, cycle_ms, timed=position > 1,
+                        drafted=drafted)
     return emitted
 
 

@@ -285,13 +285,14 @@ def test_nan_and_infinite_numbers_are_refused_before_anything_loads(args):
 @pytest.mark.parametrize("args", [["--clip", "nan"], ["--epochs", "0"], ["--epochs", "-1"], ["--clip", "-3"],
                                   ["--noise", "-1"], ["--min-lr-ratio", "5"], ["--lr", "inf"]])
 def test_training_settings_that_cannot_train_are_refused(args, tmp_path):
-    command = train_cli.main.commands["train"]
-    assert refused(command, ["--target", str(DEMO_TARGET), "--features", str(tmp_path), "--out",
-                             str(tmp_path / "out"), *args])
+    command = train_cli.main.commands["train"]  # click checks options in the order given: this one first
+    message = refused(command, [*args, "--target", str(DEMO_TARGET), "--features", str(tmp_path), "--out",
+                                str(tmp_path / "out")])
+    assert args[0] in message and ("not in the range" in message or "not a finite number" in message), message
 
 
 def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
-    message = refused(cli.run_main, ["--cpu-cores", "0-4294967295"])  # expanded, it filled memory
+    message = refused(cli.run_main, ["--cpu-cores", "0-70000"])  # 0-4294967295, expanded, filled memory
     assert "no machine has that many cores" in message
 
 
@@ -322,3 +323,16 @@ def test_a_one_shot_run_cut_short_by_a_signal_is_not_a_success(monkeypatch, caps
     options = cli.OneShotOptions(prompts=("x",), prompt_file=None, max_new_tokens=4, stops=(), as_json=False,
                                  compare_ar=False, chat=False)
     assert cli.run_one_shot(None, ["x"], options, m.Sampling()) == 130
+
+
+def test_a_bad_corpus_for_features_is_one_line(tmp_path):
+    result = run(train_cli.main, ["features", "--target", str(DEMO_TARGET), "--out", str(tmp_path / "features"),
+                                  "--input", str(tmp_path / "missing.txt")])
+    assert result.exit_code == 1 and "is neither a file, a folder nor a glob" in result.output, result.output
+
+
+def test_no_clipping_is_still_inf():
+    (clip,) = [param for param in train_cli.main.commands["train"].params if param.name == "clip"]
+    assert clip.type.convert("inf", clip, None) == float("inf")
+    with pytest.raises(click.BadParameter, match="not a finite number"):
+        clip.type.convert("nan", clip, None)
