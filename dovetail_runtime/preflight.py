@@ -57,6 +57,9 @@ def check_cores(cores: list[int], flag: str) -> None:
 
 def check_draft_dir(draft: str) -> None:
     """A local folder, or a hub id in the local Hugging Face cache (as --target), with a config.json."""
+    if Path(draft).expanduser().is_file():  # a GGUF is a target's format; a head is a folder
+        raise PreflightError(f"--draft: {draft} is a file; a draft head is a folder with config.json (a Dovetail, "
+                             "EAGLE or EAGLE-3 head)")
     try:
         folder = resolve_model_dir(draft)
     except ModelLoadError as error:
@@ -181,8 +184,10 @@ def shared_cores_warning(settings: RuntimeSettings) -> str | None:
 
 def check_draft_device(device: str, dtype: str) -> None:
     if device in ("auto", "cpu"):
-        if device == "cpu" and dtype in ("fp16", "bf16"):
-            raise PreflightError(f"--draft-dtype {dtype} needs CUDA; on the CPU use fp32, int8, q4_0 or auto")
+        # auto picks the CPU where no CUDA device is: said now, not after the models loaded (an audit's finding).
+        if dtype in ("fp16", "bf16") and (device == "cpu" or cuda_device_count() == 0):
+            where = "" if device == "cpu" else " and there is no CUDA device here (--draft-device auto takes the CPU)"
+            raise PreflightError(f"--draft-dtype {dtype} needs CUDA{where}; on the CPU use fp32, int8, q4_0 or auto")
         return
     match = _CUDA_DEVICE.fullmatch(device)
     if match is None:

@@ -40,5 +40,6 @@ def resolve_dtype(device: torch.device, dtype: str | torch.dtype | None = None) 
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported draft dtype {dtype}; choose one of fp16, bf16, fp32")
     if device.type != "cuda" and dtype != torch.float32:
-        raise ValueError(f"draft dtype {dtype} is only supported on CUDA; the CPU runs the draft in fp32")
+        raise ValueError(f"draft dtype {dtype} is only supported on CUDA; on the CPU the draft runs in fp32, int8 or "
+                         "q4_0")
     return dtype

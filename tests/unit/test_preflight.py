@@ -29,8 +29,17 @@ def test_cores_outside_this_process_affinity_are_named():
 def test_device_and_dtype_mistakes(device, dtype, message):
     with pytest.raises(PreflightError, match=message):
         check_draft_device(device, dtype)
-    check_draft_device("auto", "fp16")  # auto may be CUDA: left to the worker
     check_draft_device("cpu", "int8")
+
+
+def test_a_16_bit_draft_with_auto_is_refused_up_front_only_where_no_cuda_device_is(monkeypatch):
+    for count in (None, 1):  # a CUDA device, or no telling: auto may take CUDA, the worker decides
+        monkeypatch.setattr(preflight, "cuda_device_count", lambda count=count: count)
+        check_draft_device("auto", "fp16")
+    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 0)  # was found only after the models loaded
+    with pytest.raises(PreflightError, match="bf16 needs CUDA and there is no CUDA device here"):
+        check_draft_device("auto", "bf16")
+    check_draft_device("auto", "q4_0")
 
 
 def test_cuda_devices_are_counted_from_the_driver(monkeypatch):
@@ -53,3 +62,14 @@ def test_settings_are_checked_in_flag_order(tmp_path):
         check_settings(RuntimeSettings(target=str(DEMO_TARGET), draft=str(tmp_path)))
     with pytest.raises(PreflightError, match="--cpu-cores"):
         check_settings(RuntimeSettings(target=str(DEMO_TARGET), draft=None, cpu_cores=[4096]))
+
+
+def test_a_file_given_as_the_draft_is_called_a_file_and_a_folder_asked_for(tmp_path):
+    """Its message once suggested a .gguf file, which is then refused: a head is a folder."""
+    from dovetail_runtime.preflight import check_draft_dir
+
+    for name, data in (("notes.txt", b"hi"), ("head.gguf", b"GGUF\x03\x00\x00\x00")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(PreflightError, match="is a file; a draft head is a folder with config.json") as info:
+            check_draft_dir(str(tmp_path / name))
+        assert ".gguf file" not in str(info.value)
