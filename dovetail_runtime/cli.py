@@ -66,9 +66,9 @@ AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth 
 
 
 def read_prompt_file(path: Path) -> list[str]:
-    """One prompt per line, or JSONL objects with a "prompt" field; UTF-8 text (a byte-order mark, as
-    some editors save it, is not part of the first prompt)."""
-    prompts = []
+    """JSONL objects with a "prompt" field (every non-blank line starts with "{"), else one prompt per
+    line (a line of C or JSON-like text is a prompt; one that is a {"prompt": ...} object is read as one);
+    UTF-8 text (a byte-order mark, as some editors save it, is not part of the first prompt)."""
     data = path.read_bytes()
     skipped = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
@@ -76,25 +76,29 @@ def read_prompt_file(path: Path) -> list[str]:
     except UnicodeDecodeError as error:
         raise click.BadParameter(f"{path} is not UTF-8 text (byte {skipped + error.start}: {error.reason}); save it "
                                  "as UTF-8", param_hint="--prompt-file") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise click.BadParameter(f"{path}:{number}: invalid JSON: {error}",
-                                         param_hint="--prompt-file") from error
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise click.BadParameter(f"{path}:{number}: a JSON line needs a string \"prompt\" field",
-                                         param_hint="--prompt-file")
-            prompts.append(record["prompt"])
-        else:
-            prompts.append(line)
-    if not prompts:  # else no prompt means serving: a server that never exits
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not lines:  # else no prompt means serving: a server that never exits
         raise click.BadParameter(f"{path} holds no prompts (it is empty or all blank lines)",
                                  param_hint="--prompt-file")
-    return prompts
+    jsonl = all(line.lstrip().startswith("{") for _, line in lines)
+    return [json_prompt(path, number, line, strict=jsonl) for number, line in lines]
+
+
+def json_prompt(path: Path, number: int, line: str, strict: bool) -> str:
+    """A prompt file's line: its "prompt" where it is a JSON object with one, else the line itself, or
+    (``strict``: a JSONL file) a usage error naming the line."""
+    try:
+        record = json.loads(line) if line.lstrip().startswith("{") else None
+    except json.JSONDecodeError as error:
+        if strict:
+            raise click.BadParameter(f"{path}:{number}: invalid JSON: {error}", param_hint="--prompt-file") from None
+        record = None
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    if strict:
+        raise click.BadParameter(f"{path}:{number}: a JSON line needs a string \"prompt\" field",
+                                 param_hint="--prompt-file")
+    return line
 
 
 def check_prompts_text(prompts: list[str]) -> None:

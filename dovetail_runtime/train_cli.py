@@ -115,6 +115,23 @@ def features_option(_ctx: click.Context, _param: click.Parameter, value: Path | 
     return value
 
 
+def check_features_match_target(target: str, folders: list[Path | None]) -> None:
+    """Features are the target's hidden states: made with another target, they fail deep in the first
+    step with a shape error ("mat1 and mat2 shapes cannot be multiplied"); said up front instead."""
+    from cpu_worker.model.model_dir import ModelLoadError, read_config, resolve_model_dir
+    from gpu_worker.train.shards import read_manifest
+
+    try:
+        hidden = int(read_config(resolve_model_dir(target))["hidden_size"])
+    except (ModelLoadError, OSError, KeyError, ValueError, TypeError):
+        return  # the target's own check says what is wrong with it
+    for folder in filter(None, folders):
+        stored = (read_manifest(folder) or {}).get("hidden_size")
+        if stored is not None and int(stored) != hidden:
+            raise click.UsageError(f"{folder} holds features of a target with hidden size {stored}, but --target "
+                                   f"{target} has {hidden}: extract them with this --target")
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if count < 1024 or unit == "GB":
@@ -334,6 +351,7 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
 def train(**options: Any) -> None:
     """Train a draft head on stored features; the result loads with dovetail-run --draft OUT."""
     settings = TrainSettings(**options)
+    check_features_match_target(settings.target, [settings.train_dir, settings.heldout_dir])
     set_threads(settings.threads)
     check_device(settings.device)
     warn_if_bf16_is_emulated(settings.bf16, settings.device)

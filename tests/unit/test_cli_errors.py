@@ -336,3 +336,25 @@ def test_no_clipping_is_still_inf():
     assert clip.type.convert("inf", clip, None) == float("inf")
     with pytest.raises(click.BadParameter, match="not a finite number"):
         clip.type.convert("nan", clip, None)
+
+
+def test_features_of_another_target_are_named_before_training(tmp_path):
+    hidden = json.loads((DEMO_TARGET / "config.json").read_text())["hidden_size"]
+    (tmp_path / "manifest.json").write_text(json.dumps({"complete": True, "shards": [], "hidden_size": hidden + 320,
+                                                        "config": {}}))
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(tmp_path),
+                                  "--out", str(tmp_path / "out"), "--steps", "1"])
+    assert result.exit_code == 2 and f"hidden size {hidden + 320}, but --target" in result.output, result.output
+
+
+def test_a_prompt_file_is_jsonl_only_when_every_line_is_an_object(tmp_path):
+    code = tmp_path / "code.txt"  # one prompt per line, one of them C: once refused as invalid JSON
+    code.write_text('int main(void)\n{ return 0; }\n{"prompt": "read as an object"}\n')
+    assert cli.read_prompt_file(code) == ["int main(void)", "{ return 0; }", "read as an object"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
+    with pytest.raises(click.BadParameter, match="prompts.jsonl:3: invalid JSON"):
+        cli.read_prompt_file(jsonl)
+    jsonl.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(click.BadParameter, match='prompts.jsonl:2: a JSON line needs a string "prompt" field'):
+        cli.read_prompt_file(jsonl)
