@@ -343,7 +343,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @api_key_options
 @click.option("--allow-remote", is_flag=True, expose_value=False, hidden=True, callback=refuse_allow_remote,
               help="Refused: serving beyond loopback needs an API key.")
-@click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
+@click.option("--cpu-threads", type=click.IntRange(min=1, max=m.MAX_THREADS), default=None,
               help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
@@ -378,7 +378,7 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Draft precision: auto = fp16 on CUDA; on the CPU, where the draft shares the memory bus with the "
                    "target, the fastest of fp32, int8 (W8A8) and q4_0 as measured there (q4_0 only where clearly "
                    "faster). q4_0 (CPU): 4-bit projections, ~0.6x int8's bytes.")
-@click.option("--draft-threads", type=click.IntRange(min=1), default=None,
+@click.option("--draft-threads", type=click.IntRange(min=1, max=m.MAX_THREADS), default=None,
               help="Intra-op threads of the draft worker. [default: one for a CUDA draft, else one per "
                    "--draft-cores core, else torch's]")
 @click.option("--draft-cores", callback=cores_option, default=None,
@@ -617,7 +617,8 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
         return 1 if failures else 0
     except KeyboardInterrupt:
         # Not a success: what was printed may stop mid-answer (`dovetail-run ... > out && use out`).
-        end_completion(one_shot.as_json)
+        if OpenCompletion.text:
+            end_completion(one_shot.as_json)
         log.warning("interrupted by %s: the output is incomplete", signal.Signals(received[0]).name)
         return 128 + received[0]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
     except (ModelLoadError, WorkerFailed, WorkerRequestError, TooManyRestarts, ValueError, OSError) as error:
@@ -758,9 +759,10 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
         else:
             request = m.GenerateRequest(request_id=uuid.uuid4().hex, prompt=prompt, **params)
         def show(_ids, text, _logprobs):
-            if not as_json:
+            if not as_json and text:
                 sys.stdout.write(text)
                 sys.stdout.flush()
+                OpenCompletion.text = True
             return False
 
         reply = coordinator.generate(request, show)
@@ -789,11 +791,18 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
     return failures
 
 
+class OpenCompletion:
+    """Whether stdout holds a completion's text without its ending newline (what a Ctrl-C may leave)."""
+
+    text = False
+
+
 def end_completion(as_json: bool) -> None:
     """The newline that ends a streamed completion on stdout (none in --json output)."""
     if not as_json:
         sys.stdout.write("\n")
         sys.stdout.flush()
+    OpenCompletion.text = False
 
 
 def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | None, same_tokens: bool) -> None:

@@ -21,6 +21,7 @@ from msgspec import Meta, Raw, Struct, field
 from .tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
 
 PROTOCOL_VERSION = 2
+MAX_THREADS = 65536  # a worker's intra-op threads (--cpu-threads, --draft-threads)
 
 # The smallest positive temperature: below it softmax(logits / T) overflows to inf/NaN in fp32.
 MIN_TEMPERATURE = 1e-5
@@ -479,7 +480,7 @@ class WorkerSettings(Nested, frozen=True, kw_only=True):
     log_level: Name = "info"
     max_len: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)]  # the context in tokens
     rings: RingNames
-    threads: Annotated[int, Meta(ge=1, le=65536)] | None = None
+    threads: Annotated[int, Meta(ge=1, le=MAX_THREADS)] | None = None
     cores: Cores | None = None
     max_sequences: Annotated[int, Meta(ge=1, le=MAX_BATCH)] = 1  # sequences held at once (--max-batch)
 

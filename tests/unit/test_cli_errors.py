@@ -323,6 +323,13 @@ def test_a_one_shot_run_cut_short_by_a_signal_is_not_a_success(monkeypatch, caps
     options = cli.OneShotOptions(prompts=("x",), prompt_file=None, max_new_tokens=4, stops=(), as_json=False,
                                  compare_ar=False, chat=False)
     assert cli.run_one_shot(None, ["x"], options, m.Sampling()) == 130
+    assert capsys.readouterr().out == ""  # nothing was printed, so no newline ends it either
+
+
+@pytest.mark.parametrize("flag", ["--cpu-threads", "--draft-threads"])
+def test_a_thread_count_past_the_protocols_bound_names_its_flag(flag):
+    message = refused(cli.run_main, [flag, "70000"])  # was "TargetSettings would be refused ... $.threads"
+    assert flag in message and "70000 is not in the range" in message
 
 
 def test_a_bad_corpus_for_features_is_one_line(tmp_path):
