@@ -576,6 +576,13 @@ def _eval_prompts(tokenizer: Any, settings: EvalSettings) -> list[tuple[str, lis
     return prompts
 
 
+def user_turn_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as a user turn with the generation prompt, through the model's chat template (transformers')."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+
+
 def chat_prompts(tokenizer: Any, path: Path, limit: int | None) -> list[tuple[str, list[int]]]:
     """(prompt, ids) for each ``{"prompt": ...}`` line of ``path``, rendered as a user turn with the
     generation prompt; a usage error for a line that is not such an object."""
@@ -589,10 +596,7 @@ def chat_prompts(tokenizer: Any, path: Path, limit: int | None) -> list[tuple[st
             raise click.UsageError(f"{path}:{number}: expected a JSON object with a \"prompt\" string") from None
         if not isinstance(text, str):
             raise click.UsageError(f"{path}:{number}: expected a JSON object with a \"prompt\" string")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
-        prompts.append((text, list(ids)))
+        prompts.append((text, user_turn_ids(tokenizer, text)))
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:

@@ -48,7 +48,7 @@ import click
 from dovetail_runtime.demo_models import SMOLLM2_DIR, SMOLLM2_DRAFT
 from dovetail_runtime.lookup import PromptLookup, graft
 from dovetail_runtime.tree_planner import AutoTree, TreePlanner, interpolate
-from ipc.tree import TreeShape, tree_depths
+from ipc.tree import TreeShape, children_by_token, tree_depths
 from tools.tables import markdown_header, markdown_row
 
 # The llama2-7b chat stand-in's startup curve at q4_0, 2 threads (the cost cache, 2026-12-06), ms.
@@ -74,9 +74,7 @@ def subtree(tokens: Sequence[int], parents: Sequence[int], size: int, depth: int
 
 def followed(tokens: Sequence[int], parents: Sequence[int], truth: Sequence[int]) -> list[int]:
     """The tokens of ``truth`` a greedy target accepts from this tree: the path its tokens lead along."""
-    children: dict[int, dict[int, int]] = {}
-    for node in range(1, len(tokens)):
-        children.setdefault(parents[node], {})[int(tokens[node])] = node
+    children = children_by_token(tokens, parents)
     node, accepted = 0, []
     for token in truth:
         child = children.get(node, {}).get(int(token))
@@ -269,7 +267,7 @@ def record_answers(target: Path, draft: Path, prompts: Sequence[str], new_tokens
     from cpu_worker.target_loading import load_target_model
     from dovetail_runtime.draft_eval import reference_greedy
     from dovetail_runtime.eagle3_eval import AuxRows, eagle3_drafter
-    from dovetail_runtime.train_cli import target_tokenizer
+    from dovetail_runtime.train_cli import target_tokenizer, user_turn_ids
     from gpu_worker.eagle3 import resolve_aux_layers
     from gpu_worker.train.eagle3_io import load_eagle3_head
 
@@ -282,9 +280,7 @@ def record_answers(target: Path, draft: Path, prompts: Sequence[str], new_tokens
     answers = []
     with torch.inference_mode():
         for text in prompts:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-            prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            prompt = user_turn_ids(tokenizer, text)
             truth, _ = reference_greedy(engine, prompt, new_tokens, eos)
             engine.prefill(prompt + truth)  # every position's features in one pass
             rows = aux.rows()
