@@ -197,11 +197,12 @@ def _json_text(value: Any) -> str:
 
 
 def _field_of(message: str) -> str | None:
-    if "- at `$." in message:
-        return message.rsplit("- at `$.", 1)[1].rstrip("`")
-    if "required field `" in message:
-        return message.split("field `", 1)[1].split("`", 1)[0]
-    return None
+    """The field a msgspec error is about: ``messages[0].role`` for a missing nested field, not its parent."""
+    where = message.rsplit("- at `$.", 1)[1].rstrip("`") if "- at `$." in message else None
+    missing = message.split("field `", 1)[1].split("`", 1)[0] if "required field `" in message else None
+    if missing is None:
+        return where
+    return missing if where is None else f"{where}.{missing}"
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,19 @@ def test_refusals_name_the_field(body, status, words):
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body,param", [
+    ({}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": "x"}},
+     "stream_options.include_usage"),
+])
+def test_a_missing_or_wrong_field_is_named_by_its_whole_path(body, param):
+    with pytest.raises(api.ApiError) as info:
+        chat(body)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
 @pytest.mark.parametrize("body", [b"", b"  \r\n"])
 def test_an_empty_body_is_called_empty(body):
     with pytest.raises(api.ApiError) as info:  # not "not valid JSON: Input data was truncated"
