@@ -321,12 +321,6 @@ class AutoFusedProjection(NativeRopeProjection):
 
     name = "fused-auto"
 
-    def into_cache(self, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   keys: torch.Tensor, values: torch.Tensor,
-                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert attention.qkv_proj is not None
-        return self.from_projected(attention, attention.qkv_proj(x), cos, sin, keys, values, start)
-
     def from_projected(self, attention: Attention, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        keys: torch.Tensor, values: torch.Tensor,
                        start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
