@@ -84,6 +84,10 @@ class FairQueue(Generic[C]):
                 return item
         return None
 
+    def waiting(self, client: C, request_id: str) -> bool:
+        """Whether ``client`` has a request ``request_id`` waiting."""
+        return any(item.request.request_id == request_id for item in self._by_client.get(client, ()))
+
     def drop_client(self, client: C) -> list[Pending[C]]:
         """Take out every request of one client (it left, or stopped reading)."""
         waiting = self._by_client.pop(client, None) or collections.deque()

@@ -340,6 +340,14 @@ class Serving:
                                                             running=started))
 
     def _admit(self, peer: bytes, request: m.GenerateRequest) -> None:
+        if self._id_in_use(peer, request.request_id):
+            # Its replies would be told apart from the first one's by nothing, and a Cancel would pick one
+            # at random: refuse it without an id, as a message that cannot be run (the first one's id
+            # on an ErrorReply would end the first one for its client).
+            self._send(peer, error_reply(None, "bad_message", f"request_id {request.request_id!r} is already "
+                                         "running or waiting on this connection: use a fresh id per request; "
+                                         "this request is not run"))
+            return
         refusal = self._refuse_size(request)
         if refusal is not None:
             self._answer(peer, refusal)
@@ -349,6 +357,11 @@ class Serving:
         except QueueFull as error:
             self._answer(peer, error_reply(request.request_id, "busy",
                                            f"the server is busy: {error}; try again later"))
+
+    def _id_in_use(self, peer: bytes, request_id: str) -> bool:
+        """Whether ``peer`` has a request ``request_id`` running, held or waiting (not yet answered)."""
+        return self.queue.waiting(peer, request_id) or any(
+            running.item.client == peer and running.item.request.request_id == request_id for running in self.active)
 
     def _deadline(self, request: m.GenerateRequest) -> float | None:
         limits = [s for s in (None if request.deadline_ms is None else request.deadline_ms / 1000,

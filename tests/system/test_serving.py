@@ -592,3 +592,36 @@ def test_a_worker_that_dies_is_restarted_before_the_request_held_for_kv_memory_s
     assert isinstance(failed, m.ErrorReply) and failed.code == "worker_failed"
     assert final(held, "held").finish_reason == "length"  # started on the restarted worker
     assert len(restarts) == 1
+
+
+def next_error(client: Channel) -> m.ErrorReply:
+    """The next ErrorReply on this client, within WAIT_S (a running request's chunks skipped)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        reply = client.recv(timeout_ms=100)
+        if isinstance(reply, m.ErrorReply):
+            return reply
+        assert not isinstance(reply, m.GenerateDone), reply
+    raise AssertionError("no ErrorReply")
+
+
+def test_a_request_id_in_use_on_the_connection_is_refused_and_the_first_runs_on(serve):
+    harness = serve()
+    client = start_blocker(harness)
+    send(client, "blocker", max_new_tokens=3)  # running: its replies could not be told apart
+    refused = next_error(client)
+    assert isinstance(refused, m.ErrorReply) and refused.code == "bad_message" and refused.request_id is None
+    assert "'blocker' is already running or waiting" in refused.message
+    send(client, "waits", max_new_tokens=3)
+    harness.wait_for(lambda: len(harness.serving.queue) == 1, "one queued")
+    send(client, "waits", max_new_tokens=3)  # waiting: refused the same way
+    refused = next_error(client)
+    assert isinstance(refused, m.ErrorReply) and refused.request_id is None and "'waits'" in refused.message
+    other = harness.client()
+    send(other, "blocker", max_new_tokens=2)  # the same id on another connection is another request
+    client.send(m.Cancel(request_id="blocker"))
+    answers = [final(client, "blocker"), final(client, "waits"), final(other, "blocker")]
+    assert [getattr(answer, "finish_reason", answer) for answer in answers] == ["cancelled", "length", "length"]
+    assert harness.coordinator.ran == ["blocker", "waits", "blocker"]
+    send(client, "waits", max_new_tokens=1)  # answered: the id may be used again
+    assert getattr(final(client, "waits"), "finish_reason", None) == "length"
