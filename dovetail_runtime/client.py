@@ -10,6 +10,8 @@ Keyword arguments are GenerateRequest's fields (``max_new_tokens``, ``stop``, ``
 ``sampling``, ``messages``, ``deadline_ms``) or, for short, Sampling's (``temperature``,
 ``top_k``, ``top_p``, ``seed``). ``messages`` (dicts with ``role`` and ``content``, or
 ChatMessage) replaces the prompt: the server renders them with the model's chat template.
+A request the caller stops waiting for (a stream left with ``break``, a TimeoutError, Ctrl-C)
+is cancelled on the server.
 The endpoint may be written ``HOST:PORT`` (tcp) or as a path (ipc).
 
 ``api_key``: the server's API key (a string or an ApiKey), for tcp:// endpoints of a server
@@ -22,13 +24,16 @@ No torch here: the client is a ZMQ socket and the message types.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import zmq
+
 from ipc import messages as m
-from ipc.channels import connect_client
+from ipc.channels import ChannelClosed, ChannelTimeout, connect_client
 from ipc.endpoints import normalize_endpoint
 from ipc.handshake import HandshakeError
 
@@ -90,13 +95,13 @@ class DovetailClient:
                 return reply
 
     def events(self, prompt: str | None = None, **params: Any) -> Iterator[m.TokenChunk | m.GenerateDone]:
-        """Stream: every TokenChunk as it arrives, then the GenerateDone."""
+        """Stream: every TokenChunk as it arrives, then the GenerateDone. Leaving the loop before
+        the GenerateDone (break, an exception, a timeout) cancels the request on the server."""
         request_id = self._request(prompt, stream=True, **params)
-        while True:
-            reply = self._next(request_id)
-            yield reply
-            if isinstance(reply, m.GenerateDone):
-                return
+        with self._cancelled_if_left(request_id):
+            while not isinstance(reply := self._next(request_id), m.GenerateDone):
+                yield reply
+        yield reply
 
     def stream(self, prompt: str | None = None, **params: Any) -> Iterator[m.TokenChunk]:
         """Only the streamed chunks (text and token ids)."""
@@ -107,10 +112,10 @@ class DovetailClient:
     def generate(self, prompt: str | None = None, **params: Any) -> m.GenerateDone:
         """Wait for the whole result: token_ids, text, finish_reason and stats."""
         request_id = self._request(prompt, stream=False, **params)
-        while True:
-            reply = self._next(request_id)
-            if isinstance(reply, m.GenerateDone):
-                return reply
+        with self._cancelled_if_left(request_id):
+            while not isinstance(reply := self._next(request_id), m.GenerateDone):
+                pass
+        return reply
 
     def chat(self, messages: Sequence[Mapping[str, str] | m.ChatMessage], **params: Any) -> m.GenerateDone:
         """The assistant's reply to chat ``messages`` (the model's chat template makes the prompt)."""
@@ -118,6 +123,26 @@ class DovetailClient:
 
     def cancel(self, request_id: str) -> None:
         self.channel.send(m.Cancel(request_id=request_id), timeout_ms=self.timeout_ms)
+
+    @contextlib.contextmanager
+    def _cancelled_if_left(self, request_id: str) -> Iterator[None]:
+        """Cancel ``request_id`` when the caller stops waiting for it (a stream left early, a
+        timeout, Ctrl-C): else the server would generate on for nobody, holding a batch slot and
+        its KV memory up to max_new_tokens. Not after an ErrorReply: that request has ended."""
+        try:
+            yield
+        except GenerationError:
+            raise
+        except BaseException:
+            self._cancel_quietly(request_id)
+            raise
+
+    def _cancel_quietly(self, request_id: str) -> None:
+        """A best-effort Cancel: never blocks, never raises (the server may be gone, the client closed)."""
+        try:
+            self.channel.send(m.Cancel(request_id=request_id), timeout_ms=0)
+        except (ChannelTimeout, ChannelClosed, zmq.ZMQError):
+            pass
 
     def ping(self, timeout_s: float = 5.0) -> bool:
         """Whether the server answers a Ping within ``timeout_s`` (it does even mid-request). For a

@@ -19,6 +19,7 @@ import zmq
 
 from dovetail_runtime.admission import KvBudget
 from dovetail_runtime.batching import Batcher
+from dovetail_runtime.client import DovetailClient
 from dovetail_runtime.coordinator import TooManyRestarts
 from dovetail_runtime.generation import Call
 from dovetail_runtime.metrics import ServerMetrics
@@ -625,3 +626,19 @@ def test_a_request_id_in_use_on_the_connection_is_refused_and_the_first_runs_on(
     assert harness.coordinator.ran == ["blocker", "waits", "blocker"]
     send(client, "waits", max_new_tokens=1)  # answered: the id may be used again
     assert getattr(final(client, "waits"), "finish_reason", None) == "length"
+
+
+def test_the_python_client_cancels_a_request_it_stops_waiting_for(serve):
+    harness = serve()
+    with DovetailClient(harness.server.endpoint, timeout_s=WAIT_S) as client:
+        for _chunk in client.stream("block", request_id="left", max_new_tokens=1 << 20):
+            break  # a stream left early
+        harness.wait_for(lambda: harness.coordinator.ended.get("left") == "cancelled", "the left stream to stop")
+        client.timeout_ms = 200
+        with pytest.raises(TimeoutError):  # nothing is sent while a non-streamed request runs
+            client.generate("block", request_id="timed-out", max_new_tokens=1 << 20)
+        harness.wait_for(lambda: harness.coordinator.ended.get("timed-out") == "cancelled", "the timed-out one to stop")
+        client.timeout_ms = WAIT_S * 1000
+        assert client.generate("x", max_new_tokens=2).finish_reason == "length"  # the next one runs at once
+        assert [event.request_id for event in client.events("x", request_id="whole", max_new_tokens=1)] == ["whole"] * 2
+    assert harness.coordinator.metrics.finished == {"cancelled": 2, "length": 2}
