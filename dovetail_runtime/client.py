@@ -16,9 +16,10 @@ The endpoint may be written ``HOST:PORT`` (tcp) or as a path (ipc).
 
 ``api_key``: the server's API key (a string or an ApiKey), for tcp:// endpoints of a server
 started with one: the client then connects as its CURVE client (ipc:// needs no key: the
-socket file's mode protects it). On tcp:// the constructor waits until the server has
-accepted the connection (at most ``connect_timeout_s``) and raises HandshakeError, one line,
-when it refuses it (wrong key, missing key) or nobody answers.
+socket file's mode protects it). The constructor waits until the server has accepted the
+connection (at most ``connect_timeout_s``) and raises HandshakeError, one line, when it refuses
+it (wrong key, missing key) or nobody answers: on ipc:// too, where a socket file left by a
+killed server (or no file at all) would otherwise leave every send waiting out ``timeout_s``.
 No torch here: the client is a ZMQ socket and the message types.
 """
 
@@ -58,8 +59,10 @@ class DovetailClient:
         self.timeout_ms = timeout_s * 1000
         tcp = self.endpoint.startswith("tcp://")
         key = ApiKey(api_key) if isinstance(api_key, str) else api_key
+        # inproc:// has no handshake to wait for (and its peer is in this process).
+        checked = not self.endpoint.startswith("inproc://")
         self.channel = connect_client(self.endpoint, curve=key.curve_keys() if key is not None and tcp else None,
-                                      handshake_timeout_s=connect_timeout_s if tcp else None)
+                                      handshake_timeout_s=connect_timeout_s if checked else None)
 
     def close(self) -> None:
         self.channel.close()

@@ -47,6 +47,8 @@ def _failure(endpoint: str, event: int, value: int, keyed: bool) -> str:
         return f"{endpoint} requires an API key (CURVE): give --api-key-file / DOVETAIL_API_KEY (api_key= in Python)"
     if keyed:
         return f"{endpoint} broke off the CURVE handshake: wrong API key? (or not a Dovetail server)"
+    if not endpoint.startswith("tcp://"):  # ipc:// never asks for a key: the socket file's mode guards it
+        return f"{endpoint} broke off the ZMQ handshake: not a Dovetail server?"
     return f"{endpoint} broke off the ZMQ handshake: does it need an API key? (or not a Dovetail server)"
 
 

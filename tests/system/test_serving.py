@@ -8,7 +8,9 @@ tests/system/test_runtime_serving.py checks the same behaviours through real pro
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import socket
 import threading
 import time
 import types
@@ -19,7 +21,7 @@ import zmq
 
 from dovetail_runtime.admission import KvBudget
 from dovetail_runtime.batching import Batcher
-from dovetail_runtime.client import DovetailClient
+from dovetail_runtime.client import DovetailClient, HandshakeError
 from dovetail_runtime.coordinator import TooManyRestarts
 from dovetail_runtime.generation import Call
 from dovetail_runtime.metrics import ServerMetrics
@@ -642,3 +644,27 @@ def test_the_python_client_cancels_a_request_it_stops_waiting_for(serve):
         assert client.generate("x", max_new_tokens=2).finish_reason == "length"  # the next one runs at once
         assert [event.request_id for event in client.events("x", request_id="whole", max_new_tokens=1)] == ["whole"] * 2
     assert harness.coordinator.metrics.finished == {"cancelled": 2, "length": 2}
+
+
+def hang_up(listener: socket.socket) -> None:
+    """Accept connections and close them at once, until the listener is closed."""
+    with contextlib.suppress(OSError):
+        while True:
+            listener.accept()[0].close()
+
+
+def test_the_python_client_says_at_once_when_nobody_serves_an_ipc_path(tmp_path):
+    stale = tmp_path / "stale.sock"  # what a killed server leaves: a socket file nobody listens on
+    socket.socket(socket.AF_UNIX).bind(str(stale))
+    foreign = tmp_path / "foreign.sock"  # a listener that is not a ZMQ server
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(foreign))
+    listener.listen(8)
+    threading.Thread(target=hang_up, args=(listener,), daemon=True).start()
+    for path, says in ((stale, "no answer from"), (tmp_path / "none.sock", "no answer from"),
+                       (foreign, "not a Dovetail server?")):
+        started = time.monotonic()
+        with pytest.raises(HandshakeError, match=says) as raised:
+            DovetailClient(str(path), connect_timeout_s=0.5)
+        assert time.monotonic() - started < 5 and "API key" not in str(raised.value)
+    listener.close()
