@@ -167,6 +167,29 @@ def stops_option(_ctx, _param, value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+def client_stops_option(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    """dovetail-client's --stop: as dovetail-run's, within the protocol's bounds (beyond them the
+    request failed to encode, in a traceback)."""
+    value = stops_option(ctx, param, value)
+    if len(value) > m.MAX_STOPS:
+        raise click.BadParameter(f"{len(value)} stop strings: a request takes at most {m.MAX_STOPS}")
+    if any(len(stop) > m.MAX_STOP_CHARS for stop in value):
+        raise click.BadParameter(f"a stop string of more than {m.MAX_STOP_CHARS} characters: that is the "
+                                 "protocol's limit")
+    return value
+
+
+def utf8_option(_ctx, _param, value: str | None) -> str | None:
+    """An argument that is not UTF-8 reaches Python as lone surrogates, which no message can carry:
+    refused here in one line instead of failing as the request is encoded."""
+    try:
+        if value is not None:
+            value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise click.BadParameter(f"is not valid text (character {error.start}: {error.reason}); give UTF-8") from None
+    return value
+
+
 def default_bind() -> str:
     base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     return f"ipc://{base}/dovetail-{os.getuid()}.sock"
@@ -821,19 +844,19 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
 @click.option("--connect", "endpoint", default=None, callback=endpoints_option,
               help="Server endpoint: ipc://PATH or tcp://HOST:PORT (HOST:PORT and paths are understood). "
               "[default: dovetail-run's default ipc endpoint]")
-@click.option("--prompt", default=None, help="Prompt text (with --chat: the user's message).")
+@click.option("--prompt", default=None, callback=utf8_option, help="Prompt text (with --chat: the user's message).")
 @click.option("--chat", is_flag=True, help="Send --prompt as a user message: the server applies the model's chat "
               "template.")
-@click.option("--system", default=None, help="With --chat: a system message before the user's.")
+@click.option("--system", default=None, callback=utf8_option, help="With --chat: a system message before the user's.")
 @click.option("--messages", "messages_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="A chat from a JSON file: a list of {\"role\": ..., \"content\": ...} (instead of "
               "--prompt).")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128)
-@click.option("--stop", "stops", multiple=True, callback=stops_option, help="Stop string (repeatable).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1, max=m.MAX_NEW_TOKENS), default=128)
+@click.option("--stop", "stops", multiple=True, callback=client_stops_option, help="Stop string (repeatable).")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=FiniteFloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
-@click.option("--deadline", type=FiniteFloatRange(min=0.001), default=None,
+@click.option("--deadline", type=FiniteFloatRange(min=0.001, max=m.MAX_DEADLINE_MS / 1000), default=None,
               help="Seconds the server has to answer, queueing included (else deadline_exceeded). [default: none]")
 @api_key_options
 @sampling_options
@@ -917,4 +940,7 @@ def chat_messages(prompt: str | None, chat: bool, system: str | None,
         raise click.BadParameter(f"{messages_file}: {error}", param_hint="--messages") from None
     if not messages:
         raise click.BadParameter(f"{messages_file}: the chat has no messages", param_hint="--messages")
+    if len(messages) > m.MAX_CHAT_MESSAGES:
+        raise click.BadParameter(f"{messages_file}: {len(messages)} messages; a request takes at most "
+                                 f"{m.MAX_CHAT_MESSAGES}", param_hint="--messages")
     return messages

@@ -37,7 +37,10 @@ Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Dim = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 # Prompts are limited in characters here; the coordinator checks tokens against the context.
 Text = Annotated[str, Meta(max_length=16 * 1024 * 1024)]
-Stop = Annotated[list[Annotated[str, Meta(min_length=1, max_length=1024)]], Meta(max_length=64)]
+MAX_STOPS, MAX_STOP_CHARS = 64, 1024  # a request's stop strings, and the characters of each
+Stop = Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]], Meta(max_length=MAX_STOPS)]
+MAX_NEW_TOKENS = 1 << 20
+MAX_DEADLINE_MS = (1 << 31) - 1
 Role = Annotated[str, Meta(min_length=1, max_length=64)]
 MAX_CHAT_MESSAGES = 16384
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
@@ -144,14 +147,14 @@ class GenerateRequest(Message):
     request_id: Id
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_CHAT_MESSAGES)] | None = None
-    max_new_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 128
+    max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_NEW_TOKENS)] = 128
     stop: Stop = []
     sampling: Sampling = field(default_factory=Sampling)
     mode: Literal["dovetail", "ar"] = "dovetail"
     stream: bool = False
     # Answer within this many ms of the server receiving the request (queueing included),
     # else the request ends with ErrorReply code "deadline_exceeded". None: no limit of its own.
-    deadline_ms: Annotated[int, Meta(ge=1, le=(1 << 31) - 1)] | None = None
+    deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
     # Each new token's log-probability with this many alternatives (TokenLogprob); None: none.
     logprobs: LogprobCount | None = None
 

@@ -109,6 +109,24 @@ def test_an_empty_stop_string_is_refused():
     assert "an empty stop string matches nothing" in refused(cli.client_main, ["--stop", ""])
 
 
+def test_dovetail_client_refuses_what_the_protocol_cannot_carry_naming_the_flag(tmp_path):
+    """Each of these once failed with a traceback as the client encoded the request."""
+    undecodable = "def \udcff(x):"  # a non-UTF-8 argument, as Python receives it
+    assert "'--prompt': is not valid text (character 4" in refused(cli.client_main, ["--prompt", undecodable])
+    assert "'--system': is not valid text" in refused(cli.client_main, ["--chat", "--system", "\udcfe"])
+    assert "1048577 is not in the range" in refused(cli.client_main, ["--max-new-tokens", "1048577"])
+    assert "'--deadline'" in refused(cli.client_main, ["--deadline", "3000000"])
+    assert "more than 1024 characters" in refused(cli.client_main, ["--stop", "a" * 1025])
+    assert "65 stop strings" in refused(cli.client_main, [arg for i in range(65) for arg in ("--stop", f"s{i}")])
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "user", "content": "x"}] * (m.MAX_CHAT_MESSAGES + 1)))
+    with pytest.raises(click.BadParameter, match="16385 messages; a request takes at most 16384"):
+        cli.chat_messages(None, False, None, chat)
+    with cli.client_main.make_context("dovetail-client", ["--prompt", "é", "--max-new-tokens", "1048576",
+                                                          "--stop", "b" * 1024, "--deadline", "2147483"]) as context:
+        assert context.params["max_new_tokens"] == m.MAX_NEW_TOKENS  # the bounds themselves pass
+
+
 # ------------------------------------------------------------------ dovetail-run: warnings
 
 def warnings_for(args: list[str], one_shot_run: bool, mode: str, caplog) -> str:
