@@ -893,9 +893,13 @@ def client_main(**values: Any) -> None:
             stream_or_print(client, request, messages, make_sampling(**dataclasses.asdict(options.sampling)),
                             options.as_json)
         except (GenerationError, TimeoutError) as error:
+            if OpenCompletion.text:  # the error may follow streamed text: not on its line
+                end_completion(as_json=False)
             click.echo(f"error: {error}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:  # closing the connection cancels the request on the server
+            if OpenCompletion.text:
+                end_completion(as_json=False)
             sys.exit(130)
 
 
@@ -916,10 +920,11 @@ def stream_or_print(client: DovetailClient, request: ClientRequestOptions, messa
                           "finish_reason": done.finish_reason, "stats": msgspec.to_builtins(done.stats)}))
         return
     for event in client.events(prompt, **params):
-        if isinstance(event, m.TokenChunk):
+        if isinstance(event, m.TokenChunk) and event.text:
             sys.stdout.write(event.text)
             sys.stdout.flush()
-    sys.stdout.write("\n")
+            OpenCompletion.text = True
+    end_completion(as_json=False)
 
 
 def chat_messages(prompt: str | None, chat: bool, system: str | None,

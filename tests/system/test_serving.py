@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 import pytest
 import zmq
+from click.testing import CliRunner
 
+from dovetail_runtime import cli
 from dovetail_runtime.admission import KvBudget
 from dovetail_runtime.batching import Batcher
 from dovetail_runtime.client import DovetailClient, HandshakeError
@@ -668,3 +670,13 @@ def test_the_python_client_says_at_once_when_nobody_serves_an_ipc_path(tmp_path)
             DovetailClient(str(path), connect_timeout_s=0.5)
         assert time.monotonic() - started < 5 and "API key" not in str(raised.value)
     listener.close()
+
+
+def test_dovetail_client_ends_streamed_text_with_a_newline_before_an_error(serve):
+    harness = serve()
+    args = ["--connect", harness.server.endpoint, "--prompt", "block", "--max-new-tokens", "1000000",
+            "--deadline", "0.2"]
+    result = CliRunner().invoke(cli.client_main, args)
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("x") and result.stdout.endswith("x\n")  # the partial line is ended
+    assert result.stderr.startswith("error: deadline_exceeded")
