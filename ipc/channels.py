@@ -294,6 +294,8 @@ def connect_client(endpoint: str, *, ctx: zmq.Context | None = None, curve: Curv
     raises HandshakeError (one line: wrong key, no key, nobody there) otherwise."""
     sock = configure_socket((ctx or zmq.Context.instance()).socket(zmq.DEALER))
     try:
+        if "[" in endpoint:  # an IPv6 address literal (tcp://[::1]:5555): libzmq refuses it without IPV6
+            sock.setsockopt(zmq.IPV6, 1)
         if curve is not None:
             curve.configure_client(sock)
         if handshake_timeout_s is None:

@@ -252,6 +252,17 @@ def test_one_router_bound_to_ipc_and_tcp(ctx, rundir):
         over_tcp.close()
 
 
+def test_a_client_reaches_a_server_on_an_ipv6_loopback_address(ctx):
+    """dovetail-run --bind tcp://[::1]:PORT is a loopback bind it allows: its clients must get there
+    too (libzmq refuses an IPv6 literal on a socket without ZMQ_IPV6)."""
+    with RouterServer("tcp://[::1]:*", ctx=ctx) as server:
+        client = connect_client(server.endpoint, ctx=ctx, handshake_timeout_s=5)
+        client.send(M.Ping(nonce=6), timeout_ms=2000)
+        received = server.recv(5000)
+        assert received is not None and received[1] == M.Ping(nonce=6)
+        client.close()
+
+
 def test_client_channel_accepts_only_server_messages(ctx, rundir):
     with RouterServer(rundir.endpoint("client"), ctx=ctx) as server:
         client = connect_client(server.endpoint, ctx=ctx)
