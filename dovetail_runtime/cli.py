@@ -934,6 +934,9 @@ def chat_messages(prompt: str | None, chat: bool, system: str | None,
         raise click.UsageError("give either --prompt or --messages")
     if system is not None and not chat:
         raise click.UsageError("--system needs --chat")
+    if system is not None and messages_file is not None:  # it was dropped without a word
+        raise click.UsageError("--system goes with --chat --prompt: with --messages, put the system message "
+                               "first in the file")
     if messages_file is None:
         if not chat:
             return None

@@ -127,6 +127,15 @@ def test_dovetail_client_refuses_what_the_protocol_cannot_carry_naming_the_flag(
         assert context.params["max_new_tokens"] == m.MAX_NEW_TOKENS  # the bounds themselves pass
 
 
+def test_dovetail_client_refuses_a_system_message_it_would_drop(tmp_path):
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    with pytest.raises(click.UsageError, match="put the system message first in the file"):
+        cli.chat_messages(None, True, "Be brief.", chat)
+    with_system = cli.chat_messages("hi", True, "Be brief.", None)
+    assert with_system is not None and [turn.role for turn in with_system] == ["system", "user"]
+
+
 # ------------------------------------------------------------------ dovetail-run: warnings
 
 def warnings_for(args: list[str], one_shot_run: bool, mode: str, caplog) -> str:
