@@ -91,7 +91,7 @@ class DovetailClient:
         while True:
             reply = self.channel.recv(timeout_ms=self.timeout_ms)
             if reply is None:
-                raise TimeoutError(f"no answer from {self.endpoint} within {self.timeout_ms / 1000:.0f} s")
+                raise TimeoutError(f"no answer from {self.endpoint} within {self.timeout_ms / 1000:g} s")
             if isinstance(reply, m.ErrorReply) and reply.request_id in (request_id, None):
                 raise GenerationError(reply.code, reply.message)
             if isinstance(reply, (m.TokenChunk, m.GenerateDone)) and reply.request_id == request_id:

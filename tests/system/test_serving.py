@@ -639,7 +639,7 @@ def test_the_python_client_cancels_a_request_it_stops_waiting_for(serve):
             break  # a stream left early
         harness.wait_for(lambda: harness.coordinator.ended.get("left") == "cancelled", "the left stream to stop")
         client.timeout_ms = 200
-        with pytest.raises(TimeoutError):  # nothing is sent while a non-streamed request runs
+        with pytest.raises(TimeoutError, match="within 0.2 s"):  # nothing is sent while a non-streamed one runs
             client.generate("block", request_id="timed-out", max_new_tokens=1 << 20)
         harness.wait_for(lambda: harness.coordinator.ended.get("timed-out") == "cancelled", "the timed-out one to stop")
         client.timeout_ms = WAIT_S * 1000
