@@ -25,6 +25,7 @@ No torch here: the client is a ZMQ socket and the message types.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import uuid
@@ -41,6 +42,7 @@ from ipc.handshake import HandshakeError
 from .api_key import ApiKey
 
 SAMPLING_FIELDS = tuple(m.Sampling.__struct_fields__)
+Reply = m.TokenChunk | m.GenerateDone | m.ErrorReply  # what a request is answered with
 __all__ = ["DovetailClient", "GenerationError", "HandshakeError"]
 
 
@@ -63,6 +65,9 @@ class DovetailClient:
         checked = not self.endpoint.startswith("inproc://")
         self.channel = connect_client(self.endpoint, curve=key.curve_keys() if key is not None and tcp else None,
                                       handshake_timeout_s=connect_timeout_s if checked else None)
+        # Replies read for one request that belong to another one in flight on this connection (two
+        # streams read in turns): kept for it, not dropped.
+        self._inbox: dict[str, collections.deque[Reply]] = {}
 
     def close(self) -> None:
         self.channel.close()
@@ -85,17 +90,35 @@ class DovetailClient:
                                   for turn in params["messages"]]
         self.channel.send(m.GenerateRequest(request_id=request_id, prompt=prompt, stream=stream, **params),
                           timeout_ms=self.timeout_ms)
+        self._inbox[request_id] = collections.deque()
         return request_id
 
     def _next(self, request_id: str) -> m.TokenChunk | m.GenerateDone:
+        """The request's next reply: one kept from an earlier read, or the next one read now."""
+        inbox = self._inbox.get(request_id)
+        reply = inbox.popleft() if inbox else self._read_for(request_id)
+        if isinstance(reply, m.ErrorReply):
+            raise GenerationError(reply.code, reply.message)
+        return reply
+
+    def _read_for(self, request_id: str) -> Reply:
+        """Read until a reply for ``request_id`` (or an ErrorReply for no request) comes."""
         while True:
             reply = self.channel.recv(timeout_ms=self.timeout_ms)
             if reply is None:
                 raise TimeoutError(f"no answer from {self.endpoint} within {self.timeout_ms / 1000:g} s")
-            if isinstance(reply, m.ErrorReply) and reply.request_id in (request_id, None):
-                raise GenerationError(reply.code, reply.message)
-            if isinstance(reply, (m.TokenChunk, m.GenerateDone)) and reply.request_id == request_id:
+            if isinstance(reply, (m.TokenChunk, m.GenerateDone, m.ErrorReply)) \
+                    and reply.request_id in (request_id, None):
                 return reply
+            self._keep(reply)
+
+    def _keep(self, reply: m.Message) -> None:
+        """Keep a reply for the request in flight it belongs to; drop anything else (a request left
+        or answered already, a Pong nobody waits for)."""
+        if isinstance(reply, (m.TokenChunk, m.GenerateDone, m.ErrorReply)) and reply.request_id is not None:
+            inbox = self._inbox.get(reply.request_id)
+            if inbox is not None:
+                inbox.append(reply)
 
     def events(self, prompt: str | None = None, **params: Any) -> Iterator[m.TokenChunk | m.GenerateDone]:
         """Stream: every TokenChunk as it arrives, then the GenerateDone. Leaving the loop before
@@ -139,6 +162,8 @@ class DovetailClient:
         except BaseException:
             self._cancel_quietly(request_id)
             raise
+        finally:
+            self._inbox.pop(request_id, None)  # what comes for it from now on is dropped
 
     def _cancel_quietly(self, request_id: str) -> None:
         """A best-effort Cancel: never blocks, never raises (the server may be gone, the client closed)."""
@@ -148,8 +173,8 @@ class DovetailClient:
             pass
 
     def ping(self, timeout_s: float = 5.0) -> bool:
-        """Whether the server answers a Ping within ``timeout_s`` (it does even mid-request). For a
-        client with no request in flight: other replies read meanwhile are discarded."""
+        """Whether the server answers a Ping within ``timeout_s`` (it does even mid-request). Replies
+        of this client's requests read meanwhile are kept for them."""
         nonce = uuid.uuid4().int >> 65
         self.channel.send(m.Ping(nonce=nonce), timeout_ms=timeout_s * 1000)
         deadline = time.monotonic() + timeout_s
@@ -157,4 +182,6 @@ class DovetailClient:
             reply = self.channel.recv(timeout_ms=left * 1000)
             if isinstance(reply, m.Pong) and reply.nonce == nonce:
                 return True
+            if reply is not None:
+                self._keep(reply)
         return False

@@ -680,3 +680,19 @@ def test_dovetail_client_ends_streamed_text_with_a_newline_before_an_error(serve
     assert result.exit_code == 1, result.output
     assert result.stdout.startswith("x") and result.stdout.endswith("x\n")  # the partial line is ended
     assert result.stderr.startswith("error: deadline_exceeded")
+
+
+def test_the_python_client_keeps_the_replies_of_requests_read_in_turns(serve):
+    harness = serve(coordinator=StandInCoordinator(max_batch=2))
+    with DovetailClient(harness.server.endpoint, timeout_s=3) as client:
+        a = client.events("x", request_id="a", max_new_tokens=5)
+        b = client.events("x", request_id="b", max_new_tokens=7)
+        got: dict[str, list] = {"a": [next(a)], "b": [next(b)]}
+        assert client.ping()  # read meanwhile: the chunks that came are kept, not dropped
+        for one, other in itertools.zip_longest(a, b):
+            got["a"] += [one] if one is not None else []
+            got["b"] += [other] if other is not None else []
+    for request_id, count in (("a", 5), ("b", 7)):
+        *chunks, done = got[request_id]
+        assert isinstance(done, m.GenerateDone) and done.token_ids == list(range(count))
+        assert [token for chunk in chunks for token in chunk.token_ids] == done.token_ids
