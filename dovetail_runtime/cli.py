@@ -205,6 +205,16 @@ def endpoints_option(_ctx, _param, value):
         raise click.BadParameter(str(error)) from None
 
 
+def connect_option(ctx, param, value: str | None) -> str | None:
+    """--connect: as --bind's spellings, but inproc:// (reachable only inside the server's own
+    process: the client waited out --timeout) is refused."""
+    endpoint = endpoints_option(ctx, param, value)
+    if endpoint is not None and endpoint.startswith("inproc://"):
+        raise click.BadParameter(f"{endpoint} is reachable only inside the server's process: use the server's "
+                                 "ipc://PATH or tcp://HOST:PORT")
+    return endpoint
+
+
 def version() -> str:
     try:
         return importlib.metadata.version("dovetail")
@@ -841,7 +851,7 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(version(), "--version", prog_name="dovetail-client", message="%(prog)s %(version)s")
-@click.option("--connect", "endpoint", default=None, callback=endpoints_option,
+@click.option("--connect", "endpoint", default=None, callback=connect_option,
               help="Server endpoint: ipc://PATH or tcp://HOST:PORT (HOST:PORT and paths are understood). "
               "[default: dovetail-run's default ipc endpoint]")
 @click.option("--prompt", default=None, callback=utf8_option, help="Prompt text (with --chat: the user's message).")

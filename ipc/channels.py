@@ -42,7 +42,7 @@ from ipc import messages
 from ipc.codec import ProtocolError, decode, encode
 from ipc.curve import CurveGuard, CurveKeys
 from ipc.endpoints import MAX_IPC_PATH, EndpointError, IpcSocketClaim, ipc_path, is_loopback_host, private_umask
-from ipc.handshake import connect_checked
+from ipc.handshake import HandshakeError, connect_checked
 from ipc.messages import Message
 from ipc.peers import PeerWatch
 
@@ -302,6 +302,10 @@ def connect_client(endpoint: str, *, ctx: zmq.Context | None = None, curve: Curv
             sock.connect(endpoint)
         else:
             connect_checked(sock, endpoint, handshake_timeout_s, keyed=curve is not None)
+    except zmq.ZMQError as error:  # an address libzmq cannot connect to: no port, a wildcard, a path after it
+        sock.close(0)
+        raise HandshakeError(f"cannot connect to {endpoint}: {zmq.strerror(error.errno or 0)} (give the server's "
+                             "tcp://HOST:PORT or ipc://PATH)") from None
     except BaseException:
         sock.close(0)
         raise

@@ -100,6 +100,7 @@ def test_ports_in_range_and_free_port_spellings_pass():
     with pytest.raises(EndpointError, match="must be 1-65535"):
         normalize_endpoint("tcp://[::1]:123456")
     assert "the port must be" in refused(cli.client_main, ["--connect", "127.0.0.1:99999"])
+    assert "reachable only inside the server's process" in refused(cli.client_main, ["--connect", "inproc://x"])
     with cli.run_main.make_context("dovetail-run", ["--http", "127.0.0.1:0"]) as context:
         assert context.params["http_address"] == "127.0.0.1:0"
 

@@ -23,6 +23,7 @@ from ipc.channels import (
     connect_client,
 )
 from ipc.codec import ProtocolError
+from ipc.handshake import HandshakeError
 
 
 @pytest.fixture
@@ -261,6 +262,13 @@ def test_a_client_reaches_a_server_on_an_ipv6_loopback_address(ctx):
         received = server.recv(5000)
         assert received is not None and received[1] == M.Ping(nonce=6)
         client.close()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1", "tcp://*:5555", "tcp://127.0.0.1:*", "tcp://127.0.0.1:1/x"])
+def test_an_address_a_client_cannot_connect_to_is_a_one_line_handshake_error(ctx, endpoint):
+    for handshake_timeout_s in (None, 1.0):  # a ZMQError traceback before
+        with pytest.raises(HandshakeError, match=r"^cannot connect to .*: Invalid argument \(give the server's"):
+            connect_client(endpoint, ctx=ctx, handshake_timeout_s=handshake_timeout_s)
 
 
 def test_client_channel_accepts_only_server_messages(ctx, rundir):
