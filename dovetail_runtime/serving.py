@@ -88,6 +88,7 @@ class Serving:
         self._held: Running | None = None  # begun, waiting for KV memory: the head of the line
         self.prompt_chars: int | None = None  # known once the tokenizer is loaded
         self._next_sweep = 0.0
+        self._last_drop: bytes | None = None  # the client _drop last dropped (warned about once)
         coordinator.while_waiting = self._while_busy
 
     # --- the loop ----------------------------------------------------------------------
@@ -452,8 +453,12 @@ class Serving:
     def _drop(self, peer: bytes, why: str) -> None:
         dropped = self._cancel_waiting(peer)
         hit = self._gone(peer)
-        log.warning("client %s %s: dropped, %d waiting request(s)%s cancelled", _name(peer), why, len(dropped),
-                    _in_flight(hit))
+        # A client that sends on and never reads fails every reply (a Pong, a busy, ...): one warning for
+        # it, not one per message (a flood of Pings wrote a line each).
+        again = not dropped and not hit and peer == self._last_drop
+        self._last_drop = peer
+        log.log(logging.DEBUG if again else logging.WARNING, "client %s %s: dropped, %d waiting request(s)%s "
+                "cancelled", _name(peer), why, len(dropped), _in_flight(hit))
 
 
 def _in_flight(count: int) -> str:

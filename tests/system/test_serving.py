@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ from dovetail_runtime.serving import ServeLimits, Serving
 from dovetail_runtime.workers import WorkerFailed
 from ipc import messages as m
 from ipc.channels import Channel, RouterServer, connect_client
+from ipc.codec import encode
 
 WAIT_S = 10.0
 
@@ -696,3 +698,26 @@ def test_the_python_client_keeps_the_replies_of_requests_read_in_turns(serve):
         *chunks, done = got[request_id]
         assert isinstance(done, m.GenerateDone) and done.token_ids == list(range(count))
         assert [token for chunk in chunks for token in chunk.token_ids] == done.token_ids
+
+
+def test_a_client_that_sends_on_and_never_reads_is_one_warning_not_one_per_message(serve, caplog):
+    caplog.set_level(logging.DEBUG, logger="dovetail_runtime.serving")
+    harness = serve()
+    silent = harness.ctx.socket(zmq.DEALER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.setsockopt(zmq.RCVHWM, 1)
+    silent.setsockopt(zmq.RCVBUF, 1024)
+    silent.connect(harness.server.endpoint)
+    ping = encode(m.Ping(nonce=1))
+    for _ in range(20_000):  # every Pong beyond the socket's buffers fails
+        silent.send(ping)
+
+    def drops() -> list[logging.LogRecord]:
+        return [record for record in caplog.records if "is not reading its replies" in record.getMessage()]
+
+    harness.wait_for(lambda: len(drops()) >= 1000, "the Pongs to fail")
+    assert [record.levelno for record in drops()].count(logging.WARNING) == 1
+    other = harness.client()
+    other.send(m.Ping(nonce=2))
+    assert other.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=2)
+    silent.close(0)
