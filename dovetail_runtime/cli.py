@@ -898,6 +898,8 @@ def client_main(**values: Any) -> None:
     except HandshakeError as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(1)
+    except KeyboardInterrupt:  # while waiting up to 10 s for the handshake: 130, as mid-stream (click: 1)
+        sys.exit(130)
     with client:
         try:
             stream_or_print(client, request, messages, make_sampling(**dataclasses.asdict(options.sampling)),

@@ -137,6 +137,15 @@ def test_dovetail_client_refuses_a_system_message_it_would_drop(tmp_path):
     assert with_system is not None and [turn.role for turn in with_system] == ["system", "user"]
 
 
+def test_dovetail_client_ctrl_c_while_connecting_exits_130(monkeypatch, tmp_path):
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dovetail_runtime.client.DovetailClient", interrupted)
+    result = CliRunner().invoke(cli.client_main, ["--connect", "127.0.0.1:5555", "--prompt", "x"])
+    assert result.exit_code == 130 and "Aborted" not in result.output
+
+
 # ------------------------------------------------------------------ dovetail-run: warnings
 
 def warnings_for(args: list[str], one_shot_run: bool, mode: str, caplog) -> str:
