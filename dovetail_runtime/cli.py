@@ -955,7 +955,9 @@ def chat_messages(prompt: str | None, chat: bool, system: str | None,
         turns = [m.ChatMessage(role="system", content=system)] if system is not None else []
         return [*turns, m.ChatMessage(role="user", content=prompt or "")]
     try:
-        messages = msgspec.json.decode(messages_file.read_bytes(), type=list[m.ChatMessage])
+        # A byte-order mark, as some editors save UTF-8, is not JSON: skipped, as --prompt-file skips it.
+        data = messages_file.read_bytes().removeprefix(codecs.BOM_UTF8)
+        messages = msgspec.json.decode(data, type=list[m.ChatMessage])
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise click.BadParameter(f"{messages_file}: {error}", param_hint="--messages") from None
     if not messages:

@@ -128,6 +128,12 @@ def test_dovetail_client_refuses_what_the_protocol_cannot_carry_naming_the_flag(
         assert context.params["max_new_tokens"] == m.MAX_NEW_TOKENS  # the bounds themselves pass
 
 
+def test_dovetail_client_reads_a_messages_file_saved_with_a_byte_order_mark(tmp_path):
+    chat = tmp_path / "chat.json"
+    chat.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"role": "user", "content": "h\u00e9"}]).encode())
+    assert cli.chat_messages(None, False, None, chat) == [m.ChatMessage(role="user", content="hé")]
+
+
 def test_dovetail_client_refuses_a_system_message_it_would_drop(tmp_path):
     chat = tmp_path / "chat.json"
     chat.write_text(json.dumps([{"role": "user", "content": "hi"}]))
