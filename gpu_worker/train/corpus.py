@@ -104,6 +104,10 @@ def _record_messages(record: dict[str, Any]) -> list[dict[str, str]] | None:
         raw = record.get("messages")
     if raw is None:
         return None
+    # A string or a list of strings iterates too, and failed on turn.get with a traceback.
+    if not isinstance(raw, list) or not all(isinstance(turn, dict) for turn in raw):
+        raise CorpusError("conversation is not a list of turn objects ({\"from\": ..., \"value\": ...} or "
+                          "{\"role\": ..., \"content\": ...})")
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
              "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
     messages = []
@@ -127,7 +131,10 @@ def read_documents(files: Iterable[Path], tokenizer: Any, text_field: str = "tex
             continue
         for number, record in _json_records(path):
             name = f"{path}:{number}"
-            messages = _record_messages(record)
+            try:
+                messages = _record_messages(record)
+            except CorpusError as error:
+                raise CorpusError(f"{name}: {error}") from None
             if messages is not None:
                 ids, mask = render_conversation(tokenizer, messages, use_template=chat_template)
                 if any(mask):  # a conversation without assistant turns teaches nothing
@@ -143,8 +150,7 @@ def read_documents(files: Iterable[Path], tokenizer: Any, text_field: str = "tex
 def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json" and text.lstrip().startswith("["):
-        records = json.loads(text)
-        yield from enumerate(records, start=1)
+        yield from _json_list_records(path, text)
         return
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -155,6 +161,19 @@ def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise CorpusError(f"{path}:{number}: invalid JSON: {error}") from None
         if not isinstance(record, dict):
             raise CorpusError(f"{path}:{number}: expected a JSON object")
+        yield number, record
+
+
+def _json_list_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The objects of a ``.json`` list, numbered from 1; a file that is not valid JSON, or an item
+    that is not an object, is the user's error in one line (was a JSONDecodeError/AttributeError)."""
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CorpusError(f"{path}: invalid JSON: {error}") from None
+    for number, record in enumerate(records, start=1):
+        if not isinstance(record, dict):
+            raise CorpusError(f"{path}: item {number} of the list is not a JSON object")
         yield number, record
 
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from cpu_worker.target_loading import load_target_model
 from dovetail_runtime.train_cli import main as train_cli
-from gpu_worker.train.corpus import expand_inputs, folder_files, is_heldout, read_documents
+from gpu_worker.train.corpus import CorpusError, expand_inputs, folder_files, is_heldout, read_documents
 from gpu_worker.train.data import make_batch
 from gpu_worker.train.features import cut_windows, extract_features
 from gpu_worker.train.shards import MANIFEST, load_features
@@ -146,6 +146,26 @@ def test_text_files_are_wrapped_and_windowed(tiny_target, tiny_corpus):
     assert sum(len(w.tokens) for w in windows) == len(document.token_ids)
     capped = cut_windows([document, document], 16, max_tokens=40)
     assert [len(w.tokens) for w in capped] == [16, 16, 8]
+
+
+class OneTokenTokenizer:
+    eos_token_id = 2
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [1]}
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("cut.json", '[{"text": "abc"}, ', "cut.json: invalid JSON"),
+    ("numbers.json", "[1, 2]", "item 1 of the list is not a JSON object"),
+    ("string.jsonl", '{"conversations": "hello"}', "string.jsonl:1: conversation is not a list of turn objects"),
+    ("strings.jsonl", '{"text": "x"}\n{"messages": ["hi"]}', "strings.jsonl:2: conversation is not a list"),
+])
+def test_a_malformed_json_corpus_is_a_corpus_error(tmp_path, name, content, message):
+    path = tmp_path / name  # each was a traceback (JSONDecodeError, AttributeError) from dovetail-train features
+    path.write_text(content)
+    with pytest.raises(CorpusError, match=message):
+        list(read_documents([path], OneTokenTokenizer()))
 
 
 def test_jsonl_text_field(tmp_path, tiny_target):
