@@ -24,6 +24,7 @@ from cpu_worker.engine import TargetEngine
 from dovetail_runtime.generation import Job, generate_dovetail
 from dovetail_runtime.local_workers import local_workers
 from gpu_worker.drafter import Drafter
+from gpu_worker.train.corpus import read_corpus_text
 from ipc.messages import Sampling, TokenLogprob
 from ipc.tree import TreeShape
 
@@ -152,7 +153,7 @@ def file_prompts(files: Sequence[Any], tokenizer: Any, prompt_tokens: int, limit
     """(name, first ``prompt_tokens`` ids) for files long enough, in order, at most ``limit``."""
     prompts = []
     for path in files:
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+        ids = tokenizer(read_corpus_text(path, strict=False))["input_ids"]  # as features reads text
         if len(ids) <= prompt_tokens:
             continue
         name = path.relative_to(root).as_posix() if root is not None else str(path)

@@ -586,8 +586,10 @@ def user_turn_ids(tokenizer: Any, text: str) -> list[int]:
 def chat_prompts(tokenizer: Any, path: Path, limit: int | None) -> list[tuple[str, list[int]]]:
     """(prompt, ids) for each ``{"prompt": ...}`` line of ``path``, rendered as a user turn with the
     generation prompt; a usage error for a line that is not such an object."""
+    from gpu_worker.train.corpus import read_corpus_text
+
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(read_corpus_text(path, strict=True).splitlines(), 1):
         if not line.strip():
             continue
         try:

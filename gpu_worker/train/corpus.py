@@ -7,6 +7,7 @@ learn to predict; all True for plain text, assistant tokens only for conversatio
 
 from __future__ import annotations
 
+import codecs
 import fnmatch
 import glob
 import hashlib
@@ -87,6 +88,26 @@ def expand_inputs(inputs: Iterable[str], pattern: str, exclude: Iterable[str], s
     return files
 
 
+# Byte-order marks and the encodings they name; UTF-32's before UTF-16's (FF FE starts both LE marks).
+BOMS = ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"),
+        (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+
+
+def read_corpus_text(path: Path, strict: bool) -> str:
+    """A corpus file's text. A byte-order mark names its encoding and is dropped (Windows editors
+    write UTF-8 with one, PowerShell UTF-16: the mark was read as text, UTF-16 as mojibake); else
+    UTF-8. ``strict`` (JSON, prompts) refuses bytes that are not in one line; plain text replaces
+    them."""
+    data = path.read_bytes()
+    encoding, start = next(((name, len(bom)) for bom, name in BOMS if data.startswith(bom)), ("utf-8", 0))
+    try:
+        text = data[start:].decode(encoding, errors="strict" if strict else "replace")
+    except UnicodeDecodeError as error:
+        raise CorpusError(f"{path}: not {encoding.upper()} text (byte {data[start + error.start]:#04x} at "
+                          f"offset {start + error.start}); save it as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as read_text gave
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """``<s> text </s>`` as the testbed was trained: the tokenizer adds its own start token
     (if it has one); the end token is appended here."""
@@ -125,8 +146,7 @@ def read_documents(files: Iterable[Path], tokenizer: Any, text_field: str = "tex
     """Documents in file order; JSON/JSONL files give one document per record."""
     for path in files:
         if path.suffix not in JSON_SUFFIXES:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            ids = encode_text(tokenizer, text)
+            ids = encode_text(tokenizer, read_corpus_text(path, strict=False))
             yield Document(str(path), ids, [True] * len(ids))
             continue
         for number, record in _json_records(path):
@@ -148,7 +168,7 @@ def read_documents(files: Iterable[Path], tokenizer: Any, text_field: str = "tex
 
 
 def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    text = path.read_text(encoding="utf-8")
+    text = read_corpus_text(path, strict=True)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         yield from _json_list_records(path, text)
         return

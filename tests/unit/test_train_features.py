@@ -14,7 +14,14 @@ from transformers import AutoTokenizer
 
 from cpu_worker.target_loading import load_target_model
 from dovetail_runtime.train_cli import main as train_cli
-from gpu_worker.train.corpus import CorpusError, expand_inputs, folder_files, is_heldout, read_documents
+from gpu_worker.train.corpus import (
+    CorpusError,
+    expand_inputs,
+    folder_files,
+    is_heldout,
+    read_corpus_text,
+    read_documents,
+)
 from gpu_worker.train.data import make_batch
 from gpu_worker.train.features import cut_windows, extract_features
 from gpu_worker.train.shards import MANIFEST, load_features
@@ -149,9 +156,15 @@ def test_text_files_are_wrapped_and_windowed(tiny_target, tiny_corpus):
 
 
 class OneTokenTokenizer:
+    """Each text is one token; the texts it was given are kept."""
+
     eos_token_id = 2
 
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
     def __call__(self, text: str) -> dict[str, list[int]]:
+        self.texts.append(text)
         return {"input_ids": [1]}
 
 
@@ -248,3 +261,21 @@ def test_features_cli_with_split_and_cap(tmp_path, tiny_target, tiny_corpus):
         assert held.exit_code == 0, held.output
     else:
         assert held.exit_code != 0 and "no files" in held.output
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_a_corpus_file_with_a_byte_order_mark_is_read_in_its_encoding(tmp_path, encoding):
+    text, jsonl = tmp_path / "notes.txt", tmp_path / "data.jsonl"  # Notepad / PowerShell files
+    text.write_text("café\r\nline two\n", encoding=encoding)
+    jsonl.write_text('{"text": "café"}\n', encoding=encoding)
+    tokenizer = OneTokenTokenizer()
+    assert len(list(read_documents([text, jsonl], tokenizer))) == 2  # JSONL: was a traceback or "invalid JSON"
+    assert tokenizer.texts == ["café\nline two\n", "café"]  # text: was a BOM char first or UTF-16 mojibake
+
+
+def test_a_json_corpus_that_is_not_utf8_is_a_corpus_error(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(CorpusError, match=r"latin1.jsonl: not UTF-8 text \(byte 0xe9 at offset 13\)"):
+        list(read_documents([path], OneTokenTokenizer()))  # was a UnicodeDecodeError traceback
+    assert read_corpus_text(path, strict=False) == '{"text": "caf\ufffd"}\n'  # plain text replaces, as before
