@@ -115,6 +115,21 @@ def features_option(_ctx: click.Context, _param: click.Parameter, value: Path | 
     return value
 
 
+def out_dir_option(_ctx: click.Context, _param: click.Parameter, value: Path) -> Path:
+    """--out: a folder that can be made (or is there) and written: a path under a file, or a read-only
+    place, failed with a traceback from mkdir only after the target had loaded."""
+    import os
+
+    existing = value.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise click.BadParameter(f"{existing} is a file, so {value} cannot be a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{existing} is not writable")
+    return value
+
+
 def check_features_match_target(target: str, folders: list[Path | None]) -> None:
     """Features are the target's hidden states: made with another target, they fail deep in the first
     step with a shape error ("mat1 and mat2 shapes cannot be multiplied"); said up front instead."""
@@ -162,6 +177,7 @@ def main() -> None:
 @click.option("--target", required=True, callback=target_option,
               help="Target model folder (Hugging Face layout) or cached hub id.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              callback=out_dir_option,
               help="Feature folder (shards + manifest.json); rerun the same command to resume.")
 @click.option("--input", "inputs", multiple=True, help="Text file, folder, glob, .jsonl (text field or "
               "ShareGPT conversations) or .json list; repeatable.")
@@ -298,6 +314,7 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
               callback=features_option,
               help="Held-out feature folder for periodic evaluation (loss, top-1 agreement).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              callback=out_dir_option,
               help="Head folder: config.json + model.safetensors (use as dovetail-run --draft), plus "
               "train_state.pt (resume) and train_log.jsonl.")
 @click.option("--recipe", type=click.Choice(["eagle1", "eagle3", "dgf-eagle3"]), default="eagle1",
@@ -631,7 +648,8 @@ def eagle3_tau(engine, draft, target_dir, prompts, new_tokens, eos, settings, ro
 @click.option("--target", required=True, callback=target_option, help="Target model folder.")
 @click.option("--draft", default=None, callback=draft_option, help="Head folder to export instead of the target "
               "(its embedding and lm_head are left out: they load from --target).")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              callback=out_dir_option)
 @click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default="fp16", help="Stored precision.")
 def export(target, draft, out_dir, dtype) -> None:
     """Write a small copy of a target (weights in --dtype + config + tokenizer) or of a head."""

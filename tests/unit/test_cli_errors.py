@@ -259,6 +259,13 @@ def test_train_commands_refuse_missing_folders_in_one_line(args, message):
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.parametrize("command", ["features", "train", "export"])
+def test_an_out_folder_under_a_file_is_refused_before_loading(tmp_path, command):
+    (tmp_path / "notes.txt").write_text("hi")  # was NotADirectoryError from mkdir, after the target loaded
+    message = refused(train_cli.main.commands[command], ["--out", str(tmp_path / "notes.txt" / "run")])
+    assert f"{tmp_path / 'notes.txt'} is a file, so {tmp_path / 'notes.txt' / 'run'} cannot be a folder" in message
+
+
 def test_sampling_options_at_temperature_0_are_named(caplog, tmp_path):
     assert "--top-p, --seed: no sampling at --temperature 0" in warnings_for(
         ["--prompt", "x", "--top-p", "0.9", "--seed", "3"], True, "dovetail", caplog)
