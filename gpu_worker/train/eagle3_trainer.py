@@ -362,14 +362,14 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     ``on_step(step)`` is called after each step; raising ``StopTraining`` there stops the run
     cleanly (the CLI does on SIGINT/SIGTERM)."""
     target_dir = resolve_model_dir(target)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = load_features(train_dir, config.max_tokens)
+    data = load_features(train_dir, config.max_tokens, "--max-tokens")
     if data.aux is None or data.aux_layers is None:
         raise ValueError(f"{train_dir} has no three-layer rows: extract them with "
                          "`dovetail-train features --aux-layers a,b,c`")
-    heldout = load_features(heldout_dir, config.eval_tokens) if heldout_dir else None
+    heldout = load_features(heldout_dir, config.eval_tokens, "--eval-tokens") if heldout_dir else None
     if heldout is not None and heldout.aux_layers != data.aux_layers:
         raise ValueError(f"held-out rows come from layers {heldout.aux_layers}, training rows from {data.aux_layers}")
+    out_dir.mkdir(parents=True, exist_ok=True)  # after the data checks: a refused run leaves no empty folder
     run = _Eagle3Run(target_dir, data, out_dir, config)
     del data  # the run's copy stands (on the GPU when it fits there): no second one held
     run.resume_or_start(resume)

@@ -112,9 +112,10 @@ def features_on_device(data: FeatureSet, device: str, share: float = 0.5) -> Fea
                                aux=None if data.aux is None else data.aux.to(device))
 
 
-def load_features(folder: Path | str, max_tokens: int | None = None) -> FeatureSet:
+def load_features(folder: Path | str, max_tokens: int | None = None, cap_name: str = "max_tokens") -> FeatureSet:
     """Load the finished shards of a complete feature folder (in shard order), optionally
-    only the first windows that fit ``max_tokens``. The result is allocated once and filled
+    only the first windows that fit ``max_tokens`` (``cap_name``: the setting that asked for it,
+    named when it keeps no window). The result is allocated once and filled
     shard by shard, so loading peaks at the data plus one shard (concatenating the loaded
     shards peaked at twice the data: 15.5 GB for 4M three-layer tokens)."""
     from safetensors import safe_open
@@ -131,12 +132,16 @@ def load_features(folder: Path | str, max_tokens: int | None = None) -> FeatureS
     for entry in manifest["shards"]:
         path = folder / entry["file"]
         with safe_open(str(path), framework="pt") as shard:
-            shard_offsets = shard.get_tensor("window_offsets").numpy()
+            stored_offsets = shard.get_tensor("window_offsets").numpy()
+        shard_offsets = stored_offsets
         if max_tokens is not None:
             keep = int(np.searchsorted(shard_offsets, max_tokens - total, side="right")) - 1
             shard_offsets = shard_offsets[:keep + 1]
         end = int(shard_offsets[-1])
-        if end == 0:
+        if end == 0:  # the cap is shorter than the next window
+            if not plan:  # said with the setting to change (was "no windows (max_tokens N)" for --eval-tokens too)
+                raise ValueError(f"{folder}: {cap_name} {max_tokens} keeps no window (its first has "
+                                 f"{int(stored_offsets[1])} tokens)")
             break
         plan.append((path, end))
         offsets.append(shard_offsets[1:] + total)

@@ -193,9 +193,9 @@ def train(target: str | Path, train_dir: Path, out_dir: Path, config: TrainConfi
     ``dovetail-run --draft out_dir``). Resumes from ``out_dir/train_state.pt`` if present.
     ``on_step`` is called after each step (tests use it to interrupt a run)."""
     target_dir = resolve_model_dir(target)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = load_features(train_dir, config.max_tokens)
-    heldout = load_features(heldout_dir, config.eval_tokens) if heldout_dir else None
+    data = load_features(train_dir, config.max_tokens, "--max-tokens")
+    heldout = load_features(heldout_dir, config.eval_tokens, "--eval-tokens") if heldout_dir else None
+    out_dir.mkdir(parents=True, exist_ok=True)  # after the data checks: a refused run leaves no empty folder
     total_steps = config.total_steps(data)
     head = new_head(target_dir, config.fusion, config.layers, config.seed)
     head.train()

@@ -341,6 +341,34 @@ def test_training_settings_that_cannot_train_are_refused(args, tmp_path):
     assert args[0] in message and ("not in the range" in message or "not a finite number" in message), message
 
 
+def one_window_features(folder, hidden: int, tokens: int = 32):
+    """A finished feature folder of one window of ``tokens`` tokens (zero features and three-layer rows)."""
+    import numpy as np
+    import torch
+
+    from gpu_worker.train.shards import write_shard
+
+    folder.mkdir()
+    write_shard(folder / "shard-00000.safetensors", np.arange(tokens), torch.zeros(tokens, hidden, dtype=torch.float16),
+                np.ones(tokens, dtype=bool), np.array([0, tokens]), aux=torch.zeros(tokens, 3 * hidden))
+    (folder / "manifest.json").write_text(json.dumps({"complete": True, "hidden_size": hidden, "config": {},
+                                                      "aux_layers": [1, 3, 5],
+                                                      "shards": [{"index": 0, "file": "shard-00000.safetensors"}]}))
+    return folder
+
+
+@pytest.mark.parametrize("recipe", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("flag", ["--max-tokens", "--eval-tokens"])
+def test_a_token_cap_below_the_first_window_names_its_flag_and_leaves_no_folder(tmp_path, flag, recipe):
+    hidden = json.loads((DEMO_TARGET / "config.json").read_text())["hidden_size"]
+    features = one_window_features(tmp_path / "features", hidden)
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(features), "--heldout",
+                                  str(features), "--out", str(tmp_path / "head"), "--recipe", recipe, flag, "2"])
+    # was "no windows (max_tokens 2)" for --eval-tokens too, and an empty --out folder left behind
+    assert result.exit_code == 2 and f"{flag} 2 keeps no window (its first has 32 tokens)" in result.output
+    assert not (tmp_path / "head").exists()
+
+
 def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
     message = refused(cli.run_main, ["--cpu-cores", "0-70000"])  # 0-4294967295, expanded, filled memory
     assert "no machine has that many cores" in message
