@@ -8,6 +8,7 @@ local Hugging Face cache (never downloaded).
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -89,6 +90,21 @@ def context_limit(config: dict[str, Any]) -> int:
 
 def read_safetensors_header(handle: BinaryIO) -> tuple[dict[str, Any], int]:
     """A safetensors file's header ({tensor name: dtype, shape, data_offsets}, and
-    ``__metadata__``) read from ``handle`` at its start, and the offset where the data begins."""
-    (header_size,) = struct.unpack("<Q", handle.read(8))
-    return json.loads(handle.read(header_size)), 8 + header_size
+    ``__metadata__``) read from ``handle`` at its start, and the offset where the data begins.
+    A file that is not one (a header size past the file's end read garbage into a MemoryError,
+    a short file a struct.error) is a ModelLoadError naming it."""
+    name, size = getattr(handle, "name", "a safetensors file"), os.fstat(handle.fileno()).st_size
+    prefix = handle.read(8)
+    if len(prefix) < 8:
+        raise ModelLoadError(f"{name} is not a valid safetensors file: {size} bytes, too short for a header")
+    (header_size,) = struct.unpack("<Q", prefix)
+    if header_size > size - 8:
+        raise ModelLoadError(f"{name} is not a valid safetensors file: its header would be {header_size:,} bytes, "
+                             f"the file has {size:,} (truncated or corrupt)")
+    try:
+        header = json.loads(handle.read(header_size))
+    except ValueError as error:
+        raise ModelLoadError(f"{name} is not a valid safetensors file: its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{name} is not a valid safetensors file: its header is not a JSON object")
+    return header, 8 + header_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,19 @@ def test_folder_without_weights_lists_its_files(tmp_path):
     path = save_tiny_model(tmp_path / "m", "llama")
     (path / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="no weights.*config.json"):
+        load_target_model(path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: struct.pack("<Q", 10**12) + data[8:], "its header would be 1,000,000,000,000 bytes"),
+    (lambda data: data[:5], "5 bytes, too short for a header"),
+    (lambda data: data[:8] + b"\xff" + data[9:], "its header is not JSON"),
+])
+def test_a_corrupt_safetensors_header_is_a_load_error(tmp_path, damage, message):
+    path = save_tiny_model(tmp_path / "m", "llama")
+    weights = path / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))  # was a MemoryError / struct.error / JSON traceback
+    with pytest.raises(ModelLoadError, match=f"model.safetensors is not a valid safetensors file: {message}"):
         load_target_model(path)
 
 
