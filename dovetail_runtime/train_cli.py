@@ -156,15 +156,17 @@ def human_bytes(count: float) -> str:
 
 
 class TrainCommands(click.Group):
-    """dovetail-train's commands: a bad corpus (a missing input, a malformed JSON line) is the user's
-    error, said in one line like any bad option, not a traceback."""
+    """dovetail-train's commands: a bad corpus (a missing input, a malformed JSON line) or a model
+    that cannot load (no config.json or weights, a corrupt file, an unsupported architecture) is
+    the user's error, said in one line like any bad option, not a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from cpu_worker.model.model_dir import ModelLoadError
         from gpu_worker.train.corpus import CorpusError
 
         try:
             return super().invoke(ctx)
-        except CorpusError as error:
+        except (CorpusError, ModelLoadError) as error:
             raise click.ClickException(str(error)) from None
 
 
@@ -235,15 +237,28 @@ class FeatureSettings:
     threads: int
 
 
+# Files one of which a folder needs for transformers to build its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def target_tokenizer(target_dir: Path):
-    """transformers' tokenizer for a target folder, or for a GGUF file (built from its metadata)."""
+    """transformers' tokenizer for a target folder, or for a GGUF file (built from its metadata);
+    a ModelLoadError when there is none (transformers' own error spoke of sentencepiece)."""
     from transformers import AutoTokenizer
 
-    from cpu_worker.model.model_dir import is_gguf
+    from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_config
 
     if is_gguf(target_dir):
-        return AutoTokenizer.from_pretrained(str(target_dir.parent), gguf_file=target_dir.name)
-    return AutoTokenizer.from_pretrained(str(target_dir))
+        read_config(target_dir)  # our reader's one-line error for a file that is not GGUF, not transformers'
+    elif not any((target_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{target_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the model's "
+                             "tokenizer files into it")
+    try:
+        if is_gguf(target_dir):
+            return AutoTokenizer.from_pretrained(str(target_dir.parent), gguf_file=target_dir.name)
+        return AutoTokenizer.from_pretrained(str(target_dir))
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot load the tokenizer of {target_dir}: {str(error).splitlines()[0]}") from None
 
 
 def run_features(settings: FeatureSettings) -> None:

@@ -282,6 +282,35 @@ def feature_args(tmp_path, window: int) -> list[str]:
             "--window", str(window), "--max-tokens", "64", "--dtype", "fp32"]
 
 
+def demo_target_without(folder, *left_out: str):
+    """The demo target's files linked into ``folder``, but for ``left_out``."""
+    folder.mkdir()
+    for path in DEMO_TARGET.iterdir():
+        if path.name not in left_out:
+            (folder / path.name).symlink_to(path)
+    return folder
+
+
+@pytest.mark.parametrize("left_out, message", [
+    (("model.safetensors",), "Error: no weights in"),  # was a ModelLoadError traceback
+    (("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"), "has no tokenizer"),  # "sentencepiece"
+])
+def test_features_with_a_target_that_cannot_load_is_one_line(tmp_path, left_out, message):
+    target = demo_target_without(tmp_path / "target", *left_out)
+    args = feature_args(tmp_path, 32)
+    args[args.index("--target") + 1] = str(target)
+    result = run(train_cli.main, args)
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert not (tmp_path / "features").exists()
+
+
+def test_eval_with_a_text_file_named_gguf_is_one_line(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("hello world\n")  # was transformers' ValueError traceback from its GGUF tokenizer
+    result = run(train_cli.main, ["eval", "--target", str(fake), "--draft", str(DEMO_DRAFT), "--input", str(fake)])
+    assert result.exit_code == 1 and "the magic number is b'hell', not b'GGUF'" in result.output, result.output
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
