@@ -81,8 +81,8 @@ def target_option(_ctx: click.Context, _param: click.Parameter, value: str) -> s
 
 
 def draft_option(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    """--draft: a head folder with a config.json (else one line, not a traceback)."""
-    from cpu_worker.model.model_dir import ModelLoadError, resolve_model_dir
+    """--draft: a head folder with a config.json that reads as JSON (else one line, not a traceback)."""
+    from cpu_worker.model.model_dir import ModelLoadError, read_config, resolve_model_dir
 
     if value is None:
         return None
@@ -93,6 +93,10 @@ def draft_option(_ctx: click.Context, _param: click.Parameter, value: str | None
     if not (folder / "config.json").is_file():
         raise click.BadParameter(f"{folder} has no config.json: not a draft head folder (dovetail-train train "
                                  "writes one)")
+    try:
+        read_config(folder)  # a config.json that is not JSON was a JSONDecodeError traceback from eval/export
+    except ModelLoadError as error:
+        raise click.BadParameter(str(error)) from None
     return value
 
 
@@ -156,17 +160,18 @@ def human_bytes(count: float) -> str:
 
 
 class TrainCommands(click.Group):
-    """dovetail-train's commands: a bad corpus (a missing input, a malformed JSON line) or a model
-    that cannot load (no config.json or weights, a corrupt file, an unsupported architecture) is
-    the user's error, said in one line like any bad option, not a traceback."""
+    """dovetail-train's commands: a bad corpus (a missing input, a malformed JSON line) or a target or
+    head that cannot load (no config.json or weights, a corrupt file, an unsupported architecture)
+    is the user's error, said in one line like any bad option, not a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         from cpu_worker.model.model_dir import ModelLoadError
+        from gpu_worker.checkpoint import DraftCheckpointError
         from gpu_worker.train.corpus import CorpusError
 
         try:
             return super().invoke(ctx)
-        except (CorpusError, ModelLoadError) as error:
+        except (CorpusError, ModelLoadError, DraftCheckpointError) as error:
             raise click.ClickException(str(error)) from None
 
 

@@ -311,6 +311,21 @@ def test_eval_with_a_text_file_named_gguf_is_one_line(tmp_path):
     assert result.exit_code == 1 and "the magic number is b'hell', not b'GGUF'" in result.output, result.output
 
 
+def test_a_head_that_cannot_load_is_one_line(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text((DEMO_DRAFT / "config.json").read_text())  # no weights
+    result = run(train_cli.main, ["export", "--target", str(DEMO_TARGET), "--draft", str(head), "--out",
+                                  str(tmp_path / "out")])  # was a DraftCheckpointError traceback
+    assert result.exit_code == 1 and f"Error: no weights in {head}" in result.output, result.output
+    (head / "config.json").write_text("{bad")
+    for command in ("eval", "export"):  # was a JSONDecodeError traceback
+        out = ["--out", str(tmp_path / "out")] if command == "export" else []
+        result = run(train_cli.main, [command, "--target", str(DEMO_TARGET), "--draft", str(head), *out])
+        assert result.exit_code == 2 and f"cannot read {head / 'config.json'}" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
