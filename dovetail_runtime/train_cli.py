@@ -463,16 +463,15 @@ def run_eagle3_training(settings: TrainSettings) -> None:
     from gpu_worker.train.eagle3_trainer import Eagle3Config, StopTraining, train_eagle3
 
     eagle3 = config_from(Eagle3Config, settings, fusion=settings.recipe)
-    stop_requested = False
+    received: list[int] = []  # the signal that asked to stop, if one did
 
-    def stop(_signum: int, _frame: object) -> None:
-        nonlocal stop_requested
-        if stop_requested:  # asked twice: stop now (the last checkpoint's state stands)
+    def stop(signum: int, _frame: object) -> None:
+        if received:  # asked twice: stop now (the last checkpoint's state stands)
             raise KeyboardInterrupt
-        stop_requested = True  # at the end of this step: the state saved there resumes exactly
+        received.append(signum)  # at the end of this step: the state saved there resumes exactly
 
     def between_steps(_step: int) -> None:
-        if stop_requested:
+        if received:
             raise StopTraining
 
     # SIGTERM too: a background job started by a script ignores SIGINT.
@@ -491,6 +490,8 @@ def run_eagle3_training(settings: TrainSettings) -> None:
                "tokens "
                f"(draft vocabulary covers {result['draft_vocab_coverage']:.2%} of them); head written to "
                f"{settings.out_dir}")
+    if received:  # cut short: not a success, so `train && cp head ...` or a `set -e` script stops here (130/143)
+        sys.exit(128 + received[0])
 
 
 def parse_tree(value: str) -> tuple[int, int, int]:
