@@ -291,6 +291,7 @@ def run_features(settings: FeatureSettings) -> None:
     files = shuffled(files, None if settings.shuffle_seed < 0 else settings.shuffle_seed)
     tokenizer = target_tokenizer(target_dir)
     windows = _windows(files, tokenizer, settings)
+    check_window_fits(windows, spec)
     config = {"target": str(target_dir.resolve()), "inputs": [str(Path(i).resolve()) for i in inputs],
               "pattern": pattern, "exclude": list(exclude), "split": settings.split,
               "text_field": settings.text_field, "chat_template": settings.chat_template, "window": settings.window,
@@ -306,6 +307,18 @@ def run_features(settings: FeatureSettings) -> None:
     click.echo(f"{manifest['tokens']:,} tokens in {manifest['windows']:,} windows from {len(files):,} files "
                f"({manifest['loss_tokens']:,} with loss), {len(manifest['shards'])} shards; "
                f"disk use {human_bytes(folder_bytes(settings.out_dir))} in {settings.out_dir}")
+
+
+def check_window_fits(windows: list[Any], spec: Any) -> None:
+    """Windows longer than the target's context are refused before it loads: the default path failed
+    after writing a manifest (so the fixed command was then refused as "other settings"), and the
+    --aux-layers / bf16 path stored rows for positions the target was never trained on."""
+    from gpu_worker.train.features import context_limit
+
+    longest, limit = max(len(window.tokens) for window in windows), context_limit(spec)
+    if longest > limit:
+        raise click.BadParameter(f"windows of up to {longest} tokens, past the target's context of {limit} "
+                                 f"(max_position_embeddings); use --window {limit} or less", param_hint="--window")
 
 
 def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> list[Any]:

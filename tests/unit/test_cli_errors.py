@@ -326,6 +326,20 @@ def test_a_head_that_cannot_load_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("extra", [[], ["--aux-layers", "1,3,5"]])
+def test_windows_past_the_targets_context_are_refused_before_anything_is_written(tmp_path, extra):
+    text = tmp_path / "long.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 400)  # one document of some 5,000 tokens
+    limit = json.loads((DEMO_TARGET / "config.json").read_text())["max_position_embeddings"]
+    result = run(train_cli.main, ["features", "--target", str(DEMO_TARGET), "--out", str(tmp_path / "features"),
+                                  "--input", str(text), "--window", str(2 * limit), *extra])
+    # was "max_len must be in 1..2048" after a manifest was written (then the fixed command was refused
+    # for other settings), and with --aux-layers rows past the trained context, silently
+    assert result.exit_code == 2 and f"past the target's context of {limit}" in result.output, result.output
+    assert f"use --window {limit} or less" in result.output
+    assert not (tmp_path / "features").exists()
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
