@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import click
 
+from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS
+
 from .click_types import FiniteFloatRange
 
 ConfigT = TypeVar("ConfigT")
@@ -508,11 +510,26 @@ def run_eagle3_training(settings: TrainSettings) -> None:
 
 
 def parse_tree(value: str) -> tuple[int, int, int]:
+    """T,DEPTH,TOP_K within the tree's bounds (a T of 0 or a negative depth was a TreeError traceback
+    after the models had loaded)."""
+    from ipc.tree import TreeError, TreeShape
+
     try:
         tree_tokens, depth, top_k = (int(part) for part in value.split(","))
     except ValueError:
         raise click.BadParameter(f"expected T,DEPTH,TOP_K such as 16,6,8; got {value!r}") from None
+    try:
+        TreeShape.clamped(tree_tokens, depth, top_k)
+    except TreeError as error:
+        raise click.BadParameter(f"{value}: {error}") from None
     return tree_tokens, depth, top_k
+
+
+def trees_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """--tree: each value checked before anything loads (run_eval parses them again)."""
+    for value in values:
+        parse_tree(value)
+    return values
 
 
 @main.command("eval", context_settings=CONTEXT)
@@ -530,11 +547,13 @@ def parse_tree(value: str) -> tuple[int, int, int]:
 @click.option("--files", type=click.IntRange(min=1), default=None, help="Use the first N eligible files (sorted).")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=256, help="Prompt = the first N tokens.")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=128, help="Greedy tokens to generate.")
-@click.option("--tree-tokens", type=click.IntRange(min=1), default=16, help="Tree size T (root included).")
-@click.option("--depth", type=click.IntRange(min=1), default=6, help="Most draft tokens on one path.")
-@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1), default=8,
+@click.option("--tree-tokens", type=click.IntRange(min=1, max=MAX_TREE_TOKENS), default=16,
+              help="Tree size T (root included).")
+@click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=6, help="Most draft tokens on one path.")
+@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1, max=MAX_TOP_K), default=8,
               help="The draft tree's beam width: children kept per node and nodes per level.")
-@click.option("--tree", "trees", multiple=True, help="Extra tree settings T,DEPTH,TOP_K (repeatable), e.g. 7,4,4.")
+@click.option("--tree", "trees", multiple=True, callback=trees_option,
+              help="Extra tree settings T,DEPTH,TOP_K (repeatable), e.g. 7,4,4.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=2, help="torch intra-op threads.")
 def evaluate(**options: Any) -> None:
@@ -584,9 +603,10 @@ def run_eval(settings: EvalSettings) -> None:
     tokenizer = target_tokenizer(target_dir)
     prompts = _eval_prompts(tokenizer, settings)
     trees = [(settings.tree_tokens, settings.depth, settings.top_k)] + [parse_tree(value) for value in settings.trees]
-    model = load_target_model(target_dir).eval()
     longest = max(len(ids) for _, ids in prompts)  # chat prompts run past --prompt-tokens
     room = max(settings.prompt_tokens, longest) + settings.new_tokens + max(t for t, _, _ in trees) + 1
+    check_room(room, target_dir)
+    model = load_target_model(target_dir).eval()
     engine = TargetEngine(model, max_len=room)
     scratch = max(TreeShape.clamped(*tree).scratch_slots for tree in trees)
     eos = tokenizer.eos_token_id
@@ -606,6 +626,18 @@ def run_eval(settings: EvalSettings) -> None:
     ties = sum(len(r.near_ties) for r in results)
     click.echo("lossless: every output equals the target's greedy decode"
                + (f" ({ties} near-tie divergences, top-2 gap < 1e-4)" if ties else ""))
+
+
+def check_room(room: int, target_dir: Path) -> None:
+    """A prompt, its new tokens and the largest tree must fit the target's context: past it the engine
+    refused with "max_len must be in 1..N" in a traceback, after the target had loaded."""
+    from cpu_worker.model import load_spec
+    from gpu_worker.train.features import context_limit
+
+    limit = context_limit(load_spec(target_dir))
+    if room > limit:
+        raise click.UsageError(f"the longest prompt, --new-tokens and the largest tree need {room} positions, past "
+                               f"the target's context of {limit}: ask for fewer --new-tokens or --prompt-tokens")
 
 
 def _eval_prompts(tokenizer: Any, settings: EvalSettings) -> list[tuple[str, list[int]]]:

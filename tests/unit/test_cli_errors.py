@@ -340,6 +340,25 @@ def test_windows_past_the_targets_context_are_refused_before_anything_is_written
     assert not (tmp_path / "features").exists()
 
 
+@pytest.mark.parametrize("tree, message", [("0,6,8", "tree size T must be in 1..1024"),
+                                           ("16,-1,8", "depth must be in 1..64, got -1"),
+                                           ("16,6,99", "top_k must be in 1..64, got 99")])
+def test_eval_trees_out_of_bounds_are_refused_before_loading(tree, message):
+    message_given = refused(train_cli.main.commands["eval"], ["--tree", tree])  # was a TreeError traceback
+    assert f"--tree': {tree}: {message}" in message_given, message_given
+    assert "not in the range 1<=x<=1024" in refused(train_cli.main.commands["eval"], ["--tree-tokens", "100000"])
+
+
+def test_eval_past_the_targets_context_is_refused_before_it_loads(tmp_path):
+    text = tmp_path / "prompt.py"
+    text.write_text("def add(a, b):\n    return a + b\n")
+    result = run(train_cli.main, ["eval", "--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--input",
+                                  str(text), "--prompt-tokens", "4", "--new-tokens", "100000"])
+    # was "max_len must be in 1..2048 for this model" in a traceback, once the target had loaded
+    assert result.exit_code == 2 and "need 100021 positions, past the target's context of 2048" in result.output, \
+        result.output
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
