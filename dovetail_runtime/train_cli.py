@@ -710,6 +710,25 @@ def eagle3_tau(engine, draft, target_dir, prompts, new_tokens, eos, settings, ro
         aux.close()
 
 
+def check_export(target_dir: Path, draft: str | None, out_dir: Path) -> None:
+    """What export cannot do, refused before it writes: each was a traceback after a partial write
+    (a GGUF target: model.safetensors, then NotADirectoryError; --out the target's own folder: its
+    weights rewritten in place, then SameFileError) or after loading (an EAGLE-3 head)."""
+    from cpu_worker.model.model_dir import is_gguf
+    from gpu_worker.train.eagle3_io import is_eagle3_folder
+
+    source = Path(draft) if draft else target_dir
+    if out_dir.resolve() == source.resolve():
+        raise click.BadParameter(f"{out_dir} is the folder it would export from: name a new folder",
+                                 param_hint="--out")
+    if draft is None and is_gguf(target_dir):
+        raise click.UsageError(f"--target {target_dir} is a GGUF file: export copies a model folder (config.json, "
+                               "safetensors, tokenizer files)")
+    if draft is not None and is_eagle3_folder(draft):
+        raise click.UsageError(f"{draft} is an EAGLE-3 head: dovetail-train train --save-dtype fp16 writes those "
+                               "in 16 bits")
+
+
 @main.command(context_settings=CONTEXT)
 @click.option("--target", required=True, callback=target_option, help="Target model folder.")
 @click.option("--draft", default=None, callback=draft_option, help="Head folder to export instead of the target "
@@ -725,6 +744,7 @@ def export(target, draft, out_dir, dtype) -> None:
 
     stored = torch_dtype(dtype)
     target_dir = resolve_model_dir(target)
+    check_export(target_dir, draft, out_dir)
     if draft:
         export_head(Path(draft), target_dir, out_dir, stored)
     else:

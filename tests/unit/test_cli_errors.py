@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+from pathlib import Path
 
 import click
 import pytest
@@ -357,6 +358,25 @@ def test_eval_past_the_targets_context_is_refused_before_it_loads(tmp_path):
     # was "max_len must be in 1..2048 for this model" in a traceback, once the target had loaded
     assert result.exit_code == 2 and "need 100021 positions, past the target's context of 2048" in result.output, \
         result.output
+
+
+def test_export_refuses_what_it_cannot_copy_before_writing(tmp_path):
+    import shutil
+
+    target = Path(shutil.copytree(DEMO_TARGET, tmp_path / "target"))  # copies: the old code wrote into it
+    before = (target / "model.safetensors").read_bytes()
+    result = run(train_cli.main, ["export", "--target", str(target), "--out", str(target), "--dtype", "bf16"])
+    # was: the target's weights rewritten in place, then a SameFileError traceback
+    assert result.exit_code == 2 and "is the folder it would export from" in result.output, result.output
+    assert (target / "model.safetensors").read_bytes() == before
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")  # the option's check only looks at the name; export refuses GGUF targets by kind
+    result = run(train_cli.main, ["export", "--target", str(fake), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "is a GGUF file: export copies a model folder" in result.output, result.output
+    result = run(train_cli.main, ["export", "--target", str(DEMO_TARGET), "--draft", str(EAGLE3_HEAD), "--out",
+                                  str(tmp_path / "out")])  # was a ValueError traceback
+    assert result.exit_code == 2 and "is an EAGLE-3 head" in result.output, result.output
+    assert not (tmp_path / "out").exists()  # the GGUF case wrote model.safetensors there before failing
 
 
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
