@@ -403,6 +403,7 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
 def train(**options: Any) -> None:
     """Train a draft head on stored features; the result loads with dovetail-run --draft OUT."""
     settings = TrainSettings(**options)
+    check_train_out(settings)
     check_features_match_target(settings.target, [settings.train_dir, settings.heldout_dir])
     set_threads(settings.threads)
     check_device(settings.device)
@@ -462,6 +463,23 @@ class TrainSettings:
     include_frozen: bool
     restart: bool
     threads: int
+
+
+def check_train_out(settings: TrainSettings) -> None:
+    """--out must not hold a model this run cannot be resuming: a run writes config.json and
+    model.safetensors there, and overwrote the target's own (--out T) or a finished head from
+    elsewhere (an exported or downloaded one, which has no train_state.pt) without a word."""
+    from cpu_worker.model import resolve_model_dir
+    from gpu_worker.train.trainer import LOG_NAME, STATE_NAME
+
+    out = settings.out_dir
+    if out.resolve() == resolve_model_dir(settings.target).resolve():
+        raise click.BadParameter("is the target's folder: the head would overwrite its config.json and weights",
+                                 param_hint="--out")
+    ours = any((out / name).exists() for name in (STATE_NAME, LOG_NAME))  # a run's folder, resumable or not
+    if (out / "config.json").exists() and not ours and not settings.restart:
+        raise click.BadParameter(f"{out} already holds a model (config.json) and no {STATE_NAME} to resume: name a "
+                                 "new folder, or add --restart to overwrite it", param_hint="--out")
 
 
 def config_from(config_type: type[ConfigT], settings: Any, **overrides: Any) -> ConfigT:

@@ -466,6 +466,24 @@ def test_a_token_cap_below_the_first_window_names_its_flag_and_leaves_no_folder(
     assert not (tmp_path / "head").exists()
 
 
+def test_training_never_overwrites_a_model_it_is_not_resuming(tmp_path):
+    import shutil
+
+    target = Path(shutil.copytree(DEMO_TARGET, tmp_path / "target"))  # a copy: the old code overwrote it
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    features = one_window_features(tmp_path / "features", hidden)
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text((DEMO_DRAFT / "config.json").read_text())  # a finished head from elsewhere
+    for out, message in ((head, "already holds a model (config.json) and no train_state.pt to resume"),
+                         (target, "is the target's folder")):  # each was overwritten at the end of the run
+        result = run(train_cli.main, ["train", "--target", str(target), "--features", str(features), "--out",
+                                      str(out), "--steps", "1"])
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert (head / "config.json").read_text() == (DEMO_DRAFT / "config.json").read_text()
+    assert (target / "config.json").read_text() == (DEMO_TARGET / "config.json").read_text()
+
+
 def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
     message = refused(cli.run_main, ["--cpu-cores", "0-70000"])  # 0-4294967295, expanded, filled memory
     assert "no machine has that many cores" in message
