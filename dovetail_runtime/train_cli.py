@@ -687,8 +687,12 @@ def user_turn_ids(tokenizer: Any, text: str) -> list[int]:
 def chat_prompts(tokenizer: Any, path: Path, limit: int | None) -> list[tuple[str, list[int]]]:
     """(prompt, ids) for each ``{"prompt": ...}`` line of ``path``, rendered as a user turn with the
     generation prompt; a usage error for a line that is not such an object."""
+    from gpu_worker.train.chat import has_chat_template
     from gpu_worker.train.corpus import read_corpus_text
 
+    if not has_chat_template(tokenizer):  # transformers' ValueError came as a traceback from the first prompt
+        raise click.UsageError(f"--chat {path}: the target's tokenizer has no chat template to render the prompts "
+                               "with; give plain-text prompts with --input")
     prompts = []
     for number, line in enumerate(read_corpus_text(path, strict=True).splitlines(), 1):
         if not line.strip():

@@ -379,6 +379,15 @@ def test_export_refuses_what_it_cannot_copy_before_writing(tmp_path):
     assert not (tmp_path / "out").exists()  # the GGUF case wrote model.safetensors there before failing
 
 
+def test_eval_chat_prompts_for_a_target_without_a_chat_template_are_refused(tmp_path):
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')  # the demo code model has no chat template
+    result = run(train_cli.main, ["eval", "--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--chat",
+                                  str(prompts)])  # was transformers' ValueError in a traceback
+    assert result.exit_code == 2 and "has no chat template to render the prompts with" in result.output, \
+        result.output
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
