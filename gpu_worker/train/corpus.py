@@ -156,7 +156,11 @@ def read_documents(files: Iterable[Path], tokenizer: Any, text_field: str = "tex
             except CorpusError as error:
                 raise CorpusError(f"{name}: {error}") from None
             if messages is not None:
-                ids, mask = render_conversation(tokenizer, messages, use_template=chat_template)
+                try:
+                    ids, mask = render_conversation(tokenizer, messages, use_template=chat_template)
+                except ValueError as error:  # a template that rewrites a reply: named, not a traceback
+                    raise CorpusError(f"{name}: {error} (--no-chat-template renders plain 'role: content' "
+                                      "lines)") from None
                 if any(mask):  # a conversation without assistant turns teaches nothing
                     yield Document(name, ids, mask)
                 continue

@@ -279,3 +279,21 @@ def test_a_json_corpus_that_is_not_utf8_is_a_corpus_error(tmp_path):
     with pytest.raises(CorpusError, match=r"latin1.jsonl: not UTF-8 text \(byte 0xe9 at offset 13\)"):
         list(read_documents([path], OneTokenTokenizer()))  # was a UnicodeDecodeError traceback
     assert read_corpus_text(path, strict=False) == '{"text": "caf\ufffd"}\n'  # plain text replaces, as before
+
+
+class RewritingTemplateTokenizer(OneTokenTokenizer):
+    """A chat template that trims replies and heads the chat with its turn count: no rendered prefix
+    is a prefix of the whole, and a reply with surrounding spaces is not in it as written."""
+
+    chat_template = "rewrites"
+
+    def apply_chat_template(self, turns, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+        return f"{len(turns)} turns\n" + "".join(f"{t['role']}: {t['content'].strip()}\n" for t in turns)
+
+
+def test_a_reply_the_chat_template_rewrites_is_a_corpus_error(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "  hello  "}]}) + "\n")
+    with pytest.raises(CorpusError, match="chat.jsonl:1: cannot locate an assistant reply"):
+        list(read_documents([path], RewritingTemplateTokenizer()))  # was a ValueError traceback
