@@ -22,7 +22,7 @@ from cpu_worker.kernels.linear import is_linear
 from cpu_worker.kernels.progress import progress_bar
 from cpu_worker.model.embedding import NARROW_FLOATS, StoredEmbedding, table
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
-from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_safetensors_header
+from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_config, read_safetensors_header
 
 _PREFIXES = ("model.",)
 
@@ -94,17 +94,34 @@ def load_spec(model_dir: Path) -> LlamaSpec:
         raise ModelLoadError(f"{model_dir} has no config.json")
     from transformers import AutoConfig
 
+    raw = read_config(model_dir)  # a ModelLoadError for a file that is not a JSON object
     try:
         config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:
-        raw = json.loads((model_dir / "config.json").read_text())
-        raise ModelLoadError(
-            f"cannot parse {model_dir / 'config.json'} (model_type {raw.get('model_type')!r}): {error}"
-        ) from None
+    except Exception as error:
+        # Whatever transformers' validation raises (StrictDataclass errors, a ZeroDivisionError for 0
+        # heads) is this config's fault: one line, not a traceback.
+        raise ModelLoadError(f"cannot parse {model_dir / 'config.json'} (model_type {raw.get('model_type')!r}): "
+                             f"{str(error).strip().splitlines()[-1].strip()}") from None
     try:
-        return LlamaSpec.from_hf_config(config)
+        return _checked_dimensions(LlamaSpec.from_hf_config(config), model_dir)
     except ModelConfigError as error:
         raise ModelLoadError(f"{model_dir}: {error}") from None
+
+
+def _checked_dimensions(spec: LlamaSpec, model_dir: Path) -> LlamaSpec:
+    """A decoder can be built from ``spec``: a hand-edited config.json with a negative layer count
+    or key/value heads that do not divide the heads got past transformers and failed deep in the load."""
+    sizes = {"vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+             "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+             "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+             "head_dim": spec.head_dim, "max_position_embeddings": spec.max_position_embeddings}
+    wrong = [f"{key} {value}" for key, value in sizes.items() if value < 1]
+    if wrong:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: {', '.join(wrong)}; each must be a positive integer")
+    if spec.num_heads % spec.num_kv_heads:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: num_attention_heads {spec.num_heads} is not a multiple "
+                             f"of num_key_value_heads {spec.num_kv_heads}")
+    return spec
 
 
 # safetensors dtype codes (the format's header spells them so).

@@ -42,6 +42,23 @@ def test_unknown_model_type_names_what_was_found(tmp_path):
         load_target_model(path)
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"hidden_size": "256"}, "expected int, got str"),  # transformers' StrictDataclass error: was a traceback
+    ({"num_attention_heads": 0}, "integer modulo by zero"),  # a ZeroDivisionError traceback
+    ({"num_hidden_layers": -1}, "num_hidden_layers -1; each must be a positive integer"),  # failed in the load
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+])
+def test_a_config_with_impossible_sizes_is_a_load_error(tmp_path, edit, message):
+    path = save_tiny_model(tmp_path / "m", "llama", num_attention_heads=4, num_key_value_heads=2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | edit))
+    with pytest.raises(ModelLoadError, match=message):
+        load_target_model(path)
+    (path / "config.json").write_text("[1]")
+    with pytest.raises(ModelLoadError, match="is not a JSON object"):  # was an AttributeError on list.get
+        load_target_model(path)
+
+
 def test_folder_without_weights_lists_its_files(tmp_path):
     path = save_tiny_model(tmp_path / "m", "llama")
     (path / "model.safetensors").unlink()
