@@ -230,6 +230,12 @@ class WeightPlacer:
     def place(self, name: str, tensor: torch.Tensor) -> None:
         module_name, _, attribute = name.rpartition(".")
         module = self.model.get_submodule(module_name) if module_name else self.model
+        built = getattr(module, attribute, None)
+        # A config that does not describe its weights (hidden_size left out, so transformers' default
+        # 4096 stood in) loaded anyway: setattr takes any shape, and the spec then lied downstream.
+        if isinstance(built, torch.Tensor) and isinstance(tensor, torch.Tensor) and built.shape != tensor.shape:
+            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, but the config implies "
+                                 f"{tuple(built.shape)}: config.json does not describe these weights")
         if self.make_linear is not None and is_linear(module):
             self._place_quantized(module_name, module, attribute, tensor)
             return

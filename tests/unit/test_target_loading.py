@@ -59,6 +59,16 @@ def test_a_config_with_impossible_sizes_is_a_load_error(tmp_path, edit, message)
         load_target_model(path)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_weights_the_config_does_not_describe_are_a_load_error(tmp_path, precision):
+    path = save_tiny_model(tmp_path / "m", "llama")
+    config = json.loads((path / "config.json").read_text())
+    hidden = config.pop("hidden_size")  # transformers' default (4096) stands in: the model loaded anyway
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"has shape \(.*{hidden}\), but the config implies \(.*4096\)"):
+        load_target_model(path, precision)
+
+
 def test_folder_without_weights_lists_its_files(tmp_path):
     path = save_tiny_model(tmp_path / "m", "llama")
     (path / "model.safetensors").unlink()
