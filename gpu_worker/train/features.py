@@ -241,7 +241,7 @@ def _open_manifest(out_dir: Path, full_config: dict[str, Any], hidden_size: int,
                    aux_layers: tuple[int, ...] | None, overwrite: bool) -> dict[str, Any]:
     """The folder's manifest to resume, or a new one (stale shards removed) when there is none
     or, with ``overwrite``, when it was written with other settings."""
-    manifest = read_manifest(out_dir)
+    manifest = _own_manifest(out_dir)
     if manifest is not None and manifest["config"] != full_config:
         if not overwrite:
             raise ValueError(f"{out_dir / MANIFEST} was written with different settings; use another folder "
@@ -253,6 +253,18 @@ def _open_manifest(out_dir: Path, full_config: dict[str, Any], hidden_size: int,
         manifest = {"config": full_config, "hidden_size": hidden_size, "shards": [], "complete": False}
         if aux_layers is not None:
             manifest["aux_layers"] = list(aux_layers)
+    return manifest
+
+
+def _own_manifest(out_dir: Path) -> dict[str, Any] | None:
+    """The folder's manifest when this tool wrote it, None when there is none; another program's
+    manifest.json (a web extension's, say) is refused, never overwritten (was a KeyError/JSON traceback)."""
+    try:
+        manifest: Any = read_manifest(out_dir)
+    except ValueError:  # not JSON
+        manifest = False
+    if manifest is not None and not (isinstance(manifest, dict) and isinstance(manifest.get("config"), dict)):
+        raise ValueError(f"{out_dir / MANIFEST} was not written by dovetail-train features: use another folder")
     return manifest
 
 

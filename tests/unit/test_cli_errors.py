@@ -388,6 +388,16 @@ def test_eval_chat_prompts_for_a_target_without_a_chat_template_are_refused(tmp_
         result.output
 
 
+@pytest.mark.parametrize("content", ['{"name": "my-extension", "version": "1"}', '{"trunc'])
+def test_features_never_take_over_another_programs_manifest(tmp_path, content):
+    args = feature_args(tmp_path, 32)
+    (tmp_path / "features").mkdir()
+    (tmp_path / "features" / "manifest.json").write_text(content)
+    result = run(train_cli.main, [*args, "--overwrite"])  # was a KeyError / JSONDecodeError traceback
+    assert result.exit_code == 2 and "manifest.json was not written by dovetail-train features" in result.output
+    assert (tmp_path / "features" / "manifest.json").read_text() == content
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
