@@ -671,6 +671,9 @@ def _eval_prompts(tokenizer: Any, settings: EvalSettings) -> list[tuple[str, lis
     else:
         root = stdlib_root()
         paths = stdlib_files(split, root)
+    if not paths:  # was "no file has more than N tokens", as if files had been read
+        raise click.UsageError(f"the inputs name no files (folders are searched for --pattern {settings.pattern}, "
+                               f"--split {settings.split})")
     prompts = file_prompts(paths, tokenizer, settings.prompt_tokens, settings.files, root)
     if not prompts:
         raise click.UsageError(f"no file has more than {settings.prompt_tokens} tokens")

@@ -398,6 +398,14 @@ def test_features_never_take_over_another_programs_manifest(tmp_path, content):
     assert (tmp_path / "features" / "manifest.json").read_text() == content
 
 
+def test_eval_on_a_folder_without_matching_files_says_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("def add(a, b):\n    return a + b\n" * 50)  # not *.py, eval's pattern
+    result = run(train_cli.main, ["eval", "--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--input",
+                                  str(tmp_path), "--split", "all"])
+    assert result.exit_code == 2 and "the inputs name no files (folders are searched for --pattern *.py" in \
+        result.output, result.output  # was "no file has more than 256 tokens"
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
