@@ -288,8 +288,9 @@ def run_features(settings: FeatureSettings) -> None:
     aux = parse_aux_layers(settings.aux_layers, spec.num_layers)
     split = None if settings.split == "all" else settings.split
     files = expand_inputs(inputs, pattern, exclude, split)
-    if not files:
-        raise click.UsageError("the inputs name no files")
+    if not files:  # the usual cause: a folder searched for the default *.txt
+        raise click.UsageError(f"the inputs name no files (folders are searched for --pattern {pattern}, "
+                               f"--split {settings.split})")
     files = shuffled(files, None if settings.shuffle_seed < 0 else settings.shuffle_seed)
     tokenizer = target_tokenizer(target_dir)
     windows = _windows(files, tokenizer, settings)

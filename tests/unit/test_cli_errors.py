@@ -404,6 +404,10 @@ def test_eval_on_a_folder_without_matching_files_says_so(tmp_path):
                                   str(tmp_path), "--split", "all"])
     assert result.exit_code == 2 and "the inputs name no files (folders are searched for --pattern *.py" in \
         result.output, result.output  # was "no file has more than 256 tokens"
+    (tmp_path / "notes.txt").rename(tmp_path / "notes.py")
+    result = run(train_cli.main, ["features", "--target", str(DEMO_TARGET), "--input", str(tmp_path), "--out",
+                                  str(tmp_path / "features")])  # a folder of .py under the default *.txt
+    assert result.exit_code == 2 and "no files (folders are searched for --pattern *.txt" in result.output
 
 
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
