@@ -30,7 +30,7 @@ from gpu_worker.eagle3 import Eagle3Head
 
 from .data import batches_per_epoch, epoch_order
 from .eagle3_io import save_eagle3_head
-from .schedule import lr_at
+from .schedule import check_finite, lr_at
 from .shards import FeatureSet, features_on_device, load_features
 from .ttt import ttt_forward
 
@@ -312,6 +312,7 @@ class _Eagle3Run:
         self.optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.clip))
+        check_finite(step + 1, lr, float(parts.loss.detach()), grad_norm)
         self.optimizer.step()
         self.pairs += int(batch.valid[:, :batch.rows.shape[1]].sum())
         self.last = {"step": step + 1, "lr": lr, "loss": float(parts.loss.detach()), "ce": parts.per_step,

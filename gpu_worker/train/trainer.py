@@ -32,7 +32,7 @@ from gpu_worker.head import DraftHead
 from .data import Batch, batch_at, batches_per_epoch, eval_batches
 from .forward import rotary_rows, train_forward
 from .loss import draft_loss
-from .schedule import lr_at
+from .schedule import check_finite, lr_at
 from .shards import FeatureSet, load_features
 
 STATE_NAME = "train_state.pt"
@@ -163,6 +163,7 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.clip))
+        check_finite(self.step + 1, lr, float(parts.loss.detach()), grad_norm)
         self.optimizer.step()
         self.step += 1
         return parts, {"step": self.step, "lr": lr, "loss": float(parts.loss.detach()), "feature": parts.feature,

@@ -515,6 +515,18 @@ def test_training_never_overwrites_a_model_it_is_not_resuming(tmp_path):
     assert (target / "config.json").read_text() == (DEMO_TARGET / "config.json").read_text()
 
 
+@pytest.mark.parametrize("recipe", ["eagle1", "eagle3"])
+def test_a_diverging_run_stops_without_writing_a_head_of_nans(tmp_path, recipe):
+    hidden = json.loads((DEMO_TARGET / "config.json").read_text())["hidden_size"]
+    features = one_window_features(tmp_path / "features", hidden)
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(features), "--out",
+                                  str(tmp_path / "head"), "--recipe", recipe, "--draft-vocab", "8192", "--ttt-steps",
+                                  "1", "--steps", "6", "--warmup", "0", "--lr", "1e30", "--clip", "inf"])
+    # was "6 steps ...; head written" with every weight NaN
+    assert result.exit_code == 2 and "training diverged at step" in result.output, result.output
+    assert not (tmp_path / "head" / "model.safetensors").exists()
+
+
 def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
     message = refused(cli.run_main, ["--cpu-cores", "0-70000"])  # 0-4294967295, expanded, filled memory
     assert "no machine has that many cores" in message
