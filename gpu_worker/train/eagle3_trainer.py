@@ -310,10 +310,14 @@ class _Eagle3Run:
         with torch.autocast(config.device, dtype=torch.bfloat16, enabled=config.bf16):
             parts = ttt_loss(self.head, self.target_head, batch, config.ttt_steps, self.rotary)
         self.optimizer.zero_grad(set_to_none=True)
-        parts.loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.clip))
-        check_finite(step + 1, lr, float(parts.loss.detach()), grad_norm)
-        self.optimizer.step()
+        grad_norm = 0.0
+        # A batch none of whose rows count (every target argmax outside a small --draft-vocab) has a
+        # constant loss without a graph: no update (its backward raised a RuntimeError mid-run).
+        if parts.rows:
+            parts.loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.clip))
+            check_finite(step + 1, lr, float(parts.loss.detach()), grad_norm)
+            self.optimizer.step()
         self.pairs += int(batch.valid[:, :batch.rows.shape[1]].sum())
         self.last = {"step": step + 1, "lr": lr, "loss": float(parts.loss.detach()), "ce": parts.per_step,
                      "top1": parts.top1, "grad_norm": grad_norm}

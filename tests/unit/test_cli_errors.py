@@ -527,6 +527,17 @@ def test_a_diverging_run_stops_without_writing_a_head_of_nans(tmp_path, recipe):
     assert not (tmp_path / "head" / "model.safetensors").exists()
 
 
+def test_an_eagle3_batch_with_no_counted_rows_is_no_update_not_a_crash(tmp_path):
+    hidden = json.loads((DEMO_TARGET / "config.json").read_text())["hidden_size"]
+    features = one_window_features(tmp_path / "features", hidden)  # zero rows: every argmax is token 0
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(features), "--out",
+                                  str(tmp_path / "head"), "--recipe", "eagle3", "--draft-vocab", "4", "--ttt-steps",
+                                  "1", "--steps", "2"])  # token 0 is not among the 4 most frequent predicted
+    # was a RuntimeError traceback from backward() ("element 0 of tensors does not require grad")
+    assert result.exit_code == 0 and "2 steps in" in result.output, result.output
+    assert (tmp_path / "head" / "model.safetensors").exists()
+
+
 def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
     message = refused(cli.run_main, ["--cpu-cores", "0-70000"])  # 0-4294967295, expanded, filled memory
     assert "no machine has that many cores" in message
