@@ -32,7 +32,12 @@ def _index(model_dir: Path) -> dict[str, Path] | None:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = model_dir / index_name
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:  # a cut or hand-edited index was a JSONDecodeError/KeyError traceback
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (ValueError, KeyError, TypeError) as error:
+                raise ModelLoadError(f"{index} is not a shard index ({type(error).__name__}: {error})") from None
             missing = sorted({name for name in weight_map.values() if not (model_dir / name).exists()})
             if missing:
                 raise ModelLoadError(f"{index} names shards that are missing: {', '.join(missing)}")
@@ -62,9 +67,16 @@ def _read_file(file: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
     if file.suffix == ".safetensors":
         return dict(_stream_safetensors(file, names))
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # a cut or foreign file: torch's UnpicklingError/EOFError was a traceback
+        # (whose text suggests weights_only=False, which would run the file's code: not repeated here)
+        raise ModelLoadError(f"{file} cannot be read as a PyTorch checkpoint of tensors ({type(error).__name__}): "
+                             "truncated, corrupt, or pickling more than tensors") from None
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{file} holds a {type(state).__name__}, not a state dict of tensors")
     return {name: tensor for name, tensor in state.items() if names is None or name in names}
 
 

@@ -69,6 +69,18 @@ def test_weights_the_config_does_not_describe_are_a_load_error(tmp_path, precisi
         load_target_model(path, precision)
 
 
+def test_a_corrupt_index_or_bin_checkpoint_is_a_load_error(tmp_path):
+    path = save_tiny_model(tmp_path / "m", "llama")
+    (path / "model.safetensors.index.json").write_text('{"weight_map": ')  # was a JSONDecodeError traceback
+    with pytest.raises(ModelLoadError, match="model.safetensors.index.json is not a shard index"):
+        load_target_model(path)
+    (path / "model.safetensors.index.json").unlink()
+    (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"not a checkpoint" * 8)  # was torch's UnpicklingError traceback
+    with pytest.raises(ModelLoadError, match="pytorch_model.bin cannot be read as a PyTorch checkpoint"):
+        load_target_model(path)
+
+
 def test_folder_without_weights_lists_its_files(tmp_path):
     path = save_tiny_model(tmp_path / "m", "llama")
     (path / "model.safetensors").unlink()
