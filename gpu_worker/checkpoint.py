@@ -85,14 +85,22 @@ def _hf_config(folder: Path) -> Any:
     path = folder / CONFIG_NAME
     if not path.exists():
         raise DraftCheckpointError(f"{folder} has no {CONFIG_NAME}")
-    raw = json.loads(path.read_text())
-    if "model_type" in raw:
-        from transformers import AutoConfig
+    try:
+        raw = json.loads(path.read_text())
+        if "model_type" in raw:
+            from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(folder))
-    from transformers import LlamaConfig
+            config = AutoConfig.from_pretrained(str(folder))
+        else:
+            from transformers import LlamaConfig
 
-    return LlamaConfig.from_dict(raw)
+            config = LlamaConfig.from_dict(raw)
+    except Exception as error:  # transformers' validation (a string size: StrictDataclass errors) was a traceback
+        raise DraftCheckpointError(f"cannot parse {path}: {str(error).strip().splitlines()[-1].strip()}") from None
+    if int(getattr(config, "num_hidden_layers", 1) or 0) < 1:  # was a ValueError from the head's constructor
+        raise DraftCheckpointError(f"{path}: num_hidden_layers {config.num_hidden_layers}; a draft head needs at "
+                                   "least one decoder layer")
+    return config
 
 
 def detect_fusion(raw_config: dict[str, Any], keys: Iterable[str]) -> str:

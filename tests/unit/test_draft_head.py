@@ -367,6 +367,16 @@ def test_misshapen_draft_weight_is_a_clear_error(tmp_path):
         load_head(draft)
 
 
+@pytest.mark.parametrize("edit, message", [({"hidden_size": "64"}, "cannot parse .*expected int, got str"),
+                                           ({"num_hidden_layers": 0}, "needs at least one decoder layer")])
+def test_a_head_config_that_cannot_be_a_head_is_a_checkpoint_error(tmp_path, edit, message):
+    draft = save_head(tiny_head("dgf"), tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | edit))  # each was a traceback from dovetail-train eval
+    with pytest.raises(DraftCheckpointError, match=message):
+        load_head(draft)
+
+
 def test_a_one_node_tree_skips_the_heads_vocabulary_projection_and_changes_no_later_tree(demo_target):
     demo_draft = Path(__file__).resolve().parents[2] / "demo" / "draft-dgf"
     lazy = Drafter.from_pretrained(demo_draft, demo_target, max_len=64, device="cpu")
