@@ -262,10 +262,15 @@ def target_tokenizer(target_dir: Path):
                              "tokenizer files into it")
     try:
         if is_gguf(target_dir):
-            return AutoTokenizer.from_pretrained(str(target_dir.parent), gguf_file=target_dir.name)
-        return AutoTokenizer.from_pretrained(str(target_dir))
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir.parent), gguf_file=target_dir.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot load the tokenizer of {target_dir}: {str(error).splitlines()[0]}") from None
+    # Whole documents are tokenized, then cut into windows or prompts that fit: transformers' warning
+    # that a document is longer than the model's context ("will result in indexing errors") is wrong here.
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
 
 
 def run_features(settings: FeatureSettings) -> None:

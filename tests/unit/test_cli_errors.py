@@ -410,6 +410,13 @@ def test_eval_on_a_folder_without_matching_files_says_so(tmp_path):
     assert result.exit_code == 2 and "no files (folders are searched for --pattern *.txt" in result.output
 
 
+def test_a_long_document_raises_no_false_alarm_about_indexing_errors(capfd, caplog):
+    ids = train_cli.target_tokenizer(DEMO_TARGET)("x = 1\n" * 3000)["input_ids"]  # past the 2,048-token context
+    assert len(ids) > 2048  # cut into windows by features, into prompts by eval: nothing indexes past the context
+    captured = capfd.readouterr()
+    assert "indexing errors" not in captured.err + captured.out + caplog.text
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
