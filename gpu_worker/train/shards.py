@@ -112,14 +112,24 @@ def features_on_device(data: FeatureSet, device: str, share: float = 0.5) -> Fea
                                aux=None if data.aux is None else data.aux.to(device))
 
 
+def open_shard(path: Path) -> Any:
+    """safetensors' reader of one shard; a missing or damaged one (deleted, cut by a full disk) is a
+    ValueError saying how to redo it, not a FileNotFoundError/SafetensorError traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"{path} cannot be read ({error}): rerun the `dovetail-train features` command that made "
+                         "the folder, after deleting the file if it is there (missing shards are redone)") from None
+
+
 def load_features(folder: Path | str, max_tokens: int | None = None, cap_name: str = "max_tokens") -> FeatureSet:
     """Load the finished shards of a complete feature folder (in shard order), optionally
     only the first windows that fit ``max_tokens`` (``cap_name``: the setting that asked for it,
     named when it keeps no window). The result is allocated once and filled
     shard by shard, so loading peaks at the data plus one shard (concatenating the loaded
     shards peaked at twice the data: 15.5 GB for 4M three-layer tokens)."""
-    from safetensors import safe_open
-
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
@@ -131,7 +141,7 @@ def load_features(folder: Path | str, max_tokens: int | None = None, cap_name: s
     offsets, total = [np.zeros(1, dtype=np.int64)], 0
     for entry in manifest["shards"]:
         path = folder / entry["file"]
-        with safe_open(str(path), framework="pt") as shard:
+        with open_shard(path) as shard:
             stored_offsets = shard.get_tensor("window_offsets").numpy()
         shard_offsets = stored_offsets
         if max_tokens is not None:
@@ -150,7 +160,7 @@ def load_features(folder: Path | str, max_tokens: int | None = None, cap_name: s
             break
     if not plan:
         raise ValueError(f"{folder}: no windows (max_tokens {max_tokens})")
-    with safe_open(str(plan[0][0]), framework="pt") as shard:
+    with open_shard(plan[0][0]) as shard:
         feature_row = shard.get_slice("features")[:1]
         aux_row = shard.get_slice("aux")[:1] if aux_layers is not None else None
     tokens = torch.empty(total, dtype=torch.int64)
@@ -160,7 +170,7 @@ def load_features(folder: Path | str, max_tokens: int | None = None, cap_name: s
     position = 0
     for path, end in plan:
         rows = slice(position, position + end)
-        with safe_open(str(path), framework="pt") as shard:
+        with open_shard(path) as shard:
             tokens[rows] = shard.get_slice("tokens")[:end]
             features[rows] = shard.get_slice("features")[:end]
             masks[rows] = shard.get_slice("loss_mask")[:end]

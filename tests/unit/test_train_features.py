@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -297,3 +298,22 @@ def test_a_reply_the_chat_template_rewrites_is_a_corpus_error(tmp_path):
                                              {"role": "assistant", "content": "  hello  "}]}) + "\n")
     with pytest.raises(CorpusError, match="chat.jsonl:1: cannot locate an assistant reply"):
         list(read_documents([path], RewritingTemplateTokenizer()))  # was a ValueError traceback
+
+
+def test_a_missing_or_damaged_shard_is_named_with_its_remedy(tmp_path):
+    from gpu_worker.train.shards import shard_name, write_shard
+
+    entries = []
+    for index in range(2):
+        write_shard(tmp_path / shard_name(index), np.arange(8), torch.zeros(8, 4), np.ones(8, dtype=bool),
+                    np.array([0, 8]))
+        entries.append({"index": index, "file": shard_name(index), "windows": 1, "tokens": 8})
+    (tmp_path / MANIFEST).write_text(json.dumps({"complete": True, "shards": entries, "config": {}}))
+    assert load_features(tmp_path).num_tokens == 16
+    damaged = tmp_path / shard_name(1)
+    damaged.write_bytes(damaged.read_bytes()[:100])  # was safetensors' "incomplete metadata" traceback
+    with pytest.raises(ValueError, match=r"shard-00001.safetensors cannot be read .* rerun the `dovetail-train"):
+        load_features(tmp_path)
+    damaged.unlink()  # was a FileNotFoundError traceback
+    with pytest.raises(ValueError, match=r"shard-00001.safetensors cannot be read .*missing shards are redone"):
+        load_features(tmp_path)
