@@ -22,6 +22,10 @@ from .click_types import FiniteFloatRange
 
 ConfigT = TypeVar("ConfigT")
 
+# --seed's bound: the window order seeds torch with seed * 1,000,003 + epoch (gpu_worker.train.data.epoch_order),
+# which must fit 64 bits; a larger seed failed with "Overflow when unpacking long long" once the features had loaded.
+SEED_LIMIT = 1 << 42
+
 CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
@@ -398,7 +402,8 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
 @click.option("--eval-every", type=click.IntRange(min=1), default=200, help="Steps between held-out evaluations.")
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=65536, help="Held-out tokens per evaluation.")
 @click.option("--save-every", type=click.IntRange(min=1), default=200, help="Steps between resumable checkpoints.")
-@click.option("--seed", type=int, default=0)
+@click.option("--seed", type=click.IntRange(min=-SEED_LIMIT, max=SEED_LIMIT), default=0,
+              help="Initialisation, noise and window order.")
 @click.option("--bf16/--fp32", "bf16", default=False, help="bf16 autocast for the matmuls (CPUs with avx512_bf16/AMX: "
               "~30% faster; elsewhere many times slower, and the run says so); weights and optimizer stay fp32.")
 @click.option("--save-dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", help="Precision of the saved head.")
