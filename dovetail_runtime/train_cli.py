@@ -269,8 +269,10 @@ def target_tokenizer(target_dir: Path):
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir.parent), gguf_file=target_dir.name)
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"cannot load the tokenizer of {target_dir}: {str(error).splitlines()[0]}") from None
+    except Exception as error:  # transformers' GGUF conversion raises KeyError for a missing field (merges, scores)
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        what = " (its tokenizer.ggml metadata is incomplete)" if is_gguf(target_dir) else ""
+        raise ModelLoadError(f"cannot load the tokenizer of {target_dir}{what}: {reason}") from None
     # Whole documents are tokenized, then cut into windows or prompts that fit: transformers' warning
     # that a document is longer than the model's context ("will result in indexing errors") is wrong here.
     tokenizer.model_max_length = sys.maxsize

@@ -13,13 +13,14 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from cpu_worker.model.model_dir import ModelLoadError
 from dovetail_runtime import cli, preflight, train_cli
 from dovetail_runtime.coordinator import RuntimeSettings
 from dovetail_runtime.preflight import PreflightError, check_pair, check_settings, check_target, shared_cores_warning
 from ipc import messages as m
 from ipc.endpoints import EndpointError, normalize_endpoint
 
-from conftest import DEMO, DEMO_DRAFT, DEMO_TARGET
+from conftest import DEMO, DEMO_DRAFT, DEMO_TARGET, save_tiny_model
 
 EAGLE3_HEAD = DEMO / "draft-smollm2"  # an EAGLE-3 head for SmolLM2-135M, not for the 9M code model
 
@@ -415,6 +416,18 @@ def test_a_long_document_raises_no_false_alarm_about_indexing_errors(capfd, capl
     assert len(ids) > 2048  # cut into windows by features, into prompts by eval: nothing indexes past the context
     captured = capfd.readouterr()
     assert "indexing errors" not in captured.err + captured.out + caplog.text
+
+
+def test_a_gguf_target_whose_tokenizer_transformers_cannot_build_is_one_line(tmp_path):
+    from gguf_support import write_gguf
+
+    folder = save_tiny_model(tmp_path / "hf", "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                             num_attention_heads=2, num_key_value_heads=1)
+    tokens = [f"t{index}" for index in range(97)]  # a byte-level BPE vocabulary without its merges
+    target = write_gguf(folder, tmp_path / "model.gguf", extra={"tokenizer.ggml.model": "gpt2",
+                                                                "tokenizer.ggml.tokens": tokens})
+    with pytest.raises(ModelLoadError, match="its tokenizer.ggml metadata is incomplete"):
+        train_cli.target_tokenizer(target)  # was transformers' KeyError traceback
 
 
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
