@@ -76,13 +76,14 @@ def parse_aux_layers(value: str | None, num_layers: int) -> tuple[int, int, int]
 
 
 def target_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    """--target: a model folder, GGUF file or cached hub id that is there (else one line, not a traceback)."""
-    from cpu_worker.model.model_dir import ModelLoadError, resolve_model_dir
+    """--target: a model folder, GGUF file or cached hub id that is there, and not a draft head (a head
+    given as --target was called a folder without a tokenizer); else one line, not a traceback."""
+    from dovetail_runtime.preflight import PreflightError, check_target
 
     try:
-        resolve_model_dir(value)
-    except ModelLoadError as error:
-        raise click.BadParameter(str(error)) from None
+        check_target(value)
+    except PreflightError as error:
+        raise click.BadParameter(str(error).removeprefix("--target: ")) from None
     return value
 
 

@@ -430,6 +430,13 @@ def test_a_gguf_target_whose_tokenizer_transformers_cannot_build_is_one_line(tmp
         train_cli.target_tokenizer(target)  # was transformers' KeyError traceback
 
 
+@pytest.mark.parametrize("command", ["features", "train", "eval", "export"])
+def test_a_head_given_as_the_target_is_called_one_by_every_train_command(command):
+    message = refused(train_cli.main.commands[command], ["--target", str(DEMO_DRAFT)])
+    # was "has no tokenizer: copy the model's tokenizer files into it" (features, eval) or a shape error
+    assert "is a draft head folder, not a model: pass it as --draft" in message, message
+
+
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
     assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
     result = run(train_cli.main, feature_args(tmp_path, 16))
