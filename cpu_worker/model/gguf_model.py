@@ -47,6 +47,10 @@ def our_name(gguf_name: str) -> str | None:
 
 
 def architecture(file: GGUFFile) -> str:
+    parts = file.get("split.count", 1)
+    if isinstance(parts, int) and parts > 1:  # one part holds only some layers: was "block_count is N, but ..."
+        raise GGUFError(f"{file.path} is part {int(file.get('split.no', 0)) + 1} of a GGUF split into {parts} files; "
+                        "merge them into one first (llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)")
     arch = file.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{file.path} has no general.architecture")

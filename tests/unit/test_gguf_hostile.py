@@ -139,3 +139,12 @@ def test_mutated_headers_give_only_our_error_in_bounded_time(small_gguf, tmp_pat
             outcomes["refused"] += 1
         slowest = max(slowest, time.perf_counter() - began)
     assert outcomes["refused"] > 600 and slowest < 2.0, (outcomes, slowest)
+
+
+def test_a_part_of_a_split_gguf_is_named_as_one(tmp_path):
+    folder = save_tiny_model(tmp_path / "hf", "llama", seed=4, num_hidden_layers=1, hidden_size=32,
+                             intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    part = write_gguf(folder, tmp_path / "model-00001-of-00002.gguf", extra={"split.no": 0, "split.count": 2})
+    # llama.cpp's split files: the first holds some layers; was "block_count is N, but the tensors are of ..."
+    with pytest.raises(GGUFError, match=r"is part 1 of a GGUF split into 2 files; merge them"):
+        read_config(part)
