@@ -31,7 +31,7 @@ from gpu_worker.eagle3 import Eagle3Head
 from .data import batches_per_epoch, epoch_order
 from .eagle3_io import save_eagle3_head
 from .schedule import check_finite, lr_at
-from .shards import FeatureSet, features_on_device, load_features
+from .shards import FeatureSet, check_token_ids, features_on_device, load_features
 from .ttt import ttt_forward
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of step k: 0.8 ** k
@@ -374,6 +374,10 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     heldout = load_features(heldout_dir, config.eval_tokens, "--eval-tokens") if heldout_dir else None
     if heldout is not None and heldout.aux_layers != data.aux_layers:
         raise ValueError(f"held-out rows come from layers {heldout.aux_layers}, training rows from {data.aux_layers}")
+    vocab_size = load_spec(target_dir).vocab_size
+    for folder, features in ((train_dir, data), (heldout_dir, heldout)):
+        if features is not None:
+            check_token_ids(features, vocab_size, folder)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the data checks: a refused run leaves no empty folder
     run = _Eagle3Run(target_dir, data, out_dir, config)
     del data  # the run's copy stands (on the GPU when it fits there): no second one held

@@ -112,6 +112,15 @@ def features_on_device(data: FeatureSet, device: str, share: float = 0.5) -> Fea
                                aux=None if data.aux is None else data.aux.to(device))
 
 
+def check_token_ids(data: FeatureSet, vocab_size: int, folder: Path | str | None) -> None:
+    """Token ids the target's vocabulary holds: features of another target with the same hidden
+    size (which the CLI's check lets through) failed with an IndexError in the first step."""
+    top = int(data.tokens.max()) if data.num_tokens else -1
+    if top >= vocab_size:
+        raise ValueError(f"{folder} holds token ids up to {top}, past the target's vocabulary of {vocab_size}: "
+                         "its features come from another target; extract them with this --target")
+
+
 def open_shard(path: Path) -> Any:
     """safetensors' reader of one shard; a missing or damaged one (deleted, cut by a full disk) is a
     ValueError saying how to redo it, not a FileNotFoundError/SafetensorError traceback."""

@@ -33,7 +33,7 @@ from .data import Batch, batch_at, batches_per_epoch, eval_batches
 from .forward import rotary_rows, train_forward
 from .loss import draft_loss
 from .schedule import check_finite, lr_at
-from .shards import FeatureSet, load_features
+from .shards import FeatureSet, check_token_ids, load_features
 
 STATE_NAME = "train_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -196,6 +196,10 @@ def train(target: str | Path, train_dir: Path, out_dir: Path, config: TrainConfi
     target_dir = resolve_model_dir(target)
     data = load_features(train_dir, config.max_tokens, "--max-tokens")
     heldout = load_features(heldout_dir, config.eval_tokens, "--eval-tokens") if heldout_dir else None
+    vocab_size = load_spec(target_dir).vocab_size
+    for folder, features in ((train_dir, data), (heldout_dir, heldout)):
+        if features is not None:
+            check_token_ids(features, vocab_size, folder)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the data checks: a refused run leaves no empty folder
     total_steps = config.total_steps(data)
     head = new_head(target_dir, config.fusion, config.layers, config.seed)

@@ -566,6 +566,18 @@ def test_an_eagle3_batch_with_no_counted_rows_is_no_update_not_a_crash(tmp_path)
     assert (tmp_path / "head" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("recipe", ["eagle1", "eagle3"])
+def test_features_of_a_target_with_another_vocabulary_are_named(tmp_path, recipe):
+    hidden = json.loads((DEMO_TARGET / "config.json").read_text())["hidden_size"]
+    features = one_window_features(tmp_path / "features", hidden, tokens=64)
+    target = save_tiny_model(tmp_path / "target", "llama", hidden_size=hidden, vocab_size=40)  # same hidden size
+    result = run(train_cli.main, ["train", "--target", str(target), "--features", str(features), "--out",
+                                  str(tmp_path / "head"), "--recipe", recipe, "--draft-vocab", "8", "--steps", "1"])
+    # was an IndexError traceback in the first step
+    assert result.exit_code == 2 and "holds token ids up to 63, past the target's vocabulary of 40" in result.output
+    assert not (tmp_path / "head").exists()
+
+
 def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
     message = refused(cli.run_main, ["--cpu-cores", "0-70000"])  # 0-4294967295, expanded, filled memory
     assert "no machine has that many cores" in message
