@@ -343,7 +343,8 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
     from gpu_worker.train.corpus import read_documents
     from gpu_worker.train.features import cut_windows
 
-    with tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True) as bar:  # closed even when capped early
+    # Closed even when capped early; off where stderr is no terminal (a log), as the features bar is.
+    with tqdm(files, desc="tokenize", unit="file", dynamic_ncols=True, disable=None) as bar:
         documents = read_documents(bar, tokenizer, text_field=settings.text_field,
                                    chat_template=settings.chat_template)
         windows = cut_windows(documents, settings.window, settings.max_tokens)

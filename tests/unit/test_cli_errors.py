@@ -438,7 +438,8 @@ def test_a_head_given_as_the_target_is_called_one_by_every_train_command(command
 
 
 def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(tmp_path):
-    assert run(train_cli.main, feature_args(tmp_path, 32)).exit_code == 0
+    first = run(train_cli.main, feature_args(tmp_path, 32))
+    assert first.exit_code == 0 and "tokenize" not in first.output  # no progress bar into a log or pipe
     result = run(train_cli.main, feature_args(tmp_path, 16))
     assert result.exit_code == 2 and "was written with different settings" in result.output
 
