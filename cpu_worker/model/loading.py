@@ -102,8 +102,6 @@ def load_spec(model_dir: Path) -> LlamaSpec:
 
         with GGUFFile(model_dir) as file:
             return gguf_spec(file)
-    if not (model_dir / "config.json").exists():
-        raise ModelLoadError(f"{model_dir} has no config.json")
     from transformers import AutoConfig
 
     raw = read_config(model_dir)  # a ModelLoadError for a file that is not a JSON object

@@ -70,12 +70,19 @@ def read_config(model_dir: Path, missing_hint: str = "") -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ModelLoadError(f"{model_dir} has no config.json{missing_hint}") from None
+        raise ModelLoadError(f"{model_dir} has no config.json{missing_hint}{_gguf_hint(model_dir)}") from None
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot read {path}: {error}") from None
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path} is not a JSON object")
     return config
+
+
+def _gguf_hint(folder: Path) -> str:
+    """A folder that holds GGUF files (a download folder given as --target) names them: the file is
+    what a GGUF target is, and "has no config.json" alone sent users looking for one."""
+    found = sorted(path.name for path in folder.glob("*.gguf"))[:3] if folder.is_dir() else []
+    return f"; it holds {', '.join(found)}: give the .gguf file itself" if found else ""
 
 
 def context_limit(config: dict[str, Any]) -> int:

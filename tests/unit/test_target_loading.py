@@ -101,6 +101,12 @@ def test_a_corrupt_safetensors_header_is_a_load_error(tmp_path, damage, message)
         load_target_model(path)
 
 
+def test_a_folder_holding_a_gguf_file_names_it(tmp_path):
+    (tmp_path / "SmolLM2.Q4_1.gguf").write_bytes(b"GGUF")  # a download folder given instead of its file
+    with pytest.raises(ModelLoadError, match="has no config.json; it holds SmolLM2.Q4_1.gguf: give the .gguf file"):
+        load_target_model(tmp_path)  # was "has no config.json" alone
+
+
 def test_missing_folder_and_missing_hub_id_are_clear(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_target_model(tmp_path / "nowhere")
