@@ -248,7 +248,8 @@ def _open_manifest(out_dir: Path, full_config: dict[str, Any], hidden_size: int,
                              f"or --overwrite.\n  stored: {manifest['config']}\n  now:    {full_config}")
         manifest = None
     if manifest is None:
-        for stale in out_dir.glob("shard-*.safetensors"):
+        # Half-written shards too (shard-N.tmp: a run stopped while saving), up to a GB each at 7B width.
+        for stale in [*out_dir.glob("shard-*.safetensors"), *out_dir.glob("shard-*.tmp")]:
             stale.unlink()
         manifest = {"config": full_config, "hidden_size": hidden_size, "shards": [], "complete": False}
         if aux_layers is not None:

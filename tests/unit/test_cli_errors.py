@@ -442,6 +442,10 @@ def test_features_into_a_folder_made_with_other_settings_is_refused_in_one_line(
     assert first.exit_code == 0 and "tokenize" not in first.output  # no progress bar into a log or pipe
     result = run(train_cli.main, feature_args(tmp_path, 16))
     assert result.exit_code == 2 and "was written with different settings" in result.output
+    half_written = tmp_path / "features" / "shard-00007.tmp"  # a run stopped while saving a shard
+    half_written.write_bytes(b"x" * 1000)
+    assert run(train_cli.main, [*feature_args(tmp_path, 16), "--overwrite"]).exit_code == 0
+    assert not half_written.exists()  # starting over removes it with the finished shards (it stayed)
 
 
 def test_training_over_a_state_with_other_settings_is_refused_in_one_line(tmp_path, monkeypatch):
