@@ -230,7 +230,8 @@ class _Eagle3Run:
     """A training run: the head and its optimizer, where the run stands (``done`` steps,
     ``pairs`` trained on), its checkpoint (``STATE_NAME``), its log and the head folder."""
 
-    def __init__(self, target_dir: Path, data: FeatureSet, out_dir: Path, config: Eagle3Config):
+    def __init__(self, target_dir: Path, data: FeatureSet, out_dir: Path, config: Eagle3Config,
+                 heldout: FeatureSet | None = None):
         self.target_dir, self.data, self.out_dir, self.config = target_dir, data, out_dir, config
         spec = load_spec(target_dir)
         draft_ids = select_draft_vocab(data, config.draft_vocab, spec.vocab_size)
@@ -242,8 +243,9 @@ class _Eagle3Run:
         self.parameters = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=config.weight_decay)
-        longest = int((data.offsets[1:] - data.offsets[:-1]).max()) + config.ttt_steps
-        table = RotaryTable(self.head.spec, longest, torch.float32, device)
+        # Positions for the held-out windows too: longer ones than training's failed at the first evaluation.
+        longest = max(int((rows.offsets[1:] - rows.offsets[:-1]).max()) for rows in filter(None, (data, heldout)))
+        table = RotaryTable(self.head.spec, longest + config.ttt_steps, torch.float32, device)
         self.rotary = (table.cos, table.sin)
         if not config.features_on_host:
             self.data = features_on_device(data, device)
@@ -379,7 +381,7 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
         if features is not None:
             check_token_ids(features, vocab_size, folder)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the data checks: a refused run leaves no empty folder
-    run = _Eagle3Run(target_dir, data, out_dir, config)
+    run = _Eagle3Run(target_dir, data, out_dir, config, heldout)
     del data  # the run's copy stands (on the GPU when it fits there): no second one held
     run.resume_or_start(resume)
     bar = tqdm(total=run.total_steps, initial=run.done, desc=f"train {config.fusion}", unit="step",

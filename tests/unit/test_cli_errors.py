@@ -583,6 +583,17 @@ def test_features_of_a_target_with_another_vocabulary_are_named(tmp_path, recipe
     assert not (tmp_path / "head").exists()
 
 
+def test_eagle3_held_out_windows_longer_than_the_training_ones_are_evaluated(tmp_path):
+    hidden = json.loads((DEMO_TARGET / "config.json").read_text())["hidden_size"]
+    features = one_window_features(tmp_path / "features", hidden, tokens=32)
+    heldout = one_window_features(tmp_path / "heldout", hidden, tokens=64)  # e.g. another --window
+    result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(features), "--heldout",
+                                  str(heldout), "--out", str(tmp_path / "head"), "--recipe", "eagle3",
+                                  "--draft-vocab", "8192", "--ttt-steps", "2", "--steps", "1"])
+    # was a RuntimeError (tensor sizes 63 and 34) at the first held-out evaluation, the last step here
+    assert result.exit_code == 0 and "1 steps in" in result.output, result.output
+
+
 def test_a_core_range_past_any_machine_is_refused_without_expanding_it():
     message = refused(cli.run_main, ["--cpu-cores", "0-70000"])  # 0-4294967295, expanded, filled memory
     assert "no machine has that many cores" in message
