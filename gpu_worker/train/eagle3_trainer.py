@@ -32,6 +32,7 @@ from .data import batches_per_epoch, epoch_order
 from .eagle3_io import save_eagle3_head
 from .schedule import check_finite, lr_at
 from .shards import FeatureSet, check_token_ids, features_on_device, load_features
+from .state_file import read_train_state
 from .ttt import ttt_forward
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of step k: 0.8 ** k
@@ -265,7 +266,7 @@ class _Eagle3Run:
         state_path, config = self.out_dir / STATE_NAME, self.config
         elapsed = 0.0
         if resume and state_path.exists():
-            state = torch.load(state_path, map_location=config.device, weights_only=False)
+            state = read_train_state(state_path, config.device)
             if {"layers": 1, **state["config"]} != _settings(config):  # states from before --layers: one layer
                 raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
             self.head.load_state_dict(state["head"], strict=False)

@@ -34,6 +34,7 @@ from .forward import rotary_rows, train_forward
 from .loss import draft_loss
 from .schedule import check_finite, lr_at
 from .shards import FeatureSet, check_token_ids, load_features
+from .state_file import read_train_state
 
 STATE_NAME = "train_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -127,7 +128,7 @@ class _Run:
         start a fresh log."""
         state_path, log_path = self.out_dir / STATE_NAME, self.out_dir / LOG_NAME
         if resume and state_path.exists():
-            state = torch.load(state_path, weights_only=False)
+            state = read_train_state(state_path)
             if state["config"] != dataclasses.asdict(self.config):
                 raise ValueError(f"{state_path} was written with other settings; use another --out or --restart")
             self.head.load_state_dict(state["head"], strict=False)

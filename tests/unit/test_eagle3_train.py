@@ -264,11 +264,11 @@ def test_training_stops_and_resumes_to_the_uninterrupted_result(tmp_path, deep_t
     stopped = train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
                            on_step=stop_at(4, StopTraining))
     assert stopped["steps"] == 4 and not stopped["finished"]
-    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=False)["step"] == 4
+    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=True)["step"] == 4
     # Interrupted hard at step 5: the state of step 4 (the stop) stands, not a half-done update.
     train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
                  on_step=stop_at(5, KeyboardInterrupt))
-    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=False)["step"] == 4
+    assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=True)["step"] == 4
     steps: list[int] = []
     finished = train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
                             on_step=steps.append)
@@ -280,6 +280,37 @@ def test_training_stops_and_resumes_to_the_uninterrupted_result(tmp_path, deep_t
     with pytest.raises(ValueError, match="other settings"):
         train_eagle3(deep_target, aux_features, tmp_path / "resumed", dataclasses.replace(config, lr=1e-3),
                      progress=False)
+
+
+class _RunsCodeWhenUnpickled:
+    """What a tampered train_state.pt could hold: unpickling it calls Path.touch on a marker."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_state_that_is_not_tensors_or_is_cut_is_refused_and_never_run(tmp_path, deep_target, aux_features):
+    """train_state.pt is read with torch's weights-only unpickler: a file pickling anything else is
+    refused before any of it runs (a plain pickle load ran it), and a cut one is one line too."""
+    from gpu_worker.train.eagle3_trainer import STATE_NAME, Eagle3Config, train_eagle3
+
+    config = Eagle3Config(fusion="dgf-eagle3", draft_vocab=60, ttt_steps=2, batch_size=4, steps=2, lr=5e-3,
+                          warmup=1, save_every=1)
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    out.mkdir()
+    torch.save({"config": {}, "head": {}, "optimizer": {}, "step": 1, "payload": _RunsCodeWhenUnpickled(marker)},
+               out / STATE_NAME)
+    with pytest.raises(ValueError, match="cannot be resumed from .*--restart"):
+        train_eagle3(deep_target, aux_features, out, config, progress=False)
+    assert not marker.exists()
+    train_eagle3(deep_target, aux_features, out, config, progress=False, resume=False)  # --restart: a fresh run
+    state = (out / STATE_NAME).read_bytes()
+    (out / STATE_NAME).write_bytes(state[:len(state) // 2])
+    with pytest.raises(ValueError, match="cannot be resumed from"):
+        train_eagle3(deep_target, aux_features, out, config, progress=False)
 
 
 def test_sigterm_stops_the_cli_run_at_a_step_boundary(tmp_path, deep_target, aux_features, monkeypatch):
@@ -306,7 +337,7 @@ def test_sigterm_stops_the_cli_run_at_a_step_boundary(tmp_path, deep_target, aux
     result = CliRunner().invoke(train_cli, command)
     assert result.exit_code == 128 + signal.SIGTERM, result.output  # was 0: a script went on as if it had finished
     assert "stopped early: 2 of 5 steps" in result.output
-    assert torch.load(out / eagle3_trainer.STATE_NAME, weights_only=False)["step"] == 2
+    assert torch.load(out / eagle3_trainer.STATE_NAME, weights_only=True)["step"] == 2
     assert signal.getsignal(signal.SIGTERM) == handler  # the CLI puts the process's handlers back
     monkeypatch.setattr(eagle3_trainer, "lr_at", schedule)
     result = CliRunner().invoke(train_cli, command)
