@@ -32,7 +32,7 @@ from .data import batches_per_epoch, epoch_order
 from .eagle3_io import save_eagle3_head
 from .schedule import check_finite, lr_at
 from .shards import FeatureSet, check_token_ids, features_on_device, load_features
-from .state_file import read_train_state
+from .state_file import read_train_state, trim_log
 from .ttt import ttt_forward
 
 STEP_DECAY = 0.8  # EAGLE-3's weight of step k: 0.8 ** k
@@ -272,6 +272,7 @@ class _Eagle3Run:
             self.head.load_state_dict(state["head"], strict=False)
             self.optimizer.load_state_dict(state["optimizer"])
             self.pairs, self.done, elapsed = state["pairs"], state["step"], state["elapsed"]
+            trim_log(self.out_dir / LOG_NAME, self.done)
         else:
             (self.out_dir / LOG_NAME).unlink(missing_ok=True)
             assert self.data.aux_layers is not None

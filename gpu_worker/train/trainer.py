@@ -34,7 +34,7 @@ from .forward import rotary_rows, train_forward
 from .loss import draft_loss
 from .schedule import check_finite, lr_at
 from .shards import FeatureSet, check_token_ids, load_features
-from .state_file import read_train_state
+from .state_file import read_train_state, trim_log
 
 STATE_NAME = "train_state.pt"
 LOG_NAME = "train_log.jsonl"
@@ -135,6 +135,7 @@ class _Run:
             self.optimizer.load_state_dict(state["optimizer"])
             self.generator.set_state(state["generator"])
             self.step, self.elapsed = state["step"], state["elapsed"]
+            trim_log(log_path, self.step)
         elif log_path.exists():
             log_path.unlink()
 

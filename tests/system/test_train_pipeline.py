@@ -110,9 +110,14 @@ def test_training_resumes_exactly(tmp_path, tiny_target, feature_dirs):
 
     with pytest.raises(Stop):
         train(tiny_target, train_dir, tmp_path / "resumed", config, progress=False, on_step=stop_at_four)
+    with (tmp_path / "resumed" / "train_log.jsonl").open("a") as log:  # as if logged past the checkpoint
+        log.write(json.dumps({"kind": "train", "step": 4, "loss": 1.0}) + "\n")
     steps: list[int] = []
     train(tiny_target, train_dir, tmp_path / "resumed", config, progress=False, on_step=steps.append)
     assert steps == [4, 5, 6, 7, 8]  # restarted from the checkpoint of step 3
+    logged = [[(r["kind"], r.get("step")) for r in map(json.loads, (tmp_path / run / "train_log.jsonl").open())]
+              for run in ("whole", "resumed")]
+    assert logged[0] == logged[1]  # the steps done again are logged once
     a = load_head(tmp_path / "whole", tiny_target).state_dict()
     b = load_head(tmp_path / "resumed", tiny_target).state_dict()
     for name in a:

@@ -249,7 +249,7 @@ def test_training_stops_and_resumes_to_the_uninterrupted_result(tmp_path, deep_t
     """A run stopped between steps saves head, optimizer and step; the same call resumes there
     and ends with exactly the uninterrupted run's head. A mid-step interrupt keeps the last
     checkpoint's state, so its resume repeats the steps since and still ends the same."""
-    from gpu_worker.train.eagle3_trainer import STATE_NAME, Eagle3Config, StopTraining, train_eagle3
+    from gpu_worker.train.eagle3_trainer import LOG_NAME, STATE_NAME, Eagle3Config, StopTraining, train_eagle3
 
     config = Eagle3Config(fusion="dgf-eagle3", draft_vocab=60, ttt_steps=2, batch_size=4, steps=7, lr=5e-3,
                           warmup=2, save_every=3)
@@ -269,10 +269,16 @@ def test_training_stops_and_resumes_to_the_uninterrupted_result(tmp_path, deep_t
     train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
                  on_step=stop_at(5, KeyboardInterrupt))
     assert torch.load(tmp_path / "resumed" / STATE_NAME, weights_only=True)["step"] == 4
+    # A record the hard-stopped run logged after its checkpoint (a step it will do again).
+    with (tmp_path / "resumed" / LOG_NAME).open("a") as log:
+        log.write(json.dumps({"kind": "train", "step": 5, "loss": 1.0}) + "\n")
     steps: list[int] = []
     finished = train_eagle3(deep_target, aux_features, tmp_path / "resumed", config, progress=False,
                             on_step=steps.append)
     assert steps == [5, 6, 7] and finished["finished"]
+    logged = [[json.loads(line) for line in (tmp_path / run / LOG_NAME).read_text().splitlines()]
+              for run in ("whole", "resumed")]
+    assert [(r["kind"], r.get("step")) for r in logged[0]] == [(r["kind"], r.get("step")) for r in logged[1]]
     whole, _ = load_eagle3_head(tmp_path / "whole", deep_target)
     resumed, _ = load_eagle3_head(tmp_path / "resumed", deep_target)
     a, b = whole.state_dict(), resumed.state_dict()
