@@ -38,3 +38,21 @@ def llama2_folder(folder: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-8")
     return folder
+
+
+def sentencepiece_gguf_metadata(folder: Path) -> dict:
+    """GGUF tokenizer metadata (``tokenizer.ggml.model`` llama, as llama.cpp writes Llama-2's) for the
+    vocabulary of ``llama2_folder(folder)``: tokens by id, scores that rank merged tokens by their
+    merge (sentencepiece's piece scores play that part), llama.cpp's token types, and two extra
+    tokens: a control one and a user-defined one."""
+    data = json.loads(llama2_folder(folder).joinpath("tokenizer.json").read_text(encoding="utf-8"))
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    tokens = sorted(vocab, key=vocab.__getitem__) + ["<|im_end|>", "<think>"]
+    rank = {"".join(merge if isinstance(merge, list) else merge.split(" ")): index
+            for index, merge in enumerate(merges)}
+    scores = [-float(rank[token]) if token in rank else -1000.0 for token in tokens]
+    types = [2 if token == "<unk>" else 3 if token in ("<s>", "</s>", "<|im_end|>") else 4 if token == "<think>"
+             else 6 if token.startswith("<0x") else 1 for token in tokens]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": tokens.index("<s>"),
+            "tokenizer.ggml.eos_token_id": tokens.index("</s>"), "tokenizer.ggml.unknown_token_id": 0}

@@ -8,11 +8,12 @@ import pytest
 from gguf_support import SMOLLM2_GGUF, need_fixture, write_gguf
 
 from dovetail_runtime.chat_template import ChatTemplate, encode_chat
-from dovetail_runtime.gguf_tokenizer import SPLITS, _byte_alphabet
+from dovetail_runtime.gguf_tokenizer import SPLITS, _byte_alphabet, merges_from_scores
 from dovetail_runtime.tokenizer import Tokenizer, TokenizerLoadError
 from ipc import messages as m
 
 from conftest import save_tiny_model
+from tokenizer_folders import sentencepiece_gguf_metadata
 
 TEXTS = ["Hello world", "  leading spaces\n\nand\ttabs  ", "naïve café 東京 🤖", "I'm, you're... OK?! 12345",
          "def f(x):\n    return x ** 2  # done", "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>x<think>y", ""]
@@ -85,12 +86,57 @@ def test_a_gguf_chat_template_renders_as_transformers_does(byte_level_gguf):
         assert encode_chat(tokenizer, template, [m.ChatMessage(**message) for message in chat]) == expected
 
 
-def test_a_sentencepiece_gguf_tokenizer_is_refused_by_name(tmp_path):
-    folder = save_tiny_model(tmp_path / "hf", "llama")
-    path = write_gguf(folder, tmp_path / "spm.gguf", extra={"tokenizer.ggml.model": "llama",
-                                                             "tokenizer.ggml.tokens": [f"t{i}" for i in range(97)]})
-    with pytest.raises(TokenizerLoadError, match="tokenizer type 'llama' is not supported"):
-        Tokenizer.from_dir(path)
+SENTENCEPIECE_TEXTS = [*TEXTS, "<s>x</s> y<|im_end|>", "The capital of Italy is Rome, and Madrid.", "\u2581already",
+                       "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_gguf(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gguf-spm")
+    metadata = sentencepiece_gguf_metadata(root / "vocab")
+    folder = save_tiny_model(root / "hf", "llama", vocab_size=len(metadata["tokenizer.ggml.tokens"]))
+    return write_gguf(folder, root / "spm.gguf", extra=metadata)
+
+
+def test_a_sentencepiece_gguf_tokenizes_as_transformers_does(sentencepiece_gguf):
+    """A Llama-2-style file (scores, no merges, byte tokens): the same tokenizer transformers builds,
+    down to its serialised form, and the same ids and text; BOS added though the file has no flag."""
+    import json
+
+    ours, theirs = Tokenizer.from_dir(sentencepiece_gguf), transformers_tokenizer(sentencepiece_gguf)
+    assert json.loads(ours._backend.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
+    assert ours.encode("Rome")[0] == ours.bos_token_id
+    assert_same(ours, theirs, SENTENCEPIECE_TEXTS)
+
+
+def test_merges_from_scores_are_transformers_generate_merges(sentencepiece_gguf):
+    from transformers.tokenization_utils_base import generate_merges
+
+    from cpu_worker.model.gguf_file import GGUFFile
+
+    with GGUFFile(sentencepiece_gguf) as file:
+        tokens, scores = file.get("tokenizer.ggml.tokens"), [float(s) for s in file.get("tokenizer.ggml.scores")]
+    ties = (["a", "b", "c", "ab", "bc", "abc", "ca", "cab", "b"], [0.0, 0.0, 0.0, -1.0, -1.0, -2.0, -1.0, -2.0, -3.0])
+    for vocab_tokens, vocab_scores in ((tokens, scores), ties):
+        vocab = {token: index for index, token in enumerate(vocab_tokens)}
+        expected = generate_merges(vocab, dict(zip(vocab_tokens, vocab_scores)))
+        assert merges_from_scores(vocab_tokens, vocab_scores) == expected
+
+
+def test_a_sentencepiece_gguf_without_bos_and_other_vocabularies(tmp_path):
+    metadata = sentencepiece_gguf_metadata(tmp_path / "vocab")
+    count = len(metadata["tokenizer.ggml.tokens"])
+    folder = save_tiny_model(tmp_path / "hf", "llama", vocab_size=count)
+    no_bos = write_gguf(folder, tmp_path / "no-bos.gguf", extra={**metadata, "tokenizer.ggml.add_bos_token": False})
+    ours = Tokenizer.from_dir(no_bos)
+    assert ours.bos_token_id not in ours.encode("Rome")
+    assert_same(ours, transformers_tokenizer(no_bos), SENTENCEPIECE_TEXTS)
+    unigram = write_gguf(folder, tmp_path / "t5.gguf", extra={**metadata, "tokenizer.ggml.model": "t5"})
+    with pytest.raises(TokenizerLoadError, match="tokenizer type 't5' is not supported"):
+        Tokenizer.from_dir(unigram)
+    no_scores = {key: value for key, value in metadata.items() if key != "tokenizer.ggml.scores"}
+    with pytest.raises(TokenizerLoadError, match="tokenizer.ggml.scores is missing"):
+        Tokenizer.from_dir(write_gguf(folder, tmp_path / "no-scores.gguf", extra=no_scores))
 
 
 def test_the_fixtures_tokenizer_and_template_are_transformers():
