@@ -166,6 +166,10 @@ def human_bytes(count: float) -> str:
     return f"{count:.1f} GB"
 
 
+# A draft head is one to a few layers; past this a typo (--layers 1000) filled memory after the features loaded.
+MAX_HEAD_LAYERS = 32
+
+
 class TrainCommands(click.Group):
     """dovetail-train's commands: a bad corpus (a missing input, a malformed JSON line) or a target or
     head that cannot load (no config.json or weights, a corrupt file, an unsupported architecture)
@@ -377,7 +381,7 @@ def _windows(files: list[Path], tokenizer: Any, settings: FeatureSettings) -> li
 @click.option("--ttt-steps", type=click.IntRange(min=1), default=7, help="eagle3 recipes: training-time-test "
               "steps (EAGLE-3 unrolls 7).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", help="eagle3 recipes: where to train.")
-@click.option("--layers", type=click.IntRange(min=1), default=1,
+@click.option("--layers", type=click.IntRange(min=1, max=MAX_HEAD_LAYERS), default=1,
               help="Decoder layers in the head (eagle3 recipes: the EAGLE-3 layer, then plain ones; published "
                    "EAGLE-3 heads have 1).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Windows per step.")

@@ -494,7 +494,8 @@ def test_nan_and_infinite_numbers_are_refused_before_anything_loads(args):
 
 @pytest.mark.parametrize("args", [["--clip", "nan"], ["--epochs", "0"], ["--epochs", "-1"], ["--clip", "-3"],
                                   ["--noise", "-1"], ["--min-lr-ratio", "5"], ["--lr", "inf"],
-                                  ["--seed", "20261206123456"]])  # was "Overflow when unpacking long long"
+                                  ["--seed", "20261206123456"],  # was "Overflow when unpacking long long"
+                                  ["--layers", "100000"]])  # filled memory once the features had loaded
 def test_training_settings_that_cannot_train_are_refused(args, tmp_path):
     command = train_cli.main.commands["train"]  # click checks options in the order given: this one first
     message = refused(command, [*args, "--target", str(DEMO_TARGET), "--features", str(tmp_path), "--out",
