@@ -352,9 +352,9 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               "(never downloaded), or a GGUF file.  [default: the SmolLM2-135M-Instruct demo "
               f"({FETCH_HINT} fetches it), else the bundled code model demo/target-code-9m]")
 @click.option("--draft", default=None, callback=model_option,
-              help="Draft head folder (Dovetail DGF/fc or EAGLE-1/2 layout). Required "
-              "with your own --target unless --mode ar.  [default with a demo target: its head, demo/draft-smollm2 or "
-              "demo/draft-dgf]")
+              help="Draft head folder, or a hub id already in the local cache (Dovetail DGF/fc/EAGLE-3, or a "
+              "published EAGLE-1/2 or EAGLE-3 head). Required with your own --target unless --mode ar.  [default "
+              "without --target: the demo target's head, demo/draft-smollm2 or demo/draft-dgf]")
 @click.option("--bind", "binds", multiple=True, callback=endpoints_option,
               help="Client endpoint to serve on (repeatable): ipc://PATH or tcp://127.0.0.1:PORT (HOST:PORT and "
                    "paths are understood). A socket another server already serves is refused. tcp:// on an address "
