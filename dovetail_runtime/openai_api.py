@@ -43,11 +43,12 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 # OpenAI fields that change nothing about the generated text: accepted and ignored.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
 
-# Coordinator error codes -> HTTP status.
+# Coordinator error codes -> HTTP status. deadline_exceeded (--request-timeout) is 504, as gRPC maps
+# DEADLINE_EXCEEDED: the server's own limit ran out, not a fault of the server (it was a 500).
 ERROR_STATUS = {
     "bad_message": 400, "prompt_too_long": 400, "empty_prompt": 400, "unsupported": 400, "no_chat_template": 400,
     "bad_messages": 400, "kv_budget_exceeded": 400, "busy": 429, "shutting_down": 503, "worker_failed": 503,
-    "worker_error": 500, "internal": 500,
+    "deadline_exceeded": 504, "worker_error": 500, "internal": 500,
 }
 
 

@@ -110,6 +110,13 @@ def test_coordinator_errors_map_to_statuses():
     assert api.error_from_reply(m.ErrorReply(request_id="r", code="busy", message="")).kind == "rate_limit_error"
 
 
+def test_deadline_exceeded_is_a_504_not_a_500():
+    # Found checking docs/usage.md's error list against a server with --request-timeout: a request
+    # past it got 500 (an internal error) for a limit the operator set.
+    error = api.error_from_reply(m.ErrorReply(request_id="r", code="deadline_exceeded", message="too late"))
+    assert (error.status, error.body()["error"]["code"]) == (504, "deadline_exceeded")
+
+
 def test_event_stream_shapes():
     ids = api.ResponseIds("chatcmpl-1", "model", 123)
     done = m.GenerateDone(request_id="chatcmpl-1", token_ids=[5, 6], text="ab", finish_reason="stop",
