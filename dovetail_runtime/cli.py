@@ -418,8 +418,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Pin every draft-worker thread to these cores (a CPU draft should not share the target's).")
 @click.option("--tree-tokens", type=TreeTokens(), default="auto",
               help="Tree size T: tokens verified per cycle, root included. auto: chosen each cycle to maximise "
-                   "tokens/s from t_verify(T) (measured at the first start, cached), t_draft(depth) (measured at "
-                   "start) and the acceptance seen so far; auto:N caps T at N.")
+                   "tokens/s from t_verify(T) and t_draft(depth, top_k) (each measured at the first start and "
+                   "cached in ~/.cache/dovetail) and the acceptance seen so far; auto:N caps T at N.")
 @click.option("--depth", type=click.IntRange(min=1, max=MAX_DEPTH), default=None,
               help="Most draft tokens on one tree path (at most T - 1 are used); with --tree-tokens auto, the "
                    f"deepest tree tried.  [default: {FIXED_DEPTH}, or {AUTO_MAX_DEPTH} with auto]")
