@@ -387,7 +387,7 @@ def train_eagle3(target: str | Path, train_dir: Path, out_dir: Path, config: Eag
     del data  # the run's copy stands (on the GPU when it fits there): no second one held
     run.resume_or_start(resume)
     bar = tqdm(total=run.total_steps, initial=run.done, desc=f"train {config.fusion}", unit="step",
-               disable=not progress, dynamic_ncols=True)
+               disable=None if progress else True, dynamic_ncols=True)  # off where stderr is no terminal
     first_step, loop_started = run.done, time.perf_counter()
     try:
         while run.done < run.total_steps:

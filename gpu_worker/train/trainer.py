@@ -213,7 +213,7 @@ def train(target: str | Path, train_dir: Path, out_dir: Path, config: TrainConfi
     run.resume_or_start(resume)
     rotary = rotary_rows(head, int((data.offsets[1:] - data.offsets[:-1]).max()))
     bar = tqdm(total=total_steps, initial=run.step, desc=f"train {config.fusion}-{config.layers}", unit="step",
-               disable=not progress, dynamic_ncols=True)
+               disable=None if progress else True, dynamic_ncols=True)  # off where stderr is no terminal
     tokens_seen = 0
     last: dict[str, Any] = {}
     started = time.perf_counter() - run.elapsed
