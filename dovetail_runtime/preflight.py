@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_config, resolve_model_dir
-from gpu_worker.head_layout import AUX_LAYERS_KEY, FUSION_FIELD, is_eagle3, safetensors_keys
+from gpu_worker.head_layout import AUX_LAYERS_KEY, FUSION_FIELD, MODEL_LAYER_PREFIX, is_eagle3, safetensors_keys
 
 from .coordinator import RuntimeSettings
 
@@ -66,6 +66,10 @@ def check_draft_dir(draft: str) -> None:
         raise PreflightError(f"--draft: {str(error).replace('model folder', 'draft head folder')}") from None
     if not (folder / "config.json").is_file():
         raise PreflightError(f"--draft: {folder} has no config.json (not a draft head folder)")
+    if not is_draft_head(folder) and any(key.startswith(MODEL_LAYER_PREFIX) for key in safetensors_keys(folder)):
+        # Was found only by the gpu_worker, after the target had loaded ("cannot tell the draft's fusion").
+        raise PreflightError(f"--draft {draft} is a model folder, not a draft head: pass the head trained for the "
+                             "target (dovetail-train train makes one), and the model as --target")
 
 
 def check_target(target: str) -> None:

@@ -39,6 +39,7 @@ from cpu_worker.model.model_dir import is_gguf, read_config
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
 from .head_formats import FUSION_WEIGHTS, quantize_projections
+from .head_layout import MODEL_LAYER_PREFIX
 from .head_placer import HeadPlacer
 
 AnyHead = DraftHead | Eagle3Head
@@ -119,6 +120,9 @@ def detect_fusion(raw_config: dict[str, Any], keys: Iterable[str]) -> str:
         return "fc"
     if {"W_1", "W_2", "W_z"} <= present:
         return "dgf"
+    if any(key.startswith(MODEL_LAYER_PREFIX) for key in present):
+        raise DraftCheckpointError(f"the weights are a whole model's ({MODEL_LAYER_PREFIX}*), not a draft head's: give "
+                                   "a head trained for the target (dovetail-train train) or a published EAGLE head")
     raise DraftCheckpointError(
         f"cannot tell the draft's fusion: config names no {FUSION_FIELD!r} and the weights have "
         "neither midlayer.* (EAGLE-3), fc.weight (EAGLE fc) nor W_1/W_2/W_z (dgf)")

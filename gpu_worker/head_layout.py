@@ -31,6 +31,8 @@ from cpu_worker.model.model_dir import ModelLoadError, read_config, read_safeten
 AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
 EAGLE3_FUSIONS = ("eagle3", "dgf-eagle3")
 FUSION_FIELD = "dovetail_fusion"
+# Where a Hugging Face model's decoder layers live: a folder with these is a target, not a head.
+MODEL_LAYER_PREFIX = "model.layers."
 
 
 class HeadLayoutError(ValueError):

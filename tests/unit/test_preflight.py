@@ -73,3 +73,16 @@ def test_a_file_given_as_the_draft_is_called_a_file_and_a_folder_asked_for(tmp_p
         with pytest.raises(PreflightError, match="is a file; a draft head is a folder with config.json") as info:
             check_draft_dir(str(tmp_path / name))
         assert ".gguf file" not in str(info.value)
+
+
+def test_a_model_folder_given_as_the_draft_is_refused_before_loading():
+    """It was found only by the gpu_worker, after the target had loaded, as "cannot tell the draft's
+    fusion"; a head (whose weights are no model's) still passes."""
+    from dovetail_runtime.preflight import check_draft_dir
+    from gpu_worker.checkpoint import DraftCheckpointError, detect_fusion
+
+    with pytest.raises(PreflightError, match="is a model folder, not a draft head"):
+        check_draft_dir(str(DEMO_TARGET))
+    check_draft_dir(str(DEMO_DRAFT))
+    with pytest.raises(DraftCheckpointError, match=r"a whole model's \(model\.layers\.\*\)"):
+        detect_fusion({}, ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"])
