@@ -6,7 +6,6 @@ and messages (the workers it starts hold the models).
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import importlib.metadata
 import json
@@ -65,17 +64,22 @@ MAX_LOOKUP_TOKENS = 16  # --lookup-tokens: rows of a ring slot the longest branc
 AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth says otherwise
 
 
+def read_text_file(path: Path, param_hint: str) -> str:
+    """A file the user gave as text, read as dovetail-train reads a corpus (``read_corpus_text``: a
+    byte-order mark names the encoding and is dropped, else UTF-8); other bytes are a usage error."""
+    from gpu_worker.train.corpus import CorpusError, read_corpus_text
+
+    try:
+        return read_corpus_text(path, strict=True)
+    except CorpusError as error:
+        raise click.BadParameter(str(error), param_hint=param_hint) from None
+
+
 def read_prompt_file(path: Path) -> list[str]:
     """JSONL objects with a "prompt" field (every non-blank line starts with "{"), else one prompt per
     line (a line of C or JSON-like text is a prompt; one that is a {"prompt": ...} object is read as one);
-    UTF-8 text (a byte-order mark, as some editors save it, is not part of the first prompt)."""
-    data = path.read_bytes()
-    skipped = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    try:
-        text = data[skipped:].decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise click.BadParameter(f"{path} is not UTF-8 text (byte {skipped + error.start}: {error.reason}); save it "
-                                 "as UTF-8", param_hint="--prompt-file") from None
+    UTF-8 text, or text in the encoding its byte-order mark names (the mark is not part of the first prompt)."""
+    text = read_text_file(path, "--prompt-file")
     lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not lines:  # else no prompt means serving: a server that never exits
         raise click.BadParameter(f"{path} holds no prompts (it is empty or all blank lines)",
@@ -956,8 +960,7 @@ def chat_messages(prompt: str | None, chat: bool, system: str | None,
         return [*turns, m.ChatMessage(role="user", content=prompt or "")]
     try:
         # A byte-order mark, as some editors save UTF-8, is not JSON: skipped, as --prompt-file skips it.
-        data = messages_file.read_bytes().removeprefix(codecs.BOM_UTF8)
-        messages = msgspec.json.decode(data, type=list[m.ChatMessage])
+        messages = msgspec.json.decode(read_text_file(messages_file, "--messages"), type=list[m.ChatMessage])
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise click.BadParameter(f"{messages_file}: {error}", param_hint="--messages") from None
     if not messages:

@@ -606,7 +606,7 @@ def test_a_prompt_file_is_utf8_its_byte_order_mark_skipped_and_other_bytes_refus
     assert cli.read_prompt_file(marked) == ["def f("]
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes(b"caf\xe9\n")
-    with pytest.raises(click.BadParameter, match="is not UTF-8 text"):
+    with pytest.raises(click.BadParameter, match=r"latin1.txt: not UTF-8 text \(byte 0xe9 at offset 3\)"):
         cli.read_prompt_file(latin1)
     with pytest.raises(click.BadParameter, match="prompt 2 is not valid text"):
         cli.check_prompts_text(["fine", "abc\udcff"])  # a non-UTF-8 argument, as Python hands it over
