@@ -133,10 +133,7 @@ class TargetEngine:
         state after the final norm (``LlamaDecoder.forward``). ``kv_dtype``: the KV cache's
         dtype (default: the activations'); attention then runs in it (``Attention.forward``)."""
         spec = model.spec
-        limit = spec.max_position_embeddings
-        if spec.sliding_window is not None:
-            # Sliding-window attention is not implemented: refuse contexts that would need it.
-            limit = min(limit, spec.sliding_window)
+        limit = spec.context_limit
         max_len = limit if max_len is None else max_len
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_len must be in 1..{limit} for this model, got {max_len}")

@@ -332,9 +332,7 @@ def check_window_fits(windows: list[Any], spec: Any) -> None:
     """Windows longer than the target's context are refused before it loads: the default path failed
     after writing a manifest (so the fixed command was then refused as "other settings"), and the
     --aux-layers / bf16 path stored rows for positions the target was never trained on."""
-    from gpu_worker.train.features import context_limit
-
-    longest, limit = max(len(window.tokens) for window in windows), context_limit(spec)
+    longest, limit = max(len(window.tokens) for window in windows), spec.context_limit
     if longest > limit:
         raise click.BadParameter(f"windows of up to {longest} tokens, past the target's context of {limit} "
                                  f"(max_position_embeddings); use --window {limit} or less", param_hint="--window")
@@ -669,9 +667,8 @@ def check_room(room: int, target_dir: Path) -> None:
     """A prompt, its new tokens and the largest tree must fit the target's context: past it the engine
     refused with "max_len must be in 1..N" in a traceback, after the target had loaded."""
     from cpu_worker.model import load_spec
-    from gpu_worker.train.features import context_limit
 
-    limit = context_limit(load_spec(target_dir))
+    limit = load_spec(target_dir).context_limit
     if room > limit:
         raise click.UsageError(f"the longest prompt, --new-tokens and the largest tree need {room} positions, past "
                                f"the target's context of {limit}: ask for fewer --new-tokens or --prompt-tokens")

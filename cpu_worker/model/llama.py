@@ -58,6 +58,13 @@ class LlamaSpec:
     sliding_window: int | None = None
     model_type: str = "llama"
 
+    @property
+    def context_limit(self) -> int:
+        """The longest context served: the trained one, or a smaller sliding window (sliding-window
+        attention is not implemented, so contexts that would need it are refused)."""
+        limit = self.max_position_embeddings
+        return limit if self.sliding_window is None else min(limit, self.sliding_window)
+
     @classmethod
     def from_hf_config(cls, config: Any) -> LlamaSpec:
         """Parse a transformers PretrainedConfig (either rope field style)."""

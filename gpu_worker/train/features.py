@@ -114,13 +114,6 @@ def windows_forward(target: Any, tokens: torch.Tensor, aux_layers: tuple[int, ..
     return target.norm(x), aux
 
 
-def context_limit(spec: Any) -> int:
-    """The longest window the target serves: its trained context, or a smaller sliding window
-    (not implemented, so never needed), as the engine limits it."""
-    limit = int(spec.max_position_embeddings)
-    return limit if spec.sliding_window is None else min(limit, int(spec.sliding_window))
-
-
 class PrefillRows:
     """A window's last-layer rows as ``TargetEngine.prefill`` computes them (CPU, fp32): the
     decoder's own forward from position 0 over a KV cache of ``max_len`` slots, the same calls
@@ -128,7 +121,7 @@ class PrefillRows:
 
     def __init__(self, target: Any, max_len: int):
         spec = target.spec
-        limit = context_limit(spec)
+        limit = spec.context_limit
         if not 1 <= max_len <= limit:
             raise ValueError(f"max_len must be in 1..{limit} for this model, got {max_len}")
         self.target = target
