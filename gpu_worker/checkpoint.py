@@ -39,14 +39,13 @@ from cpu_worker.model.model_dir import is_gguf, read_config
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
 from .head import FUSIONS, DraftHead
 from .head_formats import FUSION_WEIGHTS, quantize_projections
-from .head_layout import MODEL_LAYER_PREFIX
+from .head_layout import FUSION_FIELD, MODEL_LAYER_PREFIX
 from .head_placer import HeadPlacer
 
 AnyHead = DraftHead | Eagle3Head
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-FUSION_FIELD = "dovetail_fusion"
 # Buffers some published checkpoints carry that the head recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
