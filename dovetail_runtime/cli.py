@@ -823,7 +823,7 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
             print(json.dumps(record), flush=True)
             continue
         end_completion(as_json)
-        print_stats(request.mode, reply.stats, baseline.stats if baseline is not None else None,
+        print_stats(request.mode or "dovetail", reply.stats, baseline.stats if baseline is not None else None,
                     same_tokens=bool(record.get("ar", {}).get("same_tokens")))
     return failures
 
@@ -867,7 +867,9 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
               "--prompt).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1, max=m.MAX_NEW_TOKENS), default=128)
 @click.option("--stop", "stops", multiple=True, callback=client_stops_option, help="Stop string (repeatable).")
-@click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail")
+@click.option("--mode", type=click.Choice(["dovetail", "ar"]), default=None,
+              help="dovetail: speculative decoding; ar: plain decoding (the same tokens).  [default: the "
+              "server's own: dovetail where it has a draft head, else ar]")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=FiniteFloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
 @click.option("--deadline", type=FiniteFloatRange(min=0.001, max=m.MAX_DEADLINE_MS / 1000), default=None,

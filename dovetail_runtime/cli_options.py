@@ -136,7 +136,7 @@ class ClientRequestOptions:
     messages_file: Path | None
     max_new_tokens: int
     stops: tuple[str, ...]
-    mode: str
+    mode: str | None
     deadline: float | None
 
 

@@ -486,6 +486,8 @@ class Coordinator:
         chunk (logprobs: empty unless the request asked for them) and returns True to cancel."""
         if self.cpu is None or self.tokenizer is None or self.chat_template is None:
             raise RuntimeError("a request before start()")
+        if request.mode is None:  # the server's own mode
+            request = msgspec.structs.replace(request, mode="ar" if self.gpu is None else "dovetail")
         if request.mode == "dovetail" and self.gpu is None:
             return error_reply(request.request_id, "unsupported",
                                 message="this server runs without a draft head: use mode 'ar'")

@@ -10,6 +10,7 @@ server busy so that what is sent after it must wait; cancelling it lets the rest
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import signal
@@ -99,6 +100,19 @@ def test_socket_is_0600_under_umask_0_and_a_second_server_is_refused_before_load
     assert "cpu_worker" not in second.stderr  # refused before any worker started
     with DovetailClient(ar_server.endpoints[0], timeout_s=60) as client:  # the first one is untouched
         assert client.ping()
+
+
+def test_dovetail_client_takes_the_servers_own_mode_unless_told(ar_server):
+    """A server without a draft head decodes plainly for a client that names no mode (it used to
+    default to dovetail and be refused); a client that asks for dovetail is told why not."""
+    args = [str(BIN / "dovetail-client"), "--connect", ar_server.endpoints[0], "--prompt", TEST_PROMPTS[0],
+            "--max-new-tokens", "4", "--json"]
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    stats = json.loads(plain.stdout)["stats"]
+    assert stats["new_tokens"] == 4 and stats["draft_ms"] == 0.0 and stats["tau"] == 1.0  # ar: nothing drafted
+    refused = subprocess.run([*args, "--mode", "dovetail"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "without a draft head" in refused.stderr, refused.stderr
 
 
 def test_a_flooding_client_waits_for_its_turn(ar_server):

@@ -170,7 +170,7 @@ def test_hand_built_plain_msgpack_decodes_with_defaults():
     msg = decode(_pack({"prompt": "hi", "request_id": "r", "type": "GenerateRequest"}),
                  allowed=M.CLIENT_TO_COORDINATOR)
     assert msg == M.GenerateRequest(request_id="r", prompt="hi")
-    assert (msg.max_new_tokens, msg.stop, msg.mode, msg.stream, msg.v) == (128, [], "dovetail", False, 2)
+    assert (msg.max_new_tokens, msg.stop, msg.mode, msg.stream, msg.v) == (128, [], None, False, 2)
     assert msg.sampling == M.Sampling() and msg.sampling.greedy
     # A partial nested map fills the rest from defaults; an int is accepted for a float.
     msg = decode(_pack({"type": "GenerateRequest", "v": 2, "request_id": "r", "prompt": "hi",
