@@ -709,6 +709,8 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
 
     code = 0
     try:
+        if frontend is not None:  # 503 "loading" until the models are up, not a port that hangs
+            frontend.serve_loading(log_level)
         serving.run(ready=ready)
     except KeyboardInterrupt:
         pass

@@ -13,10 +13,11 @@ HTTP port is bound before the models load, so a taken port fails at once.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (see ``openai_api``),
 ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health`` (200 when both workers are up,
-else 503), ``GET /metrics`` (Prometheus text from the coordinator's MetricsReply), and
-llama-server's ``POST /tokenize`` and ``POST /detokenize`` (``tokenize_api``). With an API key
-every path but ``/health`` needs it as a bearer token (``http_auth``); with CORS origins
-(``--cors-origin``) browsers on those origins may call the API. Nothing here imports torch.
+else 503; while the models first load every path answers 503 with Retry-After), ``GET /metrics``
+(Prometheus text from the coordinator's MetricsReply), and llama-server's ``POST /tokenize`` and
+``POST /detokenize`` (``tokenize_api``). With an API key every path but ``/health`` needs it as a
+bearer token (``http_auth``); with CORS origins (``--cors-origin``) browsers on those origins may
+call the API. Nothing here imports torch.
 
 The front end tokenizes on its own (the coordinator's tokenizer object, in a thread of the pool,
 never in the event loop) for /tokenize, /detokenize, and to refuse a ``max_tokens`` that cannot
@@ -430,8 +431,33 @@ def parse_address(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+LOADING_RETRY_AFTER_S = 5
+
+
+async def loading_app(scope: dict, receive: Any, send: Any) -> None:
+    """The ASGI app while the models load: 503 for every request, /health included."""
+    if scope["type"] != "http":
+        return
+    response = error_response(api.ApiError(503, "the server is loading its models; try again shortly",
+                                           code="unavailable"))
+    response.headers["Retry-After"] = str(LOADING_RETRY_AFTER_S)
+    await response(scope, receive, send)
+
+
+class SwappableApp:
+    """An ASGI app that forwards to ``inner``, which may be replaced while uvicorn serves (the loading
+    app, then the API once the models are up)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.inner(scope, receive, send)
+
+
 class HttpFrontend:
-    """The HTTP listener, bound at construction (before any model loads), served after ``start``.
+    """The HTTP listener, bound at construction (before any model loads): 503 to everything while the
+    models load (``serve_loading``), the API after ``start``.
     Only loopback without an API key; with one, every address, and every request needs it."""
 
     def __init__(self, address: str, api_key: ApiKey | None = None, cors_origins: Sequence[str] = ()):
@@ -458,6 +484,7 @@ class HttpFrontend:
         self.host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
         # The coordinator binds this too; HTTP requests connect to it (same process, same ZMQ context).
         self.zmq_endpoint = f"inproc://dovetail-http-{os.getpid()}"
+        self._app = SwappableApp(loading_app)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -465,10 +492,12 @@ class HttpFrontend:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, model: ServedModel, log_level: str = "info") -> None:
-        """Serve in a daemon thread; returns once uvicorn accepts connections."""
-        app = build_app(self.zmq_endpoint, model, api_key=self.api_key, cors_origins=self.cors_origins)
-        config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=log_level == "debug",
+    def serve_loading(self, log_level: str = "info") -> None:
+        """Answer at once while the models load: every path 503 ``unavailable`` with Retry-After, so
+        a health check or a client learns the server is starting instead of hanging on the bound port."""
+        if self._server is not None:
+            return
+        config = uvicorn.Config(self._app, log_config=None, log_level=log_level, access_log=log_level == "debug",
                                 lifespan="off", loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=3)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="dovetail-http", daemon=True)
@@ -478,6 +507,12 @@ class HttpFrontend:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the HTTP server on {self.url} did not start")
             time.sleep(0.01)
+
+    def start(self, model: ServedModel, log_level: str = "info") -> None:
+        """Serve the API (in a daemon thread, started here unless ``serve_loading`` started it); returns
+        once uvicorn accepts connections."""
+        self._app.inner = build_app(self.zmq_endpoint, model, api_key=self.api_key, cors_origins=self.cors_origins)
+        self.serve_loading(log_level)
 
     def _serve(self) -> None:
         assert self._server is not None

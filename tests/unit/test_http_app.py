@@ -9,9 +9,10 @@ import json
 import logging
 from typing import Any
 
+import httpx
 import pytest
 
-from dovetail_runtime.http_server import BODY_SLACK, MAX_BODY_BYTES, ServedModel, body_limit, build_app
+from dovetail_runtime.http_server import BODY_SLACK, MAX_BODY_BYTES, HttpFrontend, ServedModel, body_limit, build_app
 
 LIMIT = 1000
 MODEL = ServedModel(name="m", context=64, default_mode="ar", created=0, max_body_bytes=LIMIT)
@@ -130,3 +131,21 @@ def test_requests_beyond_the_in_flight_limit_are_busy_and_slots_come_back():
 
     asyncio.run(scenario())
 
+
+
+def test_while_the_models_load_every_path_answers_503_then_the_api_is_served():
+    # The port is bound before the models load; it used to accept connections and answer nothing
+    # until they were up, so a health check with a timeout hung instead of reading "not ready".
+    frontend = HttpFrontend("127.0.0.1:0")
+    try:
+        frontend.serve_loading("warning")
+        with httpx.Client(base_url=frontend.url, timeout=10) as http:
+            for method, path in (("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
+                reply = http.request(method, path, json={"prompt": "x"} if method == "POST" else None)
+                assert reply.status_code == 503 and reply.headers["retry-after"] == "5", (path, reply.text)
+                assert reply.json()["error"]["code"] == "unavailable" and "loading" in reply.json()["error"]["message"]
+            frontend.start(MODEL, "warning")
+            models = http.get("/v1/models")
+            assert models.status_code == 200 and [model["id"] for model in models.json()["data"]] == ["m"]
+    finally:
+        frontend.close()
