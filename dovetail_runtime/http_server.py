@@ -26,6 +26,7 @@ fit the context with the prompt before the request takes its turn in the queue.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -175,18 +176,44 @@ class Call:
 
 
 class CallStream(StreamingResponse):
-    """A streamed response that owns its Call: closed (and cancelled) however the stream ends,
+    """A streamed response that owns its Calls: closed (and cancelled) however the stream ends,
     even if the client left before the first byte."""
 
-    def __init__(self, content: AsyncIterator[bytes], call: Call):
+    def __init__(self, content: AsyncIterator[bytes], calls: Sequence[Call]):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.call = call
+        self.calls = calls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.call.close()
+            for call in self.calls:
+                call.close()
+
+
+async def merged_replies(calls: Sequence[Call], firsts: Sequence[m.Message | None],
+                         request_ids: Sequence[str]) -> AsyncIterator[tuple[int, m.Message]]:
+    """Each Call's replies (its TokenChunks, then its GenerateDone or ErrorReply), tagged with the
+    Call's index, in the order they come, starting from ``firsts``; ends once every Call has ended
+    or one has failed. A client that leaves cancels this; the waits still open go with it."""
+    ready: list[tuple[int, m.Message | None]] = list(enumerate(firsts))
+    waiting: dict[asyncio.Future, int] = {}
+    try:
+        while ready:
+            for index, reply in ready:
+                assert reply is not None  # no timeout was asked for
+                yield index, reply
+                if isinstance(reply, m.ErrorReply):
+                    return
+                if isinstance(reply, m.TokenChunk):
+                    waiting[asyncio.ensure_future(calls[index].reply_to(request_ids[index]))] = index
+            ready = []
+            if waiting:
+                finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                ready = [(waiting.pop(future), future.result()) for future in finished]
+    finally:
+        for future in waiting:
+            future.cancel()
 
 
 # --- the app -------------------------------------------------------------------------------
@@ -287,46 +314,64 @@ class Routes:
                                code="model_not_found", param="model")
 
     async def run(self, request: Request, plan: api.Plan, chat: bool) -> Response:
+        """Send the plan's requests (one per choice, each over its own Call), answer when the first
+        replies say how it goes: an error before any text is a proper HTTP error."""
         ids = api.ResponseIds.now(plan.request.request_id, self.model.name, self.token_text)
-        call = Call(self.context, self.endpoint, self.slots)
+        asked = plan.decoded()
+        calls: list[Call] = []
         handed_over = False
         try:
-            try:
-                await call.send(plan.request)
-            except ProtocolError as error:  # a value the schema let through but the protocol refuses
-                raise api.ApiError(400, str(error), code="invalid_request") from None
-            # The first reply decides the status: an error before any text is a proper HTTP error.
-            while (first := await call.reply_to(plan.request.request_id, DISCONNECT_POLL_MS)) is None:
-                if await request.is_disconnected():
-                    return Response(status_code=499)  # nobody to answer; close() cancels the request
-            if isinstance(first, m.ErrorReply):
-                raise api.error_from_reply(first)
+            for one in asked:
+                calls.append(Call(self.context, self.endpoint, self.slots))
+                try:
+                    await calls[-1].send(one)
+                except ProtocolError as error:  # a value the schema let through but the protocol refuses
+                    raise api.ApiError(400, str(error), code="invalid_request") from None
+            firsts = await asyncio.gather(*(self.first_reply(request, call, one.request_id)
+                                            for call, one in zip(calls, asked, strict=True)))
+            if any(first is None for first in firsts):
+                return Response(status_code=499)  # nobody to answer; close() cancels the requests
+            if failed := next((first for first in firsts if isinstance(first, m.ErrorReply)), None):
+                raise api.error_from_reply(failed)
             if not plan.stream:
-                assert isinstance(first, m.GenerateDone)
-                return JSONResponse(api.chat_body(ids, first) if chat else api.completion_body(ids, first))
+                finished = [first for first in firsts if isinstance(first, m.GenerateDone)]  # all, not streamed
+                dones = api.per_choice(finished, plan.choices)
+                return JSONResponse(api.chat_body(ids, dones) if chat else api.completion_body(ids, dones))
             handed_over = True
-            return CallStream(self.events(call, first, api.EventStream(ids, chat, plan.include_usage)), call)
+            stream = api.EventStream(ids, chat, plan.include_usage, plan.choices)
+            return CallStream(self.events(calls, firsts, [one.request_id for one in asked], stream), calls)
         finally:
             if not handed_over:
-                call.close()
+                for call in calls:
+                    call.close()
 
-    async def events(self, call: Call, reply: m.Message | None, stream: api.EventStream) -> AsyncIterator[bytes]:
+    @staticmethod
+    async def first_reply(request: Request, call: Call, request_id: str) -> m.Message | None:
+        """The request's first reply; None when the HTTP client left before it came."""
+        while (first := await call.reply_to(request_id, DISCONNECT_POLL_MS)) is None:
+            if await request.is_disconnected():
+                return None
+        return first
+
+    async def events(self, calls: Sequence[Call], firsts: Sequence[m.Message | None], request_ids: Sequence[str],
+                     stream: api.EventStream) -> AsyncIterator[bytes]:
+        """Every choice's events as its replies come; one request answers every choice when greedy."""
         for event in stream.start():
             yield event
-        request_id = stream.meta.id
-        while True:
-            if isinstance(reply, m.TokenChunk):
-                for event in stream.text(reply):
-                    yield event
-            elif isinstance(reply, m.GenerateDone):
-                for event in stream.done(reply):
-                    yield event
-                return
-            elif isinstance(reply, m.ErrorReply):
+        dones: dict[int, m.GenerateDone] = {}
+        async for index, reply in merged_replies(calls, firsts, request_ids):
+            if isinstance(reply, m.ErrorReply):
                 for event in stream.error(api.error_from_reply(reply)):
                     yield event
                 return
-            reply = await call.reply_to(request_id)  # a client that leaves cancels this task
+            for choice in range(stream.choices) if len(calls) == 1 else (index,):
+                events = stream.text(reply, choice) if isinstance(reply, m.TokenChunk) else []
+                if isinstance(reply, m.GenerateDone):
+                    events, dones[choice] = stream.done(reply, choice), reply
+                for event in events:
+                    yield event
+        for event in stream.end([dones[choice] for choice in range(stream.choices)]):
+            yield event
 
     async def completions(self, request: Request) -> Response:
         params = api.parse_request(await read_body(request, self.model.max_body_bytes), api.CompletionRequest)

@@ -7,7 +7,9 @@ names the field. Unknown fields are ignored (logged at debug level), as vLLM and
 ignore them: clients send their own extensions (``extra_body``) to every server. Fields of
 OpenAI's API that Dovetail does not implement are accepted only at their no-effect values
 (``presence_penalty: 0``, ``echo: false``, ...), so a client never silently gets something
-other than what it asked for. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
+other than what it asked for. ``n`` choices (at most 16) are decoded side by side in the batch,
+each a request of its own (choice i seeded with seed + i); greedy choices are the same tokens, so
+one decode answers them all. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-probabilities (``ipc.messages.TokenLogprob``), in OpenAI's shapes.
 
 Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in requests; a
@@ -78,6 +80,10 @@ def error_from_reply(reply: m.ErrorReply) -> ApiError:
     return ApiError(ERROR_STATUS.get(reply.code, 500), reply.message, code=reply.code)
 
 
+# Choices per request at most (n): each is a request of its own in the batch and its queue.
+MAX_CHOICES = 16
+
+
 # --- requests ----------------------------------------------------------------------------
 
 
@@ -95,7 +101,7 @@ class Params(Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=-1, le=(1 << 31) - 1)] | None = None  # extension (vLLM's spelling)
     seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None  # choices, each decoded as a request of its own
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     mode: Literal["dovetail", "ar"] | None = None  # extension
@@ -214,6 +220,25 @@ class Plan:
     stream: bool
     include_usage: bool
     limit_field: str | None = None  # the field that set max_new_tokens, when the client set it
+    choices: int = 1  # n
+
+    def decoded(self) -> list[m.GenerateRequest]:
+        """The requests that answer the choices: one per choice, run side by side in the batch, choice i
+        seeded with seed + i (so choice 0 is what n=1 gives with that seed). Greedy choices are all the
+        same tokens (lossless), so one request answers them all (``per_choice``)."""
+        request = self.request
+        if self.choices == 1 or request.sampling.greedy:
+            return [request]
+        seed = request.sampling.seed
+        return [msgspec.structs.replace(request, request_id=f"{request.request_id}-{index}",
+                                        sampling=request.sampling if seed is None else
+                                        msgspec.structs.replace(request.sampling, seed=(seed + index) % (1 << 63)))
+                for index in range(self.choices)]
+
+
+def per_choice(dones: Sequence[m.GenerateDone], choices: int) -> list[m.GenerateDone]:
+    """Each choice's answer from the answers of ``Plan.decoded``'s requests (one answers all when greedy)."""
+    return list(dones) * choices if len(dones) == 1 else list(dones)
 
 
 def check_context(plan: Plan, prompt_tokens: int, context: int) -> None:
@@ -251,9 +276,6 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, limit_field: str | None,
           logprobs: int | None, **prompt: Any) -> Plan:
-    if params.n is not None and params.n != 1:
-        raise ApiError(400, f"n={params.n} is not supported: Dovetail generates one choice per request (n=1)",
-                       code="unsupported", param="n")
     stream = bool(params.stream)
     if params.stream_options is not None and not stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", code="invalid_request",
@@ -262,7 +284,7 @@ def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, l
                                 sampling=_sampling(params), mode=params.mode or default_mode,  # type: ignore[arg-type]
                                 stream=stream, logprobs=logprobs, **prompt)
     include_usage = bool(params.stream_options and params.stream_options.include_usage)
-    return Plan(request, stream, include_usage, limit_field)
+    return Plan(request, stream, include_usage, limit_field, choices=params.n or 1)
 
 
 def plan_completion(params: CompletionRequest, request_id: str, default_mode: str) -> Plan:
@@ -353,8 +375,9 @@ def chat_logprobs(token_text: TokenText, token_ids: Sequence[int],
     return {"content": content, "refusal": None}
 
 
-def usage(done: m.GenerateDone) -> dict[str, int]:
-    prompt, completion = done.stats.prompt_tokens, len(done.token_ids)
+def usage(dones: Sequence[m.GenerateDone]) -> dict[str, int]:
+    """The prompt once, every choice's tokens (as OpenAI counts n choices)."""
+    prompt, completion = dones[0].stats.prompt_tokens, sum(len(done.token_ids) for done in dones)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -363,29 +386,37 @@ def extension(done: m.GenerateDone) -> dict[str, Any]:
     return {"stats": msgspec.to_builtins(done.stats), "token_ids": list(done.token_ids)}
 
 
-def completion_body(meta: ResponseIds, done: m.GenerateDone) -> dict[str, Any]:
-    logprobs = completion_logprobs(meta.token_text, done.token_ids, done.logprobs)
+def extensions(dones: Sequence[m.GenerateDone]) -> dict[str, Any]:
+    """``extension`` of the one choice, or with n > 1 a list of them under ``choices`` (by index)."""
+    return extension(dones[0]) if len(dones) == 1 else {"choices": [extension(done) for done in dones]}
+
+
+def completion_body(meta: ResponseIds, dones: Sequence[m.GenerateDone]) -> dict[str, Any]:
+    choices = [{"index": index, "text": done.text, "finish_reason": done.finish_reason,
+                "logprobs": completion_logprobs(meta.token_text, done.token_ids, done.logprobs)}
+               for index, done in enumerate(dones)]
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "text": done.text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
-            "usage": usage(done), "dovetail": extension(done)}
+            "choices": choices, "usage": usage(dones), "dovetail": extensions(dones)}
 
 
-def chat_body(meta: ResponseIds, done: m.GenerateDone) -> dict[str, Any]:
-    logprobs = chat_logprobs(meta.token_text, done.token_ids, done.logprobs)
+def chat_body(meta: ResponseIds, dones: Sequence[m.GenerateDone]) -> dict[str, Any]:
+    choices = [{"index": index, "message": {"role": "assistant", "content": done.text},
+                "logprobs": chat_logprobs(meta.token_text, done.token_ids, done.logprobs),
+                "finish_reason": done.finish_reason} for index, done in enumerate(dones)]
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": logprobs,
-                         "finish_reason": done.finish_reason}],
-            "usage": usage(done), "dovetail": extension(done)}
+            "choices": choices, "usage": usage(dones), "dovetail": extensions(dones)}
 
 
 class EventStream:
-    """The server-sent events of one streamed response, built from the coordinator's replies."""
+    """The server-sent events of one streamed response, built from the coordinator's replies; each
+    choice's events carry its index (one choice per event, as OpenAI streams n choices)."""
 
-    def __init__(self, meta: ResponseIds, chat: bool, include_usage: bool):
+    def __init__(self, meta: ResponseIds, chat: bool, include_usage: bool, choices: int = 1):
         self.meta = meta
         self.chat = chat
         self.include_usage = include_usage
-        self.offset = 0  # the completions API's text_offset: characters of token text sent so far
+        self.choices = choices
+        self.offsets = [0] * choices  # the completions API's text_offset: characters of token text sent so far
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {"id": self.meta.id, "object": "chat.completion.chunk" if self.chat
@@ -396,40 +427,43 @@ class EventStream:
         body.update(extra)
         return sse(body)
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _logprobs(self, chunk: m.TokenChunk) -> dict[str, Any] | None:
+    def _logprobs(self, chunk: m.TokenChunk, index: int) -> dict[str, Any] | None:
         if self.chat:
             return chat_logprobs(self.meta.token_text, chunk.token_ids, chunk.logprobs)
-        logprobs = completion_logprobs(self.meta.token_text, chunk.token_ids, chunk.logprobs, self.offset)
+        logprobs = completion_logprobs(self.meta.token_text, chunk.token_ids, chunk.logprobs, self.offsets[index])
         if logprobs is not None:
-            self.offset += sum(len(token) for token in logprobs["tokens"])
+            self.offsets[index] += sum(len(token) for token in logprobs["tokens"])
         return logprobs
 
     def start(self) -> list[bytes]:
-        """Before any text: a chat stream first names the assistant's role."""
-        return [self._chunk([self._choice("", None, role=True)])] if self.chat else []
+        """Before any text: a chat stream first names the assistant's role, for each choice."""
+        return [self._chunk([self._choice(index, "", None, role=True)]) for index in range(self.choices)] \
+            if self.chat else []
 
-    def text(self, chunk: m.TokenChunk) -> list[bytes]:
+    def text(self, chunk: m.TokenChunk, index: int = 0) -> list[bytes]:
         """A chunk's text, with its tokens' logprobs when asked for (then even while its text is
         held back: every token's entry is sent once, in order)."""
-        logprobs = self._logprobs(chunk)
+        logprobs = self._logprobs(chunk, index)
         if not chunk.text and logprobs is None:
             return []
-        return [self._chunk([self._choice(chunk.text, None, logprobs=logprobs)])]
+        return [self._chunk([self._choice(index, chunk.text, None, logprobs=logprobs)])]
 
-    def done(self, done: m.GenerateDone) -> list[bytes]:
-        events = [self._chunk([self._choice(None, done.finish_reason)], dovetail=extension(done))]
-        if self.include_usage:
-            events.append(self._chunk([], usage=usage(done)))
-        return [*events, DONE]
+    def done(self, done: m.GenerateDone, index: int = 0) -> list[bytes]:
+        """The choice's last event: how it finished, with Dovetail's fields."""
+        return [self._chunk([self._choice(index, None, done.finish_reason)], dovetail=extension(done))]
+
+    def end(self, dones: Sequence[m.GenerateDone]) -> list[bytes]:
+        """After every choice's ``done``: the usage (when asked for), then the end."""
+        return [*([self._chunk([], usage=usage(dones))] if self.include_usage else []), DONE]
 
     def error(self, error: ApiError) -> list[bytes]:
         """A failure after the 200 was sent: an error event, then the end (as vLLM does)."""

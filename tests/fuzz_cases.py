@@ -332,7 +332,7 @@ HTTP_FIELD_BAD: dict[str, list[Any]] = {
     "top_k": [-2, -(2**63), 2**31, 2**64, 1.5, "5", True, []],
     "seed": [-1, -(2**63), 2**63, 2**64, 10**30, 1.5, "1", True, []],
     "stop": [1, True, {}, [1], [None], [["x"]], ["x"] * 65, ["x" * 1025], {"a": "b"}],
-    "n": [0, 2, -1, 2**64, 10**30, 1.5, "1", True, []],
+    "n": [0, 17, -1, 2**64, 10**30, 1.5, "1", True, []],
     "stream": [1, 0, "true", "yes", [], {}],
     "stream_options": [1, "x", [], {"include_usage": "yes"}, {"include_usage": 1},
                        {"include_usage": True}],  # the last: without stream
@@ -360,8 +360,6 @@ CHAT_ONLY_BAD: dict[str, list[Any]] = {
 
 
 def _field_code(name: str, value: Any) -> frozenset[str]:
-    if name in ("n",) and isinstance(value, int) and not isinstance(value, bool):
-        return UNSUPPORTED
     if name in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix",
                 "best_of", "tools", "tool_choice", "response_format"):
         return UNSUPPORTED

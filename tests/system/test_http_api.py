@@ -321,7 +321,7 @@ def api_error(server: Server, path: str, body: str | bytes) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("path,body,status,code,words", [
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "unsupported", "n=2 is not supported"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "invalid_request", "$.n"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_request", "$.temperature"),
     ("/v1/completions", {"prompt": "x", "temperature": 1e-30}, 400, "invalid_request", "temperature must be 0"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "invalid_request", "$.max_tokens"),
@@ -361,8 +361,32 @@ def test_malformed_bodies_and_unknown_routes(chat_server):
 
 
 def test_openai_client_sees_errors(chat_server):
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client(chat_server).completions.create(model="code-chat-9m", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of=2 is not supported"):
+        client(chat_server).completions.create(model="code-chat-9m", prompt="x", best_of=2)
+
+
+def test_n_choices_are_each_what_their_own_request_gives(chat_server, ar):
+    """n sampled choices run side by side, choice i as a request seeded seed + i would alone; streamed,
+    each choice's text comes under its index; greedy choices are all ar's answer."""
+    api, prompt, seed = client(chat_server), PROMPTS[2], 11
+    sampled: dict = dict(model="code-chat-9m", prompt=prompt, max_tokens=12, temperature=1.0)
+    together = api.completions.create(**sampled, n=3, seed=seed)
+    alone = [api.completions.create(**sampled, seed=seed + index).choices[0] for index in range(3)]
+    assert [choice.index for choice in together.choices] == [0, 1, 2]
+    assert [choice.text for choice in together.choices] == [choice.text for choice in alone]
+    assert len({choice.text for choice in alone}) > 1  # the seeds gave different samples
+    assert together.usage.completion_tokens == 36
+    assert together.usage.prompt_tokens == ar[prompt]["stats"]["prompt_tokens"]
+    assert [len(choice["token_ids"]) for choice in together.model_extra["dovetail"]["choices"]] == [12, 12, 12]
+    chunks = api.completions.create(**sampled, n=3, seed=seed, stream=True, stream_options={"include_usage": True})
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [choice.text for choice in alone] and chunk.usage.completion_tokens == 36
+    greedy = api.completions.create(model="code-chat-9m", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, n=2)
+    assert [choice.text for choice in greedy.choices] == [ar[prompt]["text"]] * 2
+    assert greedy.usage.completion_tokens == 2 * NEW_TOKENS
 
 
 def test_llama_server_and_vllm_habits(chat_server, ar):

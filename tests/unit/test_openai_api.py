@@ -25,7 +25,7 @@ def test_openai_defaults():
     assert request.prompt == "hi" and request.messages is None
     assert request.max_new_tokens == 16  # OpenAI's default for completions
     assert request.sampling == m.Sampling(temperature=1.0)  # OpenAI's default temperature
-    assert request.mode == "dovetail" and request.stop == [] and not request.stream
+    assert request.mode == "dovetail" and request.stop == [] and not request.stream and plan.choices == 1
     assert (plan.stream, plan.include_usage) == (False, False)
     assert completion({"prompt": "hi"}, mode="ar").request.mode == "ar"  # the server's mode
     assert chat({"messages": [{"role": "user", "content": "hi"}]}).request.max_new_tokens == api.MAX_NEW_TOKENS
@@ -53,7 +53,8 @@ def test_chat_messages_and_their_text_parts():
 
 
 @pytest.mark.parametrize("body,status,words", [
-    ({"prompt": "x", "n": 3}, 400, "n=3 is not supported"),
+    ({"prompt": "x", "n": 0}, 400, "$.n"),
+    ({"prompt": "x", "n": api.MAX_CHOICES + 1}, 400, "$.n"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of=2 is not supported"),
     ({"prompt": "x", "logprobs": True}, 400, "$.logprobs"),  # the legacy API's logprobs is a count
     ({"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty=0.5"),
@@ -123,7 +124,8 @@ def test_event_stream_shapes():
                           stats=m.RequestStats(prompt_tokens=3, new_tokens=2))
     stream = api.EventStream(ids, chat=True, include_usage=True)
     events = [*stream.start(), *stream.text(m.TokenChunk(request_id="chatcmpl-1", token_ids=[5], text="ab")),
-              *stream.text(m.TokenChunk(request_id="chatcmpl-1", token_ids=[6], text="")), *stream.done(done)]
+              *stream.text(m.TokenChunk(request_id="chatcmpl-1", token_ids=[6], text="")), *stream.done(done),
+              *stream.end([done])]
     assert events[-1] == b"data: [DONE]\n\n"
     bodies = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
     assert [body["choices"][0]["delta"] for body in bodies[:3]] == [{"role": "assistant", "content": ""},
@@ -202,3 +204,35 @@ def test_ignored_fields_are_logged_at_debug_level(caplog):
         completion({"prompt": "x", "some_unknown_field": 1})
     assert [record.getMessage() for record in caplog.records] == ["ignoring unknown request fields: some_unknown_field"]
     assert all(record.levelno == logging.DEBUG for record in caplog.records)
+
+
+def test_n_choices_are_requests_seeded_apart_and_greedy_ones_are_one_decode():
+    plan = completion({"prompt": "x", "n": 3, "temperature": 0.8, "seed": (1 << 63) - 2})
+    asked = plan.decoded()
+    assert [one.request_id for one in asked] == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+    assert [one.sampling.seed for one in asked] == [(1 << 63) - 2, (1 << 63) - 1, 0]  # choice 0: n=1's seed
+    assert {one.prompt for one in asked} == {"x"} and {one.sampling.temperature for one in asked} == {0.8}
+    unseeded = completion({"prompt": "x", "n": 2, "temperature": 0.8}).decoded()
+    assert [one.sampling.seed for one in unseeded] == [None, None]  # each its own randomness
+    greedy = completion({"prompt": "x", "n": 4, "temperature": 0})
+    assert greedy.decoded() == [greedy.request]  # four equal choices from one decode
+
+
+def test_n_choices_in_a_body_and_in_a_stream():
+    ids = api.ResponseIds("cmpl-1", "model", 123)
+    one = m.GenerateDone(request_id="cmpl-1-0", token_ids=[5, 6], text="ab", finish_reason="length",
+                         stats=m.RequestStats(prompt_tokens=3, new_tokens=2))
+    two = m.GenerateDone(request_id="cmpl-1-1", token_ids=[7], text="c", finish_reason="stop",
+                         stats=m.RequestStats(prompt_tokens=3, new_tokens=1))
+    body = api.completion_body(ids, [one, two])
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "ab", "length"),
+                                                                                      (1, "c", "stop")]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}  # the prompt once
+    assert [c["token_ids"] for c in body["dovetail"]["choices"]] == [[5, 6], [7]]
+    assert api.per_choice([one], 3) == [one, one, one] and api.per_choice([one, two], 2) == [one, two]
+    stream = api.EventStream(ids, chat=True, include_usage=True, choices=2)
+    events = [*stream.start(), *stream.text(m.TokenChunk(request_id="cmpl-1-1", token_ids=[7], text="c"), 1),
+              *stream.done(two, 1), *stream.done(one, 0), *stream.end([one, two])]
+    bodies = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
+    assert [[c["index"] for c in body["choices"]] for body in bodies] == [[0], [1], [1], [1], [0], []]
+    assert bodies[2]["choices"][0]["delta"] == {"content": "c"} and bodies[-1]["usage"]["completion_tokens"] == 3
