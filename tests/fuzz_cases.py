@@ -81,7 +81,7 @@ FIELD_BAD: dict[str, list[Any]] = {
                  {"top_p": 1.0000001}, {"top_p": NAN}, {"top_p": INF}, {"top_p": I64}, {"seed": -1},
                  {"seed": 2**63}, {"seed": U64}, {"seed": 1.0}, {"typical_p": 0.5},
                  {"temperature": 0.5, "extra": 1}, {"type": "Sampling"}],
-    "mode": ["", "fast", "AR", "Dovetail", 1, None, True],
+    "mode": ["", "fast", "AR", "Dovetail", 1, True, []],
     "stream": [0, 1, "true", None, [], 1.0],
     "deadline_ms": [0, -1, 2**31, U64, I64, 1.5, NAN, INF, "10", True],
 }
@@ -96,7 +96,7 @@ EXTREME_VALID: dict[str, list[Any]] = {
     "stop": [["x" * 1024] * 64, ["\x00"], ["☃"]],
     "sampling": [{"temperature": 1000.0, "top_k": 2**31 - 1, "top_p": 5e-324, "seed": 2**63 - 1},
                  {"temperature": 1e-5, "top_p": 1.0, "seed": 0}, {}],
-    "mode": ["ar", "dovetail"],
+    "mode": ["ar", "dovetail", None],
     "stream": [True, False],
     "deadline_ms": [2**31 - 1, None],
     "request_id": ["x" * 256, "☃", "\x00"],
