@@ -317,29 +317,30 @@ class Routes:
         """Send the plan's requests (one per choice, each over its own Call), answer when the first
         replies say how it goes: an error before any text is a proper HTTP error."""
         ids = api.ResponseIds.now(plan.request.request_id, self.model.name, self.token_text)
-        asked = plan.decoded()
+        decodes = plan.decoded()
         calls: list[Call] = []
         handed_over = False
         try:
-            for one in asked:
+            for decode in decodes:
                 calls.append(Call(self.context, self.endpoint, self.slots))
                 try:
-                    await calls[-1].send(one)
+                    await calls[-1].send(decode.request)
                 except ProtocolError as error:  # a value the schema let through but the protocol refuses
                     raise api.ApiError(400, str(error), code="invalid_request") from None
-            firsts = await asyncio.gather(*(self.first_reply(request, call, one.request_id)
-                                            for call, one in zip(calls, asked, strict=True)))
+            firsts = await asyncio.gather(*(self.first_reply(request, call, decode.request.request_id)
+                                            for call, decode in zip(calls, decodes, strict=True)))
             if any(first is None for first in firsts):
                 return Response(status_code=499)  # nobody to answer; close() cancels the requests
             if failed := next((first for first in firsts if isinstance(first, m.ErrorReply)), None):
                 raise api.error_from_reply(failed)
             if not plan.stream:
                 finished = [first for first in firsts if isinstance(first, m.GenerateDone)]  # all, not streamed
-                dones = api.per_choice(finished, plan.choices)
-                return JSONResponse(api.chat_body(ids, dones) if chat else api.completion_body(ids, dones))
+                dones = api.per_choice(decodes, finished)
+                body = api.chat_body if chat else api.completion_body
+                return JSONResponse(body(ids, dones, plan.choices))
             handed_over = True
-            stream = api.EventStream(ids, chat, plan.include_usage, plan.choices)
-            return CallStream(self.events(calls, firsts, [one.request_id for one in asked], stream), calls)
+            stream = api.EventStream(ids, chat, plan.include_usage, plan.total_choices, plan.choices)
+            return CallStream(self.events(calls, firsts, decodes, stream), calls)
         finally:
             if not handed_over:
                 for call in calls:
@@ -353,18 +354,20 @@ class Routes:
                 return None
         return first
 
-    async def events(self, calls: Sequence[Call], firsts: Sequence[m.Message | None], request_ids: Sequence[str],
+    async def events(self, calls: Sequence[Call], firsts: Sequence[m.Message | None], decodes: Sequence[api.Decode],
                      stream: api.EventStream) -> AsyncIterator[bytes]:
-        """Every choice's events as its replies come; one request answers every choice when greedy."""
+        """Every choice's events as its request's replies come (a greedy prompt's one request answers
+        all its choices)."""
         for event in stream.start():
             yield event
         dones: dict[int, m.GenerateDone] = {}
+        request_ids = [decode.request.request_id for decode in decodes]
         async for index, reply in merged_replies(calls, firsts, request_ids):
             if isinstance(reply, m.ErrorReply):
                 for event in stream.error(api.error_from_reply(reply)):
                     yield event
                 return
-            for choice in range(stream.choices) if len(calls) == 1 else (index,):
+            for choice in decodes[index].choices:
                 events = stream.text(reply, choice) if isinstance(reply, m.TokenChunk) else []
                 if isinstance(reply, m.GenerateDone):
                     events, dones[choice] = stream.done(reply, choice), reply
@@ -390,15 +393,15 @@ class Routes:
     async def check_context(self, plan: api.Plan) -> None:
         """A max_tokens the client set must fit the context with the prompt (the prompt is
         tokenized here as the coordinator will tokenize it)."""
-        request = plan.request
         if plan.limit_field is None or self.prompt_chars is None:
             return
-        chars = len(request.prompt or "") + sum(len(turn.content) for turn in request.messages or ())
-        if chars > self.prompt_chars:  # the coordinator's prompt_too_long, without tokenizing megabytes
-            return
-        count = await run_in_threadpool(self.prompt_tokens, request)
-        if count is not None:
-            api.check_context(plan, count, self.model.context)
+        for request in plan.per_prompt():
+            chars = len(request.prompt or "") + sum(len(turn.content) for turn in request.messages or ())
+            if chars > self.prompt_chars:  # the coordinator's prompt_too_long, without tokenizing megabytes
+                continue
+            count = await run_in_threadpool(self.prompt_tokens, request)
+            if count is not None:
+                api.check_context(plan, count, self.model.context)
 
     def prompt_tokens(self, request: m.GenerateRequest) -> int | None:
         """The prompt's token count, as the coordinator will tokenize it (None: not known here)."""

@@ -7,9 +7,10 @@ names the field. Unknown fields are ignored (logged at debug level), as vLLM and
 ignore them: clients send their own extensions (``extra_body``) to every server. Fields of
 OpenAI's API that Dovetail does not implement are accepted only at their no-effect values
 (``presence_penalty: 0``, ``echo: false``, ...), so a client never silently gets something
-other than what it asked for. ``n`` choices (at most 16) are decoded side by side in the batch,
-each a request of its own (choice i seeded with seed + i); greedy choices are the same tokens, so
-one decode answers them all. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
+other than what it asked for. ``n`` choices, and a completion's list of prompts (at most 16
+choices in all), are decoded side by side in the batch, each a request of its own (choice i of a
+prompt seeded with seed + i); a prompt's greedy choices are the same tokens, so one decode answers
+them all. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-probabilities (``ipc.messages.TokenLogprob``), in OpenAI's shapes.
 
 Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in requests; a
@@ -18,6 +19,7 @@ Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in reque
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -220,25 +222,51 @@ class Plan:
     stream: bool
     include_usage: bool
     limit_field: str | None = None  # the field that set max_new_tokens, when the client set it
-    choices: int = 1  # n
+    choices: int = 1  # n: choices per prompt
+    prompts: tuple[str, ...] = ()  # a completion's list of prompts (each n choices); empty: request's own
 
-    def decoded(self) -> list[m.GenerateRequest]:
-        """The requests that answer the choices: one per choice, run side by side in the batch, choice i
-        seeded with seed + i (so choice 0 is what n=1 gives with that seed). Greedy choices are all the
-        same tokens (lossless), so one request answers them all (``per_choice``)."""
-        request = self.request
-        if self.choices == 1 or request.sampling.greedy:
-            return [request]
-        seed = request.sampling.seed
-        return [msgspec.structs.replace(request, request_id=f"{request.request_id}-{index}",
-                                        sampling=request.sampling if seed is None else
-                                        msgspec.structs.replace(request.sampling, seed=(seed + index) % (1 << 63)))
-                for index in range(self.choices)]
+    @property
+    def total_choices(self) -> int:
+        return max(1, len(self.prompts)) * self.choices
+
+    def per_prompt(self) -> list[m.GenerateRequest]:
+        """The request of each prompt (the first is ``request``)."""
+        return [self.request, *(msgspec.structs.replace(self.request, prompt=prompt) for prompt in self.prompts[1:])]
+
+    def decoded(self) -> list[Decode]:
+        """The requests that answer the choices, run side by side in the batch: prompt p's choice i is
+        choice p * n + i, seeded with seed + i (so choice 0 is what n=1 gives with that seed). Greedy
+        choices of a prompt are all the same tokens (lossless), so one request answers them all."""
+        decodes = []
+        for number, request in enumerate(self.per_prompt()):
+            first, sampling = number * self.choices, request.sampling
+            if sampling.greedy:
+                decodes.append(Decode(request, tuple(range(first, first + self.choices))))
+                continue
+            for index in range(self.choices):
+                seeded = sampling if sampling.seed is None else msgspec.structs.replace(
+                    sampling, seed=(sampling.seed + index) % (1 << 63))
+                decodes.append(Decode(msgspec.structs.replace(request, sampling=seeded), (first + index,)))
+        if len(decodes) == 1:
+            return decodes
+        return [Decode(msgspec.structs.replace(decode.request, request_id=f"{self.request.request_id}-"
+                                               f"{decode.choices[0]}"), decode.choices) for decode in decodes]
 
 
-def per_choice(dones: Sequence[m.GenerateDone], choices: int) -> list[m.GenerateDone]:
-    """Each choice's answer from the answers of ``Plan.decoded``'s requests (one answers all when greedy)."""
-    return list(dones) * choices if len(dones) == 1 else list(dones)
+@dataclass(frozen=True)
+class Decode:
+    """One request sent for a Plan, and the choices its answer is (several: a greedy prompt's n)."""
+
+    request: m.GenerateRequest
+    choices: tuple[int, ...]
+
+
+def per_choice(decodes: Sequence[Decode], dones: Sequence[m.GenerateDone]) -> list[m.GenerateDone]:
+    """Each choice's answer, in choice order, from the answers to ``Plan.decoded``'s requests."""
+    answers: dict[int, m.GenerateDone] = {}
+    for decode, done in zip(decodes, dones, strict=True):
+        answers.update(dict.fromkeys(decode.choices, done))
+    return [answers[index] for index in sorted(answers)]
 
 
 def check_context(plan: Plan, prompt_tokens: int, context: int) -> None:
@@ -288,17 +316,19 @@ def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, l
 
 
 def plan_completion(params: CompletionRequest, request_id: str, default_mode: str) -> Plan:
-    prompt = params.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: a list of {len(prompt)} prompts; Dovetail runs one prompt per request",
-                           code="unsupported", param="prompt")
-        prompt = prompt[0]
-    if len(prompt) > 16 * 1024 * 1024:
+    prompts = params.prompt if isinstance(params.prompt, list) else [params.prompt]
+    if not prompts:
+        raise ApiError(400, "prompt: an empty list of prompts", code="invalid_request", param="prompt")
+    if len(prompts) * (params.n or 1) > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n={params.n or 1} choices: at most {MAX_CHOICES} choices a "
+                            f"request (each is a request of its own in the batch)", code="invalid_request",
+                       param="prompt" if len(prompts) > 1 else "n")
+    if sum(len(prompt) for prompt in prompts) > 16 * 1024 * 1024:
         raise ApiError(400, "prompt: longer than 16,777,216 characters", code="prompt_too_long", param="prompt")
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens
     limit_field = None if params.max_tokens is None else "max_tokens"
-    return _plan(params, request_id, default_mode, max_tokens, limit_field, params.logprobs, prompt=prompt)
+    plan = _plan(params, request_id, default_mode, max_tokens, limit_field, params.logprobs, prompt=prompts[0])
+    return dataclasses.replace(plan, prompts=tuple(prompts)) if len(prompts) > 1 else plan
 
 
 def plan_chat(params: ChatRequest, request_id: str, default_mode: str) -> Plan:
@@ -375,9 +405,10 @@ def chat_logprobs(token_text: TokenText, token_ids: Sequence[int],
     return {"content": content, "refusal": None}
 
 
-def usage(dones: Sequence[m.GenerateDone]) -> dict[str, int]:
-    """The prompt once, every choice's tokens (as OpenAI counts n choices)."""
-    prompt, completion = dones[0].stats.prompt_tokens, sum(len(done.token_ids) for done in dones)
+def usage(dones: Sequence[m.GenerateDone], choices: int = 1) -> dict[str, int]:
+    """Each prompt once (``choices`` answers a prompt, in order), every choice's tokens (as OpenAI counts)."""
+    prompt = sum(done.stats.prompt_tokens for done in dones[::choices])
+    completion = sum(len(done.token_ids) for done in dones)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -391,31 +422,33 @@ def extensions(dones: Sequence[m.GenerateDone]) -> dict[str, Any]:
     return extension(dones[0]) if len(dones) == 1 else {"choices": [extension(done) for done in dones]}
 
 
-def completion_body(meta: ResponseIds, dones: Sequence[m.GenerateDone]) -> dict[str, Any]:
+def completion_body(meta: ResponseIds, dones: Sequence[m.GenerateDone], per_prompt: int = 1) -> dict[str, Any]:
+    """``dones``: every choice's answer in order, ``per_prompt`` (n) of them for each prompt."""
     choices = [{"index": index, "text": done.text, "finish_reason": done.finish_reason,
                 "logprobs": completion_logprobs(meta.token_text, done.token_ids, done.logprobs)}
                for index, done in enumerate(dones)]
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "choices": choices, "usage": usage(dones), "dovetail": extensions(dones)}
+            "choices": choices, "usage": usage(dones, per_prompt), "dovetail": extensions(dones)}
 
 
-def chat_body(meta: ResponseIds, dones: Sequence[m.GenerateDone]) -> dict[str, Any]:
+def chat_body(meta: ResponseIds, dones: Sequence[m.GenerateDone], per_prompt: int = 1) -> dict[str, Any]:
     choices = [{"index": index, "message": {"role": "assistant", "content": done.text},
                 "logprobs": chat_logprobs(meta.token_text, done.token_ids, done.logprobs),
                 "finish_reason": done.finish_reason} for index, done in enumerate(dones)]
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "choices": choices, "usage": usage(dones), "dovetail": extensions(dones)}
+            "choices": choices, "usage": usage(dones, per_prompt), "dovetail": extensions(dones)}
 
 
 class EventStream:
     """The server-sent events of one streamed response, built from the coordinator's replies; each
     choice's events carry its index (one choice per event, as OpenAI streams n choices)."""
 
-    def __init__(self, meta: ResponseIds, chat: bool, include_usage: bool, choices: int = 1):
+    def __init__(self, meta: ResponseIds, chat: bool, include_usage: bool, choices: int = 1, per_prompt: int = 1):
         self.meta = meta
         self.chat = chat
         self.include_usage = include_usage
-        self.choices = choices
+        self.choices = choices  # in all
+        self.per_prompt = per_prompt  # n
         self.offsets = [0] * choices  # the completions API's text_offset: characters of token text sent so far
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -463,7 +496,7 @@ class EventStream:
 
     def end(self, dones: Sequence[m.GenerateDone]) -> list[bytes]:
         """After every choice's ``done``: the usage (when asked for), then the end."""
-        return [*([self._chunk([], usage=usage(dones))] if self.include_usage else []), DONE]
+        return [*([self._chunk([], usage=usage(dones, self.per_prompt))] if self.include_usage else []), DONE]
 
     def error(self, error: ApiError) -> list[bytes]:
         """A failure after the 200 was sent: an error event, then the end (as vLLM does)."""

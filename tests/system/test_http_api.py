@@ -333,7 +333,7 @@ def api_error(server: Server, path: str, body: str | bytes) -> tuple[int, dict]:
      "100000 in the completion)"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "invalid_request",
      "only allowed with stream=true"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported", "one prompt per request"),
+    ("/v1/completions", {"prompt": ["a"] * 17}, 400, "invalid_request", "at most 16 choices"),
     ("/v1/completions", {"max_tokens": 3}, 400, "invalid_request", "missing required field `prompt`"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model_not_found", "'gpt-4' does not exist"),
     ("/v1/completions", {"prompt": "def " * 3000}, 400, "prompt_too_long", "leaves no room"),
@@ -387,6 +387,20 @@ def test_n_choices_are_each_what_their_own_request_gives(chat_server, ar):
     greedy = api.completions.create(model="code-chat-9m", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, n=2)
     assert [choice.text for choice in greedy.choices] == [ar[prompt]["text"]] * 2
     assert greedy.usage.completion_tokens == 2 * NEW_TOKENS
+
+
+def test_a_list_of_prompts_gets_a_choice_each_in_order(chat_server, ar):
+    api = client(chat_server)
+    whole = api.completions.create(model="code-chat-9m", prompt=PROMPTS, max_tokens=NEW_TOKENS, temperature=0)
+    assert [choice.text for choice in whole.choices] == [ar[prompt]["text"] for prompt in PROMPTS]
+    assert whole.usage.prompt_tokens == sum(ar[prompt]["stats"]["prompt_tokens"] for prompt in PROMPTS)
+    chunks = api.completions.create(model="code-chat-9m", prompt=PROMPTS[:2], max_tokens=NEW_TOKENS, temperature=0,
+                                    n=2, stream=True)
+    texts = [""] * 4
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [ar[PROMPTS[0]]["text"]] * 2 + [ar[PROMPTS[1]]["text"]] * 2
 
 
 def test_llama_server_and_vllm_habits(chat_server, ar):

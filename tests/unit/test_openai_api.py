@@ -63,7 +63,8 @@ def test_chat_messages_and_their_text_parts():
     ({"prompt": "x", "stream": "yes"}, 400, "$.stream"),
     ({"prompt": "x", "stop": ["s"] * 65}, 400, "at most 64 strings"),
     ({"prompt": "x", "max_tokens": 10**30}, 400, "$.max_tokens"),
-    ({"prompt": []}, 400, "a list of 0 prompts"),
+    ({"prompt": []}, 400, "an empty list of prompts"),
+    ({"prompt": ["a"] * 9, "n": 2}, 400, "9 prompts x n=2 choices: at most 16"),
     ({"prompt": [1, 2]}, 400, "$.prompt"),
 ])
 def test_refusals_name_the_field(body, status, words):
@@ -208,14 +209,31 @@ def test_ignored_fields_are_logged_at_debug_level(caplog):
 
 def test_n_choices_are_requests_seeded_apart_and_greedy_ones_are_one_decode():
     plan = completion({"prompt": "x", "n": 3, "temperature": 0.8, "seed": (1 << 63) - 2})
-    asked = plan.decoded()
+    decodes = plan.decoded()
+    assert [decode.choices for decode in decodes] == [(0,), (1,), (2,)]
+    asked = [decode.request for decode in decodes]
     assert [one.request_id for one in asked] == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
     assert [one.sampling.seed for one in asked] == [(1 << 63) - 2, (1 << 63) - 1, 0]  # choice 0: n=1's seed
     assert {one.prompt for one in asked} == {"x"} and {one.sampling.temperature for one in asked} == {0.8}
     unseeded = completion({"prompt": "x", "n": 2, "temperature": 0.8}).decoded()
-    assert [one.sampling.seed for one in unseeded] == [None, None]  # each its own randomness
+    assert [decode.request.sampling.seed for decode in unseeded] == [None, None]  # each its own randomness
     greedy = completion({"prompt": "x", "n": 4, "temperature": 0})
-    assert greedy.decoded() == [greedy.request]  # four equal choices from one decode
+    assert greedy.decoded() == [api.Decode(greedy.request, (0, 1, 2, 3))]  # four equal choices, one decode
+
+
+def test_a_list_of_prompts_is_n_choices_each_in_prompt_order():
+    greedy = completion({"prompt": ["a", "b", "c"], "n": 2, "temperature": 0}).decoded()
+    assert [(d.request.prompt, d.request.request_id, d.choices) for d in greedy] == [
+        ("a", "cmpl-1-0", (0, 1)), ("b", "cmpl-1-2", (2, 3)), ("c", "cmpl-1-4", (4, 5))]
+    sampled = completion({"prompt": ["a", "b"], "n": 2, "temperature": 1, "seed": 5}).decoded()
+    assert [(d.request.prompt, d.request.sampling.seed, d.choices) for d in sampled] == [
+        ("a", 5, (0,)), ("a", 6, (1,)), ("b", 5, (2,)), ("b", 6, (3,))]  # each prompt as its n=2 request
+    dones = [m.GenerateDone(request_id=d.request.request_id, token_ids=[1] * (k + 1), text=str(k),
+                            finish_reason="length", stats=m.RequestStats(prompt_tokens=10 * (k + 1)))
+             for k, d in enumerate(greedy)]
+    answers = api.per_choice(greedy, dones)
+    assert [done.text for done in answers] == ["0", "0", "1", "1", "2", "2"]
+    assert api.usage(answers, 2) == {"prompt_tokens": 60, "completion_tokens": 12, "total_tokens": 72}
 
 
 def test_n_choices_in_a_body_and_in_a_stream():
@@ -224,13 +242,13 @@ def test_n_choices_in_a_body_and_in_a_stream():
                          stats=m.RequestStats(prompt_tokens=3, new_tokens=2))
     two = m.GenerateDone(request_id="cmpl-1-1", token_ids=[7], text="c", finish_reason="stop",
                          stats=m.RequestStats(prompt_tokens=3, new_tokens=1))
-    body = api.completion_body(ids, [one, two])
+    body = api.completion_body(ids, [one, two], 2)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "ab", "length"),
                                                                                       (1, "c", "stop")]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}  # the prompt once
     assert [c["token_ids"] for c in body["dovetail"]["choices"]] == [[5, 6], [7]]
-    assert api.per_choice([one], 3) == [one, one, one] and api.per_choice([one, two], 2) == [one, two]
-    stream = api.EventStream(ids, chat=True, include_usage=True, choices=2)
+    assert api.per_choice([api.Decode(m.GenerateRequest(request_id="r", prompt="x"), (0, 1, 2))], [one]) == [one] * 3
+    stream = api.EventStream(ids, chat=True, include_usage=True, choices=2, per_prompt=2)
     events = [*stream.start(), *stream.text(m.TokenChunk(request_id="cmpl-1-1", token_ids=[7], text="c"), 1),
               *stream.done(two, 1), *stream.done(one, 0), *stream.end([one, two])]
     bodies = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
