@@ -27,6 +27,7 @@ fit the context with the prompt before the request takes its turn in the queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -34,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,7 +193,7 @@ class CallStream(StreamingResponse):
 
 
 async def merged_replies(calls: Sequence[Call], firsts: Sequence[m.Message | None],
-                         request_ids: Sequence[str]) -> AsyncIterator[tuple[int, m.Message]]:
+                         request_ids: Sequence[str]) -> AsyncGenerator[tuple[int, m.Message], None]:
     """Each Call's replies (its TokenChunks, then its GenerateDone or ErrorReply), tagged with the
     Call's index, in the order they come, starting from ``firsts``; ends once every Call has ended
     or one has failed. A client that leaves cancels this; the waits still open go with it."""
@@ -327,8 +328,10 @@ class Routes:
                     await calls[-1].send(decode.request)
                 except ProtocolError as error:  # a value the schema let through but the protocol refuses
                     raise api.ApiError(400, str(error), code="invalid_request") from None
-            firsts = await asyncio.gather(*(self.first_reply(request, call, decode.request.request_id)
-                                            for call, decode in zip(calls, decodes, strict=True)))
+            async with asyncio.TaskGroup() as group:  # one failing cancels the others' waits
+                waits = [group.create_task(self.first_reply(request, call, decode.request.request_id))
+                         for call, decode in zip(calls, decodes, strict=True)]
+            firsts = [wait.result() for wait in waits]
             if any(first is None for first in firsts):
                 return Response(status_code=499)  # nobody to answer; close() cancels the requests
             if failed := next((first for first in firsts if isinstance(first, m.ErrorReply)), None):
@@ -362,17 +365,19 @@ class Routes:
             yield event
         dones: dict[int, m.GenerateDone] = {}
         request_ids = [decode.request.request_id for decode in decodes]
-        async for index, reply in merged_replies(calls, firsts, request_ids):
-            if isinstance(reply, m.ErrorReply):
-                for event in stream.error(api.error_from_reply(reply)):
-                    yield event
-                return
-            for choice in decodes[index].choices:
-                events = stream.text(reply, choice) if isinstance(reply, m.TokenChunk) else []
-                if isinstance(reply, m.GenerateDone):
-                    events, dones[choice] = stream.done(reply, choice), reply
-                for event in events:
-                    yield event
+        # aclosing: however this ends, the merge's open waits end with it (not when collected).
+        async with contextlib.aclosing(merged_replies(calls, firsts, request_ids)) as replies:
+            async for index, reply in replies:
+                if isinstance(reply, m.ErrorReply):
+                    for event in stream.error(api.error_from_reply(reply)):
+                        yield event
+                    return
+                for choice in decodes[index].choices:
+                    events = stream.text(reply, choice) if isinstance(reply, m.TokenChunk) else []
+                    if isinstance(reply, m.GenerateDone):
+                        events, dones[choice] = stream.done(reply, choice), reply
+                    for event in events:
+                        yield event
         for event in stream.end([dones[choice] for choice in range(stream.choices)]):
             yield event
 

@@ -442,13 +442,14 @@ def test_a_client_that_leaves_is_cancelled(plain_server):
     before = cancelled()
     body = {"prompt": "import os", "max_tokens": 1900, "temperature": 0}
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:  # streamed, then gone
-        data = json.dumps({**body, "stream": True}).encode()
+        data = json.dumps({**body, "stream": True, "n": 2, "temperature": 1}).encode()  # two requests
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
         assert raw.recv(65536).startswith(b"HTTP/1.1 200")
-    curl("--max-time", "1", url + "/v1/completions", "-d", json.dumps(body))  # not streamed, then gone
+    # Not streamed, then gone: two prompts, two requests.
+    curl("--max-time", "1", url + "/v1/completions", "-d", json.dumps({**body, "prompt": ["import os", "import re"]}))
     deadline = time.monotonic() + 120
-    while cancelled() < before + 2:  # both requests end as cancelled, long before 1900 tokens
+    while cancelled() < before + 4:  # all four requests end as cancelled, long before 1900 tokens
         assert time.monotonic() < deadline, "the requests of clients that left were not cancelled"
         time.sleep(0.2)
     done = client(plain_server).completions.create(model="target-code-9m", prompt="x", max_tokens=2, temperature=0)
