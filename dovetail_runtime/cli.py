@@ -881,6 +881,9 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
 def client_main(**values: Any) -> None:
     """Send a prompt (or a chat) to a running dovetail-run server and stream the completion to stdout.
 
+    Without --prompt or --messages the prompt is read from stdin, or, with --chat in a terminal, a
+    conversation starts: each line you type is a turn (/reset starts over, /exit or Ctrl-D ends it).
+
     A server's tcp:// endpoints need its API key when it was started with one (ipc:// never does)."""
     from .client import DovetailClient, GenerationError, HandshakeError
 
@@ -889,7 +892,14 @@ def client_main(**values: Any) -> None:
     greedy = greedy_sampling_warning(options.sampling.temperature)
     if greedy:
         click.echo(f"warning: {greedy}", err=True)
-    messages = chat_messages(request.prompt, request.chat, request.system, request.messages_file)
+    conversation = request.prompt is None and request.messages_file is None and sys.stdin.isatty()
+    if conversation and (not request.chat or options.as_json):
+        raise click.UsageError("give --prompt or --messages (or pipe the prompt in; --chat alone in a terminal "
+                               "starts a conversation)")
+    if request.prompt is None and request.messages_file is None and not conversation:
+        request = dataclasses.replace(request, prompt=read_stdin_prompt())
+    messages = None if conversation else chat_messages(request.prompt, request.chat, request.system,
+                                                       request.messages_file)
     try:
         key = resolve_api_key(connect.api_key_file, connect.api_key)
     except ApiKeyError as error:
@@ -910,8 +920,13 @@ def client_main(**values: Any) -> None:
         sys.exit(130)
     with client:
         try:
-            stream_or_print(client, request, messages, make_sampling(**dataclasses.asdict(options.sampling)),
-                            options.as_json)
+            sampling = make_sampling(**dataclasses.asdict(options.sampling))
+            if conversation:
+                from .conversation import converse
+
+                sys.exit(converse(client, request_params(request, sampling), request.system, sys.stdout,
+                                  sys.stderr))
+            stream_or_print(client, request, messages, sampling, options.as_json)
         except (GenerationError, TimeoutError) as error:
             if OpenCompletion.text:  # the error may follow streamed text: not on its line
                 end_completion(as_json=False)
@@ -927,9 +942,7 @@ def stream_or_print(client: DovetailClient, request: ClientRequestOptions, messa
                     sampling: m.Sampling, as_json: bool) -> None:
     """Generate: the text streamed to stdout as it comes, or one JSON object at the end."""
     prompt = request.prompt
-    params: dict = dict(max_new_tokens=request.max_new_tokens, stop=list(request.stops), mode=request.mode,
-                        sampling=sampling,
-                        deadline_ms=None if request.deadline is None else max(1, round(request.deadline * 1000)))
+    params = request_params(request, sampling)
     if messages is not None:
         params["messages"], prompt = messages, None
     if as_json:
@@ -945,6 +958,28 @@ def stream_or_print(client: DovetailClient, request: ClientRequestOptions, messa
             sys.stdout.flush()
             OpenCompletion.text = True
     end_completion(as_json=False)
+
+
+def request_params(request: ClientRequestOptions, sampling: m.Sampling) -> dict[str, Any]:
+    """The GenerateRequest fields dovetail-client's options set (all but the prompt or messages)."""
+    return dict(max_new_tokens=request.max_new_tokens, stop=list(request.stops), mode=request.mode,
+                sampling=sampling,
+                deadline_ms=None if request.deadline is None else max(1, round(request.deadline * 1000)))
+
+
+def read_stdin_prompt() -> str:
+    """The prompt piped in (``echo ... | dovetail-client``): UTF-8 (a byte-order mark dropped), one
+    trailing newline dropped as the shell adds it."""
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise click.UsageError(f"stdin is not UTF-8 text (byte {data[error.start]:#04x} at offset {error.start})") \
+            from None
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise click.UsageError("no prompt: give --prompt or --messages, or pipe the prompt in")
+    return text
 
 
 def chat_messages(prompt: str | None, chat: bool, system: str | None,

@@ -8,6 +8,7 @@ eos id is seen to stop generation.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import socket
@@ -20,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dovetail_runtime.client import DovetailClient
+from dovetail_runtime.conversation import converse
 
 from conftest import DEMO_DRAFT, DEMO_TARGET
 from runtime_harness import BIN, FIXED_TREE, Server, dovetail_run
@@ -277,6 +279,33 @@ def test_zmq_chat_messages_share_the_queue(chat_server, chat_reference):
                           "--prompt", "Add two numbers.", "--max-new-tokens", str(NEW_TOKENS)],
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0 and cli.stdout == chat_reference["text"] + "\n"
+    piped = subprocess.run([str(BIN / "dovetail-client"), "--connect", endpoint, "--chat", "--system", "Write Python.",
+                            "--max-new-tokens", str(NEW_TOKENS)], input="Add two numbers.\n", capture_output=True,
+                           text=True, timeout=300)
+    assert piped.returncode == 0 and piped.stdout == chat_reference["text"] + "\n", piped.stderr
+
+
+def test_a_conversation_sends_each_turn_with_the_chat_so_far(chat_server, chat_reference):
+    """dovetail-client's conversation (--chat without --prompt in a terminal; here its loop in this
+    process, lines scripted) against the server: each reply what the whole chat gives one-shot."""
+    endpoint = chat_server.endpoints[0]
+    second = [*CHAT, {"role": "assistant", "content": chat_reference["text"]},
+              {"role": "user", "content": "Now three."}]
+    lines = ["Add two numbers.", "/reset", "Add two numbers.", "Now three."]
+    out, err = io.StringIO(), io.StringIO()
+
+    def typed(prompt: str) -> str:
+        out.write(prompt)
+        if not lines:
+            raise EOFError
+        return lines.pop(0)
+
+    with DovetailClient(endpoint, timeout_s=300) as zmq_client:
+        expected = zmq_client.chat(second, max_new_tokens=NEW_TOKENS).text
+        status = converse(zmq_client, {"max_new_tokens": NEW_TOKENS}, "Write Python.", out, err, typed)
+    assert status == 0, err.getvalue()
+    assert out.getvalue() == f"> {chat_reference['text']}\n> > {chat_reference['text']}\n> {expected}\n> \n"
+    assert err.getvalue().count("tokens/s, tau") == 3 and "[a new conversation]" in err.getvalue()
 
 
 # --- the rest of the API -----------------------------------------------------------------

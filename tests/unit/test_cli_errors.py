@@ -107,6 +107,14 @@ def test_ports_in_range_and_free_port_spellings_pass():
         assert context.params["http_address"] == "127.0.0.1:0"
 
 
+@pytest.mark.parametrize("piped,says", [
+    (b"", "no prompt: give --prompt or --messages, or pipe the prompt in"), (b"\n", "no prompt"),
+    (b"def \xff", "stdin is not UTF-8 text (byte 0xff at offset 4)")])
+def test_dovetail_client_without_a_prompt_reads_stdin_and_refuses_nothing_or_bytes(piped, says):
+    result = CliRunner().invoke(cli.client_main, ["--connect", "ipc:///nobody/serves.sock"], input=piped)
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output, result.output
+
+
 def test_an_empty_stop_string_is_refused():
     assert "an empty stop string matches nothing" in refused(cli.run_main, ["--stop", "\n", "--stop", ""])
     assert "an empty stop string matches nothing" in refused(cli.client_main, ["--stop", ""])
