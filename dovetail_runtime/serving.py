@@ -406,8 +406,8 @@ class Serving:
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_S
-        for item in self.queue.expired(now):
-            self._send(item.client, error_reply(item.request.request_id, "deadline_exceeded",
+        for item in self.queue.expired(now):  # answered and counted (GET /metrics), as a running one is
+            self._answer(item.client, error_reply(item.request.request_id, "deadline_exceeded",
                                                 "the request's deadline passed while it waited its turn"))
         for client in self.queue.clients():
             if self.server.peer_gone(client):

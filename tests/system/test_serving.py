@@ -722,3 +722,15 @@ def test_a_client_that_sends_on_and_never_reads_is_one_warning_not_one_per_messa
     other.send(m.Ping(nonce=2))
     assert other.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=2)
     silent.close(0)
+
+
+def test_deadlines_of_waiting_requests_are_counted_in_the_metrics(serve):
+    harness = serve()
+    blocker = start_blocker(harness)
+    client = harness.client()
+    send(client, "waits-too-long", deadline_ms=50)
+    late = final(client, "waits-too-long")
+    assert isinstance(late, m.ErrorReply) and late.code == "deadline_exceeded"
+    assert metrics(client).errors == {"deadline_exceeded": 1}  # GET /metrics shows it, as a running one's
+    blocker.send(m.Cancel(request_id="blocker"))
+    final(blocker, "blocker")
