@@ -576,13 +576,14 @@ class Coordinator:
 
     def kv_budget(self) -> KvBudget | None:
         """The running requests' KV memory budget (serving admits by it): --kv-memory, or a share of
-        the memory free now that the models are loaded; None for a single request at a time."""
+        the memory free now that the models are loaded; None for a single request at a time unless
+        --kv-memory is given (then a request that could never fit it is refused, as in a batch)."""
         if self.cpu is None or self.cpu.info is None:
             raise RuntimeError("a KV budget before start()")
         info = self.cpu.info
-        if self.settings.max_batch <= 1 or info.kv_cache_bytes == 0:
-            return None
         budget = self.settings.kv_memory_bytes
+        if (self.settings.max_batch <= 1 and budget is None) or info.kv_cache_bytes == 0:
+            return None
         if budget is None:
             budget = int(machine_memory()[1] * KV_MEMORY_SHARE)
         per_token = info.kv_cache_bytes / info.max_len

@@ -54,7 +54,14 @@ def test_the_budget_is_the_flag_or_a_share_of_free_memory_and_none_for_one_reque
     monkeypatch.setattr("dovetail_runtime.memory_fit.CGROUP_ROOT", Path("/nonexistent-cgroup"))  # no container
     budget = coordinator_with(4, None).kv_budget()
     assert budget is not None and budget.budget_bytes == int(10_000_000_000 * KV_MEMORY_SHARE)
-    assert coordinator_with(1, 2_000_000_000).kv_budget() is None
+    assert coordinator_with(1, None).kv_budget() is None  # one at a time: no share of free memory imposed
+
+
+def test_the_flag_is_kept_for_one_request_at_a_time():
+    # --max-batch 1 --kv-memory 0.5 served a request that could grow past 0.5 GB: the flag was ignored.
+    budget = coordinator_with(1, 1_000_000).kv_budget()
+    assert budget is not None and budget.budget_bytes == 1_000_000
+    assert budget.ever_fits(budget.need(10, 100)) and not budget.ever_fits(budget.need(INFO.max_len, 1))
 
 
 def test_the_flag_sets_the_budget_in_gb_and_the_help_says_so():
