@@ -41,7 +41,7 @@ from ipc.channels import RuntimeDir
 from ipc.shm_ring import ShmRing, cycle_slots, slot_bytes_for
 from ipc.tree import TreeShape
 
-from .admission import KvBudget
+from .admission import KvBudget, size_text
 from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import (
@@ -587,8 +587,9 @@ class Coordinator:
         if budget is None:
             budget = int(machine_memory()[1] * KV_MEMORY_SHARE)
         per_token = info.kv_cache_bytes / info.max_len
-        log.info("KV memory budget %.2f GB: %d full-context sequences of %.2f GB at once (--max-batch %d)",
-                 budget / 1e9, budget // info.kv_cache_bytes, info.kv_cache_bytes / 1e9, self.settings.max_batch)
+        log.info("KV memory budget %s: %d full-context sequences of %s at once (--max-batch %d)",
+                 size_text(budget), budget // info.kv_cache_bytes, size_text(info.kv_cache_bytes),
+                 self.settings.max_batch)
         return KvBudget(budget, per_token, info.max_len)
 
     def _batch_size(self) -> int:

@@ -34,6 +34,13 @@ def test_a_request_reserves_its_prompt_plus_new_tokens_at_most_the_context():
     assert "--kv-memory" in budget.refusal(20_000)
 
 
+def test_the_refusal_shows_sizes_a_small_model_can_tell_apart():
+    # The 9M demo with --kv-memory 0.001: "can grow to 0.00 GB (206 tokens x 0.01 MB), more than ... 0.00 GB".
+    refusal = KvBudget(1_000_000, bytes_per_token=12_288.0, max_len=96).refusal(int(206 * 12_288))
+    assert "2.53 MB (206 tokens x 12.3 kB)" in refusal and "budget of 1 MB" in refusal, refusal
+    assert "3.5 GB" in KvBudget(4_000_000_000, 1e5, 1000).refusal(3_500_000_000)
+
+
 def test_a_budget_needs_positive_sizes():
     with pytest.raises(ValueError, match="positive"):
         KvBudget(0, 1.0, 10)
