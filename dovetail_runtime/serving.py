@@ -171,7 +171,9 @@ class Serving:
                 self._end_unstarted(running)
                 continue
             budget = self.budget
-            if budget is not None:
+            # A prompt that leaves no room in the context (or none at all) ends at its first step, reserving
+            # nothing: neither refused for KV memory nor held at the head of the line for it.
+            if budget is not None and 0 < len(begun.prompt_ids) < self.coordinator.max_len:
                 need = budget.need(len(begun.prompt_ids), begun.request.max_new_tokens)
                 if not budget.ever_fits(need):
                     self.active.remove(running)

@@ -26,7 +26,7 @@ from dovetail_runtime.admission import KvBudget
 from dovetail_runtime.batching import Batcher
 from dovetail_runtime.client import DovetailClient, HandshakeError
 from dovetail_runtime.coordinator import TooManyRestarts
-from dovetail_runtime.generation import Call
+from dovetail_runtime.generation import Call, PromptTooLong
 from dovetail_runtime.metrics import ServerMetrics
 from dovetail_runtime.serving import ServeLimits, Serving
 from dovetail_runtime.workers import WorkerFailed
@@ -122,6 +122,8 @@ class StandInCoordinator:
 
     def _loop(self, started: StandInStarted, on_text):
         request, kind = started.request, started.request.prompt
+        if kind.startswith("too long") and len(started.prompt_ids) >= self.max_len:  # as Context.check_prompt
+            raise PromptTooLong(f"prompt of {len(started.prompt_ids)} tokens leaves no room")
         if kind == "hang":  # one long worker step: only the wait hook runs meanwhile
             while not self.release.wait(0.005):
                 self.while_waiting()
@@ -140,7 +142,9 @@ class StandInCoordinator:
         return finish, None
 
     def conclude(self, started: StandInStarted, outcome) -> m.GenerateDone | m.ErrorReply:
-        if isinstance(outcome, WorkerFailed):  # as Coordinator.conclude answers it
+        if isinstance(outcome, PromptTooLong):  # as Coordinator.conclude answers it
+            return m.ErrorReply(request_id=started.request.request_id, code="prompt_too_long", message=str(outcome))
+        if isinstance(outcome, WorkerFailed):
             return m.ErrorReply(request_id=started.request.request_id, code="worker_failed", message=str(outcome))
         if isinstance(outcome, BaseException):
             raise outcome
@@ -734,3 +738,22 @@ def test_deadlines_of_waiting_requests_are_counted_in_the_metrics(serve):
     assert metrics(client).errors == {"deadline_exceeded": 1}  # GET /metrics shows it, as a running one's
     blocker.send(m.Cancel(request_id="blocker"))
     final(blocker, "blocker")
+
+
+@pytest.mark.parametrize("budget", [80, 120])
+def test_a_prompt_too_long_for_the_context_is_refused_at_once_not_held_for_kv_memory(serve, budget):
+    # Its KV need is counted as the whole context: it was refused kv_budget_exceeded (budget 80), or
+    # held at the head of the line until the running request ended, only to be refused then (120).
+    harness = serve(coordinator=StandInCoordinator(max_batch=4, budget=kv_budget_of(budget)))
+    big, long, small = harness.client(), harness.client(), harness.client()
+    send(big, "big", "block", max_new_tokens=55, stream=True)  # 60 tokens reserved
+    harness.wait_for(lambda: harness.coordinator.ran == ["big"], "the first to run")
+    send(long, "long", "too long".ljust(150, "x"), max_new_tokens=5)  # 150 tokens: more than the context of 100
+    refused = final(long, "long")
+    assert isinstance(refused, m.ErrorReply) and refused.code == "prompt_too_long", refused
+    send(small, "small", "x", max_new_tokens=3)  # not held up behind it either
+    assert final(small, "small").finish_reason == "length"
+    assert "big" not in harness.coordinator.ended
+    big.send(m.Cancel(request_id="big"))
+    assert final(big, "big").finish_reason == "cancelled"
+    assert harness.serving.budget is not None and harness.serving.budget.reserved_bytes == 0
