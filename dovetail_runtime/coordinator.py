@@ -435,6 +435,11 @@ class Coordinator:
         workers = self.workers()
         return bool(workers) and all(worker.ready and worker.alive() for worker in workers)
 
+    def draft_worker_dead(self) -> bool:
+        """The gpu_worker is dead and the cpu_worker lives: ar requests run on while it restarts."""
+        return (self.gpu is not None and not self.gpu.alive()
+                and self.cpu is not None and self.cpu.alive())
+
     def close(self) -> None:
         for worker in self.workers():  # all asked first: they exit side by side, not one after the other
             worker.ask_to_stop()

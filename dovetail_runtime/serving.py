@@ -107,10 +107,9 @@ class Serving:
             if ready is not None:
                 ready(self.server.endpoints)
             while not self.should_stop():
-                if not self._started():
-                    # A worker that died while idle is restarted now (Pings say not ready meanwhile),
-                    # not when the next request finds it dead.
-                    self.coordinator.recover()
+                # A worker that died while idle is restarted now (Pings say not ready meanwhile),
+                # not when the next request finds it dead.
+                self._recover()
                 self._read_clients(timeout_ms=0 if len(self.queue) or self.active else IDLE_POLL_MS)
                 self._sweep()
                 self._admit_waiting()
@@ -264,8 +263,16 @@ class Serving:
         for stream in ended:
             running = next(running for running in self.active if running.stream is stream)
             self._finish(running)
-        if not self._started():
-            self.coordinator.recover()  # restart a worker that died or was killed, before the next request
+        self._recover()  # restart a worker that died or was killed, before the next request
+
+    def _recover(self) -> None:
+        """Restart dead workers once nothing runs; a dead gpu_worker also while only ar requests run
+        (they never use it and run on; a dovetail request admitted meanwhile would fail)."""
+        started = self._started()
+        if not started or (self.coordinator.draft_worker_dead()
+                           and not any(running.stream is not None and running.stream.uses_gpu
+                                       for running in started)):
+            self.coordinator.recover()
 
     def _started(self) -> list[Running]:
         """The running requests: those in ``active`` but the one held for KV memory."""

@@ -83,6 +83,7 @@ class StandInCoordinator:
         self.start_hook: Callable[[], None] | None = None
         self.restart_hook: Callable[[], None] | None = None
         self.workers_up = True
+        self.draft_dead = False  # the gpu_worker alone is dead
         self.metrics = ServerMetrics()
         self._seq_ids = itertools.count(1)
 
@@ -92,10 +93,13 @@ class StandInCoordinator:
         self.tokenizer = StandInTokenizer()
 
     def recover(self) -> None:
-        if not self.workers_up:
+        if not self.workers_up or self.draft_dead:
             if self.restart_hook is not None:
                 self.restart_hook()
-            self.workers_up = True
+            self.workers_up, self.draft_dead = True, False
+
+    def draft_worker_dead(self) -> bool:
+        return self.draft_dead
 
     def workers_ready(self) -> bool:
         return self.tokenizer is not None and self.workers_up
@@ -757,3 +761,19 @@ def test_a_prompt_too_long_for_the_context_is_refused_at_once_not_held_for_kv_me
     big.send(m.Cancel(request_id="big"))
     assert final(big, "big").finish_reason == "cancelled"
     assert harness.serving.budget is not None and harness.serving.budget.reserved_bytes == 0
+
+
+def test_a_dead_gpu_worker_is_restarted_while_ar_requests_run_on(serve):
+    # The batch's ar requests outlive a gpu_worker's death (Batcher); it was restarted only once
+    # nothing ran, so every dovetail request admitted meanwhile failed at its first draft step.
+    coordinator = StandInCoordinator(max_batch=2)  # the stand-in's requests are ar: they never draft
+    restarts: list[float] = []
+    coordinator.restart_hook = lambda: restarts.append(time.monotonic())
+    harness = serve(coordinator=coordinator)
+    client = start_blocker(harness)
+    coordinator.draft_dead = True
+    harness.wait_for(lambda: restarts, "the gpu_worker to be restarted")
+    assert "blocker" not in coordinator.ended  # ran on meanwhile
+    client.send(m.Cancel(request_id="blocker"))
+    assert final(client, "blocker").finish_reason == "cancelled"
+    assert len(restarts) == 1
