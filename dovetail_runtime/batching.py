@@ -89,6 +89,9 @@ class Batcher:
         self.cpu = cpu
         self.gpu = gpu
         self.streams: list[Stream] = []
+        # Each worker's compute time in ms ("cpu", "gpu"), a batched pass counted once (its replies each
+        # carry the whole pass's time, or a share): what /metrics shows as the workers' busy seconds.
+        self.busy_ms: dict[str, float] = {"cpu": 0.0, "gpu": 0.0}
         self.join = join  # told each round's costs, it sizes joining prompts' chunks (--join-chunk auto)
 
     def running(self) -> int:
@@ -182,6 +185,7 @@ class Batcher:
         calls = [stream.call for stream in streams]
         items = [call.message for call in calls if call is not None]
         replies = worker.request(batch(items=items), result)  # type: ignore[arg-type]
+        self._busy(worker, replies.compute_ms)
         if len(replies.items) != len(streams):
             raise WorkerRequestError(f"{len(replies.items)} results for a batch of {len(streams)}")
         for stream, call, item in zip(streams, calls, replies.items, strict=True):
@@ -202,7 +206,11 @@ class Batcher:
         except WorkerRequestError as error:
             self._advance(stream, None, error)
             return
+        self._busy(worker, getattr(reply, "compute_ms", 0.0))
         self._advance(stream, reply)
+
+    def _busy(self, worker: Worker, compute_ms: float) -> None:
+        self.busy_ms["gpu" if worker is self.gpu else "cpu"] += compute_ms
 
     def _advance(self, stream: Stream, reply: m.Message | None, error: BaseException | None = None) -> None:
         """Send the loop its reply (or throw the error into it) and take its next call; a loop that

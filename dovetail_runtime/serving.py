@@ -346,8 +346,9 @@ class Serving:
             self._send(peer, m.Pong(nonce=message.nonce, ready=self.coordinator.workers_ready()))
         elif isinstance(message, m.MetricsRequest):
             started = len(self._started())
+            busy = None if self.batcher is None else self.batcher.busy_ms
             self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue) + len(self.active) - started,
-                                                            running=started))
+                                                            running=started, busy_ms=busy))
 
     def _admit(self, peer: bytes, request: m.GenerateRequest) -> None:
         if self._id_in_use(peer, request.request_id):

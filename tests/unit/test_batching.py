@@ -202,6 +202,35 @@ def test_a_dead_gpu_worker_ends_the_drafting_streams_and_the_ar_ones_run_on(demo
     assert streams[1].outcome[0] == "length" and recorders[1].tokens == expected.tokens
 
 
+class Timing(LocalWorker):
+    """A local worker that adds up the compute time its replies report (a batch's once)."""
+
+    def __init__(self, inner: LocalWorker):
+        super().__init__(inner.name, inner.handlers)
+        self.compute_ms = 0.0
+
+    def request(self, message, expect):
+        reply = super().request(message, expect)
+        self.compute_ms += getattr(reply, "compute_ms", 0.0)
+        return reply
+
+
+def test_the_batcher_counts_each_workers_time_once_a_pass(demo_pair):
+    """Each request's verify_ms is its batch's whole pass (the planner needs that), so their sum over
+    four streams is ~4x the target's time; ``busy_ms`` is the workers' own."""
+    engine, drafter = demo_pair
+    with local_workers(engine, drafter, SHAPE, max_sequences=4) as (cpu, gpu):
+        cpu, gpu = Timing(cpu), Timing(gpu)
+        batcher = Batcher(cpu, gpu)
+        streams = [batcher.add(job(index)[0].seq_id, steps_for(index, Recorder()), job(index)[1])
+                   for index in range(4)]
+        while batcher.streams:
+            batcher.round()
+    assert batcher.busy_ms == {"cpu": cpu.compute_ms, "gpu": gpu.compute_ms} and cpu.compute_ms > 0 < gpu.compute_ms
+    requests_ms = sum(stream.outcome[1].verify_ms + stream.outcome[1].prefill_ms for stream in streams)
+    assert requests_ms > 2 * batcher.busy_ms["cpu"]
+
+
 def test_a_batch_item_for_an_unknown_or_repeated_sequence_fails_alone(demo_pair):
     engine, drafter = demo_pair
     with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
