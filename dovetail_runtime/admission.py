@@ -47,6 +47,15 @@ class KvBudget:
     def refusal(self, need: int) -> str:
         """Why a request that can never fit is refused, in one line."""
         per_token = self.bytes_per_token
-        return (f"the request's KV cache can grow to {need / 1e9:.2f} GB ({need / per_token:.0f} tokens x "
-                f"{per_token / 1e6:.2f} MB), more than the server's KV budget of {self.budget_bytes / 1e9:.2f} GB "
+        return (f"the request's KV cache can grow to {size_text(need)} ({need / per_token:.0f} tokens x "
+                f"{size_text(per_token)}), more than the server's KV budget of {size_text(self.budget_bytes)} "
                 f"(--kv-memory): ask for fewer max_new_tokens or a shorter prompt")
+
+
+def size_text(size: float) -> str:
+    """Bytes in GB, MB or kB, whichever shows three significant digits: a small model's budget and
+    need were both "0.00 GB" (and a token's "0.01 MB"), which told the user nothing."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} B"

@@ -25,8 +25,10 @@ Where a prompt's bits depend on its chunks (fp32, bf16), its ``--prefill-chunk``
 size, and one that runs apart from the others' steps goes a few layers a round instead, each part
 about one of their cycles (``Job.join_budget``, ``cpu_worker.prompt_parts``).
 
-A call that fails for one sequence (a WorkerError item) ends that stream alone; a worker that
-dies (WorkerFailed) propagates out of ``round`` and the caller ends every stream (``abort``).
+A call that fails for one sequence (a WorkerError item) ends that stream alone. A gpu_worker that
+dies (WorkerFailed) ends the streams that draft (their draft state died with it) and the ar streams
+go on, as they never used it; a cpu_worker that dies propagates out of ``round`` and the caller ends
+every stream (``abort``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ipc import messages as m
 
 from .generation import Call, FinishReason, Stats, Steps, Worker
 from .join_sizing import JoinSizer
-from .workers import WorkerRequestError
+from .workers import WorkerFailed, WorkerRequestError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,9 @@ class Batcher:
         self.cpu = cpu
         self.gpu = gpu
         self.streams: list[Stream] = []
+        # Each worker's compute time in ms ("cpu", "gpu"), a batched pass counted once (its replies each
+        # carry the whole pass's time, or a share): what /metrics shows as the workers' busy seconds.
+        self.busy_ms: dict[str, float] = {"cpu": 0.0, "gpu": 0.0}
         self.join = join  # told each round's costs, it sizes joining prompts' chunks (--join-chunk auto)
 
     def running(self) -> int:
@@ -104,8 +109,8 @@ class Batcher:
         return stream
 
     def round(self) -> list[Stream]:
-        """One round (see the module doc); returns the streams that ended in it. A worker's
-        death (``WorkerFailed``) propagates: call ``abort``."""
+        """One round (see the module doc); returns the streams that ended in it. A cpu_worker's
+        death (``WorkerFailed``) propagates: call ``abort``; a gpu_worker's ends the drafting streams."""
         started = time.perf_counter()
         calls = [stream.call for stream in self.streams if stream.call is not None]
         running = sum(decoding(call) for call in calls)
@@ -114,7 +119,10 @@ class Batcher:
         if drafts:
             if self.gpu is None:
                 raise RuntimeError("a draft step without a gpu_worker")
-            self._dispatch(self.gpu, drafts, m.DraftBatch, m.DraftBatchResult)
+            try:
+                self._dispatch(self.gpu, drafts, m.DraftBatch, m.DraftBatchResult)
+            except WorkerFailed as error:
+                self._end_drafting(error)
         waiting = [(stream, stream.call) for stream in self.streams if stream.call is not None]
         # The prompt closest to its first token first (arrival order among equals): a short prompt
         # never waits out a long one's prefill, which takes many rounds in small chunks.
@@ -145,6 +153,16 @@ class Batcher:
         self.streams = [stream for stream in self.streams if not stream.done]
         return ended
 
+    def _end_drafting(self, error: WorkerFailed) -> None:
+        """The gpu_worker died: end every stream that uses it (its draft state is gone) with ``error``;
+        the ar streams take their steps in this round as if nothing happened (they never used it)."""
+        for stream in self.streams:
+            if stream.uses_gpu and not stream.done:
+                stream.steps.close()
+                stream.call = None
+                stream.outcome = error
+                self._release(stream)
+
     def abort(self, error: BaseException) -> list[Stream]:
         """End every running stream with ``error`` (a worker died: its sequences are gone). The worker
         that lives on still holds them: each is released there (``WorkerHandle.send`` skips a dead
@@ -167,6 +185,7 @@ class Batcher:
         calls = [stream.call for stream in streams]
         items = [call.message for call in calls if call is not None]
         replies = worker.request(batch(items=items), result)  # type: ignore[arg-type]
+        self._busy(worker, replies.compute_ms)
         if len(replies.items) != len(streams):
             raise WorkerRequestError(f"{len(replies.items)} results for a batch of {len(streams)}")
         for stream, call, item in zip(streams, calls, replies.items, strict=True):
@@ -187,7 +206,11 @@ class Batcher:
         except WorkerRequestError as error:
             self._advance(stream, None, error)
             return
+        self._busy(worker, getattr(reply, "compute_ms", 0.0))
         self._advance(stream, reply)
+
+    def _busy(self, worker: Worker, compute_ms: float) -> None:
+        self.busy_ms["gpu" if worker is self.gpu else "cpu"] += compute_ms
 
     def _advance(self, stream: Stream, reply: m.Message | None, error: BaseException | None = None) -> None:
         """Send the loop its reply (or throw the error into it) and take its next call; a loop that

@@ -41,7 +41,7 @@ from ipc.channels import RuntimeDir
 from ipc.shm_ring import ShmRing, cycle_slots, slot_bytes_for
 from ipc.tree import TreeShape
 
-from .admission import KvBudget
+from .admission import KvBudget, size_text
 from .batching import Batcher, Outcome
 from .chat_template import ChatTemplate, ChatTemplateError, encode_chat
 from .generation import (
@@ -435,6 +435,11 @@ class Coordinator:
         workers = self.workers()
         return bool(workers) and all(worker.ready and worker.alive() for worker in workers)
 
+    def draft_worker_dead(self) -> bool:
+        """The gpu_worker is dead and the cpu_worker lives: ar requests run on while it restarts."""
+        return (self.gpu is not None and not self.gpu.alive()
+                and self.cpu is not None and self.cpu.alive())
+
     def close(self) -> None:
         for worker in self.workers():  # all asked first: they exit side by side, not one after the other
             worker.ask_to_stop()
@@ -578,18 +583,20 @@ class Coordinator:
 
     def kv_budget(self) -> KvBudget | None:
         """The running requests' KV memory budget (serving admits by it): --kv-memory, or a share of
-        the memory free now that the models are loaded; None for a single request at a time."""
+        the memory free now that the models are loaded; None for a single request at a time unless
+        --kv-memory is given (then a request that could never fit it is refused, as in a batch)."""
         if self.cpu is None or self.cpu.info is None:
             raise RuntimeError("a KV budget before start()")
         info = self.cpu.info
-        if self.settings.max_batch <= 1 or info.kv_cache_bytes == 0:
-            return None
         budget = self.settings.kv_memory_bytes
+        if (self.settings.max_batch <= 1 and budget is None) or info.kv_cache_bytes == 0:
+            return None
         if budget is None:
             budget = int(machine_memory()[1] * KV_MEMORY_SHARE)
         per_token = info.kv_cache_bytes / info.max_len
-        log.info("KV memory budget %.2f GB: %d full-context sequences of %.2f GB at once (--max-batch %d)",
-                 budget / 1e9, budget // info.kv_cache_bytes, info.kv_cache_bytes / 1e9, self.settings.max_batch)
+        log.info("KV memory budget %s: %d full-context sequences of %s at once (--max-batch %d)",
+                 size_text(budget), budget // info.kv_cache_bytes, size_text(info.kv_cache_bytes),
+                 self.settings.max_batch)
         return KvBudget(budget, per_token, info.max_len)
 
     def _batch_size(self) -> int:

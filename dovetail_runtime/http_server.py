@@ -78,6 +78,9 @@ DISCONNECT_POLL_MS = 250  # how often a waiting request checks that its HTTP cli
 # holds at most 1023 sockets (the coordinator's own included), and a flood beyond them failed
 # with 500s. Beyond this, a request is refused at once with busy (429), as a full queue is.
 MAX_CALLS = 512
+# Sockets beyond MAX_CALLS kept for /health and /metrics: a busy server (every slot held by requests
+# waiting their turn) still answers a liveness probe or a scrape, not 429.
+PROBE_CALLS = 16
 PROBE_TIMEOUT_MS = 5000  # /health and /metrics: the coordinator answers between cycles
 STARTUP_TIMEOUT_S = 30.0
 
@@ -102,14 +105,15 @@ def body_limit(prompt_chars: int | None) -> int:
 
 
 class CallSlots:
-    """Counts the open Calls (all in the event loop's thread); refuses one beyond the limit."""
+    """Counts the open Calls (all in the event loop's thread); refuses one beyond the limit, a probe
+    (/health, /metrics) only beyond PROBE_CALLS more."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.used = 0
 
-    def take(self) -> None:
-        if self.used >= self.limit:
+    def take(self, probe: bool = False) -> None:
+        if self.used >= self.limit + (PROBE_CALLS if probe else 0):
             raise api.ApiError(429, f"the server is busy: {self.limit} HTTP requests are in flight; try again later",
                                code="busy")
         self.used += 1
@@ -121,8 +125,8 @@ class CallSlots:
 class Call:
     """One HTTP request's own DEALER socket to the coordinator."""
 
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str, slots: CallSlots):
-        slots.take()
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, slots: CallSlots, probe: bool = False):
+        slots.take(probe)
         self.slots = slots
         try:
             self.socket: zmq.asyncio.Socket = context.socket(zmq.DEALER)
@@ -447,7 +451,7 @@ class Routes:
         return await run_in_threadpool(tokenize_api.detokenize_body, self.tokenizer(), params)
 
     async def probe(self, message: m.Message, expect: type[m.Message]) -> Any:
-        call = Call(self.context, self.endpoint, self.slots)
+        call = Call(self.context, self.endpoint, self.slots, probe=True)
         try:
             await call.send(message)
             deadline = time.monotonic() + PROBE_TIMEOUT_MS / 1000

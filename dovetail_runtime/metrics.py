@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -126,9 +126,12 @@ class ServerMetrics:
     def worker_restarted(self) -> None:
         self.worker_restarts += 1
 
-    def reply(self, queue_depth: int, running: int = 0) -> m.MetricsReply:
-        """Everything counted so far, with the queue's depth and the requests running now (serving's)."""
+    def reply(self, queue_depth: int, running: int = 0, busy_ms: Mapping[str, float] | None = None) -> m.MetricsReply:
+        """Everything counted so far, with the queue's depth, the requests running now and each worker's
+        compute time in ms (``Batcher.busy_ms``: "cpu", "gpu"), serving's."""
+        busy = busy_ms or {}
         return m.MetricsReply(
+            target_busy_s=busy.get("cpu", 0.0) / 1e3, draft_busy_s=busy.get("gpu", 0.0) / 1e3,
             finished=dict(self.finished), errors=dict(self.errors), prompt_tokens=self.prompt_tokens,
             new_tokens=self.new_tokens, cycles=self.cycles, cycle_tokens=self.cycle_tokens,
             prefill_s=self.prefill_ms / 1e3, draft_s=self.draft_ms / 1e3, verify_s=self.verify_ms / 1e3,
@@ -171,10 +174,19 @@ def _counters(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
         ("dovetail_generation_tokens_total", "Tokens generated.", reply.new_tokens),
         ("dovetail_cycles_total", "Draft/verify cycles (decode steps in ar mode).", reply.cycles),
         ("dovetail_cycle_tokens_total", "Tokens the cycles emitted (tau = this / cycles).", reply.cycle_tokens),
-        ("dovetail_prefill_seconds_total", "Time the target spent on prompts.", reply.prefill_s),
-        ("dovetail_draft_seconds_total", "Time the draft head spent.", reply.draft_s),
-        ("dovetail_verify_seconds_total", "Time the target spent verifying or decoding.", reply.verify_s),
-        ("dovetail_ipc_seconds_total", "Time not spent computing in a worker (messages, copies).", reply.ipc_s),
+        # Sums of the requests' statistics: a batched verify pass counts once for each request in it (4 streams
+        # showed ~2.8 s of verify a second of wall time); the workers' real time is *_busy_seconds_total.
+        ("dovetail_prefill_seconds_total", "Prompt time of finished requests, summed over requests.", reply.prefill_s),
+        ("dovetail_draft_seconds_total", "Draft time of finished requests, summed over requests (a batched draft "
+         "step shared among them).", reply.draft_s),
+        ("dovetail_verify_seconds_total", "Verify or decode time of finished requests, summed over requests (a "
+         "batched pass counted for each request in it).", reply.verify_s),
+        ("dovetail_ipc_seconds_total", "Time finished requests spent beyond their computing (messages, copies, "
+         "the rest of their batch), summed over requests.", reply.ipc_s),
+        ("dovetail_target_busy_seconds_total", "Seconds the target worker computed for requests, a batched pass "
+         "once: its rate is the target's utilisation.", reply.target_busy_s),
+        ("dovetail_draft_busy_seconds_total", "Seconds the draft worker computed for requests, a batched step "
+         "once.", reply.draft_busy_s),
         ("dovetail_worker_restarts_total", "Worker processes restarted after a failure.", reply.worker_restarts),
         # vLLM's names for the same counts (its spec_decode_* metrics).
         ("dovetail_spec_decode_num_draft_tokens_total", "Draft tokens verified (tree nodes but the root).",

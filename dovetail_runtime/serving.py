@@ -107,10 +107,9 @@ class Serving:
             if ready is not None:
                 ready(self.server.endpoints)
             while not self.should_stop():
-                if not self._started():
-                    # A worker that died while idle is restarted now (Pings say not ready meanwhile),
-                    # not when the next request finds it dead.
-                    self.coordinator.recover()
+                # A worker that died while idle is restarted now (Pings say not ready meanwhile),
+                # not when the next request finds it dead.
+                self._recover()
                 self._read_clients(timeout_ms=0 if len(self.queue) or self.active else IDLE_POLL_MS)
                 self._sweep()
                 self._admit_waiting()
@@ -171,7 +170,9 @@ class Serving:
                 self._end_unstarted(running)
                 continue
             budget = self.budget
-            if budget is not None:
+            # A prompt that leaves no room in the context (or none at all) ends at its first step, reserving
+            # nothing: neither refused for KV memory nor held at the head of the line for it.
+            if budget is not None and 0 < len(begun.prompt_ids) < self.coordinator.max_len:
                 need = budget.need(len(begun.prompt_ids), begun.request.max_new_tokens)
                 if not budget.ever_fits(need):
                     self.active.remove(running)
@@ -262,8 +263,16 @@ class Serving:
         for stream in ended:
             running = next(running for running in self.active if running.stream is stream)
             self._finish(running)
-        if not self._started():
-            self.coordinator.recover()  # restart a worker that died or was killed, before the next request
+        self._recover()  # restart a worker that died or was killed, before the next request
+
+    def _recover(self) -> None:
+        """Restart dead workers once nothing runs; a dead gpu_worker also while only ar requests run
+        (they never use it and run on; a dovetail request admitted meanwhile would fail)."""
+        started = self._started()
+        if not started or (self.coordinator.draft_worker_dead()
+                           and not any(running.stream is not None and running.stream.uses_gpu
+                                       for running in started)):
+            self.coordinator.recover()
 
     def _started(self) -> list[Running]:
         """The running requests: those in ``active`` but the one held for KV memory."""
@@ -337,8 +346,9 @@ class Serving:
             self._send(peer, m.Pong(nonce=message.nonce, ready=self.coordinator.workers_ready()))
         elif isinstance(message, m.MetricsRequest):
             started = len(self._started())
+            busy = None if self.batcher is None else self.batcher.busy_ms
             self._send(peer, self.coordinator.metrics.reply(queue_depth=len(self.queue) + len(self.active) - started,
-                                                            running=started))
+                                                            running=started, busy_ms=busy))
 
     def _admit(self, peer: bytes, request: m.GenerateRequest) -> None:
         if self._id_in_use(peer, request.request_id):
@@ -406,8 +416,8 @@ class Serving:
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_S
-        for item in self.queue.expired(now):
-            self._send(item.client, error_reply(item.request.request_id, "deadline_exceeded",
+        for item in self.queue.expired(now):  # answered and counted (GET /metrics), as a running one is
+            self._answer(item.client, error_reply(item.request.request_id, "deadline_exceeded",
                                                 "the request's deadline passed while it waited its turn"))
         for client in self.queue.clients():
             if self.server.peer_gone(client):

@@ -221,7 +221,8 @@ class HistogramCounts(Nested, frozen=True):
 
 
 class MetricsReply(Message):
-    """Counters since the server started; times are the sums of every request's statistics."""
+    """Counters since the server started; times are the sums of every request's statistics, but for the
+    workers' busy seconds."""
 
     finished: dict[Annotated[str, Meta(max_length=64)], Count] = {}  # requests ended, by finish_reason
     errors: dict[Annotated[str, Meta(max_length=64)], Count] = {}  # requests failed, by error code
@@ -239,6 +240,9 @@ class MetricsReply(Message):
     uptime_s: Annotated[float, Meta(ge=0.0)] = 0.0
     draft_tokens: Count = 0  # tree nodes drafted and verified (the root, the last token, not counted)
     accepted_tokens: Count = 0  # drafted tokens the target accepted
+    # Seconds each worker computed for the requests, a batched pass once (the *_s above sum the requests').
+    target_busy_s: Annotated[float, Meta(ge=0.0)] = 0.0
+    draft_busy_s: Annotated[float, Meta(ge=0.0)] = 0.0
     # Latencies in seconds, by name: queue_time, time_to_first_token, inter_token_latency, e2e_request_latency.
     latency: dict[Annotated[str, Meta(max_length=64)], HistogramCounts] = {}
 

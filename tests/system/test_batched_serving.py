@@ -109,3 +109,39 @@ def test_a_cancel_and_a_bad_request_change_nobody_elses_tokens(batch_server, alo
     finally:
         for client in clients:
             client.close()
+
+
+
+def test_a_killed_gpu_worker_fails_only_the_drafting_requests(tmp_path, demo_target, demo_draft):
+    """kill -9 of the gpu_worker mid-batch failed the ar requests beside the dovetail one too (worker_failed),
+    though they never use it: now they finish with their solo tokens, and the draft is back for the next.
+    A fixed tree: the dovetail request drafts every cycle (auto would decode plainly beside them here)."""
+    running = Server("--target", str(demo_target), "--draft", str(demo_draft), "--max-batch", "4",
+                     "--tree-tokens", "4", "--bind", f"ipc://{tmp_path}/gpu.sock")
+    endpoint = running.endpoints[0]
+    long_ar = {"prompt": TEST_PROMPTS[2], "max_new_tokens": 600, "mode": "ar", "stream": True}
+    drafts = {"prompt": TEST_PROMPTS[0], "max_new_tokens": 40}
+    clients = [connect_client(endpoint) for _ in range(3)]
+    try:
+        with DovetailClient(endpoint, timeout_s=180) as client:
+            solo = client.generate(**{key: value for key, value in long_ar.items() if key != "stream"}).token_ids
+            solo_drafts = client.generate(**drafts).token_ids
+        clients[0].send(m.GenerateRequest(request_id="drafts", prompt=TEST_PROMPTS[0], max_new_tokens=2000,
+                                          stream=True), timeout_ms=5000)
+        for index in (1, 2):
+            clients[index].send(m.GenerateRequest(request_id=f"ar{index}", **long_ar), timeout_ms=5000)
+        for index in (0, 1, 2):  # all three are decoding
+            assert isinstance(clients[index].recv(timeout_ms=WAIT_MS), m.TokenChunk)
+        running.workers()["gpu_worker"].kill()
+        failed = final(clients[0], "drafts")
+        assert isinstance(failed, m.ErrorReply) and failed.code == "worker_failed", failed
+        for index in (1, 2):
+            done = final(clients[index], f"ar{index}")
+            assert isinstance(done, m.GenerateDone) and done.token_ids == solo, done
+        clients[0].send(m.GenerateRequest(request_id="after", **drafts), timeout_ms=5000)
+        after = final(clients[0], "after")  # on a restarted gpu_worker
+        assert isinstance(after, m.GenerateDone) and after.token_ids == solo_drafts, after
+    finally:
+        for client in clients:
+            client.close()
+        assert running.stop() == 0

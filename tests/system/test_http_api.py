@@ -330,6 +330,7 @@ def test_models_health_and_metrics(chat_server):
             samples[sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"] = sample.value
     for name in ("dovetail_generation_tokens_total{}", "dovetail_prompt_tokens_total{}", "dovetail_cycles_total{}",
                  "dovetail_draft_seconds_total{}", "dovetail_verify_seconds_total{}", "dovetail_ipc_seconds_total{}",
+                 "dovetail_target_busy_seconds_total{}", "dovetail_draft_busy_seconds_total{}",
                  'dovetail_requests_total{finish_reason="length"}'):
         assert samples[name] > 0, name
     assert samples["dovetail_tau{}"] > 1.0

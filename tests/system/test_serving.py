@@ -26,7 +26,7 @@ from dovetail_runtime.admission import KvBudget
 from dovetail_runtime.batching import Batcher
 from dovetail_runtime.client import DovetailClient, HandshakeError
 from dovetail_runtime.coordinator import TooManyRestarts
-from dovetail_runtime.generation import Call
+from dovetail_runtime.generation import Call, PromptTooLong
 from dovetail_runtime.metrics import ServerMetrics
 from dovetail_runtime.serving import ServeLimits, Serving
 from dovetail_runtime.workers import WorkerFailed
@@ -83,6 +83,7 @@ class StandInCoordinator:
         self.start_hook: Callable[[], None] | None = None
         self.restart_hook: Callable[[], None] | None = None
         self.workers_up = True
+        self.draft_dead = False  # the gpu_worker alone is dead
         self.metrics = ServerMetrics()
         self._seq_ids = itertools.count(1)
 
@@ -92,10 +93,13 @@ class StandInCoordinator:
         self.tokenizer = StandInTokenizer()
 
     def recover(self) -> None:
-        if not self.workers_up:
+        if not self.workers_up or self.draft_dead:
             if self.restart_hook is not None:
                 self.restart_hook()
-            self.workers_up = True
+            self.workers_up, self.draft_dead = True, False
+
+    def draft_worker_dead(self) -> bool:
+        return self.draft_dead
 
     def workers_ready(self) -> bool:
         return self.tokenizer is not None and self.workers_up
@@ -122,6 +126,8 @@ class StandInCoordinator:
 
     def _loop(self, started: StandInStarted, on_text):
         request, kind = started.request, started.request.prompt
+        if kind.startswith("too long") and len(started.prompt_ids) >= self.max_len:  # as Context.check_prompt
+            raise PromptTooLong(f"prompt of {len(started.prompt_ids)} tokens leaves no room")
         if kind == "hang":  # one long worker step: only the wait hook runs meanwhile
             while not self.release.wait(0.005):
                 self.while_waiting()
@@ -140,7 +146,9 @@ class StandInCoordinator:
         return finish, None
 
     def conclude(self, started: StandInStarted, outcome) -> m.GenerateDone | m.ErrorReply:
-        if isinstance(outcome, WorkerFailed):  # as Coordinator.conclude answers it
+        if isinstance(outcome, PromptTooLong):  # as Coordinator.conclude answers it
+            return m.ErrorReply(request_id=started.request.request_id, code="prompt_too_long", message=str(outcome))
+        if isinstance(outcome, WorkerFailed):
             return m.ErrorReply(request_id=started.request.request_id, code="worker_failed", message=str(outcome))
         if isinstance(outcome, BaseException):
             raise outcome
@@ -722,3 +730,50 @@ def test_a_client_that_sends_on_and_never_reads_is_one_warning_not_one_per_messa
     other.send(m.Ping(nonce=2))
     assert other.recv(timeout_ms=WAIT_S * 1000) == m.Pong(nonce=2)
     silent.close(0)
+
+
+def test_deadlines_of_waiting_requests_are_counted_in_the_metrics(serve):
+    harness = serve()
+    blocker = start_blocker(harness)
+    client = harness.client()
+    send(client, "waits-too-long", deadline_ms=50)
+    late = final(client, "waits-too-long")
+    assert isinstance(late, m.ErrorReply) and late.code == "deadline_exceeded"
+    assert metrics(client).errors == {"deadline_exceeded": 1}  # GET /metrics shows it, as a running one's
+    blocker.send(m.Cancel(request_id="blocker"))
+    final(blocker, "blocker")
+
+
+@pytest.mark.parametrize("budget", [80, 120])
+def test_a_prompt_too_long_for_the_context_is_refused_at_once_not_held_for_kv_memory(serve, budget):
+    # Its KV need is counted as the whole context: it was refused kv_budget_exceeded (budget 80), or
+    # held at the head of the line until the running request ended, only to be refused then (120).
+    harness = serve(coordinator=StandInCoordinator(max_batch=4, budget=kv_budget_of(budget)))
+    big, long, small = harness.client(), harness.client(), harness.client()
+    send(big, "big", "block", max_new_tokens=55, stream=True)  # 60 tokens reserved
+    harness.wait_for(lambda: harness.coordinator.ran == ["big"], "the first to run")
+    send(long, "long", "too long".ljust(150, "x"), max_new_tokens=5)  # 150 tokens: more than the context of 100
+    refused = final(long, "long")
+    assert isinstance(refused, m.ErrorReply) and refused.code == "prompt_too_long", refused
+    send(small, "small", "x", max_new_tokens=3)  # not held up behind it either
+    assert final(small, "small").finish_reason == "length"
+    assert "big" not in harness.coordinator.ended
+    big.send(m.Cancel(request_id="big"))
+    assert final(big, "big").finish_reason == "cancelled"
+    assert harness.serving.budget is not None and harness.serving.budget.reserved_bytes == 0
+
+
+def test_a_dead_gpu_worker_is_restarted_while_ar_requests_run_on(serve):
+    # The batch's ar requests outlive a gpu_worker's death (Batcher); it was restarted only once
+    # nothing ran, so every dovetail request admitted meanwhile failed at its first draft step.
+    coordinator = StandInCoordinator(max_batch=2)  # the stand-in's requests are ar: they never draft
+    restarts: list[float] = []
+    coordinator.restart_hook = lambda: restarts.append(time.monotonic())
+    harness = serve(coordinator=coordinator)
+    client = start_blocker(harness)
+    coordinator.draft_dead = True
+    harness.wait_for(lambda: restarts, "the gpu_worker to be restarted")
+    assert "blocker" not in coordinator.ended  # ran on meanwhile
+    client.send(m.Cancel(request_id="blocker"))
+    assert final(client, "blocker").finish_reason == "cancelled"
+    assert len(restarts) == 1

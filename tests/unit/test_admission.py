@@ -34,6 +34,13 @@ def test_a_request_reserves_its_prompt_plus_new_tokens_at_most_the_context():
     assert "--kv-memory" in budget.refusal(20_000)
 
 
+def test_the_refusal_shows_sizes_a_small_model_can_tell_apart():
+    # The 9M demo with --kv-memory 0.001: "can grow to 0.00 GB (206 tokens x 0.01 MB), more than ... 0.00 GB".
+    refusal = KvBudget(1_000_000, bytes_per_token=12_288.0, max_len=96).refusal(int(206 * 12_288))
+    assert "2.53 MB (206 tokens x 12.3 kB)" in refusal and "budget of 1 MB" in refusal, refusal
+    assert "3.5 GB" in KvBudget(4_000_000_000, 1e5, 1000).refusal(3_500_000_000)
+
+
 def test_a_budget_needs_positive_sizes():
     with pytest.raises(ValueError, match="positive"):
         KvBudget(0, 1.0, 10)
@@ -54,7 +61,14 @@ def test_the_budget_is_the_flag_or_a_share_of_free_memory_and_none_for_one_reque
     monkeypatch.setattr("dovetail_runtime.memory_fit.CGROUP_ROOT", Path("/nonexistent-cgroup"))  # no container
     budget = coordinator_with(4, None).kv_budget()
     assert budget is not None and budget.budget_bytes == int(10_000_000_000 * KV_MEMORY_SHARE)
-    assert coordinator_with(1, 2_000_000_000).kv_budget() is None
+    assert coordinator_with(1, None).kv_budget() is None  # one at a time: no share of free memory imposed
+
+
+def test_the_flag_is_kept_for_one_request_at_a_time():
+    # --max-batch 1 --kv-memory 0.5 served a request that could grow past 0.5 GB: the flag was ignored.
+    budget = coordinator_with(1, 1_000_000).kv_budget()
+    assert budget is not None and budget.budget_bytes == 1_000_000
+    assert budget.ever_fits(budget.need(10, 100)) and not budget.ever_fits(budget.need(INFO.max_len, 1))
 
 
 def test_the_flag_sets_the_budget_in_gb_and_the_help_says_so():

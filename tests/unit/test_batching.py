@@ -14,7 +14,7 @@ from dovetail_runtime.batching import Batcher, Stream
 from dovetail_runtime.generation import Job, ar_steps, dovetail_steps, run_alone
 from dovetail_runtime.local_workers import LocalWorker, local_workers
 from dovetail_runtime.tree_planner import FixedTree
-from dovetail_runtime.workers import WorkerRequestError
+from dovetail_runtime.workers import WorkerFailed, WorkerRequestError
 from gpu_worker.drafter import Drafter
 from ipc import messages as m
 from ipc.tree import TreeShape
@@ -162,6 +162,73 @@ def test_abort_ends_every_stream_and_frees_its_sequence_where_the_worker_lives_o
             batcher.round()
         assert all(isinstance(stream.outcome, tuple) and stream.outcome[0] == "length" for stream in later), \
             [str(stream.outcome) for stream in later]
+
+
+class Dying(LocalWorker):
+    """A local worker that dies (WorkerFailed on every request) once ``dead`` is set."""
+
+    def __init__(self, inner: LocalWorker):
+        super().__init__(inner.name, inner.handlers)
+        self.dead = False
+
+    def request(self, message, expect):
+        if self.dead:
+            raise WorkerFailed(f"{self.name} (pid 1) died with exit code -9")
+        return super().request(message, expect)
+
+
+def test_a_dead_gpu_worker_ends_the_drafting_streams_and_the_ar_ones_run_on(demo_pair):
+    """A killed gpu_worker failed every stream of the batch, the ar ones too (worker_failed), though
+    they never use it: they now end with their solo tokens."""
+    engine, drafter = demo_pair
+    expected = Recorder()
+    with local_workers(engine, drafter, SHAPE) as (cpu, gpu):
+        run_alone(steps_for(1, expected), cpu, gpu)
+    with local_workers(engine, drafter, SHAPE, max_sequences=4) as (cpu, gpu):
+        gpu = Dying(gpu)
+        batcher = Batcher(cpu, gpu)
+        recorders = {index: Recorder() for index in (0, 1, 2)}
+        streams = {index: batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]), job(index)[1])
+                   for index in (0, 1, 2)}
+        for _ in range(3):
+            batcher.round()
+        assert not any(stream.done for stream in streams.values())
+        gpu.dead = True
+        ended = batcher.round()
+        assert ended == [streams[0], streams[2]]  # the dovetail ones, at once
+        assert all(isinstance(streams[index].outcome, WorkerFailed) for index in (0, 2))
+        while batcher.streams:
+            batcher.round()
+    assert streams[1].outcome[0] == "length" and recorders[1].tokens == expected.tokens
+
+
+class Timing(LocalWorker):
+    """A local worker that adds up the compute time its replies report (a batch's once)."""
+
+    def __init__(self, inner: LocalWorker):
+        super().__init__(inner.name, inner.handlers)
+        self.compute_ms = 0.0
+
+    def request(self, message, expect):
+        reply = super().request(message, expect)
+        self.compute_ms += getattr(reply, "compute_ms", 0.0)
+        return reply
+
+
+def test_the_batcher_counts_each_workers_time_once_a_pass(demo_pair):
+    """Each request's verify_ms is its batch's whole pass (the planner needs that), so their sum over
+    four streams is ~4x the target's time; ``busy_ms`` is the workers' own."""
+    engine, drafter = demo_pair
+    with local_workers(engine, drafter, SHAPE, max_sequences=4) as (cpu, gpu):
+        cpu, gpu = Timing(cpu), Timing(gpu)
+        batcher = Batcher(cpu, gpu)
+        streams = [batcher.add(job(index)[0].seq_id, steps_for(index, Recorder()), job(index)[1])
+                   for index in range(4)]
+        while batcher.streams:
+            batcher.round()
+    assert batcher.busy_ms == {"cpu": cpu.compute_ms, "gpu": gpu.compute_ms} and cpu.compute_ms > 0 < gpu.compute_ms
+    requests_ms = sum(stream.outcome[1].verify_ms + stream.outcome[1].prefill_ms for stream in streams)
+    assert requests_ms > 2 * batcher.busy_ms["cpu"]
 
 
 def test_a_batch_item_for_an_unknown_or_repeated_sequence_fails_alone(demo_pair):

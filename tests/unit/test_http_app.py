@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from typing import Any
 
 import httpx
 import pytest
+import zmq
 
 from dovetail_runtime.http_server import BODY_SLACK, MAX_BODY_BYTES, HttpFrontend, ServedModel, body_limit, build_app
+from dovetail_runtime.metrics import ServerMetrics
+from ipc import messages as m
+from ipc.codec import decode, encode
 
 LIMIT = 1000
 MODEL = ServedModel(name="m", context=64, default_mode="ar", created=0, max_body_bytes=LIMIT)
@@ -149,3 +154,66 @@ def test_while_the_models_load_every_path_answers_503_then_the_api_is_served():
             assert models.status_code == 200 and [model["id"] for model in models.json()["data"]] == ["m"]
     finally:
         frontend.close()
+
+
+def test_health_and_metrics_are_answered_while_generation_takes_every_slot():
+    # /health and /metrics took a slot of the in-flight limit too: with every slot held by requests
+    # waiting their turn (a busy server), a liveness probe or a Prometheus scrape got 429 busy.
+    endpoint = "inproc://dovetail-test-busy-coordinator"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def coordinator() -> None:  # answers probes, never a GenerateRequest (it waits its turn forever)
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            peer, data = router.recv_multipart()
+            message = decode(data, m.CLIENT_TO_COORDINATOR)
+            if isinstance(message, m.Ping):
+                router.send_multipart([peer, encode(m.Pong(nonce=message.nonce, ready=True))])
+            elif isinstance(message, m.MetricsRequest):
+                router.send_multipart([peer, encode(ServerMetrics().reply(queue_depth=1))])
+
+    thread = threading.Thread(target=coordinator, daemon=True)
+    thread.start()
+    app = build_app(endpoint, MODEL, max_calls=1)
+
+    async def scenario() -> None:
+        generating = asyncio.ensure_future(asgi(app, "POST", "/v1/completions",
+                                                json.dumps({"prompt": "x", "max_tokens": 1}).encode()))
+        await asyncio.sleep(0.3)  # holds the one slot, waiting for its turn
+        assert (await asgi(app, "POST", "/v1/completions", b'{"prompt": "y"}'))[0] == 429  # generation: busy
+        assert (await asgi(app, "GET", "/health"))[0] == 200
+        status, body = await asgi(app, "GET", "/metrics")
+        assert status == 200 and b"dovetail_queue_depth" in body
+        generating.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close(linger=0)
+
+
+async def asgi(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int | None, bytes]:
+    """One request to the app over ASGI: its status and body."""
+    sent: list[dict[str, Any]] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    status = next((message["status"] for message in sent if message["type"] == "http.response.start"), None)
+    return status, b"".join(message.get("body", b"") for message in sent if message["type"] == "http.response.body")

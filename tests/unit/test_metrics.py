@@ -57,6 +57,21 @@ def test_counters_add_up_and_render():
     assert 'model="my \\"model\\""' in prometheus_text(reply, 'my "model"')  # label values escaped
     assert "# TYPE dovetail_requests_total counter" in prometheus_text(reply, "m")
     assert "# TYPE dovetail_queue_depth gauge" in prometheus_text(reply, "m")
+    assert samples["dovetail_target_busy_seconds_total{}"] == samples["dovetail_draft_busy_seconds_total{}"] == 0
+
+
+def test_the_workers_busy_seconds_are_shown_apart_from_the_requests_sums():
+    # Four ar streams for 3.46 s of wall time showed dovetail_verify_seconds_total 9.8: each request's
+    # verify time is its batch's whole pass. The workers' own time is shown beside it.
+    metrics = ServerMetrics()
+    for _ in range(4):  # four requests verified together: each saw the batch's 300 ms
+        metrics.record(done("length", verify_ms=300.0))
+    reply = metrics.reply(queue_depth=0, busy_ms={"cpu": 300.0, "gpu": 120.0})
+    samples = parse(prometheus_text(reply, "m"), "m")
+    assert samples["dovetail_verify_seconds_total{}"] == 1.2
+    assert samples["dovetail_target_busy_seconds_total{}"] == 0.3
+    assert samples["dovetail_draft_busy_seconds_total{}"] == 0.12
+    assert "summed over requests" in prometheus_text(reply, "m")
 
 
 def test_each_export_has_its_own_registry_and_scrapers_get_the_format_they_ask_for():
