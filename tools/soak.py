@@ -20,6 +20,7 @@ died. Not run in CI: it takes minutes.
 
 from __future__ import annotations
 
+import math
 import random
 import shlex
 import shutil
@@ -227,11 +228,15 @@ def worker_restarts(target: Target) -> int | None:
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
-    """Nearest-rank percentile (None for no values)."""
+    """Nearest-rank percentile: the ceil(fraction * n)-th smallest value (None for no values)."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
+    # ceil, not round(x + 0.5): round() goes to the even neighbour, so where fraction * n is an odd whole
+    # number it took the next value up (p50 of six took the 4th). The inner round() drops float dust
+    # (0.07 * 100 = 7.000000000000001).
+    rank = math.ceil(round(fraction * len(ordered), 9))
+    return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
 def seconds(value: float | None) -> str:
