@@ -20,6 +20,7 @@ from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from gpu_worker.train.corpus import stdlib_files
 from ipc import messages as m
 from ipc.tree import TreeShape
+from tools.options import comma_list
 from tools.tables import markdown_header, markdown_row
 
 FALLBACK_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):",
@@ -41,10 +42,22 @@ def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
     return prompts or FALLBACK_PROMPTS[:count]
 
 
+def parse_temperatures(context: click.Context, parameter: click.Parameter, text: str) -> list[float]:
+    """The temperatures, each one a request may carry (checked here, before the workers start)."""
+    temperatures = comma_list(float, minimum=0.0)(context, parameter, text)
+    for temperature in temperatures:
+        try:
+            msgspec.convert({"temperature": temperature}, m.Sampling)
+        except (msgspec.ValidationError, ValueError) as error:
+            raise click.BadParameter(str(error)) from None
+    return temperatures
+
+
 @click.command()
 @click.option("--target", required=True, help="target model folder")
 @click.option("--draft", required=True, help="draft head folder")
-@click.option("--temperatures", default="0", show_default=True, help="comma list of temperatures")
+@click.option("--temperatures", default="0", show_default=True, callback=parse_temperatures,
+              help="comma list of temperatures")
 @click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--tree-tokens", type=click.IntRange(min=1), default=16, show_default=True)
@@ -52,15 +65,15 @@ def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
 @click.option("--tree-top-k", "top_k", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
-def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens, depth, top_k, cpu_threads,
-         seed) -> None:
+def main(target, draft, temperatures: list[float], prompt_count, max_new_tokens, tree_tokens, depth, top_k,
+         cpu_threads, seed) -> None:
     prompts = heldout_prompts(prompt_count)
     settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning",
                                tree=TreeShape.clamped(tree_tokens, depth, top_k))
     rows = []
     with Coordinator(settings) as coordinator:
         coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
-        for temperature in (float(t) for t in temperatures.split(",")):
+        for temperature in temperatures:
             totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
             for index, prompt in enumerate(prompts):
                 for mode in ("dovetail", "ar"):

@@ -1,0 +1,41 @@
+"""Click callbacks the tools share for their comma-list options (``--temperatures 0,0.7``,
+``--streams 1,2,4``): a bad item is a one-line usage error before any model loads or worker
+starts, not a traceback minutes into a run."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import click
+
+Parser = Callable[[click.Context, click.Parameter, str], list]
+
+
+def comma_list(kind: type[int] | type[float], minimum: float | None = None) -> Parser:
+    """A callback turning ``"a,b,c"`` into ``[kind(a), kind(b), kind(c)]`` (blank items skipped),
+    each finite and at least ``minimum``; at least one item."""
+    noun = "a whole number" if kind is int else "a number"
+
+    def parse(_context: click.Context, _parameter: click.Parameter, text: str) -> list:
+        values = []
+        for part in filter(None, (item.strip() for item in text.split(","))):
+            try:
+                value = kind(part)
+            except ValueError:
+                raise click.BadParameter(f"{part!r} is not {noun} (expected a comma list, e.g. {text_example(kind)})"
+                                         ) from None
+            if not math.isfinite(value):
+                raise click.BadParameter(f"{part!r} is not a finite number")
+            if minimum is not None and value < minimum:
+                raise click.BadParameter(f"{part!r}: each value must be at least {minimum:g}")
+            values.append(value)
+        if not values:
+            raise click.BadParameter("give at least one value")
+        return values
+
+    return parse
+
+
+def text_example(kind: type[int] | type[float]) -> str:
+    return "1,2,4" if kind is int else "0,0.7"
