@@ -19,7 +19,7 @@ import msgspec
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from gpu_worker.train.corpus import stdlib_files
 from ipc import messages as m
-from ipc.tree import TreeShape
+from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
 from tools.options import comma_list
 from tools.tables import markdown_header, markdown_row
 
@@ -60,16 +60,17 @@ def parse_temperatures(context: click.Context, parameter: click.Parameter, text:
               help="comma list of temperatures")
 @click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=6, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--tree-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--depth", type=click.IntRange(min=1), default=6, show_default=True)
-@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--tree-tokens", type=click.IntRange(1, MAX_TREE_TOKENS), default=16, show_default=True)
+@click.option("--depth", type=click.IntRange(1, MAX_DEPTH), default=6, show_default=True,
+              help="deepest level (at most T - 1: the header shows the shape that ran)")
+@click.option("--tree-top-k", "top_k", type=click.IntRange(1, MAX_TOP_K), default=8, show_default=True)
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
 def main(target, draft, temperatures: list[float], prompt_count, max_new_tokens, tree_tokens, depth, top_k,
          cpu_threads, seed) -> None:
     prompts = heldout_prompts(prompt_count)
-    settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning",
-                               tree=TreeShape.clamped(tree_tokens, depth, top_k))
+    shape = TreeShape.clamped(tree_tokens, depth, top_k)  # depth at most T - 1: the header shows what ran
+    settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning", tree=shape)
     rows = []
     with Coordinator(settings) as coordinator:
         coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
@@ -86,7 +87,7 @@ def main(target, draft, temperatures: list[float], prompt_count, max_new_tokens,
                         if not isinstance(value, list):
                             totals[mode][key].append(value)
             rows.append((temperature, totals))
-    print(f"target {target}, draft {draft}, T={tree_tokens} depth={depth} top_k={top_k}, "
+    print(f"target {target}, draft {draft}, T={shape.tree_tokens} depth={shape.depth} top_k={shape.top_k}, "
           f"{len(prompts)} prompts x {max_new_tokens} new tokens")
     print(markdown_header(["temperature", "mode", "tokens/s", "tau", "draft ms/cycle", "verify ms/cycle",
                            "ipc ms/cycle"]))

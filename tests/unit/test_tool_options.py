@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from ipc import messages as m
 from tools import bench_e2e
 
 
@@ -35,3 +36,47 @@ def test_bench_e2e_rejects_a_bad_temperature_before_starting_workers(monkeypatch
 
 def test_bench_e2e_temperatures_parse_to_floats():
     assert bench_e2e.parse_temperatures(None, None, "0, 0.7,,1") == [0.0, 0.7, 1.0]
+
+
+@pytest.mark.parametrize(("option", "value"), [("--depth", "100"), ("--tree-top-k", "100"),
+                                               ("--tree-tokens", "5000"), ("--tree-tokens", "0")])
+def test_bench_e2e_rejects_a_tree_out_of_bounds_before_starting_workers(monkeypatch, option, value):
+    monkeypatch.setattr(bench_e2e, "Coordinator", NoWorkers)
+    result = CliRunner().invoke(bench_e2e.main, ["--target", "t", "--draft", "d", option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and "Traceback" not in result.output
+
+
+class FakeCoordinator:
+    """Answers every request at once with fixed statistics; records the settings it was given."""
+
+    settings = None
+
+    def __init__(self, settings):
+        FakeCoordinator.settings = settings
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        return False
+
+    def generate(self, request):
+        dovetail = request.mode == "dovetail"
+        stats = m.RequestStats(new_tokens=8, cycles=4 if dovetail else 8, tau=2.0 if dovetail else 1.0,
+                               wall_ms=100.0 if dovetail else 400.0, verify_ms=40.0, ipc_ms=8.0,
+                               draft_ms=20.0 if dovetail else 0.0)
+        return m.GenerateDone(request_id=request.request_id, token_ids=[1] * 8, text="x", finish_reason="length",
+                              stats=stats)
+
+
+def test_bench_e2e_header_names_the_tree_that_ran(monkeypatch):
+    """--depth deeper than T allows is clamped (to T - 1); the header said the depth asked for."""
+    monkeypatch.setattr(bench_e2e, "Coordinator", FakeCoordinator)
+    result = CliRunner().invoke(bench_e2e.main, ["--target", "t", "--draft", "d", "--tree-tokens", "3",
+                                                 "--depth", "6", "--prompts", "1"])
+    assert result.exit_code == 0, result.output
+    assert FakeCoordinator.settings.tree.depth == 2
+    assert "T=3 depth=2 top_k=8" in result.output
+    # dovetail 80 tok/s against ar 20: the ratio is dovetail / ar
+    assert "| 0 | speedup dovetail / ar | 4.00x |" in result.output
