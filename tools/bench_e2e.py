@@ -16,7 +16,9 @@ from collections import defaultdict
 import click
 import msgspec
 
-from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+from cpu_worker.model.model_dir import ModelLoadError
+from dovetail_runtime.coordinator import Coordinator, RuntimeSettings, TooManyRestarts
+from dovetail_runtime.workers import WorkerFailed, WorkerRequestError
 from gpu_worker.train.corpus import stdlib_files
 from ipc import messages as m
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
@@ -40,6 +42,30 @@ def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
         if len(prompts) == count:
             break
     return prompts or FALLBACK_PROMPTS[:count]
+
+
+def measure(settings: RuntimeSettings, prompts: list[str], temperatures: list[float], max_new_tokens: int,
+            seed: int) -> list[tuple[float, dict[str, dict[str, list[float]]]]]:
+    """Every prompt in both modes at each temperature: per temperature, each mode's stats lists."""
+    rows = []
+    with Coordinator(settings) as coordinator:
+        warmup = coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
+        if isinstance(warmup, m.ErrorReply):
+            raise click.ClickException(f"warm-up: {warmup.code}: {warmup.message}")
+        for temperature in temperatures:
+            totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+            for index, prompt in enumerate(prompts):
+                for mode in ("dovetail", "ar"):
+                    reply = coordinator.generate(m.GenerateRequest(
+                        request_id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_new_tokens, mode=mode,
+                        sampling=m.Sampling(temperature=temperature, seed=seed + index)))
+                    if isinstance(reply, m.ErrorReply):
+                        raise click.ClickException(f"{mode}: {reply.code}: {reply.message}")
+                    for key, value in msgspec.to_builtins(reply.stats).items():
+                        if not isinstance(value, list):
+                            totals[mode][key].append(value)
+            rows.append((temperature, totals))
+    return rows
 
 
 def parse_temperatures(context: click.Context, parameter: click.Parameter, text: str) -> list[float]:
@@ -71,22 +97,10 @@ def main(target, draft, temperatures: list[float], prompt_count, max_new_tokens,
     prompts = heldout_prompts(prompt_count)
     shape = TreeShape.clamped(tree_tokens, depth, top_k)  # depth at most T - 1: the header shows what ran
     settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning", tree=shape)
-    rows = []
-    with Coordinator(settings) as coordinator:
-        coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
-        for temperature in temperatures:
-            totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-            for index, prompt in enumerate(prompts):
-                for mode in ("dovetail", "ar"):
-                    reply = coordinator.generate(m.GenerateRequest(
-                        request_id=uuid.uuid4().hex, prompt=prompt, max_new_tokens=max_new_tokens, mode=mode,
-                        sampling=m.Sampling(temperature=temperature, seed=seed + index)))
-                    if isinstance(reply, m.ErrorReply):
-                        raise click.ClickException(f"{mode}: {reply.code}: {reply.message}")
-                    for key, value in msgspec.to_builtins(reply.stats).items():
-                        if not isinstance(value, list):
-                            totals[mode][key].append(value)
-            rows.append((temperature, totals))
+    try:
+        rows = measure(settings, prompts, temperatures, max_new_tokens, seed)
+    except (ModelLoadError, WorkerFailed, WorkerRequestError, TooManyRestarts, OSError) as error:
+        raise click.ClickException(str(error)) from None  # as dovetail-run says it: one line
     print(f"target {target}, draft {draft}, T={shape.tree_tokens} depth={shape.depth} top_k={shape.top_k}, "
           f"{len(prompts)} prompts x {max_new_tokens} new tokens")
     print(markdown_header(["temperature", "mode", "tokens/s", "tau", "draft ms/cycle", "verify ms/cycle",

@@ -3,11 +3,17 @@ starts or model loads, never a traceback after minutes of set-up."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
 from ipc import messages as m
 from tools import bench_e2e
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class NoWorkers:
@@ -80,3 +86,12 @@ def test_bench_e2e_header_names_the_tree_that_ran(monkeypatch):
     assert "T=3 depth=2 top_k=8" in result.output
     # dovetail 80 tok/s against ar 20: the ratio is dovetail / ar
     assert "| 0 | speedup dovetail / ar | 4.00x |" in result.output
+
+
+def test_bench_e2e_names_a_missing_target_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tools.bench_e2e", "--target", str(tmp_path / "nope"),
+                           "--draft", "demo/draft-dgf", "--prompts", "1", "--max-new-tokens", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"Error: model folder {tmp_path / 'nope'} does not exist"
