@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ipc import messages as m
-from tools import bench_e2e
+from tools import bench_concurrent, bench_e2e
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,3 +95,12 @@ def test_bench_e2e_names_a_missing_target_in_one_line(tmp_path):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"Error: model folder {tmp_path / 'nope'} does not exist"
+
+
+@pytest.mark.parametrize(("value", "says"), [("x", "'x' is not a whole number"), ("0", "at least 1"),
+                                             ("1,,-2", "'-2': each value must be at least 1")])
+def test_bench_concurrent_rejects_a_bad_stream_count_before_starting_a_server(monkeypatch, value, says):
+    monkeypatch.setattr(bench_concurrent, "Server", NoWorkers)
+    result = CliRunner().invoke(bench_concurrent.main, ["--target", "t", "--streams", value])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--streams'" in result.output and says in result.output
