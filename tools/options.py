@@ -4,6 +4,7 @@ starts, not a traceback minutes into a run."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 
@@ -39,3 +40,15 @@ def comma_list(kind: type[int] | type[float], minimum: float | None = None) -> P
 
 def text_example(kind: type[int] | type[float]) -> str:
     return "1,2,4" if kind is int else "0,0.7"
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts and sizes: a whole number >= 1 (argparse turns the error into
+    a usage line naming the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ipc import messages as m
-from tools import bench_concurrent, bench_e2e
+from tools import bench_concurrent, bench_e2e, bench_ipc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -104,3 +104,15 @@ def test_bench_concurrent_rejects_a_bad_stream_count_before_starting_a_server(mo
     result = CliRunner().invoke(bench_concurrent.main, ["--target", "t", "--streams", value])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--streams'" in result.output and says in result.output
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--iters", "0", "0 is below 1"), ("--rows", "0", "0 is below 1"), ("--cols", "-5", "-5 is below 1"),
+    ("--tree", "0", "0 is below 1"), ("--iters", "many", "'many' is not a whole number")])
+def test_bench_ipc_rejects_a_count_below_one_before_spawning(monkeypatch, capsys, option, value, says):
+    """--iters 0 ended in a ChannelTimeout traceback, --rows 0 in a ValueError from the ring."""
+    monkeypatch.setattr(bench_ipc, "run", NoWorkers)
+    with pytest.raises(SystemExit) as exit_:
+        bench_ipc.main([option, value])
+    assert exit_.value.code == 2
+    assert f"argument {option}: {says}" in capsys.readouterr().err
