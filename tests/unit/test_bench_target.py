@@ -1,0 +1,26 @@
+"""tools.bench_target's bandwidth ceiling counts the bytes a decode step reads: not the embedding
+(a step reads one row of it) unless it is tied to the lm_head, which every step reads whole."""
+
+from __future__ import annotations
+
+from cpu_worker.target_loading import load_target_model
+from tools.bench_target import decode_bytes
+
+from conftest import save_tiny_model
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_an_untied_embedding_is_not_streamed(tmp_path):
+    model = load_target_model(save_tiny_model(tmp_path / "untied", "llama", tie_word_embeddings=False))
+    embedding = model.embed_tokens.weight
+    assert decode_bytes(model) == weight_bytes(model) - embedding.numel() * embedding.element_size()
+    assert decode_bytes(model) < weight_bytes(model)
+
+
+def test_a_tied_embedding_is_read_as_the_lm_head(tmp_path):
+    model = load_target_model(save_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True))
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert decode_bytes(model) == weight_bytes(model)
