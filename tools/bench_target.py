@@ -24,6 +24,8 @@ from tools.tables import markdown_header, markdown_row, markdown_table
 
 TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_LEN = 512  # each engine's context
+PROMPT_TOKENS = 128
 
 
 def random_llama_110m(directory: Path) -> Path:
@@ -81,7 +83,8 @@ def verify_latency_ms(engine: TargetEngine, prefix: list[int], size: int, repeat
 
 @click.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="intra-op threads (default: torch's)")
-@click.option("--tokens", type=click.IntRange(min=8), default=64, show_default=True, help="new tokens per decode run")
+@click.option("--tokens", type=click.IntRange(8, MAX_LEN - PROMPT_TOKENS), default=64, show_default=True,
+              help=f"new tokens per decode run (after a {PROMPT_TOKENS}-token prompt, in a {MAX_LEN}-token context)")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="verify repeats per T")
 @click.option("--models", default="testbed,random-110m", show_default=True, help="comma list: testbed, random-110m")
 def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
@@ -93,15 +96,15 @@ def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
         for name in models.split(","):
             path = TESTBED if name == "testbed" else random_llama_110m(Path(scratch) / name)
             model = load_target_model(path)
-            engine = TargetEngine(model, max_len=512)
+            engine = TargetEngine(model, max_len=MAX_LEN)
             model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             step_bytes = decode_bytes(model)  # the ceiling's bytes: what a step must read
-            prompt = [1] + [random.Random(0).randrange(3, engine.spec.vocab_size) for _ in range(127)]
+            prompt = [1] + [random.Random(0).randrange(3, engine.spec.vocab_size) for _ in range(PROMPT_TOKENS - 1)]
             ours = engine_decode_tps(engine, prompt, tokens)
             theirs = hf_decode_tps(path, prompt, tokens)
             floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
             print(f"\n## {name}: {model_bytes / 1e6:.0f} MB fp32 ({step_bytes / 1e6:.0f} MB read per decode step: "
-                  f"the embedding's one row aside), prompt 128 tokens, {tokens} new tokens")
+                  f"the embedding's one row aside), prompt {PROMPT_TOKENS} tokens, {tokens} new tokens")
             print(markdown_table(["decode", "tokens/s", "ms/step"], [
                 ["dovetail engine", f"{ours:.1f}", f"{1e3 / ours:.2f}"],
                 ["transformers generate", f"{theirs:.1f}", f"{1e3 / theirs:.2f}"],
