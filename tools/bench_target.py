@@ -26,6 +26,7 @@ TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-c
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_LEN = 512  # each engine's context
 PROMPT_TOKENS = 128
+MODELS = ("testbed", "random-110m")
 
 
 def random_llama_110m(directory: Path) -> Path:
@@ -81,19 +82,29 @@ def verify_latency_ms(engine: TargetEngine, prefix: list[int], size: int, repeat
     return statistics.median(times) * 1e3
 
 
+def parse_models(_context: click.Context, _parameter: click.Parameter, text: str) -> list[str]:
+    """The model names; any other name was benchmarked as a random 110M model under that name."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODELS]
+    if unknown or not names:
+        raise click.BadParameter(f"{', '.join(unknown) or 'none given'}: expected a comma list of {', '.join(MODELS)}")
+    return names
+
+
 @click.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="intra-op threads (default: torch's)")
 @click.option("--tokens", type=click.IntRange(8, MAX_LEN - PROMPT_TOKENS), default=64, show_default=True,
               help=f"new tokens per decode run (after a {PROMPT_TOKENS}-token prompt, in a {MAX_LEN}-token context)")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="verify repeats per T")
-@click.option("--models", default="testbed,random-110m", show_default=True, help="comma list: testbed, random-110m")
-def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
+@click.option("--models", default="testbed,random-110m", show_default=True, callback=parse_models,
+              help="comma list: testbed, random-110m")
+def main(threads: int | None, tokens: int, repeats: int, models: list[str]) -> None:
     if threads:
         torch.set_num_threads(threads)
     bandwidth = measure_bandwidth(None)[0]
     print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth:.1f} GB/s")
     with tempfile.TemporaryDirectory() as scratch:
-        for name in models.split(","):
+        for name in models:
             path = TESTBED if name == "testbed" else random_llama_110m(Path(scratch) / name)
             model = load_target_model(path)
             engine = TargetEngine(model, max_len=MAX_LEN)

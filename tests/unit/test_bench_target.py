@@ -40,3 +40,12 @@ def test_more_tokens_than_the_context_holds_is_a_usage_error(monkeypatch):
     result = CliRunner().invoke(bench_target.main, ["--models", "testbed", "--tokens", "400"])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--tokens': 400 is not in the range 8<=x<=384" in result.output
+
+
+def test_an_unknown_model_name_is_a_usage_error(monkeypatch):
+    """--models testbed,randm-110m benchmarked a random 110M model and titled it 'randm-110m'."""
+    monkeypatch.setattr(bench_target, "measure_bandwidth", not_measured)
+    result = CliRunner().invoke(bench_target.main, ["--models", "testbed,randm-110m"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--models': randm-110m: expected a comma list of testbed, random-110m" in result.output
+    assert bench_target.parse_models(None, None, " random-110m,testbed ") == ["random-110m", "testbed"]
