@@ -124,8 +124,10 @@ def main() -> None:
         depths = args.big_depths if big else args.depths
         repeats = args.big_repeats if big else args.repeats
         warmup = min(args.warmup, 1) if big else args.warmup
-        # Depth is clamped to what T allows (depth <= T - 1): the table shows the depth used.
-        shapes = [TreeShape.clamped(tree_tokens, depth, args.top_k) for depth in depths for tree_tokens in trees]
+        # Depth is clamped to what T allows (depth <= T - 1): the table shows the depth used, each shape once
+        # (--trees 4 --depths 4 6 asks for T=4 depth 3 twice).
+        shapes = list(dict.fromkeys(TreeShape.clamped(tree_tokens, depth, args.top_k)
+                                    for depth in depths for tree_tokens in trees))
         for layers in layers_list:
             head = random_head(SIZES[size], layers, args.fusion, device, dtype)
             drafter = Drafter(head, max_len=args.prefix + (args.accepted + 1) * (warmup + repeats) + 8,
