@@ -45,6 +45,8 @@ def test_types_by_role(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--proj", "q9_9"], "unknown GGUF type"),
+    (["--proj", "q5_k"], "the gguf package cannot write it"),  # was a NotImplementedError after reading the model
+    (["--embd", "iq2_xxs"], "the gguf package cannot write it"),
     ([], "exists"),
 ])
 def test_bad_arguments_are_refused(tmp_path, capsys, args, message):
