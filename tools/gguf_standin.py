@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.source} has no config.json: not a Hugging Face model folder")
     if args.out.exists():
         parser.error(f"{args.out} exists: give a new path")
+    if not args.out.parent.is_dir():
+        parser.error(f"{args.out.parent} is not a folder: the GGUF file goes into an existing one")
     extra = tokenizer_metadata(args.source) | chat_template_metadata(args.source) if args.tokenizer else None
     write_gguf(args.source, args.out, {"proj": args.proj, "embd": args.embd, "output": args.output}, extra)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")

@@ -65,6 +65,13 @@ def test_a_folder_without_a_config_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out.gguf").exists()
 
 
+def test_an_output_in_a_missing_folder_is_refused(tmp_path, capsys):
+    """It read the checkpoint, then died in a FileNotFoundError traceback."""
+    with pytest.raises(SystemExit):
+        main([str(DEMO_TARGET), str(tmp_path / "nowhere" / "out.gguf")])
+    assert f"{tmp_path / 'nowhere'} is not a folder" in capsys.readouterr().err
+
+
 def test_bench_real_writes_a_targets_gguf_once_and_reuses_it(tmp_path):
     """bench_real --gguf: the inflated folder written as a GGUF beside it (via a partial file), then
     reused as it is; it carries the folder's tokenizer."""
