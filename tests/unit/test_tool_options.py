@@ -7,11 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from ipc import messages as m
-from tools import bench_concurrent, bench_e2e, bench_ipc
+from tools import bench_concurrent, bench_e2e, bench_ipc, bench_quality
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,3 +117,24 @@ def test_bench_ipc_rejects_a_count_below_one_before_spawning(monkeypatch, capsys
         bench_ipc.main([option, value])
     assert exit_.value.code == 2
     assert f"argument {option}: {says}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--precisions", "bf16,int9", "unknown precision int9: expected some of fp32,"),
+    ("--gguf-precisions", "q4_1,q5", "unknown precision q5: expected some of fp32,"),
+])
+def test_bench_quality_rejects_an_unknown_precision_before_the_reference_runs(monkeypatch, tmp_path, option, value,
+                                                                               says):
+    """--precisions int9 ran the fp32 reference over every window and prompt, then died in a ValueError traceback."""
+    monkeypatch.setattr(bench_quality, "load_texts", NoWorkers)
+    result = CliRunner().invoke(bench_quality.main, ["--target", str(tmp_path), option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and says in result.output
+
+
+def test_bench_quality_keeps_auto_for_the_gguf_only():
+    gguf, ours = (next(p for p in bench_quality.main.params if p.name == name) for name in ("gguf_precisions",
+                                                                                           "precisions"))
+    assert bench_quality.parse_precisions(None, gguf, "auto, q4_1") == ["auto", "q4_1"]
+    with pytest.raises(click.BadParameter):
+        bench_quality.parse_precisions(None, ours, "auto")
