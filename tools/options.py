@@ -52,3 +52,11 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is below 1")
     return value
+
+
+def int_list(text: str) -> list[int]:
+    """argparse ``type=`` for a comma list of whole numbers >= 1 (``--contexts 256,1024``)."""
+    values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one value")
+    return values

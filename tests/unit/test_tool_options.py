@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from ipc import messages as m
-from tools import bench_concurrent, bench_e2e, bench_ipc, bench_quality
+from tools import bench_concurrent, bench_e2e, bench_ipc, bench_kv_dtype, bench_quality
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,3 +138,18 @@ def test_bench_quality_keeps_auto_for_the_gguf_only():
     assert bench_quality.parse_precisions(None, gguf, "auto, q4_1") == ["auto", "q4_1"]
     with pytest.raises(click.BadParameter):
         bench_quality.parse_precisions(None, ours, "auto")
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--kv", "fp32,fp16", "fp16: expected some of fp32, bf16"),  # was a KeyError after loading the model
+    ("--contexts", "256,x", "'x' is not a whole number"),
+    ("--contexts", "0", "0 is below 1"),
+    ("--steps", "0", "0 is below 1"),  # was 'no median for empty data' after the prefills
+])
+def test_bench_kv_dtype_rejects_bad_lists_before_loading(monkeypatch, capsys, option, value, says):
+    monkeypatch.setattr(bench_kv_dtype, "load_target_model", NoWorkers)
+    monkeypatch.setattr(sys, "argv", ["bench_kv_dtype", "--target", "t", option, value])
+    with pytest.raises(SystemExit) as exit_:
+        bench_kv_dtype.main()
+    assert exit_.value.code == 2
+    assert f"argument {option}: {says}" in capsys.readouterr().err
