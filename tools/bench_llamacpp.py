@@ -134,7 +134,7 @@ def llama_bench_round(binary: Path, gguf: Path, tokens: int, threads: int,
     if child.returncode != 0:
         raise click.ClickException(f"llama-bench failed ({' '.join(command)}):\n{stderr[-2000:]}")
     record = json.loads(stdout)[0]
-    return float(record["avg_ts"]), peak_kb / 1e6, record
+    return float(record["avg_ts"]), peak_kb * 1024 / 1e9, record  # /proc's kB are KiB; GB as ours (psutil's bytes)
 
 
 def streamed_fraction(record: dict, dims: Dims) -> float:

@@ -1,8 +1,9 @@
 """tools/bench_llamacpp.py: each round is judged against the bandwidth measured next to it."""
 
+import sys
 from pathlib import Path
 
-from tools.bench_llamacpp import PairResult, print_table
+from tools.bench_llamacpp import PairResult, llama_bench_round, print_table
 
 
 def test_roofline_fractions_divide_each_round_by_its_own_bandwidth(capsys):
@@ -17,3 +18,27 @@ def test_roofline_fractions_divide_each_round_by_its_own_bandwidth(capsys):
     table = capsys.readouterr().out
     assert "| 90% | 80% |" in table
     assert "read bandwidth 10.0-20.0 GB/s" in table
+
+
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys, time
+hold = bytearray(300 * 1024 * 1024)  # touched: resident
+for i in range(0, len(hold), 4096):
+    hold[i] = 1
+time.sleep(0.6)  # the bench polls VmHWM every 50 ms
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+open(sys.argv[0] + ".peak_kb", "w").write(str(peak))
+print(json.dumps([{{"avg_ts": 12.5, "model_size": 1000, "model_n_params": 10, "model_type": "fake"}}]))
+"""
+
+
+def test_llama_cpp_peak_rss_is_in_the_same_gb_as_ours(tmp_path):
+    """/proc's VmHWM is in KiB: divided by 1e6 it read 2.4% under the GB (1e9 bytes) of ours beside it."""
+    binary = tmp_path / "llama-bench"
+    binary.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable))
+    binary.chmod(0o755)
+    tps, rss_gb, record = llama_bench_round(binary, tmp_path / "model.gguf", tokens=8, threads=1)
+    assert (tps, record["model_type"]) == (12.5, "fake")
+    true_gb = int((tmp_path / "llama-bench.peak_kb").read_text()) * 1024 / 1e9
+    assert true_gb > 0.3
+    assert abs(rss_gb - true_gb) / true_gb < 0.01
