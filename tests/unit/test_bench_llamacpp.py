@@ -3,6 +3,11 @@
 import sys
 from pathlib import Path
 
+import click
+import pytest
+from click.testing import CliRunner
+
+from tools import bench_llamacpp
 from tools.bench_llamacpp import PairResult, llama_bench_round, print_table
 
 
@@ -42,3 +47,27 @@ def test_llama_cpp_peak_rss_is_in_the_same_gb_as_ours(tmp_path):
     true_gb = int((tmp_path / "llama-bench.peak_kb").read_text()) * 1024 / 1e9
     assert true_gb > 0.3
     assert abs(rss_gb - true_gb) / true_gb < 0.01
+
+
+def not_built(*_args, **_kwargs):
+    raise AssertionError("our engine loaded before --llama-bench was checked")
+
+
+def test_a_llama_bench_that_cannot_run_is_named_before_our_engine_loads(tmp_path, monkeypatch):
+    """A non-executable --llama-bench ended in 'OSError: [Errno 8] Exec format error' after our engine loaded."""
+    monkeypatch.setattr(bench_llamacpp, "build_engine", not_built)
+    text, gguf = tmp_path / "llama-bench", tmp_path / "model.gguf"
+    text.write_text("not a program\n")
+    gguf.write_bytes(b"GGUF")
+    result = CliRunner().invoke(bench_llamacpp.main, ["--target", str(tmp_path), "--llama-bench", str(text),
+                                                      "--pair", f"int8={gguf}"])
+    assert result.exit_code == 2, result.output
+    assert f"{text} is not executable" in result.output
+
+
+def test_an_executable_that_is_no_program_is_one_line(tmp_path):
+    binary = tmp_path / "llama-bench"
+    binary.write_bytes(b"\x7fELF not really")
+    binary.chmod(0o755)
+    with pytest.raises(click.ClickException, match="cannot run .*llama-bench: Exec format error"):
+        llama_bench_round(binary, tmp_path / "model.gguf", tokens=8, threads=1)
