@@ -75,6 +75,7 @@ def main() -> int:
     args = parser.parse_args()
     if not args.target.exists():
         raise SystemExit(f"no target at {args.target}")
+    target = args.target.resolve()  # the children run in each --repo: a relative path would point into it
     repos = args.repo or [Path(__file__).resolve().parent.parent]
     split = args.target.is_dir()
     print(f"command: {' '.join(sys.argv)}")
@@ -83,10 +84,10 @@ def main() -> int:
     for precision in args.precisions.split(","):
         for round_ in range(1, args.rounds + 1):
             for repo in repos:
-                load = child(repo, _LOAD, str(args.target), precision, str(args.threads))
+                load = child(repo, _LOAD, str(target), precision, str(args.threads))
                 work = {"read": float("nan"), "quantize": float("nan")}
                 if split and block_type(precision) is not None:
-                    work = child(repo, _CPU_WORK, str(args.target), precision, str(args.threads))
+                    work = child(repo, _CPU_WORK, str(target), precision, str(args.threads))
                 print(markdown_row([repo.name, precision, round_, f"{load['seconds']:.1f}",
                                     f"{load['peak_kb'] / 1e6:.2f}", f"{load['weights'] / 1e6:.1f}",
                                     f"{work['read']:.1f}", f"{work['quantize']:.1f}"]), flush=True)

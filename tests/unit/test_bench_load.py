@@ -3,6 +3,7 @@ HF folder at a block precision, the CPU work split into reading and quantizing."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,15 @@ def test_a_missing_target_is_named(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tools.bench_load", "--target", str(tmp_path / "nope")],
                           cwd=REPO, capture_output=True, text=True, check=False)
     assert done.returncode != 0 and "no target at" in done.stderr
+
+
+def test_a_target_relative_to_where_it_runs(tmp_path):
+    """The children run with each checkout as their directory: --target tiny (a folder here) was looked
+    for inside the checkout ('model folder tiny does not exist'), or found another folder of that name there."""
+    save_tiny_model(tmp_path / "tiny", "llama", seed=5)
+    done = subprocess.run([sys.executable, "-m", "tools.bench_load", "--target", "tiny", "--precisions", "fp32",
+                           "--threads", "1"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split("|")[2].strip() for line in done.stdout.splitlines() if line.startswith(f"| {REPO.name} |")
+            ] == ["fp32"]
