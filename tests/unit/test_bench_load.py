@@ -43,3 +43,15 @@ def test_a_target_relative_to_where_it_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert [line.split("|")[2].strip() for line in done.stdout.splitlines() if line.startswith(f"| {REPO.name} |")
             ] == ["fp32"]
+
+
+def test_peak_rss_kib_are_reported_as_gb(tmp_path, monkeypatch, capsys):
+    """ru_maxrss is in KiB: divided by 1e6 the 'peak RSS GB' column read 2.4% low (bench_head_memory's
+    column, the same figure, multiplies by 1024 first)."""
+    from tools import bench_load
+
+    monkeypatch.setattr(bench_load, "child", lambda *_args: {"seconds": 1.0, "peak_kb": 10_000_000, "weights": 5e8})
+    monkeypatch.setattr(sys, "argv", ["bench_load", "--target", str(tmp_path), "--precisions", "fp32"])
+    assert bench_load.main() == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {REPO.name} |"))
+    assert row.split("|")[5].strip() == "10.24"  # 10,000,000 KiB = 10.24e9 bytes
