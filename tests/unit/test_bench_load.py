@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,3 +57,17 @@ def test_peak_rss_kib_are_reported_as_gb(tmp_path, monkeypatch, capsys):
     assert bench_load.main() == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {REPO.name} |"))
     assert row.split("|")[5].strip() == "10.24"  # 10,000,000 KiB = 10.24e9 bytes
+
+
+def test_an_unknown_precision_is_a_usage_line(tmp_path, monkeypatch, capsys):
+    from tools import bench_load
+
+    def child(*_args):
+        raise AssertionError("a child ran before --precisions was checked")
+
+    monkeypatch.setattr(bench_load, "child", child)
+    monkeypatch.setattr(sys, "argv", ["bench_load", "--target", str(tmp_path), "--precisions", "q4_0,int9"])
+    with pytest.raises(SystemExit) as exit_:
+        bench_load.main()
+    assert exit_.value.code == 2
+    assert "argument --precisions: int9: expected some of fp32, bf16, int8" in capsys.readouterr().err
