@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from ipc import messages as m
-from tools import bench_concurrent, bench_e2e, bench_ipc, bench_kv_dtype, bench_quality
+from tools import bench_batched_step, bench_concurrent, bench_e2e, bench_ipc, bench_kv_dtype, bench_quality
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,3 +153,15 @@ def test_bench_kv_dtype_rejects_bad_lists_before_loading(monkeypatch, capsys, op
         bench_kv_dtype.main()
     assert exit_.value.code == 2
     assert f"argument {option}: {says}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "says"), [("0,1", "'0': each value must be at least 1"),
+                                             ("1,two", "'two' is not a whole number")])
+def test_bench_batched_step_rejects_a_bad_sequence_count_before_loading(monkeypatch, value, says):
+    """--sequences 0,1 printed a row '| 0 | 0.00 | 0.00 | 0.08x |' (no engine at all, timed); 'two' was a
+    ValueError traceback after the model loaded."""
+    monkeypatch.setattr(bench_batched_step, "build_engine", NoWorkers)
+    result = CliRunner().invoke(bench_batched_step.main, ["--target", "t", "--precision", "fp32", "--sequences",
+                                                          value])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--sequences'" in result.output and says in result.output
