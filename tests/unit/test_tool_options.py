@@ -12,7 +12,15 @@ import pytest
 from click.testing import CliRunner
 
 from ipc import messages as m
-from tools import bench_batched_step, bench_concurrent, bench_e2e, bench_ipc, bench_kv_dtype, bench_quality
+from tools import (
+    bench_batched_step,
+    bench_concurrent,
+    bench_e2e,
+    bench_ipc,
+    bench_kv_dtype,
+    bench_layer_loop,
+    bench_quality,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -165,3 +173,22 @@ def test_bench_batched_step_rejects_a_bad_sequence_count_before_loading(monkeypa
                                                           value])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--sequences'" in result.output and says in result.output
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--trees", "3,x", "'x' is not a whole number"),  # was a ValueError traceback
+    ("--trees", "0", "0 is below 1"),
+    ("--steps", "0", "0 is below 1"),  # was 'no median for empty data' after the prefill
+    ("--context", "0", "0 is below 1"),
+])
+def test_bench_layer_loop_rejects_bad_arguments_before_loading(monkeypatch, capsys, option, value, says):
+    monkeypatch.setattr(bench_layer_loop, "build_engine", NoWorkers)
+    monkeypatch.setattr(sys, "argv", ["bench_layer_loop", "--target", "t", option, value])
+    with pytest.raises(SystemExit) as exit_:
+        bench_layer_loop.main()
+    assert exit_.value.code == 2
+    assert f"argument {option}: {says}" in capsys.readouterr().err
+
+
+def test_bench_layer_loop_trees_may_be_empty():
+    assert bench_layer_loop.tree_sizes("") == [] and bench_layer_loop.tree_sizes("3, 8") == [3, 8]
