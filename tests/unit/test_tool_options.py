@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from ipc import messages as m
 from tools import (
     bench_batched_step,
+    bench_block_kernel,
     bench_concurrent,
     bench_e2e,
     bench_ipc,
@@ -192,3 +193,21 @@ def test_bench_layer_loop_rejects_bad_arguments_before_loading(monkeypatch, caps
 
 def test_bench_layer_loop_trees_may_be_empty():
     assert bench_layer_loop.tree_sizes("") == [] and bench_layer_loop.tree_sizes("3, 8") == [3, 8]
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--kinds", "int8-row,q9", "'q9': expected int8-row or one of"),  # a ValueError after the header
+    ("--kinds", "q4_0-a12", "'q4_0-a12'"),
+    ("--shapes", "64by64", "'64by64': expected NxK"),  # a ValueError traceback
+    ("--shapes", "0x64", "'0x64': expected NxK"),
+    ("--rows", "1,0", "'0': each value must be at least 1"),
+])
+def test_bench_block_kernel_rejects_bad_lists_before_quantizing(monkeypatch, option, value, says):
+    monkeypatch.setattr(bench_block_kernel, "layers_for", NoWorkers)
+    result = CliRunner().invoke(bench_block_kernel.main, [option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and says in result.output
+
+
+def test_bench_block_kernel_shapes_parse():
+    assert bench_block_kernel.parse_shapes(None, None, "64x32, 8X16") == [(64, 32), (8, 16)]
