@@ -1,5 +1,5 @@
-"""The tools' comma-list options: a bad item is a one-line usage error (exit 2) before any worker
-starts or model loads, never a traceback after minutes of set-up."""
+"""The tools' options (comma lists, counts, sizes): a bad value is a one-line usage error (exit 2)
+before any worker starts or model loads, never a traceback after minutes of set-up."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from ipc import messages as m
 from tools import (
+    bench_aux_rows,
     bench_batched_step,
     bench_block_kernel,
     bench_concurrent,
@@ -22,6 +23,8 @@ from tools import (
     bench_layer_loop,
     bench_quality,
 )
+
+from conftest import DEMO_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -211,3 +214,22 @@ def test_bench_block_kernel_rejects_bad_lists_before_quantizing(monkeypatch, opt
 
 def test_bench_block_kernel_shapes_parse():
     assert bench_block_kernel.parse_shapes(None, None, "64x32, 8X16") == [(64, 32), (8, 16)]
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--tree-tokens", "1", "1 is not in the range 2<=x<=1024"),  # a ring of 0 bytes: ValueError after timing
+    ("--repeats", "0", "0 is not in the range x>=1"),  # an IndexError in the summary
+    ("--prompt-tokens", "4000", "4000 is not in the range 1<=x<=1024"),  # past the engines' context
+    ("--layers", "1,x", "'x' is not a whole number"),
+])
+def test_bench_aux_rows_rejects_bad_arguments_before_loading(monkeypatch, option, value, says):
+    monkeypatch.setattr(bench_aux_rows, "load_target_model", NoWorkers)
+    result = CliRunner().invoke(bench_aux_rows.main, [option, value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and says in result.output
+
+
+def test_bench_aux_rows_names_layers_the_target_lacks():
+    result = CliRunner().invoke(bench_aux_rows.main, ["--target", str(DEMO_TARGET), "--layers", "1,99"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--layers': aux layers [1, 99] must be distinct, increasing and in 0..5" in result.output
