@@ -74,11 +74,12 @@ def main(target: str, layers: list[int], tree_tokens: int, prompt_tokens: int, r
     prompt = torch.randint(vocab, (prompt_tokens,)).tolist()
     tokens = torch.randint(vocab, (tree_tokens,)).tolist()
     parents = [-1] + [(i - 1) // 2 for i in range(1, tree_tokens)]
+    prefill_calls = max(10, repeats // 10)  # a prefill costs many verifies: fewer of them
     print(f"target {target}, aux layers {aux_layers or 'none'}, {torch.get_num_threads()} threads, "
-          f"{repeats} calls each")
+          f"{repeats} verify calls and {prefill_calls} prefills each")
     with torch.inference_mode():
         prefills = alternate({name: functools.partial(engine.prefill, prompt) for name, engine in engines.items()},
-                             max(10, repeats // 10))
+                             prefill_calls)
         # tree_logits is verify's forward; the prefix stays as it is between calls.
         verifies = alternate({name: functools.partial(engine.tree_logits, tokens, parents)
                               for name, engine in engines.items()}, repeats)

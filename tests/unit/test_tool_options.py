@@ -233,3 +233,11 @@ def test_bench_aux_rows_names_layers_the_target_lacks():
     result = CliRunner().invoke(bench_aux_rows.main, ["--target", str(DEMO_TARGET), "--layers", "1,99"])
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--layers': aux layers [1, 99] must be distinct, increasing and in 0..5" in result.output
+
+
+def test_bench_aux_rows_says_how_many_calls_of_each_it_timed():
+    """The header said '200 calls each' though the prefills ran max(10, repeats // 10) times (20)."""
+    result = CliRunner().invoke(bench_aux_rows.main, ["--target", str(DEMO_TARGET), "--layers", "", "--repeats",
+                                                      "3", "--prompt-tokens", "8", "--tree-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    assert "3 verify calls and 10 prefills each" in result.output.splitlines()[0]
