@@ -178,10 +178,17 @@ class Run:
 Expected = dict[str, tuple[list[int], str]]  # prompt -> (token ids, text)
 
 
+def open_client(kind: str, target: Target, timeout_s: float) -> SoakClient:
+    """A client of ``kind``; a server that does not answer the ZMQ handshake is one line, not a traceback."""
+    try:
+        return SoakClient(kind, target.zmq, target.http, timeout_s)
+    except OSError as error:  # HandshakeError is a ConnectionError
+        raise click.ClickException(str(error)) from None
+
+
 def reference(target: Target, prompts: list[str], new_tokens: int, timeout_s: float) -> Expected:
     """The server's greedy ``mode: ar`` answer per prompt."""
-    kind = "zmq" if target.zmq else "http"
-    client = SoakClient(kind, target.zmq, target.http, timeout_s)
+    client = open_client("zmq" if target.zmq else "http", target, timeout_s)
     try:
         answers: Expected = {}
         for prompt in dict.fromkeys(prompts):
@@ -322,7 +329,7 @@ def main(duration, clients, connect, http_url, pid, target, draft, server_args, 
     try:
         expected = reference(server, prompts, max_new_tokens, timeout)
         run = Run({kind: Tally() for kind in KINDS})
-        soak_clients = [SoakClient(kinds[i % len(kinds)], server.zmq, server.http, timeout) for i in range(clients)]
+        soak_clients = [open_client(kinds[i % len(kinds)], server, timeout) for i in range(clients)]
         for client in soak_clients:  # warm-up: one request each, not counted, before memory is measured
             run.tallies[client.kind].clients += 1
             try:
