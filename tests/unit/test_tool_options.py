@@ -22,6 +22,7 @@ from tools import (
     bench_kv_dtype,
     bench_layer_loop,
     bench_quality,
+    kv_fidelity,
 )
 
 from conftest import DEMO_TARGET
@@ -241,3 +242,15 @@ def test_bench_aux_rows_says_how_many_calls_of_each_it_timed():
                                                       "3", "--prompt-tokens", "8", "--tree-tokens", "2"])
     assert result.exit_code == 0, result.output
     assert "3 verify calls and 10 prefills each" in result.output.splitlines()[0]
+
+
+@pytest.mark.parametrize("option", ["--files", "--tokens", "--threads"])
+def test_kv_fidelity_counts_start_at_one(monkeypatch, capsys, option):
+    """--tokens 0 ran every prompt and died in a ZeroDivisionError; --files 0 said no held-out file was found;
+    --threads 0 was torch's 'must be positive' traceback."""
+    monkeypatch.setattr(kv_fidelity, "load_target_model", NoWorkers)
+    monkeypatch.setattr(sys, "argv", ["kv_fidelity", "--target", "t", option, "0"])
+    with pytest.raises(SystemExit) as exit_:
+        kv_fidelity.main()
+    assert exit_.value.code == 2
+    assert f"argument {option}: 0 is below 1" in capsys.readouterr().err
