@@ -34,12 +34,16 @@ def _done(out: Path) -> set[tuple[str, int]]:
         return done
     lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
     good = []
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             break
-        done.add((record["conversations"][0]["value"], int(record.get("answer", 0))))
+        try:
+            done.add((record["conversations"][0]["value"], int(record.get("answer", 0))))
+        except (TypeError, KeyError, IndexError, ValueError):  # another file (held-out prompts?): never append to it
+            raise click.ClickException(f"{out}:{number} is not a record this tool writes (ShareGPT "
+                                       "\"conversations\"): give --out a file of its own") from None
         good.append(line)
     if len(good) != len(lines):
         out.write_text("".join(good), encoding="utf-8")

@@ -54,3 +54,14 @@ def test_asking_for_a_gpu_where_there_is_none_is_a_usage_error(tmp_path):
                                        "--device", "cuda"])
     assert result.exit_code == 2 and "torch sees no CUDA device" in result.output
     assert not (tmp_path / "chat.jsonl").exists()
+
+
+def test_an_out_file_of_another_kind_is_refused_not_appended_to(tmp_path):
+    """--out pointing at the held-out prompts ({"prompt": ...} lines) died in KeyError: 'conversations'."""
+    import click
+
+    out = tmp_path / "heldout.jsonl"
+    out.write_text('{"prompt": "Tell me about tides."}\n')
+    with pytest.raises(click.ClickException, match="heldout.jsonl:1 is not a record this tool writes"):
+        _done(out)
+    assert out.read_text() == '{"prompt": "Tell me about tides."}\n'
