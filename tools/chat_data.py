@@ -50,6 +50,21 @@ def _done(out: Path) -> set[tuple[str, int]]:
     return done
 
 
+def refuse_to_overwrite_answers(out: Path) -> None:
+    """--heldout rewrites ``out`` (a rerun rewrites the same prompts); a file with anything else in it (the
+    answers a run took hours to write, when --out names the wrong file) is refused instead."""
+    if not out.exists():
+        return
+    for number, line in enumerate(out.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if line.strip() and not (isinstance(record, dict) and set(record) == {"prompt"}):
+            raise click.ClickException(f"{out}:{number} is not a held-out prompt line: --heldout would overwrite "
+                                       "it (give --out a file of its own)")
+
+
 def work_items(prompts: list[str], answers: int, sampled: float, seed: int) -> list[tuple[str, int, bool]]:
     """(prompt, answer index, sampled?) in the order they are answered: every prompt's first
     answer (greedy or sampled, a seeded ``sampled`` share of them sampled), then every prompt's
@@ -103,6 +118,7 @@ def main(target: Path | None, out: Path, count: int, answers: int, sampled: floa
          seed: int, dtype: str, device: str, seconds: float | None, threads: int, heldout: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if heldout:
+        refuse_to_overwrite_answers(out)
         out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts()), encoding="utf-8")
         click.echo(f"{out}: {len(heldout_prompts())} held-out prompts")
         return
