@@ -20,7 +20,7 @@ import torch
 from cpu_worker.engine import TargetEngine
 from cpu_worker.target_loading import load_target_model
 from ipc.shm_ring import ShmRing, get_block, slot_bytes_for
-from tools.options import comma_list
+from tools.options import comma_list, load_errors_in_one_line
 
 
 def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
@@ -60,6 +60,7 @@ def parse_layers(context: click.Context, parameter: click.Parameter, text: str) 
 @click.option("--tree-tokens", type=click.IntRange(2, MAX_LEN // 2), default=16, show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(1, MAX_LEN // 2), default=256, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=200, show_default=True)
+@load_errors_in_one_line
 def main(target: str, layers: list[int], tree_tokens: int, prompt_tokens: int, repeats: int) -> None:
     torch.manual_seed(0)
     model = load_target_model(target)

@@ -20,7 +20,7 @@ from cpu_worker.batched import SequenceStep, run_steps
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from dovetail_runtime.coordinator import target_precision
-from tools.options import comma_list
+from tools.options import comma_list, load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 
@@ -42,6 +42,7 @@ def one_step_ms(engines: list[TargetEngine], token: int, together: bool) -> floa
               help="comma list of sequence counts")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads (default: torch's)")
 @click.option("--repeats", type=click.IntRange(min=3), default=10, show_default=True)
+@load_errors_in_one_line
 def main(target: str, precision: str, sequences: list[int], threads: int | None, repeats: int) -> None:
     if threads:
         torch.set_num_threads(threads)

@@ -28,7 +28,7 @@ from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
 from cpu_worker.target_loading import load_target_model
 from cpu_worker.verify_cost import measure_verify_ms
 from tools.bench_kv_dtype import decode_ms
-from tools.options import int_list, positive_int
+from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
 MAX_LEN = 512  # each engine's context
@@ -63,6 +63,7 @@ def largest_tree_over_decode(row: list[float], sizes: list[int]) -> float:
     return row[2 + sizes.index(max(sizes))] / row[1]
 
 
+@load_errors_in_one_line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)

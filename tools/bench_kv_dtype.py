@@ -25,7 +25,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import exact_attention
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
-from tools.options import int_list, positive_int
+from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
 
@@ -78,6 +78,7 @@ def kv_list(text: str) -> list[str]:
     return names
 
 
+@load_errors_in_one_line
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)

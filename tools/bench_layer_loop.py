@@ -26,7 +26,7 @@ import torch
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from cpu_worker.verify_cost import measurement_tree
-from tools.options import int_list, positive_int
+from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
 T = TypeVar("T")
@@ -74,6 +74,7 @@ def tree_sizes(text: str) -> list[int]:
     return int_list(text) if text.strip(", ") else []
 
 
+@load_errors_in_one_line
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)

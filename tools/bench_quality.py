@@ -44,6 +44,7 @@ from dovetail_runtime.tokenizer import Tokenizer
 from ipc.dtypes import TARGET_PRECISIONS
 from tools import quant_reference
 from tools.fixtures import SMOLLM2_DIR, SMOLLM2_GGUF
+from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 CODE_FILES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "string.py", "fractions.py",
@@ -246,6 +247,7 @@ def parse_precisions(_context: click.Context, parameter: click.Parameter, text: 
                    "activations).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every figure to this file.")
+@load_errors_in_one_line
 def main(target: Path, precisions: list[str], formats: str, windows: int, window_tokens: int, prompts: int,
          new_tokens: int, threads: int | None, gguf: Path | None, gguf_precisions: list[str],
          json_path: Path | None) -> None:

@@ -22,7 +22,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.target_loading import load_target_model
 from dovetail_runtime.draft_eval import file_prompts
 from gpu_worker.train.corpus import stdlib_files
-from tools.options import positive_int
+from tools.options import load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
 PROMPT_TOKENS = 256
@@ -49,6 +49,7 @@ def forced_argmax(engine: TargetEngine, prompt: list[int], forced: list[int]) ->
     return chosen
 
 
+@load_errors_in_one_line
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)

@@ -5,12 +5,15 @@ starts, not a traceback minutes into a run."""
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import click
 
 Parser = Callable[[click.Context, click.Parameter, str], list]
+Main = TypeVar("Main", bound=Callable[..., Any])
 
 
 def comma_list(kind: type[int] | type[float], minimum: float | None = None) -> Parser:
@@ -60,3 +63,20 @@ def int_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("give at least one value")
     return values
+
+
+def load_errors_in_one_line(main: Main) -> Main:
+    """Decorate a tool's ``main``: a folder that is no model (no config.json, no tokenizer, not a draft head)
+    ends the run as ``Error: <the loader's one line>``, exit 1, as dovetail-run says it, not in a traceback."""
+    from cpu_worker.model.model_dir import ModelLoadError
+    from dovetail_runtime.tokenizer import TokenizerLoadError
+    from gpu_worker.checkpoint import DraftCheckpointError
+
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return main(*args, **kwargs)
+        except (ModelLoadError, TokenizerLoadError, DraftCheckpointError) as error:
+            raise SystemExit(f"Error: {error}") from None
+
+    return cast(Main, run)

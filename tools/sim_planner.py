@@ -49,6 +49,7 @@ from dovetail_runtime.demo_models import SMOLLM2_DIR, SMOLLM2_DRAFT
 from dovetail_runtime.lookup import PromptLookup, graft
 from dovetail_runtime.tree_planner import AutoTree, TreePlanner, interpolate
 from ipc.tree import TreeShape, children_by_token, tree_depths
+from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 # The llama2-7b chat stand-in's startup curve at q4_0, 2 threads (the cost cache, 2026-12-06), ms.
@@ -324,6 +325,7 @@ def main() -> None:
 @click.option("--new-tokens", type=click.IntRange(2, 1024), default=96, show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@load_errors_in_one_line
 def dump(target: Path, draft: Path, count: int, new_tokens: int, threads: int, out: Path) -> None:
     """Record the head's trees at every position of the target's greedy answers."""
     import torch

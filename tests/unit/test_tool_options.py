@@ -13,19 +13,24 @@ from click.testing import CliRunner
 
 from ipc import messages as m
 from tools import (
+    bench_attention,
     bench_aux_rows,
     bench_batched_step,
     bench_block_kernel,
     bench_concurrent,
+    bench_draft_level,
     bench_e2e,
+    bench_fp32_kernel,
+    bench_int8,
     bench_ipc,
     bench_kv_dtype,
     bench_layer_loop,
     bench_quality,
     kv_fidelity,
+    sim_planner,
 )
 
-from conftest import DEMO_TARGET
+from conftest import DEMO_DRAFT, DEMO_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -254,3 +259,40 @@ def test_kv_fidelity_counts_start_at_one(monkeypatch, capsys, option):
         kv_fidelity.main()
     assert exit_.value.code == 2
     assert f"argument {option}: 0 is below 1" in capsys.readouterr().err
+
+
+CLICK_TOOLS = [
+    (bench_batched_step.main, ["--precision", "fp32", "--target", "{empty}"], "has no config.json"),
+    (bench_aux_rows.main, ["--target", "{empty}"], "has no config.json"),
+    (bench_draft_level.main, ["--draft", str(DEMO_DRAFT), "--target", "{empty}"], "has no config.json"),
+    (bench_quality.main, ["--target", "{empty}"], "has no tokenizer.json"),
+    (bench_int8.main, ["--dim", "16", "--repeats", "1", "--threads", "1", "--target", "{empty}"], "has no config.json"),
+    (bench_attention.main, ["--contexts", "8", "--trees", "1", "--repeats", "1", "--threads", "1", "--target",
+                            "{empty}"], "has no config.json"),
+    (sim_planner.main, ["dump", "--out", "{empty}/trees.json", "--target", "{empty}"], "has no tokenizer"),
+]
+ARGV_TOOLS = [(bench_kv_dtype.main, "has no config.json"), (bench_layer_loop.main, "has no config.json"),
+              (kv_fidelity.main, "has no config.json")]
+
+
+@pytest.mark.parametrize(("main", "arguments", "says"), CLICK_TOOLS)
+def test_a_click_tool_names_a_folder_that_is_no_model_in_one_line(tmp_path, main, arguments, says):
+    """Each ended in a ModelLoadError / TokenizerLoadError / DraftCheckpointError traceback."""
+    result = CliRunner().invoke(main, [argument.format(empty=tmp_path) for argument in arguments])
+    assert result.exit_code == 1, result.output
+    assert f"Error: {tmp_path} {says}" in result.output
+    assert not isinstance(result.exception, ValueError)  # the loaders' errors are ValueErrors
+
+
+@pytest.mark.parametrize(("main", "says"), ARGV_TOOLS)
+def test_an_argparse_tool_names_a_folder_that_is_no_model_in_one_line(tmp_path, monkeypatch, main, says):
+    monkeypatch.setattr(sys, "argv", ["tool", "--target", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == f"Error: {tmp_path} {says}"
+
+
+def test_bench_fp32_kernel_names_a_folder_that_is_no_model_in_one_line(tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        bench_fp32_kernel.main(["--target", str(tmp_path)])
+    assert exit_.value.code == f"Error: {tmp_path} has no config.json"
