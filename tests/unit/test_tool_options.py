@@ -26,6 +26,7 @@ from tools import (
     bench_kv_dtype,
     bench_layer_loop,
     bench_quality,
+    check_row_invariance,
     kv_fidelity,
     sim_planner,
 )
@@ -296,3 +297,12 @@ def test_bench_fp32_kernel_names_a_folder_that_is_no_model_in_one_line(tmp_path)
     with pytest.raises(SystemExit) as exit_:
         bench_fp32_kernel.main(["--target", str(tmp_path)])
     assert exit_.value.code == f"Error: {tmp_path} has no config.json"
+
+
+def test_check_row_invariance_threads_start_at_one(monkeypatch, capsys):
+    """--threads 0 was torch's 'set_num_threads expects a positive integer' traceback."""
+    monkeypatch.setattr(sys, "argv", ["check_row_invariance", "--threads", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        check_row_invariance.main()
+    assert exit_.value.code == 2
+    assert "argument --threads: 0 is below 1" in capsys.readouterr().err
