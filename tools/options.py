@@ -57,6 +57,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse ``type=`` for a count that may be 0 (warm-up rounds, accepted drafts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is below 0")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """argparse ``type=`` for a comma list of whole numbers >= 1 (``--contexts 256,1024``)."""
     values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
