@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cpu_worker.precision import block_type
 from ipc.dtypes import TARGET_PRECISIONS
+from tools.options import positive_int
 from tools.tables import markdown_header, markdown_row
 
 _LOAD = """
@@ -81,8 +82,8 @@ def main() -> int:
     parser.add_argument("--target", type=Path, required=True, help="target folder or GGUF file")
     parser.add_argument("--precisions", type=precision_list, default="q4_0,int8",
                         help=f"--target-dtype values, comma-separated: {', '.join(TARGET_PRECISIONS)}")
-    parser.add_argument("--rounds", type=int, default=1, help="loads per checkout and precision (alternating)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="loads per checkout and precision (alternating)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads in each child")
     parser.add_argument("--repo", type=Path, action="append", help="checkout(s) to run (default: this one)")
     args = parser.parse_args()
     if not args.target.exists():

@@ -71,3 +71,19 @@ def test_an_unknown_precision_is_a_usage_line(tmp_path, monkeypatch, capsys):
         bench_load.main()
     assert exit_.value.code == 2
     assert "argument --precisions: int9: expected some of fp32, bf16, int8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "value"), [("--rounds", "0"), ("--threads", "0")])
+def test_counts_start_at_one(tmp_path, monkeypatch, capsys, option, value):
+    """--rounds 0 printed a header and no rows; --threads 0 printed a child's torch traceback as the error."""
+    from tools import bench_load
+
+    def child(*_args):
+        raise AssertionError(f"a child ran before {option} was checked")
+
+    monkeypatch.setattr(bench_load, "child", child)
+    monkeypatch.setattr(sys, "argv", ["bench_load", "--target", str(tmp_path), option, value])
+    with pytest.raises(SystemExit) as exit_:
+        bench_load.main()
+    assert exit_.value.code == 2
+    assert f"argument {option}: 0 is below 1" in capsys.readouterr().err
