@@ -87,7 +87,7 @@ def main() -> int:
     parser.add_argument("--kv", type=kv_list, default="fp32,bf16",
                         help=f"KV dtypes to compare (the first is the reference): {', '.join(KV_DTYPES)}")
     parser.add_argument("--steps", type=positive_int, default=40)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
