@@ -25,6 +25,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import exact_attention
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
+from ipc.dtypes import TARGET_PRECISIONS
 from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
@@ -82,7 +83,8 @@ def kv_list(text: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--dtype", default="int8", help="target precision (fp32, int8, bf16)")
+    parser.add_argument("--dtype", default="int8", choices=TARGET_PRECISIONS, metavar="DTYPE",
+                        help=f"target precision: {', '.join(TARGET_PRECISIONS)}")
     parser.add_argument("--contexts", type=int_list, default=[256, 1024, 2000])
     parser.add_argument("--kv", type=kv_list, default="fp32,bf16",
                         help=f"KV dtypes to compare (the first is the reference): {', '.join(KV_DTYPES)}")

@@ -165,6 +165,7 @@ def test_bench_quality_keeps_auto_for_the_gguf_only():
     ("--contexts", "0", "0 is below 1"),
     ("--steps", "0", "0 is below 1"),  # was 'no median for empty data' after the prefills
     ("--threads", "-1", "-1 is below 1"),  # was torch's RuntimeError traceback
+    ("--dtype", "int9", "invalid choice: 'int9'"),  # was a ValueError traceback from the loader
 ])
 def test_bench_kv_dtype_rejects_bad_lists_before_loading(monkeypatch, capsys, option, value, says):
     monkeypatch.setattr(bench_kv_dtype, "load_target_model", NoWorkers)
