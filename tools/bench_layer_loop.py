@@ -26,6 +26,7 @@ import torch
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from cpu_worker.verify_cost import measurement_tree
+from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
 from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
@@ -78,8 +79,9 @@ def tree_sizes(text: str) -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--dtype", default="int8-row", help="target precision: int8-row or fp32 (the loop's kernels)")
-    parser.add_argument("--kv-dtype", default="auto")
+    parser.add_argument("--dtype", default="int8-row", choices=TARGET_PRECISIONS, metavar="DTYPE",
+                        help="target precision: int8-row or fp32 (the loop's kernels)")
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
     parser.add_argument("--context", type=positive_int, default=256)
     parser.add_argument("--steps", type=positive_int, default=40)
     parser.add_argument("--trees", type=tree_sizes, default=[3, 8, 16],

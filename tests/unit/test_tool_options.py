@@ -193,6 +193,8 @@ def test_bench_batched_step_rejects_a_bad_sequence_count_before_loading(monkeypa
     ("--trees", "0", "0 is below 1"),
     ("--steps", "0", "0 is below 1"),  # was 'no median for empty data' after the prefill
     ("--context", "0", "0 is below 1"),
+    ("--dtype", "int9", "invalid choice: 'int9'"),  # were ValueError tracebacks from the loader
+    ("--kv-dtype", "fp16", "invalid choice: 'fp16'"),
 ])
 def test_bench_layer_loop_rejects_bad_arguments_before_loading(monkeypatch, capsys, option, value, says):
     monkeypatch.setattr(bench_layer_loop, "build_engine", NoWorkers)
