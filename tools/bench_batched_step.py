@@ -20,6 +20,7 @@ from cpu_worker.batched import SequenceStep, run_steps
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from dovetail_runtime.coordinator import target_precision
+from ipc.dtypes import TARGET_PRECISIONS
 from tools.options import comma_list, load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
@@ -37,7 +38,8 @@ def one_step_ms(engines: list[TargetEngine], token: int, together: bool) -> floa
 
 @click.command()
 @click.option("--target", required=True, help="a model folder or GGUF file")
-@click.option("--precision", default="auto", show_default=True, help="as dovetail-run's --target-dtype")
+@click.option("--precision", type=click.Choice(["auto", *TARGET_PRECISIONS]), default="auto", show_default=True,
+              help="as dovetail-run's --target-dtype")
 @click.option("--sequences", default="1,2,4,8", show_default=True, callback=comma_list(int, minimum=1),
               help="comma list of sequence counts")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads (default: torch's)")

@@ -188,6 +188,14 @@ def test_bench_batched_step_rejects_a_bad_sequence_count_before_loading(monkeypa
     assert "Invalid value for '--sequences'" in result.output and says in result.output
 
 
+def test_bench_batched_step_rejects_an_unknown_precision_before_loading(monkeypatch):
+    """--precision int9 ended in the loader's ValueError traceback."""
+    monkeypatch.setattr(bench_batched_step, "build_engine", NoWorkers)
+    result = CliRunner().invoke(bench_batched_step.main, ["--target", "t", "--precision", "int9"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--precision': 'int9' is not one of 'auto', 'fp32'" in result.output
+
+
 @pytest.mark.parametrize(("option", "value", "says"), [
     ("--trees", "3,x", "'x' is not a whole number"),  # was a ValueError traceback
     ("--trees", "0", "0 is below 1"),
