@@ -1,6 +1,7 @@
-"""Click callbacks the tools share for their comma-list options (``--temperatures 0,0.7``,
-``--streams 1,2,4``): a bad item is a one-line usage error before any model loads or worker
-starts, not a traceback minutes into a run."""
+"""What the tools share to refuse bad input in one line, before any model loads or worker starts
+(not in a traceback minutes into a run): click callbacks for comma lists (``--temperatures 0,0.7``,
+``--streams 1,2,4``), argparse types for counts and lists, and a decorator for their mains that
+turns a folder that is no model into the loader's one-line error."""
 
 from __future__ import annotations
 
@@ -48,23 +49,21 @@ def text_example(kind: type[int] | type[float]) -> str:
 def positive_int(text: str) -> int:
     """argparse ``type=`` for counts and sizes: a whole number >= 1 (argparse turns the error into
     a usage line naming the option)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is below 1")
-    return value
+    return whole_number(text, least=1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse ``type=`` for a count that may be 0 (warm-up rounds, accepted drafts)."""
+    return whole_number(text, least=0)
+
+
+def whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is below 0")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is below {least}")
     return value
 
 
