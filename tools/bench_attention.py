@@ -31,6 +31,7 @@ from cpu_worker.verify_cost import measure_verify_ms, measurement_tree
 from tools.bench_fp32_kernel import tree_vs_decode_gap
 from tools.bench_int8 import interleaved_ms
 from tools.bench_kv_dtype import decode_ms
+from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 HEADS, HEAD_DIM = 32, 128
@@ -126,6 +127,7 @@ def engine_table(target: Path, precision: str, prompt: int, trees: list[int], re
 @click.option("--precision", type=click.Choice(["int8-row", "fp32"]), default="int8-row", show_default=True)
 @click.option("--prompt", type=click.IntRange(min=1), default=256, show_default=True,
               help="prefix tokens before the engine's decode and verification")
+@load_errors_in_one_line
 def main(contexts: str, trees: str, threads: int, repeats: int, target: Path | None, precision: str,
          prompt: int) -> None:
     context_sizes, tree_sizes = parse_sizes(contexts, "--contexts"), parse_sizes(trees, "--trees")

@@ -20,6 +20,7 @@ import torch
 from cpu_worker.engine import TargetEngine
 from cpu_worker.target_loading import load_target_model
 from ipc.shm_ring import ShmRing, get_block, slot_bytes_for
+from tools.options import comma_list, load_errors_in_one_line
 
 
 def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
@@ -43,28 +44,43 @@ def summary(times: list[float]) -> str:
     return f"min {ordered[0]:.2f} / p25 {ordered[len(ordered) // 4]:.2f} / median {statistics.median(ordered):.2f} ms"
 
 
+MAX_LEN = 2048  # each engine's context
+
+
+def parse_layers(context: click.Context, parameter: click.Parameter, text: str) -> list[int]:
+    """Whole numbers >= 0, or none ('')."""
+    return comma_list(int, minimum=0)(context, parameter, text) if text.strip(", ") else []
+
+
 @click.command()
 @click.option("--target", default="demo/target-code-9m", show_default=True)
-@click.option("--layers", default="1,3,4", show_default=True, help="the aux layers ('' = last-layer engine only)")
-@click.option("--tree-tokens", type=int, default=16, show_default=True)
-@click.option("--prompt-tokens", type=int, default=256, show_default=True)
-@click.option("--repeats", type=int, default=200, show_default=True)
-def main(target: str, layers: str, tree_tokens: int, prompt_tokens: int, repeats: int) -> None:
+@click.option("--layers", default="1,3,4", show_default=True, callback=parse_layers,
+              help="the aux layers ('' = last-layer engine only)")
+# A tree of 1 sends no rows through the ring (a ring of 0 bytes); prompt and tree share the 2048-token context.
+@click.option("--tree-tokens", type=click.IntRange(2, MAX_LEN // 2), default=16, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(1, MAX_LEN // 2), default=256, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=200, show_default=True)
+@load_errors_in_one_line
+def main(target: str, layers: list[int], tree_tokens: int, prompt_tokens: int, repeats: int) -> None:
     torch.manual_seed(0)
     model = load_target_model(target)
-    aux_layers = [int(x) for x in layers.split(",") if x.strip()]
-    engines = {"last-layer": TargetEngine(model, max_len=2048)}
+    aux_layers = layers
+    engines = {"last-layer": TargetEngine(model, max_len=MAX_LEN)}
     if aux_layers:
-        engines["aux"] = TargetEngine(model, max_len=2048, aux_layers=aux_layers)
+        try:
+            engines["aux"] = TargetEngine(model, max_len=MAX_LEN, aux_layers=aux_layers)
+        except ValueError as error:  # layers this target lacks: the engine says which it has
+            raise click.BadParameter(str(error), param_hint="'--layers'") from None
     vocab = model.spec.vocab_size
     prompt = torch.randint(vocab, (prompt_tokens,)).tolist()
     tokens = torch.randint(vocab, (tree_tokens,)).tolist()
     parents = [-1] + [(i - 1) // 2 for i in range(1, tree_tokens)]
+    prefill_calls = max(10, repeats // 10)  # a prefill costs many verifies: fewer of them
     print(f"target {target}, aux layers {aux_layers or 'none'}, {torch.get_num_threads()} threads, "
-          f"{repeats} calls each")
+          f"{repeats} verify calls and {prefill_calls} prefills each")
     with torch.inference_mode():
         prefills = alternate({name: functools.partial(engine.prefill, prompt) for name, engine in engines.items()},
-                             max(10, repeats // 10))
+                             prefill_calls)
         # tree_logits is verify's forward; the prefix stays as it is between calls.
         verifies = alternate({name: functools.partial(engine.tree_logits, tokens, parents)
                               for name, engine in engines.items()}, repeats)

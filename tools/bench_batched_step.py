@@ -20,6 +20,8 @@ from cpu_worker.batched import SequenceStep, run_steps
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from dovetail_runtime.coordinator import target_precision
+from ipc.dtypes import TARGET_PRECISIONS
+from tools.options import comma_list, load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 
@@ -36,16 +38,19 @@ def one_step_ms(engines: list[TargetEngine], token: int, together: bool) -> floa
 
 @click.command()
 @click.option("--target", required=True, help="a model folder or GGUF file")
-@click.option("--precision", default="auto", show_default=True, help="as dovetail-run's --target-dtype")
-@click.option("--sequences", default="1,2,4,8", show_default=True, help="comma list of sequence counts")
+@click.option("--precision", type=click.Choice(["auto", *TARGET_PRECISIONS]), default="auto", show_default=True,
+              help="as dovetail-run's --target-dtype")
+@click.option("--sequences", default="1,2,4,8", show_default=True, callback=comma_list(int, minimum=1),
+              help="comma list of sequence counts")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads (default: torch's)")
 @click.option("--repeats", type=click.IntRange(min=3), default=10, show_default=True)
-def main(target: str, precision: str, sequences: str, threads: int | None, repeats: int) -> None:
+@load_errors_in_one_line
+def main(target: str, precision: str, sequences: list[int], threads: int | None, repeats: int) -> None:
     if threads:
         torch.set_num_threads(threads)
     chosen = target_precision(Path(target)) if precision == "auto" else precision
     engine, kernel = build_engine(target, chosen, 1024)
-    counts = [int(count) for count in sequences.split(",")]
+    counts = sequences
     engines = [engine.sibling() for _ in range(max(counts))]
     for sibling in engines:
         sibling.prefill(list(range(100, 164)))

@@ -19,6 +19,7 @@ import torch
 
 from cpu_worker.kernels import block_quant
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
+from tools.options import comma_list
 from tools.tables import markdown_header, markdown_row
 
 KINDS = ("int8-row", "q8_0-a16", "q8_0", "q4_0", "q4_0-a16", "q4_1")  # q8_0-a16: the int8 precision
@@ -48,29 +49,58 @@ def time_round(layers: list[torch.nn.Module], x: torch.Tensor) -> float:
     return (time.perf_counter() - started) * 1e3 / len(layers)
 
 
+def parse_shapes(_context: click.Context, _parameter: click.Parameter, text: str) -> list[tuple[int, int]]:
+    """``NxK,...`` as (N, K) pairs of whole numbers >= 1 (a typo was a ValueError traceback)."""
+    shapes = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        n_out, _, k = item.lower().partition("x")
+        if not (n_out.isdigit() and k.isdigit() and int(n_out) > 0 and int(k) > 0):
+            raise click.BadParameter(f"{item!r}: expected NxK, e.g. 4096x4096")
+        shapes.append((int(n_out), int(k)))
+    if not shapes:
+        raise click.BadParameter("give at least one shape")
+    return shapes
+
+
+def parse_kinds(_context: click.Context, _parameter: click.Parameter, text: str) -> list[str]:
+    """int8-row or TYPE[-a8|-a16]; an unknown one failed in the quantizer after the table's header."""
+    kinds = [kind.strip() for kind in text.split(",") if kind.strip()]
+    for kind in kinds:
+        block, _, wide = kind.partition("-a")
+        if kind != "int8-row" and (block not in block_quant.TYPES or wide not in ("", "8", "16")):
+            raise click.BadParameter(f"{kind!r}: expected int8-row or one of {', '.join(block_quant.TYPES)}, "
+                                     "each with -a16 or not")
+    if not kinds:
+        raise click.BadParameter("give at least one kind")
+    return kinds
+
+
 @click.command(help=__doc__.split("\n\n")[0])
-@click.option("--shapes", default="4096x4096,11008x4096", show_default=True, help="NxK list (outputs x inputs).")
-@click.option("--rows", default="1,2,4,8,16", show_default=True, help="Rows per call.")
-@click.option("--kinds", default=",".join(KINDS), show_default=True)
+@click.option("--shapes", default="4096x4096,11008x4096", show_default=True, callback=parse_shapes,
+              help="NxK list (outputs x inputs).")
+@click.option("--rows", default="1,2,4,8,16", show_default=True, callback=comma_list(int, minimum=1),
+              help="Rows per call.")
+@click.option("--kinds", default=",".join(KINDS), show_default=True, callback=parse_kinds,
+              help="int8-row, or a block type (q8_0, q4_0, q4_1) with -a16 for 16-bit activations.")
 @click.option("--rounds", type=click.IntRange(1), default=7, show_default=True)
 @click.option("--bytes-per-set", type=float, default=1.5, show_default=True, help="GB of weights cycled per kind.")
 @click.option("--threads", type=click.IntRange(1), default=None)
 @click.option("--amx-from", type=click.IntRange(1), default=None,
               help="Activation planes (rows x 1 or 2) from which calls take the AMX path (default: the kernel's).")
-def main(shapes: str, rows: str, kinds: str, rounds: int, bytes_per_set: float, threads: int | None,
-         amx_from: int | None) -> None:
+def main(shapes: list[tuple[int, int]], rows: list[int], kinds: list[str], rounds: int, bytes_per_set: float,
+         threads: int | None, amx_from: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
     if amx_from:
         block_quant.library().dovetail_block_amx_from(amx_from)
-    wanted = kinds.split(",")
+    wanted = kinds
     print(f"block kernel: {block_quant.kernel_name()}, {torch.get_num_threads()} threads\n")
     print(markdown_header(["shape", "rows", *(f"{kind} ms" for kind in wanted), *(f"{kind} GB/s" for kind in wanted)]))
-    for text in shapes.split(","):
-        n_out, k = map(int, text.split("x"))
+    for n_out, k in shapes:
+        text = f"{n_out}x{k}"
         count = max(2, int(bytes_per_set * 1e9 / (n_out * k)))
         sets = {kind: layers_for(kind, (n_out, k), count) for kind in wanted}
-        for row_count in map(int, rows.split(",")):
+        for row_count in rows:
             x = torch.randn(row_count, k)
             for layers, _ in sets.values():
                 time_round(layers, x)  # warm-up

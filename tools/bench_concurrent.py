@@ -27,6 +27,7 @@ import click
 from dovetail_runtime.client import DovetailClient, GenerationError
 from ipc import messages as m
 from tools.chat_prompts import heldout_prompts as chat_prompts
+from tools.options import comma_list
 from tools.tables import markdown_header, markdown_row
 
 CODE_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):", "for i in range(10):",
@@ -113,16 +114,17 @@ def tree_cycles(results: list[dict]) -> str:
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--target", required=True)
 @click.option("--draft", default=None, help="a draft head (without it only ar is measured)")
-@click.option("--streams", default="1,2,4,8", show_default=True, help="comma list of concurrent stream counts")
+@click.option("--streams", default="1,2,4,8", show_default=True, callback=comma_list(int, minimum=1),
+              help="comma list of concurrent stream counts (the server's --max-batch is the largest)")
 @click.option("--max-new-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--chat/--code", default=None, help="chat or code prompts  [default: chat when the target has a chat "
               "template]")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="times to run every (stream count, mode) pair; the median dovetail / ar ratio per count at the end")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
-def main(target: str, draft: str | None, streams: str, max_new_tokens: int, chat: bool | None, rounds: int,
+def main(target: str, draft: str | None, streams: list[int], max_new_tokens: int, chat: bool | None, rounds: int,
          server_args: tuple[str, ...]) -> None:
-    counts = sorted({int(count) for count in streams.split(",")})
+    counts = sorted(set(streams))
     args = ["--target", target, *(["--draft", draft] if draft else ["--mode", "ar"]), "--max-batch", str(max(counts)),
             *server_args]
     modes = ["ar", "dovetail"] if draft else ["ar"]

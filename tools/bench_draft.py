@@ -23,6 +23,7 @@ from gpu_worker.device import resolve_device, resolve_dtype
 from gpu_worker.drafter import Drafter
 from gpu_worker.head import DraftHead
 from ipc.tree import TreeShape
+from tools.options import non_negative_int, positive_int
 
 SIZES = {
     # target-code-9m: hidden 256, vocab 8192, 4 heads, intermediate 768
@@ -92,20 +93,21 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="fp16/bf16/fp32 on CUDA (default fp16); fp32 on the CPU")
     parser.add_argument("--fusion", choices=["dgf", "fc"], default="dgf")
-    parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 5])
-    parser.add_argument("--trees", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="tree sizes T")
-    parser.add_argument("--depths", type=int, nargs="+", default=[4, 6, 8])
-    parser.add_argument("--tree-top-k", dest="top_k", type=int, default=8)
-    parser.add_argument("--accepted", type=int, default=3, help="accepted drafts per cycle (extend adds +1)")
-    parser.add_argument("--prefix", type=int, default=256, help="committed length before timing")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--layers", type=positive_int, nargs="+", default=[1, 2, 5])
+    parser.add_argument("--trees", type=positive_int, nargs="+", default=[4, 8, 16, 32, 64], help="tree sizes T")
+    parser.add_argument("--depths", type=positive_int, nargs="+", default=[4, 6, 8])
+    parser.add_argument("--tree-top-k", dest="top_k", type=positive_int, default=8)
+    parser.add_argument("--accepted", type=non_negative_int, default=3,
+                        help="accepted drafts per cycle (extend adds +1)")
+    parser.add_argument("--prefix", type=positive_int, default=256, help="committed length before timing")
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=15)
     # 13B size on a CPU is slow (a 1-layer head reads ~3.4 GB per forward in fp32): its own, shorter set.
-    parser.add_argument("--13b-layers", dest="big_layers", type=int, nargs="+", default=[1])
-    parser.add_argument("--13b-trees", dest="big_trees", type=int, nargs="+", default=[16])
-    parser.add_argument("--13b-depths", dest="big_depths", type=int, nargs="+", default=[4, 6])
-    parser.add_argument("--13b-repeats", dest="big_repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--13b-layers", dest="big_layers", type=positive_int, nargs="+", default=[1])
+    parser.add_argument("--13b-trees", dest="big_trees", type=positive_int, nargs="+", default=[16])
+    parser.add_argument("--13b-depths", dest="big_depths", type=positive_int, nargs="+", default=[4, 6])
+    parser.add_argument("--13b-repeats", dest="big_repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,8 +126,10 @@ def main() -> None:
         depths = args.big_depths if big else args.depths
         repeats = args.big_repeats if big else args.repeats
         warmup = min(args.warmup, 1) if big else args.warmup
-        # Depth is clamped to what T allows (depth <= T - 1): the table shows the depth used.
-        shapes = [TreeShape.clamped(tree_tokens, depth, args.top_k) for depth in depths for tree_tokens in trees]
+        # Depth is clamped to what T allows (depth <= T - 1): the table shows the depth used, each shape once
+        # (--trees 4 --depths 4 6 asks for T=4 depth 3 twice).
+        shapes = list(dict.fromkeys(TreeShape.clamped(tree_tokens, depth, args.top_k)
+                                    for depth in depths for tree_tokens in trees))
         for layers in layers_list:
             head = random_head(SIZES[size], layers, args.fusion, device, dtype)
             drafter = Drafter(head, max_len=args.prefix + (args.accepted + 1) * (warmup + repeats) + 8,

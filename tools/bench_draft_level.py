@@ -22,6 +22,7 @@ import torch
 from gpu_worker.checkpoint import load_head
 from gpu_worker.draft_cost import measure_draft_ms
 from gpu_worker.drafter import Drafter
+from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 
@@ -56,6 +57,7 @@ def head_bytes(head: torch.nn.Module) -> int:
 @click.option("--threads", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--depth", type=click.IntRange(min=2, max=10), default=6, show_default=True, help="Deepest tree timed.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@load_errors_in_one_line
 def main(draft: Path, target: Path, precisions: str, threads: int, depth: int, repeats: int) -> None:
     torch.set_num_threads(threads)
     names = [name.strip() for name in precisions.split(",") if name.strip()]

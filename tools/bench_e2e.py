@@ -16,10 +16,13 @@ from collections import defaultdict
 import click
 import msgspec
 
-from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+from cpu_worker.model.model_dir import ModelLoadError
+from dovetail_runtime.coordinator import Coordinator, RuntimeSettings, TooManyRestarts
+from dovetail_runtime.workers import WorkerFailed, WorkerRequestError
 from gpu_worker.train.corpus import stdlib_files
 from ipc import messages as m
-from ipc.tree import TreeShape
+from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeShape
+from tools.options import comma_list
 from tools.tables import markdown_header, markdown_row
 
 FALLBACK_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\nimport sys\n\ndef main(argv):",
@@ -41,26 +44,15 @@ def heldout_prompts(count: int, chars: int = 1000) -> list[str]:
     return prompts or FALLBACK_PROMPTS[:count]
 
 
-@click.command()
-@click.option("--target", required=True, help="target model folder")
-@click.option("--draft", required=True, help="draft head folder")
-@click.option("--temperatures", default="0", show_default=True, help="comma list of temperatures")
-@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=6, show_default=True)
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--tree-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--depth", type=click.IntRange(min=1), default=6, show_default=True)
-@click.option("--tree-top-k", "top_k", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--cpu-threads", type=click.IntRange(min=1), default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
-def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens, depth, top_k, cpu_threads,
-         seed) -> None:
-    prompts = heldout_prompts(prompt_count)
-    settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning",
-                               tree=TreeShape.clamped(tree_tokens, depth, top_k))
+def measure(settings: RuntimeSettings, prompts: list[str], temperatures: list[float], max_new_tokens: int,
+            seed: int) -> list[tuple[float, dict[str, dict[str, list[float]]]]]:
+    """Every prompt in both modes at each temperature: per temperature, each mode's stats lists."""
     rows = []
     with Coordinator(settings) as coordinator:
-        coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
-        for temperature in (float(t) for t in temperatures.split(",")):
+        warmup = coordinator.generate(m.GenerateRequest(request_id="warmup", prompt=prompts[0], max_new_tokens=8))
+        if isinstance(warmup, m.ErrorReply):
+            raise click.ClickException(f"warm-up: {warmup.code}: {warmup.message}")
+        for temperature in temperatures:
             totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
             for index, prompt in enumerate(prompts):
                 for mode in ("dovetail", "ar"):
@@ -73,7 +65,43 @@ def main(target, draft, temperatures, prompt_count, max_new_tokens, tree_tokens,
                         if not isinstance(value, list):
                             totals[mode][key].append(value)
             rows.append((temperature, totals))
-    print(f"target {target}, draft {draft}, T={tree_tokens} depth={depth} top_k={top_k}, "
+    return rows
+
+
+def parse_temperatures(context: click.Context, parameter: click.Parameter, text: str) -> list[float]:
+    """The temperatures, each one a request may carry (checked here, before the workers start)."""
+    temperatures = comma_list(float, minimum=0.0)(context, parameter, text)
+    for temperature in temperatures:
+        try:
+            msgspec.convert({"temperature": temperature}, m.Sampling)
+        except (msgspec.ValidationError, ValueError) as error:
+            raise click.BadParameter(str(error)) from None
+    return temperatures
+
+
+@click.command()
+@click.option("--target", required=True, help="target model folder")
+@click.option("--draft", required=True, help="draft head folder")
+@click.option("--temperatures", default="0", show_default=True, callback=parse_temperatures,
+              help="comma list of temperatures")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=1), default=6, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--tree-tokens", type=click.IntRange(1, MAX_TREE_TOKENS), default=16, show_default=True)
+@click.option("--depth", type=click.IntRange(1, MAX_DEPTH), default=6, show_default=True,
+              help="deepest level (at most T - 1: the header shows the shape that ran)")
+@click.option("--tree-top-k", "top_k", type=click.IntRange(1, MAX_TOP_K), default=8, show_default=True)
+@click.option("--cpu-threads", type=click.IntRange(min=1), default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+def main(target, draft, temperatures: list[float], prompt_count, max_new_tokens, tree_tokens, depth, top_k,
+         cpu_threads, seed) -> None:
+    prompts = heldout_prompts(prompt_count)
+    shape = TreeShape.clamped(tree_tokens, depth, top_k)  # depth at most T - 1: the header shows what ran
+    settings = RuntimeSettings(target=target, draft=draft, cpu_threads=cpu_threads, log_level="warning", tree=shape)
+    try:
+        rows = measure(settings, prompts, temperatures, max_new_tokens, seed)
+    except (ModelLoadError, WorkerFailed, WorkerRequestError, TooManyRestarts, OSError) as error:
+        raise click.ClickException(str(error)) from None  # as dovetail-run says it: one line
+    print(f"target {target}, draft {draft}, T={shape.tree_tokens} depth={shape.depth} top_k={shape.top_k}, "
           f"{len(prompts)} prompts x {max_new_tokens} new tokens")
     print(markdown_header(["temperature", "mode", "tokens/s", "tau", "draft ms/cycle", "verify ms/cycle",
                            "ipc ms/cycle"]))

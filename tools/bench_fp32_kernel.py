@@ -28,7 +28,11 @@ from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
 from cpu_worker.target_loading import load_target_model
 from cpu_worker.verify_cost import measure_verify_ms
 from tools.bench_kv_dtype import decode_ms
+from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
+
+MAX_LEN = 512  # each engine's context
+PROMPT = 256  # the prefill's tokens, and the decodes' prefix
 
 
 def prefill_ms(engine: TargetEngine, context: int, seed: int = 0) -> float:
@@ -53,22 +57,33 @@ def tree_vs_decode_gap(engine: TargetEngine, prefix: list[int], size: int = 8) -
     return worst
 
 
+def largest_tree_over_decode(row: list[float], sizes: list[int]) -> float:
+    """The "verify T=max / decode" column of a row [prefill, decode, verify per size in ``sizes``' order]:
+    the largest T's verify, wherever --trees lists it (the last column was the last size given)."""
+    return row[2 + sizes.index(max(sizes))] / row[1]
+
+
+@load_errors_in_one_line
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--trees", default="2,4,8,16", help="tree sizes T to verify")
-    parser.add_argument("--steps", type=int, default=16, help="decodes per round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--trees", type=int_list, default=[2, 4, 8, 16], help="tree sizes T to verify")
+    parser.add_argument("--steps", type=positive_int, default=16,
+                        help=f"decodes per round (after a {PROMPT}-token prompt; at most {MAX_LEN - PROMPT})")
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
+    # The engines' context holds the prompt and the decodes, or the prompt-less prefix and a tree.
+    if args.steps > MAX_LEN - PROMPT or max(args.trees) >= MAX_LEN:
+        parser.error(f"--steps at most {MAX_LEN - PROMPT} and --trees below {MAX_LEN} (a {MAX_LEN}-token context)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    sizes = [int(size) for size in args.trees.split(",")]
-    engines = {"F.linear": TargetEngine(load_target_model(args.target), max_len=512)}
+    sizes = args.trees
+    engines = {"F.linear": TargetEngine(load_target_model(args.target), max_len=MAX_LEN)}
     for name, convert in (("dovetail-fp32", use_fp32_row_kernel), ("mkl-packed", pack_fp32_linears)):
         model = load_target_model(args.target)
         if convert(model):
-            engines[name] = TargetEngine(model, max_len=512)
+            engines[name] = TargetEngine(model, max_len=MAX_LEN)
         else:
             print(f"{name}: not available here (see the log)", file=sys.stderr)
         del model
@@ -78,17 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
         for name, engine in engines.items():
-            row = [prefill_ms(engine, 256, seed=round_index), decode_ms(engine, 256, args.steps, seed=round_index)]
+            row = [prefill_ms(engine, PROMPT, seed=round_index),
+                   decode_ms(engine, PROMPT, args.steps, seed=round_index)]
             row += measure_verify_ms(engine, sizes)
             best[name] = row if name not in best else [min(a, b) for a, b in zip(best[name], row)]
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     prefix = list(range(1, 65))
-    header = ["kernel", "prefill 256 ms", "decode ms"] + [f"verify T={size} ms" for size in sizes]
+    header = ["kernel", f"prefill {PROMPT} ms", "decode ms"] + [f"verify T={size} ms" for size in sizes]
     header += ["verify T=max / decode", "worst |tree - decode| logit"]
     print(markdown_header(header))
     for name, engine in engines.items():
         row = best[name]
-        print(markdown_row([name, *(f"{value:.1f}" for value in row), f"{row[-1] / row[1]:.2f}",
+        print(markdown_row([name, *(f"{value:.1f}" for value in row), f"{largest_tree_over_decode(row, sizes):.2f}",
                             f"{tree_vs_decode_gap(engine, prefix):.2e}"]))
     for name in list(engines)[1:]:
         ratio = [p / d for p, d in zip(best[name], best["F.linear"])]

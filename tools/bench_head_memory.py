@@ -56,13 +56,18 @@ def main() -> int:
     parser.add_argument("--repo", type=Path, action="append", help="checkout(s) to run (default: this one)")
     args = parser.parse_args()
     repos = args.repo or [Path(__file__).resolve().parent.parent]
+    # The children run in each --repo: a relative path would be looked for there.
+    for folder in (*args.draft, args.target):
+        if not folder.is_dir():
+            raise SystemExit(f"no model folder at {folder}")
+    drafts, target = [draft.resolve() for draft in args.draft], args.target.resolve()
     print(f"command: {' '.join(sys.argv)}")
     print(markdown_header(["checkout", "draft", "dtype", "weights GB", "peak RSS GB", "before load GB",
                            "peak - weights - before load GB", "load s"]))
-    for draft in args.draft:
+    for draft in drafts:
         for dtype in args.dtypes.split(","):
             for repo in repos:
-                got = measure(repo, draft, args.target, dtype)
+                got = measure(repo, draft, target, dtype)
                 weights, peak, base = got["weights"] / 1e9, got["peak_kb"] * 1024 / 1e9, got["baseline_kb"] * 1024 / 1e9
                 print(markdown_row([repo, draft.name, dtype, f"{weights:.2f}", f"{peak:.2f}", f"{base:.2f}",
                                     f"{peak - weights - base:.2f}", f"{got['seconds']:.1f}"]), flush=True)

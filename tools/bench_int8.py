@@ -29,6 +29,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
+from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "demo" / "target-code-9m"
@@ -113,6 +114,7 @@ def tree_table(target: Path, repeats: int) -> None:
 @click.option("--tree-target", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Target for exact vs batched tree verification at int8 (skipped when not given).")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@load_errors_in_one_line
 def main(threads: int, dim: int, target: Path, tree_target: Path | None, repeats: int) -> None:
     torch.set_num_threads(threads)
     linear_table(dim, repeats)

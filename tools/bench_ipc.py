@@ -28,6 +28,7 @@ from ipc import messages as m
 from ipc.channels import Channel, RuntimeDir
 from ipc.codec import encode
 from ipc.shm_ring import ShmRing, get_block, slot_bytes_for
+from tools.options import positive_int
 
 
 def responder(endpoint: str, ring_name: str, configs: list[tuple[int, str]], cols: int) -> None:
@@ -94,12 +95,12 @@ def run(configs: list[tuple[int, str]], cols: int, iters: int, tree: int) -> lis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=2000, help="timed round trips per configuration")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64])
+    parser.add_argument("--iters", type=positive_int, default=2000, help="timed round trips per configuration")
+    parser.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 16, 64])
     parser.add_argument("--dtypes", nargs="+", choices=["float16", "bfloat16", "float32"],
                         default=["float16", "float32"])
-    parser.add_argument("--cols", type=int, default=5120, help="hidden size (5120: 13B)")
-    parser.add_argument("--tree", type=int, default=16, help="tree size T of the VerifyRequest")
+    parser.add_argument("--cols", type=positive_int, default=5120, help="hidden size (5120: 13B)")
+    parser.add_argument("--tree", type=positive_int, default=16, help="tree size T of the VerifyRequest")
     args = parser.parse_args(argv)
     configs = [(rows, dtype) for dtype in args.dtypes for rows in args.rows]
     results = run(configs, args.cols, args.iters, args.tree)

@@ -25,6 +25,8 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import exact_attention
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
+from ipc.dtypes import TARGET_PRECISIONS
+from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
 
@@ -64,19 +66,35 @@ def interleaved_ms(engines: dict[str, TargetEngine], context: int, steps: int, s
     return times
 
 
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def kv_list(text: str) -> list[str]:
+    """argparse ``type=``: a comma list of KV_DTYPES names (a typo was a KeyError after loading the model)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in KV_DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'none given'}: expected some of "
+                                         f"{', '.join(KV_DTYPES)}")
+    return names
+
+
+@load_errors_in_one_line
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--dtype", default="int8", help="target precision (fp32, int8, bf16)")
-    parser.add_argument("--contexts", default="256,1024,2000")
-    parser.add_argument("--kv", default="fp32,bf16", help="KV dtypes to compare (the first is the reference)")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="int8", choices=TARGET_PRECISIONS, metavar="DTYPE",
+                        help=f"target precision: {', '.join(TARGET_PRECISIONS)}")
+    parser.add_argument("--contexts", type=int_list, default=[256, 1024, 2000])
+    parser.add_argument("--kv", type=kv_list, default="fp32,bf16",
+                        help=f"KV dtypes to compare (the first is the reference): {', '.join(KV_DTYPES)}")
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--threads", type=positive_int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    kv_dtypes = {name: {"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in args.kv.split(",")}
+    contexts = args.contexts
+    kv_dtypes = {name: KV_DTYPES[name] for name in args.kv}
     model = load_target_model(args.target, args.dtype)
     max_len = max(contexts) + args.steps + 1
     engines = {name: TargetEngine(model, max_len=max_len, activation_dtype=activation_dtype(args.dtype),

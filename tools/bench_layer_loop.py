@@ -26,6 +26,8 @@ import torch
 from cpu_worker.engine import TargetEngine
 from cpu_worker.server import build_engine
 from cpu_worker.verify_cost import measurement_tree
+from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
+from tools.options import int_list, load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
 T = TypeVar("T")
@@ -68,19 +70,27 @@ def compare(engine: TargetEngine, steps: int, trees: list[int]) -> dict[str, tup
     return results
 
 
+def tree_sizes(text: str) -> list[int]:
+    """argparse ``type=``: whole numbers >= 1, or nothing (decode only)."""
+    return int_list(text) if text.strip(", ") else []
+
+
+@load_errors_in_one_line
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--dtype", default="int8-row", help="target precision: int8-row or fp32 (the loop's kernels)")
-    parser.add_argument("--kv-dtype", default="auto")
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--trees", default="3,8,16", help="tree sizes to verify (empty: decode only)")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="int8-row", choices=TARGET_PRECISIONS, metavar="DTYPE",
+                        help="target precision: int8-row or fp32 (the loop's kernels)")
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    parser.add_argument("--context", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--trees", type=tree_sizes, default=[3, 8, 16],
+                        help="tree sizes to verify (empty: decode only)")
+    parser.add_argument("--threads", type=positive_int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    trees = [int(size) for size in args.trees.split(",") if size]
+    trees = args.trees
     # Each step adds a token on either path, and the largest tree sits past them.
     max_len = args.context + 2 * args.steps + max(trees, default=1) + 1
     engine, kernel = build_engine(str(args.target), args.dtype, max_len, args.kv_dtype)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -82,6 +83,13 @@ def parse_pair(_context: click.Context, _parameter: click.Parameter, values: tup
     return pairs
 
 
+def check_binary(_context: click.Context, _parameter: click.Parameter, binary: Path) -> Path:
+    """A file we cannot run was an OSError traceback, and only after our engine had loaded."""
+    if not os.access(binary, os.X_OK):
+        raise click.BadParameter(f"{binary} is not executable: give llama.cpp's llama-bench binary")
+    return binary
+
+
 def ours_decode_tps(engine: TargetEngine, tokens: int) -> float:
     """Greedy decode from a short prompt, as llama-bench's tg test (which starts from an empty
     context): logits and argmax included."""
@@ -121,7 +129,10 @@ def llama_bench_round(binary: Path, gguf: Path, tokens: int, threads: int,
     test = ["-p", str(prompt_tokens), "-n", "0"] if prompt_tokens else ["-p", "0", "-n", str(tokens)]
     command = [str(binary), "-m", str(gguf), *test, "-t", str(threads), "-r", "1", "-o", "json"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        try:
+            child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+        except OSError as error:  # executable, yet not a program (a script without #!, another platform's)
+            raise click.ClickException(f"cannot run {binary}: {error.strerror}") from None
         # Polled, not read from rusage: Linux carries a forked child's peak RSS (ours, with a model
         # loaded) across exec, so the child's ru_maxrss would report this process's size.
         peak_kb = 0
@@ -134,7 +145,7 @@ def llama_bench_round(binary: Path, gguf: Path, tokens: int, threads: int,
     if child.returncode != 0:
         raise click.ClickException(f"llama-bench failed ({' '.join(command)}):\n{stderr[-2000:]}")
     record = json.loads(stdout)[0]
-    return float(record["avg_ts"]), peak_kb / 1e6, record
+    return float(record["avg_ts"]), peak_kb * 1024 / 1e9, record  # /proc's kB are KiB; GB as ours (psutil's bytes)
 
 
 def streamed_fraction(record: dict, dims: Dims) -> float:
@@ -211,7 +222,7 @@ def print_table(results: list[PairResult], threads: int) -> None:
 @click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True,
               help="The Hugging Face folder the GGUF files were converted from.")
 @click.option("--llama-bench", "binary", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="llama.cpp's llama-bench binary.")
+              callback=check_binary, help="llama.cpp's llama-bench binary.")
 @click.option("--pair", "pairs", multiple=True, callback=parse_pair,
               help="PRECISION=GGUF: this engine at PRECISION against llama.cpp on GGUF (repeat: fp32=...f32.gguf, "
                    "int8=...q8_0.gguf).")

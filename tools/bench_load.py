@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 from cpu_worker.precision import block_type
+from ipc.dtypes import TARGET_PRECISIONS
+from tools.options import positive_int
 from tools.tables import markdown_header, markdown_row
 
 _LOAD = """
@@ -65,30 +67,43 @@ def child(repo: Path, script: str, *args: str) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def precision_list(text: str) -> list[str]:
+    """argparse ``type=``: a typo was each child's ValueError traceback, printed as the error."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TARGET_PRECISIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'none given'}: expected some of "
+                                         f"{', '.join(TARGET_PRECISIONS)}")
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="target folder or GGUF file")
-    parser.add_argument("--precisions", default="q4_0,int8", help="--target-dtype values, comma-separated")
-    parser.add_argument("--rounds", type=int, default=1, help="loads per checkout and precision (alternating)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
+    parser.add_argument("--precisions", type=precision_list, default="q4_0,int8",
+                        help=f"--target-dtype values, comma-separated: {', '.join(TARGET_PRECISIONS)}")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="loads per checkout and precision (alternating)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads in each child")
     parser.add_argument("--repo", type=Path, action="append", help="checkout(s) to run (default: this one)")
     args = parser.parse_args()
     if not args.target.exists():
         raise SystemExit(f"no target at {args.target}")
+    target = args.target.resolve()  # the children run in each --repo: a relative path would point into it
     repos = args.repo or [Path(__file__).resolve().parent.parent]
     split = args.target.is_dir()
     print(f"command: {' '.join(sys.argv)}")
     print(markdown_header(["checkout", "precision", "round", "load s", "peak RSS GB", "weights MB",
                            "CPU work: read s", "quantize s"]))
-    for precision in args.precisions.split(","):
+    for precision in args.precisions:
         for round_ in range(1, args.rounds + 1):
             for repo in repos:
-                load = child(repo, _LOAD, str(args.target), precision, str(args.threads))
+                load = child(repo, _LOAD, str(target), precision, str(args.threads))
                 work = {"read": float("nan"), "quantize": float("nan")}
                 if split and block_type(precision) is not None:
-                    work = child(repo, _CPU_WORK, str(args.target), precision, str(args.threads))
+                    work = child(repo, _CPU_WORK, str(target), precision, str(args.threads))
                 print(markdown_row([repo.name, precision, round_, f"{load['seconds']:.1f}",
-                                    f"{load['peak_kb'] / 1e6:.2f}", f"{load['weights'] / 1e6:.1f}",
+                                    f"{load['peak_kb'] * 1024 / 1e9:.2f}",  # ru_maxrss is in KiB
+                                    f"{load['weights'] / 1e6:.1f}",
                                     f"{work['read']:.1f}", f"{work['quantize']:.1f}"]), flush=True)
     return 0
 

@@ -41,8 +41,10 @@ from cpu_worker.kernels.fp32_rows import prompt_rows
 from cpu_worker.server import build_engine
 from dovetail_runtime.chat_template import ChatTemplate
 from dovetail_runtime.tokenizer import Tokenizer
+from ipc.dtypes import TARGET_PRECISIONS
 from tools import quant_reference
 from tools.fixtures import SMOLLM2_DIR, SMOLLM2_GGUF
+from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 CODE_FILES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "string.py", "fractions.py",
@@ -183,13 +185,13 @@ def format_engine(target: Path, format_name: str, max_len: int) -> TargetEngine:
     return TargetEngine(model, max_len=max_len)
 
 
-def gguf_rows(gguf: Path, precisions: str, max_len: int, texts: Texts, reference: Reference,
+def gguf_rows(gguf: Path, precisions: list[str], max_len: int, texts: Texts, reference: Reference,
               new_tokens: int) -> list[Row]:
     """Rows for a GGUF file at each precision ("auto": the file's own), loaded as the cpu_worker loads it."""
     from dovetail_runtime.coordinator import target_precision
 
     rows = []
-    for precision in filter(None, precisions.split(",")):
+    for precision in precisions:
         precision = target_precision(gguf) if precision == "auto" else precision
         started = time.perf_counter()
         engine, kernel = build_engine(str(gguf), precision, max_len)
@@ -213,10 +215,20 @@ def print_table(rows: Sequence[Row], new_tokens: int) -> None:
         print(markdown_row(cells))
 
 
+def parse_precisions(_context: click.Context, parameter: click.Parameter, text: str) -> list[str]:
+    """The comma list of precisions, checked before the fp32 reference runs (minutes) rather than after."""
+    allowed = (*TARGET_PRECISIONS, "auto") if parameter.name == "gguf_precisions" else TARGET_PRECISIONS
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise click.BadParameter(f"unknown precision {', '.join(unknown)}: expected some of {', '.join(allowed)}")
+    return names
+
+
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--target", type=click.Path(exists=True, file_okay=False, path_type=Path), default=SMOLLM2_DIR,
               show_default=True, help="An HF model folder with a chat template (the fixture by default).")
-@click.option("--precisions", default="bf16,int8", show_default=True,
+@click.option("--precisions", default="bf16,int8", show_default=True, callback=parse_precisions,
               help="Our engine's precisions to judge against its fp32 (comma list; empty for none).")
 @click.option("--formats", default="int8-row,q8_0,w8b32-a32,q4_0,q4_1", show_default=True,
               help=f"Reference formats of tools/quant_reference ({', '.join(quant_reference.FORMATS)}).")
@@ -230,13 +242,14 @@ def print_table(rows: Sequence[Row], new_tokens: int) -> None:
 @click.option("--gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help=f"Also judge this GGUF file as the cpu_worker loads it, against --target's fp32 (the same model: "
                    f"e.g. {SMOLLM2_GGUF.name} against the fixture's folder).")
-@click.option("--gguf-precisions", default="auto", show_default=True,
+@click.option("--gguf-precisions", default="auto", show_default=True, callback=parse_precisions,
               help="The GGUF's precisions (comma list; auto: as dovetail-run's default, the file's blocks x 16-bit "
                    "activations).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every figure to this file.")
-def main(target: Path, precisions: str, formats: str, windows: int, window_tokens: int, prompts: int,
-         new_tokens: int, threads: int | None, gguf: Path | None, gguf_precisions: str,
+@load_errors_in_one_line
+def main(target: Path, precisions: list[str], formats: str, windows: int, window_tokens: int, prompts: int,
+         new_tokens: int, threads: int | None, gguf: Path | None, gguf_precisions: list[str],
          json_path: Path | None) -> None:
     unknown = [name for name in formats.split(",") if name and name not in quant_reference.FORMATS]
     if unknown:
@@ -248,7 +261,7 @@ def main(target: Path, precisions: str, formats: str, windows: int, window_token
     engine, kernel = build_engine(str(target), "fp32", max_len)
     fp32_row, reference = measure(f"fp32 ({kernel})", engine, texts, None, new_tokens)
     rows = [fp32_row]
-    for precision in filter(None, precisions.split(",")):
+    for precision in precisions:
         engine, kernel = build_engine(str(target), precision, max_len)
         rows.append(measure(f"ours {precision}" + (f" ({kernel})" if kernel else ""), engine, texts, reference,
                             new_tokens)[0])

@@ -192,6 +192,14 @@ def inflate_target(sources: Sources, shape_name: str, shape: tuple[int, ...], la
                            sources.work_dir / name, size)
 
 
+def check_sources(sources: Sources) -> None:
+    """Both source folders are model folders: a folder without config.json was a FileNotFoundError traceback
+    (for --draft, after the target had been inflated)."""
+    for folder, option in ((sources.target, "--target"), (sources.draft, "--draft")):
+        if not (folder / "config.json").is_file():
+            raise click.BadParameter(f"{folder} has no config.json: not a model folder", param_hint=f"'{option}'")
+
+
 def inflate_head(sources: Sources, shape_name: str, shape: tuple[int, ...]) -> Path:
     """The head's inflation depends on the shape and the small target only (not on --layers).
     A DGF or fc head goes through inflate.py, an EAGLE-3 head through ``tools.inflate_eagle3``."""
@@ -989,6 +997,7 @@ def main(context: click.Context, **values: Any) -> None:
     runs = parse_runs(values["runs"], shapes)
     work_dir = resolve_work_dir(values["work_dir"])
     sources = Sources(values["target_src"].resolve(), values["draft_src"].resolve(), work_dir, values["store_dtype"])
+    check_sources(sources)
     trees, lookups = parse_trees(values["trees"], values["depth"], values["top_k"])
     options = RunOptions(values["prompt_count"], values["prompt_tokens"], values["max_new_tokens"], trees, lookups,
                          values["cpu_threads"], values["cpu_cores"], values["draft_device"], values["startup_timeout"],

@@ -17,12 +17,16 @@ import click
 import torch
 
 from cpu_worker.engine import TargetEngine, greedy_decode
+from cpu_worker.model.llama import LlamaDecoder
 from cpu_worker.target_loading import load_target_model
 from tools.bench_real import measure_bandwidth
 from tools.tables import markdown_header, markdown_row, markdown_table
 
 TESTBED = Path(__file__).resolve().parents[2] / "shared" / "testbed" / "target-code-9m"
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+MAX_LEN = 512  # each engine's context
+PROMPT_TOKENS = 128
+MODELS = ("testbed", "random-110m")
 
 
 def random_llama_110m(directory: Path) -> Path:
@@ -34,6 +38,14 @@ def random_llama_110m(directory: Path) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
     return directory
+
+
+def decode_bytes(model: LlamaDecoder) -> int:
+    """Bytes of weights one decode step reads: every parameter but the embedding, of which a step
+    reads one row (a tied embedding is the lm_head too, so it stays)."""
+    embedding = model.embed_tokens.get_parameter("weight")
+    tied = any(parameter is embedding for parameter in model.lm_head.parameters())
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not embedding)
 
 
 def engine_decode_tps(engine: TargetEngine, prompt: list[int], tokens: int) -> float:
@@ -70,27 +82,40 @@ def verify_latency_ms(engine: TargetEngine, prefix: list[int], size: int, repeat
     return statistics.median(times) * 1e3
 
 
+def parse_models(_context: click.Context, _parameter: click.Parameter, text: str) -> list[str]:
+    """The model names; any other name was benchmarked as a random 110M model under that name."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODELS]
+    if unknown or not names:
+        raise click.BadParameter(f"{', '.join(unknown) or 'none given'}: expected a comma list of {', '.join(MODELS)}")
+    return names
+
+
 @click.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="intra-op threads (default: torch's)")
-@click.option("--tokens", type=click.IntRange(min=8), default=64, show_default=True, help="new tokens per decode run")
+@click.option("--tokens", type=click.IntRange(8, MAX_LEN - PROMPT_TOKENS), default=64, show_default=True,
+              help=f"new tokens per decode run (after a {PROMPT_TOKENS}-token prompt, in a {MAX_LEN}-token context)")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True, help="verify repeats per T")
-@click.option("--models", default="testbed,random-110m", show_default=True, help="comma list: testbed, random-110m")
-def main(threads: int | None, tokens: int, repeats: int, models: str) -> None:
+@click.option("--models", default="testbed,random-110m", show_default=True, callback=parse_models,
+              help="comma list: testbed, random-110m")
+def main(threads: int | None, tokens: int, repeats: int, models: list[str]) -> None:
     if threads:
         torch.set_num_threads(threads)
     bandwidth = measure_bandwidth(None)[0]
     print(f"threads {torch.get_num_threads()}, measured read bandwidth {bandwidth:.1f} GB/s")
     with tempfile.TemporaryDirectory() as scratch:
-        for name in models.split(","):
+        for name in models:
             path = TESTBED if name == "testbed" else random_llama_110m(Path(scratch) / name)
             model = load_target_model(path)
-            engine = TargetEngine(model, max_len=512)
+            engine = TargetEngine(model, max_len=MAX_LEN)
             model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            prompt = [1] + [random.Random(0).randrange(3, engine.spec.vocab_size) for _ in range(127)]
+            step_bytes = decode_bytes(model)  # the ceiling's bytes: what a step must read
+            prompt = [1] + [random.Random(0).randrange(3, engine.spec.vocab_size) for _ in range(PROMPT_TOKENS - 1)]
             ours = engine_decode_tps(engine, prompt, tokens)
             theirs = hf_decode_tps(path, prompt, tokens)
-            floor_ms = model_bytes / (bandwidth * 1e9) * 1e3
-            print(f"\n## {name}: {model_bytes / 1e6:.0f} MB fp32, prompt 128 tokens, {tokens} new tokens")
+            floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
+            print(f"\n## {name}: {model_bytes / 1e6:.0f} MB fp32 ({step_bytes / 1e6:.0f} MB read per decode step: "
+                  f"the embedding's one row aside), prompt {PROMPT_TOKENS} tokens, {tokens} new tokens")
             print(markdown_table(["decode", "tokens/s", "ms/step"], [
                 ["dovetail engine", f"{ours:.1f}", f"{1e3 / ours:.2f}"],
                 ["transformers generate", f"{theirs:.1f}", f"{1e3 / theirs:.2f}"],

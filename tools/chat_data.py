@@ -34,16 +34,35 @@ def _done(out: Path) -> set[tuple[str, int]]:
         return done
     lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
     good = []
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             break
-        done.add((record["conversations"][0]["value"], int(record.get("answer", 0))))
+        try:
+            done.add((record["conversations"][0]["value"], int(record.get("answer", 0))))
+        except (TypeError, KeyError, IndexError, ValueError):  # another file (held-out prompts?): never append to it
+            raise click.ClickException(f"{out}:{number} is not a record this tool writes (ShareGPT "
+                                       "\"conversations\"): give --out a file of its own") from None
         good.append(line)
     if len(good) != len(lines):
         out.write_text("".join(good), encoding="utf-8")
     return done
+
+
+def refuse_to_overwrite_answers(out: Path) -> None:
+    """--heldout rewrites ``out`` (a rerun rewrites the same prompts); a file with anything else in it (the
+    answers a run took hours to write, when --out names the wrong file) is refused instead."""
+    if not out.exists():
+        return
+    for number, line in enumerate(out.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if line.strip() and not (isinstance(record, dict) and set(record) == {"prompt"}):
+            raise click.ClickException(f"{out}:{number} is not a held-out prompt line: --heldout would overwrite "
+                                       "it (give --out a file of its own)")
 
 
 def work_items(prompts: list[str], answers: int, sampled: float, seed: int) -> list[tuple[str, int, bool]]:
@@ -99,6 +118,7 @@ def main(target: Path | None, out: Path, count: int, answers: int, sampled: floa
          seed: int, dtype: str, device: str, seconds: float | None, threads: int, heldout: bool) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if heldout:
+        refuse_to_overwrite_answers(out)
         out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts()), encoding="utf-8")
         click.echo(f"{out}: {len(heldout_prompts())} held-out prompts")
         return

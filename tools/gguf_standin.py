@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from cpu_worker.kernels.progress import progress_bar
@@ -145,9 +145,16 @@ TYPE_NAMES = {name.lower(): kind for name, kind in GGMLQuantizationType.__member
 
 def _type(name: str) -> GGMLQuantizationType:
     try:
-        return TYPE_NAMES[name.lower()]
+        kind = TYPE_NAMES[name.lower()]
     except KeyError:
         raise argparse.ArgumentTypeError(f"unknown GGUF type {name!r} (e.g. q4_0, q4_1, q8_0, f16, f32)") from None
+    # The gguf package quantizes only some types (not the k-quants): found out here, not after reading the model.
+    try:
+        quantize(np.zeros((1, GGML_QUANT_SIZES[kind][0]), dtype=np.float32), kind)
+    except NotImplementedError:
+        raise argparse.ArgumentTypeError(f"GGUF type {name!r}: the gguf package cannot write it "
+                                         "(e.g. q4_0, q4_1, q5_0, q8_0, f16, f32)") from None
+    return kind
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.source} has no config.json: not a Hugging Face model folder")
     if args.out.exists():
         parser.error(f"{args.out} exists: give a new path")
+    if not args.out.parent.is_dir():
+        parser.error(f"{args.out.parent} is not a folder: the GGUF file goes into an existing one")
     extra = tokenizer_metadata(args.source) | chat_template_metadata(args.source) if args.tokenizer else None
     write_gguf(args.source, args.out, {"proj": args.proj, "embd": args.embd, "output": args.output}, extra)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")

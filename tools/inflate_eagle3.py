@@ -128,10 +128,18 @@ def inflate_eagle3_head(src: Path, dst: Path, target_src: Path, shape: str, dtyp
     inflate = inflate_module()
     if shape not in inflate.SHAPES:
         raise click.ClickException(f"unknown shape {shape!r}; inflate.py knows {', '.join(sorted(inflate.SHAPES))}")
+    for folder in (target_src, src):
+        if not (folder / "config.json").is_file():
+            raise click.ClickException(f"{folder} has no config.json: not a model folder")
     small_target = json.loads((target_src / "config.json").read_text())
     head_config = json.loads((src / "config.json").read_text())
     if "draft_vocab_size" not in head_config:
         raise click.ClickException(f"{src} is not an EAGLE-3 head folder (its config names no draft_vocab_size)")
+    # A head for another target fails deep in the tensor copies (a RuntimeError about expanded sizes).
+    trained_for = head_config.get("target_hidden_size", head_config.get("hidden_size"))
+    if trained_for != small_target.get("hidden_size"):
+        raise click.ClickException(f"{src} reads a target of hidden size {trained_for}; {target_src} has "
+                                   f"{small_target.get('hidden_size')}: give the target the head was trained for")
     # The layer count is the target's business (Geometry refuses fewer than the source's): not the head's.
     geo = inflate.Geometry(small_target, shape, max(inflate.SHAPES[shape][5], small_target["num_hidden_layers"]))
     small: dict[str, torch.Tensor] = {}

@@ -22,6 +22,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.target_loading import load_target_model
 from dovetail_runtime.draft_eval import file_prompts
 from gpu_worker.train.corpus import stdlib_files
+from tools.options import load_errors_in_one_line, positive_int
 from tools.tables import markdown_header, markdown_row
 
 PROMPT_TOKENS = 256
@@ -48,12 +49,13 @@ def forced_argmax(engine: TargetEngine, prompt: list[int], forced: list[int]) ->
     return chosen
 
 
+@load_errors_in_one_line
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--files", type=int, default=30)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--files", type=positive_int, default=30)
+    parser.add_argument("--tokens", type=positive_int, default=128)
+    parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = {precision: load_target_model(args.target, precision) for precision in ("fp32", "int8-row")}

@@ -17,6 +17,9 @@ import click
 
 from tools.tables import markdown_row
 
+# The checkout's chart wherever the command runs from (a relative docs/results.png failed outside the repo).
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "results.png"
+
 
 @dataclass(frozen=True)
 class Result:
@@ -76,9 +79,11 @@ def draw(path: Path) -> None:
 
 
 @click.command(help=__doc__)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("docs/results.png"),
-              show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_OUT,
+              show_default="docs/results.png in this checkout")
 def main(out: Path) -> None:
+    if not out.parent.is_dir():  # savefig's FileNotFoundError traceback, after the drawing
+        raise click.BadParameter(f"{out.parent} is not a folder", param_hint="'--out'")
     try:
         import matplotlib  # noqa: F401
     except ImportError:

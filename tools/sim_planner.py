@@ -49,6 +49,7 @@ from dovetail_runtime.demo_models import SMOLLM2_DIR, SMOLLM2_DRAFT
 from dovetail_runtime.lookup import PromptLookup, graft
 from dovetail_runtime.tree_planner import AutoTree, TreePlanner, interpolate
 from ipc.tree import TreeShape, children_by_token, tree_depths
+from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
 
 # The llama2-7b chat stand-in's startup curve at q4_0, 2 threads (the cost cache, 2026-12-06), ms.
@@ -324,6 +325,7 @@ def main() -> None:
 @click.option("--new-tokens", type=click.IntRange(2, 1024), default=96, show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@load_errors_in_one_line
 def dump(target: Path, draft: Path, count: int, new_tokens: int, threads: int, out: Path) -> None:
     """Record the head's trees at every position of the target's greedy answers."""
     import torch
@@ -337,6 +339,17 @@ def dump(target: Path, draft: Path, count: int, new_tokens: int, threads: int, o
         answers = record_answers(target, draft, prompts, new_tokens, lambda: bar.update(1))
     out.write_text(json.dumps({"target": str(target), "draft": str(draft), "answers": answers}), encoding="utf-8")
     click.echo(f"{out}: {len(answers)} answers, {sum(len(a['answer']) for a in answers)} tokens")
+
+
+def read_json(path: Path, option: str) -> dict[str, Any]:
+    """A JSON object from ``path``; anything else is a usage error naming ``option`` (not a traceback)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise click.BadParameter(f"{path}: not JSON ({error})", param_hint=option) from None
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected a JSON object", param_hint=option)
+    return data
 
 
 @main.command()
@@ -355,13 +368,19 @@ def dump(target: Path, draft: Path, count: int, new_tokens: int, threads: int, o
 def run(trees: Path, shapes: str, seeds: int, lookup_tokens: int, verify_curve: Path | None, draft_ms: str,
         rest_ms: float, quiet_host: bool) -> None:
     """Replay the planner and fixed trees over the recorded answers; print how they compare."""
-    answers = json.loads(trees.read_text(encoding="utf-8"))["answers"]
+    answers = read_json(trees, "--trees").get("answers")
+    if not isinstance(answers, list) or not answers:
+        raise click.BadParameter(f"{trees} holds no answers: write it with `sim_planner dump`", param_hint="--trees")
     try:
         first, level = (float(value) for value in draft_ms.split(","))
     except ValueError:
         raise click.BadParameter(f"{draft_ms!r}: expected two numbers, e.g. 13,6.5", param_hint="--draft-ms") from None
-    verify = (dict(STANDIN_VERIFY_MS) if verify_curve is None else
-              {int(size): float(ms) for size, ms in json.loads(verify_curve.read_text(encoding="utf-8")).items()})
+    try:
+        verify = (dict(STANDIN_VERIFY_MS) if verify_curve is None else
+                  {int(size): float(ms) for size, ms in read_json(verify_curve, "--verify-curve").items()})
+    except (TypeError, ValueError):
+        raise click.BadParameter(f"{verify_curve}: expected a JSON object of T: ms, e.g. {{\"1\": 20.5, \"8\": 31}}",
+                                 param_hint="--verify-curve") from None
     costs = CycleCosts(verify, first, level, rest_ms)
     click.echo(compare(answers, parse_shapes(shapes), costs, seeds, lookup_tokens, quiet_host))
 

@@ -20,6 +20,7 @@ died. Not run in CI: it takes minutes.
 
 from __future__ import annotations
 
+import math
 import random
 import shlex
 import shutil
@@ -177,10 +178,17 @@ class Run:
 Expected = dict[str, tuple[list[int], str]]  # prompt -> (token ids, text)
 
 
+def open_client(kind: str, target: Target, timeout_s: float) -> SoakClient:
+    """A client of ``kind``; a server that does not answer the ZMQ handshake is one line, not a traceback."""
+    try:
+        return SoakClient(kind, target.zmq, target.http, timeout_s)
+    except OSError as error:  # HandshakeError is a ConnectionError
+        raise click.ClickException(str(error)) from None
+
+
 def reference(target: Target, prompts: list[str], new_tokens: int, timeout_s: float) -> Expected:
     """The server's greedy ``mode: ar`` answer per prompt."""
-    kind = "zmq" if target.zmq else "http"
-    client = SoakClient(kind, target.zmq, target.http, timeout_s)
+    client = open_client("zmq" if target.zmq else "http", target, timeout_s)
     try:
         answers: Expected = {}
         for prompt in dict.fromkeys(prompts):
@@ -227,11 +235,15 @@ def worker_restarts(target: Target) -> int | None:
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
-    """Nearest-rank percentile (None for no values)."""
+    """Nearest-rank percentile: the ceil(fraction * n)-th smallest value (None for no values)."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
+    # ceil, not round(x + 0.5): round() goes to the even neighbour, so where fraction * n is an odd whole
+    # number it took the next value up (p50 of six took the 4th). The inner round() drops float dust
+    # (0.07 * 100 = 7.000000000000001).
+    rank = math.ceil(round(fraction * len(ordered), 9))
+    return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
 def seconds(value: float | None) -> str:
@@ -317,7 +329,7 @@ def main(duration, clients, connect, http_url, pid, target, draft, server_args, 
     try:
         expected = reference(server, prompts, max_new_tokens, timeout)
         run = Run({kind: Tally() for kind in KINDS})
-        soak_clients = [SoakClient(kinds[i % len(kinds)], server.zmq, server.http, timeout) for i in range(clients)]
+        soak_clients = [open_client(kinds[i % len(kinds)], server, timeout) for i in range(clients)]
         for client in soak_clients:  # warm-up: one request each, not counted, before memory is measured
             run.tallies[client.kind].clients += 1
             try:

@@ -54,3 +54,33 @@ def test_asking_for_a_gpu_where_there_is_none_is_a_usage_error(tmp_path):
                                        "--device", "cuda"])
     assert result.exit_code == 2 and "torch sees no CUDA device" in result.output
     assert not (tmp_path / "chat.jsonl").exists()
+
+
+def test_an_out_file_of_another_kind_is_refused_not_appended_to(tmp_path):
+    """--out pointing at the held-out prompts ({"prompt": ...} lines) died in KeyError: 'conversations'."""
+    import click
+
+    out = tmp_path / "heldout.jsonl"
+    out.write_text('{"prompt": "Tell me about tides."}\n')
+    with pytest.raises(click.ClickException, match="heldout.jsonl:1 is not a record this tool writes"):
+        _done(out)
+    assert out.read_text() == '{"prompt": "Tell me about tides."}\n'
+
+
+def test_heldout_rewrites_its_own_file_but_never_a_file_of_answers(tmp_path):
+    """--heldout --out chat.jsonl replaced the answers in chat.jsonl with 24 prompt lines, silently."""
+    from click.testing import CliRunner
+
+    from tools.chat_data import main
+
+    answers = tmp_path / "chat.jsonl"
+    record = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    answers.write_text(json.dumps(record) + "\n")
+    result = CliRunner().invoke(main, ["--heldout", "--out", str(answers)])
+    assert result.exit_code == 1 and "chat.jsonl:1 is not a held-out prompt line" in result.output
+    assert json.loads(answers.read_text()) == record
+    prompts = tmp_path / "heldout.jsonl"
+    for _ in range(2):  # a rerun of the training script writes the same file again
+        result = CliRunner().invoke(main, ["--heldout", "--out", str(prompts)])
+        assert result.exit_code == 0, result.output
+    assert [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()] == heldout_prompts()

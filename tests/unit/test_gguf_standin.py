@@ -45,6 +45,8 @@ def test_types_by_role(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--proj", "q9_9"], "unknown GGUF type"),
+    (["--proj", "q5_k"], "the gguf package cannot write it"),  # was a NotImplementedError after reading the model
+    (["--embd", "iq2_xxs"], "the gguf package cannot write it"),
     ([], "exists"),
 ])
 def test_bad_arguments_are_refused(tmp_path, capsys, args, message):
@@ -61,6 +63,13 @@ def test_a_folder_without_a_config_is_refused(tmp_path, capsys):
         main([str(tmp_path), str(tmp_path / "out.gguf")])
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_an_output_in_a_missing_folder_is_refused(tmp_path, capsys):
+    """It read the checkpoint, then died in a FileNotFoundError traceback."""
+    with pytest.raises(SystemExit):
+        main([str(DEMO_TARGET), str(tmp_path / "nowhere" / "out.gguf")])
+    assert f"{tmp_path / 'nowhere'} is not a folder" in capsys.readouterr().err
 
 
 def test_bench_real_writes_a_targets_gguf_once_and_reuses_it(tmp_path):

@@ -8,10 +8,14 @@ import dataclasses
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from cpu_worker.model.llama import LlamaSpec, RotaryTable
+from dovetail_runtime.demo_models import SMOLLM2_DRAFT
 from gpu_worker.eagle3 import Eagle3Head
 from tools import inflate_eagle3
+
+from conftest import DEMO_TARGET
 
 if not inflate_eagle3.INFLATE.is_file():  # the testbed is part of this workplace, not of the repo
     pytest.skip(f"needs the shared testbed's {inflate_eagle3.INFLATE}", allow_module_level=True)
@@ -77,3 +81,17 @@ def test_an_inflated_head_drafts_what_the_small_one_drafts(fusion):
     assert not big_out[:, h:].any() and not big_level[:, h:].any()  # padded dims stay exactly zero
     torch.testing.assert_close(big_lp, small_lp, rtol=1e-4, atol=1e-4)
     assert torch.equal(big_lp.argmax(-1), small_lp.argmax(-1))
+
+
+@pytest.mark.parametrize(("target_src", "says"), [
+    (DEMO_TARGET, f"reads a target of hidden size 576; {DEMO_TARGET} has 256"),
+    (DEMO_TARGET.parent, f"{DEMO_TARGET.parent} has no config.json: not a model folder"),
+])
+def test_a_target_the_head_was_not_trained_for_is_named(tmp_path, target_src, says):
+    """demo/draft-smollm2 with --target-src demo/target-code-9m died in a RuntimeError about expanded
+    sizes, and a folder without a config.json in a FileNotFoundError: tracebacks both."""
+    result = CliRunner().invoke(inflate_eagle3.main, [str(SMOLLM2_DRAFT), str(tmp_path / "out"), "--target-src",
+                                                      str(target_src), "--shape", "tiny-1k"])
+    assert result.exit_code == 1, result.output
+    assert says in result.output
+    assert not (tmp_path / "out").exists()

@@ -112,3 +112,23 @@ def test_dump_records_trees_the_trained_head_is_right_about(tmp_path):
         assert len(tokens) == 64 and all(parents[node] < node for node in range(1, 64))
     run = simulate(answers, TreeShape.clamped(8, 4, 4), CycleCosts(), 0, 0, **QUIET)
     assert run.tau > 1.5, run.tau
+
+
+@pytest.mark.parametrize(("trees", "curve", "says"), [
+    ("not json", None, "not JSON"),  # a JSONDecodeError traceback
+    ("{}", None, "holds no answers"),  # KeyError: 'answers'
+    ('{"answers": []}', None, "holds no answers"),  # ZeroDivisionError in tokens_per_s
+    ("[1]", None, "expected a JSON object"),
+    (None, "not json", "not JSON"),
+    (None, '{"x": 1}', "expected a JSON object of T: ms"),
+])
+def test_run_names_a_file_it_cannot_use(tmp_path, trees, curve, says):
+    path, curve_path = tmp_path / "trees.json", tmp_path / "curve.json"
+    path.write_text(trees if trees is not None else json.dumps({"answers": answers_with(chain_tree)}))
+    arguments = ["run", "--trees", str(path), "--shapes", "3/2/4", "--seeds", "1"]
+    if curve is not None:
+        curve_path.write_text(curve)
+        arguments += ["--verify-curve", str(curve_path)]
+    done = CliRunner().invoke(sim_planner.main, arguments)
+    assert done.exit_code == 2, done.output
+    assert says in done.output
