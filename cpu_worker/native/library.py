@@ -222,17 +222,21 @@ def _open(path: Path, again: bool = False) -> ctypes.CDLL:
 
 def build(compiler: str, flags: Sequence[str], directory: Path) -> ctypes.CDLL:
     """The library for these flags and this compiler, compiled into ``directory`` unless already
-    there, loaded and declared. A cached file that fails the ABI check is rebuilt once;
-    AbiMismatch if the rebuilt one fails it too."""
+    there, loaded and declared. A cached file that does not load or fails the ABI check is rebuilt
+    once; AbiMismatch if the rebuilt one fails it too."""
     target = target_path(compiler, flags, directory)
     again = False
     if target.exists():
-        library = _open(target)
-        problem = abi_problem(library)
-        if problem is None:
-            return declare(library)
-        log.warning("the kernel library %s does not match this code (%s): rebuilding it", target, problem)
-        again = True
+        try:
+            library = _open(target)
+        except OSError as error:  # not a library (truncated, overwritten): it never loads, so rebuild it
+            log.warning("the kernel library %s cannot be loaded (%s): rebuilding it", target, error)
+        else:
+            problem = abi_problem(library)
+            if problem is None:
+                return declare(library)
+            log.warning("the kernel library %s does not match this code (%s): rebuilding it", target, problem)
+            again = True
     compile_library(compiler, flags, SOURCES, target)
     library = _open(target, again)
     problem = abi_problem(library)

@@ -90,6 +90,20 @@ def test_a_stale_cached_library_is_rebuilt(tmp_path, caplog, stale):
     assert native_library.abi_problem(ctypes.CDLL(str(fresh))) is None
 
 
+@pytest.mark.parametrize("content", [b"", b"\x7fELF truncated"])
+def test_a_cached_file_that_is_no_library_is_rebuilt(tmp_path, caplog, content):
+    """A truncated or overwritten file at the cache's name failed to load (OSError), and load()
+    took that for a failed build: torch's slower paths at every start, never rebuilt."""
+    cc = compiler()
+    target = native_library.target_path(cc, native_library.FLAGS, tmp_path)
+    target.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+        library = native_library.build(cc, native_library.FLAGS, tmp_path)
+    assert "cannot be loaded" in caplog.text and "rebuilding it" in caplog.text
+    assert native_library.abi_problem(library) is None and library.dovetail_int8_simd() >= 0
+    assert target.stat().st_size > 1000 and [path.name for path in tmp_path.iterdir()] == [target.name]
+
+
 class _WiderShape(ctypes.Structure):
     _fields_ = [*native_library.Shape._fields_, ("extra", ctypes.c_int64)]
 
