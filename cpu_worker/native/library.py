@@ -246,6 +246,30 @@ def build(compiler: str, flags: Sequence[str], directory: Path) -> ctypes.CDLL:
     return declare(library)
 
 
+def writable(directory: Path) -> bool:
+    """Whether ``directory`` exists, or can be made, and takes new files."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def build_somewhere(compiler: str, flags: Sequence[str], directory: Path) -> ctypes.CDLL:
+    """``build`` in the cache ``directory``; where it cannot be written (a read-only or missing home),
+    in a private temporary folder instead, removed once the library is loaded: a build at every start
+    (seconds) rather than torch's slower paths, which verify fp32 trees only to float tolerance."""
+    try:
+        return build(compiler, flags, directory)
+    except OSError as error:
+        if writable(directory):
+            raise
+        log.warning("cannot write the kernel cache %s (%s): building the kernels in a temporary folder at "
+                    "every start; set %s to a writable folder to keep them", directory, error, KERNEL_DIR_VARIABLE)
+    with tempfile.TemporaryDirectory(prefix="dovetail-kernels-") as scratch:
+        return build(compiler, flags, Path(scratch))
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None when there is no compiler or the build fails (AbiMismatch,
@@ -256,7 +280,7 @@ def load() -> ctypes.CDLL | None:
                     "F.linear, and tree attention row by row; install gcc for the faster, exact kernels")
         return None
     try:
-        return build(compiler, FLAGS, cache_dir())
+        return build_somewhere(compiler, FLAGS, cache_dir())
     except AbiMismatch:
         raise
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:

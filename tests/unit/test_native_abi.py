@@ -135,3 +135,24 @@ def test_load_raises_a_mismatch_rather_than_falling_back(tmp_path, monkeypatch):
             native_library.load()
     finally:
         native_library.clear_cache()
+
+
+@pytest.mark.parametrize("where", ["under a file", "a file"])
+def test_an_unwritable_kernel_cache_builds_in_a_temporary_folder(tmp_path, monkeypatch, caplog, where):
+    """HOME (or the cache variable) where nothing can be written: the kernels were not built at all,
+    so fp32 trees were verified only to float tolerance and a CPU draft at q4_0 could not start."""
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "kernels" if where == "under a file" else tmp_path / "file"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(cache))
+    monkeypatch.setattr(native_library.tempfile, "tempdir", str(scratch))
+    native_library.clear_cache()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+            library = native_library.load()
+    finally:
+        native_library.clear_cache()
+    assert library is not None and native_library.abi_problem(library) is None
+    assert "cannot write the kernel cache" in caplog.text and "failed" not in caplog.text
+    assert list(scratch.iterdir()) == []  # the temporary build is gone once loaded
