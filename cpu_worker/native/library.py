@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
+from ipc import cost_cache
 from ipc.placement import cpu_flags
 
 log = logging.getLogger("dovetail.cpu_worker")
@@ -38,7 +39,7 @@ SOURCES = tuple(DIRECTORY / name for name in ("int8_gemv.c", "fp32_rows.c", "att
                                               "abi.c"))
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default ~/.cache/dovetail/kernels)
+KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
 ABI_VERSION = 8
@@ -151,7 +152,10 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(KERNEL_DIR_VARIABLE) or Path.home() / ".cache" / "dovetail" / "kernels")
+    """DOVETAIL_KERNEL_DIR, else kernels/ in the cost caches' folder (DOVETAIL_CACHE_DIR, else
+    $XDG_CACHE_HOME/dovetail, else ~/.cache/dovetail): one setting moves every cache."""
+    explicit = os.environ.get(KERNEL_DIR_VARIABLE)
+    return Path(explicit) if explicit else cost_cache.cache_dir() / "kernels"
 
 
 def find_compiler() -> str | None:

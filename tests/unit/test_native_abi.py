@@ -156,3 +156,16 @@ def test_an_unwritable_kernel_cache_builds_in_a_temporary_folder(tmp_path, monke
     assert library is not None and native_library.abi_problem(library) is None
     assert "cannot write the kernel cache" in caplog.text and "failed" not in caplog.text
     assert list(scratch.iterdir()) == []  # the temporary build is gone once loaded
+
+
+def test_the_kernel_cache_follows_the_other_caches(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME or DOVETAIL_CACHE_DIR moved the cost caches but not the kernels, which still
+    went to ~/.cache (a read-only home in a container: no kernels)."""
+    monkeypatch.delenv(native_library.KERNEL_DIR_VARIABLE, raising=False)
+    monkeypatch.delenv("DOVETAIL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native_library.cache_dir() == tmp_path / "xdg" / "dovetail" / "kernels"
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path / "mine"))
+    assert native_library.cache_dir() == tmp_path / "mine" / "kernels"
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path / "kernels"))
+    assert native_library.cache_dir() == tmp_path / "kernels"
