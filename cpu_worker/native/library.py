@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -159,7 +160,7 @@ def cache_dir() -> Path:
 
 
 def find_compiler() -> str | None:
-    """$CC, else cc or gcc on the PATH."""
+    """$CC (a command line: the compiler and any words before or after it), else cc or gcc on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
@@ -169,7 +170,8 @@ def compile_library(compiler: str, flags: Sequence[str], sources: Sequence[Path]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
+        # $CC may carry words ("ccache gcc", "gcc -m64"), as make reads it.
+        done = subprocess.run([*shlex.split(compiler), *flags, *map(str, sources), "-o", str(built), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import shlex
 import shutil
 import subprocess
 
@@ -52,8 +53,8 @@ def test_the_built_dot_kernels_keep_their_software_prefetches(arch, tmp_path):
     assert compiler is not None, "no C compiler: the int8 kernel cannot be built"
     flags = [flag for flag in flags_for(arch) if flag != "-shared"] + ["-S"]
     assembly = tmp_path / "int8_gemv.s"
-    subprocess.run([compiler, *flags, str(native_library.DIRECTORY / "int8_gemv.c"), "-o", str(assembly)], check=True,
-                   capture_output=True)
+    subprocess.run([*shlex.split(compiler), *flags, str(native_library.DIRECTORY / "int8_gemv.c"), "-o", str(assembly)],
+                   check=True, capture_output=True)
     assert "prefetcht0" in assembly.read_text()
 
 

@@ -169,3 +169,16 @@ def test_the_kernel_cache_follows_the_other_caches(tmp_path, monkeypatch):
     assert native_library.cache_dir() == tmp_path / "mine" / "kernels"
     monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path / "kernels"))
     assert native_library.cache_dir() == tmp_path / "kernels"
+
+
+def test_a_cc_of_several_words_builds(tmp_path, monkeypatch):
+    """CC="ccache gcc" or "gcc -m64" (make splits it): the whole string was run as one program's name,
+    FileNotFoundError, and every kernel fell back to torch's paths."""
+    monkeypatch.setenv("CC", f"env {compiler()} -DDOVETAIL_CC_WORDS=1")
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path))
+    native_library.clear_cache()
+    try:
+        library = native_library.load()
+    finally:
+        native_library.clear_cache()
+    assert library is not None and native_library.abi_problem(library) is None
