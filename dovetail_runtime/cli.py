@@ -24,7 +24,7 @@ from click.core import ParameterSource
 
 from ipc import messages as m
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
-from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint
+from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint, private_runtime_dir
 from ipc.placement import CoreSpecError, parse_core_list
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
@@ -195,7 +195,10 @@ def utf8_option(_ctx, _param, value: str | None) -> str | None:
 
 
 def default_bind() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    """ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock, or in /tmp where that variable is unset or names no
+    private folder of ours (one inherited through su or sudo, or gone: serving failed with 'directory
+    ... does not exist' on a path the user never named); dovetail-client reaches the same default."""
+    base = private_runtime_dir() or "/tmp"
     return f"ipc://{base}/dovetail-{os.getuid()}.sock"
 
 

@@ -73,6 +73,20 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def private_runtime_dir() -> str | None:
+    """$XDG_RUNTIME_DIR where it is a folder of ours, private and writable; None otherwise (unset, or
+    inherited through su/sudo naming another user's, or gone since that user logged out)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not xdg:
+        return None
+    try:
+        st = os.stat(xdg)
+    except OSError:
+        return None
+    private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+    return xdg if private and os.access(xdg, os.W_OK) else None
+
+
 def ipc_path(endpoint: str) -> str | None:
     """The file path of an ``ipc://`` endpoint, else None."""
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None

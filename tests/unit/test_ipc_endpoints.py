@@ -175,3 +175,21 @@ def test_stale_runtime_dirs_are_removed_and_live_ones_kept(short_dir):
         assert os.path.isdir(live.path)
     finally:
         live.close()
+
+
+def test_the_default_socket_is_in_xdg_runtime_dir_only_where_that_is_a_private_folder_of_ours(tmp_path, monkeypatch):
+    """XDG_RUNTIME_DIR inherited through su/sudo (another user's folder) or gone since logout: serving
+    without --bind failed with 'directory ... does not exist' on a path the user never named."""
+    from dovetail_runtime.cli import default_bind
+
+    mine = tmp_path / "run"
+    mine.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(mine))
+    assert default_bind() == f"ipc://{mine}/dovetail-{os.getuid()}.sock"
+    for unusable in (tmp_path / "gone", tmp_path / "file"):
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(unusable))
+        assert default_bind() == f"ipc:///tmp/dovetail-{os.getuid()}.sock"
+    mine.chmod(0o755)  # readable by others: not a runtime folder
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(mine))
+    assert default_bind() == f"ipc:///tmp/dovetail-{os.getuid()}.sock"
