@@ -501,7 +501,7 @@ def run_main(**values: Any) -> None:
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
     (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
     """
-    from .preflight import PreflightError, check_chat_template, check_settings, check_target, shared_cores_warning
+    from .preflight import PreflightError, check_chat_template, check_settings, check_target, placement_warnings
 
     options = run_options(values)
     logging.basicConfig(level=getattr(logging, options.log_level.upper()), stream=sys.stderr,
@@ -543,9 +543,8 @@ def run_main(**values: Any) -> None:
         log.error("%s%s", error, f" (no --target was given, so the demo target {target} stood in for the model "
                   "your --draft was trained for: name that with --target)" if stood_in else "")
         sys.exit(2)
-    shared = shared_cores_warning(settings)
-    if shared:
-        log.warning("%s", shared)
+    for warning in placement_warnings(settings):
+        log.warning("%s", warning)
     if not all_prompts:
         sys.exit(serve_clients(settings, list(serving.binds), key, serve_limits(serving), serving.http_address,
                                options.log_level, serving.cors_origins, serving.served_model_name))

@@ -16,7 +16,14 @@ from click.testing import CliRunner
 from cpu_worker.model.model_dir import ModelLoadError
 from dovetail_runtime import cli, preflight, train_cli
 from dovetail_runtime.coordinator import RuntimeSettings
-from dovetail_runtime.preflight import PreflightError, check_pair, check_settings, check_target, shared_cores_warning
+from dovetail_runtime.preflight import (
+    PreflightError,
+    check_pair,
+    check_settings,
+    check_target,
+    crowded_threads_warnings,
+    shared_cores_warning,
+)
 from ipc import messages as m
 from ipc.endpoints import EndpointError, normalize_endpoint
 
@@ -196,6 +203,23 @@ def test_a_cpu_draft_on_the_targets_cores_is_warned_with_a_fix(monkeypatch):
     assert placed(draft_device="auto", cpu_cores=first) is not None
     monkeypatch.setattr(preflight, "cuda_device_count", lambda: 1)
     assert placed(draft_device="auto", cpu_cores=first) is None
+
+
+def test_more_threads_than_their_cores_is_warned():
+    """--cpu-threads 4 --cpu-cores 0 ran 4 OpenMP threads on one core without a word (2.7x slower)."""
+    available = sorted(os.sched_getaffinity(0))
+
+    def warned(**fields) -> list[str]:
+        return crowded_threads_warnings(RuntimeSettings(target="t", draft="d", **fields))
+
+    [warning] = warned(cpu_threads=4, cpu_cores=available[:1])
+    assert warning.startswith(f"--cpu-threads 4 on 1 core (--cpu-cores {available[0]})")
+    assert "--cpu-threads 1 or fewer" in warning
+    [warning] = warned(draft_threads=len(available) + 1)
+    assert warning.startswith(f"--draft-threads {len(available) + 1} on {len(available)} core")
+    assert warned(cpu_threads=1, cpu_cores=available[:1], draft_threads=len(available)) == []
+    assert warned() == []
+    assert crowded_threads_warnings(RuntimeSettings(target="t", draft=None, draft_threads=99)) == []  # --mode ar
 
 
 # ------------------------------------------------------------------ dovetail-run: pipeable stdout
