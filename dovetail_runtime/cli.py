@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import io
 import json
 import logging
 import os
@@ -783,6 +784,14 @@ def stats_line(mode: str, stats: m.RequestStats) -> str:
             f"{lookup}, draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
 
 
+def escape_unencodable_stdout() -> None:
+    """Text stdout's encoding cannot hold (PYTHONIOENCODING=ascii, a Latin-1 locale, an answer with an
+    emoji) is written as a backslash escape, as Python does on stderr: it raised UnicodeEncodeError
+    mid-answer, which ended the run (exit 2) with the remaining prompts unanswered."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, compare_ar: bool = False,
                 chat: bool = False) -> int:
     """One-shot generation; with ``compare_ar`` each prompt runs again in --mode ar (same
@@ -790,6 +799,7 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
     is a user message (the chat template renders it). stdout gets each completion alone, ended
     by a newline (so it pipes), or with ``as_json`` one JSON object per prompt; the stats lines
     go to stderr with the logs."""
+    escape_unencodable_stdout()
     failures = 0
     for prompt in prompts:
         if chat:

@@ -4,9 +4,11 @@ traceback) or a warning, and one-shot stdout is the completion alone (issue 33).
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -257,6 +259,17 @@ def test_json_output_is_unchanged(capsys):
     (record,) = [json.loads(line) for line in out.splitlines()]
     assert record["prompt"] == "p" and record["text"] == "ab" and record["ar"]["same_tokens"] is True
     assert err == ""
+
+
+def test_text_stdout_cannot_encode_is_escaped_and_every_prompt_is_answered(monkeypatch):
+    """PYTHONIOENCODING=ascii (or a Latin-1 locale) and an answer with 'é': UnicodeEncodeError
+    mid-answer ended the run with exit 2, the later prompts unanswered."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    params = dict(max_new_tokens=2, stop=[], mode="dovetail", sampling=m.Sampling())
+    failures = cli.run_prompts(FakeCoordinator(["Caf", "\u00e9"]), ["a", "b"], params, as_json=False)
+    sys.stdout.flush()
+    assert failures == 0 and raw.getvalue() == b"Caf\\xe9\nCaf\\xe9\n"
 
 
 # ------------------------------------------------------------------ dovetail-train
