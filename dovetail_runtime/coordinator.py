@@ -205,6 +205,19 @@ def error_reply(request_id: str | None, code: str, message: str) -> m.ErrorReply
                         message=message if len(message) <= limit else message[:limit] + " [...]")
 
 
+def refuse_untokenized(request: m.GenerateRequest, prompt_chars: int | None, max_len: int) -> m.ErrorReply | None:
+    """prompt_too_long for a prompt longer than any prompt that fits the context (``prompt_chars``,
+    ``Coordinator.max_prompt_chars``), judged by its characters alone: tokenizing megabytes takes a
+    minute and ~200 bytes of memory a character."""
+    # A chat's template adds a few characters per message: within this bound's slack.
+    chars = len(request.prompt or "") + sum(len(turn.content) for turn in request.messages or ())
+    if prompt_chars is None or chars <= prompt_chars:
+        return None
+    return error_reply(request.request_id, "prompt_too_long",
+                       f"prompt of {chars} characters cannot fit the context of {max_len} tokens (at most "
+                       f"{prompt_chars} characters with this tokenizer); not tokenized")
+
+
 class Joining(NamedTuple):
     """How prompts join running requests: the sizer the batch tells its rounds' costs (auto), what
     a request asks for its next chunk's tokens (``Job.join_chunk``) or, where the target's prompt
@@ -595,7 +608,11 @@ class Coordinator:
 
     def generate(self, request: m.GenerateRequest,
                  on_text: OnText | None = None) -> m.GenerateDone | m.ErrorReply:
-        """Run one request alone to the end (``begin`` has the arguments)."""
+        """Run one request alone to the end (``begin`` has the arguments); a prompt too long for the
+        context is refused untokenized (a one-shot prompt file of 23 MB took 4.4 GB and a minute to say so)."""
+        refused = refuse_untokenized(request, self.max_prompt_chars(), self.max_len)
+        if refused is not None:
+            return refused
         self.recover()
         started = self.begin(request, on_text)
         if isinstance(started, m.ErrorReply):

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import types
 from pathlib import Path
 
 import click
@@ -270,6 +271,25 @@ def test_text_stdout_cannot_encode_is_escaped_and_every_prompt_is_answered(monke
     failures = cli.run_prompts(FakeCoordinator(["Caf", "\u00e9"]), ["a", "b"], params, as_json=False)
     sys.stdout.flush()
     assert failures == 0 and raw.getvalue() == b"Caf\\xe9\nCaf\\xe9\n"
+
+
+def test_a_one_shot_prompt_no_context_can_hold_is_refused_untokenized(monkeypatch):
+    """--prompt-file with a 23 MB line: the coordinator tokenized it all (4.4 GB, a minute; a bigger
+    file was killed for memory) to say prompt_too_long; serving refused it by its length already."""
+    from dovetail_runtime.coordinator import Coordinator
+    from dovetail_runtime.tokenizer import Tokenizer
+
+    coordinator = Coordinator(RuntimeSettings(target="unused", draft=None))
+    coordinator.tokenizer, coordinator.max_len = Tokenizer.from_dir(DEMO_TARGET), 64
+    coordinator.chat_template = object()  # type: ignore[assignment]
+    coordinator.cpu = types.SimpleNamespace(alive=lambda: True)  # type: ignore[assignment]
+    monkeypatch.setattr(coordinator.tokenizer, "encode", lambda text: pytest.fail("the prompt was tokenized"))
+    limit = coordinator.max_prompt_chars()
+    assert limit is not None
+    request = m.GenerateRequest(request_id="r", prompt="x" * (limit + 1), max_new_tokens=1, mode="ar")
+    reply = coordinator.generate(request)
+    assert isinstance(reply, m.ErrorReply) and reply.code == "prompt_too_long", reply
+    assert f"prompt of {limit + 1} characters cannot fit the context of 64 tokens" in reply.message
 
 
 # ------------------------------------------------------------------ dovetail-train
