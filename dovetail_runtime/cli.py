@@ -207,10 +207,23 @@ def endpoints_option(_ctx, _param, value):
     """``localhost:5555`` means tcp://, a path means ipc://; anything unclear is refused here."""
     try:
         if isinstance(value, tuple):
-            return tuple(normalize_endpoint(each) for each in value)
+            return without_repeats(tuple(normalize_endpoint(each) for each in value))
         return None if value is None else normalize_endpoint(value)
     except EndpointError as error:
         raise click.BadParameter(str(error)) from None
+
+
+def without_repeats(endpoints: tuple[str, ...]) -> tuple[str, ...]:
+    """--bind given one endpoint twice (``/tmp/x.sock`` and ``ipc:///tmp/./x.sock``): refused, naming it;
+    the second bind was refused as 'already served by another dovetail-run', with this process's pid."""
+    seen: set[str] = set()
+    for endpoint in endpoints:
+        path = ipc_path(endpoint)
+        key = "ipc://" + os.path.realpath(path) if path else endpoint  # symlinked folders too
+        if key in seen:
+            raise EndpointError(f"{endpoint} is given twice")
+        seen.add(key)
+    return endpoints
 
 
 def connect_option(ctx, param, value: str | None) -> str | None:

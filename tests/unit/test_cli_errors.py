@@ -106,6 +106,15 @@ def test_a_port_out_of_range_is_called_that(args):
     assert "the port must be 1-65535" in message and "expected HOST:PORT" not in message
 
 
+@pytest.mark.parametrize("second", ["ipc:///tmp/twice.sock", "/tmp/./twice.sock"])
+def test_one_endpoint_bound_twice_is_refused_naming_it(second):
+    """It was refused at startup as 'already served by another dovetail-run (pid N)', N this process."""
+    message = refused(cli.run_main, ["--bind", "/tmp/twice.sock", "--bind", second])
+    assert "Invalid value for '--bind'" in message and "is given twice" in message and "another" not in message
+    assert cli.without_repeats(("tcp://127.0.0.1:5555", "ipc:///tmp/a.sock")) == ("tcp://127.0.0.1:5555",
+                                                                                "ipc:///tmp/a.sock")
+
+
 def test_ports_in_range_and_free_port_spellings_pass():
     assert normalize_endpoint("tcp://127.0.0.1:65535") == "tcp://127.0.0.1:65535"
     assert normalize_endpoint(":0") == "tcp://127.0.0.1:0" and normalize_endpoint("*:*") == "tcp://*:*"
