@@ -53,6 +53,12 @@ NO_MEMORY, BAD_SHAPE = -1, -2  # statuses
 BLOCK_Q8_0, BLOCK_Q4_0, BLOCK_Q4_1 = 0, 1, 2  # a block-quantized weight's type
 
 
+# What runs without the library. int8 and the GGUF formats are block-quantized: they have no other path.
+WITHOUT_LIBRARY = ("int8-row layers run on fbgemm (slower decoding), fp32 ones on MKL or F.linear, tree attention "
+                   "row by row, and the block-quantized targets (int8, q8_0, q4_0, q4_1: a GGUF's default) and "
+                   "a q4_0 draft cannot run")
+
+
 class AbiMismatch(RuntimeError):
     """The built library and this module disagree on the interface (after a rebuild)."""
 
@@ -282,17 +288,15 @@ def load() -> ctypes.CDLL | None:
     a disagreement between this folder's files, is raised)."""
     compiler = find_compiler()
     if compiler is None:
-        log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
-                    "F.linear, and tree attention row by row; install gcc for the faster, exact kernels")
+        log.warning("no C compiler found, so %s; install gcc for the faster, exact kernels", WITHOUT_LIBRARY)
         return None
     try:
         return build_somewhere(compiler, FLAGS, cache_dir())
     except AbiMismatch:
         raise
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
-                    "F.linear, and tree attention row by row: %s",
-                    " and ".join(source.name for source in SOURCES), error)
+        log.warning("building %s failed, so %s: %s", " and ".join(source.name for source in SOURCES),
+                    WITHOUT_LIBRARY, error)
         return None
 
 

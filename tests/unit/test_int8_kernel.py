@@ -178,7 +178,7 @@ def test_without_a_compiler_int8_falls_back_to_fbgemm_and_says_so(monkeypatch, c
         monkeypatch.setenv("CC", "/nonexistent/cc")
         with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
             assert int8_kernel.kernel_name() == "fbgemm"
-        assert "int8 layers run on fbgemm" in caplog.text
+        assert "int8-row layers run on fbgemm" in caplog.text and "(int8, q8_0, q4_0, q4_1" in caplog.text
         layer = RowwiseInt8Linear(torch.randn(300, 256) * 0.02)
         assert layer.kernel == "fbgemm"
         rows = torch.randn(8, 256)
