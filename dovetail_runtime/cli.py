@@ -81,7 +81,10 @@ def read_prompt_file(path: Path) -> list[str]:
     line (a line of C or JSON-like text is a prompt; one that is a {"prompt": ...} object is read as one);
     UTF-8 text, or text in the encoding its byte-order mark names (the mark is not part of the first prompt)."""
     text = read_text_file(path, "--prompt-file")
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    # Lines end at "\n" (and "\r\n") only: str.splitlines also cuts at U+2028, U+0085 and form feeds, which
+    # JSON (json.dumps(..., ensure_ascii=False)) and source code hold inside a line.
+    split = (line.removesuffix("\r") for line in text.split("\n"))
+    lines = [(number, line) for number, line in enumerate(split, start=1) if line.strip()]
     if not lines:  # else no prompt means serving: a server that never exits
         raise click.BadParameter(f"{path} holds no prompts (it is empty or all blank lines)",
                                  param_hint="--prompt-file")

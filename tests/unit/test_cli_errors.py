@@ -724,6 +724,20 @@ def test_features_of_another_target_are_named_before_training(tmp_path):
     assert result.exit_code == 2 and f"hidden size {hidden + 320}, but --target" in result.output, result.output
 
 
+def test_a_prompt_file_splits_lines_at_newlines_only(tmp_path):
+    """A JSONL line whose prompt holds U+2028 or U+0085 raw (json.dumps(..., ensure_ascii=False) writes
+    them so) was cut in two by str.splitlines: the file then read as plain lines, and the JSON text
+    itself went out as prompts, without a word; a form feed in a line of code cut it too."""
+    prompts = ["def f():\u2028    return 1", "next\u0085line", "import os"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("\r\n".join(json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts) + "\r\n",
+                     encoding="utf-8")
+    assert cli.read_prompt_file(jsonl) == prompts
+    code = tmp_path / "code.txt"
+    code.write_text("x = 1\x0c y = 2\r\n\nz = 3\n", encoding="utf-8")
+    assert cli.read_prompt_file(code) == ["x = 1\x0c y = 2", "z = 3"]
+
+
 def test_a_prompt_file_is_jsonl_only_when_every_line_is_an_object(tmp_path):
     code = tmp_path / "code.txt"  # one prompt per line, one of them C: once refused as invalid JSON
     code.write_text('int main(void)\n{ return 0; }\n{"prompt": "read as an object"}\n')
