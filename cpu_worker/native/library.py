@@ -170,14 +170,25 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def compiler_command(compiler: str) -> list[str]:
+    """$CC's words ("ccache gcc", "gcc -m64"), as make reads it; RuntimeError (a failed build: torch's
+    paths, said in the log) where they are no command line (an unclosed quote raised ValueError)."""
+    try:
+        words = shlex.split(compiler)
+    except ValueError as error:
+        raise RuntimeError(f"CC={compiler!r} is not a command line: {error}") from None
+    if not words:
+        raise RuntimeError("CC is blank")
+    return words
+
+
 def compile_library(compiler: str, flags: Sequence[str], sources: Sequence[Path], target: Path) -> None:
     """``sources`` into the shared library ``target``, replacing it atomically (a concurrent worker
     sees the whole library or none). RuntimeError with the compiler's message when it fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        # $CC may carry words ("ccache gcc", "gcc -m64"), as make reads it.
-        done = subprocess.run([*shlex.split(compiler), *flags, *map(str, sources), "-o", str(built), "-lm"],
+        done = subprocess.run([*compiler_command(compiler), *flags, *map(str, sources), "-o", str(built), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")

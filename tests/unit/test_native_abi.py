@@ -182,3 +182,16 @@ def test_a_cc_of_several_words_builds(tmp_path, monkeypatch):
     finally:
         native_library.clear_cache()
     assert library is not None and native_library.abi_problem(library) is None
+
+
+@pytest.mark.parametrize("cc", ['gcc "unclosed', "   "])
+def test_a_cc_that_is_no_command_line_is_a_failed_build_not_a_crash(tmp_path, monkeypatch, caplog, cc):
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path))
+    native_library.clear_cache()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+            assert native_library.load() is None
+    finally:
+        native_library.clear_cache()
+    assert "failed" in caplog.text and ("not a command line" in caplog.text or "CC is blank" in caplog.text)
