@@ -299,6 +299,9 @@ def test_a_one_shot_prompt_no_context_can_hold_is_refused_untokenized(monkeypatc
     reply = coordinator.generate(request)
     assert isinstance(reply, m.ErrorReply) and reply.code == "prompt_too_long", reply
     assert f"prompt of {limit + 1} characters cannot fit the context of 64 tokens" in reply.message
+    # The bound scans the vocabulary (~20 ms): once per tokenizer, not once per prompt.
+    monkeypatch.setattr(coordinator.tokenizer, "max_chars_per_token", lambda: pytest.fail("scanned again"))
+    assert coordinator.generate(request).code == "prompt_too_long"  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ dovetail-train
