@@ -217,10 +217,14 @@ def endpoints_option(_ctx, _param, value):
 
 
 def without_repeats(endpoints: tuple[str, ...]) -> tuple[str, ...]:
-    """--bind given one endpoint twice (``/tmp/x.sock`` and ``ipc:///tmp/./x.sock``): refused, naming it;
-    the second bind was refused as 'already served by another dovetail-run', with this process's pid."""
+    """--bind's endpoints. inproc://, which no client can reach, is refused, and so is one endpoint given
+    twice (``/tmp/x.sock`` and ``ipc:///tmp/./x.sock``): its second bind was refused as 'already served by
+    another dovetail-run', with this process's pid."""
     seen: set[str] = set()
     for endpoint in endpoints:
+        if endpoint.startswith("inproc://"):  # was served, unreachable, as 'dovetail serving on ' and nothing
+            raise EndpointError(f"{endpoint} is reachable only inside this process: serve on ipc://PATH or "
+                                "tcp://HOST:PORT")
         path = ipc_path(endpoint)
         key = "ipc://" + os.path.realpath(path) if path else endpoint  # symlinked folders too
         if key in seen:

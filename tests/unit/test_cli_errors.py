@@ -115,6 +115,12 @@ def test_one_endpoint_bound_twice_is_refused_naming_it(second):
                                                                                 "ipc:///tmp/a.sock")
 
 
+def test_binding_an_inproc_endpoint_is_refused():
+    """--bind inproc://x served where no client could reach it, saying 'dovetail serving on ' and nothing."""
+    message = refused(cli.run_main, ["--bind", "inproc://x"])
+    assert "Invalid value for '--bind'" in message and "reachable only inside this process" in message
+
+
 def test_ports_in_range_and_free_port_spellings_pass():
     assert normalize_endpoint("tcp://127.0.0.1:65535") == "tcp://127.0.0.1:65535"
     assert normalize_endpoint(":0") == "tcp://127.0.0.1:0" and normalize_endpoint("*:*") == "tcp://*:*"
