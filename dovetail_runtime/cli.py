@@ -405,7 +405,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--allow-remote", is_flag=True, expose_value=False, hidden=True, callback=refuse_allow_remote,
               help="Refused: serving beyond loopback needs an API key.")
 @click.option("--cpu-threads", type=click.IntRange(min=1, max=m.MAX_THREADS), default=None,
-              help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
+              help="Intra-op threads of the target worker. [default: one per pinned core, else torch's (one per "
+                   "core), at most a container's CPU quota]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
 @click.option("--target-dtype", type=click.Choice(("auto", *TARGET_PRECISIONS)), default="auto",
