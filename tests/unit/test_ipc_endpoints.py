@@ -44,7 +44,9 @@ def test_endpoint_spellings(given, meant):
     assert normalize_endpoint(given) == meant
 
 
-@pytest.mark.parametrize("bad", ["localhost", "http://127.0.0.1:80", "udp://x:1", "", "host:port"])
+@pytest.mark.parametrize("bad", ["localhost", "http://127.0.0.1:80", "udp://x:1", "", "host:port",
+                                 # were libzmq's 'Invalid argument' at bind, or (tcp://) the API-key refusal
+                                 "tcp://", "tcp://127.0.0.1", "tcp://localhost:abc", "ipc://"])
 def test_unclear_endpoints_are_refused_in_one_line(bad):
     with pytest.raises(EndpointError) as info:
         normalize_endpoint(bad)
