@@ -36,9 +36,11 @@ import msgspec
 import psutil
 
 from cpu_worker.model.model_dir import ModelLoadError, context_limit, is_gguf, read_config, resolve_model_dir
+from cpu_worker.native.library import find_compiler
 from gpu_worker.head_layout import FeatureLayout, feature_layout
 from ipc import messages as m
 from ipc.channels import RuntimeDir
+from ipc.dtypes import BLOCK_PRECISIONS
 from ipc.shm_ring import ShmRing, cycle_slots, slot_bytes_for
 from ipc.tree import TreeShape
 
@@ -316,6 +318,11 @@ class Coordinator:
                 total_gb = machine_memory()[0] / 1e9
                 why = ("a model folder's default" if settings.target_dtype == "fp32" else
                        f"fp32 would take ~{fp32_gb:.1f} GB of this machine's {total_gb:.1f} GB")
+            if settings.target_dtype in BLOCK_PRECISIONS and find_compiler() is None:
+                # Block formats run on the native kernels only: without a compiler the worker failed to
+                # start. int8-row (fbgemm) takes int8's memory and keeps trees exact.
+                why = f"{why}, but no C compiler is found to build its kernels ({settings.target_dtype})"
+                settings.target_dtype = "int8-row"
             log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype, why)
         precision = settings.target_dtype
         need = gguf_need_bytes(target_dir, size, precision) if gguf else size.need_bytes(precision)
