@@ -683,6 +683,11 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
             end_completion(one_shot.as_json)
         log.warning("interrupted by %s: the output is incomplete", signal.Signals(received[0]).name)
         return 128 + received[0]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+    except BrokenPipeError:
+        # stdout's reader left (`dovetail-run ... | head`): stop quietly, as a process SIGPIPE ends would
+        # (was 'ERROR [Errno 32] Broken pipe' and exit 2, "could not start"); nothing more reaches it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ModelLoadError, WorkerFailed, WorkerRequestError, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
         return 2

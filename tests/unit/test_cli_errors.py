@@ -277,6 +277,25 @@ def test_json_output_is_unchanged(capsys):
     assert err == ""
 
 
+def test_stdout_closed_by_its_reader_ends_the_run_quietly(monkeypatch, caplog):
+    """`dovetail-run ... | head -c 5`: 'ERROR dovetail: [Errno 32] Broken pipe' and exit 2, the status of a
+    run that could not start; now 141, as a process SIGPIPE ends."""
+    from dovetail_runtime import coordinator as coordinator_module
+    from dovetail_runtime.cli_options import OneShotOptions
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.FileIO(write_end, "w"), write_through=True))
+    fake = FakeCoordinator(["one", "two"])
+    fake.start = fake.close = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setattr(coordinator_module, "Coordinator", lambda settings: fake)
+    options = OneShotOptions(prompts=("a", "b"), prompt_file=None, stops=(), as_json=False, compare_ar=False,
+                             max_new_tokens=2, chat=False)
+    with caplog.at_level(logging.WARNING):
+        status = cli.run_one_shot(RuntimeSettings(target="t", draft="d"), ["a", "b"], options, m.Sampling())
+    assert status == 141 and caplog.text == ""
+
+
 def test_text_stdout_cannot_encode_is_escaped_and_every_prompt_is_answered(monkeypatch):
     """PYTHONIOENCODING=ascii (or a Latin-1 locale) and an answer with 'é': UnicodeEncodeError
     mid-answer ended the run with exit 2, the later prompts unanswered."""
