@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import io
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from click.core import ParameterSource
 
 from ipc import messages as m
 from ipc.dtypes import KV_DTYPES, TARGET_PRECISIONS
-from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint
+from ipc.endpoints import EndpointError, ipc_path, normalize_endpoint, private_runtime_dir
 from ipc.placement import CoreSpecError, parse_core_list
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS, TreeError, TreeShape
 
@@ -80,7 +81,10 @@ def read_prompt_file(path: Path) -> list[str]:
     line (a line of C or JSON-like text is a prompt; one that is a {"prompt": ...} object is read as one);
     UTF-8 text, or text in the encoding its byte-order mark names (the mark is not part of the first prompt)."""
     text = read_text_file(path, "--prompt-file")
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    # Lines end at "\n" (and "\r\n") only: str.splitlines also cuts at U+2028, U+0085 and form feeds, which
+    # JSON (json.dumps(..., ensure_ascii=False)) and source code hold inside a line.
+    split = (line.removesuffix("\r") for line in text.split("\n"))
+    lines = [(number, line) for number, line in enumerate(split, start=1) if line.strip()]
     if not lines:  # else no prompt means serving: a server that never exits
         raise click.BadParameter(f"{path} holds no prompts (it is empty or all blank lines)",
                                  param_hint="--prompt-file")
@@ -195,7 +199,10 @@ def utf8_option(_ctx, _param, value: str | None) -> str | None:
 
 
 def default_bind() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    """ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock, or in /tmp where that variable is unset or names no
+    private folder of ours (one inherited through su or sudo, or gone: serving failed with 'directory
+    ... does not exist' on a path the user never named); dovetail-client reaches the same default."""
+    base = private_runtime_dir() or "/tmp"
     return f"ipc://{base}/dovetail-{os.getuid()}.sock"
 
 
@@ -203,10 +210,27 @@ def endpoints_option(_ctx, _param, value):
     """``localhost:5555`` means tcp://, a path means ipc://; anything unclear is refused here."""
     try:
         if isinstance(value, tuple):
-            return tuple(normalize_endpoint(each) for each in value)
+            return without_repeats(tuple(normalize_endpoint(each) for each in value))
         return None if value is None else normalize_endpoint(value)
     except EndpointError as error:
         raise click.BadParameter(str(error)) from None
+
+
+def without_repeats(endpoints: tuple[str, ...]) -> tuple[str, ...]:
+    """--bind's endpoints. inproc://, which no client can reach, is refused, and so is one endpoint given
+    twice (``/tmp/x.sock`` and ``ipc:///tmp/./x.sock``): its second bind was refused as 'already served by
+    another dovetail-run', with this process's pid."""
+    seen: set[str] = set()
+    for endpoint in endpoints:
+        if endpoint.startswith("inproc://"):  # was served, unreachable, as 'dovetail serving on ' and nothing
+            raise EndpointError(f"{endpoint} is reachable only inside this process: serve on ipc://PATH or "
+                                "tcp://HOST:PORT")
+        path = ipc_path(endpoint)
+        key = "ipc://" + os.path.realpath(path) if path else endpoint  # symlinked folders too
+        if key in seen:
+            raise EndpointError(f"{endpoint} is given twice")
+        seen.add(key)
+    return endpoints
 
 
 def connect_option(ctx, param, value: str | None) -> str | None:
@@ -381,7 +405,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--allow-remote", is_flag=True, expose_value=False, hidden=True, callback=refuse_allow_remote,
               help="Refused: serving beyond loopback needs an API key.")
 @click.option("--cpu-threads", type=click.IntRange(min=1, max=m.MAX_THREADS), default=None,
-              help="Intra-op threads of the target worker. [default: one per pinned core, else torch's]")
+              help="Intra-op threads of the target worker. [default: one per pinned core, else torch's (one per "
+                   "core), at most a container's CPU quota]")
 @click.option("--cpu-cores", callback=cores_option, default=None,
               help="Pin every target-worker thread to these cores: a list with ranges, e.g. 0-7,16-23.")
 @click.option("--target-dtype", type=click.Choice(("auto", *TARGET_PRECISIONS)), default="auto",
@@ -389,7 +414,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "activations (q4_1-a16 for a Q4_1 file, int8 for Q8_0; give q4_1 or q8_0 for llama.cpp's "
                    "8-bit activations: verification a third faster, text further from fp32's), fp32 for a "
                    "model folder (int8, else q4_0, where fp32 would take over 90% of this machine's memory; a "
-                   "precision that does not fit the memory free now gets a warning naming what would). "
+                   "precision that does not fit the memory free now gets a warning naming what would; without a C "
+                   "compiler int8-row instead of a block format). "
                    "int8: 8-bit weights in blocks of 32 "
                    "(Q8_0's) times activations quantized to 16 bits per block, the 8-bit that keeps a real "
                    "model's text. q8_0, q4_0 (alias int4) and q4_1: llama.cpp's block formats and arithmetic "
@@ -498,7 +524,7 @@ def run_main(**values: Any) -> None:
     With --prompt/--prompt-file it generates, prints and exits; otherwise it serves clients
     (dovetail-client, or dovetail_runtime.client.DovetailClient) until SIGINT/SIGTERM.
     """
-    from .preflight import PreflightError, check_chat_template, check_settings, check_target, shared_cores_warning
+    from .preflight import PreflightError, check_chat_template, check_settings, check_target, placement_warnings
 
     options = run_options(values)
     logging.basicConfig(level=getattr(logging, options.log_level.upper()), stream=sys.stderr,
@@ -540,9 +566,8 @@ def run_main(**values: Any) -> None:
         log.error("%s%s", error, f" (no --target was given, so the demo target {target} stood in for the model "
                   "your --draft was trained for: name that with --target)" if stood_in else "")
         sys.exit(2)
-    shared = shared_cores_warning(settings)
-    if shared:
-        log.warning("%s", shared)
+    for warning in placement_warnings(settings):
+        log.warning("%s", warning)
     if not all_prompts:
         sys.exit(serve_clients(settings, list(serving.binds), key, serve_limits(serving), serving.http_address,
                                options.log_level, serving.cors_origins, serving.served_model_name))
@@ -658,6 +683,11 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
             end_completion(one_shot.as_json)
         log.warning("interrupted by %s: the output is incomplete", signal.Signals(received[0]).name)
         return 128 + received[0]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+    except BrokenPipeError:
+        # stdout's reader left (`dovetail-run ... | head`): stop quietly, as a process SIGPIPE ends would
+        # (was 'ERROR [Errno 32] Broken pipe' and exit 2, "could not start"); nothing more reaches it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ModelLoadError, WorkerFailed, WorkerRequestError, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
         return 2
@@ -783,6 +813,14 @@ def stats_line(mode: str, stats: m.RequestStats) -> str:
             f"{lookup}, draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
 
 
+def escape_unencodable_stdout() -> None:
+    """Text stdout's encoding cannot hold (PYTHONIOENCODING=ascii, a Latin-1 locale, an answer with an
+    emoji) is written as a backslash escape, as Python does on stderr: it raised UnicodeEncodeError
+    mid-answer, which ended the run (exit 2) with the remaining prompts unanswered."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, compare_ar: bool = False,
                 chat: bool = False) -> int:
     """One-shot generation; with ``compare_ar`` each prompt runs again in --mode ar (same
@@ -790,6 +828,7 @@ def run_prompts(coordinator, prompts: list[str], params: dict, as_json: bool, co
     is a user message (the chat template renders it). stdout gets each completion alone, ended
     by a newline (so it pipes), or with ``as_json`` one JSON object per prompt; the stats lines
     go to stderr with the logs."""
+    escape_unencodable_stdout()
     failures = 0
     for prompt in prompts:
         if chat:

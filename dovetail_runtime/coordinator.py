@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -35,9 +36,11 @@ import msgspec
 import psutil
 
 from cpu_worker.model.model_dir import ModelLoadError, context_limit, is_gguf, read_config, resolve_model_dir
+from cpu_worker.native.library import find_compiler
 from gpu_worker.head_layout import FeatureLayout, feature_layout
 from ipc import messages as m
 from ipc.channels import RuntimeDir
+from ipc.dtypes import BLOCK_PRECISIONS
 from ipc.shm_ring import ShmRing, cycle_slots, slot_bytes_for
 from ipc.tree import TreeShape
 
@@ -205,6 +208,26 @@ def error_reply(request_id: str | None, code: str, message: str) -> m.ErrorReply
                         message=message if len(message) <= limit else message[:limit] + " [...]")
 
 
+@functools.cache
+def chars_per_token(tokenizer: Tokenizer) -> int:
+    """``tokenizer.max_chars_per_token()``, once per tokenizer: a scan of its vocabulary (22 ms for
+    SmolLM2's 49k entries), which every one-shot prompt would pay twice with --compare-ar."""
+    return tokenizer.max_chars_per_token()
+
+
+def refuse_untokenized(request: m.GenerateRequest, prompt_chars: int | None, max_len: int) -> m.ErrorReply | None:
+    """prompt_too_long for a prompt longer than any prompt that fits the context (``prompt_chars``,
+    ``Coordinator.max_prompt_chars``), judged by its characters alone: tokenizing megabytes takes a
+    minute and ~200 bytes of memory a character."""
+    # A chat's template adds a few characters per message: within this bound's slack.
+    chars = len(request.prompt or "") + sum(len(turn.content) for turn in request.messages or ())
+    if prompt_chars is None or chars <= prompt_chars:
+        return None
+    return error_reply(request.request_id, "prompt_too_long",
+                       f"prompt of {chars} characters cannot fit the context of {max_len} tokens (at most "
+                       f"{prompt_chars} characters with this tokenizer); not tokenized")
+
+
 class Joining(NamedTuple):
     """How prompts join running requests: the sizer the batch tells its rounds' costs (auto), what
     a request asks for its next chunk's tokens (``Job.join_chunk``) or, where the target's prompt
@@ -295,6 +318,11 @@ class Coordinator:
                 total_gb = machine_memory()[0] / 1e9
                 why = ("a model folder's default" if settings.target_dtype == "fp32" else
                        f"fp32 would take ~{fp32_gb:.1f} GB of this machine's {total_gb:.1f} GB")
+            if settings.target_dtype in BLOCK_PRECISIONS and find_compiler() is None:
+                # Block formats run on the native kernels only: without a compiler the worker failed to
+                # start. int8-row (fbgemm) takes int8's memory and keeps trees exact.
+                why = f"{why}, but no C compiler is found to build its kernels ({settings.target_dtype})"
+                settings.target_dtype = "int8-row"
             log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype, why)
         precision = settings.target_dtype
         need = gguf_need_bytes(target_dir, size, precision) if gguf else size.need_bytes(precision)
@@ -425,7 +453,7 @@ class Coordinator:
     def max_prompt_chars(self) -> int | None:
         """More characters than any prompt that fits the context can have (the context times the
         longest token), so that longer prompts are refused untokenized; None before start()."""
-        return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
+        return None if self.tokenizer is None else self.max_len * chars_per_token(self.tokenizer)
 
     def workers(self) -> list[WorkerHandle[Any]]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
@@ -604,7 +632,11 @@ class Coordinator:
 
     def generate(self, request: m.GenerateRequest,
                  on_text: OnText | None = None) -> m.GenerateDone | m.ErrorReply:
-        """Run one request alone to the end (``begin`` has the arguments)."""
+        """Run one request alone to the end (``begin`` has the arguments); a prompt too long for the
+        context is refused untokenized (a one-shot prompt file of 23 MB took 4.4 GB and a minute to say so)."""
+        refused = refuse_untokenized(request, self.max_prompt_chars(), self.max_len)
+        if refused is not None:
+            return refused
         self.recover()
         started = self.begin(request, on_text)
         if isinstance(started, m.ErrorReply):

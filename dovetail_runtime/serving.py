@@ -37,7 +37,7 @@ from ipc.codec import ProtocolError
 from .admission import KvBudget
 from .batching import Batcher, Stream
 from .batching import Outcome as LoopOutcome
-from .coordinator import Coordinator, OnText, Started, TooManyRestarts, error_reply
+from .coordinator import Coordinator, OnText, Started, TooManyRestarts, error_reply, refuse_untokenized
 from .request_queue import FairQueue, Pending, QueueFull
 from .workers import WorkerFailed
 
@@ -380,16 +380,8 @@ class Serving:
         return time.monotonic() + min(limits) if limits else None
 
     def _refuse_size(self, request: m.GenerateRequest) -> m.ErrorReply | None:
-        """prompt_too_long for a prompt longer than any prompt that fits the context, judged by
-        its characters alone (tokenizing 16 MiB of text would block the server for a minute)."""
-        # A chat's template adds a few characters per message: within this bound's slack.
-        chars = len(request.prompt or "") + sum(len(turn.content) for turn in request.messages or ())
-        if self.prompt_chars is None or chars <= self.prompt_chars:
-            return None
-        return error_reply(request.request_id, "prompt_too_long",
-                           f"prompt of {chars} characters cannot fit the context of "
-                           f"{self.coordinator.max_len} tokens (at most {self.prompt_chars} characters with "
-                           f"this tokenizer); not tokenized")
+        """prompt_too_long, untokenized (16 MiB of text would block the server for a minute)."""
+        return refuse_untokenized(request, self.prompt_chars, self.coordinator.max_len)
 
     def _cancel(self, peer: bytes, request_id: str) -> None:
         for running in self.active:

@@ -18,7 +18,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import msgspec
@@ -41,6 +42,16 @@ class WorkerFailed(RuntimeError):
 
 class WorkerRequestError(RuntimeError):
     """The worker refused or failed one request and keeps serving."""
+
+
+def code_root_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """PYTHONPATH for a worker started with ``-P`` where this process found its packages only as its
+    script's folder or its working directory, which ``-P`` leaves out (a checkout run without
+    installing): that folder, so the worker runs the coordinator's code. Else nothing."""
+    root = Path(__file__).resolve().parents[1]
+    if not sys.path or Path(sys.path[0] or os.getcwd()).resolve() != root:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))}
 
 
 class WorkerHandle(Generic[Info]):
@@ -77,10 +88,12 @@ class WorkerHandle(Generic[Info]):
         self.channel = Channel.bind(self.endpoint, allowed=self.allowed_replies)
         self.ready = False
         self.asked_to_stop = False
-        command = [sys.executable, "-m", self.module, "--endpoint", self.endpoint,
+        # -P: ``-m`` would put the working directory first on sys.path, so a folder there named like one of
+        # the packages a worker imports (ipc/, tools/, torch/) replaced it and the worker failed to start.
+        command = [sys.executable, "-P", "-m", self.module, "--endpoint", self.endpoint,
                    "--parent-pid", str(os.getpid()), "--settings", self.settings_json]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
-                                        process_group=0)
+        env = {**os.environ, **code_root_env(os.environ), **self.env}
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, process_group=0)
 
     def _waited(self) -> None:
         if self.on_wait is not None:

@@ -41,7 +41,15 @@ import zmq
 from ipc import messages
 from ipc.codec import ProtocolError, decode, encode
 from ipc.curve import CurveGuard, CurveKeys
-from ipc.endpoints import MAX_IPC_PATH, EndpointError, IpcSocketClaim, ipc_path, is_loopback_host, private_umask
+from ipc.endpoints import (
+    MAX_IPC_PATH,
+    EndpointError,
+    IpcSocketClaim,
+    ipc_path,
+    is_loopback_host,
+    private_runtime_dir,
+    private_umask,
+)
 from ipc.handshake import HandshakeError, connect_checked
 from ipc.messages import Message
 from ipc.peers import PeerWatch
@@ -64,16 +72,7 @@ class ChannelClosed(RuntimeError):
 
 def _private_base() -> str:
     """$XDG_RUNTIME_DIR when it is ours and private, else the temp directory."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        try:
-            st = os.stat(xdg)
-            private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
-            if private and os.access(xdg, os.W_OK):
-                return xdg
-        except OSError:
-            pass
-    return tempfile.gettempdir()
+    return private_runtime_dir() or tempfile.gettempdir()
 
 
 class RuntimeDir:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 # Unix socket paths are at most 107 bytes on Linux (108 with the NUL).
 MAX_IPC_PATH = 107
+_TCP = re.compile(r"^tcp://\S+:(\d+|\*)$")
 _HOST_PORT = re.compile(r"^(?P<host>[^/\s]*):(?P<port>\d{1,5}|\*)$")
 
 
@@ -41,6 +42,12 @@ def normalize_endpoint(text: str) -> str:
         scheme = text.split("://", 1)[0]
         if scheme not in ("tcp", "ipc", "inproc"):
             raise EndpointError(f"unsupported endpoint {text!r}: use tcp://HOST:PORT or ipc://PATH")
+        # Else libzmq's 'Invalid argument' at bind, or for tcp:// the API-key refusal of a wildcard host.
+        if scheme == "tcp" and not _TCP.match(text):
+            raise EndpointError(f"{text!r} is not tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555 (port 0 or * picks a "
+                                "free one)")
+        if text == f"{scheme}://":
+            raise EndpointError(f"{text!r} names nothing: use e.g. ipc:///tmp/dovetail.sock")
         return check_tcp_port(text) if scheme == "tcp" else text
     if text.isdigit():
         text = ":" + text
@@ -71,6 +78,20 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
     except ValueError:
         return False
+
+
+def private_runtime_dir() -> str | None:
+    """$XDG_RUNTIME_DIR where it is a folder of ours, private and writable; None otherwise (unset, or
+    inherited through su/sudo naming another user's, or gone since that user logged out)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not xdg:
+        return None
+    try:
+        st = os.stat(xdg)
+    except OSError:
+        return None
+    private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+    return xdg if private and os.access(xdg, os.W_OK) else None
 
 
 def ipc_path(endpoint: str) -> str | None:

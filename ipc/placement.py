@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ class CoreSpecError(ValueError):
     """A core list the user typed that cannot be used."""
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 MAX_CORE_NUMBER = 65536  # Linux's NR_CPUS tops out at 8192; anything far past it is a typo
 
 
@@ -53,6 +55,24 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()[2:])
 
 
+def cpu_quota(root: Path = CGROUP_ROOT) -> int | None:
+    """The CPUs this process's container may keep busy at once (cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``), rounded up; None where there is no quota."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        parts, per = int(quota), int(period)
+    except ValueError:  # "max": no quota
+        return None
+    return max(1, math.ceil(parts / per)) if parts > 0 and per > 0 else None
+
+
 def _thread_ids() -> list[int]:
     try:
         return [int(name) for name in os.listdir("/proc/self/task")]
@@ -71,7 +91,7 @@ class Placement:
 
 def apply_placement(threads: int | None, cores: list[int] | None) -> Placement:
     """Pin every thread of this process (existing and future) to ``cores`` and set torch's
-    intra-op thread count (default: one per allowed core)."""
+    intra-op thread count (default: one per allowed core, at most its container's CPU quota)."""
     import torch
 
     available = sorted(os.sched_getaffinity(0))
@@ -91,6 +111,10 @@ def apply_placement(threads: int | None, cores: list[int] | None) -> Placement:
         torch.set_num_threads(threads)
     elif cores:
         torch.set_num_threads(len(cores))
+    elif "OMP_NUM_THREADS" not in os.environ and (quota := cpu_quota()) is not None and quota < torch.get_num_threads():
+        # torch counts the cores this process may run on, not its container's CPU time (docker --cpus 2 on a
+        # 64-core host: 64 threads sharing 2 CPUs' time, each waiting for the others at every step).
+        torch.set_num_threads(quota)
     # Run one op so the intra-op pool exists, then pin any thread it created.
     torch.ones(64, 64) @ torch.ones(64, 64)
     if cores:

@@ -19,6 +19,11 @@ if "DOVETAIL_CACHE_DIR" not in os.environ:
     import shutil
     import tempfile
 
+    from ipc.cost_cache import cache_dir
+
+    # The kernel library stays in the user's cache (named by a hash of its sources and flags, so
+    # sharing it is safe): else every session would compile it again.
+    os.environ.setdefault("DOVETAIL_KERNEL_DIR", str(cache_dir() / "kernels"))
     os.environ["DOVETAIL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dovetail-test-cache-")
     atexit.register(shutil.rmtree, os.environ["DOVETAIL_CACHE_DIR"], ignore_errors=True)
 

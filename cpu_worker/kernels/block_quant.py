@@ -32,7 +32,8 @@ def library() -> ctypes.CDLL:
     handle = native.load()
     if handle is None:
         raise RuntimeError("block-quantized weights need the native kernel library, and it could not be built "
-                           "(no C compiler, or the build failed: the log says which)")
+                           "(no C compiler, or the build failed: the log says which); install a C compiler, or run "
+                           "without it: --target-dtype fp32, bf16 or int8-row, --draft-dtype fp32 or int8")
     return handle
 
 

@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
+from ipc import cost_cache
 from ipc.placement import cpu_flags
 
 log = logging.getLogger("dovetail.cpu_worker")
@@ -38,7 +40,7 @@ SOURCES = tuple(DIRECTORY / name for name in ("int8_gemv.c", "fp32_rows.c", "att
                                               "abi.c"))
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default ~/.cache/dovetail/kernels)
+KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
 ABI_VERSION = 8
@@ -49,6 +51,12 @@ DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2  # a weight's source dtype for the 
 SIMD_PLAIN, SIMD_AVX2, SIMD_AVX512 = 0, 1, 2  # dovetail_int8_simd, dovetail_fp32_simd
 NO_MEMORY, BAD_SHAPE = -1, -2  # statuses
 BLOCK_Q8_0, BLOCK_Q4_0, BLOCK_Q4_1 = 0, 1, 2  # a block-quantized weight's type
+
+
+# What runs without the library. int8 and the GGUF formats are block-quantized: they have no other path.
+WITHOUT_LIBRARY = ("int8-row layers run on fbgemm (slower decoding), fp32 ones on MKL or F.linear, tree attention "
+                   "row by row, and the block-quantized targets (int8, q8_0, q4_0, q4_1: a GGUF's default) and "
+                   "a q4_0 draft cannot run")
 
 
 class AbiMismatch(RuntimeError):
@@ -151,12 +159,27 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(KERNEL_DIR_VARIABLE) or Path.home() / ".cache" / "dovetail" / "kernels")
+    """DOVETAIL_KERNEL_DIR, else kernels/ in the cost caches' folder (DOVETAIL_CACHE_DIR, else
+    $XDG_CACHE_HOME/dovetail, else ~/.cache/dovetail): one setting moves every cache."""
+    explicit = os.environ.get(KERNEL_DIR_VARIABLE)
+    return Path(explicit) if explicit else cost_cache.cache_dir() / "kernels"
 
 
 def find_compiler() -> str | None:
-    """$CC, else cc or gcc on the PATH."""
+    """$CC (a command line: the compiler and any words before or after it), else cc or gcc on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compiler_command(compiler: str) -> list[str]:
+    """$CC's words ("ccache gcc", "gcc -m64"), as make reads it; RuntimeError (a failed build: torch's
+    paths, said in the log) where they are no command line (an unclosed quote raised ValueError)."""
+    try:
+        words = shlex.split(compiler)
+    except ValueError as error:
+        raise RuntimeError(f"CC={compiler!r} is not a command line: {error}") from None
+    if not words:
+        raise RuntimeError("CC is blank")
+    return words
 
 
 def compile_library(compiler: str, flags: Sequence[str], sources: Sequence[Path], target: Path) -> None:
@@ -165,7 +188,7 @@ def compile_library(compiler: str, flags: Sequence[str], sources: Sequence[Path]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
+        done = subprocess.run([*compiler_command(compiler), *flags, *map(str, sources), "-o", str(built), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-1500:] or f"{compiler} exited {done.returncode}")
@@ -222,17 +245,21 @@ def _open(path: Path, again: bool = False) -> ctypes.CDLL:
 
 def build(compiler: str, flags: Sequence[str], directory: Path) -> ctypes.CDLL:
     """The library for these flags and this compiler, compiled into ``directory`` unless already
-    there, loaded and declared. A cached file that fails the ABI check is rebuilt once;
-    AbiMismatch if the rebuilt one fails it too."""
+    there, loaded and declared. A cached file that does not load or fails the ABI check is rebuilt
+    once; AbiMismatch if the rebuilt one fails it too."""
     target = target_path(compiler, flags, directory)
     again = False
     if target.exists():
-        library = _open(target)
-        problem = abi_problem(library)
-        if problem is None:
-            return declare(library)
-        log.warning("the kernel library %s does not match this code (%s): rebuilding it", target, problem)
-        again = True
+        try:
+            library = _open(target)
+        except OSError as error:  # not a library (truncated, overwritten): it never loads, so rebuild it
+            log.warning("the kernel library %s cannot be loaded (%s): rebuilding it", target, error)
+        else:
+            problem = abi_problem(library)
+            if problem is None:
+                return declare(library)
+            log.warning("the kernel library %s does not match this code (%s): rebuilding it", target, problem)
+            again = True
     compile_library(compiler, flags, SOURCES, target)
     library = _open(target, again)
     problem = abi_problem(library)
@@ -242,23 +269,45 @@ def build(compiler: str, flags: Sequence[str], directory: Path) -> ctypes.CDLL:
     return declare(library)
 
 
+def writable(directory: Path) -> bool:
+    """Whether ``directory`` exists, or can be made, and takes new files."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def build_somewhere(compiler: str, flags: Sequence[str], directory: Path) -> ctypes.CDLL:
+    """``build`` in the cache ``directory``; where it cannot be written (a read-only or missing home),
+    in a private temporary folder instead, removed once the library is loaded: a build at every start
+    (seconds) rather than torch's slower paths, which verify fp32 trees only to float tolerance."""
+    try:
+        return build(compiler, flags, directory)
+    except OSError as error:
+        if writable(directory):
+            raise
+        log.warning("cannot write the kernel cache %s (%s): building the kernels in a temporary folder at "
+                    "every start; set %s to a writable folder to keep them", directory, error, KERNEL_DIR_VARIABLE)
+    with tempfile.TemporaryDirectory(prefix="dovetail-kernels-") as scratch:
+        return build(compiler, flags, Path(scratch))
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None when there is no compiler or the build fails (AbiMismatch,
     a disagreement between this folder's files, is raised)."""
     compiler = find_compiler()
     if compiler is None:
-        log.warning("no C compiler found, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
-                    "F.linear, and tree attention row by row; install gcc for the faster, exact kernels")
+        log.warning("no C compiler found, so %s; install gcc for the faster, exact kernels", WITHOUT_LIBRARY)
         return None
     try:
-        return build(compiler, FLAGS, cache_dir())
+        return build_somewhere(compiler, FLAGS, cache_dir())
     except AbiMismatch:
         raise
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("building %s failed, so int8 layers run on fbgemm (slower decoding), fp32 ones on MKL or "
-                    "F.linear, and tree attention row by row: %s",
-                    " and ".join(source.name for source in SOURCES), error)
+        log.warning("building %s failed, so %s: %s", " and ".join(source.name for source in SOURCES),
+                    WITHOUT_LIBRARY, error)
         return None
 
 

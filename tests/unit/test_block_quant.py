@@ -238,6 +238,15 @@ def test_widths_off_the_block_and_unknown_types_are_refused():
         block_quant.BlockWeights.quantize(torch.ones(2, 64), "q5_k")
 
 
+def test_without_the_library_the_refusal_names_the_precisions_that_run(monkeypatch):
+    """No C compiler: a GGUF target's default (and int8) failed to start with 'install nothing, try nothing'
+    advice, while fp32, bf16 and int8-row run without the library."""
+    monkeypatch.setattr(block_quant.native, "load", lambda: None)
+    with pytest.raises(RuntimeError, match="need the native kernel library") as raised:
+        block_quant.library()
+    assert "--target-dtype fp32, bf16 or int8-row" in str(raised.value) and "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("precision", ["int8", "q8_0", "q4_0", "q4_1", "q4_1-a16"])
 def test_a_block_target_verifies_trees_bit_exactly_and_loads_as_it_converts(demo_target, precision):
     from test_int8 import worst_tree_vs_decode_gap

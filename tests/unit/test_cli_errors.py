@@ -4,9 +4,12 @@ traceback) or a warning, and one-shot stdout is the completion alone (issue 33).
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import logging
 import os
+import sys
+import types
 from pathlib import Path
 
 import click
@@ -16,7 +19,14 @@ from click.testing import CliRunner
 from cpu_worker.model.model_dir import ModelLoadError
 from dovetail_runtime import cli, preflight, train_cli
 from dovetail_runtime.coordinator import RuntimeSettings
-from dovetail_runtime.preflight import PreflightError, check_pair, check_settings, check_target, shared_cores_warning
+from dovetail_runtime.preflight import (
+    PreflightError,
+    check_pair,
+    check_settings,
+    check_target,
+    crowded_threads_warnings,
+    shared_cores_warning,
+)
 from ipc import messages as m
 from ipc.endpoints import EndpointError, normalize_endpoint
 
@@ -94,6 +104,21 @@ def test_a_head_for_another_target_names_each_mismatch():
 def test_a_port_out_of_range_is_called_that(args):
     message = refused(cli.run_main, args)
     assert "the port must be 1-65535" in message and "expected HOST:PORT" not in message
+
+
+@pytest.mark.parametrize("second", ["ipc:///tmp/twice.sock", "/tmp/./twice.sock"])
+def test_one_endpoint_bound_twice_is_refused_naming_it(second):
+    """It was refused at startup as 'already served by another dovetail-run (pid N)', N this process."""
+    message = refused(cli.run_main, ["--bind", "/tmp/twice.sock", "--bind", second])
+    assert "Invalid value for '--bind'" in message and "is given twice" in message and "another" not in message
+    assert cli.without_repeats(("tcp://127.0.0.1:5555", "ipc:///tmp/a.sock")) == ("tcp://127.0.0.1:5555",
+                                                                                "ipc:///tmp/a.sock")
+
+
+def test_binding_an_inproc_endpoint_is_refused():
+    """--bind inproc://x served where no client could reach it, saying 'dovetail serving on ' and nothing."""
+    message = refused(cli.run_main, ["--bind", "inproc://x"])
+    assert "Invalid value for '--bind'" in message and "reachable only inside this process" in message
 
 
 def test_ports_in_range_and_free_port_spellings_pass():
@@ -206,6 +231,23 @@ def test_a_cpu_draft_on_the_targets_cores_is_warned_with_a_fix(monkeypatch):
     assert placed(draft_device="auto", cpu_cores=first) is None
 
 
+def test_more_threads_than_their_cores_is_warned():
+    """--cpu-threads 4 --cpu-cores 0 ran 4 OpenMP threads on one core without a word (2.7x slower)."""
+    available = sorted(os.sched_getaffinity(0))
+
+    def warned(**fields) -> list[str]:
+        return crowded_threads_warnings(RuntimeSettings(target="t", draft="d", **fields))
+
+    [warning] = warned(cpu_threads=4, cpu_cores=available[:1])
+    assert warning.startswith(f"--cpu-threads 4 on 1 core (--cpu-cores {available[0]})")
+    assert "--cpu-threads 1 or fewer" in warning
+    [warning] = warned(draft_threads=len(available) + 1)
+    assert warning.startswith(f"--draft-threads {len(available) + 1} on {len(available)} core")
+    assert warned(cpu_threads=1, cpu_cores=available[:1], draft_threads=len(available)) == []
+    assert warned() == []
+    assert crowded_threads_warnings(RuntimeSettings(target="t", draft=None, draft_threads=99)) == []  # --mode ar
+
+
 # ------------------------------------------------------------------ dovetail-run: pipeable stdout
 
 class FakeCoordinator:
@@ -241,6 +283,58 @@ def test_json_output_is_unchanged(capsys):
     (record,) = [json.loads(line) for line in out.splitlines()]
     assert record["prompt"] == "p" and record["text"] == "ab" and record["ar"]["same_tokens"] is True
     assert err == ""
+
+
+def test_stdout_closed_by_its_reader_ends_the_run_quietly(monkeypatch, caplog):
+    """`dovetail-run ... | head -c 5`: 'ERROR dovetail: [Errno 32] Broken pipe' and exit 2, the status of a
+    run that could not start; now 141, as a process SIGPIPE ends."""
+    from dovetail_runtime import coordinator as coordinator_module
+    from dovetail_runtime.cli_options import OneShotOptions
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.FileIO(write_end, "w"), write_through=True))
+    fake = FakeCoordinator(["one", "two"])
+    fake.start = fake.close = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setattr(coordinator_module, "Coordinator", lambda settings: fake)
+    options = OneShotOptions(prompts=("a", "b"), prompt_file=None, stops=(), as_json=False, compare_ar=False,
+                             max_new_tokens=2, chat=False)
+    with caplog.at_level(logging.WARNING):
+        status = cli.run_one_shot(RuntimeSettings(target="t", draft="d"), ["a", "b"], options, m.Sampling())
+    assert status == 141 and caplog.text == ""
+
+
+def test_text_stdout_cannot_encode_is_escaped_and_every_prompt_is_answered(monkeypatch):
+    """PYTHONIOENCODING=ascii (or a Latin-1 locale) and an answer with 'é': UnicodeEncodeError
+    mid-answer ended the run with exit 2, the later prompts unanswered."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    params = dict(max_new_tokens=2, stop=[], mode="dovetail", sampling=m.Sampling())
+    failures = cli.run_prompts(FakeCoordinator(["Caf", "\u00e9"]), ["a", "b"], params, as_json=False)
+    sys.stdout.flush()
+    assert failures == 0 and raw.getvalue() == b"Caf\\xe9\nCaf\\xe9\n"
+
+
+def test_a_one_shot_prompt_no_context_can_hold_is_refused_untokenized(monkeypatch):
+    """--prompt-file with a 23 MB line: the coordinator tokenized it all (4.4 GB, a minute; a bigger
+    file was killed for memory) to say prompt_too_long; serving refused it by its length already."""
+    from dovetail_runtime.coordinator import Coordinator
+    from dovetail_runtime.tokenizer import Tokenizer
+
+    coordinator = Coordinator(RuntimeSettings(target="unused", draft=None))
+    coordinator.tokenizer, coordinator.max_len = Tokenizer.from_dir(DEMO_TARGET), 64
+    coordinator.chat_template = object()  # type: ignore[assignment]
+    coordinator.cpu = types.SimpleNamespace(alive=lambda: True)  # type: ignore[assignment]
+    monkeypatch.setattr(coordinator.tokenizer, "encode", lambda text: pytest.fail("the prompt was tokenized"))
+    limit = coordinator.max_prompt_chars()
+    assert limit is not None
+    request = m.GenerateRequest(request_id="r", prompt="x" * (limit + 1), max_new_tokens=1, mode="ar")
+    reply = coordinator.generate(request)
+    assert isinstance(reply, m.ErrorReply) and reply.code == "prompt_too_long", reply
+    assert f"prompt of {limit + 1} characters cannot fit the context of 64 tokens" in reply.message
+    # The bound scans the vocabulary (~20 ms): once per tokenizer, not once per prompt.
+    monkeypatch.setattr(coordinator.tokenizer, "max_chars_per_token", lambda: pytest.fail("scanned again"))
+    assert coordinator.generate(request).code == "prompt_too_long"  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ dovetail-train
@@ -664,6 +758,20 @@ def test_features_of_another_target_are_named_before_training(tmp_path):
     result = run(train_cli.main, ["train", "--target", str(DEMO_TARGET), "--features", str(tmp_path),
                                   "--out", str(tmp_path / "out"), "--steps", "1"])
     assert result.exit_code == 2 and f"hidden size {hidden + 320}, but --target" in result.output, result.output
+
+
+def test_a_prompt_file_splits_lines_at_newlines_only(tmp_path):
+    """A JSONL line whose prompt holds U+2028 or U+0085 raw (json.dumps(..., ensure_ascii=False) writes
+    them so) was cut in two by str.splitlines: the file then read as plain lines, and the JSON text
+    itself went out as prompts, without a word; a form feed in a line of code cut it too."""
+    prompts = ["def f():\u2028    return 1", "next\u0085line", "import os"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("\r\n".join(json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts) + "\r\n",
+                     encoding="utf-8")
+    assert cli.read_prompt_file(jsonl) == prompts
+    code = tmp_path / "code.txt"
+    code.write_text("x = 1\x0c y = 2\r\n\nz = 3\n", encoding="utf-8")
+    assert cli.read_prompt_file(code) == ["x = 1\x0c y = 2", "z = 3"]
 
 
 def test_a_prompt_file_is_jsonl_only_when_every_line_is_an_object(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from test_draft_support import tiny_spec
 
 import gpu_worker.cpu_format as cpu_format
+from cpu_worker.native import library as native
 from gpu_worker.cpu_format import (
     DraftFormatCache,
     candidate_formats,
@@ -48,3 +49,12 @@ def test_the_fastest_cached_format_wins(tmp_path, times, expected):
 def test_q4_0_is_a_candidate_only_where_every_input_width_is_whole_blocks():
     assert candidate_formats(layer_shapes(tiny_spec(hidden=64))) == ("fp32", "int8", "q4_0")
     assert candidate_formats([(64, 64), (64, 48)]) == ("fp32", "int8")
+
+
+def test_without_the_native_library_auto_never_times_or_picks_q4_0(tmp_path, monkeypatch):
+    # No C compiler (or a failed build): q4_0's block kernel cannot load, and timing it raised
+    # RuntimeError, so a CPU draft at --draft-dtype auto failed to start on a fresh cache.
+    monkeypatch.setattr(native, "load", lambda: None)
+    assert candidate_formats(layer_shapes(tiny_spec(hidden=64))) == ("fp32", "int8")
+    cache = DraftFormatCache(tmp_path / "draft_format.json")
+    assert fastest_cpu_format(tiny_spec(hidden=64), cache=cache) in (None, "int8")

@@ -6,6 +6,7 @@ C), so trees verify exactly; a prompt's rows from 64 on take F.linear."""
 from __future__ import annotations
 
 import ctypes
+import shlex
 import subprocess
 
 import pytest
@@ -105,8 +106,8 @@ def test_the_fp32_kernel_keeps_its_software_prefetch(tmp_path):
     assert compiler is not None
     flags = [flag for flag in flags_for("native") if flag != "-shared"] + ["-S"]
     assembly = tmp_path / "fp32_rows.s"
-    subprocess.run([compiler, *flags, str(native_library.DIRECTORY / "fp32_rows.c"), "-o", str(assembly)], check=True,
-                   capture_output=True)
+    subprocess.run([*shlex.split(compiler), *flags, str(native_library.DIRECTORY / "fp32_rows.c"), "-o", str(assembly)],
+                   check=True, capture_output=True)
     assert "prefetcht0" in assembly.read_text()
 
 

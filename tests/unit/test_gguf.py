@@ -88,6 +88,27 @@ def test_a_block_gguf_gives_its_folders_logits_at_that_precision(tiny, tmp_path,
     assert torch.equal(logits(load_target_model(path, wide)), logits(load_target_model(tiny[name], wide)))
 
 
+def test_auto_without_a_c_compiler_takes_int8_row_not_the_files_blocks(tiny, tmp_path, monkeypatch, caplog):
+    """A GGUF at --target-dtype auto took its own blocks, which run on the native kernels only: on a
+    machine without a C compiler the worker failed to start ('block-quantized weights need the native
+    kernel library'), the default demo included."""
+    from dovetail_runtime import coordinator as coordinator_module
+
+    path = write_gguf(tiny["llama"], tmp_path / "m.gguf", {"proj": Q.Q4_1, "output": Q.Q8_0})
+    caplog.set_level(logging.INFO, logger="dovetail_runtime.coordinator")
+
+    def settled(compiler: str | None) -> str:
+        monkeypatch.setenv("CC", compiler or "")
+        monkeypatch.setenv("PATH", str(tmp_path / "no-compilers-here"))  # so no cc or gcc either
+        coordinator = coordinator_module.Coordinator(coordinator_module.RuntimeSettings(target=str(path), draft=None,
+                                                                                  target_dtype="auto"))
+        coordinator._settle_precision(path, read_config(path))
+        return coordinator.settings.target_dtype
+
+    assert settled("cc") == "q4_1-a16"
+    assert settled(None) == "int8-row" and "no C compiler is found to build its kernels (q4_1-a16)" in caplog.text
+
+
 def test_blocks_go_in_as_stored_and_equal_the_reference_dequantizer(tiny, tmp_path):
     path = write_gguf(tiny["llama"], tmp_path / "m.gguf", {"proj": Q.Q4_1, "embd": Q.Q8_0})
     with GGUFFile(path) as file:

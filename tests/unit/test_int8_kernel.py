@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import shlex
 import shutil
 import subprocess
 
@@ -52,8 +53,8 @@ def test_the_built_dot_kernels_keep_their_software_prefetches(arch, tmp_path):
     assert compiler is not None, "no C compiler: the int8 kernel cannot be built"
     flags = [flag for flag in flags_for(arch) if flag != "-shared"] + ["-S"]
     assembly = tmp_path / "int8_gemv.s"
-    subprocess.run([compiler, *flags, str(native_library.DIRECTORY / "int8_gemv.c"), "-o", str(assembly)], check=True,
-                   capture_output=True)
+    subprocess.run([*shlex.split(compiler), *flags, str(native_library.DIRECTORY / "int8_gemv.c"), "-o", str(assembly)],
+                   check=True, capture_output=True)
     assert "prefetcht0" in assembly.read_text()
 
 
@@ -177,7 +178,7 @@ def test_without_a_compiler_int8_falls_back_to_fbgemm_and_says_so(monkeypatch, c
         monkeypatch.setenv("CC", "/nonexistent/cc")
         with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
             assert int8_kernel.kernel_name() == "fbgemm"
-        assert "int8 layers run on fbgemm" in caplog.text
+        assert "int8-row layers run on fbgemm" in caplog.text and "(int8, q8_0, q4_0, q4_1" in caplog.text
         layer = RowwiseInt8Linear(torch.randn(300, 256) * 0.02)
         assert layer.kernel == "fbgemm"
         rows = torch.randn(8, 256)

@@ -44,7 +44,9 @@ def test_endpoint_spellings(given, meant):
     assert normalize_endpoint(given) == meant
 
 
-@pytest.mark.parametrize("bad", ["localhost", "http://127.0.0.1:80", "udp://x:1", "", "host:port"])
+@pytest.mark.parametrize("bad", ["localhost", "http://127.0.0.1:80", "udp://x:1", "", "host:port",
+                                 # were libzmq's 'Invalid argument' at bind, or (tcp://) the API-key refusal
+                                 "tcp://", "tcp://127.0.0.1", "tcp://localhost:abc", "ipc://"])
 def test_unclear_endpoints_are_refused_in_one_line(bad):
     with pytest.raises(EndpointError) as info:
         normalize_endpoint(bad)
@@ -175,3 +177,21 @@ def test_stale_runtime_dirs_are_removed_and_live_ones_kept(short_dir):
         assert os.path.isdir(live.path)
     finally:
         live.close()
+
+
+def test_the_default_socket_is_in_xdg_runtime_dir_only_where_that_is_a_private_folder_of_ours(tmp_path, monkeypatch):
+    """XDG_RUNTIME_DIR inherited through su/sudo (another user's folder) or gone since logout: serving
+    without --bind failed with 'directory ... does not exist' on a path the user never named."""
+    from dovetail_runtime.cli import default_bind
+
+    mine = tmp_path / "run"
+    mine.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(mine))
+    assert default_bind() == f"ipc://{mine}/dovetail-{os.getuid()}.sock"
+    for unusable in (tmp_path / "gone", tmp_path / "file"):
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(unusable))
+        assert default_bind() == f"ipc:///tmp/dovetail-{os.getuid()}.sock"
+    mine.chmod(0o755)  # readable by others: not a runtime folder
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(mine))
+    assert default_bind() == f"ipc:///tmp/dovetail-{os.getuid()}.sock"

@@ -90,6 +90,20 @@ def test_a_stale_cached_library_is_rebuilt(tmp_path, caplog, stale):
     assert native_library.abi_problem(ctypes.CDLL(str(fresh))) is None
 
 
+@pytest.mark.parametrize("content", [b"", b"\x7fELF truncated"])
+def test_a_cached_file_that_is_no_library_is_rebuilt(tmp_path, caplog, content):
+    """A truncated or overwritten file at the cache's name failed to load (OSError), and load()
+    took that for a failed build: torch's slower paths at every start, never rebuilt."""
+    cc = compiler()
+    target = native_library.target_path(cc, native_library.FLAGS, tmp_path)
+    target.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+        library = native_library.build(cc, native_library.FLAGS, tmp_path)
+    assert "cannot be loaded" in caplog.text and "rebuilding it" in caplog.text
+    assert native_library.abi_problem(library) is None and library.dovetail_int8_simd() >= 0
+    assert target.stat().st_size > 1000 and [path.name for path in tmp_path.iterdir()] == [target.name]
+
+
 class _WiderShape(ctypes.Structure):
     _fields_ = [*native_library.Shape._fields_, ("extra", ctypes.c_int64)]
 
@@ -121,3 +135,63 @@ def test_load_raises_a_mismatch_rather_than_falling_back(tmp_path, monkeypatch):
             native_library.load()
     finally:
         native_library.clear_cache()
+
+
+@pytest.mark.parametrize("where", ["under a file", "a file"])
+def test_an_unwritable_kernel_cache_builds_in_a_temporary_folder(tmp_path, monkeypatch, caplog, where):
+    """HOME (or the cache variable) where nothing can be written: the kernels were not built at all,
+    so fp32 trees were verified only to float tolerance and a CPU draft at q4_0 could not start."""
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "kernels" if where == "under a file" else tmp_path / "file"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(cache))
+    monkeypatch.setattr(native_library.tempfile, "tempdir", str(scratch))
+    native_library.clear_cache()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+            library = native_library.load()
+    finally:
+        native_library.clear_cache()
+    assert library is not None and native_library.abi_problem(library) is None
+    assert "cannot write the kernel cache" in caplog.text and "failed" not in caplog.text
+    assert list(scratch.iterdir()) == []  # the temporary build is gone once loaded
+
+
+def test_the_kernel_cache_follows_the_other_caches(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME or DOVETAIL_CACHE_DIR moved the cost caches but not the kernels, which still
+    went to ~/.cache (a read-only home in a container: no kernels)."""
+    monkeypatch.delenv(native_library.KERNEL_DIR_VARIABLE, raising=False)
+    monkeypatch.delenv("DOVETAIL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native_library.cache_dir() == tmp_path / "xdg" / "dovetail" / "kernels"
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path / "mine"))
+    assert native_library.cache_dir() == tmp_path / "mine" / "kernels"
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path / "kernels"))
+    assert native_library.cache_dir() == tmp_path / "kernels"
+
+
+def test_a_cc_of_several_words_builds(tmp_path, monkeypatch):
+    """CC="ccache gcc" or "gcc -m64" (make splits it): the whole string was run as one program's name,
+    FileNotFoundError, and every kernel fell back to torch's paths."""
+    monkeypatch.setenv("CC", f"env {compiler()} -DDOVETAIL_CC_WORDS=1")
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path))
+    native_library.clear_cache()
+    try:
+        library = native_library.load()
+    finally:
+        native_library.clear_cache()
+    assert library is not None and native_library.abi_problem(library) is None
+
+
+@pytest.mark.parametrize("cc", ['gcc "unclosed', "   "])
+def test_a_cc_that_is_no_command_line_is_a_failed_build_not_a_crash(tmp_path, monkeypatch, caplog, cc):
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path))
+    native_library.clear_cache()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
+            assert native_library.load() is None
+    finally:
+        native_library.clear_cache()
+    assert "failed" in caplog.text and ("not a command line" in caplog.text or "CC is blank" in caplog.text)

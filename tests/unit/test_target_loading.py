@@ -186,6 +186,33 @@ def test_placement_confines_every_thread(tmp_path):
         apply_placement(threads=None, cores=[os.cpu_count() + 100])
 
 
+def test_a_containers_cpu_quota_caps_the_default_threads(tmp_path, monkeypatch):
+    """docker --cpus 2 on a many-core host: torch took one thread per core in each worker, all
+    sharing 2 CPUs' time (the same slowdown as --cpu-threads past --cpu-cores)."""
+    from ipc import placement
+
+    for name, text in (("cpu.max", "150000 100000\n"), ("cpu.max", "max 100000\n"),
+                       ("cpu/cpu.cfs_quota_us", "50000\n"), ("cpu/cpu.cfs_quota_us", "-1\n")):
+        root = tmp_path / f"{len(list(tmp_path.iterdir()))}"
+        (root / name).parent.mkdir(parents=True)
+        (root / name).write_text(text)
+        (root / "cpu").mkdir(exist_ok=True)
+        (root / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+        assert placement.cpu_quota(root) == {"150000": 2, "50000": 1}.get(text.split()[0]), text
+    assert placement.cpu_quota(tmp_path / "none") is None
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(placement, "cpu_quota", lambda: 1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert placement.apply_placement(threads=None, cores=None).intra_op_threads == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own count stands
+        torch.set_num_threads(2)
+        assert placement.apply_placement(threads=None, cores=None).intra_op_threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("family", ["llama-gqa-tied", "qwen2"])
 @pytest.mark.parametrize("precision", ["bf16", "int8-row"])
 def test_loading_converts_tensor_by_tensor_to_the_same_model(tmp_path, family, precision):
