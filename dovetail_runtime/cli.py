@@ -531,11 +531,6 @@ def run_main(**values: Any) -> None:
                         format="%(asctime)s coordinator[%(process)d] %(levelname)s %(name)s: %(message)s")
     serving, one_shot = options.serving, options.one_shot
     try:
-        key = resolve_api_key(serving.api_key_file, serving.api_key)
-    except ApiKeyError as error:
-        log.error("%s", error)
-        sys.exit(2)
-    try:
         if options.models.target is not None:
             check_target(options.models.target)  # a missing target is named before the draft it would need
     except PreflightError as error:
@@ -548,6 +543,13 @@ def run_main(**values: Any) -> None:
     if serving.http_address is not None and all_prompts:
         raise click.UsageError("--http serves clients; it cannot be combined with --prompt/--prompt-file")
     warn_ignored_options(one_shot_run=bool(all_prompts), mode=options.models.mode)
+    key = None
+    if not all_prompts:  # a one-shot run serves nobody: its key (a flag, DOVETAIL_API_KEY) is never read
+        try:
+            key = resolve_api_key(serving.api_key_file, serving.api_key)
+        except ApiKeyError as error:
+            log.error("%s", error)
+            sys.exit(2)
     http_only = options_given(("served_model_name", "cors_origins"))
     if serving.http_address is None and http_only and not all_prompts:
         log.warning("%s: only with --http: ignored", ", ".join(http_only))

@@ -63,6 +63,21 @@ def test_an_empty_prompt_file_is_refused_not_served(tmp_path, text, monkeypatch)
     assert result.exit_code == 2 and "holds no prompts" in result.output
 
 
+def test_a_one_shot_run_never_reads_the_api_key(monkeypatch):
+    # A DOVETAIL_API_KEY in the environment that is no valid key (meant for another program, or a
+    # client's) stopped one-shot runs, which serve nobody, with exit 2.
+    ran = []
+    monkeypatch.setattr(cli, "run_one_shot", lambda *args: ran.append(args) or 0)
+    result = CliRunner().invoke(cli.run_main, ["--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--prompt",
+                                               "x"], env={"DOVETAIL_API_KEY": "short"})
+    assert result.exit_code == 0 and len(ran) == 1, result.output
+    served = []
+    monkeypatch.setattr(cli, "serve_clients", lambda *args, **kwargs: served.append(args) or 0)
+    result = CliRunner().invoke(cli.run_main, ["--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT)],
+                                env={"DOVETAIL_API_KEY": "short"})
+    assert result.exit_code == 2 and not served  # serving reads it, and refuses it
+
+
 def test_an_option_or_nothing_given_as_the_model_is_named():
     assert "needs a value, but got the option '--draft'" in refused(cli.run_main, ["--target", "--draft", "x"])
     assert "is empty" in refused(cli.run_main, ["--target", ""])
