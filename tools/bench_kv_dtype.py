@@ -26,7 +26,7 @@ from cpu_worker.kernels import exact_attention
 from cpu_worker.precision import activation_dtype
 from cpu_worker.target_loading import load_target_model
 from ipc.dtypes import TARGET_PRECISIONS
-from tools.options import int_list, load_errors_in_one_line, positive_int
+from tools.options import int_list, load_errors_in_one_line, name_list, positive_int
 from tools.tables import markdown_header, markdown_row
 
 
@@ -69,14 +69,7 @@ def interleaved_ms(engines: dict[str, TargetEngine], context: int, steps: int, s
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def kv_list(text: str) -> list[str]:
-    """argparse ``type=``: a comma list of KV_DTYPES names (a typo was a KeyError after loading the model)."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in KV_DTYPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'none given'}: expected some of "
-                                         f"{', '.join(KV_DTYPES)}")
-    return names
+kv_list = name_list(list(KV_DTYPES))  # a typo was a KeyError after loading the model
 
 
 @load_errors_in_one_line

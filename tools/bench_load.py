@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cpu_worker.precision import block_type
 from ipc.dtypes import TARGET_PRECISIONS
-from tools.options import positive_int
+from tools.options import name_list, positive_int
 from tools.tables import markdown_header, markdown_row
 
 _LOAD = """
@@ -67,14 +67,8 @@ def child(repo: Path, script: str, *args: str) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def precision_list(text: str) -> list[str]:
-    """argparse ``type=``: a typo was each child's ValueError traceback, printed as the error."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in TARGET_PRECISIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'none given'}: expected some of "
-                                         f"{', '.join(TARGET_PRECISIONS)}")
-    return names
+# A typo was each child's ValueError traceback, printed as the error.
+precision_list = name_list(TARGET_PRECISIONS)
 
 
 def main() -> int:

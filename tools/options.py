@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import click
@@ -73,6 +73,21 @@ def int_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("give at least one value")
     return values
+
+
+def name_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse ``type=`` for a comma list of names out of ``allowed`` (``--precisions q4_0,int8``): a typo
+    is a usage line, not an error minutes later in a child or after the model loaded."""
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'none given'}: expected some of "
+                                             f"{', '.join(allowed)}")
+        return names
+
+    return parse
 
 
 def load_errors_in_one_line(main: Main) -> Main:
