@@ -390,9 +390,10 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "protected by its 0600 socket file). [default: ipc://$XDG_RUNTIME_DIR/dovetail-UID.sock]")
 @click.option("--http", "http_address", default=None, metavar="HOST:PORT", callback=http_option,
               help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-                   "/health, /metrics) here, e.g. 127.0.0.1:8000. With --bind both serve one queue; without, only "
-                   "HTTP is served. An address other than loopback needs an API key; with one, every request "
-                   "but GET /health must send it (Authorization: Bearer KEY), whatever the address.")
+                   "/health, /metrics) here, e.g. 127.0.0.1:8000 (a port alone: on loopback). With --bind both "
+                   "serve one queue; without, only HTTP is served. An address other than loopback needs an API "
+                   "key; with one, every request but GET /health must send it (Authorization: Bearer KEY), "
+                   "whatever the address.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="With --http: let web pages from ORIGIN (e.g. http://localhost:3000; repeatable; * for any) "
                    "call the HTTP API from a browser (CORS). The API key, if any, is still needed. [default: no "

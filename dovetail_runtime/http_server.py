@@ -480,10 +480,14 @@ class Routes:
 
 
 def parse_address(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port)."""
-    host, sep, port = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ``PORT`` or ``:PORT`` alone is loopback's
+    (as --bind reads them), and a pasted ``http://HOST:PORT/`` is read as its address."""
+    address = value.removeprefix("http://").removesuffix("/")
+    if address.isdigit():
+        address = ":" + address
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]") or ("127.0.0.1" if sep else "")
+    if not sep or not host or "/" in host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"--http {value!r}: expected HOST:PORT, e.g. 127.0.0.1:8000 (port 0 picks a free one)")
     return host, int(port)
 

@@ -14,7 +14,15 @@ import httpx
 import pytest
 import zmq
 
-from dovetail_runtime.http_server import BODY_SLACK, MAX_BODY_BYTES, HttpFrontend, ServedModel, body_limit, build_app
+from dovetail_runtime.http_server import (
+    BODY_SLACK,
+    MAX_BODY_BYTES,
+    HttpFrontend,
+    ServedModel,
+    body_limit,
+    build_app,
+    parse_address,
+)
 from dovetail_runtime.metrics import ServerMetrics
 from ipc import messages as m
 from ipc.codec import decode, encode
@@ -217,3 +225,18 @@ async def asgi(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int
     await asyncio.wait_for(app(scope, receive, send), 10)
     status = next((message["status"] for message in sent if message["type"] == "http.response.start"), None)
     return status, b"".join(message.get("body", b"") for message in sent if message["type"] == "http.response.body")
+
+
+@pytest.mark.parametrize("value,address", [
+    ("127.0.0.1:8000", ("127.0.0.1", 8000)), ("[::1]:0", ("::1", 0)), ("localhost:80", ("localhost", 80)),
+    ("8000", ("127.0.0.1", 8000)), (":8000", ("127.0.0.1", 8000)),  # as --bind reads a port alone
+    ("http://127.0.0.1:8000/", ("127.0.0.1", 8000)),  # a URL pasted from the startup line
+])
+def test_http_addresses_as_users_write_them(value, address):
+    assert parse_address(value) == address
+
+
+@pytest.mark.parametrize("value", ["nonsense", "127.0.0.1", "127.0.0.1:65536", "host:port", "", "https://x:1"])
+def test_http_addresses_that_name_no_port_are_refused(value):
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        parse_address(value)
