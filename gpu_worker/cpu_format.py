@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cpu_worker.model import LlamaSpec
-from cpu_worker.native import library as native
+from cpu_worker.model import LlamaSpec, block_kernels_available
 from ipc.cost_cache import CostCache, cpu_model, sources_digest
 
 from .head_formats import projection_maker
@@ -55,7 +54,7 @@ def candidate_formats(shapes: list[tuple[int, int]], formats: tuple[str, ...] = 
     """``formats`` this layer can take: q4_0 needs every input width a multiple of 32, and the native
     library (its block kernel has no torch path: without a C compiler, timing it failed the draft's start)."""
     blocks_fit = all(in_features % BLOCK == 0 for _, in_features in shapes)
-    blocks_fit = blocks_fit and "q4_0" in formats and native.load() is not None
+    blocks_fit = blocks_fit and "q4_0" in formats and block_kernels_available()
     return tuple(name for name in formats if name != "q4_0" or blocks_fit)
 
 

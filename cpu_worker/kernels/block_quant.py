@@ -27,6 +27,11 @@ GROUP_BLOCK_BYTES = {"q8_0": GROUP * BLOCK, "q4_0": GROUP * BLOCK // 2, "q4_1": 
 ACTIVATION_PLANES = {8: 1, 16: 2}  # activation bits -> int8 planes per block
 
 
+def block_kernels_available() -> bool:
+    """Whether block-quantized layers can run here: they have no path but the native library's."""
+    return native.load() is not None
+
+
 def library() -> ctypes.CDLL:
     """The native library (block_gemv.c is one of its sources)."""
     handle = native.load()

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from cpu_worker.kernels.block_quant import (
         BlockQuantLinear as BlockQuantLinear,
     )
+    from cpu_worker.kernels.block_quant import (
+        block_kernels_available as block_kernels_available,
+    )
     from cpu_worker.kernels.huge_pages import (
         release_freed_memory as release_freed_memory,
     )
@@ -98,7 +101,7 @@ if TYPE_CHECKING:
     )
 
 _HOMES = {
-    "cpu_worker.kernels.block_quant": ("BlockQuantLinear",),
+    "cpu_worker.kernels.block_quant": ("BlockQuantLinear", "block_kernels_available"),
     "cpu_worker.kernels.huge_pages": ("release_freed_memory",),
     "cpu_worker.kernels.int8": ("RowwiseInt8Linear", "quantize_linears"),
     "cpu_worker.model.fusion": ("fuse_projections",),
