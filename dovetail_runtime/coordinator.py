@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -206,13 +205,6 @@ def error_reply(request_id: str | None, code: str, message: str) -> m.ErrorReply
     limit = 8000
     return m.ErrorReply(request_id=request_id, code=code,
                         message=message if len(message) <= limit else message[:limit] + " [...]")
-
-
-@functools.cache
-def chars_per_token(tokenizer: Tokenizer) -> int:
-    """``tokenizer.max_chars_per_token()``, once per tokenizer: a scan of its vocabulary (22 ms for
-    SmolLM2's 49k entries), which every one-shot prompt would pay twice with --compare-ar."""
-    return tokenizer.max_chars_per_token()
 
 
 def refuse_untokenized(request: m.GenerateRequest, prompt_chars: int | None, max_len: int) -> m.ErrorReply | None:
@@ -453,7 +445,7 @@ class Coordinator:
     def max_prompt_chars(self) -> int | None:
         """More characters than any prompt that fits the context can have (the context times the
         longest token), so that longer prompts are refused untokenized; None before start()."""
-        return None if self.tokenizer is None else self.max_len * chars_per_token(self.tokenizer)
+        return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
 
     def workers(self) -> list[WorkerHandle[Any]]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
