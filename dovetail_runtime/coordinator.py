@@ -315,6 +315,11 @@ class Coordinator:
                 # start. int8-row (fbgemm) takes int8's memory and keeps trees exact.
                 why = f"{why}, but no C compiler is found to build its kernels ({settings.target_dtype})"
                 settings.target_dtype = "int8-row"
+                # Exact, but one scale per row and per token: a real model's text drifts from fp32's far sooner.
+                log.warning("no C compiler: the target runs at int8-row, which keeps far less of a real model's "
+                            "quality than the block formats (docs/kernels.md); install gcc for them, or give "
+                            "--target-dtype fp32 where it fits (without the kernels its trees are exact on Intel "
+                            "CPUs only)")
             log.info("target precision %s (%s; --target-dtype sets another)", settings.target_dtype, why)
         precision = settings.target_dtype
         need = gguf_need_bytes(target_dir, size, precision) if gguf else size.need_bytes(precision)

@@ -107,6 +107,8 @@ def test_auto_without_a_c_compiler_takes_int8_row_not_the_files_blocks(tiny, tmp
 
     assert settled("cc") == "q4_1-a16"
     assert settled(None) == "int8-row" and "no C compiler is found to build its kernels (q4_1-a16)" in caplog.text
+    warned = [record.message for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warned) == 1 and "keeps far less of a real model's quality" in warned[0]  # said, not only logged at info
 
 
 def test_blocks_go_in_as_stored_and_equal_the_reference_dequantizer(tiny, tmp_path):
