@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,35 @@ from cpu_worker.native.library import AbiMismatch
 FUNCTION = re.compile(r"^(?:int|void|int64_t|float) (dovetail_\w+)\(([^)]*)\)", re.MULTILINE)
 
 
-def compiler() -> str:
+def real_compiler() -> str:
     found = native_library.find_compiler()
     assert found is not None, "no C compiler: the native library cannot be built"
     return found
+
+
+# A compiler command line that really compiles each distinct command once per session and copies that
+# library for a repeat: these tests are about the cache, the ABI check and rebuilding, and a full
+# build of the kernels takes ~6 s (a dozen of them was over a minute of the suite).
+MEMO_CC = """
+import hashlib, os, shutil, subprocess, sys
+store, args = sys.argv[1], sys.argv[2:]
+out = args.index("-o") + 1
+key = hashlib.sha256("\\0".join(args[:out] + args[out + 1:]).encode()).hexdigest()[:24]
+kept = os.path.join(store, key + ".so")
+if not os.path.exists(kept):
+    done = subprocess.run([*args[:out], kept + ".part", *args[out + 1:]])
+    if done.returncode:
+        sys.exit(done.returncode)
+    os.replace(kept + ".part", kept)
+shutil.copyfile(kept, args[out])
+"""
+
+
+@pytest.fixture(scope="module")
+def memo_cc(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("memo-cc")
+    (folder / "memo_cc.py").write_text(MEMO_CC)
+    return shlex.join([sys.executable, str(folder / "memo_cc.py"), str(folder), *shlex.split(real_compiler())])
 
 
 def declared() -> dict[str, int]:
@@ -48,8 +75,8 @@ def test_the_header_s_constants_are_library_py_s():
         name: getattr(native_library, name) for name in defines}
 
 
-def test_a_fresh_build_passes_the_abi_check(tmp_path):
-    library = native_library.build(compiler(), native_library.FLAGS, tmp_path)
+def test_a_fresh_build_passes_the_abi_check(tmp_path, memo_cc):
+    library = native_library.build(memo_cc, native_library.FLAGS, tmp_path)
     assert native_library.abi_problem(library) is None
     info = native_library.AbiInfo()
     assert library.dovetail_abi(ctypes.byref(info), ctypes.sizeof(info)) == ctypes.sizeof(info)
@@ -57,23 +84,23 @@ def test_a_fresh_build_passes_the_abi_check(tmp_path):
     assert library.dovetail_abi(ctypes.byref(info), ctypes.sizeof(info) - 8) == ctypes.sizeof(info)  # refused
 
 
-def test_a_library_of_another_abi_version_is_one_clear_line(tmp_path):
+def test_a_library_of_another_abi_version_is_one_clear_line(tmp_path, memo_cc):
     flags = [*native_library.FLAGS, "-DDOVETAIL_ABI_VERSION=99"]
     with pytest.raises(AbiMismatch) as raised:
-        native_library.build(compiler(), flags, tmp_path)
+        native_library.build(memo_cc, flags, tmp_path)
     message = str(raised.value)
     assert f"version is 99 in the library, {native_library.ABI_VERSION} in library.py" in message
     assert "\n" not in message
 
 
 @pytest.mark.parametrize("stale", ["another version", "no report"])
-def test_a_stale_cached_library_is_rebuilt(tmp_path, caplog, stale):
+def test_a_stale_cached_library_is_rebuilt(tmp_path, caplog, memo_cc, stale):
     """A file at the cache's name that fails the check (built with another ABI version, or from
     sources without dovetail_abi) is replaced by a fresh build, which this process then loads."""
-    cc = compiler()
+    cc = memo_cc
     target = native_library.target_path(cc, native_library.FLAGS, tmp_path)
     if stale == "another version":
-        native_library.compile_library(cc, [*native_library.FLAGS, "-DDOVETAIL_ABI_VERSION=0"],
+        native_library.compile_library(cc, [*native_library.FLAGS, "-DDOVETAIL_ABI_VERSION=99"],
                                        native_library.SOURCES, target)
     else:
         native_library.compile_library(cc, native_library.FLAGS, [native_library.DIRECTORY / "fp32_rows.c"], target)
@@ -81,7 +108,7 @@ def test_a_stale_cached_library_is_rebuilt(tmp_path, caplog, stale):
     with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
         library = native_library.build(cc, native_library.FLAGS, tmp_path)
     assert "rebuilding it" in caplog.text
-    assert ("version is 0 in the library" if stale == "another version" else "no dovetail_abi") in caplog.text
+    assert ("version is 99 in the library" if stale == "another version" else "no dovetail_abi") in caplog.text
     assert native_library.abi_problem(library) is None and library.dovetail_int8_simd() >= 0
     assert [path.name for path in tmp_path.iterdir()] == [target.name]  # the fresh file, no private copy left
     fresh = tmp_path / "fresh" / "copy.so"  # the file itself passes now (a copy: this name is loaded already)
@@ -90,10 +117,10 @@ def test_a_stale_cached_library_is_rebuilt(tmp_path, caplog, stale):
     assert native_library.abi_problem(ctypes.CDLL(str(fresh))) is None
 
 
-def test_a_cached_file_that_is_no_library_is_rebuilt(tmp_path, caplog):
+def test_a_cached_file_that_is_no_library_is_rebuilt(tmp_path, caplog, memo_cc):
     """A truncated or overwritten file at the cache's name failed to load (OSError), and load()
     took that for a failed build: torch's slower paths at every start, never rebuilt."""
-    cc = compiler()
+    cc = memo_cc
     target = native_library.target_path(cc, native_library.FLAGS, tmp_path)
     target.write_bytes(b"\x7fELF truncated")  # (an empty file fails to load the same way: one build is enough)
     with caplog.at_level(logging.WARNING, logger="dovetail.cpu_worker"):
@@ -107,8 +134,9 @@ class _WiderShape(ctypes.Structure):
     _fields_ = [*native_library.Shape._fields_, ("extra", ctypes.c_int64)]
 
 
-def test_a_mirror_that_disagrees_with_the_sources_is_rebuilt_once_then_one_clear_line(tmp_path, monkeypatch, caplog):
-    cc = compiler()
+def test_a_mirror_that_disagrees_with_the_sources_is_rebuilt_once_then_one_clear_line(tmp_path, monkeypatch, caplog,
+                                                                                        memo_cc):
+    cc = memo_cc
     native_library.build(cc, native_library.FLAGS, tmp_path)  # a good library in the cache
     monkeypatch.setattr(native_library, "Shape", _WiderShape)
     compiled: list[Path] = []
@@ -123,9 +151,10 @@ def test_a_mirror_that_disagrees_with_the_sources_is_rebuilt_once_then_one_clear
     assert f"shape_size is {size - 8} in the library, {size} in library.py" in message and "\n" not in message
 
 
-def test_load_raises_a_mismatch_rather_than_falling_back(tmp_path, monkeypatch):
+def test_load_raises_a_mismatch_rather_than_falling_back(tmp_path, monkeypatch, memo_cc):
     """A compiler that fails is a fallback to torch's paths; a library that disagrees with its
     Python is a broken installation, said as such."""
+    monkeypatch.setenv("CC", memo_cc)
     monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path))
     monkeypatch.setattr(native_library, "ABI_VERSION", native_library.ABI_VERSION + 1)
     native_library.clear_cache()
@@ -136,13 +165,14 @@ def test_load_raises_a_mismatch_rather_than_falling_back(tmp_path, monkeypatch):
         native_library.clear_cache()
 
 
-def test_an_unwritable_kernel_cache_builds_in_a_temporary_folder(tmp_path, monkeypatch, caplog):
+def test_an_unwritable_kernel_cache_builds_in_a_temporary_folder(tmp_path, monkeypatch, caplog, memo_cc):
     """HOME (or the cache variable) where nothing can be written: the kernels were not built at all,
     so fp32 trees were verified only to float tolerance and a CPU draft at q4_0 could not start."""
     (tmp_path / "file").write_text("")
     cache = tmp_path / "file" / "kernels"  # under a file (a cache that is itself a file fails alike: one build)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    monkeypatch.setenv("CC", memo_cc)
     monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(cache))
     monkeypatch.setattr(native_library.tempfile, "tempdir", str(scratch))
     native_library.clear_cache()
@@ -169,10 +199,10 @@ def test_the_kernel_cache_follows_the_other_caches(tmp_path, monkeypatch):
     assert native_library.cache_dir() == tmp_path / "kernels"
 
 
-def test_a_cc_of_several_words_builds(tmp_path, monkeypatch):
+def test_a_cc_of_several_words_builds(tmp_path, monkeypatch, memo_cc):
     """CC="ccache gcc" or "gcc -m64" (make splits it): the whole string was run as one program's name,
     FileNotFoundError, and every kernel fell back to torch's paths."""
-    monkeypatch.setenv("CC", f"env {compiler()} -DDOVETAIL_CC_WORDS=1")
+    monkeypatch.setenv("CC", f"env {memo_cc}")  # env, python, its script, a folder, then the compiler's words
     monkeypatch.setenv(native_library.KERNEL_DIR_VARIABLE, str(tmp_path))
     native_library.clear_cache()
     try:

@@ -9,6 +9,7 @@ can fail.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import Counter
@@ -93,6 +94,11 @@ RULES = {"lossless": correct_rule, "textbook-p/q": accept_textbook, "no-renormal
 
 
 def table_distribution(prefix: tuple[int, ...], salt: int, params: Sampling) -> torch.Tensor:
+    return _table_distribution(prefix, salt, params).clone()
+
+
+@functools.cache  # fixed per prefix: the sampled tests ask for the same few hundred thousands of times
+def _table_distribution(prefix: tuple[int, ...], salt: int, params: Sampling) -> torch.Tensor:
     generator = torch.Generator().manual_seed(hash((salt,) + prefix) % (2**31))
     logits = torch.randn(VOCAB, generator=generator, dtype=torch.float64) * 1.5
     return processed_probs(logits, params).double()
