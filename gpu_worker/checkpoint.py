@@ -34,6 +34,7 @@ from cpu_worker.model import (
 )
 from cpu_worker.model import read_tensors as read_checkpoint_tensors
 from cpu_worker.model.embedding import NARROW_FLOATS, BlockEmbedding, StoredEmbedding, table
+from cpu_worker.model.hf_config import plain_config
 from cpu_worker.model.model_dir import is_gguf, read_config
 
 from .eagle3 import EAGLE3_FUSIONS, Eagle3Head
@@ -87,11 +88,13 @@ def _hf_config(folder: Path) -> Any:
         raise DraftCheckpointError(f"{folder} has no {CONFIG_NAME}")
     try:
         raw = json.loads(path.read_text())
-        if "model_type" in raw:
+        # Everything the head reads stated: no transformers import (seconds) to parse it.
+        config: Any = plain_config(raw, model_type_default="llama") if isinstance(raw, dict) else None
+        if config is None and "model_type" in raw:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(str(folder))
-        else:
+        elif config is None:
             from transformers import LlamaConfig
 
             config = LlamaConfig.from_dict(raw)

@@ -21,6 +21,7 @@ from cpu_worker.kernels.int8 import RowwiseInt8Linear
 from cpu_worker.kernels.linear import is_linear
 from cpu_worker.kernels.progress import progress_bar
 from cpu_worker.model.embedding import NARROW_FLOATS, StoredEmbedding, table
+from cpu_worker.model.hf_config import plain_config
 from cpu_worker.model.llama import LlamaDecoder, LlamaSpec, ModelConfigError
 from cpu_worker.model.model_dir import ModelLoadError, is_gguf, read_config, read_safetensors_header
 
@@ -102,20 +103,26 @@ def load_spec(model_dir: Path) -> LlamaSpec:
 
         with GGUFFile(model_dir) as file:
             return gguf_spec(file)
+    raw = read_config(model_dir)  # a ModelLoadError for a file that is not a JSON object
+    config = plain_config(raw) or _transformers_config(model_dir, raw)
+    try:
+        return _checked_dimensions(LlamaSpec.from_hf_config(config), model_dir)
+    except ModelConfigError as error:
+        raise ModelLoadError(f"{model_dir}: {error}") from None
+
+
+def _transformers_config(model_dir: Path, raw: dict) -> object:
+    """transformers' reading of a config that leaves something to its defaults or checks (seconds:
+    importing transformers)."""
     from transformers import AutoConfig
 
-    raw = read_config(model_dir)  # a ModelLoadError for a file that is not a JSON object
     try:
-        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as error:
         # Whatever transformers' validation raises (StrictDataclass errors, a ZeroDivisionError for 0
         # heads) is this config's fault: one line, not a traceback.
         raise ModelLoadError(f"cannot parse {model_dir / 'config.json'} (model_type {raw.get('model_type')!r}): "
                              f"{str(error).strip().splitlines()[-1].strip()}") from None
-    try:
-        return _checked_dimensions(LlamaSpec.from_hf_config(config), model_dir)
-    except ModelConfigError as error:
-        raise ModelLoadError(f"{model_dir}: {error}") from None
 
 
 def _checked_dimensions(spec: LlamaSpec, model_dir: Path) -> LlamaSpec:
