@@ -95,7 +95,7 @@ def main() -> int:
                 work = {"read": float("nan"), "quantize": float("nan")}
                 if split and block_type(precision) is not None:
                     work = child(repo, _CPU_WORK, str(target), precision, str(args.threads))
-                print(markdown_row([repo.name, precision, round_, f"{load['seconds']:.1f}",
+                print(markdown_row([repo.name, precision, round_, f"{load['seconds']:.3g}",  # a small model: ms
                                     f"{load['peak_kb'] * 1024 / 1e9:.2f}",  # ru_maxrss is in KiB
                                     f"{load['weights'] / 1e6:.1f}",
                                     f"{work['read']:.1f}", f"{work['quantize']:.1f}"]), flush=True)
