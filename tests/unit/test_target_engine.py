@@ -139,9 +139,9 @@ def test_greedy_decode_equals_transformers_generate(demo_target):
     # Decode straight through </s> on both sides, so every prompt compares 64 tokens.
     reference.generation_config.eos_token_id = None
     engine = engine_for(demo_target, max_len=256)
-    heads = ["def ", "class ", "import ", "for i in ", "if __name__", "return ", "with open(",
-             "try:", "self.", "while True:", "print(", "from os import", "raise ValueError(",
-             "lambda x:", "assert ", "elif ", "yield ", "async def ", "@property\n    def", "x = ["]
+    # Ten openings of 64 tokens (640 greedy steps; twenty took 19 s of the suite, mostly transformers' generate).
+    heads = ["def ", "class ", "import ", "if __name__", "with open(", "self.", "raise ValueError(",
+             "lambda x:", "async def ", "@property\n    def"]
     mismatches = []
     for prompt in heads:
         ids = tokenizer(prompt)["input_ids"]
