@@ -66,11 +66,13 @@ AUTO_MAX_DEPTH = 10  # the deepest tree --tree-tokens auto tries unless --depth 
 
 
 def read_text_file(path: Path, param_hint: str) -> str:
-    """A file the user gave as text, read as dovetail-train reads a corpus (``read_corpus_text``: a
-    byte-order mark names the encoding and is dropped, else UTF-8); other bytes are a usage error."""
-    from gpu_worker.train.corpus import CorpusError, read_corpus_text
+    """A file the user gave as text ("-": stdin), read as dovetail-train reads a corpus (``read_corpus_text``:
+    a byte-order mark names the encoding and is dropped, else UTF-8); other bytes are a usage error."""
+    from gpu_worker.train.corpus import CorpusError, decode_text, read_corpus_text
 
     try:
+        if str(path) == "-":
+            return decode_text(sys.stdin.buffer.read(), "stdin", strict=True)
         return read_corpus_text(path, strict=True)
     except CorpusError as error:
         raise click.BadParameter(str(error), param_hint=param_hint) from None
@@ -80,31 +82,36 @@ def read_prompt_file(path: Path) -> list[str]:
     """JSONL objects with a "prompt" field (every non-blank line starts with "{"), else one prompt per
     line (a line of C or JSON-like text is a prompt; one that is a {"prompt": ...} object is read as one);
     UTF-8 text, or text in the encoding its byte-order mark names (the mark is not part of the first prompt)."""
-    text = read_text_file(path, "--prompt-file")
+    text, where = read_text_file(path, "--prompt-file"), shown_path(path)
     # Lines end at "\n" (and "\r\n") only: str.splitlines also cuts at U+2028, U+0085 and form feeds, which
     # JSON (json.dumps(..., ensure_ascii=False)) and source code hold inside a line.
     split = (line.removesuffix("\r") for line in text.split("\n"))
     lines = [(number, line) for number, line in enumerate(split, start=1) if line.strip()]
     if not lines:  # else no prompt means serving: a server that never exits
-        raise click.BadParameter(f"{path} holds no prompts (it is empty or all blank lines)",
+        raise click.BadParameter(f"{where} holds no prompts (it is empty or all blank lines)",
                                  param_hint="--prompt-file")
     jsonl = all(line.lstrip().startswith("{") for _, line in lines)
-    return [json_prompt(path, number, line, strict=jsonl) for number, line in lines]
+    return [json_prompt(where, number, line, strict=jsonl) for number, line in lines]
 
 
-def json_prompt(path: Path, number: int, line: str, strict: bool) -> str:
+def shown_path(path: Path) -> str:
+    """A file option's value as messages name it ("-" is stdin)."""
+    return "stdin" if str(path) == "-" else str(path)
+
+
+def json_prompt(where: str, number: int, line: str, strict: bool) -> str:
     """A prompt file's line: its "prompt" where it is a JSON object with one, else the line itself, or
     (``strict``: a JSONL file) a usage error naming the line."""
     try:
         record = json.loads(line) if line.lstrip().startswith("{") else None
     except json.JSONDecodeError as error:
         if strict:
-            raise click.BadParameter(f"{path}:{number}: invalid JSON: {error}", param_hint="--prompt-file") from None
+            raise click.BadParameter(f"{where}:{number}: invalid JSON: {error}", param_hint="--prompt-file") from None
         record = None
     if isinstance(record, dict) and isinstance(record.get("prompt"), str):
         return record["prompt"]
     if strict:
-        raise click.BadParameter(f"{path}:{number}: a JSON line needs a string \"prompt\" field",
+        raise click.BadParameter(f"{where}:{number}: a JSON line needs a string \"prompt\" field",
                                  param_hint="--prompt-file")
     return line
 
@@ -483,8 +490,9 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail",
               help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline).")
 @click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="One-shot: prompts from a file, one per line or JSONL with a \"prompt\" field.")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True, path_type=Path),
+              default=None, help="One-shot: prompts from a file (- reads stdin), one per line or JSONL with a "
+              "\"prompt\" field.")
 @click.option("--chat", is_flag=True, help="One-shot: send each prompt as a user message, rendered with the model's "
               "chat template (a chat model answers it), and print only the answer.")
 @click.option("--stop", "stops", multiple=True, callback=stops_option, help="One-shot: stop string (repeatable).")
@@ -906,9 +914,10 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
 @click.option("--chat", is_flag=True, help="Send --prompt as a user message: the server applies the model's chat "
               "template.")
 @click.option("--system", default=None, callback=utf8_option, help="With --chat: a system message before the user's.")
-@click.option("--messages", "messages_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="A chat from a JSON file: a list of {\"role\": ..., \"content\": ...} (instead of "
-              "--prompt).")
+@click.option("--messages", "messages_file", type=click.Path(exists=True, dir_okay=False, allow_dash=True,
+                                                             path_type=Path),
+              default=None, help="A chat from a JSON file (- reads stdin): a list of {\"role\": ..., \"content\": "
+              "...} (instead of --prompt).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1, max=m.MAX_NEW_TOKENS), default=128)
 @click.option("--stop", "stops", multiple=True, callback=client_stops_option, help="Stop string (repeatable).")
 @click.option("--mode", type=click.Choice(["dovetail", "ar"]), default=None,
@@ -978,6 +987,9 @@ def client_main(**values: Any) -> None:
             if OpenCompletion.text:
                 end_completion(as_json=False)
             sys.exit(130)
+        except BrokenPipeError:  # stdout's reader left (`dovetail-client ... | head`): as dovetail-run, 141
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (was a traceback and exit 1)
+            sys.exit(128 + signal.SIGPIPE)
 
 
 def stream_or_print(client: DovetailClient, request: ClientRequestOptions, messages: list[m.ChatMessage] | None,
@@ -1043,10 +1055,10 @@ def chat_messages(prompt: str | None, chat: bool, system: str | None,
         # A byte-order mark, as some editors save UTF-8, is not JSON: skipped, as --prompt-file skips it.
         messages = msgspec.json.decode(read_text_file(messages_file, "--messages"), type=list[m.ChatMessage])
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
-        raise click.BadParameter(f"{messages_file}: {error}", param_hint="--messages") from None
+        raise click.BadParameter(f"{shown_path(messages_file)}: {error}", param_hint="--messages") from None
     if not messages:
-        raise click.BadParameter(f"{messages_file}: the chat has no messages", param_hint="--messages")
+        raise click.BadParameter(f"{shown_path(messages_file)}: the chat has no messages", param_hint="--messages")
     if len(messages) > m.MAX_CHAT_MESSAGES:
-        raise click.BadParameter(f"{messages_file}: {len(messages)} messages; a request takes at most "
+        raise click.BadParameter(f"{shown_path(messages_file)}: {len(messages)} messages; a request takes at most "
                                  f"{m.MAX_CHAT_MESSAGES}", param_hint="--messages")
     return messages

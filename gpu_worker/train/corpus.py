@@ -98,12 +98,16 @@ def read_corpus_text(path: Path, strict: bool) -> str:
     write UTF-8 with one, PowerShell UTF-16: the mark was read as text, UTF-16 as mojibake); else
     UTF-8. ``strict`` (JSON, prompts) refuses bytes that are not in one line; plain text replaces
     them."""
-    data = path.read_bytes()
-    encoding, start = next(((name, len(bom)) for bom, name in BOMS if data.startswith(bom)), ("utf-8", 0))
+    return decode_text(path.read_bytes(), str(path), strict)
+
+
+def decode_text(data: bytes, name: str, strict: bool) -> str:
+    """``read_corpus_text`` of bytes read elsewhere (stdin); ``name`` says where in an error."""
+    encoding, start = next(((bom_name, len(bom)) for bom, bom_name in BOMS if data.startswith(bom)), ("utf-8", 0))
     try:
         text = data[start:].decode(encoding, errors="strict" if strict else "replace")
     except UnicodeDecodeError as error:
-        raise CorpusError(f"{path}: not {encoding.upper()} text (byte {data[start + error.start]:#04x} at "
+        raise CorpusError(f"{name}: not {encoding.upper()} text (byte {data[start + error.start]:#04x} at "
                           f"offset {start + error.start}); save it as UTF-8") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as read_text gave
 

@@ -275,6 +275,10 @@ def test_zmq_chat_messages_share_the_queue(chat_server, chat_reference):
                           "--max-new-tokens", str(NEW_TOKENS), "--json"], capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout)["token_ids"] == chat_reference["token_ids"]
+    cli = subprocess.run([str(BIN / "dovetail-client"), "--connect", endpoint, "--messages", "-",
+                          "--max-new-tokens", str(NEW_TOKENS), "--json"], input=json.dumps(CHAT), capture_output=True,
+                         text=True, timeout=300)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["token_ids"] == chat_reference["token_ids"], cli.stderr
     cli = subprocess.run([str(BIN / "dovetail-client"), "--connect", endpoint, "--chat", "--system", "Write Python.",
                           "--prompt", "Add two numbers.", "--max-new-tokens", str(NEW_TOKENS)],
                          capture_output=True, text=True, timeout=300)
@@ -283,6 +287,19 @@ def test_zmq_chat_messages_share_the_queue(chat_server, chat_reference):
                             "--max-new-tokens", str(NEW_TOKENS)], input="Add two numbers.\n", capture_output=True,
                            text=True, timeout=300)
     assert piped.returncode == 0 and piped.stdout == chat_reference["text"] + "\n", piped.stderr
+
+
+def test_a_client_whose_reader_leaves_exits_as_sigpipe_would(chat_server):
+    """`dovetail-client ... | head -c 1`: the next write found the pipe closed; a traceback and exit 1,
+    where dovetail-run (and any tool SIGPIPE ends) gives 141 and says nothing."""
+    client = subprocess.Popen([str(BIN / "dovetail-client"), "--connect", chat_server.endpoints[0], "--prompt",
+                               "def main():", "--max-new-tokens", "256", "--mode", "ar"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert client.stdout is not None and client.stderr is not None
+    assert client.stdout.read(1)  # the first text came; the reader leaves
+    client.stdout.close()
+    assert client.wait(timeout=120) == 141
+    assert client.stderr.read() == b""
 
 
 def test_a_conversation_sends_each_turn_with_the_chat_so_far(chat_server, chat_reference):

@@ -63,6 +63,22 @@ def test_an_empty_prompt_file_is_refused_not_served(tmp_path, text, monkeypatch)
     assert result.exit_code == 2 and "holds no prompts" in result.output
 
 
+def test_a_prompt_file_of_dash_is_stdin(monkeypatch):
+    """`... | dovetail-run --prompt-file -`: "-" was a file that does not exist."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(cli, "run_one_shot", lambda settings, prompts, *rest: ran.append(prompts) or 0)
+    common = ["--target", str(DEMO_TARGET), "--draft", str(DEMO_DRAFT), "--prompt-file", "-"]
+    result = CliRunner().invoke(cli.run_main, common, input="\ufeffdef a():\n\nclass B:\r\n".encode("utf-8"))
+    assert result.exit_code == 0 and ran == [["def a():", "class B:"]], result.output
+    result = run(cli.run_main, [*common, "--prompt", "x"])  # an empty stdin: nothing from there
+    assert result.exit_code == 2 and "stdin holds no prompts" in result.output
+    result = CliRunner().invoke(cli.run_main, common, input='{"prompt": "a"}\n{"prompt": 3}\n')
+    assert result.exit_code == 2 and 'stdin:2: a JSON line needs a string "prompt" field' in result.output
+    result = CliRunner().invoke(cli.client_main, ["--messages", "-", "--connect", "ipc:///nobody/serves.sock"],
+                                input="[]")
+    assert result.exit_code == 2 and "stdin: the chat has no messages" in result.output, result.output
+
+
 def test_a_one_shot_run_never_reads_the_api_key(monkeypatch):
     # A DOVETAIL_API_KEY in the environment that is no valid key (meant for another program, or a
     # client's) stopped one-shot runs, which serve nobody, with exit 2.
