@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+import torch
 from click.testing import CliRunner
 
 from cpu_worker.target_loading import load_target_model
@@ -49,3 +53,27 @@ def test_an_unknown_model_name_is_a_usage_error(monkeypatch):
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--models': randm-110m: expected a comma list of testbed, random-110m" in result.output
     assert bench_target.parse_models(None, None, " random-110m,testbed ") == ["random-110m", "testbed"]
+
+
+class ClockedEngine:
+    """An engine whose prefill takes 1 s and each decode step 10 ms of a fake clock."""
+
+    def __init__(self, clock: list[float]):
+        self.clock = clock
+
+    def _step(self, seconds: float):
+        self.clock[0] += seconds
+        return SimpleNamespace(logits=torch.tensor([0.0, 1.0]))
+
+    def prefill(self, _prompt):
+        return self._step(1.0)
+
+    def decode(self, _token):
+        return self._step(0.01)
+
+
+def test_decode_speed_leaves_the_prompts_prefill_out(monkeypatch):
+    """The table says decode tokens/s; the prefill of its 128-token prompt was inside the clock."""
+    clock = [0.0]
+    monkeypatch.setattr(bench_target.time, "perf_counter", lambda: clock[0])
+    assert bench_target.engine_decode_tps(ClockedEngine(clock), [1, 2, 3], 10) == pytest.approx(100.0)
