@@ -17,13 +17,15 @@ sys.exit(spec is None or not (spec.origin or "").startswith(sys.argv[2]))' "$1" 
 if ! installed torch; then
     "$py" -m pip install --quiet torch==2.13.0
 fi
-# The install is editable: only pyproject.toml (dependencies, commands) changes what pip would do. A stamp of it
-# skips pip's ~12 s of resolving on every later demo or test run; -P above: this repo's copy must be the installed one.
+# The install is editable: only pyproject.toml (dependencies, commands) and the extras change what pip would
+# do. A stamp of them skips pip's ~12 s of resolving on every later demo or test run (-P above: this repo's
+# copy must be the installed one).
 stamp=.venv/.dovetail-installed
-wanted="$("$py" -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest(), sys.version)')"
+spec=".[test,fixture]"  # fixture: scripts/fetch_fixture.sh reads the GGUF with transformers (gguf, accelerate)
+wanted="$("$py" -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest(), sys.version)') $spec"
 if [ "$(cat "$stamp" 2>/dev/null)" = "$wanted" ] && [ -x .venv/bin/dovetail-run ] && installed dovetail_runtime "$repo/"; then
     exit 0
 fi
 rm -f "$stamp"
-"$py" -m pip install --quiet -e ".[test]"
+"$py" -m pip install --quiet -e "$spec"
 echo "$wanted" > "$stamp"

@@ -48,10 +48,10 @@ def pip_calls(repo: Path, log: Path) -> list[str]:
 
 def test_pip_runs_once_then_only_when_pyproject_changes(tmp_path):
     repo, log = fake_repo(tmp_path / "repo")
-    assert pip_calls(repo, log) == ["-m pip install --quiet -e .[test]"]  # torch is found, so not installed
+    assert pip_calls(repo, log) == ["-m pip install --quiet -e .[test,fixture]"]  # torch is found, so not installed
     assert pip_calls(repo, log) == []
     (repo / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = ["a", "b"]\n')
-    assert pip_calls(repo, log) == ["-m pip install --quiet -e .[test]"]
+    assert pip_calls(repo, log) == ["-m pip install --quiet -e .[test,fixture]"]
     assert pip_calls(repo, log) == []
 
 
