@@ -49,6 +49,7 @@ from cpu_worker.model import (
     RMSNorm,
     RowwiseInt8Linear,
 )
+from cpu_worker.model.embedding import new_embedding
 
 from .head_formats import quantize_projections
 
@@ -100,7 +101,7 @@ class Eagle3Head(nn.Module):
         self.vocab_size = spec.vocab_size
         self.draft_vocab_size = draft_vocab_size
         # The target's embedding, frozen; loaded from the target folder, not the head's.
-        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, d)  # or a StoredEmbedding (HeadPlacer)
+        self.embed_tokens: nn.Module = new_embedding(spec.vocab_size, d)  # or a StoredEmbedding (HeadPlacer)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc: nn.Linear | RowwiseInt8Linear = nn.Linear(self.feature_size, d, bias=False)
         self.midlayer = Eagle3Layer(spec)
@@ -119,7 +120,8 @@ class Eagle3Head(nn.Module):
             self.W_2 = nn.Parameter(torch.empty(d, d))
             self.W_z = nn.Parameter(torch.empty(2 * d, d))
             for weight in (self.W_1, self.W_2, self.W_z):
-                nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
+                if not weight.is_meta:  # on meta (a loader's build) normal_ first imports torch._dynamo: seconds
+                    nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
         self.int8_fusion: nn.ModuleDict | None = None
         self.projection_format: str | None = None  # int8 or q4_0 once quantized (head_formats)
 

@@ -27,6 +27,7 @@ from cpu_worker.model import (
     RMSNorm,
     RowwiseInt8Linear,
 )
+from cpu_worker.model.embedding import new_embedding
 
 from .head_formats import quantize_projections
 
@@ -50,7 +51,7 @@ class DraftHead(nn.Module):
         self.fusion = fusion
         d = spec.hidden_size
         # Frozen copies of the target's embedding and head: trained heads never update them.
-        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, d)  # or a StoredEmbedding (HeadPlacer)
+        self.embed_tokens: nn.Module = new_embedding(spec.vocab_size, d)  # or a StoredEmbedding (HeadPlacer)
         self.embed_tokens.weight.requires_grad_(False)
         if fusion == "dgf":
             self.input_layernorm = RMSNorm(d, spec.rms_norm_eps)
@@ -59,7 +60,8 @@ class DraftHead(nn.Module):
             self.W_2 = nn.Parameter(torch.empty(d, d))
             self.W_z = nn.Parameter(torch.empty(2 * d, d))
             for weight in (self.W_1, self.W_2, self.W_z):
-                nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
+                if not weight.is_meta:  # on meta (a loader's build) normal_ first imports torch._dynamo: seconds
+                    nn.init.normal_(weight, std=weight.shape[0] ** -0.5)
         else:
             self.fc: nn.Linear | RowwiseInt8Linear = nn.Linear(2 * d, d, bias=fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(spec, input_norm=index > 0) for index in range(spec.num_layers))

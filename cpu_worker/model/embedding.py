@@ -92,3 +92,14 @@ def output_dtype(embedding: nn.Module) -> torch.dtype:
     """The dtype an embedding module's rows come out in (a model's activations)."""
     dtype = getattr(embedding, "out_dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else table(embedding).dtype
+
+
+def new_embedding(vocab_size: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(vocab_size, dim)``, its normal_ init skipped on the meta device, where loaders build
+    models to place a checkpoint's tensors: there that init first imports torch._dynamo (1.3-2.1 s of a
+    worker's start) to fill a table nobody reads. Elsewhere (a head trained from scratch) it is initialised
+    as nn.Embedding initialises it."""
+    embedding = nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+    if not embedding.weight.is_meta:
+        embedding.reset_parameters()
+    return embedding

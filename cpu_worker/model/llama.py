@@ -27,6 +27,7 @@ from cpu_worker.kernels import attention as attention_kernels
 from cpu_worker.kernels import layer_ops
 from cpu_worker.kernels.attention import AttentionKernel
 from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.model.embedding import new_embedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -490,12 +491,9 @@ class LlamaDecoder(nn.Module):
     def __init__(self, spec: LlamaSpec):
         super().__init__()
         self.spec = spec
-        # The loaders build this on the meta device and place the checkpoint's weights; an empty
-        # weight skips nn.Embedding's normal_ init, which on meta tensors first imports torch._dynamo
-        # (2.1 s of a process's first model load).
+        # The loaders build this on the meta device and place the checkpoint's weights (new_embedding).
         # A quantized model may hold its table as stored instead (``embedding``: rows widened on lookup).
-        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, spec.hidden_size,
-                                                    _weight=torch.empty(spec.vocab_size, spec.hidden_size))
+        self.embed_tokens: nn.Module = new_embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
