@@ -15,7 +15,9 @@ converted model's size instead of the model's plus the file's.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +136,7 @@ def _value(cursor: _Cursor, value_type: GGUFValueType, what: str, depth: int = 0
     if item_type in _NUMPY:
         # A copy (bounded by the file's size, checked above): metadata must not pin the map.
         items = np.frombuffer(cursor.view, dtype=_NUMPY[item_type], count=count, offset=cursor.at).copy()
+        items.setflags(write=False)  # shared by every GGUFFile of this file (_PARSED)
         cursor.at += count * smallest
         return items
     if item_type == GGUFValueType.STRING:
@@ -234,10 +237,35 @@ def _header(cursor: _Cursor) -> tuple[int, int, int]:
     return version, tensors, keys
 
 
+@dataclass(frozen=True)
+class _Parsed:
+    """What ``GGUFFile._read`` makes of a file's header: kept per file (``_PARSED``), read-only."""
+
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    data_start: int
+    header_bytes: int  # the header's length and hash: a file changed in place is parsed again
+    header_digest: bytes
+
+
+def _digest(view: memoryview) -> bytes:
+    return hashlib.blake2b(view, digest_size=16).digest()  # ~1 ms a MB
+
+
+# A start opens the same file several times (precision, preflight checks, tokenizer, chat template,
+# loading): its header, a vocabulary's ~100k strings, was parsed each time (0.15 s each, 0.9 s of the
+# coordinator's start for SmolLM2). Kept per file (device, inode, size) for a few files; used again
+# only where the header's bytes hash the same (timestamps are too coarse to tell a rewrite).
+_PARSED: dict[tuple[int, int, int], _Parsed] = {}
+_PARSED_FILES = 4
+
+
 class GGUFFile:
     """An opened GGUF file: ``metadata`` {key: value} (arrays of numbers as numpy arrays),
     ``tensors`` {name: TensorInfo} in file order; ``data(name)`` maps a tensor's bytes.
-    ``close`` (or a ``with`` block) unmaps the file."""
+    ``close`` (or a ``with`` block) unmaps the file. The metadata and tensor table of a file opened
+    before are the same objects: read them, never change them."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -247,32 +275,43 @@ class GGUFFile:
                 if size == 0:
                     raise GGUFError(f"{self.path} is empty; not a GGUF file")
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+                stat = os.fstat(handle.fileno())
         except OSError as error:
             raise GGUFError(f"cannot read {self.path}: {error.strerror or error}") from None
         self._view = memoryview(self._map)
-        try:
-            self._read()
-        except BaseException:
-            self.close()
-            raise
+        key = (stat.st_dev, stat.st_ino, stat.st_size)
+        parsed = _PARSED.get(key)
+        if parsed is None or _digest(self._view[:parsed.header_bytes]) != parsed.header_digest:
+            try:
+                parsed = self._read()
+            except BaseException:
+                self.close()
+                raise
+            _PARSED.pop(key, None)
+            if len(_PARSED) >= _PARSED_FILES:
+                del _PARSED[next(iter(_PARSED))]
+            _PARSED[key] = parsed
+        self.version, self.metadata, self.tensors, self.data_start = (parsed.version, parsed.metadata,
+                                                                      parsed.tensors, parsed.data_start)
 
-    def _read(self) -> None:
+    def _read(self) -> _Parsed:
         cursor = _Cursor(self._view, self.path)
-        self.version, tensor_count, key_count = _header(cursor)
-        self.metadata = _metadata(cursor, key_count)
+        version, tensor_count, key_count = _header(cursor)
+        metadata = _metadata(cursor, key_count)
         entries = [_tensor_entry(cursor, index) for index in range(tensor_count)]
-        alignment = _alignment(cursor, self.metadata)
-        self.data_start = -(-cursor.at // alignment) * alignment
-        self.tensors: dict[str, TensorInfo] = {}
+        alignment = _alignment(cursor, metadata)
+        data_start = -(-cursor.at // alignment) * alignment
+        tensors: dict[str, TensorInfo] = {}
         for name, dims, kind, offset in entries:
-            if name in self.tensors:
+            if name in tensors:
                 raise cursor.fail(f"tensor {name!r} appears twice")
             nbytes = _tensor_bytes(cursor, name, dims, kind)
-            start = self.data_start + offset
+            start = data_start + offset
             if offset % alignment or start + nbytes > len(self._view):
                 raise cursor.fail(f"tensor {name!r} ({nbytes} bytes at data offset {offset}) lies outside the "
                                   f"file or off its {alignment}-byte alignment")
-            self.tensors[name] = TensorInfo(name, dims, kind, start, nbytes)
+            tensors[name] = TensorInfo(name, dims, kind, start, nbytes)
+        return _Parsed(version, metadata, tensors, data_start, cursor.at, _digest(self._view[:cursor.at]))
 
     def data(self, name: str) -> np.ndarray:
         """A tensor's bytes as uint8 [rows, bytes per row] (1-D tensors: [1, bytes]), a view of the map."""

@@ -148,3 +148,23 @@ def test_a_part_of_a_split_gguf_is_named_as_one(tmp_path):
     # llama.cpp's split files: the first holds some layers; was "block_count is N, but the tensors are of ..."
     with pytest.raises(GGUFError, match=r"is part 1 of a GGUF split into 2 files; merge them"):
         read_config(part)
+
+
+def test_a_header_read_again_is_parsed_once_and_a_rewrite_in_place_again(small_gguf, tmp_path):
+    """A start opens its GGUF file several times, and parsing the header each time cost 0.9 s of it; the
+    parse is kept, but never for a file whose header changed in place (same inode, same size, and a
+    timestamp too coarse to tell)."""
+    path = write_gguf(small_gguf.parent / "hf", tmp_path / "copy.gguf",
+                      extra={"tokenizer.chat_template": "{{ messages }}", "tokenizer.ggml.scores": [0.5, 0.25]})
+    data = bytearray(path.read_bytes())
+    with GGUFFile(path) as first, GGUFFile(path) as second:
+        assert second.metadata is first.metadata and second.tensors is first.tensors
+        assert first.get("tokenizer.chat_template") == "{{ messages }}"
+        with pytest.raises(ValueError, match="read-only"):  # shared: an array cannot be changed by one reader
+            first.get("tokenizer.ggml.scores")[0] = 1.0
+    at = bytes(data).index(b"{{ messages }}")
+    data[at:at + 14] = b"{{ MESSAGES }}"
+    with open(path, "r+b") as handle:  # the same file, rewritten in place
+        handle.write(bytes(data))
+    with GGUFFile(path) as changed:
+        assert changed.get("tokenizer.chat_template") == "{{ MESSAGES }}"
