@@ -694,11 +694,8 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
             end_completion(one_shot.as_json)
         log.warning("interrupted by %s: the output is incomplete", signal.Signals(received[0]).name)
         return 128 + received[0]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
-    except BrokenPipeError:
-        # stdout's reader left (`dovetail-run ... | head`): stop quietly, as a process SIGPIPE ends would
-        # (was 'ERROR [Errno 32] Broken pipe' and exit 2, "could not start"); nothing more reaches it.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+    except BrokenPipeError:  # was 'ERROR [Errno 32] Broken pipe' and exit 2, "could not start"
+        return stdout_reader_left()
     except (ModelLoadError, WorkerFailed, WorkerRequestError, TooManyRestarts, ValueError, OSError) as error:
         log.error("%s", error)
         return 2
@@ -987,9 +984,15 @@ def client_main(**values: Any) -> None:
             if OpenCompletion.text:
                 end_completion(as_json=False)
             sys.exit(130)
-        except BrokenPipeError:  # stdout's reader left (`dovetail-client ... | head`): as dovetail-run, 141
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (was a traceback and exit 1)
-            sys.exit(128 + signal.SIGPIPE)
+        except BrokenPipeError:  # was a traceback and exit 1
+            sys.exit(stdout_reader_left())
+
+
+def stdout_reader_left() -> int:
+    """stdout's reader left (`dovetail-run ... | head`): nothing more reaches it, so stop quietly with the
+    status a process SIGPIPE ends would have (141)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def stream_or_print(client: DovetailClient, request: ClientRequestOptions, messages: list[m.ChatMessage] | None,
