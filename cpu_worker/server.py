@@ -30,6 +30,7 @@ from cpu_worker.sampling import Sampler
 from cpu_worker.target_loading import fuse_layers, load_target_model, weight_bytes
 from cpu_worker.verify_cost import OnlineCurve, VerifyCostCache, cache_key, measure_verify_ms
 from ipc import messages as m
+from ipc.core_load import CoreLoadProbe
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing
 from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
@@ -289,11 +290,14 @@ class TargetService:
         log.info("measuring tree verification for T in %s (cached afterwards in %s)", request.tree_sizes, cache.path)
         self._end_all()
         try:
-            ms = measure_verify_ms(self.engine, request.tree_sizes)
+            with CoreLoadProbe() as probe:
+                ms = measure_verify_ms(self.engine, request.tree_sizes)
         except ValueError as error:
             raise SequenceError(str(error)) from None
         if self.cost_key:
-            cache.put(self.cost_key, request.tree_sizes, ms)
+            if cache.put_measured(self.cost_key, request.tree_sizes, ms, probe.others_share):
+                log.warning("t_verify was measured while %s: this run uses it (and corrects it as it runs), the "
+                            "next start measures it again", probe.describe())
             self.curve = OnlineCurve(cache, self.cost_key)  # seeded with what was just measured
         return m.VerifyCost(tree_sizes=request.tree_sizes, ms=ms, cache_path=str(cache.path))
 

@@ -10,6 +10,8 @@ instead of 315 at a 7B stand-in) would mis-size every later tree. ``OnlineCurve`
 verifications a worker actually runs, a decaying average per tree size seeded with the cached
 value, and writes it back; sizes no cycle used move by the observed sizes' typical ratio. A
 wrong curve thus corrects itself within a few cycles and stays corrected for the next start.
+A measurement taken while other processes shared the cores (``ipc.core_load``) is also marked in
+the cache, so that the next start measures again instead of trusting it.
 """
 
 from __future__ import annotations

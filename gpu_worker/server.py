@@ -14,6 +14,7 @@ import time
 import torch
 
 from ipc import messages as m
+from ipc.core_load import CoreLoadProbe
 from ipc.cost_cache import OnlineCurve
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing, get_block
@@ -178,10 +179,16 @@ class DraftService:
         cache = self.cost_cache
         key = beam_key(self.cost_key, request.top_k) if self.cost_key else None
         cached = cache.get(key, request.depths) if key else None
-        ms = cached if cached is not None else self._measure(request)
+        probe = CoreLoadProbe()
+        if cached is None:
+            with probe:
+                ms = self._measure(request)
+        else:
+            ms = cached
         if key:
-            if cached is None:
-                cache.put(key, request.depths, ms)
+            if cached is None and cache.put_measured(key, request.depths, ms, probe.others_share):
+                log.warning("t_draft (top_k %d) was measured while %s: this run uses it (and corrects it as it "
+                            "runs), the next start measures it again", request.top_k, probe.describe())
             self.curves[request.top_k] = OnlineCurve(cache, key)  # seeded with the cached or measured curve
         return m.DraftCost(depths=request.depths, ms=ms, cached=cached is not None,
                            cache_path=str(cache.path) if key else "")

@@ -50,6 +50,15 @@ def files_signature(model_dir: str | Path) -> str:
     return f"{folder}\n{files!r}"
 
 
+# An entry's count of measurements in a row taken while other processes took more than
+# LOADED_SHARE of the cores (``ipc.core_load``): such a curve serves its run, and the next start
+# measures again, until the TRUST_LOADED-th such measurement (a machine always this busy costs
+# what it costs: measuring it at every start would only add minutes to each).
+LOADED = "measured_under_load"
+LOADED_SHARE = 0.2
+TRUST_LOADED = 3
+
+
 class CostCache:
     """{cache key: {size: ms}} in one JSON file (``FILE`` in the cache folder unless a path is
     given); written atomically, unreadable files ignored."""
@@ -70,6 +79,8 @@ class CostCache:
         entry = self._load().get(key)
         if not isinstance(entry, dict) or not all(str(size) in entry for size in tree_sizes):
             return None
+        if 0 < self._loaded(entry) < TRUST_LOADED:
+            return None  # measured while the cores were shared: measure again
         values = [entry[str(size)] for size in tree_sizes]
         return [float(v) for v in values] if all(isinstance(v, int | float) and v > 0 for v in values) else None
 
@@ -81,12 +92,37 @@ class CostCache:
         return {int(size): float(value) for size, value in entry.items()
                 if size.isdigit() and isinstance(value, int | float) and value > 0}
 
-    def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float]) -> None:
+    @staticmethod
+    def _loaded(entry: dict) -> int:
+        count = entry.get(LOADED, 0)
+        return count if isinstance(count, int) and count > 0 else 0
+
+    def loaded_count(self, key: str) -> int:
+        """How many measurements in a row of ``key`` were taken on shared cores (0: the last one was not)."""
+        entry = self._load().get(key)
+        return self._loaded(entry) if isinstance(entry, dict) else 0
+
+    def put_measured(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float],
+                     others_share: float | None) -> bool:
+        """A new measurement, ``others_share`` of the cores used by other processes meanwhile (None:
+        unknown, taken as quiet). True where that was too much: the next start measures again."""
+        loaded = others_share is not None and others_share > LOADED_SHARE
+        count = self.loaded_count(key) + 1 if loaded else 0
+        self.put(key, tree_sizes, ms, loaded=count)
+        return 0 < count < TRUST_LOADED
+
+    def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float], loaded: int | None = None) -> None:
+        """Store ``ms`` per size; ``loaded``: the count of measurements in a row on shared cores
+        (0 clears it; None, for a curve's online corrections, keeps what the entry says)."""
         data = self._load()
         entry = data.get(key)
         if not isinstance(entry, dict):
             entry = {}
         entry.update({str(size): round(value, 3) for size, value in zip(tree_sizes, ms)})
+        if loaded == 0:
+            entry.pop(LOADED, None)
+        elif loaded is not None:
+            entry[LOADED] = loaded
         data[key] = entry
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
