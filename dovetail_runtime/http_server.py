@@ -60,6 +60,7 @@ from . import tokenize_api
 from .api_key import ApiKey
 from .chat_template import ChatTemplateError, encode_chat
 from .http_auth import BearerAuth
+from .http_counts import CountResponses, HttpCounts
 from .metrics import PrometheusExport
 
 if TYPE_CHECKING:
@@ -246,18 +247,21 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | None = None,
               api_key: ApiKey | None = None, max_calls: int = MAX_CALLS,
-              cors_origins: Sequence[str] = ()) -> FastAPI:
+              cors_origins: Sequence[str] = (), http_counts: HttpCounts | None = None) -> FastAPI:
     """The FastAPI app, talking to the coordinator at ``endpoint``; with ``api_key`` every
     path but /health needs it (``Authorization: Bearer``); with ``cors_origins`` (``*``: any)
-    browsers on those origins may call it."""
+    browsers on those origins may call it. Every response is counted in ``http_counts`` (a new
+    count unless given) and shown by /metrics."""
+    counts = http_counts or HttpCounts()
     routes = Routes(endpoint, model, context or zmq.asyncio.Context(shadow=zmq.Context.instance()),
-                    CallSlots(max_calls))
+                    CallSlots(max_calls), counts)
     app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)
     if cors_origins:  # added last, so outermost: preflights carry no key, and a 401 gets CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
+    app.add_middleware(CountResponses, counts=counts)  # outermost: the 401s and CORS answers count too
     app.add_exception_handler(api.ApiError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnect, _client_left)
@@ -295,13 +299,14 @@ async def _internal(_request: Request, error: Exception) -> JSONResponse:
 class Routes:
     """The API's endpoints; each HTTP request talks to the coordinator over a Call of its own."""
 
-    def __init__(self, endpoint: str, model: ServedModel, context: zmq.asyncio.Context, slots: CallSlots):
+    def __init__(self, endpoint: str, model: ServedModel, context: zmq.asyncio.Context, slots: CallSlots,
+                 http_counts: HttpCounts):
         self.endpoint = endpoint
         self.model = model
         self.context = context
         self.slots = slots
         self.nonces = itertools.count(1)
-        self.export = PrometheusExport(model.name)
+        self.export = PrometheusExport(model.name, http_counts.snapshot)
         # The coordinator's bound: a longer prompt cannot fit, and is refused there untokenized.
         self.prompt_chars = None if model.tokenizer is None else model.context * model.tokenizer.max_chars_per_token()
 
@@ -545,7 +550,8 @@ class HttpFrontend:
         self.host = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
         # The coordinator binds this too; HTTP requests connect to it (same process, same ZMQ context).
         self.zmq_endpoint = f"inproc://dovetail-http-{os.getpid()}"
-        self._app = SwappableApp(loading_app)
+        self.http_counts = HttpCounts()  # the loading 503s and the API's answers alike
+        self._app = SwappableApp(CountResponses(loading_app, self.http_counts))
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -572,7 +578,8 @@ class HttpFrontend:
     def start(self, model: ServedModel, log_level: str = "info") -> None:
         """Serve the API (in a daemon thread, started here unless ``serve_loading`` started it); returns
         once uvicorn accepts connections."""
-        self._app.inner = build_app(self.zmq_endpoint, model, api_key=self.api_key, cors_origins=self.cors_origins)
+        self._app.inner = build_app(self.zmq_endpoint, model, api_key=self.api_key, cors_origins=self.cors_origins,
+                                    http_counts=self.http_counts)
         self.serve_loading(log_level)
 
     def _serve(self) -> None:

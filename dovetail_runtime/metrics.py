@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -20,6 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import choose_encoder
 
 from ipc import messages as m
+
+# The HTTP front end's response counts, {(method, route, status): count} (``http_counts.HttpCounts.snapshot``).
+HttpCountsReader = Callable[[], Mapping[tuple[str, str, str], int]]
 
 # Bucket bounds in seconds: vLLM's, with longer tails (a CPU target's steps and prompts are slower).
 LATENCY_BOUNDS = {
@@ -146,9 +149,10 @@ class ReplyCollector:
     carries ``model``. The coordinator keeps the counts (one process, one place), so this only
     names them: no prometheus_client metric objects count anything here."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, http_counts: HttpCountsReader | None = None):
         self.model = model
         self.reply: m.MetricsReply | None = None
+        self.http_counts = http_counts
 
     def collect(self) -> Iterator[Metric]:
         reply = self.reply
@@ -166,6 +170,8 @@ class ReplyCollector:
             yield _one(GaugeMetricFamily, name, help_text, model, value)
         for name, counts in sorted(reply.latency.items()):
             yield _histogram(f"dovetail_{name}_seconds", LATENCY_HELP.get(name, name), model, counts)
+        if self.http_counts is not None:
+            yield _http_responses(model, self.http_counts())
 
 
 def _counters(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
@@ -208,6 +214,16 @@ def _gauges(reply: m.MetricsReply) -> list[tuple[str, str, float]]:
     ]
 
 
+def _http_responses(model: str, counts: Mapping[tuple[str, str, str], int]) -> Metric:
+    family = CounterMetricFamily("dovetail_http_requests_total", "HTTP requests answered, by method, route and "
+                                 "status; the front end's own refusals (400, 401, 404, 413, 503 while loading) "
+                                 "included, which never reach the request counters.",
+                                 labels=["model", "method", "route", "status"])
+    for (method, route, status), count in sorted(counts.items()):
+        family.add_metric([model, method, route, status], count)
+    return family
+
+
 def _one(kind: type[Metric], name: str, help_text: str, model: str, value: float) -> Metric:
     family = kind(name, help_text, labels=["model"])  # type: ignore[call-arg]
     family.add_metric([model], value)  # type: ignore[attr-defined]
@@ -236,9 +252,9 @@ class PrometheusExport:
     """One server's /metrics: a registry of its own (never prometheus_client's process-wide
     default, which would mix servers and tests) holding a ReplyCollector."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, http_counts: HttpCountsReader | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = ReplyCollector(model)
+        self.collector = ReplyCollector(model, http_counts)
         self.registry.register(self.collector)
 
     def render(self, reply: m.MetricsReply, accept: str | None = None) -> tuple[bytes, str]:

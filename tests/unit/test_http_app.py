@@ -160,6 +160,10 @@ def test_while_the_models_load_every_path_answers_503_then_the_api_is_served():
             frontend.start(MODEL, "warning")
             models = http.get("/v1/models")
             assert models.status_code == 200 and [model["id"] for model in models.json()["data"]] == ["m"]
+        # /metrics shows the loading 503s beside the API's answers (one count across the swap).
+        assert frontend.http_counts.snapshot() == {("GET", "/health", "503"): 1, ("GET", "/v1/models", "503"): 1,
+                                                   ("POST", "/v1/completions", "503"): 1,
+                                                   ("GET", "/v1/models", "200"): 1}
     finally:
         frontend.close()
 

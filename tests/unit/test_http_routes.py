@@ -266,3 +266,38 @@ def test_a_wrong_method_is_a_405_that_says_which_methods_the_path_takes(http):
     assert response.status_code == 405 and response.headers.get("allow") == "POST"  # RFC 9110: a 405 has Allow
     assert response.json()["error"]["message"] == "Method Not Allowed"
     assert http.head("/health").status_code == 200  # load balancers probe with HEAD
+
+
+def http_responses(http, key: str | None = None) -> dict[tuple[str, str, str], float]:
+    """dovetail_http_requests_total's samples from /metrics, by (method, route, status)."""
+    text = http.get("/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}).text
+    return {(s.labels["method"], s.labels["route"], s.labels["status"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "dovetail_http_requests_total"}
+
+
+def test_every_http_answer_is_counted_by_route_and_status_refusals_included(http, coordinator):
+    openai_client(http).completions.create(model="code-9m", prompt="x", max_tokens=1)
+    assert http.post("/v1/completions", content=b"{not json").status_code == 400
+    assert http.post("/v1/chat/completions", json={"model": "code-9m", "messages": "nope"}).status_code == 400
+    for path in ("/wp-login.php", "/.env", "/v1/nothing"):
+        assert http.get(path).status_code == 404
+    assert http.get("/v1/models/code-9m").status_code == 200
+    assert http.get("/v1/completions").status_code == 405
+    counts = http_responses(http)
+    assert counts[("POST", "/v1/completions", "200")] == 1
+    assert counts[("POST", "/v1/completions", "400")] == 1
+    assert counts[("POST", "/v1/chat/completions", "400")] == 1
+    assert counts[("GET", "other", "404")] == 3  # a scanner's paths: one series, not one each
+    assert counts[("GET", "/v1/models/{model_id}", "200")] == 1
+    assert counts[("GET", "/v1/completions", "405")] == 1
+    assert len(coordinator.requests) == 1  # the refusals never reached the coordinator's own counters
+    assert http_responses(http)[("GET", "/metrics", "200")] == 1  # the scrape before this one
+
+
+def test_a_missing_api_key_is_counted_as_a_401(model, coordinator):
+    key = "k" * 32
+    with TestClient(build_app(coordinator.endpoint, model, api_key=ApiKey(key))) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http_responses(client, key)[("GET", "/v1/models", "401")] == 2
