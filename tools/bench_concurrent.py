@@ -14,6 +14,7 @@ the pairs and prints the median of their ratios.
 
 from __future__ import annotations
 
+import math
 import statistics
 import subprocess
 import sys
@@ -93,8 +94,13 @@ def run_streams(endpoint: str, requests: list[dict]) -> tuple[float, list[dict]]
     return time.perf_counter() - started, results
 
 
+def format_ms(ms: float) -> str:
+    return "- (too few tokens)" if math.isnan(ms) else f"{ms:.1f}"
+
+
 def p95_itl_ms(results: list[dict]) -> float:
-    """95th percentile of every stream's time per token between its chunks (a chunk's tokens share its gap)."""
+    """95th percentile of every stream's time per token between its chunks (a chunk's tokens share its gap);
+    nan with fewer than two gaps (each stream answered in one chunk)."""
     gaps = []
     for result in results:
         times = result["times"]
@@ -158,7 +164,7 @@ def main(target: str, draft: str | None, streams: list[int], max_new_tokens: int
                         same = all(result["tokens"] == solo_tokens[index] for index, result in enumerate(results))
                         versus_ar = f"{rates[mode] / rates['ar']:.2f}x" if mode == "dovetail" else ""
                         print(markdown_row([mode, count, f"{rates[mode]:.1f}", f"{rates[mode] / solo_tps:.2f}x",
-                                            versus_ar, f"{p95_itl_ms(results):.1f}", "yes" if same else "NO",
+                                            versus_ar, format_ms(p95_itl_ms(results)), "yes" if same else "NO",
                                             tree_cycles(results) if mode == "dovetail" else ""]), flush=True)
                     if "dovetail" in rates:
                         ratios[count].append(rates["dovetail"] / rates["ar"])

@@ -318,3 +318,10 @@ def test_check_row_invariance_threads_start_at_one(monkeypatch, capsys):
         check_row_invariance.main()
     assert exit_.value.code == 2
     assert "argument --threads: 0 is below 1" in capsys.readouterr().err
+
+
+def test_bench_concurrent_says_too_few_tokens_instead_of_nan_for_a_p95():
+    one_chunk = [{"times": [(0.0, 3)]}, {"times": [(0.0, 1)]}]
+    assert bench_concurrent.format_ms(bench_concurrent.p95_itl_ms(one_chunk)) == "- (too few tokens)"
+    streams = [{"times": [(0.0, 1), (0.1, 1), (0.3, 2)]}]  # gaps: 100 ms for one token, 100 ms each for two
+    assert bench_concurrent.format_ms(bench_concurrent.p95_itl_ms(streams)) == "100.0"
