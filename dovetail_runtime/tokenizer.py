@@ -195,6 +195,11 @@ class Tokenizer:
         # transformers never applies the clean-up to BPE models: it would eat real spaces.
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
 
+    @property
+    def backend(self) -> _Backend:
+        """The ``tokenizers`` object underneath (what transformers' fast tokenizers wrap)."""
+        return self._backend
+
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load from a model folder holding tokenizer.json (and its JSON config files), or from a

@@ -150,3 +150,40 @@ def test_the_fixtures_tokenizer_and_template_are_transformers():
         expected = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         expected = expected["input_ids"] if hasattr(expected, "keys") else expected
         assert encode_chat(ours, template, [m.ChatMessage(**message) for message in chat]) == expected
+
+
+def assert_training_tokenizer_is_transformers(path: Path, texts=TEXTS, chats=CHAT) -> None:
+    """dovetail-train's tokenizer for a GGUF target (``gguf_training_tokenizer``) against transformers'
+    for the same file: everything training reads (ids with and without the added tokens, character
+    offsets, the special tokens, the rendered chat template)."""
+    from dovetail_runtime.train_cli import gguf_training_tokenizer
+
+    ours, theirs = gguf_training_tokenizer(path), transformers_tokenizer(path)
+    for text in texts:
+        for special in (True, False):
+            mine = ours(text, add_special_tokens=special, return_offsets_mapping=True)
+            reference = theirs(text, add_special_tokens=special, return_offsets_mapping=True)
+            assert (mine.input_ids, mine.offset_mapping) == (reference.input_ids, reference.offset_mapping), text
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    names = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+    assert [getattr(ours, name) for name in names] == [getattr(theirs, name) for name in names]
+    assert ours.chat_template == theirs.chat_template
+    if theirs.chat_template:
+        for chat in chats:
+            for prompt in (True, False):
+                assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt) == \
+                    theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+
+
+def test_the_training_tokenizer_of_a_gguf_is_transformers(byte_level_gguf, sentencepiece_gguf, tmp_path):
+    assert_training_tokenizer_is_transformers(byte_level_gguf)
+    assert_training_tokenizer_is_transformers(sentencepiece_gguf, SENTENCEPIECE_TEXTS)
+    metadata = sentencepiece_gguf_metadata(tmp_path / "vocab")
+    folder = save_tiny_model(tmp_path / "hf", "llama", vocab_size=len(metadata["tokenizer.ggml.tokens"]))
+    no_bos = write_gguf(folder, tmp_path / "no-bos.gguf", extra={**metadata, "tokenizer.ggml.add_bos_token": False})
+    assert_training_tokenizer_is_transformers(no_bos, SENTENCEPIECE_TEXTS)
+
+
+def test_the_training_tokenizer_of_the_fixture_is_transformers():
+    need_fixture()
+    assert_training_tokenizer_is_transformers(SMOLLM2_GGUF)
