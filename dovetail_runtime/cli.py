@@ -142,7 +142,8 @@ def resolve_models(target: str | None, draft: str | None, mode: str) -> tuple[st
         if draft is None and mode == "dovetail" and default_draft.is_dir():
             draft = str(default_draft)
     if mode == "dovetail" and not draft:
-        raise click.UsageError("--draft is required in dovetail mode (or use --mode ar)")
+        raise click.UsageError("--draft is required in dovetail mode (or use --mode lookup, which needs no draft "
+                               "head, or --mode ar)")
     return target, draft
 
 
@@ -487,8 +488,11 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
                    "cycles. Where a prompt's bits do not depend on how it is cut (int8 and GGUF precisions on "
                    "the exact kernels), so its tokens never depend on the load; elsewhere (fp32, bf16) a prompt "
                    "always takes --prefill-chunk pieces.")
-@click.option("--mode", type=click.Choice(["dovetail", "ar"]), default="dovetail",
-              help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline).")
+@click.option("--mode", type=click.Choice(["dovetail", "ar", "lookup"]), default="dovetail",
+              help="dovetail: speculative decoding; ar: plain autoregressive decoding by the target (baseline); "
+                   "lookup: speculation without a draft head: each step also verifies the tokens that followed "
+                   "the last few tokens' earlier occurrence in the prompt or the answer (--lookup-tokens), which "
+                   "pays where text repeats (editing, quoting, code); the same tokens as ar.")
 @click.option("--prompt", "prompts", multiple=True, help="One-shot: generate for this prompt and exit (repeatable).")
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True, path_type=Path),
               default=None, help="One-shot: prompts from a file (- reads stdin), one per line or JSONL with a "
@@ -546,7 +550,10 @@ def run_main(**values: Any) -> None:
         log.error("%s", error)
         sys.exit(2)
     target, draft = resolve_models(options.models.target, options.models.draft, options.models.mode)
-    log.info("target %s, draft %s", target, draft or "none (--mode ar)")
+    if options.models.mode == "lookup" and options.tree.lookup_tokens == 0:
+        raise click.UsageError("--mode lookup copies up to --lookup-tokens tokens a step: give at least 1 (0 is "
+                               "--mode ar)")
+    log.info("target %s, draft %s", target, draft or f"none (--mode {options.models.mode})")
     all_prompts = list(one_shot.prompts) + (read_prompt_file(one_shot.prompt_file) if one_shot.prompt_file else [])
     check_prompts_text(all_prompts)
     if serving.http_address is not None and all_prompts:
@@ -563,7 +570,7 @@ def run_main(**values: Any) -> None:
     if serving.http_address is None and http_only and not all_prompts:
         log.warning("%s: only with --http: ignored", ", ".join(http_only))
     sampling = make_sampling(**dataclasses.asdict(options.sampling))
-    if one_shot.compare_ar and options.models.mode == "dovetail" and sampling.temperature > 0 and sampling.seed is None:
+    if one_shot.compare_ar and options.models.mode != "ar" and sampling.temperature > 0 and sampling.seed is None:
         # Each run would draw its own seed and so its own tokens: "same tokens: no" would read as a loss.
         sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(63))
         log.info("--compare-ar with sampling: both modes draw with --seed %d", sampling.seed)
@@ -613,14 +620,15 @@ def warn_ignored_options(one_shot_run: bool, mode: str) -> None:
     greedy = greedy_sampling_warning(click.get_current_context().params["temperature"]) if one_shot_run else None
     if greedy:
         log.warning("%s", greedy)
-    if mode != "ar":
+    if mode == "dovetail":
         return
-    if one_shot_run and options_given(("compare_ar",)):
+    if mode == "ar" and one_shot_run and options_given(("compare_ar",)):
         log.warning("--compare-ar compares --mode dovetail with ar: with --mode ar there is nothing to compare "
                     "(ignored; leave out --mode ar to compare)")
-    unused = options_given(DRAFT_ONLY)
+    draft_only = DRAFT_ONLY if mode == "ar" else tuple(name for name in DRAFT_ONLY if name != "lookup_tokens")
+    unused = options_given(draft_only)
     if unused:
-        log.warning("%s: no draft runs with --mode ar (the target decodes alone): ignored", ", ".join(unused))
+        log.warning("%s: no draft runs with --mode %s (the target decodes alone): ignored", ", ".join(unused), mode)
 
 
 def greedy_sampling_warning(temperature: float) -> str | None:
@@ -686,7 +694,7 @@ def run_one_shot(settings: RuntimeSettings, prompts: list[str], one_shot: OneSho
         params = dict(max_new_tokens=one_shot.max_new_tokens, stop=list(one_shot.stops), mode=settings.mode,
                       sampling=sampling)
         failures = run_prompts(coordinator, prompts, params, one_shot.as_json,
-                               compare_ar=one_shot.compare_ar and settings.mode == "dovetail", chat=one_shot.chat)
+                               compare_ar=one_shot.compare_ar and settings.mode != "ar", chat=one_shot.chat)
         return 1 if failures else 0
     except KeyboardInterrupt:
         # Not a success: what was printed may stop mid-answer (`dovetail-run ... > out && use out`).
@@ -741,7 +749,8 @@ def serve_clients(settings: RuntimeSettings, binds: list[str], key: ApiKey | Non
     def ready(endpoints: list[str]) -> None:
         shown = [endpoint for endpoint in endpoints if not endpoint.startswith("inproc://")]
         if frontend is not None:
-            frontend.start(served_model(settings.target, coordinator, settings.mode, model_name), log_level)
+            frontend.start(served_model(settings.target, coordinator, coordinator.default_mode, model_name),
+                           log_level)
             shown.append(frontend.url)
         print(f"dovetail serving on {' '.join(shown)}", file=sys.stderr, flush=True)
 
@@ -814,8 +823,8 @@ def bind_clients(binds: list[str], key: ApiKey | None, http_address: str | None,
 
 def stats_line(mode: str, stats: m.RequestStats) -> str:
     plain = stats.trees.get("1/0/0", 0)
-    # Plain steps: where no tree paid (the planner's fallback alone, a busy batch).
-    steps = f" ({plain} of {sum(stats.trees.values())} steps plain)" if plain else ""
+    # Plain steps: where no tree paid (the planner's fallback alone, a busy batch); lookup has no others.
+    steps = f" ({plain} of {sum(stats.trees.values())} steps plain)" if plain and mode == "dovetail" else ""
     lookup = f", {stats.lookup_tokens} by lookup" if stats.lookup_tokens else ""
     return (f"[{mode}: {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, tau {stats.tau:.2f}{steps}"
             f"{lookup}, draft {stats.draft_ms:.0f} ms, verify {stats.verify_ms:.0f} ms, ipc {stats.ipc_ms:.0f} ms]")
@@ -898,7 +907,7 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
     if ar_stats is not None:
         speedup = stats.tokens_per_s / max(ar_stats.tokens_per_s, 1e-9)
         lines += [stats_line("ar", ar_stats),
-                  f"[dovetail / ar: {speedup:.2f}x; same tokens: {'yes' if same_tokens else 'no'}]"]
+                  f"[{mode} / ar: {speedup:.2f}x; same tokens: {'yes' if same_tokens else 'no'}]"]
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
@@ -917,9 +926,10 @@ def print_stats(mode: str, stats: m.RequestStats, ar_stats: m.RequestStats | Non
               "...} (instead of --prompt).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1, max=m.MAX_NEW_TOKENS), default=128)
 @click.option("--stop", "stops", multiple=True, callback=client_stops_option, help="Stop string (repeatable).")
-@click.option("--mode", type=click.Choice(["dovetail", "ar"]), default=None,
-              help="dovetail: speculative decoding; ar: plain decoding (the same tokens).  [default: the "
-              "server's own: dovetail where it has a draft head, else ar]")
+@click.option("--mode", type=click.Choice(["dovetail", "ar", "lookup"]), default=None,
+              help="dovetail: speculative decoding; ar: plain decoding; lookup: plain decoding that also verifies "
+              "tokens copied from earlier in the text (no draft head). The same tokens in each.  [default: the "
+              "server's own: dovetail where it has a draft head, else its --mode]")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @click.option("--timeout", type=FiniteFloatRange(min=0.1), default=600.0, help="Seconds to wait for the server.")
 @click.option("--deadline", type=FiniteFloatRange(min=0.001, max=m.MAX_DEADLINE_MS / 1000), default=None,

@@ -246,6 +246,8 @@ class Coordinator:
         self.tree: TreeShape | TreePlanner = settings.tree if isinstance(settings.tree, TreeShape) else TreeShape()
         # Prompt lookup's longest branch per tree (at most settings.lookup_tokens: the rings are sized for it).
         self.lookup_tokens = settings.lookup_tokens
+        # t_verify(T) for lookup-mode requests' branch policy (None: verify whole branches).
+        self.lookup_costs: dict[int, float] | None = None
         self._seq_ids = itertools.count(1)
         self._batcher: Batcher | None = None
         self._join_chunk: Callable[[], int | None] | None = None  # Job.join_chunk, set by batcher()
@@ -291,6 +293,9 @@ class Coordinator:
         self._report_target(self.cpu.info, limit)
         if isinstance(settings.tree, AutoTree) and self.gpu is not None:
             self.tree = self.plan_trees(settings.tree)
+            self.lookup_costs = dict(self.tree.verify_ms) if isinstance(self.tree, TreePlanner) else None
+        elif settings.mode == "lookup" and self.lookup_tokens:
+            self.lookup_costs = self.measure_lookup_costs()
 
     def _settle_precision(self, target_dir: Path, config: dict[str, Any]) -> None:
         """--target-dtype auto resolved (a GGUF file's own blocks; for a model folder fp32, or where
@@ -381,6 +386,21 @@ class Coordinator:
         timeout = self.settings.worker_timeout_s
         return UNMEASURED_WORKER_TIMEOUT_S if timeout == "auto" else timeout
 
+    def measure_lookup_costs(self) -> dict[int, float] | None:
+        """t_verify(T) for T = 1 .. --lookup-tokens + 1 (a branch under its step's token), measured once
+        and cached like the trees' costs: what a lookup-mode step weighs a branch against."""
+        assert self.cpu is not None
+        sizes = [size for size in range(1, self.lookup_tokens + 2) if size < self.max_len]
+        if len(sizes) < 2:
+            return None
+        verify = self.cpu.request(m.MeasureVerifyCost(tree_sizes=sizes), m.VerifyCost)
+        costs = dict(zip(verify.tree_sizes, verify.ms))
+        log.info("lookup: branches of up to %d tokens, verified as far as pays at t_verify(T) ms %s (%s %s)",
+                 self.lookup_tokens, " ".join(f"{t}:{ms:.1f}" for t, ms in costs.items()),
+                 "cached in" if verify.cached else "measured now, cached in", verify.cache_path or "nowhere")
+        self.fit_worker_timeout(costs, [])
+        return costs
+
     def fit_worker_timeout(self, verify_ms: dict[int, float], draft_ms: list[float]) -> None:
         """Without --worker-timeout, let each worker take WORKER_TIMEOUT_STEPS times the longest
         step the measured costs predict: a hang is caught in seconds on a small model and a long
@@ -395,7 +415,8 @@ class Coordinator:
 
     def _report_target(self, info: m.TargetInfo, limit: int) -> None:
         """Say how the target runs, and when its trees can differ from one-token decoding."""
-        inexact = not info.exact_tree and self.gpu is not None  # fp32 or bf16 without the row kernel
+        # fp32 or bf16 without the row kernel, where trees (or lookup's branches) are verified.
+        inexact = not info.exact_tree and (self.gpu is not None or self.settings.mode == "lookup")
         if inexact and info.dtype in ("fp32", "bf16") and info.kv_dtype == "bfloat16":
             log.warning("%s target with a bf16 KV cache: tree verification differs from one-token decoding by "
                         "~1e-2 (bf16 rounding of K/V amplifies its linears' ~1e-6), so dovetail can differ from "
@@ -451,6 +472,12 @@ class Coordinator:
         """More characters than any prompt that fits the context can have (the context times the
         longest token), so that longer prompts are refused untokenized; None before start()."""
         return None if self.tokenizer is None else self.max_len * self.tokenizer.max_chars_per_token()
+
+    @property
+    def default_mode(self) -> str:
+        """A request's mode when it names none: dovetail with a draft head, else the server's --mode
+        (ar, or lookup)."""
+        return "dovetail" if self.gpu is not None else ("lookup" if self.settings.mode == "lookup" else "ar")
 
     def workers(self) -> list[WorkerHandle[Any]]:
         return [w for w in (self.cpu, self.gpu) if w is not None]
@@ -517,10 +544,10 @@ class Coordinator:
         if self.cpu is None or self.tokenizer is None or self.chat_template is None:
             raise RuntimeError("a request before start()")
         if request.mode is None:  # the server's own mode
-            request = msgspec.structs.replace(request, mode="ar" if self.gpu is None else "dovetail")
+            request = msgspec.structs.replace(request, mode=self.default_mode)
         if request.mode == "dovetail" and self.gpu is None:
             return error_reply(request.request_id, "unsupported",
-                                message="this server runs without a draft head: use mode 'ar'")
+                                message="this server runs without a draft head: use mode 'ar' or 'lookup'")
         try:
             prompt_ids = (self.tokenizer.encode(request.prompt or "") if request.messages is None
                           else encode_chat(self.tokenizer, self.chat_template, request.messages))
@@ -537,7 +564,9 @@ class Coordinator:
                           job.seq_id, request.mode == "dovetail", on_text)
         started.steps = (dovetail_steps(job, self.tree, started.emit, self._batch_size, self.lookup_tokens)
                          if started.uses_gpu
-                         else ar_steps(job, started.emit, self._batch_size))
+                         else ar_steps(job, started.emit, self._batch_size,
+                                       lookup_tokens=self.lookup_tokens if request.mode == "lookup" else 0,
+                                       verify_ms=self.lookup_costs))
         return started
 
     def conclude(self, started: Started, outcome: Outcome) -> m.GenerateDone | m.ErrorReply:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
@@ -35,6 +35,7 @@ from ipc import messages as m
 from ipc.tree import MAX_TREE_TOKENS, TreeShape
 
 from .lookup import PromptLookup, graft
+from .lookup_policy import BranchPolicy
 from .tree_planner import FixedTree, ShapePlanner, draft_path
 
 
@@ -147,9 +148,9 @@ class Stats:
         self.trees[f"{shape.tree_tokens}/{shape.depth}/{shape.top_k}"] += 1
 
     def record_plain_step(self, emitted: int) -> None:
-        """A plain step of a dovetail request (already counted as a cycle) that emitted ``emitted``
-        tokens (more than one: prompt lookup's branch): shown as a one-node tree with nothing drafted
-        (top_k 0)."""
+        """A plain step of a dovetail or lookup request (already counted as a cycle) that emitted
+        ``emitted`` tokens (more than one: prompt lookup's branch): shown as a one-node tree with
+        nothing drafted (top_k 0)."""
         self.trees["1/0/0"] += 1
         self.accept_per_depth[emitted - 1] += 1
         self.lookup_tokens += emitted - 1
@@ -305,11 +306,18 @@ def chunk_steps(job: Job, request: m.PrefillRequest, prompt_left: int, stats: St
         request = msgspec.structs.replace(request, resume=True, budget_ms=budget or 0.0)
 
 
-def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1) -> Steps:
-    """Plain decoding; ``batch()``: how many sequences run together now (a joining prompt's chunks)."""
+def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1, lookup_tokens: int = 0,
+             verify_ms: Mapping[int, float] | None = None) -> Steps:
+    """Plain decoding; ``batch()``: how many sequences run together now (a joining prompt's chunks).
+    ``lookup_tokens`` > 0: lookup decoding (``--mode lookup``), no draft head: while the sequence runs
+    alone, each step also verifies prompt lookup's branch of up to that many tokens (``lookup``), as
+    much of it as pays at the costs ``verify_ms`` (t_verify(T); ``lookup_policy``; without them the
+    whole branch), so a step emits the target's next token and as many more as the branch copied
+    right: ar's tokens."""
     seq_id, context = job.seq_id, Context(job.max_len)
-    stats = Stats()
+    stats = Stats(accept_per_depth=[0] * (lookup_tokens + 1) if lookup_tokens else [])
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
+    lookup, on_step = lookup_decoding(job, budget, stats, batch, lookup_tokens, verify_ms)
     started = time.perf_counter()
     try:
         context.check_prompt(job.prompt_ids)
@@ -318,7 +326,8 @@ def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1) -> Step
             return "stop", stats
         result = prefilled[0]
         if not budget.push([result.token], [result.logprob] if result.logprob else []):
-            yield from plain_steps(seq_id, result.token, len(job.prompt_ids) + 1, context, budget, stats)
+            yield from plain_steps(seq_id, result.token, len(job.prompt_ids) + 1, context, budget, stats,
+                                   lookup=lookup, on_step=on_step)
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
     return budget.finish_reason or "stop", stats
@@ -458,6 +467,25 @@ def prompt_lookup(prompt_ids: Sequence[int], budget: Budget, max_tokens: int) ->
     return branch
 
 
+def lookup_decoding(job: Job, budget: Budget, stats: Stats, batch: Callable[[], int], lookup_tokens: int,
+                    verify_ms: Mapping[int, float] | None) -> tuple[Lookup | None, Callable[[int], None] | None]:
+    """A lookup-mode request's branch source and its step callback (none with ``lookup_tokens`` 0):
+    prompt lookup while the sequence runs alone, cut by a ``BranchPolicy`` where costs are known."""
+    if not lookup_tokens:
+        return None, None
+    branches = alone(prompt_lookup(job.prompt_ids, budget, lookup_tokens), batch)
+    assert branches is not None
+    if not verify_ms:
+        return branches, stats.record_plain_step
+    policy = BranchPolicy(verify_ms)
+
+    def stepped(emitted: int) -> None:
+        stats.record_plain_step(emitted)
+        policy.observe(emitted - 1)
+
+    return (lambda limit: policy.choose(branches(limit))), stepped
+
+
 def alone(lookup: Lookup | None, batch: Callable[[], int]) -> Lookup | None:
     """Prompt lookup for plain steps, only while the sequence runs alone: in a batch whose load
     leaves no tree room its rows would slow every sequence in it, and plain batched decoding is
@@ -557,9 +585,11 @@ def run_alone(steps: Steps, cpu: Worker, gpu: Worker | None) -> tuple[FinishReas
         steps.close()
 
 
-def generate_ar(cpu: Worker, job: Job, emit: Emit) -> tuple[FinishReason, Stats]:
+def generate_ar(cpu: Worker, job: Job, emit: Emit, lookup_tokens: int = 0,
+                verify_ms: Mapping[int, float] | None = None) -> tuple[FinishReason, Stats]:
+    """Plain decoding, one request alone; ``lookup_tokens`` > 0: lookup decoding (``ar_steps``)."""
     try:
-        return run_alone(ar_steps(job, emit), cpu, None)
+        return run_alone(ar_steps(job, emit, lookup_tokens=lookup_tokens, verify_ms=verify_ms), cpu, None)
     finally:
         cpu.send(m.ReleaseSequence(seq_id=job.seq_id))
 

@@ -90,7 +90,7 @@ STARTUP_TIMEOUT_S = 30.0
 class ServedModel:
     name: str  # the id clients send as "model"
     context: int  # max_len: prompt plus new tokens
-    default_mode: str  # "dovetail" with a draft head, else "ar"
+    default_mode: str  # "dovetail" with a draft head, else the server's --mode ("ar" or "lookup")
     created: int
     max_body_bytes: int = MAX_BODY_BYTES
     tokenizer: Tokenizer | None = None  # the coordinator's: /tokenize, /detokenize, max_tokens vs the context

@@ -13,7 +13,7 @@ prompt seeded with seed + i); a prompt's greedy choices are the same tokens, so 
 them all. ``logprobs`` (and chat's ``top_logprobs``) are the target's own
 log-probabilities (``ipc.messages.TokenLogprob``), in OpenAI's shapes.
 
-Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``) in requests; a
+Extensions: ``top_k`` (0 or -1: off) and ``mode`` (``dovetail``/``ar``/``lookup``) in requests; a
 ``dovetail`` field in responses with the request's statistics and generated token ids.
 """
 
@@ -106,7 +106,7 @@ class Params(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None  # choices, each decoded as a request of its own
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    mode: Literal["dovetail", "ar"] | None = None  # extension
+    mode: Literal["dovetail", "ar", "lookup"] | None = None  # extension
 
 
 LogprobCount = Annotated[int, Meta(ge=0, le=m.MAX_LOGPROBS)]

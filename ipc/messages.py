@@ -150,8 +150,9 @@ class GenerateRequest(Message):
     max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_NEW_TOKENS)] = 128
     stop: Stop = []
     sampling: Sampling = field(default_factory=Sampling)
-    # None: the server's own mode (dovetail where it has a draft head, else ar).
-    mode: Literal["dovetail", "ar"] | None = None
+    # None: the server's own mode (dovetail where it has a draft head, else ar, or lookup where it
+    # was started with --mode lookup). lookup: plain decoding plus prompt lookup's branch, no draft.
+    mode: Literal["dovetail", "ar", "lookup"] | None = None
     stream: bool = False
     # Answer within this many ms of the server receiving the request (queueing included),
     # else the request ends with ErrorReply code "deadline_exceeded". None: no limit of its own.

@@ -109,3 +109,17 @@ def test_dovetail_train_takes_a_gguf_target(tmp_path, demo_gguf):
     assert json.loads((tmp_path / "head" / "config.json").read_text())["target_hidden_size"] > 0
     report = json.loads(result.output[result.output.index("{"):])
     assert report["results"][0]["files"] == 2
+
+
+def test_the_fixture_in_lookup_mode_gives_ar_tokens_and_copies(tmp_path):
+    """--mode lookup on the real chat model: no head; editing prompts whose answers copy the prompt
+    take branches, and every answer is ar's."""
+    need_fixture()
+    template = ChatTemplate.from_dir(SMOLLM2_GGUF, Tokenizer.from_dir(SMOLLM2_GGUF).special_tokens)
+    edits = ["Repeat this list exactly, one item per line: apples, bananas, cherries, dates, figs, grapes.",
+             "Quote this line back word for word: To be, or not to be, that is the question."]
+    chats = [template.render([{"role": "user", "content": text}]) for text in [*edits, CHATS[0]]]
+    lines = run_json("--target", str(SMOLLM2_GGUF), "--mode", "lookup", "--lookup-tokens", "8", "--compare-ar",
+                     "--prompt-file", str(prompt_file(tmp_path, chats)))
+    assert len(lines) == len(chats) and all(line["ar"]["same_tokens"] for line in lines)
+    assert sum(line["stats"]["lookup_tokens"] for line in lines[:2]) > 0

@@ -237,6 +237,10 @@ def test_options_the_run_will_not_use_are_named(caplog):
     assert "--bind only applies to serving" in warnings_for(["--prompt", "x", "--bind", "127.0.0.1:5555"], True,
                                                             "dovetail", caplog)
     assert warnings_for(["--prompt", "x", "--json", "--compare-ar"], True, "dovetail", caplog) == ""
+    # --mode lookup: no draft either, but it uses --lookup-tokens, and --compare-ar compares it with ar.
+    text = warnings_for(["--prompt", "x", "--mode", "lookup", "--draft", "d", "--lookup-tokens", "8", "--compare-ar"],
+                        True, "lookup", caplog)
+    assert "--draft: no draft runs with --mode lookup" in text and "compare" not in text
     assert warnings_for(["--bind", "127.0.0.1:5555", "--max-queue", "3"], False, "dovetail", caplog) == ""
 
 
@@ -816,3 +820,11 @@ def test_a_prompt_file_is_jsonl_only_when_every_line_is_an_object(tmp_path):
     jsonl.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     with pytest.raises(click.BadParameter, match='prompts.jsonl:2: a JSON line needs a string "prompt" field'):
         cli.read_prompt_file(jsonl)
+
+
+def test_lookup_mode_needs_a_branch_and_no_draft(caplog):
+    result = run(cli.run_main, ["--target", str(DEMO_TARGET), "--mode", "lookup", "--lookup-tokens", "0",
+                                "--prompt", "x"])
+    assert result.exit_code == 2 and "--mode lookup copies up to --lookup-tokens tokens a step" in result.output
+    result = run(cli.run_main, ["--target", str(DEMO_TARGET), "--prompt", "x"])
+    assert result.exit_code == 2 and "or use --mode lookup, which needs no draft head" in result.output

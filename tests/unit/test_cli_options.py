@@ -78,6 +78,8 @@ def test_without_a_target_the_real_pair_where_fetched_else_the_code_pair_and_how
     head.mkdir()
     assert cli.resolve_models(None, None, "dovetail") == (str(gguf), str(head))
     assert cli.resolve_models(None, None, "ar") == (str(gguf), None)
+    assert cli.resolve_models(None, None, "lookup") == (str(gguf), None)  # lookup needs no head
+    assert cli.resolve_models("/mine", None, "lookup") == ("/mine", None)
     assert capsys.readouterr().err == ""
     assert cli.resolve_models("/mine", "/head", "dovetail") == ("/mine", "/head")  # never overrides a choice
     with pytest.raises(Exception, match="--draft is required"):

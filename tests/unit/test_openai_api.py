@@ -28,6 +28,7 @@ def test_openai_defaults():
     assert request.mode == "dovetail" and request.stop == [] and not request.stream and plan.choices == 1
     assert (plan.stream, plan.include_usage) == (False, False)
     assert completion({"prompt": "hi"}, mode="ar").request.mode == "ar"  # the server's mode
+    assert completion({"prompt": "hi", "mode": "lookup"}).request.mode == "lookup"  # a request's own
     assert chat({"messages": [{"role": "user", "content": "hi"}]}).request.max_new_tokens == api.MAX_NEW_TOKENS
 
 

@@ -1,0 +1,75 @@
+"""How much of prompt lookup's branch a ``--mode lookup`` step verifies.
+
+Without a draft head a step verifies the target's next token plus a branch copied from earlier in the
+text (``lookup.PromptLookup``). Each branch row costs what a verified row costs here: nearly nothing
+where a pass is a read of the weights (a 7B model on a CPU with VNNI or AMX), close to a whole step
+where it is arithmetic (a 135M model, or any model on AVX2 alone: the real pair's 2 rows cost 1.23x
+one row on a Zen 3, 4 rows 2.2x). Verifying the whole branch every time lost 3% against plain
+decoding on chat prompts there, where a 2-gram match's next token is right about a third of the time.
+
+``BranchPolicy`` keeps, per branch position i, how often token i was accepted when the i - 1 before
+it were (a decaying count, so a request that turns to copying is followed within a few steps; a
+position seldom tried leans on the one before it, so a branch that keeps being accepted grows), and
+verifies the prefix whose expected tokens per millisecond, from the measured t_verify(T), beat a
+plain step's; none where no prefix does, but then every ``PROBE_EVERY``-th branch's first token, so
+that a text that starts repeating is noticed. The tokens never change: a step emits what the target
+picks, whatever the branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+PRIOR_ACCEPTANCE = 0.5  # the first position's before any step: a guess worth PRIOR_WEIGHT observations
+PRIOR_WEIGHT = 2.0  # a later position's prior is the estimate of the one before it, worth as much
+DECAY = 0.9  # an observation's weight after each newer one at the same position (~10 steps remembered)
+PROBE_EVERY = 8  # branches skipped before one's first token is verified anyway
+
+
+class BranchPolicy:
+    """Per request: ``choose(branch)`` before a step, ``observe(accepted)`` after it."""
+
+    def __init__(self, verify_ms: Mapping[int, float]):
+        if 1 not in verify_ms:
+            raise ValueError("the policy needs t_verify(1), a plain step's cost")
+        self.cost = dict(verify_ms)
+        self.longest = max(size for size in self.cost if all(t in self.cost for t in range(1, size + 1))) - 1
+        self.hits = [0.0] * (self.longest + 1)  # index i: branch position i (1-based), decayed counts
+        self.tries = [0.0] * (self.longest + 1)
+        self.offered = 0  # branch tokens the last choose() kept
+        self.skipped = 0  # branches not verified since the last one that was
+
+    def acceptances(self) -> list[float]:
+        """Position i's estimate at index i - 1: its counts, with the estimate before it as the prior."""
+        estimates, prior = [], PRIOR_ACCEPTANCE
+        for position in range(1, self.longest + 1):
+            prior = (self.hits[position] + PRIOR_WEIGHT * prior) / (self.tries[position] + PRIOR_WEIGHT)
+            estimates.append(prior)
+        return estimates
+
+    def choose(self, branch: Sequence[int]) -> list[int]:
+        """The prefix of ``branch`` to verify: the one with the most expected tokens a millisecond."""
+        best, best_rate = 0, 1.0 / self.cost[1]
+        expected, survive = 1.0, 1.0
+        acceptances = self.acceptances()
+        for length in range(1, min(len(branch), self.longest) + 1):
+            survive *= acceptances[length - 1]
+            expected += survive
+            rate = expected / self.cost[length + 1]
+            if rate > best_rate:
+                best, best_rate = length, rate
+        if best == 0 and branch:
+            self.skipped += 1
+            if self.skipped >= PROBE_EVERY:
+                best = 1
+        if best:
+            self.skipped = 0
+        self.offered = best
+        return list(branch[:best])
+
+    def observe(self, accepted: int) -> None:
+        """The last chosen branch's tokens that were accepted (0 .. offered)."""
+        for position in range(1, min(accepted + 1, self.offered) + 1):
+            self.tries[position] = self.tries[position] * DECAY + 1.0
+            self.hits[position] = self.hits[position] * DECAY + (1.0 if position <= accepted else 0.0)
+        self.offered = 0

@@ -1,0 +1,105 @@
+"""``--mode lookup``: plain decoding that also verifies prompt lookup's branch each step, with no draft
+head. It must give ar's tokens (greedy, and seeded sampling token for token) while emitting several
+tokens a step where the text repeats."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from dovetail_runtime.generation import Job, generate_ar
+from dovetail_runtime.local_workers import local_workers
+from dovetail_runtime.tokenizer import Tokenizer
+from ipc import messages as m
+
+from conftest import DEMO_TARGET
+
+# Code that repeats itself: the answer goes on copying names and lines from the prompt.
+PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add("
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from cpu_worker.server import build_engine
+
+    engine, _ = build_engine(str(DEMO_TARGET), "int8", 256)  # an exact kernel: trees verify as decoding does
+    return engine
+
+
+GREEDY = m.Sampling()
+
+
+def decode(engine, prompt_ids: list[int], count: int, lookup_tokens: int,
+           sampling: m.Sampling = GREEDY) -> tuple[list[int], m.RequestStats]:
+    job = Job(seq_id=1, prompt_ids=prompt_ids, max_new_tokens=count, sampling=sampling,
+              eos_token_ids=frozenset(), max_len=engine.max_len)
+    emitted: list[int] = []
+
+    def emit(tokens: list[int], _logprobs) -> bool:
+        emitted.extend(tokens)
+        return False
+
+    with local_workers(engine, lookup_tokens=max(lookup_tokens, 1)) as (cpu, _):
+        _, stats = generate_ar(cpu, job, emit, lookup_tokens=lookup_tokens)
+    return emitted, stats.message()
+
+
+def test_greedy_lookup_decoding_is_ar_in_fewer_steps(engine):
+    prompt_ids = Tokenizer.from_dir(DEMO_TARGET).encode(PROMPT)
+    ar_tokens, ar_stats = decode(engine, prompt_ids, 64, lookup_tokens=0)
+    for branch in (1, 4, 16):
+        tokens, stats = decode(engine, prompt_ids, 64, lookup_tokens=branch)
+        assert tokens == ar_tokens, branch
+        assert stats.lookup_tokens > 0 and stats.cycles < ar_stats.cycles, (branch, stats)
+        # The metrics' accounting: every verified branch node counted, accepted ones by depth.
+        assert stats.lookup_nodes >= stats.lookup_tokens
+        assert sum(depth * count for depth, count in enumerate(stats.accept_per_depth)) == stats.lookup_tokens
+    assert ar_stats.lookup_tokens == 0 and ar_stats.tau == 1.0
+
+
+def test_seeded_sampled_lookup_decoding_is_ar_token_for_token(engine):
+    prompt_ids = Tokenizer.from_dir(DEMO_TARGET).encode(PROMPT)
+    copied = 0
+    for seed in range(12):
+        sampling = m.Sampling(temperature=0.8, top_p=0.95, seed=seed)
+        ar_tokens, _ = decode(engine, prompt_ids, 32, lookup_tokens=0, sampling=sampling)
+        tokens, stats = decode(engine, prompt_ids, 32, lookup_tokens=8, sampling=sampling)
+        assert tokens == ar_tokens, seed
+        copied += stats.lookup_tokens
+    assert copied > 0  # the branches were taken, not just tried
+
+
+def test_a_server_without_a_head_serves_lookup_and_names_it_for_dovetail_requests(tmp_path, monkeypatch):
+    from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
+    coordinator = Coordinator(RuntimeSettings(target=str(DEMO_TARGET), draft=None, mode="lookup", target_dtype="int8",
+                                              max_len=256, max_batch=1, startup_timeout_s=120))
+    try:
+        coordinator.start()
+        assert coordinator.default_mode == "lookup"
+        # What a branch row costs here was measured (and cached) for the branch policy.
+        assert coordinator.lookup_costs is not None and sorted(coordinator.lookup_costs) == [1, 2, 3, 4, 5]
+        assert (tmp_path / "verify_cost.json").is_file()
+        request = m.GenerateRequest(request_id="a", prompt=PROMPT, max_new_tokens=32)
+        served = coordinator.generate(request)
+        assert isinstance(served, m.GenerateDone) and served.stats.lookup_tokens > 0
+        plain = coordinator.generate(msgspec.structs.replace(request, request_id="b", mode="ar"))
+        assert isinstance(plain, m.GenerateDone) and plain.token_ids == served.token_ids
+        refused = coordinator.generate(msgspec.structs.replace(request, request_id="c", mode="dovetail"))
+        assert isinstance(refused, m.ErrorReply) and refused.code == "unsupported"
+        assert "'lookup'" in refused.message
+    finally:
+        coordinator.close()
+
+
+def test_the_branch_policy_keeps_the_results_of_ar_with_measured_costs(engine):
+    prompt_ids = Tokenizer.from_dir(DEMO_TARGET).encode(PROMPT)
+    ar_tokens, _ = decode(engine, prompt_ids, 64, lookup_tokens=0)
+    job = Job(seq_id=1, prompt_ids=prompt_ids, max_new_tokens=64, sampling=GREEDY, eos_token_ids=frozenset(),
+              max_len=engine.max_len)
+    emitted: list[int] = []
+    with local_workers(engine, lookup_tokens=8) as (cpu, _):
+        _, stats = generate_ar(cpu, job, lambda tokens, _lp: emitted.extend(tokens) or False, lookup_tokens=8,
+                               verify_ms={size: 1.0 + 0.05 * size for size in range(1, 10)})
+    assert emitted == ar_tokens and stats.lookup_tokens > 0

@@ -1,0 +1,53 @@
+"""How much of prompt lookup's branch a lookup-mode step verifies (dovetail_runtime.lookup_policy):
+as much as pays at the measured row costs and the acceptance seen so far, with probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from dovetail_runtime.lookup_policy import PROBE_EVERY, BranchPolicy
+
+BRANCH = [11, 12, 13, 14, 15, 16, 17, 18]
+# Rows nearly free (a large model's pass reads weights) and rows that cost a step each (AVX2, 135M).
+CHEAP = {size: 100.0 + 2.0 * size for size in range(1, 10)}
+DEAR = {size: 5.0 * size for size in range(1, 10)}
+
+
+def test_with_cheap_rows_long_branches_are_verified_from_the_start():
+    policy = BranchPolicy(CHEAP)
+    assert len(policy.choose(BRANCH)) >= 4  # at the prior a fifth token adds 3% more tokens for 2% more time
+
+
+def test_with_dear_rows_and_misses_no_branch_is_verified_but_probes():
+    policy = BranchPolicy(DEAR)
+    chosen = [len(policy.choose(BRANCH)) for _ in range(3)]
+    assert chosen[0] == 0  # at the prior (half accepted) a row costing a step never pays
+    policy = BranchPolicy({**DEAR, 2: 6.0})  # a second row at 1.2x: pays at the prior
+    for _ in range(20):
+        if policy.choose(BRANCH):
+            policy.observe(0)  # always wrong
+    tried = [len(policy.choose(BRANCH)) for _ in range(4 * PROBE_EVERY)]
+    assert tried.count(1) == 4 and set(tried) == {0, 1}  # one probe of one token every PROBE_EVERY branches
+
+
+def test_branches_grow_while_copies_are_accepted_and_shrink_when_they_stop():
+    costs = {size: 10.0 + 4.0 * size for size in range(1, 10)}  # a row at 0.4 of a step
+    policy = BranchPolicy(costs)
+    lengths = []
+    for _ in range(12):
+        chosen = policy.choose(BRANCH)
+        lengths.append(len(chosen))
+        policy.observe(len(chosen))  # every copied token right
+    assert lengths[-1] == len(BRANCH) and lengths[-1] > lengths[0]
+    for _ in range(12):
+        policy.observe(0) if policy.choose(BRANCH) else None
+    assert len(policy.choose(BRANCH)) < len(BRANCH) // 2
+
+
+def test_the_branch_is_never_longer_than_the_measured_sizes_or_the_branch():
+    policy = BranchPolicy({1: 10.0, 2: 10.0, 3: 10.0})
+    assert policy.choose(BRANCH) == BRANCH[:2]
+    assert policy.choose([7]) == [7]
+    assert policy.choose([]) == []
+    with pytest.raises(ValueError, match="t_verify"):
+        BranchPolicy({2: 1.0})
