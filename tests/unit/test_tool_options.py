@@ -325,3 +325,17 @@ def test_bench_concurrent_says_too_few_tokens_instead_of_nan_for_a_p95():
     assert bench_concurrent.format_ms(bench_concurrent.p95_itl_ms(one_chunk)) == "- (too few tokens)"
     streams = [{"times": [(0.0, 1), (0.1, 1), (0.3, 2)]}]  # gaps: 100 ms for one token, 100 ms each for two
     assert bench_concurrent.format_ms(bench_concurrent.p95_itl_ms(streams)) == "100.0"
+
+
+def test_bench_lookup_names_a_bad_set_or_branch_before_starting_a_server(tmp_path):
+    from tools import bench_lookup
+
+    result = CliRunner().invoke(bench_lookup.main, ["--target", "t", "--sets", "chat,novels"])
+    assert result.exit_code == 2 and "'novels' is not chat, edit or a JSONL file" in result.output
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    result = CliRunner().invoke(bench_lookup.main, ["--target", "t", "--sets", str(bad)])
+    assert result.exit_code == 2 and "not JSONL with a \"prompt\" field" in result.output
+    result = CliRunner().invoke(bench_lookup.main, ["--target", "t", "--lookup-tokens", "0"])
+    assert result.exit_code == 2 and "1-16" in result.output
+    assert len(bench_lookup.prompt_set("edit")) == 8 and len(bench_lookup.prompt_set("chat")) == 24
