@@ -103,3 +103,46 @@ def test_the_branch_policy_keeps_the_results_of_ar_with_measured_costs(engine):
         _, stats = generate_ar(cpu, job, lambda tokens, _lp: emitted.extend(tokens) or False, lookup_tokens=8,
                                verify_ms={size: 1.0 + 0.05 * size for size in range(1, 10)})
     assert emitted == ar_tokens and stats.lookup_tokens > 0
+
+
+def test_lookup_streams_beside_others_and_at_the_context_end_get_ar_tokens_and_logprobs(engine):
+    from dovetail_runtime.batching import Batcher
+    from dovetail_runtime.generation import ar_steps, run_alone
+
+    prompt_ids = Tokenizer.from_dir(DEMO_TARGET).encode(PROMPT)
+    settings = [(m.Sampling(), 2), (m.Sampling(temperature=0.8, seed=5), None), (m.Sampling(), None)]
+
+    def jobs(max_len: int) -> list[Job]:
+        return [Job(seq_id=10 + index, prompt_ids=prompt_ids, max_new_tokens=40, sampling=sampling,
+                    eos_token_ids=frozenset(), max_len=max_len, logprobs=logprobs)
+                for index, (sampling, logprobs) in enumerate(settings)]
+
+    def recorder(into: list):
+        return lambda tokens, logprobs: into.append((list(tokens), list(logprobs))) and False
+
+    def flat(chunks: list) -> tuple[list[int], list]:
+        return [t for tokens, _ in chunks for t in tokens], [lp for _, lps in chunks for lp in lps]
+
+    for max_len in (256, len(prompt_ids) + 13):  # the second ends at the context, mid-branch
+        solo = []
+        for job in jobs(max_len):
+            chunks: list = []
+            with local_workers(engine, lookup_tokens=8) as (cpu, _):
+                run_alone(ar_steps(job, recorder(chunks)), cpu, None)
+            solo.append(flat(chunks))
+        together: list[list] = [[] for _ in settings]
+        streams = []
+        with local_workers(engine, lookup_tokens=8, max_sequences=4) as (cpu, _):
+            batcher = Batcher(cpu, None)
+            pending, rounds = list(enumerate(jobs(max_len))), 0
+            while pending or batcher.streams:
+                if pending and rounds % 4 == 0:  # a new stream every 4 rounds: each runs alone, then beside others
+                    index, job = pending.pop(0)
+                    steps = ar_steps(job, recorder(together[index]), lambda: len(batcher.streams), lookup_tokens=8,
+                                     verify_ms={size: 1.0 for size in range(1, 10)})
+                    streams.append(batcher.add(job.seq_id, steps, uses_gpu=False))
+                batcher.round()
+                rounds += 1
+        for index in range(len(settings)):
+            assert flat(together[index]) == solo[index], (max_len, index)
+        assert sum(stream.outcome[1].lookup_tokens for stream in streams) > 0  # branches were taken
