@@ -120,6 +120,9 @@ def test_lookup_streams_beside_others_and_at_the_context_end_get_ar_tokens_and_l
     def recorder(into: list):
         return lambda tokens, logprobs: into.append((list(tokens), list(logprobs))) and False
 
+    def batch_size(batcher: Batcher):
+        return lambda: len(batcher.streams)
+
     def flat(chunks: list) -> tuple[list[int], list]:
         return [t for tokens, _ in chunks for t in tokens], [lp for _, lps in chunks for lp in lps]
 
@@ -138,8 +141,8 @@ def test_lookup_streams_beside_others_and_at_the_context_end_get_ar_tokens_and_l
             while pending or batcher.streams:
                 if pending and rounds % 4 == 0:  # a new stream every 4 rounds: each runs alone, then beside others
                     index, job = pending.pop(0)
-                    steps = ar_steps(job, recorder(together[index]), lambda: len(batcher.streams), lookup_tokens=8,
-                                     verify_ms={size: 1.0 for size in range(1, 10)})
+                    steps = ar_steps(job, recorder(together[index]), batch_size(batcher), lookup_tokens=8,
+                                     verify_ms=dict.fromkeys(range(1, 10), 1.0))
                     streams.append(batcher.add(job.seq_id, steps, uses_gpu=False))
                 batcher.round()
                 rounds += 1
