@@ -31,6 +31,7 @@ from cpu_worker.target_loading import fuse_layers, load_target_model, weight_byt
 from cpu_worker.verify_cost import OnlineCurve, VerifyCostCache, cache_key, measure_verify_ms
 from ipc import messages as m
 from ipc.core_load import CoreLoadProbe
+from ipc.cost_cache import loaded_note
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing
 from ipc.worker_loop import Handlers, SequenceError, exit_process, worker_main
@@ -295,9 +296,10 @@ class TargetService:
         except ValueError as error:
             raise SequenceError(str(error)) from None
         if self.cost_key:
-            if cache.put_measured(self.cost_key, request.tree_sizes, ms, probe.others_share):
-                log.warning("t_verify was measured while %s: this run uses it (and corrects it as it runs), the "
-                            "next start measures it again", probe.describe())
+            note = loaded_note("t_verify", cache.put_measured(self.cost_key, request.tree_sizes, ms,
+                                                              probe.others_share), probe.describe())
+            if note:
+                log.warning("%s", note)
             self.curve = OnlineCurve(cache, self.cost_key)  # seeded with what was just measured
         return m.VerifyCost(tree_sizes=request.tree_sizes, ms=ms, cache_path=str(cache.path))
 

@@ -469,7 +469,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               show_default=True,
               help="Prompt lookup: the longest branch of tokens copied onto each draft tree from what followed "
                    "the last 2-4 tokens' latest earlier occurrence in the prompt or the answer (free to draft; "
-                   "verified like the draft's own nodes, so the output never changes). 0: off.")
+                   "verified like the draft's own nodes, so the output never changes), and with --mode lookup "
+                   "(or a lookup request) onto each plain step. 0: off (--mode lookup needs at least 1).")
 @click.option("--top-k", expose_value=False, hidden=True, callback=refuse_ambiguous_top_k,
               help="Refused: say --tree-top-k or --sample-top-k.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="New tokens per one-shot prompt.")
@@ -625,7 +626,9 @@ def warn_ignored_options(one_shot_run: bool, mode: str) -> None:
     if mode == "ar" and one_shot_run and options_given(("compare_ar",)):
         log.warning("--compare-ar compares --mode dovetail with ar: with --mode ar there is nothing to compare "
                     "(ignored; leave out --mode ar to compare)")
-    draft_only = DRAFT_ONLY if mode == "ar" else tuple(name for name in DRAFT_ONLY if name != "lookup_tokens")
+    # --lookup-tokens serves lookup decoding: a lookup run's, and a server's lookup requests (any --mode).
+    uses_lookup = mode == "lookup" or not one_shot_run
+    draft_only = tuple(name for name in DRAFT_ONLY if name != "lookup_tokens") if uses_lookup else DRAFT_ONLY
     unused = options_given(draft_only)
     if unused:
         log.warning("%s: no draft runs with --mode %s (the target decodes alone): ignored", ", ".join(unused), mode)

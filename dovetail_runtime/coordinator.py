@@ -419,11 +419,13 @@ class Coordinator:
         inexact = not info.exact_tree and (self.gpu is not None or self.settings.mode == "lookup")
         if inexact and info.dtype in ("fp32", "bf16") and info.kv_dtype == "bfloat16":
             log.warning("%s target with a bf16 KV cache: tree verification differs from one-token decoding by "
-                        "~1e-2 (bf16 rounding of K/V amplifies its linears' ~1e-6), so dovetail can differ from "
-                        "--mode ar where two tokens nearly tie; an int8 target is exact with it", info.dtype)
+                        "~1e-2 (bf16 rounding of K/V amplifies its linears' ~1e-6), so --mode %s can differ from "
+                        "--mode ar where two tokens nearly tie; an int8 target is exact with it", info.dtype,
+                        self.default_mode)
         elif inexact and info.dtype == "bf16":
             log.warning("bf16 target without the row kernel: tree verification rounds differently from one-token "
-                        "decoding (~1e-6), so dovetail can differ from --mode ar where two tokens nearly tie")
+                        "decoding (~1e-6), so --mode %s can differ from --mode ar where two tokens nearly tie",
+                        self.default_mode)
         kernel = f" ({info.kernel})" if info.kernel else ""
         log.info("target: %s%s, %.2f GB of weights; context %d tokens (model: %d; --max-len sets it), KV cache %s "
                  "%.2f GB at full context, committed as it fills; trees verified %s", info.dtype, kernel,
@@ -548,6 +550,9 @@ class Coordinator:
         if request.mode == "dovetail" and self.gpu is None:
             return error_reply(request.request_id, "unsupported",
                                 message="this server runs without a draft head: use mode 'ar' or 'lookup'")
+        if request.mode == "lookup" and not self.lookup_tokens:
+            return error_reply(request.request_id, "unsupported",
+                                message="this server runs with --lookup-tokens 0 (no prompt lookup): use mode 'ar'")
         try:
             prompt_ids = (self.tokenizer.encode(request.prompt or "") if request.messages is None
                           else encode_chat(self.tokenizer, self.chat_template, request.messages))

@@ -252,7 +252,7 @@ def build_app(endpoint: str, model: ServedModel, context: zmq.asyncio.Context | 
     path but /health needs it (``Authorization: Bearer``); with ``cors_origins`` (``*``: any)
     browsers on those origins may call it. Every response is counted in ``http_counts`` (a new
     count unless given) and shown by /metrics."""
-    counts = http_counts or HttpCounts()
+    counts = http_counts if http_counts is not None else HttpCounts()
     routes = Routes(endpoint, model, context or zmq.asyncio.Context(shadow=zmq.Context.instance()),
                     CallSlots(max_calls), counts)
     app = FastAPI(title="Dovetail", summary="OpenAI-compatible API of a Dovetail server", openapi_url=None)

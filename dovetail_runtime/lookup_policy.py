@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from .tree_planner import cheapest_from_here, interpolate
+
 PRIOR_ACCEPTANCE = 0.5  # the first position's before any step: a guess worth PRIOR_WEIGHT observations
 PRIOR_WEIGHT = 2.0  # a later position's prior is the estimate of the one before it, worth as much
 DECAY = 0.9  # an observation's weight after each newer one at the same position (~10 steps remembered)
@@ -30,10 +32,13 @@ class BranchPolicy:
     """Per request: ``choose(branch)`` before a step, ``observe(accepted)`` after it."""
 
     def __init__(self, verify_ms: Mapping[int, float]):
-        if 1 not in verify_ms:
-            raise ValueError("the policy needs t_verify(1), a plain step's cost")
-        self.cost = dict(verify_ms)
-        self.longest = max(size for size in self.cost if all(t in self.cost for t in range(1, size + 1))) - 1
+        if 1 not in verify_ms or max(verify_ms) < 2:
+            raise ValueError("the policy needs t_verify(1), a plain step's cost, and of at least one larger T")
+        # Non-decreasing (a timing taken in a busy spell is too high, never too low), and sizes between
+        # measured ones interpolated: a tree planner's curve measures T = 1, 2, 3, 4, 6, 8, ...
+        measured = cheapest_from_here(verify_ms)
+        self.longest = max(measured) - 1
+        self.cost = {size: interpolate(measured, size) for size in range(1, self.longest + 2)}
         self.hits = [0.0] * (self.longest + 1)  # index i: branch position i (1-based), decayed counts
         self.tries = [0.0] * (self.longest + 1)
         self.offered = 0  # branch tokens the last choose() kept

@@ -12,13 +12,16 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from ipc.tree import MAX_DEPTH, MAX_TOP_K, MAX_TREE_TOKENS
 
 from .click_types import FiniteFloatRange
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 ConfigT = TypeVar("ConfigT")
 
@@ -257,7 +260,7 @@ class FeatureSettings:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def gguf_training_tokenizer(path: Path):
+def gguf_training_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     """transformers' tokenizer API (offsets, chat templates) over the runtime's own GGUF tokenizer:
     the same ids, offsets, special tokens and template as ``AutoTokenizer.from_pretrained(folder,
     gguf_file=name)`` (tests/unit/test_gguf_tokenizer.py), built in ~0.3 s where transformers'
@@ -284,12 +287,13 @@ def target_tokenizer(target_dir: Path):
     elif not any((target_dir / name).is_file() for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{target_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the model's "
                              "tokenizer files into it")
+    tokenizer: Any  # transformers' class for it differs between its versions
     try:
         if is_gguf(target_dir):
             tokenizer = gguf_training_tokenizer(target_dir)
         else:
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    except Exception as error:  # transformers' GGUF conversion raises KeyError for a missing field (merges, scores)
+    except Exception as error:  # the GGUF reader's TokenizerLoadError (merges, scores missing); transformers' own
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         what = " (its tokenizer.ggml metadata is incomplete)" if is_gguf(target_dir) else ""
         raise ModelLoadError(f"cannot load the tokenizer of {target_dir}{what}: {reason}") from None

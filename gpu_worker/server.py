@@ -15,7 +15,7 @@ import torch
 
 from ipc import messages as m
 from ipc.core_load import CoreLoadProbe
-from ipc.cost_cache import OnlineCurve
+from ipc.cost_cache import OnlineCurve, loaded_note
 from ipc.placement import apply_placement
 from ipc.shm_ring import ShmRing, get_block
 from ipc.tree import TreeShape
@@ -186,9 +186,11 @@ class DraftService:
         else:
             ms = cached
         if key:
-            if cached is None and cache.put_measured(key, request.depths, ms, probe.others_share):
-                log.warning("t_draft (top_k %d) was measured while %s: this run uses it (and corrects it as it "
-                            "runs), the next start measures it again", request.top_k, probe.describe())
+            if cached is None:
+                note = loaded_note(f"t_draft (top_k {request.top_k})",
+                                   cache.put_measured(key, request.depths, ms, probe.others_share), probe.describe())
+                if note:
+                    log.warning("%s", note)
             self.curves[request.top_k] = OnlineCurve(cache, key)  # seeded with the cached or measured curve
         return m.DraftCost(depths=request.depths, ms=ms, cached=cached is not None,
                            cache_path=str(cache.path) if key else "")

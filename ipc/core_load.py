@@ -18,9 +18,10 @@ from types import TracebackType
 # Busy columns of a /proc/stat cpuN line: user nice system idle iowait irq softirq steal (guest
 # time is already inside user and nice).
 _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
-# A measurement shorter than this many core-seconds is not judged: the counters tick 100 times a
-# second, so a short one's share would be mostly rounding.
+# A measurement shorter than this many core-seconds, or seconds of wall time, is not judged: each
+# core's counter ticks 100 times a second, so a short one's share would be mostly rounding.
 MIN_CORE_SECONDS = 0.5
+MIN_WALL_SECONDS = 0.25
 
 
 def busy_core_seconds(cores: Collection[int], stat_path: Path = Path("/proc/stat")) -> float | None:
@@ -55,6 +56,9 @@ class CoreLoadProbe:
         self.cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
         self.stat_path = stat_path
         self.others_share: float | None = None
+        self._busy: float | None = None  # the cores' busy seconds, this process's CPU seconds, the clock: at entry
+        self._own = 0.0
+        self._wall = 0.0
 
     def __enter__(self) -> CoreLoadProbe:
         self._busy = busy_core_seconds(self.cores, self.stat_path)
@@ -66,8 +70,9 @@ class CoreLoadProbe:
                  trace: TracebackType | None) -> None:
         busy = busy_core_seconds(self.cores, self.stat_path)
         own = time.process_time() - self._own
-        capacity = (time.perf_counter() - self._wall) * len(self.cores)
-        if busy is None or self._busy is None or capacity < MIN_CORE_SECONDS:
+        wall = time.perf_counter() - self._wall
+        capacity = wall * len(self.cores)
+        if busy is None or self._busy is None or capacity < MIN_CORE_SECONDS or wall < MIN_WALL_SECONDS:
             return
         others = max(0.0, (busy - self._busy) - own)
         self.others_share = min(1.0, others / capacity)

@@ -14,8 +14,9 @@ import math
 import os
 import platform
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def cache_dir() -> Path:
@@ -50,10 +51,13 @@ def files_signature(model_dir: str | Path) -> str:
     return f"{folder}\n{files!r}"
 
 
-# An entry's count of measurements in a row taken while other processes took more than
-# LOADED_SHARE of the cores (``ipc.core_load``): such a curve serves its run, and the next start
-# measures again, until the TRUST_LOADED-th such measurement (a machine always this busy costs
-# what it costs: measuring it at every start would only add minutes to each).
+# Per size of an entry, the count of its measurements in a row taken while other processes took
+# more than LOADED_SHARE of the cores (``ipc.core_load``), under the entry's LOADED key: such a
+# timing serves its run and the next start that needs it measures again, until the TRUST_LOADED-th
+# such measurement (a machine always this busy costs what it costs: measuring it at every start
+# would only add minutes to each). Per size, since one entry holds every size any start asked for
+# (a tree planner's T = 1, 2, 3, 4, 6, ..., lookup's 1 .. 5): a quiet measurement of some clears
+# only theirs.
 LOADED = "measured_under_load"
 LOADED_SHARE = 0.2
 TRUST_LOADED = 3
@@ -68,7 +72,7 @@ class CostCache:
     def __init__(self, path: Path | None = None):
         self.path = path or cache_dir() / self.FILE
 
-    def _load(self) -> dict[str, dict[str, float]]:
+    def _load(self) -> dict[str, dict[str, Any]]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -79,7 +83,7 @@ class CostCache:
         entry = self._load().get(key)
         if not isinstance(entry, dict) or not all(str(size) in entry for size in tree_sizes):
             return None
-        if 0 < self._loaded(entry) < TRUST_LOADED:
+        if 0 < _loaded(entry, tree_sizes) < TRUST_LOADED:
             return None  # measured while the cores were shared: measure again
         values = [entry[str(size)] for size in tree_sizes]
         return [float(v) for v in values] if all(isinstance(v, int | float) and v > 0 for v in values) else None
@@ -92,37 +96,45 @@ class CostCache:
         return {int(size): float(value) for size, value in entry.items()
                 if size.isdigit() and isinstance(value, int | float) and value > 0}
 
-    @staticmethod
-    def _loaded(entry: dict) -> int:
-        count = entry.get(LOADED, 0)
-        return count if isinstance(count, int) and count > 0 else 0
-
-    def loaded_count(self, key: str) -> int:
-        """How many measurements in a row of ``key`` were taken on shared cores (0: the last one was not)."""
+    def loaded_count(self, key: str, sizes: Sequence[int] | None = None) -> int:
+        """The most measurements in a row of any of ``sizes`` (None: every size) of ``key`` taken on
+        shared cores (0: none's last one was)."""
         entry = self._load().get(key)
-        return self._loaded(entry) if isinstance(entry, dict) else 0
+        return _loaded(entry, sizes) if isinstance(entry, dict) else 0
 
     def put_measured(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float],
-                     others_share: float | None) -> bool:
+                     others_share: float | None) -> int:
         """A new measurement, ``others_share`` of the cores used by other processes meanwhile (None:
-        unknown, taken as quiet). True where that was too much: the next start measures again."""
+        unknown, taken as quiet). Returns how many measurements in a row of these sizes were taken on
+        shared cores: 0 (quiet), under TRUST_LOADED (the next start measures again), or more (kept)."""
         loaded = others_share is not None and others_share > LOADED_SHARE
-        count = self.loaded_count(key) + 1 if loaded else 0
-        self.put(key, tree_sizes, ms, loaded=count)
-        return 0 < count < TRUST_LOADED
 
-    def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float], loaded: int | None = None) -> None:
-        """Store ``ms`` per size; ``loaded``: the count of measurements in a row on shared cores
-        (0 clears it; None, for a curve's online corrections, keeps what the entry says)."""
+        def mark(entry: dict[str, Any]) -> None:
+            marks = entry.get(LOADED)
+            marks = dict(marks) if isinstance(marks, dict) else {}
+            for size in map(str, tree_sizes):
+                count = marks.pop(size, 0)
+                if loaded:
+                    marks[size] = (count if isinstance(count, int) and count > 0 else 0) + 1
+            if marks:
+                entry[LOADED] = marks
+            else:
+                entry.pop(LOADED, None)
+
+        self.put(key, tree_sizes, ms, mark)
+        return self.loaded_count(key, tree_sizes) if loaded else 0
+
+    def put(self, key: str, tree_sizes: Sequence[int], ms: Sequence[float],
+            change: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Store ``ms`` per size (any marks kept: a curve's online corrections), then ``change`` the
+        entry (``put_measured``'s marks)."""
         data = self._load()
         entry = data.get(key)
         if not isinstance(entry, dict):
             entry = {}
         entry.update({str(size): round(value, 3) for size, value in zip(tree_sizes, ms)})
-        if loaded == 0:
-            entry.pop(LOADED, None)
-        elif loaded is not None:
-            entry[LOADED] = loaded
+        if change is not None:
+            change(entry)
         data[key] = entry
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +143,25 @@ class CostCache:
             scratch.replace(self.path)
         except OSError:
             pass  # a read-only home: measure again next time
+
+
+def loaded_note(what: str, count: int, probe_description: str) -> str | None:
+    """The warning a worker logs after measuring ``what`` (``put_measured``'s count), or None."""
+    if count == 0:
+        return None
+    if count < TRUST_LOADED:
+        return (f"{what} was measured while {probe_description}: this run uses it (and corrects it as it runs), "
+                "the next start measures it again")
+    return (f"{what} was measured while {probe_description}, at {count} starts in a row: kept as this machine's "
+            "costs (delete the cache file to measure again on a quiet machine)")
+
+
+def _loaded(entry: dict[str, Any], sizes: Sequence[int] | None) -> int:
+    marks = entry.get(LOADED)
+    if not isinstance(marks, dict):
+        return 0
+    counts = [marks.get(str(size), 0) for size in sizes] if sizes is not None else list(marks.values())
+    return max([count for count in counts if isinstance(count, int) and count > 0], default=0)
 
 
 class OnlineCurve:

@@ -4,6 +4,7 @@ suite once mis-sized every later start's trees until its cache file was deleted 
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ipc.core_load import CoreLoadProbe, busy_core_seconds
-from ipc.cost_cache import LOADED, TRUST_LOADED, CostCache, OnlineCurve
+from ipc.cost_cache import LOADED, TRUST_LOADED, CostCache, OnlineCurve, loaded_note
 
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -93,17 +94,30 @@ def test_real_processes_spinning_on_the_cores_are_seen():
 def test_a_measurement_on_shared_cores_is_measured_again_until_the_third(tmp_path):
     cache = CostCache(tmp_path / "costs.json")
     for attempt in range(1, TRUST_LOADED):
-        assert cache.put_measured("k", [1, 4], [900.0, 950.0], others_share=0.5)
+        assert cache.put_measured("k", [1, 4], [900.0, 950.0], others_share=0.5) == attempt
         assert cache.get("k", [1, 4]) is None  # the next start measures again
-        assert cache.loaded_count("k") == attempt
-    assert not cache.put_measured("k", [1, 4], [880.0, 940.0], others_share=0.45)  # always this busy: kept
+    assert cache.put_measured("k", [1, 4], [880.0, 940.0], others_share=0.45) == TRUST_LOADED  # kept
     assert cache.get("k", [1, 4]) == [880.0, 940.0]
-    assert not cache.put_measured("k", [1, 4], [900.0, 950.0], others_share=0.5)  # still trusted, still counted
-    assert cache.loaded_count("k") == TRUST_LOADED + 1 and cache.get("k", [1, 4]) == [900.0, 950.0]
-    assert not cache.put_measured("k", [1, 4], [300.0, 310.0], others_share=0.05)  # a quiet start clears it
+    assert "at 3 starts in a row: kept" in (loaded_note("t_verify", TRUST_LOADED, "x") or "")
+    assert cache.put_measured("k", [1, 4], [900.0, 950.0], others_share=0.5) == TRUST_LOADED + 1  # still kept
+    assert cache.get("k", [1, 4]) == [900.0, 950.0]
+    assert cache.put_measured("k", [1, 4], [300.0, 310.0], others_share=0.05) == 0  # a quiet start clears it
     assert cache.loaded_count("k") == 0 and cache.get("k", [1, 4]) == [300.0, 310.0]
-    assert not cache.put_measured("k", [1, 4], [300.0, 310.0], others_share=None)  # unknown: taken as quiet
-    assert cache.get("k", [1, 4]) == [300.0, 310.0]
+    assert cache.put_measured("k", [1, 4], [300.0, 310.0], others_share=None) == 0  # unknown: taken as quiet
+    assert loaded_note("t_verify", 0, "x") is None
+
+
+def test_marks_are_per_size_so_a_quiet_measurement_of_others_keeps_them(tmp_path):
+    # One entry holds every size any start asked for: a tree planner's and lookup's.
+    cache = CostCache(tmp_path / "costs.json")
+    trees = [1, 2, 3, 4, 6, 8]
+    cache.put_measured("k", trees, [9.0] * len(trees), others_share=0.6)
+    cache.put_measured("k", [1, 2, 3, 4, 5], [1.0] * 5, others_share=0.0)  # lookup's sizes, quiet
+    assert cache.get("k", [1, 2, 3, 4, 5]) == [1.0] * 5
+    assert cache.get("k", trees) is None  # 6 and 8 are still the loaded ones: measured again
+    assert cache.loaded_count("k", [6, 8]) == 1 and cache.loaded_count("k", [1, 5]) == 0
+    cache.put_measured("k", trees, [1.0] * len(trees), others_share=0.0)
+    assert cache.get("k", trees) == [1.0] * len(trees) and LOADED not in json.loads(cache.path.read_text())["k"]
 
 
 def test_online_corrections_keep_the_mark_of_a_loaded_measurement(tmp_path):
@@ -115,7 +129,6 @@ def test_online_corrections_keep_the_mark_of_a_loaded_measurement(tmp_path):
     curve.save()
     assert cache.entry("k")[1] == pytest.approx(300.0) and cache.loaded_count("k") == 1
     assert cache.get("k", [1, 4]) is None  # corrected for this run, still measured again next start
-    assert LOADED not in {str(size) for size in cache.entry("k")}
 
 
 class LoadedProbe(CoreLoadProbe):

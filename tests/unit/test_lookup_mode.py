@@ -12,7 +12,7 @@ from dovetail_runtime.local_workers import local_workers
 from dovetail_runtime.tokenizer import Tokenizer
 from ipc import messages as m
 
-from conftest import DEMO_TARGET
+from conftest import DEMO_DRAFT, DEMO_TARGET
 
 # Code that repeats itself: the answer goes on copying names and lines from the prompt.
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add("
@@ -149,3 +149,28 @@ def test_lookup_streams_beside_others_and_at_the_context_end_get_ar_tokens_and_l
         for index in range(len(settings)):
             assert flat(together[index]) == solo[index], (max_len, index)
         assert sum(stream.outcome[1].lookup_tokens for stream in streams) > 0  # branches were taken
+
+
+@pytest.mark.parametrize("mode, draft, lookup_tokens", [("ar", None, 0), ("dovetail", "draft-dgf", 4)])
+def test_other_servers_serve_lookup_requests_or_say_why_not(tmp_path, monkeypatch, mode, draft, lookup_tokens):
+    from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
+
+    monkeypatch.setenv("DOVETAIL_CACHE_DIR", str(tmp_path))
+    coordinator = Coordinator(RuntimeSettings(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT) if draft else None,
+                                              mode=mode, target_dtype="int8", lookup_tokens=lookup_tokens,
+                                              max_len=256, max_batch=1, startup_timeout_s=120))
+    try:
+        coordinator.start()
+        request = m.GenerateRequest(request_id="a", prompt=PROMPT, max_new_tokens=32, mode="lookup")
+        served = coordinator.generate(request)
+        if not lookup_tokens:
+            assert isinstance(served, m.ErrorReply) and served.code == "unsupported"
+            assert "--lookup-tokens 0" in served.message
+            return
+        # A head's auto trees measured the costs the branch policy weighs (T = 1, 2, 3, 4, 6, ...).
+        assert coordinator.lookup_costs is not None and {1, 2, 3, 4, 6} <= set(coordinator.lookup_costs)
+        plain = coordinator.generate(msgspec.structs.replace(request, request_id="b", mode="ar"))
+        assert isinstance(served, m.GenerateDone) and isinstance(plain, m.GenerateDone)
+        assert served.token_ids == plain.token_ids and served.stats.draft_ms == 0
+    finally:
+        coordinator.close()

@@ -20,8 +20,7 @@ def test_with_cheap_rows_long_branches_are_verified_from_the_start():
 
 def test_with_dear_rows_and_misses_no_branch_is_verified_but_probes():
     policy = BranchPolicy(DEAR)
-    chosen = [len(policy.choose(BRANCH)) for _ in range(3)]
-    assert chosen[0] == 0  # at the prior (half accepted) a row costing a step never pays
+    assert len(policy.choose(BRANCH)) == 0  # at the prior (half accepted) a row costing a step never pays
     policy = BranchPolicy({**DEAR, 2: 6.0})  # a second row at 1.2x: pays at the prior
     for _ in range(20):
         if policy.choose(BRANCH):
@@ -49,5 +48,16 @@ def test_the_branch_is_never_longer_than_the_measured_sizes_or_the_branch():
     assert policy.choose(BRANCH) == BRANCH[:2]
     assert policy.choose([7]) == [7]
     assert policy.choose([]) == []
-    with pytest.raises(ValueError, match="t_verify"):
-        BranchPolicy({2: 1.0})
+    for costs in ({2: 1.0}, {1: 10.0}):  # no plain step's cost, or nothing to weigh a branch row with
+        with pytest.raises(ValueError, match="t_verify"):
+            BranchPolicy(costs)
+
+
+def test_a_planners_curve_is_interpolated_and_made_non_decreasing():
+    # A tree planner's sizes (no 5, no 7) with one timing taken in a busy spell (T = 2).
+    policy = BranchPolicy({1: 10.0, 2: 30.0, 3: 11.0, 4: 12.0, 6: 14.0, 8: 16.0})
+    assert policy.cost == {1: 10.0, 2: 11.0, 3: 11.0, 4: 12.0, 5: 13.0, 6: 14.0, 7: 15.0, 8: 16.0}
+    assert policy.longest == 7
+    for _ in range(10):
+        policy.observe(len(policy.choose(BRANCH)))  # all accepted: the branch grows past the gaps
+    assert policy.choose(BRANCH) == BRANCH[:7]
