@@ -44,21 +44,14 @@ class BranchPolicy:
         self.offered = 0  # branch tokens the last choose() kept
         self.skipped = 0  # branches not verified since the last one that was
 
-    def acceptances(self) -> list[float]:
-        """Position i's estimate at index i - 1: its counts, with the estimate before it as the prior."""
-        estimates, prior = [], PRIOR_ACCEPTANCE
-        for position in range(1, self.longest + 1):
-            prior = (self.hits[position] + PRIOR_WEIGHT * prior) / (self.tries[position] + PRIOR_WEIGHT)
-            estimates.append(prior)
-        return estimates
-
     def choose(self, branch: Sequence[int]) -> list[int]:
-        """The prefix of ``branch`` to verify: the one with the most expected tokens a millisecond."""
+        """The prefix of ``branch`` to verify: the one with the most expected tokens a millisecond.
+        Position i's acceptance: its counts, with the estimate of position i - 1 as the prior."""
         best, best_rate = 0, 1.0 / self.cost[1]
-        expected, survive = 1.0, 1.0
-        acceptances = self.acceptances()
-        for length in range(1, min(len(branch), self.longest) + 1):
-            survive *= acceptances[length - 1]
+        expected, survive, acceptance = 1.0, 1.0, PRIOR_ACCEPTANCE
+        for length in range(1, min(len(branch), self.longest) + 1):  # per step: only as far as the branch
+            acceptance = (self.hits[length] + PRIOR_WEIGHT * acceptance) / (self.tries[length] + PRIOR_WEIGHT)
+            survive *= acceptance
             expected += survive
             rate = expected / self.cost[length + 1]
             if rate > best_rate:

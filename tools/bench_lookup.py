@@ -1,7 +1,7 @@
 """Lookup decoding (``--mode lookup``: no draft head) against plain decoding, side by side: the two
 modes take turns on each prompt of a set (the first mode alternating), on one server per
-``--lookup-tokens`` value, and the decode speed (new tokens over wall time less the prompt's prefill)
-is summed per mode.
+``--lookup-tokens`` value, and the decode speed (new tokens but the first over wall time less the prefill)
+is summed per mode (``bench_real.ModeTotals``: each request's first token, the prefill's, left out).
 
     python -m tools.bench_lookup --target ~/.cache/dovetail/fixtures/SmolLM2-135M-Instruct.Q4_1.gguf
     python -m tools.bench_lookup --target T --sets chat,edit --lookup-tokens 4,16 --rounds 3
@@ -22,7 +22,7 @@ import click
 
 from dovetail_runtime.coordinator import Coordinator, RuntimeSettings
 from ipc import messages as m
-from tools.bench_real import proc_status_kb
+from tools.bench_real import ModeTotals, proc_status_kb
 from tools.chat_prompts import heldout_prompts
 from tools.options import comma_list
 from tools.tables import markdown_header, markdown_row
@@ -64,22 +64,8 @@ def prompt_set(name: str) -> list[str]:
 
 
 @dataclass
-class Totals:
-    tokens: int = 0
-    seconds: float = 0.0  # decode time: wall less prefill
-
-    def add(self, stats: m.RequestStats) -> None:
-        self.tokens += stats.new_tokens
-        self.seconds += max(stats.wall_ms - stats.prefill_ms, 0.0) / 1e3
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-@dataclass
 class SetResult:
-    modes: dict[str, Totals] = field(default_factory=lambda: {"lookup": Totals(), "ar": Totals()})
+    modes: dict[str, ModeTotals] = field(default_factory=lambda: {"lookup": ModeTotals(), "ar": ModeTotals()})
     same: int = 0
     compared: int = 0
     accepted: int = 0  # tokens only a branch offered (lookup mode)
@@ -137,11 +123,11 @@ def main(target: str, target_dtype: str, sets: str, lookup_tokens: list[int], ro
             coordinator.start()
             for name, texts in prompts.items():
                 result = run_set(coordinator, texts, rounds, max_new_tokens)
-                lookup, ar = result.modes["lookup"], result.modes["ar"]
+                lookup, ar = result.modes["lookup"].tokens_per_s() or 0.0, result.modes["ar"].tokens_per_s() or 0.0
                 assert coordinator.cpu is not None and coordinator.cpu.process is not None
                 peak = proc_status_kb(coordinator.cpu.process.pid).get("VmHWM", 0)
-                print(markdown_row([name, f"{len(texts)} x {rounds}", branch, f"{lookup.rate:.1f}", f"{ar.rate:.1f}",
-                                    f"{lookup.rate / ar.rate:.3f}" if ar.rate else "-",
+                print(markdown_row([name, f"{len(texts)} x {rounds}", branch, f"{lookup:.1f}", f"{ar:.1f}",
+                                    f"{lookup / ar:.3f}" if ar else "-",
                                     f"{result.same}/{result.compared}",
                                     f"{result.accepted} of {result.branch_nodes}", result.steps,
                                     f"{peak / 1024 ** 2:.2f} GB"]), flush=True)
