@@ -14,6 +14,8 @@ import math
 import os
 import platform
 import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -164,38 +166,76 @@ def _loaded(entry: dict[str, Any], sizes: Sequence[int] | None) -> int:
     return max([count for count in counts if isinstance(count, int) and count > 0], default=0)
 
 
+# OnlineCurve's memory of a size's timings: bins of BIN_SECONDS (each its median), those of the last
+# WINDOW_SECONDS; the estimate is their LOW_QUANTILE. A shared host only ever makes a step slower, so
+# a spell of load must fill more than 1 - LOW_QUANTILE of the window to move a size's cost, while a
+# lasting change (a neighbour that stays) moves it within that much of the window.
+BIN_SECONDS = 1.0
+WINDOW_SECONDS = 300.0
+LOW_QUANTILE = 0.25
+
+
+class _SizeTimings:
+    """One size's recent timings: closed bins (start time, median), the open bin's values."""
+
+    def __init__(self, cached: float | None, now: float):
+        # The cached value is one more bin, until the window passes it by.
+        self.bins: deque[tuple[float, float]] = deque([(now, cached)] if cached is not None else [])
+        self.open: list[float] = []
+        self.open_since = now
+
+    def add(self, ms: float, now: float) -> None:
+        if self.open and now - self.open_since >= BIN_SECONDS:
+            self.bins.append((self.open_since, statistics.median(self.open)))
+            self.open = []
+        if not self.open:
+            self.open_since = now
+        self.open.append(ms)
+        while self.bins and self.bins[0][0] < now - WINDOW_SECONDS:
+            self.bins.popleft()
+
+    def estimate(self) -> float:
+        values = sorted([ms for _, ms in self.bins] + ([statistics.median(self.open)] if self.open else []))
+        return values[int(LOW_QUANTILE * (len(values) - 1))]
+
+
 class OnlineCurve:
     """A cached cost curve (t_verify(T), t_draft(depth)) as the steps this worker runs measure it,
     written back to the cache.
 
-    Each observed size's estimate is the median of its last ``window`` cycles, the cached value
-    standing in twice until cycles displace it: a curve measured under load comes down after
-    three cycles, while one cycle that shared the CPU with something else moves it not at all.
+    A size's estimate is the lower quartile of the medians of its last five minutes' one-second
+    bins of cycles, the cached value one more bin until five minutes pass it. A shared host only
+    makes steps slower: a curve measured under load comes down at the first quiet second, a busy
+    spell moves it only if it fills three quarters of the window (a host that stays busier does),
+    and the cache the next start reads is what this machine costs when the cores are its own.
     On ``save`` the observed sizes are written, and every other cached size is scaled by the
     geometric mean of estimate / cached over the observed sizes: a machine that got slower or
     faster did so for every T."""
 
-    def __init__(self, cache: CostCache, key: str, window: int = 5, save_every: int = 256):
+    def __init__(self, cache: CostCache, key: str, save_every: int = 256,
+                 clock: Callable[[], float] = time.monotonic):
         self.cache = cache
         self.key = key
-        self.window = window
         self.save_every = save_every
+        self.clock = clock
         self.start = cache.entry(key)  # the curve as cached when this worker started (or last saved)
-        self.recent: dict[int, list[float]] = {}
+        self.recent: dict[int, _SizeTimings] = {}
         self.pending = 0
 
     def observe(self, size: int, ms: float) -> None:
+        now = self.clock()
         if size not in self.recent:
-            self.recent[size] = [self.start[size]] * 2 if size in self.start else []
-        values = self.recent[size]
-        values.append(ms)
-        del values[:-self.window]
+            self.recent[size] = _SizeTimings(self.start.get(size), now)
+        self.recent[size].add(ms, now)
         self.pending += 1
         if self.pending >= self.save_every:
             self.save()
 
+    def observed_sizes(self) -> set[int]:
+        return set(self.recent)
+
     def estimate(self, size: int) -> float:
-        return statistics.median(self.recent[size])
+        return self.recent[size].estimate()
 
     def curve(self) -> dict[int, float]:
         """The corrected curve: observed sizes' estimates, the rest of the cached ones rescaled."""

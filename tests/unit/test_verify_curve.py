@@ -46,6 +46,51 @@ def test_one_slow_cycle_moves_a_good_curve_little_and_saves_come_by_themselves(c
     assert cache.entry("target")[4] == pytest.approx(curve.curve()[4], rel=1e-3)
 
 
+class Clock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_cycles(curve: OnlineCurve, clock: Clock, size: int, ms: float, seconds: int, per_second: int = 20) -> None:
+    for _ in range(seconds):
+        for _ in range(per_second):
+            curve.observe(size, ms)
+            clock.now += 1.0 / per_second
+
+
+def test_a_busy_spell_at_the_end_of_a_run_leaves_the_saved_curve_as_the_quiet_cycles_made_it(cache):
+    sizes = sorted(QUIET)
+    cache.put("target", sizes, [1.2 * QUIET[size] for size in sizes])  # an older, slower curve
+    clock = Clock()
+    curve = OnlineCurve(cache, "target", save_every=10**6, clock=clock)
+    run_cycles(curve, clock, 4, QUIET[4], seconds=120)
+    run_cycles(curve, clock, 4, 5 * QUIET[4], seconds=60)  # a neighbour's build, for a minute
+    curve.save()
+    assert cache.entry("target")[4] == pytest.approx(QUIET[4])
+    assert cache.entry("target")[16] == pytest.approx(QUIET[16])  # rescaled by size 4's ratio, 1 / 1.2
+
+
+def test_a_machine_that_stays_busier_moves_the_curve_within_the_window(cache):
+    sizes = sorted(QUIET)
+    cache.put("target", sizes, [QUIET[size] for size in sizes])
+    clock = Clock()
+    curve = OnlineCurve(cache, "target", save_every=10**6, clock=clock)
+    run_cycles(curve, clock, 1, QUIET[1], seconds=60)
+    run_cycles(curve, clock, 1, 2 * QUIET[1], seconds=120)
+    assert curve.estimate(1) == QUIET[1]  # two minutes of three quarters of five are not yet lasting
+    run_cycles(curve, clock, 1, 2 * QUIET[1], seconds=180)
+    assert curve.estimate(1) == 2 * QUIET[1]
+    run_cycles(curve, clock, 1, QUIET[1], seconds=2)  # quiet again: the lower quartile of the bins
+    assert curve.estimate(1) == 2 * QUIET[1]
+    run_cycles(curve, clock, 1, QUIET[1], seconds=80)
+    assert curve.estimate(1) == QUIET[1]
+
+
 def test_without_a_cached_curve_the_observations_are_the_curve(tmp_path):
     cache = VerifyCostCache(tmp_path / "verify_cost.json")
     curve = OnlineCurve(cache, "fresh", save_every=2)
@@ -74,6 +119,6 @@ def test_the_target_worker_feeds_its_verifications_and_decodes_to_the_curve(demo
     service.prefill(m.PrefillRequest(seq_id=1, token_ids=[1, 400, 30, 7], return_features=False))
     service.verify(m.VerifyRequest(seq_id=1, tokens=[7, 8, 9, 10], parents=[-1, 0, 0, 1]))
     service.decode(m.DecodeRequest(seq_id=1, token=11))
-    assert service.curve is not None and set(service.curve.recent) == {1, 4}
+    assert service.curve is not None and service.curve.observed_sizes() == {1, 4}
     service.release(m.ReleaseSequence(seq_id=1))
     assert VerifyCostCache().entry("demo") == pytest.approx(service.curve.curve(), rel=1e-3)
