@@ -45,7 +45,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
 # OpenAI fields that change nothing about the generated text: accepted and ignored.
-IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier"})
 
 # Coordinator error codes -> HTTP status. deadline_exceeded (--request-timeout) is 504, as gRPC maps
 # DEADLINE_EXCEEDED: the server's own limit ran out, not a fault of the server (it was a 500).
@@ -107,6 +107,9 @@ class Params(Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     mode: Literal["dovetail", "ar", "lookup"] | None = None  # extension
+    # Whose turn in the queue the request waits for: one user's requests take one turn between them
+    # (``request_queue``); without one, a request's choices take one turn between them.
+    user: Annotated[str, Meta(max_length=256)] | None = None
 
 
 LogprobCount = Annotated[int, Meta(ge=0, le=m.MAX_LOGPROBS)]
@@ -249,8 +252,11 @@ class Plan:
                 decodes.append(Decode(msgspec.structs.replace(request, sampling=seeded), (first + index,)))
         if len(decodes) == 1:
             return decodes
+        # The choices wait for one turn between them in the queue's rotation, as a client's requests do.
+        user = self.request.user or f"choices of {self.request.request_id}"[:256]
         return [Decode(msgspec.structs.replace(decode.request, request_id=f"{self.request.request_id}-"
-                                               f"{decode.choices[0]}"), decode.choices) for decode in decodes]
+                                               f"{decode.choices[0]}", user=user), decode.choices)
+                for decode in decodes]
 
 
 @dataclass(frozen=True)
@@ -310,7 +316,7 @@ def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, l
                        param="stream_options")
     request = m.GenerateRequest(request_id=request_id, max_new_tokens=max_tokens, stop=_stops(params.stop),
                                 sampling=_sampling(params), mode=params.mode or default_mode,  # type: ignore[arg-type]
-                                stream=stream, logprobs=logprobs, **prompt)
+                                stream=stream, logprobs=logprobs, user=params.user or None, **prompt)
     include_usage = bool(params.stream_options and params.stream_options.include_usage)
     return Plan(request, stream, include_usage, limit_field, choices=params.n or 1)
 

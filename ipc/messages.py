@@ -159,6 +159,9 @@ class GenerateRequest(Message):
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
     # Each new token's log-probability with this many alternatives (TokenLogprob); None: none.
     logprobs: LogprobCount | None = None
+    # Who the request is for: a user's requests take one turn between them in the queue's rotation,
+    # whatever connections they come by (OpenAI's ``user``). None: the connection is the user.
+    user: Id | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -251,6 +251,26 @@ def test_a_flooding_client_waits_for_its_own_turn(serve):
     assert harness.coordinator.ran == ["blocker", "flood-0", "single"] + [f"flood-{i}" for i in range(1, 6)]
 
 
+def test_a_user_on_many_connections_takes_one_turn_between_them(serve):
+    harness = serve()
+    blocker = start_blocker(harness)
+    connections = [harness.client() for _ in range(3)]
+    for index, connection in enumerate(connections):  # one user, a connection a request (as HTTP's)
+        send(connection, f"crowd-{index}", max_new_tokens=3, user="crowd")
+    harness.wait_for(lambda: len(harness.serving.queue) == 3, "the user's requests to be queued")
+    single = harness.client()
+    send(single, "single", max_new_tokens=3)
+    other = harness.client()
+    send(other, "named", max_new_tokens=3, user="someone else")
+    harness.wait_for(lambda: len(harness.serving.queue) == 5, "the others to be queued")
+    blocker.send(m.Cancel(request_id="blocker"))
+    assert final(blocker, "blocker").finish_reason == "cancelled"
+    for connection, request_id in [*((c, f"crowd-{i}") for i, c in enumerate(connections)), (single, "single"),
+                                   (other, "named")]:
+        assert final(connection, request_id).finish_reason == "length"
+    assert harness.coordinator.ran == ["blocker", "crowd-0", "single", "named", "crowd-1", "crowd-2"]
+
+
 def test_beyond_the_queue_bounds_requests_are_refused_busy_at_once(serve):
     harness = serve(ServeLimits(max_queue=3, max_queue_per_client=2))
     blocker = start_blocker(harness)

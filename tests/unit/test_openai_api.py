@@ -41,6 +41,18 @@ def test_fields_map_onto_the_generate_request():
     assert plan.stream and plan.request.stream and plan.include_usage
     assert completion({"prompt": "x", "top_k": -1, "stop": ["", "a"]}).request.sampling.top_k == 0
     assert completion({"prompt": "x", "stop": ["", "a"]}).request.stop == ["a"]
+    assert plan.request.user == "me"  # whose turn in the queue it waits for
+    assert completion({"prompt": "x", "user": ""}).request.user is None  # as if not sent
+
+
+def test_a_requests_choices_wait_for_one_turn_between_them_or_their_users():
+    sampled = completion({"prompt": ["a", "b"], "n": 2, "temperature": 1}).decoded()
+    assert {d.request.user for d in sampled} == {"choices of cmpl-1"}
+    assert {d.request.user for d in completion({"prompt": ["a", "b"], "user": "ann"}).decoded()} == {"ann"}
+    assert completion({"prompt": "a"}).decoded()[0].request.user is None  # one request: its connection's turn
+    with pytest.raises(api.ApiError, match="length <= 256") as refused:
+        completion({"prompt": "a", "user": "u" * 257})
+    assert refused.value.param == "user"
 
 
 def test_chat_messages_and_their_text_parts():

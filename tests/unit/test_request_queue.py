@@ -68,3 +68,34 @@ def test_remove_drop_and_expire():
     assert queue.clients() == ["c"] and len(queue) == 2
     assert [p.request.request_id for p in queue.drop_client("c")] == ["c0", "c1"]
     assert len(queue) == 0 and queue.drop_client("c") == []
+
+
+def named(client: str, request_id: str, user: str, deadline: float | None = None) -> Pending[str]:
+    return Pending(client, m.GenerateRequest(request_id=request_id, prompt="x", user=user), deadline)
+
+
+def test_a_named_user_takes_one_turn_whatever_connections_it_comes_by():
+    queue: FairQueue[str] = FairQueue(max_total=100, max_per_client=1)
+    for index in range(4):  # a connection a request, as the HTTP front end sends them
+        queue.push(named(f"http-{index}", f"u{index}", user="ann"))
+    queue.push(item("zmq", "z0"))
+    queue.push(named("http-9", "b0", user="bob"))
+    queue.push(item("zmq-2", "z1"))  # another unnamed connection is another user
+    assert order(queue) == ["u0", "z0", "b0", "z1", "u1", "u2", "u3"]
+
+
+def test_the_bound_per_client_is_per_connection_and_cancels_find_named_requests():
+    queue: FairQueue[str] = FairQueue(max_total=100, max_per_client=2)
+    queue.push(named("a", "a0", user="ann"))
+    queue.push(named("a", "a1", user="ann"))
+    with pytest.raises(QueueFull, match="per client"):
+        queue.push(named("a", "a2", user="ann"))
+    queue.push(named("b", "b0", user="ann", deadline=1.0))  # the same user, another connection: room
+    queue.push(named("c", "c0", user="cid"))
+    assert queue.waiting("b", "b0") and not queue.waiting("a", "b0")
+    assert queue.remove("b", "a1") is None and queue.remove("a", "a1").request.request_id == "a1"
+    queue.push(named("a", "a2", user="ann"))  # a's room came back with the cancel
+    assert [p.request.request_id for p in queue.expired(now=1.0)] == ["b0"]
+    assert queue.clients() == ["a", "c"]
+    assert [p.request.request_id for p in queue.drop_client("a")] == ["a0", "a2"]
+    assert len(queue) == 1 and queue.clients() == ["c"] and order(queue) == ["c0"]
