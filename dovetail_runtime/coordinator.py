@@ -567,7 +567,8 @@ class Coordinator:
         # The text is decoded onwards from the prompt, as the tokenizer means it (see .text).
         started = Started(request, prompt_ids, TextStream(self.tokenizer, request.stop, prompt_ids=prompt_ids),
                           job.seq_id, request.mode == "dovetail", on_text)
-        started.steps = (dovetail_steps(job, self.tree, started.emit, self._batch_size, self.lookup_tokens)
+        started.steps = (dovetail_steps(job, self.tree, started.emit, self._batch_size, self.lookup_tokens,
+                                        self.lookup_costs)
                          if started.uses_gpu
                          else ar_steps(job, started.emit, self._batch_size,
                                        lookup_tokens=self.lookup_tokens if request.mode == "lookup" else 0,

@@ -392,16 +392,20 @@ def lookup_step(seq_id: int, token: int, branch: Sequence[int], stats: Stats,
 
 
 def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
-                   batch: Callable[[], int] = lambda: 1, lookup_tokens: int = 0) -> Steps:
+                   batch: Callable[[], int] = lambda: 1, lookup_tokens: int = 0,
+                   verify_ms: Mapping[int, float] | None = None) -> Steps:
     """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's;
     ``batch()``: how many sequences' cycles are verified together now (the planner sizes trees by it);
-    ``lookup_tokens``: the longest branch copied from earlier in the sequence onto each tree (``lookup``)."""
+    ``lookup_tokens``: the longest branch copied from earlier in the sequence onto each tree (``lookup``),
+    and onto its plain steps (where no tree pays) as much of it as pays at ``verify_ms`` (as lookup
+    decoding's, ``lookup_decoding``)."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
     # A grafted branch hangs from the root: its path can run deeper than the draft's trees.
     stats = Stats(accept_per_depth=[0] * (max(planner.envelope.depth, lookup_tokens) + 1))
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     lookup = prompt_lookup(prompt_ids, budget, lookup_tokens) if lookup_tokens else None
+    plain_lookup, on_plain_step = cut_by_policy(alone(lookup, batch), stats, verify_ms)
     started = time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
@@ -430,7 +434,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 if feed.prompt and not feed.kept:
                     yield from defer_prompt(seq_id, feed)
                 resumed = yield from plain_until_tree(seq_id, feed.tokens[-1], length, context, budget, stats,
-                                                      lambda: planner.shape(batch()), alone(lookup, batch))
+                                                      lambda: planner.shape(batch()), plain_lookup, on_plain_step)
                 if resumed is None:
                     break
                 verified, length, planned = resumed
@@ -473,9 +477,15 @@ def lookup_decoding(job: Job, budget: Budget, stats: Stats, batch: Callable[[], 
     prompt lookup while the sequence runs alone, cut by a ``BranchPolicy`` where costs are known."""
     if not lookup_tokens:
         return None, None
-    branches = alone(prompt_lookup(job.prompt_ids, budget, lookup_tokens), batch)
-    assert branches is not None
-    if not verify_ms:
+    return cut_by_policy(alone(prompt_lookup(job.prompt_ids, budget, lookup_tokens), batch), stats, verify_ms)
+
+
+def cut_by_policy(branches: Lookup | None, stats: Stats, verify_ms: Mapping[int, float] | None,
+                  ) -> tuple[Lookup | None, Callable[[int], None]]:
+    """Plain steps' prompt lookup cut by a ``BranchPolicy`` at the costs ``verify_ms`` (whole
+    branches without them), and what each plain step's emitted tokens are told to: the stats, and
+    the policy's acceptance."""
+    if branches is None or not verify_ms:
         return branches, stats.record_plain_step
     policy = BranchPolicy(verify_ms)
 
@@ -545,12 +555,13 @@ Resumed = tuple[m.VerifyResult, int, TreeShape]
 
 def plain_until_tree(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
                      next_shape: Callable[[], TreeShape], lookup: Lookup | None = None,
-                     ) -> Generator[Call, m.Message, Resumed | None]:
+                     on_step: Callable[[int], None] | None = None) -> Generator[Call, m.Message, Resumed | None]:
     """A dovetail request's plain steps (the tokens stay ar's; with ``lookup``'s branch where it has
     one) while ``next_shape()`` (asked before each) says one node, then one more step as a tree
     without draft nodes: the same tokens, plus the feature rows the draft goes on from. Returns that
     verify's result, the sequence's length after it and the tree to draft next, or None when the
-    answer ended first."""
+    answer ended first. ``on_step``: told each step's emitted tokens (default: the stats)."""
+    on_step = on_step or stats.record_plain_step
     planned: list[TreeShape] = []
 
     def tree_fits() -> bool:
@@ -558,14 +569,14 @@ def plain_until_tree(seq_id: int, token: int, length: int, context: Context, bud
         return planned[0].tree_tokens > 1
 
     pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits, lookup=lookup,
-                                     on_step=stats.record_plain_step)
+                                     on_step=on_step)
     if pending is None:
         return None
     token, length = pending
     branch = lookup(branch_room(context, length, 1)) if lookup is not None else []
     verified = yield from lookup_step(seq_id, token, branch, stats)
     accepted = verified.accepted_tokens
-    stats.record_plain_step(len(accepted))
+    on_step(len(accepted))
     return None if budget.push(accepted, verified.logprobs) else (verified, length + len(accepted), planned[0])
 
 

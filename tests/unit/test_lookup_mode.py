@@ -174,3 +174,34 @@ def test_other_servers_serve_lookup_requests_or_say_why_not(tmp_path, monkeypatc
         assert served.token_ids == plain.token_ids and served.stats.draft_ms == 0
     finally:
         coordinator.close()
+
+
+def test_a_dovetail_requests_plain_steps_verify_as_much_of_the_branch_as_pays(engine):
+    from dovetail_runtime.generation import dovetail_steps, run_alone
+    from dovetail_runtime.tree_planner import FixedTree
+    from gpu_worker.drafter import Drafter
+    from ipc.tree import TreeShape
+
+    drafter = Drafter.from_pretrained(DEMO_DRAFT, DEMO_TARGET, max_len=engine.max_len, device="cpu")
+    prompt_ids = Tokenizer.from_dir(DEMO_TARGET).encode(PROMPT)
+    ar_tokens, _ = decode(engine, prompt_ids, 48, lookup_tokens=0)
+    plain = TreeShape.clamped(1, 1, 1)  # no tree pays: after its first cycle the request decodes plainly
+
+    def run(verify_ms: dict[int, float] | None) -> tuple[list[int], m.RequestStats]:
+        job = Job(seq_id=1, prompt_ids=prompt_ids, max_new_tokens=48, sampling=GREEDY, eos_token_ids=frozenset(),
+                  max_len=engine.max_len)
+        emitted: list[int] = []
+        with local_workers(engine, drafter, plain, lookup_tokens=8) as (cpu, gpu):
+            steps = dovetail_steps(job, FixedTree(plain), lambda tokens, _lp: emitted.extend(tokens) or False,
+                                   lookup_tokens=8, verify_ms=verify_ms)
+            _, stats = run_alone(steps, cpu, gpu)
+        return emitted, stats.message()
+
+    whole, whole_stats = run(None)  # no costs known: every branch whole
+    cheap, cheap_stats = run({size: 1.0 + 0.05 * size for size in range(1, 10)})  # rows nearly free
+    dear, dear_stats = run({size: float(size) for size in range(1, 10)})  # a row costs a step: never pays
+    assert whole == cheap == dear == ar_tokens
+    assert cheap_stats.lookup_tokens > 0 and cheap_stats.cycles < dear_stats.cycles
+    # Dear rows: only the first cycle's graft and a one-token probe every eighth branch are verified.
+    assert dear_stats.lookup_nodes <= 8 + dear_stats.cycles // 8 < whole_stats.lookup_nodes
+

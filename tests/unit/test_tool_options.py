@@ -339,3 +339,7 @@ def test_bench_lookup_names_a_bad_set_or_branch_before_starting_a_server(tmp_pat
     result = CliRunner().invoke(bench_lookup.main, ["--target", "t", "--lookup-tokens", "0"])
     assert result.exit_code == 2 and "1-16" in result.output
     assert len(bench_lookup.prompt_set("edit")) == 8 and len(bench_lookup.prompt_set("chat")) == 24
+    for modes, words in (("lookup", "ar among them"), ("lookup,ar,lookup", "distinct modes"),
+                         ("beam,ar", "distinct modes"), ("dovetail,ar", "need a --draft")):
+        result = CliRunner().invoke(bench_lookup.main, ["--target", "t", "--modes", modes])
+        assert result.exit_code == 2 and words in result.output, modes
