@@ -394,11 +394,10 @@ def lookup_step(seq_id: int, token: int, branch: Sequence[int], stats: Stats,
 def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                    batch: Callable[[], int] = lambda: 1, lookup_tokens: int = 0,
                    verify_ms: Mapping[int, float] | None = None) -> Steps:
-    """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's;
-    ``batch()``: how many sequences' cycles are verified together now (the planner sizes trees by it);
-    ``lookup_tokens``: the longest branch copied from earlier in the sequence onto each tree (``lookup``),
-    and onto its plain steps (where no tree pays) as much of it as pays at ``verify_ms`` (as lookup
-    decoding's, ``lookup_decoding``)."""
+    """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's; ``batch()``: how
+    many sequences' cycles are verified together now (the planner sizes trees by it); ``lookup_tokens``: the
+    longest branch copied from earlier in the sequence onto each tree (``lookup``), and onto its plain steps
+    (where no tree pays) as much of it as pays at ``verify_ms`` (as lookup decoding's, ``lookup_decoding``)."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
     # A grafted branch hangs from the root: its path can run deeper than the draft's trees.
