@@ -425,11 +425,11 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 break
             together = batch()
             shape, planned = (planned or planner.shape(together)).fitted(room), None  # planned: what ended plain
-            if shape.tree_tokens == 1 and (not feed.prompt or together > 1):
-                # No tree pays (alone: the planner's fallback; in a busy batch: its load): plain steps until
-                # one does, not one-node trees (a head's step and a round trip each, for nothing: the draft
-                # goes on well without those positions, below). Alone the first cycle drafts: the prompt;
-                # in a busy batch the draft keeps the prompt's rows unread until a tree pays, if ever.
+            if shape.tree_tokens == 1 and (not feed.prompt or together > 1 or not planner.trees_may_pay(together)):
+                # No tree pays (alone: the planner's fallback; in a busy batch: its load): plain steps until one
+                # does, not one-node trees (a head's step and a round trip each, for nothing: the draft goes on
+                # well without those positions, below). Alone the first cycle drafts: the prompt; in a busy batch,
+                # or where the costs leave no tree a chance, the draft keeps the prompt's rows unread until then.
                 if feed.prompt and not feed.kept:
                     yield from defer_prompt(seq_id, feed)
                 resumed = yield from plain_until_tree(seq_id, feed.tokens[-1], length, context, budget, stats,

@@ -66,6 +66,11 @@ class PlainFallback:
         self._last_step = now if plain else None
         return plain
 
+    def settle_plain(self) -> None:
+        """Plain now, a probe tree at the longest interval: the costs leave no tree a chance
+        (``TreePlanner.trees_futile``), so no stretch of poor cycles need say so first."""
+        self.plain, self._steps, self.probe_every = True, 0, PROBE_EVERY_MAX
+
     def interrupt(self) -> None:
         """Something other than a plain step comes next (a batch formed): do not time it as one."""
         self._last_step = None

@@ -31,8 +31,9 @@ deeper for the same T).
   forgotten rather than trusted forever.
 - Alone, where the costs leave trees little room (``trees_hopeless``) and the recent cycles
   emitted clearly fewer tokens per second than plain decode steps would, the planner says one
-  node (plain steps), with its smallest tree now and then as a probe (``plain_fallback``); in a
-  batch, ``batch_shape`` decides.
+  node (plain steps), with its smallest tree now and then as a probe (``plain_fallback``); where
+  they leave no tree a chance even at ``OPTIMISTIC_ACCEPTANCE`` (``trees_futile``), from the first
+  step, with a probe only every ``PROBE_EVERY_MAX`` steps; in a batch, ``batch_shape`` decides.
 
 No torch here: the coordinator runs this.
 """
@@ -47,7 +48,7 @@ from typing import Any, Protocol
 
 from ipc.tree import TreeShape, children_by_token, tree_depths
 
-from .plain_fallback import PlainFallback
+from .plain_fallback import PROBE_EVERY_MAX, PlainFallback
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,12 @@ PROBE_BUDGET = 1.3  # a probe may cost up to this many times the best shape's cy
 # most 5 tokens against 107 ms), where a hard patch of text must keep its trees (the rest of the
 # answers pays: 1.1-1.5x of ar over the same prompts).
 HOPELESS_SHARE = 0.6
+# The acceptance per drafted token no head of ours beats, on which a request alone judges whether any tree
+# could pay before trying (``trees_futile``): EAGLE-3 reports 0.7-0.8 a position on chat with GPU-scale
+# training, the real pair's head 0.4-0.6. Where no tree would out-emit plain steps even at this rate (a
+# 135M target on AVX2: the smallest tree's cycle costs two plain steps), a request decodes plainly from
+# its first step.
+OPTIMISTIC_ACCEPTANCE = 0.8
 # What one sequence's share of a batched draft step costs, as a share of its solo step, until batched
 # cycles say: the gpu_worker runs the batch's drafts in one head forward per tree level, and on
 # 2 cores a sequence's share measured 0.53-0.78 at 2 sequences and 0.22-0.66 at 4 (heads of the
@@ -237,6 +244,7 @@ class TreePlanner:
         self.best: Cell = self.first_shape()
         self.chosen: Counter[Cell] = Counter()
         self.fallback = PlainFallback()
+        self._said_futile = False
 
     def first_shape(self) -> Cell:
         """Where to start before any acceptance is known: the deepest, then largest, tree of the
@@ -312,6 +320,9 @@ class TreePlanner:
         if batch > 1:
             self.fallback.interrupt()
             return self.batch_shape(batch)
+        if not self.fallback.plain and self.trees_futile():
+            self._say_futile()
+            self.fallback.settle_plain()
         if self.fallback.plain:
             if self.fallback.step_plain():
                 return TreeShape.clamped(1, 1, self.bounds.top_k)
@@ -327,6 +338,28 @@ class TreePlanner:
         draft's and the round trips. Only there does a request alone decode plainly on a stretch of
         poor cycles; where trees have room, a hard patch of text keeps its trees."""
         return all(self.cycle_ms(cell) >= HOPELESS_SHARE * (cell[1] + 1) * plain_ms for cell in self.cells)
+
+    def trees_futile(self) -> bool:
+        """Whether no tree shape, alone, would emit more tokens per second than plain steps even with
+        each drafted token accepted at ``OPTIMISTIC_ACCEPTANCE`` (expected tokens 1 + a + ... + a^depth).
+        Costs alone decide, before any acceptance is seen: a request then never pays the dozen poor
+        cycles the fallback's verdict needs (the real pair on a Zen 3 ran 0.68-0.92x of ar on chat so).
+        A plain step is the planner's estimate, not the fallback's wall time between steps: a cycle's
+        estimate holds only the overhead seen in tree cycles (none, while plain), so the two compare
+        like with like."""
+        plain_ms = self.plain_step_ms()
+        return all(optimistic_tokens(cell[1]) * plain_ms <= self.cycle_ms(cell) for cell in self.cells)
+
+    def _say_futile(self) -> None:
+        if self._said_futile:
+            return
+        self._said_futile = True
+        cell = min(self.cells, key=lambda cell: self.cycle_ms(cell) / optimistic_tokens(cell[1]))
+        log.info("tree: no draft tree can beat plain decode steps here (a plain step %.1f ms; the likeliest to pay, "
+                 "T=%d depth %d, costs %.1f ms a cycle for %.2f tokens even at %.0f%% acceptance a token): "
+                 "decoding plainly (with prompt lookup's branches), a probe tree every %d steps",
+                 self.plain_step_ms(), cell[0], cell[1], self.cycle_ms(cell),
+                 optimistic_tokens(cell[1]), 100 * OPTIMISTIC_ACCEPTANCE, PROBE_EVERY_MAX)
 
     def plain_probe(self) -> Cell:
         """The tree that asks, during plain steps, whether drafting pays again: the smallest one (one
@@ -361,9 +394,12 @@ class TreePlanner:
         return TreeShape.clamped(*cell)
 
     def trees_may_pay(self, batch: int) -> bool:
-        """Alone, always (the fallback decides as cycles come); in a batch, unless even trees whose
-        every drafted token were accepted would emit fewer tokens per second than plain steps."""
-        return batch <= 1 or self.best_case_rate(batch) > self.plain_rate(batch)
+        """Alone, unless the costs make every tree futile (``trees_futile``; else the fallback decides as
+        cycles come); in a batch, unless even trees whose every drafted token were accepted would emit
+        fewer tokens per second than plain steps."""
+        if batch <= 1:
+            return not self.trees_futile()
+        return self.best_case_rate(batch) > self.plain_rate(batch)
 
     def plain_rate(self, batch: int) -> float:
         """Tokens per ms of a sequence decoding plainly in a batch of ``batch``."""
@@ -495,6 +531,11 @@ class TreePlanner:
         draft, verify = costs.draft[top_k][depth], costs.verify[size]
         return (f"T={size} depth={depth} top_k={top_k} ({expected}; draft {draft:.1f} ms, "
                 f"verify {verify:.1f} ms, other {self.ipc_ms:.1f} ms per cycle); alone: {self.fallback.describe()}")
+
+
+def optimistic_tokens(depth: int) -> float:
+    """A cycle's expected tokens with ``depth`` draft levels each accepted at ``OPTIMISTIC_ACCEPTANCE``."""
+    return sum(OPTIMISTIC_ACCEPTANCE ** level for level in range(depth + 1))
 
 
 def drafting_cannot_pay(verify_ms: Mapping[int, float], draft_ms: Mapping[int, float],

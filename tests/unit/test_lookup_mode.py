@@ -205,3 +205,34 @@ def test_a_dovetail_requests_plain_steps_verify_as_much_of_the_branch_as_pays(en
     # Dear rows: only the first cycle's graft and a one-token probe every eighth branch are verified.
     assert dear_stats.lookup_nodes <= 8 + dear_stats.cycles // 8 < whole_stats.lookup_nodes
 
+
+def test_where_no_tree_could_pay_a_dovetail_request_never_drafts_and_gets_ar_tokens(engine):
+    from dovetail_runtime.generation import dovetail_steps, run_alone
+    from dovetail_runtime.tree_planner import AutoTree, TreePlanner
+    from gpu_worker.drafter import Drafter
+
+    drafter = Drafter.from_pretrained(DEMO_DRAFT, DEMO_TARGET, max_len=engine.max_len, device="cpu")
+    prompt_ids = Tokenizer.from_dir(DEMO_TARGET).encode(PROMPT)
+    ar_tokens, _ = decode(engine, prompt_ids, 48, lookup_tokens=0)
+    # A row costs half a step, the head's level 40% of one (the real pair on a 2-core Zen 3).
+    planner = TreePlanner(AutoTree(max_tree_tokens=8, max_depth=4, top_k=4),
+                          {1: 5.9, 2: 9.0, 3: 12.4, 4: 16.0, 6: 22.3, 8: 24.3}, {1: 2.5, 2: 4.9, 3: 6.2, 4: 9.2})
+    job = Job(seq_id=1, prompt_ids=prompt_ids, max_new_tokens=48, sampling=GREEDY, eos_token_ids=frozenset(),
+              max_len=engine.max_len)
+    emitted: list[int] = []
+    sent: list[str] = []
+    with local_workers(engine, drafter, planner.envelope, lookup_tokens=4) as (cpu, gpu):
+        assert gpu is not None
+        handle = gpu.request
+
+        def counted(message, expect):
+            sent.append(type(message).__name__)
+            return handle(message, expect)
+
+        gpu.request = counted  # type: ignore[method-assign]
+        steps = dovetail_steps(job, planner, lambda tokens, _lp: emitted.extend(tokens) or False, lookup_tokens=4,
+                               verify_ms={1: 5.9, 2: 9.0, 3: 12.4, 4: 16.0, 5: 19.1})
+        _, stats = run_alone(steps, cpu, gpu)
+    assert emitted == ar_tokens
+    assert sent == ["DraftExtend"]  # the prompt's rows handed over, kept unread: no draft step ever ran
+    assert stats.message().lookup_tokens > 0  # its plain steps still copy from the prompt

@@ -3,12 +3,14 @@ the choice it makes from costs and acceptance, and the startup verdict on drafti
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
 import torch
 
 from cpu_worker.acceptance import accept_path
+from dovetail_runtime.plain_fallback import PROBE_EVERY_MAX
 from dovetail_runtime.tree_planner import (
     AutoTree,
     TreePlanner,
@@ -422,3 +424,41 @@ def test_a_batch_speculates_once_its_drafts_prove_cheap_together():
                         600.0, batch=4)
     assert planner.batch_draft_share == pytest.approx(0.05 + 0.95 * (1 - planner.smoothing) ** 30)
     assert planner.shape(4).tree_tokens > 1
+
+
+# The real pair (SmolLM2-135M Q4_1, its head on the same cores) measured on a 2-core Zen 3 (AVX2): a
+# row of arithmetic costs half a step.
+ZEN3_VERIFY = {1: 5.9, 2: 9.0, 3: 12.4, 4: 16.0, 6: 22.3, 8: 24.3, 12: 46.1, 16: 52.0, 24: 82.3, 32: 106.5,
+               48: 154.4, 64: 181.9}
+ZEN3_DRAFT = {1: 2.5, 2: 4.9, 3: 6.2, 4: 9.2, 5: 11.5, 6: 12.9, 7: 15.9, 8: 18.3, 9: 21.6, 10: 29.6}
+
+
+def test_alone_a_request_decodes_plainly_from_its_first_step_where_no_tree_could_pay(caplog):
+    """Where no tree would out-emit plain steps even with 80% of drafted tokens accepted, the first
+    step is plain (no dozen poor cycles first), said once; a probe tree every PROBE_EVERY_MAX steps,
+    and one that pays (a lucky draw, a grafted branch) does not bring trees back."""
+    planner = TreePlanner(AutoTree(), ZEN3_VERIFY, ZEN3_DRAFT)
+    ticks = iter(range(1 << 20))
+    planner.fallback.clock = lambda: next(ticks) * 5.9e-3  # each plain step takes 5.9 ms
+    assert planner.trees_futile() and not planner.trees_may_pay(1)
+    with caplog.at_level(logging.INFO, logger="dovetail_runtime.tree_planner"):
+        sizes = [planner.shape(1).tree_tokens for _ in range(2 * PROBE_EVERY_MAX)]
+    assert [index for index, size in enumerate(sizes) if size > 1] == [PROBE_EVERY_MAX - 1, 2 * PROBE_EVERY_MAX - 1]
+    assert caplog.text.count("no draft tree can beat plain decode steps") == 1
+    probe = TreeShape.clamped(*planner.plain_probe())
+    assert probe.tree_tokens == 2
+    planner.observe(probe, [5, 3], [-1, 0], [3, 0], 2.0, 3.0, 5.5)  # both tokens, in a cheap cycle
+    assert not planner.fallback.plain  # the probe paid ...
+    assert planner.shape(1).tree_tokens == 1  # ... but the costs still leave no tree a chance
+    assert planner.fallback.probe_every == PROBE_EVERY_MAX
+
+
+@pytest.mark.parametrize("verify, draft", [
+    ({size: 400.0 + 30.0 * size for size in (1, 2, 4, 8, 16, 32, 64)}, {d: 30.0 * d + 20 for d in range(1, 11)}),
+    ({size: ms / 2 for size, ms in ZEN3_VERIFY.items()} | {1: 5.9}, {d: 0.3 * d for d in range(1, 11)}),
+])
+def test_where_a_good_draft_could_pay_trees_get_their_chance(verify, draft):
+    """The 7B int8 stand-in with a CPU head, and a cheap target row with a GPU head: not futile."""
+    planner = TreePlanner(AutoTree(), verify, draft)
+    assert not planner.trees_futile() and planner.trees_may_pay(1)
+    assert planner.shape(1).tree_tokens > 1
