@@ -524,8 +524,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
 @click.option("--max-queue", type=click.IntRange(min=1), default=64,
               help="Serving: requests that may wait in all; beyond it a request is refused at once with 'busy'.")
 @click.option("--max-queue-per-client", type=click.IntRange(min=1), default=16,
-              help="Serving: requests one client (connection) may have waiting; beyond it 'busy'. Clients take "
-                   "turns: one request each, round-robin.")
+              help="Serving: requests one client (connection) may have waiting; beyond it 'busy'. Users (a "
+                   "request's 'user', else its connection) take turns: one request each, round-robin.")
 @click.option("--request-timeout", type=FiniteFloatRange(min=0.001), default=None,
               help="Serving: every request must be answered within this many seconds of its arrival (queueing "
                    "included), else it ends with 'deadline_exceeded'; a request's own deadline_ms can be shorter. "

@@ -109,7 +109,7 @@ class Params(Struct, kw_only=True):
     mode: Literal["dovetail", "ar", "lookup"] | None = None  # extension
     # Whose turn in the queue the request waits for: one user's requests take one turn between them
     # (``request_queue``); without one, a request's choices take one turn between them.
-    user: Annotated[str, Meta(max_length=256)] | None = None
+    user: str | None = None  # a longer one is cut to 256 characters (OpenAI sets no bound)
 
 
 LogprobCount = Annotated[int, Meta(ge=0, le=m.MAX_LOGPROBS)]
@@ -316,7 +316,8 @@ def _plan(params: Params, request_id: str, default_mode: str, max_tokens: int, l
                        param="stream_options")
     request = m.GenerateRequest(request_id=request_id, max_new_tokens=max_tokens, stop=_stops(params.stop),
                                 sampling=_sampling(params), mode=params.mode or default_mode,  # type: ignore[arg-type]
-                                stream=stream, logprobs=logprobs, user=params.user or None, **prompt)
+                                stream=stream, logprobs=logprobs, user=params.user[:256] if params.user else None,
+                                **prompt)
     include_usage = bool(params.stream_options and params.stream_options.include_usage)
     return Plan(request, stream, include_usage, limit_field, choices=params.n or 1)
 

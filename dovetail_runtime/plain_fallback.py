@@ -40,6 +40,7 @@ class PlainFallback:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.plain = False
+        self.settled = False  # plain for good (``settle_plain``)
         self.probe_every = PROBE_EVERY
         self._tokens = 0.0  # decayed sums over recent solo tree cycles
         self._ms = 0.0
@@ -62,14 +63,15 @@ class PlainFallback:
             if reference is None or took <= GAP * reference:
                 self._step_ms = took if self._step_ms is None else self._step_ms + 0.2 * (took - self._step_ms)
         self._steps += 1
-        plain = self._steps % self.probe_every != 0
+        plain = self.settled or self._steps % self.probe_every != 0
         self._last_step = now if plain else None
         return plain
 
     def settle_plain(self) -> None:
-        """Plain now, a probe tree at the longest interval: the costs leave no tree a chance
-        (``TreePlanner.trees_futile``), so no stretch of poor cycles need say so first."""
-        self.plain, self._steps, self.probe_every = True, 0, PROBE_EVERY_MAX
+        """Plain from now on, without probes: the costs leave no tree a chance
+        (``TreePlanner.trees_futile``), so no stretch of poor cycles need say so first, and no probe
+        could say otherwise (a request's first draft step reads its kept prompt: not timed)."""
+        self.plain, self.settled = True, True
 
     def interrupt(self) -> None:
         """Something other than a plain step comes next (a batch formed): do not time it as one."""
@@ -106,7 +108,8 @@ class PlainFallback:
             self.plain, self._steps = True, 0
 
     def describe(self) -> str:
-        state = f"plain (a probe tree every {self.probe_every} steps)" if self.plain else "trees"
+        state = ("plain (no tree can pay here)" if self.settled
+                 else f"plain (a probe tree every {self.probe_every} steps)" if self.plain else "trees")
         rate = f", recent trees {self._tokens / self._ms * 1e3:.1f} tokens/s" if self._ms > 0 else ""
         step = f", plain steps {1e3 / self._step_ms:.1f} tokens/s" if self._step_ms else ""
         return state + rate + step

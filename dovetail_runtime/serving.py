@@ -7,7 +7,8 @@ through ``Coordinator.while_waiting`` every ~100 ms). So Pings are answered, can
 disconnects take effect, and new requests are queued or refused at once, even while a worker
 hangs (it is then killed after --worker-timeout, and its request fails with worker_failed).
 
-Requests wait in a FairQueue (round-robin over clients, bounded: beyond it ``busy``). A prompt
+Requests wait in a FairQueue (round-robin over users: a request's ``user``, else its connection;
+bounded: beyond it ``busy``). A prompt
 that cannot fit the context is refused by its length in characters before it is tokenized.
 A request has a deadline when it asks for one (``deadline_ms``) or the server sets one
 (--request-timeout): past it, the request ends with ``deadline_exceeded``, waiting or running.

@@ -33,7 +33,8 @@ deeper for the same T).
   emitted clearly fewer tokens per second than plain decode steps would, the planner says one
   node (plain steps), with its smallest tree now and then as a probe (``plain_fallback``); where
   they leave no tree a chance even at ``OPTIMISTIC_ACCEPTANCE`` (``trees_futile``), from the first
-  step, with a probe only every ``PROBE_EVERY_MAX`` steps; in a batch, ``batch_shape`` decides.
+  step and for the run, batches included (a probe could not change the verdict: its draft step
+  reads the kept prompt, so it is not timed); in a batch, ``batch_shape`` decides.
 
 No torch here: the coordinator runs this.
 """
@@ -48,7 +49,7 @@ from typing import Any, Protocol
 
 from ipc.tree import TreeShape, children_by_token, tree_depths
 
-from .plain_fallback import PROBE_EVERY_MAX, PlainFallback
+from .plain_fallback import PlainFallback
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ class TreePlanner:
         self.best: Cell = self.first_shape()
         self.chosen: Counter[Cell] = Counter()
         self.fallback = PlainFallback()
+        self._futile: tuple[Costs, bool] | None = None  # trees_futile's verdict, and the costs it judged
         self._said_futile = False
 
     def first_shape(self) -> Cell:
@@ -320,8 +322,7 @@ class TreePlanner:
         if batch > 1:
             self.fallback.interrupt()
             return self.batch_shape(batch)
-        if not self.fallback.plain and self.trees_futile():
-            self._say_futile()
+        if not self.fallback.settled and self.trees_futile():
             self.fallback.settle_plain()
         if self.fallback.plain:
             if self.fallback.step_plain():
@@ -347,8 +348,13 @@ class TreePlanner:
         A plain step is the planner's estimate, not the fallback's wall time between steps: a cycle's
         estimate holds only the overhead seen in tree cycles (none, while plain), so the two compare
         like with like."""
-        plain_ms = self.plain_step_ms()
-        return all(optimistic_tokens(cell[1]) * plain_ms <= self.cycle_ms(cell) for cell in self.cells)
+        if self._futile is None or self._futile[0] is not self.costs():  # once per change of the costs
+            plain_ms = self.plain_step_ms()
+            futile = all(optimistic_tokens(cell[1]) * plain_ms <= self.cycle_ms(cell) for cell in self.cells)
+            self._futile = (self.costs(), futile)
+            if futile:
+                self._say_futile()
+        return self._futile[1]
 
     def _say_futile(self) -> None:
         if self._said_futile:
@@ -357,9 +363,10 @@ class TreePlanner:
         cell = min(self.cells, key=lambda cell: self.cycle_ms(cell) / optimistic_tokens(cell[1]))
         log.info("tree: no draft tree can beat plain decode steps here (a plain step %.1f ms; the likeliest to pay, "
                  "T=%d depth %d, costs %.1f ms a cycle for %.2f tokens even at %.0f%% acceptance a token): "
-                 "decoding plainly (with prompt lookup's branches), a probe tree every %d steps",
+                 "decoding plainly (with prompt lookup's branches) for this run; the next start judges its "
+                 "costs again",
                  self.plain_step_ms(), cell[0], cell[1], self.cycle_ms(cell),
-                 optimistic_tokens(cell[1]), 100 * OPTIMISTIC_ACCEPTANCE, PROBE_EVERY_MAX)
+                 optimistic_tokens(cell[1]), 100 * OPTIMISTIC_ACCEPTANCE)
 
     def plain_probe(self) -> Cell:
         """The tree that asks, during plain steps, whether drafting pays again: the smallest one (one
@@ -381,7 +388,7 @@ class TreePlanner:
         rating otherwise, the solo choice. No probing: the rates come from solo cycles."""
         plain = self.plain_rate(batch)
         one_node = TreeShape.clamped(1, 1, self.bounds.top_k)
-        if self.best_case_rate(batch) <= plain:
+        if self.best_case_rate(batch) <= plain or self.trees_futile():  # futile alone: in a batch too
             return one_node
         rated = [(tokens / self.batch_cycle_ms(batch, cell), cell) for cell in self.cells
                  if (tokens := self.expected_tokens(cell)) is not None]
@@ -394,12 +401,11 @@ class TreePlanner:
         return TreeShape.clamped(*cell)
 
     def trees_may_pay(self, batch: int) -> bool:
-        """Alone, unless the costs make every tree futile (``trees_futile``; else the fallback decides as
+        """Not where the costs make every tree futile alone (``trees_futile``: then in a batch too, where
+        rows cost no less and drafts no less than half); else alone, always (the fallback decides as
         cycles come); in a batch, unless even trees whose every drafted token were accepted would emit
         fewer tokens per second than plain steps."""
-        if batch <= 1:
-            return not self.trees_futile()
-        return self.best_case_rate(batch) > self.plain_rate(batch)
+        return not self.trees_futile() and (batch <= 1 or self.best_case_rate(batch) > self.plain_rate(batch))
 
     def plain_rate(self, batch: int) -> float:
         """Tokens per ms of a sequence decoding plainly in a batch of ``batch``."""

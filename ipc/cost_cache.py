@@ -167,22 +167,26 @@ def _loaded(entry: dict[str, Any], sizes: Sequence[int] | None) -> int:
 
 
 # OnlineCurve's memory of a size's timings: bins of BIN_SECONDS (each its median), those of the last
-# WINDOW_SECONDS; the estimate is their LOW_QUANTILE. A shared host only ever makes a step slower, so
-# a spell of load must fill more than 1 - LOW_QUANTILE of the window to move a size's cost, while a
-# lasting change (a neighbour that stays) moves it within that much of the window.
+# WINDOW_SECONDS; the estimate is their LOW_QUANTILE, the seconds of the window no cycle of the size
+# ran counting at the cached value. A shared host only ever makes a step slower, so a spell of load
+# must fill more than 1 - LOW_QUANTILE of the window to raise a size's cost, while a lasting change
+# (a neighbour that stays) raises it within that much of the window, and a quiet second lowers it.
 BIN_SECONDS = 1.0
 WINDOW_SECONDS = 300.0
 LOW_QUANTILE = 0.25
 
 
+def low_quantile(values: list[float]) -> float:
+    return sorted(values)[int(LOW_QUANTILE * (len(values) - 1))]
+
+
 class _SizeTimings:
     """One size's recent timings: closed bins (start time, median), the open bin's values."""
 
-    def __init__(self, cached: float | None, now: float):
-        # The cached value is one more bin, until the window passes it by.
-        self.bins: deque[tuple[float, float]] = deque([(now, cached)] if cached is not None else [])
+    def __init__(self) -> None:
+        self.bins: deque[tuple[float, float]] = deque()
         self.open: list[float] = []
-        self.open_since = now
+        self.open_since = 0.0
 
     def add(self, ms: float, now: float) -> None:
         if self.open and now - self.open_since >= BIN_SECONDS:
@@ -194,9 +198,16 @@ class _SizeTimings:
         while self.bins and self.bins[0][0] < now - WINDOW_SECONDS:
             self.bins.popleft()
 
-    def estimate(self) -> float:
-        values = sorted([ms for _, ms in self.bins] + ([statistics.median(self.open)] if self.open else []))
-        return values[int(LOW_QUANTILE * (len(values) - 1))]
+    def estimate(self, cached: float | None) -> float:
+        """The low quantile of the window's bins; with a ``cached`` value, the least of that with the
+        cached value as one more bin (a quiet second brings a curve measured under load down) and
+        that with it in every second of the window no bin holds (a busy spell after a start or an
+        idle stretch is not the window)."""
+        observed = [ms for _, ms in self.bins] + ([statistics.median(self.open)] if self.open else [])
+        if cached is None:
+            return low_quantile(observed)
+        unseen = max(int(WINDOW_SECONDS / BIN_SECONDS) - len(observed), 0)
+        return min(low_quantile([*observed, cached]), low_quantile(observed + [cached] * unseen))
 
 
 class OnlineCurve:
@@ -204,10 +215,11 @@ class OnlineCurve:
     written back to the cache.
 
     A size's estimate is the lower quartile of the medians of its last five minutes' one-second
-    bins of cycles, the cached value one more bin until five minutes pass it. A shared host only
-    makes steps slower: a curve measured under load comes down at the first quiet second, a busy
-    spell moves it only if it fills three quarters of the window (a host that stays busier does),
-    and the cache the next start reads is what this machine costs when the cores are its own.
+    bins of cycles, the seconds without one counting at the cached value. A shared host only makes
+    steps slower: a curve measured under load comes down at the first quiet second, a busy spell
+    raises it only if it fills three quarters of the window (a host that stays busier does), even
+    right after a start or an idle stretch, and the cache the next start reads is what this machine
+    costs when the cores are its own.
     On ``save`` the observed sizes are written, and every other cached size is scaled by the
     geometric mean of estimate / cached over the observed sizes: a machine that got slower or
     faster did so for every T."""
@@ -224,9 +236,7 @@ class OnlineCurve:
 
     def observe(self, size: int, ms: float) -> None:
         now = self.clock()
-        if size not in self.recent:
-            self.recent[size] = _SizeTimings(self.start.get(size), now)
-        self.recent[size].add(ms, now)
+        self.recent.setdefault(size, _SizeTimings()).add(ms, now)
         self.pending += 1
         if self.pending >= self.save_every:
             self.save()
@@ -235,7 +245,7 @@ class OnlineCurve:
         return set(self.recent)
 
     def estimate(self, size: int) -> float:
-        return self.recent[size].estimate()
+        return self.recent[size].estimate(self.start.get(size))
 
     def curve(self) -> dict[int, float]:
         """The corrected curve: observed sizes' estimates, the rest of the cached ones rescaled."""

@@ -91,6 +91,22 @@ def test_a_machine_that_stays_busier_moves_the_curve_within_the_window(cache):
     assert curve.estimate(1) == QUIET[1]
 
 
+def test_a_busy_spell_right_after_a_start_or_an_idle_stretch_leaves_the_cached_curve(cache):
+    sizes = sorted(QUIET)
+    cache.put("target", sizes, [QUIET[size] for size in sizes])
+    clock = Clock()
+    curve = OnlineCurve(cache, "target", save_every=10**6, clock=clock)
+    run_cycles(curve, clock, 4, 5 * QUIET[4], seconds=5)  # the first requests beside a neighbour's build
+    assert curve.estimate(4) == QUIET[4]
+    run_cycles(curve, clock, 4, QUIET[4], seconds=120)
+    clock.now += 400  # no request for a while: the window holds none of these seconds
+    run_cycles(curve, clock, 4, 5 * QUIET[4], seconds=5)
+    curve.save()
+    assert cache.entry("target")[4] == pytest.approx(QUIET[4])
+    run_cycles(curve, clock, 4, 5 * QUIET[4], seconds=240)  # four minutes of it: the host stays busier
+    assert curve.estimate(4) == 5 * QUIET[4]
+
+
 def test_without_a_cached_curve_the_observations_are_the_curve(tmp_path):
     cache = VerifyCostCache(tmp_path / "verify_cost.json")
     curve = OnlineCurve(cache, "fresh", save_every=2)
