@@ -8,10 +8,10 @@ engine's own code (a faster kernel or a fused layer changes every T's cost).
 The cached curve is not trusted forever: one measured on a busy machine (t_verify(1) 1471 ms
 instead of 315 at a 7B stand-in) would mis-size every later tree. ``OnlineCurve`` follows the
 verifications a worker actually runs, per tree size the lower quartile of its last five minutes'
-one-second medians with the cached value among them, and writes it back; sizes no cycle used move
-by the observed sizes' typical ratio. A curve measured under load thus comes down at the first
-quiet second and stays corrected for the next start, while a busy spell during a run (a build, a
-test suite beside it) does not raise it unless it lasts most of the five minutes.
+one-second medians, the seconds without one counting at the cached value, and writes it back; sizes
+no cycle used move by the observed sizes' typical ratio. A curve measured under load thus comes down
+at the first quiet second and stays corrected for the next start, while a busy spell during a run
+(a build, a test suite beside it) does not raise it unless it lasts most of the five minutes.
 A measurement taken while other processes shared the cores (``ipc.core_load``) is also marked in
 the cache, so that the next start measures again instead of trusting it.
 """
