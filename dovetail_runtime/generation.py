@@ -553,14 +553,13 @@ Resumed = tuple[m.VerifyResult, int, TreeShape]
 
 
 def plain_until_tree(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                     next_shape: Callable[[], TreeShape], lookup: Lookup | None = None,
-                     on_step: Callable[[int], None] | None = None) -> Generator[Call, m.Message, Resumed | None]:
+                     next_shape: Callable[[], TreeShape], lookup: Lookup | None,
+                     on_step: Callable[[int], None]) -> Generator[Call, m.Message, Resumed | None]:
     """A dovetail request's plain steps (the tokens stay ar's; with ``lookup``'s branch where it has
     one) while ``next_shape()`` (asked before each) says one node, then one more step as a tree
     without draft nodes: the same tokens, plus the feature rows the draft goes on from. Returns that
     verify's result, the sequence's length after it and the tree to draft next, or None when the
-    answer ended first. ``on_step``: told each step's emitted tokens (default: the stats)."""
-    on_step = on_step or stats.record_plain_step
+    answer ended first. ``on_step``: told each step's emitted tokens (``cut_by_policy``)."""
     planned: list[TreeShape] = []
 
     def tree_fits() -> bool:
