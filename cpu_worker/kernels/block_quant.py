@@ -268,14 +268,16 @@ class BlockWeights:
         return out.reshape(rows, k)
 
 
-def quantize_activations(rows: torch.Tensor, planes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(rows: torch.Tensor, planes: int,
+                         threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """rows [count, k] float32 -> (planes of int8 [count, planes, k], scales [count, k / 32],
     block sums int32 [count, k / 32]): each row quantized per block of 32 from that row alone."""
     count, k = rows.shape
     xq = torch.empty(count, planes, k, dtype=torch.int8)
     xd = torch.empty(count, k // BLOCK)
     xs = torch.empty(count, k // BLOCK, dtype=torch.int32)
-    library().dovetail_quantize_blocks(rows.data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), count, k, planes)
+    library().dovetail_quantize_blocks(rows.data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), count, k, planes,
+                                       threads or torch.get_num_threads())
     return xq, xd, xs
 
 
@@ -287,7 +289,7 @@ def block_linear(x: torch.Tensor, weights: BlockWeights, bias: torch.Tensor | No
         raise ValueError(f"activations are quantized to one or two planes of int8, not {planes}")
     k, n_out = weights.in_features, weights.out_features
     rows = x.reshape(-1, k).float().contiguous()
-    xq, xd, xs = quantize_activations(rows, planes)
+    xq, xd, xs = quantize_activations(rows, planes, threads)
     out = torch.empty(rows.shape[0], n_out)
     minimums = None if weights.minimums is None else weights.minimums.data_ptr()
     status = library().dovetail_block_linear(

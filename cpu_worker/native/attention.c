@@ -171,95 +171,116 @@ static inline void cache_block(const void *head, int64_t j, int64_t head_dim, in
 }
 #endif
 
+/* The queries [t0, t1) of kv head g's group (query t = h_in_group * rows + r: the rows of one head
+ * are adjacent in q), over the slots dovetail_attention describes. longest: the most slots any row
+ * sees. Each query's scores, softmax and sums are its own, so how the group's queries are cut into
+ * ranges never changes a bit. Returns 0, or DOVETAIL_NO_MEMORY. */
+static int attend_queries(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
+                          int64_t shared, const int64_t *extra, const int64_t *extra_start, float *out,
+                          int64_t rows, int64_t group, int64_t head_dim, float scale, int64_t longest, int64_t g,
+                          int64_t t0, int64_t t1) {
+    int64_t count = t1 - t0;
+    size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+    float *scores = (float *)malloc((size_t)(count * longest) * sizeof(float));
+    float *acc = (float *)calloc((size_t)(count * head_dim), sizeof(float));
+    float *row = (float *)malloc((size_t)(KEY_BLOCK * head_dim) * sizeof(float)); /* bf16 rows widened */
+    if (scores == NULL || acc == NULL || row == NULL) {
+        free(scores);
+        free(acc);
+        free(row);
+        return DOVETAIL_NO_MEMORY;
+    }
+    const char *k_head = (const char *)keys + (size_t)(g * max_len * head_dim) * element;
+    const char *v_head = (const char *)values + (size_t)(g * max_len * head_dim) * element;
+    /* local query u is the group's query t0 + u */
+    const float *q_range = q + (g * group * rows + t0) * head_dim;
+    float *out_range = out + (g * group * rows + t0) * head_dim;
+    /* Shared slots [0, blocked) go KEY_BLOCK at a time (the vector path), the rest one by one:
+     * the same bits either way. Each is read once for every query of the range. */
+    int64_t blocked = DOVETAIL_KEY_BLOCKS && head_dim % 8 == 0 ? shared / KEY_BLOCK * KEY_BLOCK : 0;
+#if DOVETAIL_KEY_BLOCKS
+    for (int64_t j = 0; j < blocked; j += KEY_BLOCK) {
+        const float *k[KEY_BLOCK];
+        cache_block(k_head, j, head_dim, bf16, row, k);
+        for (int64_t u = 0; u < count; u++)
+            _mm256_storeu_ps(scores + u * longest + j, scores8(q_range + u * head_dim, k, head_dim, scale));
+    }
+#endif
+    for (int64_t j = blocked; j < shared; j++) {
+        const float *k = cache_row(k_head, j, head_dim, bf16, row);
+        for (int64_t u = 0; u < count; u++) scores[u * longest + j] = dot_fixed(q_range + u * head_dim, k, head_dim) * scale;
+    }
+    for (int64_t u = 0; u < count; u++) {
+        int64_t r = (t0 + u) % rows;
+        for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
+            scores[u * longest + shared + e - extra_start[r]] =
+                dot_fixed(q_range + u * head_dim, cache_row(k_head, shared + extra[e], head_dim, bf16, row),
+                          head_dim) * scale;
+    }
+    /* Softmax numerators in place; the denominators later, in the same ascending order. */
+    for (int64_t u = 0; u < count; u++) {
+        int64_t r = (t0 + u) % rows;
+        softmax_numerators(scores + u * longest, shared + extra_start[r + 1] - extra_start[r]);
+    }
+#if DOVETAIL_KEY_BLOCKS
+    for (int64_t j = 0; j < blocked; j += KEY_BLOCK) {
+        const float *v[KEY_BLOCK];
+        cache_block(v_head, j, head_dim, bf16, row, v);
+        for (int64_t u = 0; u < count; u++) add_scaled8(acc + u * head_dim, v, scores + u * longest + j, head_dim);
+    }
+#endif
+    for (int64_t j = blocked; j < shared; j++) {
+        const float *v = cache_row(v_head, j, head_dim, bf16, row);
+        for (int64_t u = 0; u < count; u++) add_scaled(acc + u * head_dim, v, scores[u * longest + j], head_dim);
+    }
+    for (int64_t u = 0; u < count; u++) {
+        int64_t r = (t0 + u) % rows, n = shared + extra_start[r + 1] - extra_start[r];
+        const float *s = scores + u * longest;
+        for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
+            add_scaled(acc + u * head_dim, cache_row(v_head, shared + extra[e], head_dim, bf16, row),
+                       s[shared + e - extra_start[r]], head_dim);
+        float total = 0.0f;
+        for (int64_t j = 0; j < n; j++) total += s[j];
+        float inverse = 1.0f / total;
+        float *o = out_range + u * head_dim;
+        for (int64_t i = 0; i < head_dim; i++) o[i] = acc[u * head_dim + i] * inverse;
+    }
+    free(scores);
+    free(acc);
+    free(row);
+    return 0;
+}
+
 /* q, out: [heads, rows, head_dim], fp32. keys, values: one layer's cache, [kv_heads, max_len,
  * head_dim], fp32 or (bf16 != 0) bf16; either way the arithmetic is fp32.
  * Row r attends to slots [0, shared) and then to shared + extra[e] for e in extra_start[r] ..
  * extra_start[r + 1] - 1, in that order (a decode: rows = 1, shared = its length, no extra slots;
  * a tree: shared = the committed prefix, the tree's rows at the slots after it in node order,
  * extra = each node's path of node indices, root first). Returns 0, or DOVETAIL_NO_MEMORY if scratch
- * memory could not be allocated. */
+ * memory could not be allocated.
+ * Work split: all kv heads' queries in one line, each thread an equal stretch of it (a kv head's
+ * keys read once for each stretch that holds some of its queries). Why not a kv head a thread: a
+ * model with 3 kv heads (SmolLM2-135M) on 2 threads left one thread idle a third of the time. */
 int dovetail_attention(const float *q, const void *keys, const void *values, int bf16, int64_t max_len,
                        int64_t shared, const int64_t *extra, const int64_t *extra_start, float *out, int64_t rows,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, int threads) {
-    int64_t group = heads / kv_heads, queries = group * rows;
+    int64_t group = heads / kv_heads, queries = group * rows, all = kv_heads * queries;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) {
         int64_t n = shared + extra_start[r + 1] - extra_start[r];
         longest = n > longest ? n : longest;
     }
     int failed = 0;
-    size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(|| : failed)
-    for (int64_t g = 0; g < kv_heads; g++) {
-        float *scores = (float *)malloc((size_t)(queries * longest) * sizeof(float));
-        float *acc = (float *)calloc((size_t)(queries * head_dim), sizeof(float));
-        float *row = (float *)malloc((size_t)(KEY_BLOCK * head_dim) * sizeof(float)); /* bf16 rows widened */
-        if (scores == NULL || acc == NULL || row == NULL) {
-            free(scores);
-            free(acc);
-            free(row);
-            failed = 1;
-            continue;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(|| : failed)
+    for (int64_t part = 0; part < threads; part++) {
+        int64_t from = all * part / threads, to = all * (part + 1) / threads;
+        while (from < to && !failed) { /* the stretch's pieces, one kv head at a time */
+            int64_t g = from / queries, t0 = from % queries;
+            int64_t t1 = to - g * queries < queries ? to - g * queries : queries;
+            failed = attend_queries(q, keys, values, bf16, max_len, shared, extra, extra_start, out, rows, group,
+                                    head_dim, scale, longest, g, t0, t1) != 0;
+            from = g * queries + t1;
         }
-        const char *k_head = (const char *)keys + (size_t)(g * max_len * head_dim) * element;
-        const char *v_head = (const char *)values + (size_t)(g * max_len * head_dim) * element;
-        /* query index t = h_in_group * rows + r: the rows of one head are adjacent in q */
-        const float *q_group = q + g * group * rows * head_dim;
-        float *out_group = out + g * group * rows * head_dim;
-        /* Shared slots [0, blocked) go KEY_BLOCK at a time (the vector path), the rest one by one:
-         * the same bits either way. Each is read once for every query of the group. */
-        int64_t blocked = DOVETAIL_KEY_BLOCKS && head_dim % 8 == 0 ? shared / KEY_BLOCK * KEY_BLOCK : 0;
-#if DOVETAIL_KEY_BLOCKS
-        for (int64_t j = 0; j < blocked; j += KEY_BLOCK) {
-            const float *k[KEY_BLOCK];
-            cache_block(k_head, j, head_dim, bf16, row, k);
-            for (int64_t t = 0; t < queries; t++)
-                _mm256_storeu_ps(scores + t * longest + j, scores8(q_group + t * head_dim, k, head_dim, scale));
-        }
-#endif
-        for (int64_t j = blocked; j < shared; j++) {
-            const float *k = cache_row(k_head, j, head_dim, bf16, row);
-            for (int64_t t = 0; t < queries; t++) scores[t * longest + j] = dot_fixed(q_group + t * head_dim, k, head_dim) * scale;
-        }
-        for (int64_t t = 0; t < queries; t++) {
-            int64_t r = t % rows;
-            for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
-                scores[t * longest + shared + e - extra_start[r]] =
-                    dot_fixed(q_group + t * head_dim, cache_row(k_head, shared + extra[e], head_dim, bf16, row),
-                              head_dim) * scale;
-        }
-        /* Softmax numerators in place; the denominators later, in the same ascending order. */
-        for (int64_t t = 0; t < queries; t++) {
-            int64_t r = t % rows;
-            softmax_numerators(scores + t * longest, shared + extra_start[r + 1] - extra_start[r]);
-        }
-#if DOVETAIL_KEY_BLOCKS
-        for (int64_t j = 0; j < blocked; j += KEY_BLOCK) {
-            const float *v[KEY_BLOCK];
-            cache_block(v_head, j, head_dim, bf16, row, v);
-            for (int64_t t = 0; t < queries; t++)
-                add_scaled8(acc + t * head_dim, v, scores + t * longest + j, head_dim);
-        }
-#endif
-        for (int64_t j = blocked; j < shared; j++) {
-            const float *v = cache_row(v_head, j, head_dim, bf16, row);
-            for (int64_t t = 0; t < queries; t++) add_scaled(acc + t * head_dim, v, scores[t * longest + j], head_dim);
-        }
-        for (int64_t t = 0; t < queries; t++) {
-            int64_t r = t % rows, n = shared + extra_start[r + 1] - extra_start[r];
-            const float *s = scores + t * longest;
-            for (int64_t e = extra_start[r]; e < extra_start[r + 1]; e++)
-                add_scaled(acc + t * head_dim, cache_row(v_head, shared + extra[e], head_dim, bf16, row),
-                           s[shared + e - extra_start[r]], head_dim);
-            float total = 0.0f;
-            for (int64_t j = 0; j < n; j++) total += s[j];
-            float inverse = 1.0f / total;
-            float *o = out_group + t * head_dim;
-            for (int64_t i = 0; i < head_dim; i++) o[i] = acc[t * head_dim + i] * inverse;
-        }
-        free(scores);
-        free(acc);
-        free(row);
     }
     return failed ? DOVETAIL_NO_MEMORY : 0;
 }

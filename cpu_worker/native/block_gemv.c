@@ -102,40 +102,107 @@ static inline float half_to_float_exact(uint16_t h) {
 #endif
 }
 
+/* One block of 32 activations quantized (see dovetail_quantize_blocks): writes the plane(s) at
+ * high (and high + k for the low digits), returns the block's scale and sets *sum. */
+static inline float quantize_block(const float *in, int8_t *high, int64_t k, int planes, int32_t *sum) {
+    const float top = planes == 2 ? 32512.0f : 127.0f;
+    float amax = 0.0f;
+    for (int j = 0; j < QBLOCK; j++) amax = fabsf(in[j]) > amax ? fabsf(in[j]) : amax;
+    float scale = amax / top, inverse = amax > 0.0f ? top / amax : 0.0f;
+    int8_t *low = high + k;
+    int32_t total = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        float v = nearbyintf(in[j] * inverse);
+        v = v > top ? top : (v < -top ? -top : v);
+        int32_t value = (int32_t)v;
+        total += value;
+        if (planes == 2) {
+            int32_t h = value >= 0 ? (value + 127) / 255 : -((127 - value) / 255);
+            high[j] = (int8_t)h;
+            low[j] = (int8_t)(value - 255 * h);
+        } else {
+            high[j] = (int8_t)value;
+        }
+    }
+    *sum = total;
+    return scale;
+}
+
+#if defined(__AVX2__)
+/* 4 vectors of 8 int32 in [-127, 127] (inputs 0-7, 8-15, 16-23, 24-31) as 32 bytes in input order. */
+static inline void store_bytes(int8_t *out, __m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* quantize_block, 8 inputs a vector, the same bits: the same IEEE products and round-to-nearest;
+ * the clamp by compare and blend keeps a NaN as the scalar code's comparisons do; max|x| by
+ * max_ps(|x|, running) skips a NaN as `fabsf(x) > amax` does; h = nearest(v / 255) equals the scalar
+ * code's integer division, as v / 255 is never within 1/510 of a half (255 is odd). A block with a NaN
+ * goes to the plain loop (whose conversions of it the vector ones need not match). */
+static inline float quantize_block8(const float *in, int8_t *high, int64_t k, int planes, int32_t *sum) {
+    const float top = planes == 2 ? 32512.0f : 127.0f;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 x[4], running = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(in + 8 * i);
+        running = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), running);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(unordered)) return quantize_block(in, high, k, planes, sum); /* a NaN: the plain loop's answer */
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, running);
+    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+    float scale = amax / top, inverse = amax > 0.0f ? top / amax : 0.0f;
+    const __m256 upper = _mm256_set1_ps(top), lower = _mm256_set1_ps(-top), factor = _mm256_set1_ps(inverse);
+    __m256i value[4], digit_high[4], digit_low[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(x[i], factor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_blendv_ps(v, upper, _mm256_cmp_ps(v, upper, _CMP_GT_OQ));
+        v = _mm256_blendv_ps(v, lower, _mm256_cmp_ps(v, lower, _CMP_LT_OQ));
+        value[i] = _mm256_cvttps_epi32(v);
+        total = _mm256_add_epi32(total, value[i]);
+        if (planes == 2) {
+            __m256 h = _mm256_round_ps(_mm256_div_ps(v, _mm256_set1_ps(255.0f)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            digit_high[i] = _mm256_cvttps_epi32(h);
+            digit_low[i] = _mm256_sub_epi32(_mm256_add_epi32(value[i], digit_high[i]), _mm256_slli_epi32(digit_high[i], 8));
+        }
+    }
+    int32_t partial[8];
+    _mm256_storeu_si256((__m256i *)partial, total);
+    *sum = partial[0] + partial[1] + partial[2] + partial[3] + partial[4] + partial[5] + partial[6] + partial[7];
+    if (planes == 2) {
+        store_bytes(high, digit_high[0], digit_high[1], digit_high[2], digit_high[3]);
+        store_bytes(high + k, digit_low[0], digit_low[1], digit_low[2], digit_low[3]);
+    } else {
+        store_bytes(high, value[0], value[1], value[2], value[3]);
+    }
+    return scale;
+}
+#define QUANTIZE_BLOCK quantize_block8
+#else
+#define QUANTIZE_BLOCK quantize_block
+#endif
+
+/* Below this many activations a call stays on one thread. */
+#define QUANTIZE_PARALLEL_MIN 16384
+
 /* Activations: per block of 32 of each row, all zero for a zero block.
  * planes 1: d = max|x| / 127, q = nearbyint(x / d) in [-127, 127]: q[m * k + i].
  * planes 2: d = max|x| / 32512, v = nearbyint(x / d) in [-32512, 32512], written as the balanced
  *   base-255 digits h = nearbyint(v / 255) and l = v - 255 h, both in [-127, 127] (so VNNI's sign
  *   trick applies to each): h at q[(m * 2) * k + i], l at q[(m * 2 + 1) * k + i].
- * sums[m * blocks + b] = the block's sum of q (v for two planes; Q4_1's minimum term). k % 32 == 0. */
+ * sums[m * blocks + b] = the block's sum of q (v for two planes; Q4_1's minimum term). k % 32 == 0.
+ * Every block on its own, so the thread count never changes a bit. */
 void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums, int64_t rows, int64_t k,
-                              int planes) {
+                              int planes, int threads) {
     int64_t blocks = k / QBLOCK;
-    const float top = planes == 2 ? 32512.0f : 127.0f;
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *in = x + m * k + b * QBLOCK;
-            float amax = 0.0f;
-            for (int j = 0; j < QBLOCK; j++) amax = fabsf(in[j]) > amax ? fabsf(in[j]) : amax;
-            float scale = amax / top, inverse = amax > 0.0f ? top / amax : 0.0f;
-            int8_t *high = q + m * planes * k + b * QBLOCK, *low = high + k;
-            int32_t sum = 0;
-            for (int j = 0; j < QBLOCK; j++) {
-                float v = nearbyintf(in[j] * inverse);
-                v = v > top ? top : (v < -top ? -top : v);
-                int32_t value = (int32_t)v;
-                sum += value;
-                if (planes == 2) {
-                    int32_t h = value >= 0 ? (value + 127) / 255 : -((127 - value) / 255);
-                    high[j] = (int8_t)h;
-                    low[j] = (int8_t)(value - 255 * h);
-                } else {
-                    high[j] = (int8_t)value;
-                }
-            }
-            d[m * blocks + b] = scale;
-            sums[m * blocks + b] = sum;
-        }
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= QUANTIZE_PARALLEL_MIN)
+    for (int64_t item = 0; item < rows * blocks; item++) {
+        int64_t m = item / blocks, b = item % blocks;
+        d[item] = QUANTIZE_BLOCK(x + m * k + b * QBLOCK, q + m * planes * k + b * QBLOCK, k, planes, sums + item);
+    }
 }
 
 #define GROUP_OUT 16 /* outputs a group */

@@ -29,7 +29,7 @@ static int block_layer(const dovetail_linear *layer, const float *x, float *y, i
     int32_t *xs = (int32_t *)malloc((size_t)(rows * blocks) * sizeof(int32_t));
     int status = DOVETAIL_NO_MEMORY;
     if (xq != NULL && xd != NULL && xs != NULL) {
-        dovetail_quantize_blocks(x, xq, xd, xs, rows, k, (int)planes);
+        dovetail_quantize_blocks(x, xq, xd, xs, rows, k, (int)planes, threads);
         status = dovetail_block_linear(xq, xd, xs, rows, (int)planes, (const uint8_t *)layer->weight,
                                        layer->block_scales, layer->block_minimums, (int)layer->block_type,
                                        layer->bias, y, layer->n_out, k, threads);

@@ -159,7 +159,7 @@ int dovetail_block_simd(void);
 int dovetail_block_amx_ready(void);
 void dovetail_block_amx_from(int planes);
 void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums, int64_t rows, int64_t k,
-                              int planes);
+                              int planes, int threads);
 int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int planes,
                           const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type,
                           const float *bias, float *y, int64_t n_out, int64_t k, int threads);

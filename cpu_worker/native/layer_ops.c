@@ -19,6 +19,10 @@
 
 /* Below this many floats a call stays on one thread: waking the pool costs more than it saves. */
 #define LAYER_OPS_PARALLEL_MIN 65536
+/* The same for SiLU, whose exponential and divisions cost ~3 ns a float where RMSNorm's products
+ * cost a fraction of one: a tree of 8 rows at SmolLM2-135M's 1536 (12288 floats, ~40 us) spent 8% of
+ * its verify pass here on one thread while the other waited. */
+#define SILU_PARALLEL_MIN 4096
 
 /* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), x and out [rows, dim] (may alias). The
  * sum of squares is attention.c's fixed-order dot product of the row with itself. */
@@ -95,7 +99,7 @@ void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, flo
 void dovetail_silu_mul(const float *gate, const float *up, int64_t stride, float *out, int64_t rows, int64_t width,
                        int threads) {
     int64_t chunks = (width + SILU_CHUNK - 1) / SILU_CHUNK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= LAYER_OPS_PARALLEL_MIN)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= SILU_PARALLEL_MIN)
     for (int64_t t = 0; t < rows * chunks; t++) {
         int64_t r = t / chunks, from = (t % chunks) * SILU_CHUNK;
         int64_t n = width - from < SILU_CHUNK ? width - from : SILU_CHUNK;

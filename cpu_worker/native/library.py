@@ -151,7 +151,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_block_simd": ([], _INT),
     "dovetail_block_amx_ready": ([], _INT),
     "dovetail_block_amx_from": ([_INT], None),
-    "dovetail_quantize_blocks": ([_P, _P, _P, _P, _I64, _I64, _INT], None),
+    "dovetail_quantize_blocks": ([_P, _P, _P, _P, _I64, _I64, _INT, _INT], None),
     "dovetail_block_linear": ([_P, _P, _P, _I64, _INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _INT], _INT),
     "dovetail_decoder_scratch": ([_P, _I64], _I64),
     "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),

@@ -106,21 +106,24 @@ def test_a_prompt_chunk_is_refused_where_it_does_not_fit_the_cache():
         exact_attention.attend_causal(torch.randn(1, 2, 4, 16), keys, values, 7)
 
 
-def test_the_thread_count_does_not_change_a_bit():
-    keys, values = cache(8, 64)
-    q = torch.randn(1, 16, 5, 64, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize(("heads", "kv_heads"), [(16, 8), (9, 3)])
+def test_the_thread_count_does_not_change_a_bit(heads, kv_heads):
+    """Threads take equal stretches of all kv heads' queries, cut anywhere (9 / 3 is SmolLM2's
+    grouping: 3 kv heads on 2 threads), and no cut changes a bit."""
+    keys, values = cache(kv_heads, 64)
+    q = torch.randn(1, heads, 5, 64, generator=torch.Generator().manual_seed(3))
     paths = tree_of([-1, 0, 0, 1, 1])
     threads = torch.get_num_threads()
+    results = []
     try:
-        torch.set_num_threads(1)
-        one = exact_attention.attend(q, keys, values, 200, paths)
-        one_chunk = exact_attention.attend_causal(q, keys, values, 200)
-        torch.set_num_threads(3)
-        three = exact_attention.attend(q, keys, values, 200, paths)
-        three_chunk = exact_attention.attend_causal(q, keys, values, 200)
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            results.append((exact_attention.attend(q, keys, values, 200, paths),
+                            exact_attention.attend_causal(q, keys, values, 200)))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, three) and torch.equal(one_chunk, three_chunk)
+    for tree, chunk in results[1:]:
+        assert torch.equal(results[0][0], tree) and torch.equal(results[0][1], chunk)
 
 
 def test_gradients_or_other_dtypes_keep_torch_attention():
