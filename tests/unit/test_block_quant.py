@@ -75,14 +75,15 @@ def test_every_builds_activation_quantizer_gives_the_plain_c_bits_at_any_thread_
     x[3, 200] = float("nan")
     x = x.repeat(4, 1)  # 24 rows: 24576 activations, past the quantizer's threshold for threads
     builds = runnable_builds()
-    plain = {planes: builds[0][1] for planes in (1, 2)}
+    plain = builds[0][1]  # the plain C build
     for name, library in builds:
         for planes in (1, 2):
             for threads in (1, 2):
                 got = [torch.empty(x.shape[0], planes, x.shape[1], dtype=torch.int8),
-                       torch.empty(x.shape[0], x.shape[1] // 32), torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.int32)]
+                       torch.empty(x.shape[0], x.shape[1] // 32),
+                       torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.int32)]
                 expected = [part.clone() for part in got]
-                for lib, out, count in ((library, got, threads), (plain[planes], expected, 1)):
+                for lib, out, count in ((library, got, threads), (plain, expected, 1)):
                     lib.dovetail_quantize_blocks(x.data_ptr(), out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
                                                  x.shape[0], x.shape[1], planes, count)
                 rows = [r for r in range(x.shape[0]) if r % 6 != 3]  # all but the NaN's rows: the block sums
