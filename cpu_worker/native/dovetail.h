@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 8
+#define DOVETAIL_ABI_VERSION 10
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -163,6 +163,11 @@ void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums
 int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, int64_t rows, int planes,
                           const uint8_t *w, const uint16_t *scales, const uint16_t *minimums, int type,
                           const float *bias, float *y, int64_t n_out, int64_t k, int threads);
+
+/* ---- block_rows.c: a GGUF table's rows (Q8_0, Q4_0, Q4_1 blocks) widened to fp32 ---- */
+
+int dovetail_dequantize_rows(const uint8_t *table, int type, int64_t width, const int64_t *ids, int64_t count,
+                             float *out);
 
 /* ---- decoder_layers.c: a target's decoder layers in one call ---- */
 

@@ -37,13 +37,13 @@ DIRECTORY = Path(__file__).parent
 HEADER = DIRECTORY / "dovetail.h"
 SOURCES = tuple(DIRECTORY / name for name in ("int8_gemv.c", "fp32_rows.c", "attention.c", "layer_ops.c",
                                               "decoder_layers.c", "block_gemv.c", "weight_quant.c",
-                                              "abi.c"))
+                                              "block_rows.c", "abi.c"))
 # -ffp-contract=off: no fused multiply-add in the epilogue, so every path rounds the same way.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 8
+ABI_VERSION = 10
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 # a Linear's kind
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5
@@ -153,6 +153,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_block_amx_from": ([_INT], None),
     "dovetail_quantize_blocks": ([_P, _P, _P, _P, _I64, _I64, _INT, _INT], None),
     "dovetail_block_linear": ([_P, _P, _P, _I64, _INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _INT], _INT),
+    "dovetail_dequantize_rows": ([_P, _INT, _I64, _P, _I64, _P], _INT),
     "dovetail_decoder_scratch": ([_P, _I64], _I64),
     "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
 }

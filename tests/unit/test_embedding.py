@@ -84,6 +84,30 @@ def test_a_quantized_gguf_keeps_its_files_table_with_the_dequantized_tables_logi
     assert type(load_target_model(path, "fp32").embed_tokens) is nn.Embedding  # floats: a float table
 
 
+@pytest.mark.parametrize("stored", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_the_native_row_lookup_gives_ggufs_floats_bit_for_bit(stored):
+    """Random block bytes (any finite fp16 scale and minimum: subnormal, negative, zero), every row
+    widened by block_rows.c and by gguf's own dequantizer: the same bits, signed zeros included."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, block_bytes = GGML_QUANT_SIZES[stored]
+    rows, width = 64, 4 * block
+    generator = np.random.default_rng(5)
+    table = generator.integers(0, 256, size=(rows, width // block * block_bytes), dtype=np.uint8)
+    halves = table.reshape(rows, -1, block_bytes)[:, :, :4].copy().view(np.uint16)
+    halves[(halves & 0x7C00) == 0x7C00] &= 0x3FFF  # no inf or NaN scales: a file's scales are finite
+    table.reshape(rows, -1, block_bytes)[:, :, :4] = halves.view(np.uint8)
+    native_rows = BlockEmbedding(table, stored, width)
+    assert native_rows._native is not None
+    gguf_rows = BlockEmbedding(table, stored, width)
+    gguf_rows._native = None  # gguf.quants.dequantize, as for types the library does not read
+    ids = torch.arange(rows).flip(0).reshape(2, -1)
+    ours, theirs = native_rows(ids), gguf_rows(ids)
+    assert ours.shape == (2, rows // 2, width)
+    assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+
+
 def test_a_block_table_refuses_ids_outside_the_vocabulary(folders, tmp_path):
     path = write_gguf(folders["fp32"], tmp_path / "m.gguf", {"proj": Q.Q8_0, "embd": Q.Q8_0, "output": Q.Q8_0})
     embedding = load_target_model(path, "q8_0").embed_tokens
