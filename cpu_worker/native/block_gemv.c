@@ -198,11 +198,16 @@ static inline float quantize_block8(const float *in, int8_t *high, int64_t k, in
 void dovetail_quantize_blocks(const float *x, int8_t *q, float *d, int32_t *sums, int64_t rows, int64_t k,
                               int planes, int threads) {
     int64_t blocks = k / QBLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= QUANTIZE_PARALLEL_MIN)
-    for (int64_t item = 0; item < rows * blocks; item++) {
-        int64_t m = item / blocks, b = item % blocks;
-        d[item] = QUANTIZE_BLOCK(x + m * k + b * QBLOCK, q + m * planes * k + b * QBLOCK, k, planes, sums + item);
+#define QUANTIZE_ITEM(item)                                                                                     \
+    d[item] = QUANTIZE_BLOCK(x + (item) / blocks * k + (item) % blocks * QBLOCK,                                \
+                             q + (item) / blocks * planes * k + (item) % blocks * QBLOCK, k, planes, sums + (item))
+    if (rows * k < QUANTIZE_PARALLEL_MIN || threads < 2) { /* no OpenMP region: see layer_ops.c */
+        for (int64_t item = 0; item < rows * blocks; item++) QUANTIZE_ITEM(item);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < rows * blocks; item++) QUANTIZE_ITEM(item);
+#undef QUANTIZE_ITEM
 }
 
 #define GROUP_OUT 16 /* outputs a group */

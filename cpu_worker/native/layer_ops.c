@@ -17,7 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Below this many floats a call stays on one thread: waking the pool costs more than it saves. */
+/* Below this many floats a call stays on one thread: waking the pool costs more than it saves.
+ * Such a call never enters an OpenMP region at all: even one that an if clause keeps on a single
+ * thread costs ~0.45 us to set up, and a decode step makes a few hundred of these calls. */
 #define LAYER_OPS_PARALLEL_MIN 65536
 /* The same for SiLU, whose exponential and divisions cost ~3 ns a float where RMSNorm's products
  * cost a fraction of one: a tree of 8 rows at SmolLM2-135M's 1536 (12288 floats, ~40 us) spent 8% of
@@ -26,15 +28,21 @@
 
 /* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), x and out [rows, dim] (may alias). The
  * sum of squares is attention.c's fixed-order dot product of the row with itself. */
+static void rms_norm_row(const float *x, const float *weight, float *out, int64_t r, int64_t dim, float eps) {
+    const float *row = x + r * dim;
+    float inverse = 1.0f / sqrtf(dovetail_dot_fixed(row, row, dim) / (float)dim + eps);
+    float *o = out + r * dim;
+    for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (row[i] * inverse);
+}
+
 void dovetail_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps,
                        int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= LAYER_OPS_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * dim;
-        float inverse = 1.0f / sqrtf(dovetail_dot_fixed(row, row, dim) / (float)dim + eps);
-        float *o = out + r * dim;
-        for (int64_t i = 0; i < dim; i++) o[i] = weight[i] * (row[i] * inverse);
+    if (rows * dim < LAYER_OPS_PARALLEL_MIN || threads < 2) {
+        for (int64_t r = 0; r < rows; r++) rms_norm_row(x, weight, out, r, dim, eps);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x, weight, out, r, dim, eps);
 }
 
 /* One head row rotated (Llama's rotate-half rotary): out = x * cos + rotate_half(x) * sin, where
@@ -63,6 +71,26 @@ static inline void store_row(void *cache, int64_t slot, const float *row, int64_
     for (int64_t i = 0; i < head_dim; i++) out[i] = to_bf16(row[i]);
 }
 
+/* Row r of dovetail_rope_qkv. */
+static void rope_row(const float *qkv, const float *cos, const float *sin, float *q, void *keys, void *values,
+                     int bf16, int64_t r, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t max_len, int64_t start) {
+    int64_t width = (heads + 2 * kv_heads) * head_dim;
+    const float *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
+    float rotated[head_dim];
+    for (int64_t h = 0; h < heads; h++) rotate(row + h * head_dim, c, s, q + (h * rows + r) * head_dim, head_dim);
+    for (int64_t g = 0; g < kv_heads; g++) {
+        int64_t slot = (g * max_len + start + r) * head_dim;
+        if (bf16) {
+            rotate(row + (heads + g) * head_dim, c, s, rotated, head_dim);
+            store_row(keys, slot, rotated, head_dim, bf16);
+        } else {
+            rotate(row + (heads + g) * head_dim, c, s, (float *)keys + slot, head_dim); /* straight into the cache */
+        }
+        store_row(values, slot, row + (heads + kv_heads + g) * head_dim, head_dim, bf16);
+    }
+}
+
 /* The fused q/k/v projection's output split for attention. qkv: [rows, (heads + 2 kv_heads),
  * head_dim], heads first, then keys, then values; cos/sin: [rows, head_dim] (each row's
  * position). Writes the rotated queries to q [heads, rows, head_dim], and each row's rotated
@@ -72,22 +100,14 @@ void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, flo
                        int bf16, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_len,
                        int64_t start, int threads) {
     int64_t width = (heads + 2 * kv_heads) * head_dim;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= LAYER_OPS_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = qkv + r * width, *c = cos + r * head_dim, *s = sin + r * head_dim;
-        float rotated[head_dim];
-        for (int64_t h = 0; h < heads; h++) rotate(row + h * head_dim, c, s, q + (h * rows + r) * head_dim, head_dim);
-        for (int64_t g = 0; g < kv_heads; g++) {
-            int64_t slot = (g * max_len + start + r) * head_dim;
-            if (bf16) {
-                rotate(row + (heads + g) * head_dim, c, s, rotated, head_dim);
-                store_row(keys, slot, rotated, head_dim, bf16);
-            } else {
-                rotate(row + (heads + g) * head_dim, c, s, (float *)keys + slot, head_dim); /* straight into the cache */
-            }
-            store_row(values, slot, row + (heads + kv_heads + g) * head_dim, head_dim, bf16);
-        }
+    if (rows * width < LAYER_OPS_PARALLEL_MIN || threads < 2) {
+        for (int64_t r = 0; r < rows; r++)
+            rope_row(qkv, cos, sin, q, keys, values, bf16, r, rows, heads, kv_heads, head_dim, max_len, start);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        rope_row(qkv, cos, sin, q, keys, values, bf16, r, rows, heads, kv_heads, head_dim, max_len, start);
 }
 
 /* out[r] = silu(gate[r]) * up[r], rows of `width`: gate row r at gate + r * stride, up's likewise
@@ -96,21 +116,29 @@ void dovetail_rope_qkv(const float *qkv, const float *cos, const float *sin, flo
  * 1 / (1 + e) for g >= 0, e / (1 + e) below. Elementwise, so a row's bits depend on nothing else
  * in its call. */
 #define SILU_CHUNK 256
+/* Chunk t of dovetail_silu_mul: row t / chunks, its floats from (t % chunks) * SILU_CHUNK. */
+static void silu_chunk(const float *gate, const float *up, int64_t stride, float *out, int64_t width, int64_t chunks,
+                       int64_t t) {
+    int64_t r = t / chunks, from = (t % chunks) * SILU_CHUNK;
+    int64_t n = width - from < SILU_CHUNK ? width - from : SILU_CHUNK;
+    const float *g = gate + r * stride + from, *u = up + r * stride + from;
+    float e[SILU_CHUNK];
+    for (int64_t i = 0; i < n; i++) e[i] = -fabsf(g[i]);
+    dovetail_exp_nonpositive(e, n);
+    float *o = out + r * width + from;
+    for (int64_t i = 0; i < n; i++) {
+        float sigmoid = g[i] >= 0.0f ? 1.0f / (1.0f + e[i]) : e[i] / (1.0f + e[i]);
+        o[i] = (g[i] * sigmoid) * u[i];
+    }
+}
+
 void dovetail_silu_mul(const float *gate, const float *up, int64_t stride, float *out, int64_t rows, int64_t width,
                        int threads) {
     int64_t chunks = (width + SILU_CHUNK - 1) / SILU_CHUNK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= SILU_PARALLEL_MIN)
-    for (int64_t t = 0; t < rows * chunks; t++) {
-        int64_t r = t / chunks, from = (t % chunks) * SILU_CHUNK;
-        int64_t n = width - from < SILU_CHUNK ? width - from : SILU_CHUNK;
-        const float *g = gate + r * stride + from, *u = up + r * stride + from;
-        float e[SILU_CHUNK];
-        for (int64_t i = 0; i < n; i++) e[i] = -fabsf(g[i]);
-        dovetail_exp_nonpositive(e, n);
-        float *o = out + r * width + from;
-        for (int64_t i = 0; i < n; i++) {
-            float sigmoid = g[i] >= 0.0f ? 1.0f / (1.0f + e[i]) : e[i] / (1.0f + e[i]);
-            o[i] = (g[i] * sigmoid) * u[i];
-        }
+    if (rows * width < SILU_PARALLEL_MIN || threads < 2) {
+        for (int64_t t = 0; t < rows * chunks; t++) silu_chunk(gate, up, stride, out, width, chunks, t);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < rows * chunks; t++) silu_chunk(gate, up, stride, out, width, chunks, t);
 }
