@@ -8,6 +8,7 @@ file's blocks) and each row is widened on lookup, exactly: the fp32 values the f
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,17 +55,22 @@ class BlockEmbedding(nn.Module):
 
     def __init__(self, rows: np.ndarray, kind: GGMLQuantizationType, hidden_size: int):
         super().__init__()
+        from gguf.constants import GGML_QUANT_SIZES
+        from gguf.quants import dequantize
+
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        row_bytes = hidden_size // block * block_bytes
+        if rows.ndim != 2 or rows.dtype != np.uint8 or hidden_size % block or rows.shape[1] != row_bytes:
+            raise ValueError(f"a {kind.name} table of {hidden_size} values a row is {row_bytes} bytes a row "
+                             f"({block} values in {block_bytes} bytes), not {rows.dtype} {rows.shape}")
         self.rows = np.ascontiguousarray(rows)  # [vocab, bytes a row], a copy owned here (not the file's map)
         self.kind = kind
         self.hidden_size = hidden_size
         self.nbytes = self.rows.nbytes  # weight_bytes counts it
-        from gguf.quants import dequantize
-
         self._dequantize = dequantize  # imported here, not on every lookup (a decode step's path)
-        native_type = NATIVE_BLOCKS.get(kind.name)
-        self._native = None if native_type is None else native.load()
-        self._native_type = native_type
-        self._table_address = self.rows.ctypes.data
+        # The library itself is looked up on each lookup (a cached call): a module holding it could not be
+        # copied or pickled (a head's trainer copies the head it saves).
+        self._native_type = NATIVE_BLOCKS.get(kind.name)
 
     @property
     def num_embeddings(self) -> int:
@@ -74,19 +80,19 @@ class BlockEmbedding(nn.Module):
         ids = tokens.detach().cpu().reshape(-1).numpy()
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in 0..{self.num_embeddings - 1}")
-        if self._native is not None:
-            return self._widen_natively(ids).reshape(*tokens.shape, self.hidden_size)
+        library = native.load() if self._native_type is not None else None
+        if library is not None:
+            return self._widen_natively(library, ids).reshape(*tokens.shape, self.hidden_size)
         values = np.asarray(self._dequantize(self.rows[ids], self.kind), dtype=np.float32)
         return torch.from_numpy(values.reshape(*tokens.shape, self.hidden_size))
 
-    def _widen_natively(self, ids: np.ndarray) -> torch.Tensor:
-        """The rows ``ids`` (checked) as fp32 [len(ids), hidden_size], by block_rows.c."""
-        assert self._native is not None and self._native_type is not None
+    def _widen_natively(self, library: ctypes.CDLL, ids: np.ndarray) -> torch.Tensor:
+        """The rows ``ids`` (checked) as fp32 [len(ids), hidden_size], by block_rows.c (whose row
+        stride is the width checked at construction)."""
         wanted = np.ascontiguousarray(ids, dtype=np.int64)
         out = torch.empty(wanted.size, self.hidden_size)
-        status = self._native.dovetail_dequantize_rows(self._table_address, self._native_type, self.hidden_size,
-                                                       wanted.ctypes.data, wanted.size, out.data_ptr())
-        if status != 0:
+        if library.dovetail_dequantize_rows(self.rows.ctypes.data, self._native_type, self.hidden_size,
+                                            wanted.ctypes.data, wanted.size, out.data_ptr()) != 0:
             raise ValueError(f"a {self.kind.name} table of {self.hidden_size} values a row is not whole blocks")
         return out
 

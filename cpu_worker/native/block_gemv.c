@@ -113,6 +113,7 @@ static inline float quantize_block(const float *in, int8_t *high, int64_t k, int
     int32_t total = 0;
     for (int j = 0; j < QBLOCK; j++) {
         float v = nearbyintf(in[j] * inverse);
+        v = v != v ? 0.0f : v; /* NaN (a NaN or infinite input, or 0 x an inverse that overflowed): 0 */
         v = v > top ? top : (v < -top ? -top : v);
         int32_t value = (int32_t)v;
         total += value;
@@ -136,20 +137,17 @@ static inline void store_bytes(int8_t *out, __m256i a, __m256i b, __m256i c, __m
 }
 
 /* quantize_block, 8 inputs a vector, the same bits: the same IEEE products and round-to-nearest;
- * the clamp by compare and blend keeps a NaN as the scalar code's comparisons do; max|x| by
- * max_ps(|x|, running) skips a NaN as `fabsf(x) > amax` does; h = nearest(v / 255) equals the scalar
- * code's integer division, as v / 255 is never within 1/510 of a half (255 is odd). A block with a NaN
- * goes to the plain loop (whose conversions of it the vector ones need not match). */
+ * a NaN product becomes 0 as there; max|x| by max_ps(|x|, running) skips a NaN as `fabsf(x) > amax`
+ * does; h = nearest(v / 255) equals the scalar code's integer division, as v / 255 is never within
+ * 1/510 of a half (255 is odd). */
 static inline float quantize_block8(const float *in, int8_t *high, int64_t k, int planes, int32_t *sum) {
     const float top = planes == 2 ? 32512.0f : 127.0f;
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 x[4], running = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+    __m256 x[4], running = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
         x[i] = _mm256_loadu_ps(in + 8 * i);
         running = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), running);
-        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
     }
-    if (_mm256_movemask_ps(unordered)) return quantize_block(in, high, k, planes, sum); /* a NaN: the plain loop's answer */
     float lanes[8], amax = 0.0f;
     _mm256_storeu_ps(lanes, running);
     for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
@@ -158,6 +156,7 @@ static inline float quantize_block8(const float *in, int8_t *high, int64_t k, in
     __m256i value[4], digit_high[4], digit_low[4], total = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
         __m256 v = _mm256_round_ps(_mm256_mul_ps(x[i], factor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), v); /* NaN -> 0 */
         v = _mm256_blendv_ps(v, upper, _mm256_cmp_ps(v, upper, _CMP_GT_OQ));
         v = _mm256_blendv_ps(v, lower, _mm256_cmp_ps(v, lower, _CMP_LT_OQ));
         value[i] = _mm256_cvttps_epi32(v);

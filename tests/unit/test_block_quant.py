@@ -64,15 +64,21 @@ def test_16_bit_activations_are_two_int8_digits_of_the_rounded_value():
 def test_every_builds_activation_quantizer_gives_the_plain_c_bits_at_any_thread_count():
     """The activations' quantizer (8 lanes at a time on AVX2 builds, blocks split over threads)
     against the plain C build: exact halves of the rounding, both digits' extremes, zero and
-    subnormal blocks, a NaN, at 8 and 16 bits, on one thread and two."""
+    subnormal blocks, blocks whose scale's inverse overflows beside zeros, NaN and infinite inputs
+    (a product that is NaN is quantized to 0 on every path), at 8 and 16 bits, on one thread and two."""
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(6, 1024, generator=generator) * torch.logspace(-3, 3, 6).unsqueeze(1)
     x[0, :32] = 0.0
-    x[0, 32:64] = torch.arange(-16, 16) + 0.5  # max 15.5 -> 127 / 15.5 * (n + 0.5) at 8 bits: ties and near-ties
-    x[1, :32] = torch.arange(32) * 255.0 / 32512.0 * 127  # 16 bits: values a whole number of 255s and halves
+    x[0, 32:64] = torch.arange(-16, 16) + 0.5  # max 15.5: scaled values near halves at 8 bits
+    x[0, 64:96] = torch.arange(-16, 16) * (127 / 32)  # max 63.5 (-16 * 127/32): whole and half steps at 8 bits
+    x[1, :32] = torch.arange(32) * 255.0  # 16 bits: a whole number of 255s where the block's extreme is
     x[1, 64] = -x[1, 64:96].abs().max() * 3  # the block's extreme, negative: v = -32512, h = -127
     x[2, 96:128] *= 1e-40  # subnormal: the inverse overflows
+    x[2, 128:160] = 0.0
+    x[2, 130] = 3e-38  # a normal value whose inverse overflows, beside zeros (0 x inf is NaN)
     x[3, 200] = float("nan")
+    x[4, 300] = float("inf")
+    x[5, 400] = -float("inf")
     x = x.repeat(4, 1)  # 24 rows: 24576 activations, past the quantizer's threshold for threads
     builds = runnable_builds()
     plain = builds[0][1]  # the plain C build
@@ -86,11 +92,13 @@ def test_every_builds_activation_quantizer_gives_the_plain_c_bits_at_any_thread_
                 for lib, out, count in ((library, got, threads), (plain, expected, 1)):
                     lib.dovetail_quantize_blocks(x.data_ptr(), out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
                                                  x.shape[0], x.shape[1], planes, count)
-                rows = [r for r in range(x.shape[0]) if r % 6 != 3]  # all but the NaN's rows: the block sums
                 assert torch.equal(got[0], expected[0]), (name, planes, threads)
                 assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32)), (name, planes, threads)
-                assert torch.equal(got[2][rows], expected[2][rows]), (name, planes, threads)
-                assert int(got[0].abs().max()) <= 127
+                assert torch.equal(got[2], expected[2]), (name, planes, threads)
+                assert int(got[0].int().abs().max()) <= 127
+                assert not got[0][3, :, 200].any() and got[0][3, 0, 192:224].any()  # the NaN alone is 0
+                overflowed = got[0][2, :, 128:160].int()  # 3e-38 among zeros: the top value, and zeros
+                assert overflowed[:, 2].tolist() == [127] * planes and not overflowed[:, 3:].any()
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ file's blocks) and widens looked-up rows to fp32: the rows, and so the logits, o
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -99,13 +101,15 @@ def test_the_native_row_lookup_gives_ggufs_floats_bit_for_bit(stored):
     halves[(halves & 0x7C00) == 0x7C00] &= 0x3FFF  # no inf or NaN scales: a file's scales are finite
     table.reshape(rows, -1, block_bytes)[:, :, :4] = halves.view(np.uint8)
     native_rows = BlockEmbedding(table, stored, width)
-    assert native_rows._native is not None
-    gguf_rows = BlockEmbedding(table, stored, width)
-    gguf_rows._native = None  # gguf.quants.dequantize, as for types the library does not read
+    assert native_rows._native_type is not None
+    gguf_rows = copy.deepcopy(native_rows)  # a copy works (a trainer copies a head): no library held
+    gguf_rows._native_type = None  # gguf.quants.dequantize, as for types the library does not read
     ids = torch.arange(rows).flip(0).reshape(2, -1)
     ours, theirs = native_rows(ids), gguf_rows(ids)
     assert ours.shape == (2, rows // 2, width)
     assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+    with pytest.raises(ValueError, match="bytes a row"):  # a table whose rows are not the width's blocks
+        BlockEmbedding(table[:, :-1], stored, width)
 
 
 def test_a_block_table_refuses_ids_outside_the_vocabulary(folders, tmp_path):
