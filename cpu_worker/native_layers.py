@@ -83,7 +83,7 @@ class NativeLayers:
         self._layers = layers
         self._layer_size = ctypes.sizeof(_Layer)
         self.max_rows = max_rows
-        self._library = library
+        self.library = library  # where its calls go (tools.bench_library_ab swaps in another build)
         self._scratch = torch.empty(0)
         self._shapes: dict[int, _Shape] = {}  # by cache length: built once, not per forward
         self._no_extra = torch.zeros(max_rows + 1, dtype=torch.int64)
@@ -178,12 +178,12 @@ class NativeLayers:
             shape = self._shapes[max_len] = _Shape(
                 spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
                 max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
-        needed = self._library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
+        needed = self.library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed)
         cos, sin = cos.contiguous(), sin.contiguous()
         layers = ctypes.byref(self._layers, first * self._layer_size)
-        if self._library.dovetail_decoder_layers(
+        if self.library.dovetail_decoder_layers(
                 out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
                 described, len(segments), int(dtype == torch.bfloat16), rows, self._scratch.data_ptr(),
                 torch.get_num_threads()) != 0:

@@ -270,10 +270,10 @@ int dovetail_attention(const float *q, const void *keys, const void *values, int
         int64_t n = shared + extra_start[r + 1] - extra_start[r];
         longest = n > longest ? n : longest;
     }
-    int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(|| : failed)
-    for (int64_t part = 0; part < threads; part++) {
-        int64_t from = all * part / threads, to = all * (part + 1) / threads;
+    int failed = 0, parts = threads > 0 ? threads : 1;
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(|| : failed)
+    for (int64_t part = 0; part < parts; part++) {
+        int64_t from = all * part / parts, to = all * (part + 1) / parts;
         while (from < to && !failed) { /* the stretch's pieces, one kv head at a time */
             int64_t g = from / queries, t0 = from % queries;
             int64_t t1 = to - g * queries < queries ? to - g * queries : queries;
