@@ -151,6 +151,9 @@ def main(target: str, precision: str, old_rev: str | None, old_library_path: str
     loop = engine.model.layer_loop
     if not isinstance(loop, NativeLayers):
         raise click.ClickException(f"{target} at {chosen} runs no native layer loop: nothing to swap")
+    if max(rows) > loop.max_rows or len(PROMPT) + max(rows) > engine.max_len:
+        # More rows than the loop takes would run the Python layers on both builds alike.
+        raise click.ClickException(f"--rows at most {min(loop.max_rows, engine.max_len - len(PROMPT))} here")
     with tempfile.TemporaryDirectory(prefix="dovetail-ab-") as folder:
         libraries = {"old": old_library(old_rev, old_library_path, Path(folder)), "new": loop.library}
         engine.prefill(PROMPT)

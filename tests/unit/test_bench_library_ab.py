@@ -46,6 +46,9 @@ def test_a_build_whose_loop_structs_differ_or_no_build_is_refused(current_build,
         bench_library_ab.old_library(None, str(tmp_path / "missing.so"), tmp_path)
     usage = CliRunner().invoke(bench_library_ab.main, ["--target", str(DEMO_TARGET)])
     assert usage.exit_code != 0 and "give one of --old-rev and --old-library" in usage.output
+    too_many = CliRunner().invoke(bench_library_ab.main, ["--target", str(DEMO_TARGET), "--precision", "int8",
+                                                          "--old-library", str(current_build), "--rows", "4096"])
+    assert too_many.exit_code != 0 and "--rows at most" in too_many.output
 
 
 def test_a_revisions_sources_are_read_from_git(tmp_path):
