@@ -15,6 +15,7 @@ from cpu_worker.engine import TargetEngine
 from cpu_worker.model.embedding import BlockEmbedding, StoredEmbedding, output_dtype
 from cpu_worker.model.gguf_file import GGUFFile
 from cpu_worker.model.gguf_loading import gguf_tensors, read_float
+from cpu_worker.native import library as native
 from cpu_worker.target_loading import load_target_model
 from gpu_worker.drafter import Drafter
 from ipc.tree import TreeShape
@@ -101,7 +102,7 @@ def test_the_native_row_lookup_gives_ggufs_floats_bit_for_bit(stored):
     halves[(halves & 0x7C00) == 0x7C00] &= 0x3FFF  # no inf or NaN scales: a file's scales are finite
     table.reshape(rows, -1, block_bytes)[:, :, :4] = halves.view(np.uint8)
     native_rows = BlockEmbedding(table, stored, width)
-    assert native_rows._native_type is not None
+    assert native_rows._native_type is not None and native.load() is not None  # the native path runs
     gguf_rows = copy.deepcopy(native_rows)  # a copy works (a trainer copies a head): no library held
     gguf_rows._native_type = None  # gguf.quants.dequantize, as for types the library does not read
     ids = torch.arange(rows).flip(0).reshape(2, -1)
