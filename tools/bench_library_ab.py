@@ -67,13 +67,11 @@ def sources_at(rev: str, folder: Path, repo: Path = CHECKOUT) -> list[Path]:
 
 def loop_problem(library: ctypes.CDLL) -> str | None:
     """Why ``library`` cannot run this checkout's layer loop descriptors, or None."""
-    if not hasattr(library, "dovetail_abi") or not hasattr(library, "dovetail_decoder_layers"):
-        return "it has no dovetail_abi or no dovetail_decoder_layers"
-    report = library.dovetail_abi
-    report.argtypes, report.restype = native.SIGNATURES["dovetail_abi"]
-    info = native.AbiInfo()
-    if report(ctypes.byref(info), ctypes.sizeof(info)) != ctypes.sizeof(info):
-        return "its dovetail_abi_info differs from this checkout's"
+    info = native.read_abi(library)
+    if isinstance(info, str):
+        return info
+    if not hasattr(library, "dovetail_decoder_layers"):
+        return "it has no dovetail_decoder_layers"
     expected = native.expected_abi()
     changed = [name for name in LOOP_ABI_FIELDS if getattr(info, name) != expected[name]]
     return f"{', '.join(changed)} differ from this checkout's" if changed else None

@@ -204,9 +204,8 @@ def target_path(compiler: str, flags: Sequence[str], directory: Path) -> Path:
     return directory / f"dovetail-kernels-{hashlib.sha256(b''.join(parts)).hexdigest()[:16]}.so"
 
 
-def abi_problem(library: ctypes.CDLL) -> str | None:
-    """What in ``library`` disagrees with this module's mirror of dovetail.h, in a few words; None
-    when nothing does."""
+def read_abi(library: ctypes.CDLL) -> AbiInfo | str:
+    """What ``library``'s dovetail_abi reports, or why it cannot say (a few words)."""
     try:
         report = library.dovetail_abi
     except AttributeError:
@@ -216,6 +215,15 @@ def abi_problem(library: ctypes.CDLL) -> str | None:
     size = report(ctypes.byref(info), ctypes.sizeof(info))
     if size != ctypes.sizeof(info):
         return f"dovetail_abi_info is {size} bytes in the library, {ctypes.sizeof(info)} in library.py"
+    return info
+
+
+def abi_problem(library: ctypes.CDLL) -> str | None:
+    """What in ``library`` disagrees with this module's mirror of dovetail.h, in a few words; None
+    when nothing does."""
+    info = read_abi(library)
+    if isinstance(info, str):
+        return info
     for name, expected in expected_abi().items():
         if getattr(info, name) != expected:
             return f"{name} is {getattr(info, name)} in the library, {expected} in library.py"
