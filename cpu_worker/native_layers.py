@@ -42,7 +42,7 @@ _LINEAR_FP32 = native.LINEAR_FP32
 _INT8_KINDS = {"rows": native.LINEAR_INT8, "packed": native.LINEAR_INT8_PACKED, "tiles": native.LINEAR_INT8_TILES}
 
 
-def _linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
+def describe_linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
     """The C view of a linear layer on one of our kernels, and the most rows a call of it may
     have there and keep its Python bits; None for any other layer."""
     if isinstance(module, RowwiseInt8Linear) and module.kernel != "fbgemm":
@@ -67,10 +67,30 @@ def _linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
     return None
 
 
-def _norm_weight(module: torch.nn.Module) -> torch.Tensor | None:
+def norm_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """An RMSNorm's weight as the C loop reads it (fp32, contiguous), or None."""
     if isinstance(module, RMSNorm) and module.weight.dtype == torch.float32 and module.weight.is_contiguous():
         return module.weight
     return None
+
+
+def describe_layer(layer: torch.nn.Module) -> tuple[_Layer, int] | None:
+    """The C view of a fused decoder layer on our kernels and the most rows a call may have (as
+    ``describe_linear``); None for any other layer."""
+    if not isinstance(layer, DecoderLayer):
+        return None
+    attention, mlp = layer.self_attn, layer.mlp
+    if attention.qkv_proj is None or mlp.gate_up_proj is None:
+        return None
+    linears = [describe_linear(attention.qkv_proj), describe_linear(attention.o_proj),
+               describe_linear(mlp.gate_up_proj), describe_linear(mlp.down_proj)]
+    norms = [norm_weight(layer.input_layernorm), norm_weight(layer.post_attention_layernorm)]
+    views = [item for item in linears if item is not None]
+    weights = [norm for norm in norms if norm is not None]
+    if len(views) < len(linears) or len(weights) < len(norms):
+        return None
+    limit = min(limit for _, limit in views)
+    return _Layer(weights[0].data_ptr(), weights[1].data_ptr(), *(view for view, _ in views)), limit
 
 
 class NativeLayers:
@@ -99,20 +119,11 @@ class NativeLayers:
         described = []
         max_rows = MAX_KERNEL_ROWS
         for layer in model.layers:
-            if not isinstance(layer, DecoderLayer):
+            view = describe_layer(layer)
+            if view is None:
                 return None
-            attention, mlp = layer.self_attn, layer.mlp
-            if attention.qkv_proj is None or mlp.gate_up_proj is None:
-                return None
-            linears = [_linear(attention.qkv_proj), _linear(attention.o_proj), _linear(mlp.gate_up_proj),
-                       _linear(mlp.down_proj)]
-            norms = [_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm)]
-            if any(item is None for item in linears) or any(norm is None for norm in norms):
-                return None
-            views = [item for item in linears if item is not None]
-            max_rows = min([max_rows, *(limit for _, limit in views)])
-            input_norm, post_norm = (norm.data_ptr() for norm in norms if norm is not None)
-            described.append(_Layer(input_norm, post_norm, *(view for view, _ in views)))
+            described.append(view[0])
+            max_rows = min(max_rows, view[1])
         if not described or max_rows < 1:
             return None
         return cls(model, (_Layer * len(described))(*described), max_rows, library)

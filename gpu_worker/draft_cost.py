@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_worker.model import kernel_digest
 from ipc.cost_cache import CostCache, cpu_model, files_signature, sources_digest
 from ipc.tree import TreeShape
 
@@ -43,7 +44,8 @@ def draft_cost_key(drafter: Drafter, draft_dir: str | Path, target_dir: str | Pa
     """Everything a draft-step measurement depends on but its beam, hashed (``beam_key`` adds it)."""
     parts = [files_signature(draft_dir), files_signature(target_dir) if target_dir else "", str(drafter.device),
              device_name(drafter.device), precision, str(threads), ",".join(map(str, cores)),
-             str(measuring_prefix(drafter)), torch.__version__, sources_digest(Path(__file__).parent, DRAFT_SOURCES)]
+             str(measuring_prefix(drafter)), torch.__version__, sources_digest(Path(__file__).parent, DRAFT_SOURCES),
+             kernel_digest() if drafter.device.type == "cpu" else ""]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 

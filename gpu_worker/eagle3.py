@@ -31,6 +31,7 @@ The embedding is the target's and is not part of the head's files (``file_state_
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import cast
@@ -46,17 +47,23 @@ from cpu_worker.model import (
     DecoderLayer,
     KVCache,
     LlamaSpec,
+    NativeEagle3Layer,
     RMSNorm,
     RowwiseInt8Linear,
 )
 from cpu_worker.model.embedding import new_embedding
 
-from .head_formats import quantize_projections
+from .head_formats import FUSION_WEIGHTS, quantize_projections
 
 # The layer rule and the names are torch-free (the coordinator reads them): one copy, there.
 from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY
 from .head_layout import EAGLE3_FUSIONS as EAGLE3_FUSIONS
 from .head_layout import resolve_aux_layers as resolve_aux_layers
+
+# Each head's layer on the native kernels (or None), with the projection format it was built for. Kept
+# beside the head, not in it: a module holding the library cannot be deep-copied (the trainer copies heads).
+_NATIVE: weakref.WeakKeyDictionary[Eagle3Head, tuple[str | None, NativeEagle3Layer | None]] = \
+    weakref.WeakKeyDictionary()
 
 
 class Eagle3Layer(nn.Module):
@@ -216,13 +223,41 @@ class Eagle3Head(nn.Module):
     def forward_segments(self, features: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          segments: Sequence[CacheSegment]) -> torch.Tensor:
         """``forward`` for several sequences' rows stacked [N, ...] (a batched draft step): every
-        projection over all N rows at once, each segment's rows attending over its own cache."""
+        projection over all N rows at once, each segment's rows attending over its own cache. A head
+        quantized for the CPU runs its layers in one native call (``native_layer``)."""
+        native = self.native_layer()
+        if native is not None and native.applies(features, segments):
+            reduced = self.reduce(features)
+            return native.run(reduced, self.embed_tokens(tokens).to(reduced.dtype), cos, sin, segments)
         g = self.reduce(features).unsqueeze(0)
         attn = self.midlayer.self_attn
         x = self.layer_with(g, tokens.unsqueeze(0), lambda h: attn.forward_segments(h, cos, sin, segments, 0))
         attends = [partial(layer.self_attn.forward_segments, cos=cos, sin=sin, segments=segments, layer=index)
                    for index, layer in enumerate(self.plain_layers, 1)]
         return self.post_layers_with(x, attends)[0]
+
+    def native_layer(self) -> NativeEagle3Layer | None:
+        """The head's layers on the native kernels (``cpu_worker.native_head_layer``): a head whose
+        projections are all on our CPU kernels (``head_formats``), else None. Built once per format."""
+        entry = _NATIVE.get(self)
+        if entry is None or entry[0] != self.projection_format:
+            entry = (self.projection_format, self._build_native_layer())
+            _NATIVE[self] = entry
+        return entry[1]
+
+    def _build_native_layer(self) -> NativeEagle3Layer | None:
+        mid = self.midlayer
+        attention, mlp = mid.self_attn, mid.mlp
+        if self.projection_format is None or attention.qkv_proj is None or mlp.gate_up_proj is None:
+            return None
+        gate = None
+        if self.fusion == "dgf-eagle3":
+            if self.int8_fusion is None:
+                return None
+            gate = [self.int8_fusion[name] for name in FUSION_WEIGHTS]
+        return NativeEagle3Layer.build(
+            self.spec, [mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm],
+            [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj], gate, self.plain_layers)
 
     def log_probs(self, output: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [S, draft_vocab] in fp32 (half-precision log_softmax loses ranks)."""

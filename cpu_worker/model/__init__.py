@@ -99,6 +99,12 @@ if TYPE_CHECKING:
     from cpu_worker.model.model_dir import (
         resolve_model_dir as resolve_model_dir,
     )
+    from cpu_worker.native_head_layer import (
+        NativeEagle3Layer as NativeEagle3Layer,
+    )
+    from cpu_worker.native_head_layer import (
+        kernel_digest as kernel_digest,
+    )
 
 _HOMES = {
     "cpu_worker.kernels.block_quant": ("BlockQuantLinear", "block_kernels_available"),
@@ -110,6 +116,7 @@ _HOMES = {
     "cpu_worker.model.loading": ("WeightPlacer", "iter_tensors", "keeps_stored_tables", "load_decoder", "load_spec",
                                  "read_tensors", "tensor_shapes", "weight_files"),
     "cpu_worker.model.model_dir": ("ModelLoadError", "context_limit", "read_config", "resolve_model_dir"),
+    "cpu_worker.native_head_layer": ("NativeEagle3Layer", "kernel_digest"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)

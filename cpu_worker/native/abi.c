@@ -14,6 +14,7 @@ int64_t dovetail_abi(dovetail_abi_info *info, int64_t size) {
     info->layer_size = sizeof(dovetail_layer);
     info->shape_size = sizeof(dovetail_shape);
     info->segment_size = sizeof(dovetail_segment);
+    info->eagle3_size = sizeof(dovetail_eagle3);
     info->layout_rows = DOVETAIL_LAYOUT_ROWS;
     info->layout_packed = DOVETAIL_LAYOUT_PACKED;
     info->layout_tiles = DOVETAIL_LAYOUT_TILES;

@@ -1,6 +1,6 @@
 /* A target's decoder layers in one foreign call: a decode step's or a tree's rows through every
  * layer (or a run of them) with the library's own kernels, in the order the Python layers call
- * them.
+ * them. And a CPU draft head's EAGLE-3 layer in one call (dovetail_eagle3_layer, at the end).
  *
  * Why: at a decode step the work between the linear layers is small, but each layer made about a
  * dozen torch ops and half a dozen foreign calls around it (views, slices, the residual adds, the
@@ -57,6 +57,58 @@ static int linear(const dovetail_linear *layer, const float *x, float *y, int64_
     return 0;
 }
 
+/* qkv [rows, (heads + 2 kv_heads) hd]: each segment's rows rotated, their keys and values written to
+ * its cache layer `layer`, its queries attending as the segment says; the heads' outputs merged
+ * [rows, heads hd] as o_proj reads them. q and attended: [rows, heads hd] scratch each. */
+static int attend_segments(const float *qkv, const float *cos, const float *sin, const dovetail_segment *segments,
+                           int64_t segment_count, int64_t layer, const dovetail_shape *shape, int bf16, float *q,
+                           float *attended, float *merged, int threads) {
+    int64_t heads = shape->heads, kv_heads = shape->kv_heads, head_dim = shape->head_dim;
+    int64_t attention = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
+    size_t layer_bytes = (size_t)(kv_heads * shape->max_len * head_dim) * (bf16 ? 2 : 4);
+    int64_t first = 0;
+    for (int64_t s = 0; s < segment_count; s++) {
+        const dovetail_segment *segment = segments + s;
+        int64_t n = segment->rows;
+        void *layer_keys = (char *)segment->keys + layer * layer_bytes;
+        void *layer_values = (char *)segment->values + layer * layer_bytes;
+        float *segment_q = q + first * attention, *segment_attended = attended + first * attention;
+        dovetail_rope_qkv(qkv + first * qkv_width, cos + first * head_dim, sin + first * head_dim, segment_q,
+                          layer_keys, layer_values, bf16, n, heads, kv_heads, head_dim, shape->max_len,
+                          segment->start, threads);
+        if (dovetail_attention(segment_q, layer_keys, layer_values, bf16, shape->max_len, segment->shared,
+                               segment->extra, segment->extra_start, segment_attended, n, heads, kv_heads,
+                               head_dim, shape->scale, threads) != 0)
+            return DOVETAIL_NO_MEMORY;
+        for (int64_t h = 0; h < heads; h++) /* [heads, n, hd] -> [n, heads * hd], as o_proj reads it */
+            for (int64_t r = 0; r < n; r++)
+                memcpy(merged + (first + r) * attention + h * head_dim, segment_attended + (h * n + r) * head_dim,
+                       (size_t)head_dim * sizeof(float));
+        first += n;
+    }
+    return 0;
+}
+
+/* x += down(silu(gate) * up) of post_norm(x); gate_up [rows, 2 intermediate], the others [rows, hidden]
+ * or [rows, intermediate] scratch. */
+static int mlp_residual(float *x, const float *post_norm, const dovetail_linear *gate_up_layer,
+                        const dovetail_linear *down, const dovetail_shape *shape, int64_t rows, float *normed,
+                        float *gate_up, float *activated, float *projected, int threads) {
+    int64_t hidden = shape->hidden, intermediate = shape->intermediate;
+    dovetail_rms_norm(x, post_norm, normed, rows, hidden, shape->eps, threads);
+    if (linear(gate_up_layer, normed, gate_up, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+    dovetail_silu_mul(gate_up, gate_up + intermediate, 2 * intermediate, activated, rows, intermediate, threads);
+    if (linear(down, activated, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+    for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
+    return 0;
+}
+
+static int64_t counted_rows(const dovetail_segment *segments, int64_t segment_count) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < segment_count; s++) total += segments[s].rows;
+    return total;
+}
+
 /* Floats of scratch `dovetail_decoder_layers` needs for `rows` rows. */
 int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows) {
     int64_t attention = shape->heads * shape->head_dim;
@@ -79,11 +131,9 @@ int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows) {
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
                             const float *cos, const float *sin, const dovetail_segment *segments,
                             int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads) {
-    int64_t hidden = shape->hidden, heads = shape->heads, kv_heads = shape->kv_heads, head_dim = shape->head_dim;
-    int64_t attention = heads * head_dim, qkv_width = (heads + 2 * kv_heads) * head_dim;
-    int64_t total = 0;
-    for (int64_t s = 0; s < segment_count; s++) total += segments[s].rows;
-    if (total != rows || segment_count < 1) return DOVETAIL_BAD_SHAPE;
+    int64_t hidden = shape->hidden, attention = shape->heads * shape->head_dim;
+    int64_t qkv_width = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
+    if (segment_count < 1 || counted_rows(segments, segment_count) != rows) return DOVETAIL_BAD_SHAPE;
     float *normed = scratch;                                                  /* [rows, hidden] */
     float *qkv = normed + rows * hidden;                                      /* [rows, (heads + 2 kv) hd] */
     float *q = qkv + rows * qkv_width;                /* per segment [heads, its rows, hd], in order */
@@ -92,39 +142,104 @@ int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t coun
     float *projected = merged + rows * attention;                             /* [rows, hidden] */
     float *gate_up = projected + rows * hidden;                               /* [rows, 2 intermediate] */
     float *activated = gate_up + rows * 2 * shape->intermediate;              /* [rows, intermediate] */
-    size_t layer_bytes = (size_t)(kv_heads * shape->max_len * head_dim) * (bf16 ? 2 : 4);
     for (int64_t l = 0; l < count; l++) {
         const dovetail_layer *layer = layers + l;
         dovetail_rms_norm(x, layer->input_norm, normed, rows, hidden, shape->eps, threads);
         if (linear(&layer->qkv, normed, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
-        int64_t first = 0;
-        for (int64_t s = 0; s < segment_count; s++) {
-            const dovetail_segment *segment = segments + s;
-            int64_t n = segment->rows;
-            void *layer_keys = (char *)segment->keys + l * layer_bytes;
-            void *layer_values = (char *)segment->values + l * layer_bytes;
-            float *segment_q = q + first * attention, *segment_attended = attended + first * attention;
-            dovetail_rope_qkv(qkv + first * qkv_width, cos + first * head_dim, sin + first * head_dim, segment_q,
-                              layer_keys, layer_values, bf16, n, heads, kv_heads, head_dim, shape->max_len,
-                              segment->start, threads);
-            if (dovetail_attention(segment_q, layer_keys, layer_values, bf16, shape->max_len, segment->shared,
-                                   segment->extra, segment->extra_start, segment_attended, n, heads, kv_heads,
-                                   head_dim, shape->scale, threads) != 0)
-                return DOVETAIL_NO_MEMORY;
-            for (int64_t h = 0; h < heads; h++) /* [heads, n, hd] -> [n, heads * hd], as o_proj reads it */
-                for (int64_t r = 0; r < n; r++)
-                    memcpy(merged + (first + r) * attention + h * head_dim,
-                           segment_attended + (h * n + r) * head_dim, (size_t)head_dim * sizeof(float));
-            first += n;
-        }
+        if (attend_segments(qkv, cos, sin, segments, segment_count, l, shape, bf16, q, attended, merged,
+                            threads) != 0)
+            return DOVETAIL_NO_MEMORY;
         if (linear(&layer->o, merged, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
-        dovetail_rms_norm(x, layer->post_norm, normed, rows, hidden, shape->eps, threads);
-        if (linear(&layer->gate_up, normed, gate_up, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
-        dovetail_silu_mul(gate_up, gate_up + shape->intermediate, 2 * shape->intermediate, activated, rows,
-                          shape->intermediate, threads);
-        if (linear(&layer->down, activated, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
-        for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
+        if (mlp_residual(x, layer->post_norm, &layer->gate_up, &layer->down, shape, rows, normed, gate_up,
+                         activated, projected, threads) != 0)
+            return DOVETAIL_NO_MEMORY;
     }
     return 0;
+}
+
+/* ---- a draft head's EAGLE-3 layer (gpu_worker/eagle3.py) ---- */
+
+/* Floats of scratch `dovetail_eagle3_layer` needs for `rows` rows. */
+int64_t dovetail_eagle3_scratch(const dovetail_shape *shape, int64_t rows) {
+    int64_t attention = shape->heads * shape->head_dim;
+    int64_t qkv = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
+    return rows * (8 * shape->hidden + qkv + 3 * attention + 3 * shape->intermediate);
+}
+
+/* sigmoid(v) from e = exp(-|v|), which never overflows; e: [n] scratch. */
+static void sigmoid_rows(const float *v, float *out, float *e, int64_t n) {
+    for (int64_t i = 0; i < n; i++) e[i] = v[i] >= 0.0f ? -v[i] : v[i];
+    dovetail_exp_nonpositive(e, n);
+    for (int64_t i = 0; i < n; i++) out[i] = v[i] >= 0.0f ? 1.0f / (1.0f + e[i]) : e[i] / (1.0f + e[i]);
+}
+
+/* dgf-eagle3's gate: x += z * h1 + (1 - z) * h2 with h1 = a W_1, h2 = silu(b W_2),
+ * z = sigmoid([h1; h2] W_z); a, b [rows, hidden]; h [rows, 2 hidden], z and e [rows, hidden] scratch. */
+static int gate_residual(float *x, const float *a, const float *b, const dovetail_eagle3 *layer, int64_t hidden,
+                         int64_t rows, float *h, float *z, float *e, int threads) {
+    float *h1 = z, *h2 = e; /* staged here, then joined in h */
+    if (linear(&layer->w1, a, h1, rows, threads) != 0 || linear(&layer->w2, b, h2, rows, threads) != 0)
+        return DOVETAIL_NO_MEMORY;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(h + r * 2 * hidden, h1 + r * hidden, (size_t)hidden * sizeof(float));
+        memcpy(h + r * 2 * hidden + hidden, h2 + r * hidden, (size_t)hidden * sizeof(float));
+    }
+    for (int64_t r = 0; r < rows; r++) { /* h2 = silu(b W_2) = v * sigmoid(v), in place */
+        float *v = h + r * 2 * hidden + hidden;
+        sigmoid_rows(v, z, e, hidden);
+        for (int64_t i = 0; i < hidden; i++) v[i] = v[i] * z[i];
+    }
+    if (linear(&layer->wz, h, z, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+    sigmoid_rows(z, z, e, rows * hidden);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g1 = h + r * 2 * hidden, *g2 = g1 + hidden, *zr = z + r * hidden;
+        float *xr = x + r * hidden;
+        for (int64_t i = 0; i < hidden; i++) xr[i] = (xr[i] + zr[i] * g1[i]) + (1.0f - zr[i]) * g2[i];
+    }
+    return 0;
+}
+
+/* The EAGLE-3 layer of a draft head: x [rows, hidden] holds g (the rows' features, already through
+ * fc) and is replaced by the layer's output
+ *     x = g + Attn([input_norm(e); hidden_norm(g)]) (+ the gate for dgf-eagle3)
+ *     out = x + MLP(post_norm(x))
+ * with e the rows' token embeddings [rows, hidden]; q/k/v read the 2 hidden-wide join. Segments,
+ * cos/sin, bf16 and the status as for dovetail_decoder_layers (the keys and values of segments[s]
+ * are the head's cache layer 0); scratch: dovetail_eagle3_scratch floats. The draft only proposes
+ * (the target verifies every token), so nothing here needs the Python layer's bits; each row still
+ * depends on nothing else in its call. */
+int dovetail_eagle3_layer(float *x, const float *embedded, const dovetail_eagle3 *layer, const dovetail_shape *shape,
+                          const float *cos, const float *sin, const dovetail_segment *segments,
+                          int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads) {
+    int64_t hidden = shape->hidden, attention = shape->heads * shape->head_dim;
+    int64_t qkv_width = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
+    if (segment_count < 1 || counted_rows(segments, segment_count) != rows) return DOVETAIL_BAD_SHAPE;
+    float *b = scratch;                                   /* [rows, hidden]: input_norm(e) */
+    float *a = b + rows * hidden;                         /* [rows, hidden]: hidden_norm(g) */
+    float *joined = a + rows * hidden;                    /* [rows, 2 hidden]: [b; a], then the gate's [h1; h2] */
+    float *qkv = joined + rows * 2 * hidden;              /* [rows, (heads + 2 kv) hd] */
+    float *q = qkv + rows * qkv_width;                    /* [rows, heads hd] */
+    float *attended = q + rows * attention;               /* [rows, heads hd] */
+    float *merged = attended + rows * attention;          /* [rows, heads hd] */
+    float *projected = merged + rows * attention;         /* [rows, hidden] */
+    float *gate_up = projected + rows * hidden;           /* [rows, 2 intermediate] */
+    float *activated = gate_up + rows * 2 * shape->intermediate; /* [rows, intermediate] */
+    float *spare = activated + rows * shape->intermediate;       /* [rows, 2 hidden] */
+    dovetail_rms_norm(embedded, layer->input_norm, b, rows, hidden, shape->eps, threads);
+    dovetail_rms_norm(x, layer->hidden_norm, a, rows, hidden, shape->eps, threads);
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(joined + r * 2 * hidden, b + r * hidden, (size_t)hidden * sizeof(float));
+        memcpy(joined + r * 2 * hidden + hidden, a + r * hidden, (size_t)hidden * sizeof(float));
+    }
+    if (linear(&layer->qkv, joined, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+    if (attend_segments(qkv, cos, sin, segments, segment_count, 0, shape, bf16, q, attended, merged, threads) != 0)
+        return DOVETAIL_NO_MEMORY;
+    if (linear(&layer->o, merged, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+    for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
+    if (layer->gated && gate_residual(x, a, b, layer, hidden, rows, joined, spare, spare + rows * hidden,
+                                      threads) != 0)
+        return DOVETAIL_NO_MEMORY;
+    return mlp_residual(x, layer->post_norm, &layer->gate_up, &layer->down, shape, rows, b, gate_up, activated,
+                        projected, threads);
 }

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 10
+#define DOVETAIL_ABI_VERSION 11
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -77,6 +77,15 @@ typedef struct {
     float eps, scale; /* RMSNorm epsilon; attention's 1 / sqrt(head_dim) */
 } dovetail_shape;
 
+/* A draft head's EAGLE-3 layer (dovetail_eagle3_layer): q/k/v read [input_norm(e); hidden_norm(g)], 2 hidden
+ * wide; gated != 0 adds dgf-eagle3's gate, whose w1 and w2 read hidden and wz 2 hidden. */
+typedef struct {
+    const float *input_norm, *hidden_norm, *post_norm; /* RMSNorm weights [hidden] */
+    dovetail_linear qkv, o, gate_up, down;
+    int64_t gated;
+    dovetail_linear w1, w2, wz;
+} dovetail_eagle3;
+
 /* One sequence's rows in a call of dovetail_decoder_layers: its next `rows` rows (after the
  * previous segment's), its cache and how each row attends (see dovetail_decoder_layers). */
 typedef struct {
@@ -89,7 +98,7 @@ typedef struct {
 /* What dovetail_abi reports: the version, the size of every struct above, and every constant. */
 typedef struct {
     int64_t version;
-    int64_t linear_size, layer_size, shape_size, segment_size;
+    int64_t linear_size, layer_size, shape_size, segment_size, eagle3_size;
     int64_t layout_rows, layout_packed, layout_tiles;
     int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block, linear_bf16;
     int64_t dtype_fp32, dtype_fp16, dtype_bf16;
@@ -169,11 +178,15 @@ int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, 
 int dovetail_dequantize_rows(const uint8_t *table, int type, int64_t width, const int64_t *ids, int64_t count,
                              float *out);
 
-/* ---- decoder_layers.c: a target's decoder layers in one call ---- */
+/* ---- decoder_layers.c: a target's decoder layers in one call, and a draft head's EAGLE-3 layer ---- */
 
 int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows);
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
                             const float *cos, const float *sin, const dovetail_segment *segments,
                             int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads);
+int64_t dovetail_eagle3_scratch(const dovetail_shape *shape, int64_t rows);
+int dovetail_eagle3_layer(float *x, const float *embedded, const dovetail_eagle3 *layer, const dovetail_shape *shape,
+                          const float *cos, const float *sin, const dovetail_segment *segments,
+                          int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads);
 
 #endif

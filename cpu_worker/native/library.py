@@ -43,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 10
+ABI_VERSION = 11
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 # a Linear's kind
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5
@@ -79,6 +79,14 @@ class Layer(ctypes.Structure):
                 ("gate_up", Linear), ("down", Linear)]
 
 
+class Eagle3(ctypes.Structure):
+    """dovetail_eagle3: a draft head's EAGLE-3 layer (gated: dgf-eagle3's gate in w1, w2, wz)."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("hidden_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear), ("gated", ctypes.c_int64),
+                ("w1", Linear), ("w2", Linear), ("wz", Linear)]
+
+
 class Shape(ctypes.Structure):
     """dovetail_shape: a model's sizes as dovetail_decoder_layers reads them."""
 
@@ -95,8 +103,8 @@ class Segment(ctypes.Structure):
                 ("extra_start", ctypes.c_void_p)]
 
 
-_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "layout_rows", "layout_packed",
-               "layout_tiles",
+_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "eagle3_size", "layout_rows",
+               "layout_packed", "layout_tiles",
                "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block", "linear_bf16",
                "dtype_fp32", "dtype_fp16",
                "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
@@ -112,7 +120,8 @@ class AbiInfo(ctypes.Structure):
 def expected_abi() -> dict[str, int]:
     """What dovetail_abi must report for this module's mirror (read at each check: tests swap a mirror)."""
     return {"version": ABI_VERSION, "linear_size": ctypes.sizeof(Linear), "layer_size": ctypes.sizeof(Layer),
-            "shape_size": ctypes.sizeof(Shape), "segment_size": ctypes.sizeof(Segment), "layout_rows": LAYOUT_ROWS,
+            "shape_size": ctypes.sizeof(Shape), "segment_size": ctypes.sizeof(Segment),
+            "eagle3_size": ctypes.sizeof(Eagle3), "layout_rows": LAYOUT_ROWS,
             "layout_packed": LAYOUT_PACKED,
             "layout_tiles": LAYOUT_TILES, "linear_int8": LINEAR_INT8, "linear_fp32": LINEAR_FP32,
             "linear_int8_packed": LINEAR_INT8_PACKED, "linear_int8_tiles": LINEAR_INT8_TILES,
@@ -156,6 +165,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_dequantize_rows": ([_P, _INT, _I64, _P, _I64, _P], _INT),
     "dovetail_decoder_scratch": ([_P, _I64], _I64),
     "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
+    "dovetail_eagle3_scratch": ([_P, _I64], _I64),
+    "dovetail_eagle3_layer": ([_P, _P, _P, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
 }
 
 

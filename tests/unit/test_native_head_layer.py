@@ -1,0 +1,184 @@
+"""A CPU draft head's layers in one native call (``cpu_worker.native_head_layer``): the torch layers'
+values (within the float tolerance the draft is held to: the target verifies every token) for both
+EAGLE-3 fusions, one layer and two, int8 and q4_0 projections, over a prompt, a tree level's masked
+beam and two sequences at once; each row's bits independent of its call-mates; the torch layers
+wherever the native call cannot run; bad calls refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_worker import native_head_layer
+from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.model.llama import CacheSegment, KVCache, LlamaSpec, RotaryTable
+from cpu_worker.native import library as native
+from cpu_worker.native_head_layer import MAX_ROWS, NativeEagle3Layer, attention_span, causal_paths
+from gpu_worker.eagle3 import Eagle3Head
+from gpu_worker.head_formats import quantize_projections
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="needs a C compiler for the native library")
+
+# Widths that are multiples of 32, so q4_0's blocks fit every projection.
+H, TARGET_H, VOCAB, DRAFT_VOCAB, FFN, MAX_LEN = 64, 32, 120, 48, 96, 48
+
+
+def head_of(fusion: str, layers: int, projections: str | None, seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    spec = LlamaSpec(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_layers=layers, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256)
+    head = Eagle3Head(spec, target_hidden_size=TARGET_H, draft_vocab_size=DRAFT_VOCAB, fusion=fusion)
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if name.endswith("norm.weight"):  # non-trivial norms, so a swapped norm shows
+                parameter.copy_(1 + 0.3 * torch.randn_like(parameter))
+            elif parameter.dim() == 2:
+                parameter.normal_(0, 0.3 if not name.startswith("W_") else 0.15)
+    head.eval()
+    return head if projections is None else quantize_projections(head, projections)
+
+
+def torch_layers(head: Eagle3Head):
+    """``head.forward_segments`` on the torch layers."""
+    def run(*args):
+        native_layer = head.native_layer
+        head.native_layer = lambda: None  # type: ignore[method-assign]
+        try:
+            return head.forward_segments(*args)
+        finally:
+            head.native_layer = native_layer  # type: ignore[method-assign]
+    return run
+
+
+def rows(count: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(count, width, generator=generator),
+            torch.randint(0, VOCAB, (count,), generator=generator))
+
+
+def beam_mask() -> torch.Tensor:
+    """A tree level's mask as the drafter makes it: 10 committed slots, then a beam of 3 in slots 13-15
+    under earlier levels' nodes in slots 10-12 (each row its own ancestors among them, and itself)."""
+    mask = torch.zeros(3, 16, dtype=torch.bool)
+    mask[:, :10] = True
+    mask[0, 10] = mask[1, 11] = mask[2, 10] = mask[2, 12] = True
+    mask[:, 13:] = torch.eye(3, dtype=torch.bool)
+    return mask
+
+
+def zeroed(cache: KVCache) -> KVCache:
+    cache.keys.zero_()
+    cache.values.zero_()
+    return cache
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # The paths differ by float rounding (~1e-7 of the largest value here: attention, sigmoid, SiLU);
+    # an activation that rounded to the next int8 step in one path would still pass (~1e-2 of a row's terms).
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("projections", ["int8", "q4_0"])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("fusion", ["eagle3", "dgf-eagle3"])
+def test_the_native_call_gives_the_torch_layers_values(fusion, layers, projections):
+    head = head_of(fusion, layers, projections)
+    assert head.native_layer() is not None
+    spec = head.spec
+    rotary = RotaryTable(spec, MAX_LEN, torch.float32)
+    native_caches = [zeroed(head.new_cache(MAX_LEN, torch.float32)) for _ in range(2)]
+    torch_caches = [zeroed(head.new_cache(MAX_LEN, torch.float32)) for _ in range(2)]
+
+    def both(features, tokens, cos, sin, segments_of):
+        got = head.forward_segments(features, tokens, cos, sin, segments_of(native_caches))
+        want = torch_layers(head)(features, tokens, cos, sin, segments_of(torch_caches))
+        close(got, want)
+        for mine, theirs in zip(native_caches, torch_caches, strict=True):
+            close(mine.keys, theirs.keys)
+            close(mine.values, theirs.values)
+
+    # A prompt of target rows (causal), then one more row.
+    features, tokens = rows(9, 3 * TARGET_H, seed=1)
+    both(features, tokens, rotary.cos[:9], rotary.sin[:9], lambda caches: [CacheSegment(caches[0], 0, 0, 9)])
+    features, tokens = rows(1, 3 * TARGET_H, seed=2)
+    both(features, tokens, rotary.cos[9:10], rotary.sin[9:10], lambda caches: [CacheSegment(caches[0], 9, 0, 1)])
+    # A tree level: the head's own outputs as features, a beam of 3 in scratch slots past 10 committed.
+    mask = beam_mask()
+    features, tokens = rows(3, H, seed=4)
+    position = torch.full((3,), 11)
+    both(features, tokens, rotary.cos[position], rotary.sin[position],
+         lambda caches: [CacheSegment(caches[0], 13, 0, 3, mask=mask)])
+    # Two sequences in one call: the second's prompt beside the first's next row.
+    features, tokens = rows(5, 3 * TARGET_H, seed=5)
+    positions = torch.tensor([10, 0, 1, 2, 3])
+    both(features, tokens, rotary.cos[positions], rotary.sin[positions],
+         lambda caches: [CacheSegment(caches[0], 10, 0, 1), CacheSegment(caches[1], 0, 1, 5)])
+
+
+def test_each_row_s_bits_do_not_depend_on_its_call_mates():
+    head = head_of("dgf-eagle3", 2, "q4_0", seed=1)
+    native_layer = head.native_layer()
+    assert native_layer is not None
+    rotary = RotaryTable(head.spec, MAX_LEN, torch.float32)
+    prompt, prompt_tokens = rows(6, H, seed=6)
+    other, other_tokens = rows(4, H, seed=7)
+    alone_cache, together_cache, mate_cache = (zeroed(head.new_cache(MAX_LEN, torch.float32)) for _ in range(3))
+    alone = native_layer.run(prompt, head.embed_tokens(prompt_tokens), rotary.cos[:6], rotary.sin[:6],
+                             [CacheSegment(alone_cache, 0, 0, 6)])
+    positions = torch.cat([torch.arange(6), torch.arange(4)])
+    together = native_layer.run(torch.cat([prompt, other]), head.embed_tokens(torch.cat([prompt_tokens, other_tokens])),
+                                rotary.cos[positions], rotary.sin[positions],
+                                [CacheSegment(together_cache, 0, 0, 6), CacheSegment(mate_cache, 0, 6, 10)])
+    assert torch.equal(together[:6], alone)
+    assert torch.equal(together_cache.keys, alone_cache.keys) and torch.equal(together_cache.values,
+                                                                              alone_cache.values)
+    assert not torch.equal(mate_cache.keys, alone_cache.keys)  # the mate wrote its own cache, not this one
+
+
+def test_attention_spans_of_a_mask_paths_and_causal_rows():
+    cache = KVCache(1, 2, 16, MAX_LEN, torch.float32)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    shared, extra, offsets = attention_span(CacheSegment(cache, 4, 0, 2, mask=mask))
+    assert shared == 3 and extra.tolist() == [0, 1, 2] and offsets.tolist() == [0, 1, 3]
+    shared, extra, offsets = attention_span(CacheSegment(cache, 7, 2, 5))  # causal rows
+    assert shared == 7 and extra.tolist() == [0, 0, 1, 0, 1, 2] and offsets.tolist() == [0, 1, 3, 6]
+    assert (extra, offsets) == causal_paths(3)
+    paths = TreePaths.from_paths([[0], [0, 1]])
+    shared, extra, offsets = attention_span(CacheSegment(cache, 5, 0, 2, paths=paths))
+    assert shared == 5 and extra is paths.flat and offsets is paths.offsets
+    with pytest.raises(ValueError, match="mask of shape"):
+        attention_span(CacheSegment(cache, 3, 0, 2, mask=mask))
+
+
+def test_what_the_native_call_cannot_take_keeps_the_torch_layers(monkeypatch):
+    float_head = head_of("eagle3", 1, None)
+    assert float_head.native_layer() is None  # torch's nn.Linear: no kernel of ours
+    quantize_projections(float_head, "int8")
+    native_layer = float_head.native_layer()  # built again for the new format
+    assert native_layer is not None
+    cache = float_head.new_cache(MAX_LEN + 40, torch.float32)
+    features = torch.randn(MAX_ROWS + 1, 3 * TARGET_H)
+    assert not native_layer.applies(features, [CacheSegment(cache, 0, 0, MAX_ROWS + 1)])  # a long prompt
+    assert native_layer.applies(features[:MAX_ROWS], [CacheSegment(cache, 0, 0, MAX_ROWS)])
+    assert not native_layer.applies(features[:2].double(), [CacheSegment(cache, 0, 0, 2)])
+    assert not native_layer.applies(features[:2].requires_grad_(), [CacheSegment(cache, 0, 0, 2)])
+    half_cache = float_head.new_cache(MAX_LEN, torch.float16)
+    assert not native_layer.applies(features[:2], [CacheSegment(half_cache, 0, 0, 2)])
+    monkeypatch.setenv(native_head_layer.FORCE_VARIABLE, "python")
+    assert head_of("eagle3", 1, "int8").native_layer() is None
+
+
+def test_bad_calls_are_refused():
+    head = head_of("eagle3", 1, "int8")
+    native_layer = head.native_layer()
+    assert isinstance(native_layer, NativeEagle3Layer)
+    rotary = RotaryTable(head.spec, MAX_LEN, torch.float32)
+    cache = head.new_cache(MAX_LEN, torch.float32)
+    g, tokens = rows(3, H, seed=8)
+    embedded = head.embed_tokens(tokens)
+    with pytest.raises(ValueError, match="do not fit"):
+        native_layer.run(g, embedded, rotary.cos[:2], rotary.sin[:2], [CacheSegment(cache, 0, 0, 3)])
+    with pytest.raises(ValueError, match="cover the 3 rows"):
+        native_layer.run(g, embedded, rotary.cos[:3], rotary.sin[:3], [CacheSegment(cache, 0, 0, 2)])
+    with pytest.raises(ValueError, match="outside"):
+        native_layer.run(g, embedded, rotary.cos[:3], rotary.sin[:3], [CacheSegment(cache, MAX_LEN - 2, 0, 3)])
