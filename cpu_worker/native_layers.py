@@ -25,72 +25,16 @@ import os
 import torch
 
 from cpu_worker.kernels import exact_attention, layer_ops
-from cpu_worker.kernels.bf16_rows import RowInvariantBf16Linear
-from cpu_worker.kernels.block_quant import ACTIVATION_PLANES, TYPES, BlockQuantLinear
 from cpu_worker.kernels.exact_attention import TreePaths
-from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
-from cpu_worker.kernels.int8 import RowwiseInt8Linear
-from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaDecoder, RMSNorm
+from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
+from cpu_worker.model.llama import KVCache, LlamaDecoder
+from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer
 from cpu_worker.native import library as native
 from cpu_worker.native.library import Layer as _Layer
-from cpu_worker.native.library import Linear as _Linear
 from cpu_worker.native.library import Segment as _Segment
 from cpu_worker.native.library import Shape as _Shape
 
-FORCE_VARIABLE = "DOVETAIL_NATIVE_LAYERS"
-_LINEAR_FP32 = native.LINEAR_FP32
-_INT8_KINDS = {"rows": native.LINEAR_INT8, "packed": native.LINEAR_INT8_PACKED, "tiles": native.LINEAR_INT8_TILES}
-
-
-def describe_linear(module: torch.nn.Module) -> tuple[_Linear, int] | None:
-    """The C view of a linear layer on one of our kernels, and the most rows a call of it may
-    have there and keep its Python bits; None for any other layer."""
-    if isinstance(module, RowwiseInt8Linear) and module.kernel != "fbgemm":
-        weights = module._int8
-        limit = weights.matmul_min_rows - 1 if weights.matmul_min_rows is not None else MAX_KERNEL_ROWS
-        bias = None if weights.bias is None else weights.bias.data_ptr()
-        return _Linear(_INT8_KINDS[weights.layout], weights.stored.data_ptr(),
-                       weights.scales.data_ptr(), weights.offsets.data_ptr(), bias, weights.out_features,
-                       weights.in_features), limit
-    if isinstance(module, BlockQuantLinear):  # row-invariant at any row count
-        blocks = module.weights
-        bias = None if module.bias is None else module.bias.data_ptr()
-        minimums = None if blocks.minimums is None else blocks.minimums.data_ptr()
-        return _Linear(native.LINEAR_BLOCK, blocks.data.data_ptr(), None, None, bias, module.out_features,
-                       module.in_features, blocks.scales.data_ptr(), minimums, TYPES[blocks.kind],
-                       ACTIVATION_PLANES[module.activation_bits]), MAX_KERNEL_ROWS
-    if isinstance(module, (RowInvariantFp32Linear, RowInvariantBf16Linear)):
-        bias = None if module.bias is None else module.bias.data_ptr()
-        kind = _LINEAR_FP32 if isinstance(module, RowInvariantFp32Linear) else native.LINEAR_BF16
-        return _Linear(kind, module.weight.data_ptr(), None, None, bias, module.out_features,
-                       module.in_features), MAX_KERNEL_ROWS
-    return None
-
-
-def norm_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """An RMSNorm's weight as the C loop reads it (fp32, contiguous), or None."""
-    if isinstance(module, RMSNorm) and module.weight.dtype == torch.float32 and module.weight.is_contiguous():
-        return module.weight
-    return None
-
-
-def describe_layer(layer: torch.nn.Module) -> tuple[_Layer, int] | None:
-    """The C view of a fused decoder layer on our kernels and the most rows a call may have (as
-    ``describe_linear``); None for any other layer."""
-    if not isinstance(layer, DecoderLayer):
-        return None
-    attention, mlp = layer.self_attn, layer.mlp
-    if attention.qkv_proj is None or mlp.gate_up_proj is None:
-        return None
-    linears = [describe_linear(attention.qkv_proj), describe_linear(attention.o_proj),
-               describe_linear(mlp.gate_up_proj), describe_linear(mlp.down_proj)]
-    norms = [norm_weight(layer.input_layernorm), norm_weight(layer.post_attention_layernorm)]
-    views = [item for item in linears if item is not None]
-    weights = [norm for norm in norms if norm is not None]
-    if len(views) < len(linears) or len(weights) < len(norms):
-        return None
-    limit = min(limit for _, limit in views)
-    return _Layer(weights[0].data_ptr(), weights[1].data_ptr(), *(view for view, _ in views)), limit
+FORCE_VARIABLE = LAYERS_VARIABLE
 
 
 class NativeLayers:

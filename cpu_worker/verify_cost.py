@@ -41,7 +41,7 @@ ENGINE_SOURCES = ("engine.py", "model/llama.py", "kernels/int8.py", "kernels/int
                   "kernels/layer_ops.py", "model/fusion.py", "kernels/fp32_packed.py", "kernels/fp32_rows.py",
                   "precision.py", "native/decoder_layers.c", "native_layers.py", "native/dovetail.h", "native/abi.c",
                   "native/library.py", "native/block_gemv.c", "kernels/attention.py", "kernels/linear.py",
-                  "target_loading.py")
+                  "target_loading.py", "model/native_views.py")
 
 
 def _engine_code_digest() -> str:

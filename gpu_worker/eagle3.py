@@ -31,7 +31,6 @@ The embedding is the target's and is not part of the head's files (``file_state_
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import cast
@@ -53,17 +52,12 @@ from cpu_worker.model import (
 )
 from cpu_worker.model.embedding import new_embedding
 
-from .head_formats import FUSION_WEIGHTS, quantize_projections
+from .head_formats import FUSION_WEIGHTS, native_layers_of, quantize_projections
 
 # The layer rule and the names are torch-free (the coordinator reads them): one copy, there.
 from .head_layout import AUX_LAYERS_KEY as AUX_LAYERS_KEY
 from .head_layout import EAGLE3_FUSIONS as EAGLE3_FUSIONS
 from .head_layout import resolve_aux_layers as resolve_aux_layers
-
-# Each head's layer on the native kernels (or None), with the projection format it was built for. Kept
-# beside the head, not in it: a module holding the library cannot be deep-copied (the trainer copies heads).
-_NATIVE: weakref.WeakKeyDictionary[Eagle3Head, tuple[str | None, NativeEagle3Layer | None]] = \
-    weakref.WeakKeyDictionary()
 
 
 class Eagle3Layer(nn.Module):
@@ -237,18 +231,14 @@ class Eagle3Head(nn.Module):
         return self.post_layers_with(x, attends)[0]
 
     def native_layer(self) -> NativeEagle3Layer | None:
-        """The head's layers on the native kernels (``cpu_worker.native_head_layer``): a head whose
+        """The head's layers on the native kernels (``cpu_worker.model.native_head``): a head whose
         projections are all on our CPU kernels (``head_formats``), else None. Built once per format."""
-        entry = _NATIVE.get(self)
-        if entry is None or entry[0] != self.projection_format:
-            entry = (self.projection_format, self._build_native_layer())
-            _NATIVE[self] = entry
-        return entry[1]
+        return native_layers_of(self, self._build_native_layer)
 
     def _build_native_layer(self) -> NativeEagle3Layer | None:
         mid = self.midlayer
         attention, mlp = mid.self_attn, mid.mlp
-        if self.projection_format is None or attention.qkv_proj is None or mlp.gate_up_proj is None:
+        if attention.qkv_proj is None or mlp.gate_up_proj is None:
             return None
         gate = None
         if self.fusion == "dgf-eagle3":

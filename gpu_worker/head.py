@@ -24,12 +24,13 @@ from cpu_worker.model import (
     DecoderLayer,
     KVCache,
     LlamaSpec,
+    NativeDraftLayers,
     RMSNorm,
     RowwiseInt8Linear,
 )
 from cpu_worker.model.embedding import new_embedding
 
-from .head_formats import quantize_projections
+from .head_formats import FUSION_WEIGHTS, native_layers_of, quantize_projections
 
 FUSIONS = ("dgf", "fc")
 
@@ -113,7 +114,11 @@ class DraftHead(nn.Module):
     def forward_segments(self, features: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          segments: Sequence[CacheSegment]) -> torch.Tensor:
         """``forward`` for several sequences' pairs stacked [N, ...] (a batched draft step): every
-        projection over all N rows at once, each segment's rows attending over its own cache."""
+        projection over all N rows at once, each segment's rows attending over its own cache. A head
+        quantized for the CPU runs its fusion and layers in native calls (``native_layers``)."""
+        native = self.native_layers()
+        if native is not None and native.applies(features, segments):
+            return native.run(features, self.embed_tokens(tokens), cos, sin, segments)
         x = self.fuse(features, tokens).unsqueeze(0)
         for index, module in enumerate(self.layers):
             layer = cast(DecoderLayer, module)
@@ -121,6 +126,19 @@ class DraftHead(nn.Module):
             x = x + layer.self_attn.forward_segments(layer.input_layernorm(x), cos, sin, segments, index)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x[0]
+
+    def native_layers(self) -> NativeDraftLayers | None:
+        """The head's fusion and layers on the native kernels (``cpu_worker.model.native_head``): a head
+        whose projections are all on our CPU kernels (``head_formats``), else None. Built once per format."""
+        return native_layers_of(self, self._build_native_layers)
+
+    def _build_native_layers(self) -> NativeDraftLayers | None:
+        if self.fusion == "fc":
+            return NativeDraftLayers.build(self.spec, None, [self.fc], list(self.layers))
+        if self.int8_fusion is None:
+            return None
+        return NativeDraftLayers.build(self.spec, self.input_layernorm,
+                                       [self.int8_fusion[name] for name in FUSION_WEIGHTS], list(self.layers))
 
     def log_probs(self, output_features: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities [S, vocab] in fp32 (half-precision log_softmax loses ranks)."""

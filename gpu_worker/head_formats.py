@@ -10,8 +10,9 @@ verifies every drafted token.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +27,21 @@ PROJECTION_FORMATS = ("int8", "q4_0")
 FUSION_WEIGHTS = ("W_1", "W_2", "W_z")  # DGF's, used as x @ W ([in, out])
 Head = TypeVar("Head", "DraftHead", "Eagle3Head")
 LinearMaker = Callable[[torch.Tensor, "torch.Tensor | None", str], nn.Module]
+Native = TypeVar("Native")
+
+# Each head's layers on the native kernels (or None), with the projection format they were built for. Kept
+# beside the head, not in it: a module holding the library cannot be deep-copied (the trainer copies heads).
+_NATIVE: weakref.WeakKeyDictionary[nn.Module, tuple[str | None, Any]] = weakref.WeakKeyDictionary()
+
+
+def native_layers_of(head: DraftHead | Eagle3Head, build: Callable[[], Native | None]) -> Native | None:
+    """``head``'s layers on the native kernels (``cpu_worker.model.native_head``), built by ``build``
+    once per projection format: None for a head whose projections are not on our CPU kernels."""
+    entry = _NATIVE.get(head)
+    if entry is None or entry[0] != head.projection_format:
+        entry = (head.projection_format, build() if head.projection_format is not None else None)
+        _NATIVE[head] = entry
+    return entry[1]
 
 
 def projection_maker(projections: str) -> LinearMaker:

@@ -99,10 +99,13 @@ if TYPE_CHECKING:
     from cpu_worker.model.model_dir import (
         resolve_model_dir as resolve_model_dir,
     )
-    from cpu_worker.native_head_layer import (
+    from cpu_worker.model.native_head import (
+        NativeDraftLayers as NativeDraftLayers,
+    )
+    from cpu_worker.model.native_head import (
         NativeEagle3Layer as NativeEagle3Layer,
     )
-    from cpu_worker.native_head_layer import (
+    from cpu_worker.model.native_head import (
         kernel_digest as kernel_digest,
     )
 
@@ -116,7 +119,7 @@ _HOMES = {
     "cpu_worker.model.loading": ("WeightPlacer", "iter_tensors", "keeps_stored_tables", "load_decoder", "load_spec",
                                  "read_tensors", "tensor_shapes", "weight_files"),
     "cpu_worker.model.model_dir": ("ModelLoadError", "context_limit", "read_config", "resolve_model_dir"),
-    "cpu_worker.native_head_layer": ("NativeEagle3Layer", "kernel_digest"),
+    "cpu_worker.model.native_head": ("NativeDraftLayers", "NativeEagle3Layer", "kernel_digest"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)

@@ -15,6 +15,7 @@ int64_t dovetail_abi(dovetail_abi_info *info, int64_t size) {
     info->shape_size = sizeof(dovetail_shape);
     info->segment_size = sizeof(dovetail_segment);
     info->eagle3_size = sizeof(dovetail_eagle3);
+    info->fusion_size = sizeof(dovetail_fusion);
     info->layout_rows = DOVETAIL_LAYOUT_ROWS;
     info->layout_packed = DOVETAIL_LAYOUT_PACKED;
     info->layout_tiles = DOVETAIL_LAYOUT_TILES;
@@ -35,5 +36,7 @@ int64_t dovetail_abi(dovetail_abi_info *info, int64_t size) {
     info->block_q8_0 = DOVETAIL_BLOCK_Q8_0;
     info->block_q4_0 = DOVETAIL_BLOCK_Q4_0;
     info->block_q4_1 = DOVETAIL_BLOCK_Q4_1;
+    info->fusion_dgf = DOVETAIL_FUSION_DGF;
+    info->fusion_fc = DOVETAIL_FUSION_FC;
     return (int64_t)sizeof(dovetail_abi_info);
 }

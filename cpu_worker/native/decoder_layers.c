@@ -126,8 +126,9 @@ int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows) {
  * has shared = start + 1 and no extra slots, a tree shared = start and each node's path).
  * keys/values: the segment's cache at the first of these layers [kv_heads, max_len, head_dim]
  * (fp32, or bf16 when bf16 != 0), the next layers' following contiguously. scratch:
- * dovetail_decoder_scratch floats. Returns 0, DOVETAIL_BAD_SHAPE when the segments' rows do not add
- * up to rows, or DOVETAIL_NO_MEMORY when a kernel could not allocate its scratch. */
+ * dovetail_decoder_scratch floats. A layer whose input_norm is NULL (a draft head's first) attends over
+ * x itself. Returns 0, DOVETAIL_BAD_SHAPE when the segments' rows do not add up to rows, or
+ * DOVETAIL_NO_MEMORY when a kernel could not allocate its scratch. */
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
                             const float *cos, const float *sin, const dovetail_segment *segments,
                             int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads) {
@@ -144,7 +145,10 @@ int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t coun
     float *activated = gate_up + rows * 2 * shape->intermediate;              /* [rows, intermediate] */
     for (int64_t l = 0; l < count; l++) {
         const dovetail_layer *layer = layers + l;
-        dovetail_rms_norm(x, layer->input_norm, normed, rows, hidden, shape->eps, threads);
+        if (layer->input_norm != NULL)
+            dovetail_rms_norm(x, layer->input_norm, normed, rows, hidden, shape->eps, threads);
+        else /* a draft head's first layer: attention reads the fused rows as they are */
+            memcpy(normed, x, (size_t)(rows * hidden) * sizeof(float));
         if (linear(&layer->qkv, normed, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
         if (attend_segments(qkv, cos, sin, segments, segment_count, l, shape, bf16, q, attended, merged,
                             threads) != 0)
@@ -174,13 +178,14 @@ static void sigmoid_rows(const float *v, float *out, float *e, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = v[i] >= 0.0f ? 1.0f / (1.0f + e[i]) : e[i] / (1.0f + e[i]);
 }
 
-/* dgf-eagle3's gate: x += z * h1 + (1 - z) * h2 with h1 = a W_1, h2 = silu(b W_2),
- * z = sigmoid([h1; h2] W_z); a, b [rows, hidden]; h [rows, 2 hidden], z and e [rows, hidden] scratch. */
-static int gate_residual(float *x, const float *a, const float *b, const dovetail_eagle3 *layer, int64_t hidden,
-                         int64_t rows, float *h, float *z, float *e, int threads) {
+/* DGF's gate (Dovetail's fusion, also dgf-eagle3's): x += z * h1 + (1 - z) * h2 with h1 = a W_1,
+ * h2 = silu(b W_2), z = sigmoid([h1; h2] W_z); a, b [rows, hidden]; h [rows, 2 hidden], z and e
+ * [rows, hidden] scratch. */
+static int gate_residual(float *x, const float *a, const float *b, const dovetail_linear *w1, const dovetail_linear *w2,
+                         const dovetail_linear *wz, int64_t hidden, int64_t rows, float *h, float *z, float *e,
+                         int threads) {
     float *h1 = z, *h2 = e; /* staged here, then joined in h */
-    if (linear(&layer->w1, a, h1, rows, threads) != 0 || linear(&layer->w2, b, h2, rows, threads) != 0)
-        return DOVETAIL_NO_MEMORY;
+    if (linear(w1, a, h1, rows, threads) != 0 || linear(w2, b, h2, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
     for (int64_t r = 0; r < rows; r++) {
         memcpy(h + r * 2 * hidden, h1 + r * hidden, (size_t)hidden * sizeof(float));
         memcpy(h + r * 2 * hidden + hidden, h2 + r * hidden, (size_t)hidden * sizeof(float));
@@ -190,7 +195,7 @@ static int gate_residual(float *x, const float *a, const float *b, const dovetai
         sigmoid_rows(v, z, e, hidden);
         for (int64_t i = 0; i < hidden; i++) v[i] = v[i] * z[i];
     }
-    if (linear(&layer->wz, h, z, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+    if (linear(wz, h, z, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
     sigmoid_rows(z, z, e, rows * hidden);
     for (int64_t r = 0; r < rows; r++) {
         const float *g1 = h + r * 2 * hidden, *g2 = g1 + hidden, *zr = z + r * hidden;
@@ -198,6 +203,14 @@ static int gate_residual(float *x, const float *a, const float *b, const dovetai
         for (int64_t i = 0; i < hidden; i++) xr[i] = (xr[i] + zr[i] * g1[i]) + (1.0f - zr[i]) * g2[i];
     }
     return 0;
+}
+
+/* Joins two [rows, hidden] blocks row by row into [rows, 2 hidden]: [first; second]. */
+static void join_rows(const float *first, const float *second, float *joined, int64_t hidden, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(joined + r * 2 * hidden, first + r * hidden, (size_t)hidden * sizeof(float));
+        memcpy(joined + r * 2 * hidden + hidden, second + r * hidden, (size_t)hidden * sizeof(float));
+    }
 }
 
 /* The EAGLE-3 layer of a draft head: x [rows, hidden] holds g (the rows' features, already through
@@ -228,18 +241,37 @@ int dovetail_eagle3_layer(float *x, const float *embedded, const dovetail_eagle3
     float *spare = activated + rows * shape->intermediate;       /* [rows, 2 hidden] */
     dovetail_rms_norm(embedded, layer->input_norm, b, rows, hidden, shape->eps, threads);
     dovetail_rms_norm(x, layer->hidden_norm, a, rows, hidden, shape->eps, threads);
-    for (int64_t r = 0; r < rows; r++) {
-        memcpy(joined + r * 2 * hidden, b + r * hidden, (size_t)hidden * sizeof(float));
-        memcpy(joined + r * 2 * hidden + hidden, a + r * hidden, (size_t)hidden * sizeof(float));
-    }
+    join_rows(b, a, joined, hidden, rows);
     if (linear(&layer->qkv, joined, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
     if (attend_segments(qkv, cos, sin, segments, segment_count, 0, shape, bf16, q, attended, merged, threads) != 0)
         return DOVETAIL_NO_MEMORY;
     if (linear(&layer->o, merged, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
     for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
-    if (layer->gated && gate_residual(x, a, b, layer, hidden, rows, joined, spare, spare + rows * hidden,
-                                      threads) != 0)
+    if (layer->gated && gate_residual(x, a, b, &layer->w1, &layer->w2, &layer->wz, hidden, rows, joined, spare,
+                                      spare + rows * hidden, threads) != 0)
         return DOVETAIL_NO_MEMORY;
     return mlp_residual(x, layer->post_norm, &layer->gate_up, &layer->down, shape, rows, b, gate_up, activated,
                         projected, threads);
+}
+
+/* ---- a draft head's fusion (gpu_worker/head.py): the rows its first decoder layer reads ---- */
+
+/* Floats of scratch `dovetail_draft_fusion` needs for `rows` rows of `hidden`. */
+int64_t dovetail_fusion_scratch(int64_t hidden, int64_t rows) { return rows * 5 * hidden; }
+
+/* x [rows, hidden] = the fusion of features [rows, hidden] (the target's) and embedded [rows, hidden]
+ * (the tokens'): DGF's gate z * h1 + (1 - z) * h2 over features and input_norm(embedded)
+ * (DOVETAIL_FUSION_DGF), or fc([embedded; features]) (DOVETAIL_FUSION_FC, EAGLE-1/2). scratch:
+ * dovetail_fusion_scratch floats. Returns 0, -1 for an unknown kind, or DOVETAIL_NO_MEMORY. */
+int dovetail_draft_fusion(float *x, const float *features, const float *embedded, const dovetail_fusion *fusion,
+                          int64_t hidden, float eps, int64_t rows, float *scratch, int threads) {
+    if (fusion->kind == DOVETAIL_FUSION_FC) {
+        join_rows(embedded, features, scratch, hidden, rows);
+        return linear(&fusion->fc, scratch, x, rows, threads) == 0 ? 0 : DOVETAIL_NO_MEMORY;
+    }
+    if (fusion->kind != DOVETAIL_FUSION_DGF) return -1;
+    float *b = scratch, *h = b + rows * hidden, *z = h + rows * 2 * hidden, *e = z + rows * hidden;
+    dovetail_rms_norm(embedded, fusion->input_norm, b, rows, hidden, eps, threads);
+    memset(x, 0, (size_t)(rows * hidden) * sizeof(float)); /* 0 + z * h1 is z * h1 exactly */
+    return gate_residual(x, features, b, &fusion->w1, &fusion->w2, &fusion->wz, hidden, rows, h, z, e, threads);
 }

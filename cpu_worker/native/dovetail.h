@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 11
+#define DOVETAIL_ABI_VERSION 12
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -45,6 +45,10 @@
 #define DOVETAIL_BLOCK_Q8_0 0 /* int8 values, an fp16 scale */
 #define DOVETAIL_BLOCK_Q4_0 1 /* 4-bit values q - 8, an fp16 scale */
 #define DOVETAIL_BLOCK_Q4_1 2 /* 4-bit values q, an fp16 scale and an fp16 minimum */
+
+/* A draft head's fusion (dovetail_draft_fusion; gpu_worker/head.py's FUSIONS). */
+#define DOVETAIL_FUSION_DGF 0 /* DGF's gate over the features and the normed embedding */
+#define DOVETAIL_FUSION_FC 1  /* EAGLE-1/2's fc over [embedding; features] */
 
 /* Statuses of dovetail_int8_forward, dovetail_attention, dovetail_decoder_layers and
  * dovetail_quantize_weight_rows / _blocks (0: done). */
@@ -86,6 +90,14 @@ typedef struct {
     dovetail_linear w1, w2, wz;
 } dovetail_eagle3;
 
+/* A draft head's fusion (dovetail_draft_fusion): kind DOVETAIL_FUSION_DGF reads input_norm, w1 and w2
+ * (hidden -> hidden) and wz (2 hidden -> hidden); DOVETAIL_FUSION_FC reads fc (2 hidden -> hidden). */
+typedef struct {
+    int64_t kind;
+    const float *input_norm;
+    dovetail_linear w1, w2, wz, fc;
+} dovetail_fusion;
+
 /* One sequence's rows in a call of dovetail_decoder_layers: its next `rows` rows (after the
  * previous segment's), its cache and how each row attends (see dovetail_decoder_layers). */
 typedef struct {
@@ -98,13 +110,14 @@ typedef struct {
 /* What dovetail_abi reports: the version, the size of every struct above, and every constant. */
 typedef struct {
     int64_t version;
-    int64_t linear_size, layer_size, shape_size, segment_size, eagle3_size;
+    int64_t linear_size, layer_size, shape_size, segment_size, eagle3_size, fusion_size;
     int64_t layout_rows, layout_packed, layout_tiles;
     int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block, linear_bf16;
     int64_t dtype_fp32, dtype_fp16, dtype_bf16;
     int64_t simd_plain, simd_avx2, simd_avx512;
     int64_t no_memory, bad_shape;
     int64_t block_q8_0, block_q4_0, block_q4_1;
+    int64_t fusion_dgf, fusion_fc;
 } dovetail_abi_info;
 
 /* ---- abi.c ---- */
@@ -178,7 +191,7 @@ int dovetail_block_linear(const int8_t *xq, const float *xd, const int32_t *xs, 
 int dovetail_dequantize_rows(const uint8_t *table, int type, int64_t width, const int64_t *ids, int64_t count,
                              float *out);
 
-/* ---- decoder_layers.c: a target's decoder layers in one call, and a draft head's EAGLE-3 layer ---- */
+/* ---- decoder_layers.c: a target's decoder layers in one call; a draft head's EAGLE-3 layer, its fusion ---- */
 
 int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows);
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
@@ -188,5 +201,8 @@ int64_t dovetail_eagle3_scratch(const dovetail_shape *shape, int64_t rows);
 int dovetail_eagle3_layer(float *x, const float *embedded, const dovetail_eagle3 *layer, const dovetail_shape *shape,
                           const float *cos, const float *sin, const dovetail_segment *segments,
                           int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads);
+int64_t dovetail_fusion_scratch(int64_t hidden, int64_t rows);
+int dovetail_draft_fusion(float *x, const float *features, const float *embedded, const dovetail_fusion *fusion,
+                          int64_t hidden, float eps, int64_t rows, float *scratch, int threads);
 
 #endif

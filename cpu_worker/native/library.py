@@ -43,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 11
+ABI_VERSION = 12
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 # a Linear's kind
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5
@@ -51,6 +51,7 @@ DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2  # a weight's source dtype for the 
 SIMD_PLAIN, SIMD_AVX2, SIMD_AVX512 = 0, 1, 2  # dovetail_int8_simd, dovetail_fp32_simd
 NO_MEMORY, BAD_SHAPE = -1, -2  # statuses
 BLOCK_Q8_0, BLOCK_Q4_0, BLOCK_Q4_1 = 0, 1, 2  # a block-quantized weight's type
+FUSION_DGF, FUSION_FC = 0, 1  # a draft head's fusion (dovetail_draft_fusion)
 
 
 # What runs without the library. int8 and the GGUF formats are block-quantized: they have no other path.
@@ -87,6 +88,13 @@ class Eagle3(ctypes.Structure):
                 ("w1", Linear), ("w2", Linear), ("wz", Linear)]
 
 
+class Fusion(ctypes.Structure):
+    """dovetail_fusion: a draft head's fusion (DGF's input_norm, w1, w2, wz; or EAGLE-1/2's fc)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("input_norm", ctypes.c_void_p), ("w1", Linear), ("w2", Linear),
+                ("wz", Linear), ("fc", Linear)]
+
+
 class Shape(ctypes.Structure):
     """dovetail_shape: a model's sizes as dovetail_decoder_layers reads them."""
 
@@ -103,12 +111,12 @@ class Segment(ctypes.Structure):
                 ("extra_start", ctypes.c_void_p)]
 
 
-_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "eagle3_size", "layout_rows",
-               "layout_packed", "layout_tiles",
+_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "eagle3_size", "fusion_size",
+               "layout_rows", "layout_packed", "layout_tiles",
                "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block", "linear_bf16",
                "dtype_fp32", "dtype_fp16",
                "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
-               "block_q4_0", "block_q4_1")
+               "block_q4_0", "block_q4_1", "fusion_dgf", "fusion_fc")
 
 
 class AbiInfo(ctypes.Structure):
@@ -121,14 +129,15 @@ def expected_abi() -> dict[str, int]:
     """What dovetail_abi must report for this module's mirror (read at each check: tests swap a mirror)."""
     return {"version": ABI_VERSION, "linear_size": ctypes.sizeof(Linear), "layer_size": ctypes.sizeof(Layer),
             "shape_size": ctypes.sizeof(Shape), "segment_size": ctypes.sizeof(Segment),
-            "eagle3_size": ctypes.sizeof(Eagle3), "layout_rows": LAYOUT_ROWS,
+            "eagle3_size": ctypes.sizeof(Eagle3), "fusion_size": ctypes.sizeof(Fusion), "layout_rows": LAYOUT_ROWS,
             "layout_packed": LAYOUT_PACKED,
             "layout_tiles": LAYOUT_TILES, "linear_int8": LINEAR_INT8, "linear_fp32": LINEAR_FP32,
             "linear_int8_packed": LINEAR_INT8_PACKED, "linear_int8_tiles": LINEAR_INT8_TILES,
             "linear_block": LINEAR_BLOCK, "linear_bf16": LINEAR_BF16,
             "dtype_fp32": DTYPE_FP32, "dtype_fp16": DTYPE_FP16, "dtype_bf16": DTYPE_BF16, "simd_plain": SIMD_PLAIN,
             "simd_avx2": SIMD_AVX2, "simd_avx512": SIMD_AVX512, "no_memory": NO_MEMORY, "bad_shape": BAD_SHAPE,
-            "block_q8_0": BLOCK_Q8_0, "block_q4_0": BLOCK_Q4_0, "block_q4_1": BLOCK_Q4_1}
+            "block_q8_0": BLOCK_Q8_0, "block_q4_0": BLOCK_Q4_0, "block_q4_1": BLOCK_Q4_1, "fusion_dgf": FUSION_DGF,
+            "fusion_fc": FUSION_FC}
 
 
 _P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -167,6 +176,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
     "dovetail_eagle3_scratch": ([_P, _I64], _I64),
     "dovetail_eagle3_layer": ([_P, _P, _P, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
+    "dovetail_fusion_scratch": ([_I64, _I64], _I64),
+    "dovetail_draft_fusion": ([_P, _P, _P, _P, _I64, _FLOAT, _I64, _P, _INT], _INT),
 }
 
 

@@ -1,20 +1,22 @@
-"""A CPU draft head's layers in one native call (``cpu_worker.native_head_layer``): the torch layers'
+"""A CPU draft head's layers in native calls (``cpu_worker.model.native_head``): the torch layers'
 values (within the float tolerance the draft is held to: the target verifies every token) for both
-EAGLE-3 fusions, one layer and two, int8 and q4_0 projections, over a prompt, a tree level's masked
-beam and two sequences at once; each row's bits independent of its call-mates; the torch layers
-wherever the native call cannot run; bad calls refused."""
+EAGLE-3 fusions and for DGF and EAGLE-1/2 heads, one layer and two, int8 and q4_0 projections, over a
+prompt, a tree level's masked beam and two sequences at once; each row's bits independent of its
+call-mates; the torch layers wherever the native calls cannot run; bad calls refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_draft_support import HIDDEN, tiny_head
 
-from cpu_worker import native_head_layer
 from cpu_worker.kernels.exact_attention import TreePaths
+from cpu_worker.model import native_head
 from cpu_worker.model.llama import CacheSegment, KVCache, LlamaSpec, RotaryTable
+from cpu_worker.model.native_head import MAX_ROWS, NativeEagle3Layer, attention_span, causal_paths
 from cpu_worker.native import library as native
-from cpu_worker.native_head_layer import MAX_ROWS, NativeEagle3Layer, attention_span, causal_paths
 from gpu_worker.eagle3 import Eagle3Head
+from gpu_worker.head import DraftHead
 from gpu_worker.head_formats import quantize_projections
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="needs a C compiler for the native library")
@@ -38,22 +40,24 @@ def head_of(fusion: str, layers: int, projections: str | None, seed: int = 0) ->
     return head if projections is None else quantize_projections(head, projections)
 
 
-def torch_layers(head: Eagle3Head):
+def torch_layers(head: Eagle3Head | DraftHead):
     """``head.forward_segments`` on the torch layers."""
+    name = "native_layer" if isinstance(head, Eagle3Head) else "native_layers"
+
     def run(*args):
-        native_layer = head.native_layer
-        head.native_layer = lambda: None  # type: ignore[method-assign]
+        native = getattr(head, name)
+        setattr(head, name, lambda: None)
         try:
             return head.forward_segments(*args)
         finally:
-            head.native_layer = native_layer  # type: ignore[method-assign]
+            setattr(head, name, native)
     return run
 
 
-def rows(count: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rows(count: int, width: int, seed: int, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(count, width, generator=generator),
-            torch.randint(0, VOCAB, (count,), generator=generator))
+            torch.randint(0, vocab, (count,), generator=generator))
 
 
 def beam_mask() -> torch.Tensor:
@@ -78,16 +82,15 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("projections", ["int8", "q4_0"])
-@pytest.mark.parametrize("layers", [1, 2])
-@pytest.mark.parametrize("fusion", ["eagle3", "dgf-eagle3"])
-def test_the_native_call_gives_the_torch_layers_values(fusion, layers, projections):
-    head = head_of(fusion, layers, projections)
-    assert head.native_layer() is not None
+def compare_paths(head: Eagle3Head | DraftHead, feature_size: int) -> None:
+    """The native and torch paths, each on its own caches, over a prompt, one more row, a tree level
+    and two sequences in one call: the same outputs and cache rows."""
     spec = head.spec
     rotary = RotaryTable(spec, MAX_LEN, torch.float32)
-    native_caches = [zeroed(head.new_cache(MAX_LEN, torch.float32)) for _ in range(2)]
-    torch_caches = [zeroed(head.new_cache(MAX_LEN, torch.float32)) for _ in range(2)]
+    native_caches = [zeroed(head.new_cache(MAX_LEN, torch.float32)) if isinstance(head, Eagle3Head)
+                     else zeroed(KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, MAX_LEN, torch.float32))
+                     for _ in range(4)]
+    torch_caches, native_caches = native_caches[2:], native_caches[:2]
 
     def both(features, tokens, cos, sin, segments_of):
         got = head.forward_segments(features, tokens, cos, sin, segments_of(native_caches))
@@ -98,21 +101,38 @@ def test_the_native_call_gives_the_torch_layers_values(fusion, layers, projectio
             close(mine.values, theirs.values)
 
     # A prompt of target rows (causal), then one more row.
-    features, tokens = rows(9, 3 * TARGET_H, seed=1)
+    features, tokens = rows(9, feature_size, seed=1, vocab=spec.vocab_size)
     both(features, tokens, rotary.cos[:9], rotary.sin[:9], lambda caches: [CacheSegment(caches[0], 0, 0, 9)])
-    features, tokens = rows(1, 3 * TARGET_H, seed=2)
+    features, tokens = rows(1, feature_size, seed=2, vocab=spec.vocab_size)
     both(features, tokens, rotary.cos[9:10], rotary.sin[9:10], lambda caches: [CacheSegment(caches[0], 9, 0, 1)])
     # A tree level: the head's own outputs as features, a beam of 3 in scratch slots past 10 committed.
-    mask = beam_mask()
-    features, tokens = rows(3, H, seed=4)
+    features, tokens = rows(3, spec.hidden_size, seed=4, vocab=spec.vocab_size)
     position = torch.full((3,), 11)
     both(features, tokens, rotary.cos[position], rotary.sin[position],
-         lambda caches: [CacheSegment(caches[0], 13, 0, 3, mask=mask)])
+         lambda caches: [CacheSegment(caches[0], 13, 0, 3, mask=beam_mask())])
     # Two sequences in one call: the second's prompt beside the first's next row.
-    features, tokens = rows(5, 3 * TARGET_H, seed=5)
+    features, tokens = rows(5, feature_size, seed=5, vocab=spec.vocab_size)
     positions = torch.tensor([10, 0, 1, 2, 3])
     both(features, tokens, rotary.cos[positions], rotary.sin[positions],
          lambda caches: [CacheSegment(caches[0], 10, 0, 1), CacheSegment(caches[1], 0, 1, 5)])
+
+
+@pytest.mark.parametrize("projections", ["int8", "q4_0"])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("fusion", ["eagle3", "dgf-eagle3"])
+def test_an_eagle3_head_s_native_call_gives_the_torch_layers_values(fusion, layers, projections):
+    head = head_of(fusion, layers, projections)
+    assert head.native_layer() is not None
+    compare_paths(head, 3 * TARGET_H)
+
+
+@pytest.mark.parametrize("projections", ["int8", "q4_0"])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("fusion", ["dgf", "fc"])
+def test_a_dgf_or_eagle_head_s_native_calls_give_the_torch_layers_values(fusion, layers, projections):
+    head = quantize_projections(tiny_head(fusion, layers=layers, seed=3), projections)
+    assert head.native_layers() is not None
+    compare_paths(head, HIDDEN)
 
 
 def test_each_row_s_bits_do_not_depend_on_its_call_mates():
@@ -164,8 +184,10 @@ def test_what_the_native_call_cannot_take_keeps_the_torch_layers(monkeypatch):
     assert not native_layer.applies(features[:2].requires_grad_(), [CacheSegment(cache, 0, 0, 2)])
     half_cache = float_head.new_cache(MAX_LEN, torch.float16)
     assert not native_layer.applies(features[:2], [CacheSegment(half_cache, 0, 0, 2)])
-    monkeypatch.setenv(native_head_layer.FORCE_VARIABLE, "python")
+    assert tiny_head("dgf").native_layers() is None
+    monkeypatch.setenv(native_head.FORCE_VARIABLE, "python")
     assert head_of("eagle3", 1, "int8").native_layer() is None
+    assert quantize_projections(tiny_head("dgf"), "int8").native_layers() is None
 
 
 def test_bad_calls_are_refused():
