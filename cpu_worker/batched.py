@@ -169,15 +169,10 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
     with_prompt = any(step.prompt for step in steps)
     chained = all(step.engine.chunk_invariant for step in steps if step.prompt)
     if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps) and chained:
-        # As LlamaDecoder.forward: the layers between aux layers in one foreign call each.
+        # As LlamaDecoder.forward: every layer in one foreign call, the aux layers' streams copied out.
         segments = [(step.engine.cache, step.engine.committed, chain_paths(len(step.tokens)) if step.prompt else paths)
                     for step, paths in zip(steps, trees, strict=True)]
-        first = 0
-        for cut in [*aux_layers, len(model.layers)]:
-            x = loop.run_segments(x, cos, sin, segments, first, cut)
-            if cut < len(model.layers):
-                streams.append(x)
-            first = cut
+        x = loop.run_segments(x, cos, sin, segments, 0, len(model.layers), streams, aux_layers)
     else:
         by_sequence = [CacheSegment(step.engine.cache, step.engine.committed, begin, end, paths=paths)
                        for step, (begin, end), paths in zip(steps, bounds, trees, strict=True)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +31,7 @@ from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
 from cpu_worker.model.llama import KVCache, LlamaDecoder
 from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer
 from cpu_worker.native import library as native
+from cpu_worker.native.library import Capture as _Capture
 from cpu_worker.native.library import Layer as _Layer
 from cpu_worker.native.library import Segment as _Segment
 from cpu_worker.native.library import Shape as _Shape
@@ -83,11 +85,14 @@ class NativeLayers:
                 and self.cache_qualifies(cache))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-            paths: TreePaths | None, first: int, end: int) -> torch.Tensor:
+            paths: TreePaths | None, first: int, end: int, streams: list[torch.Tensor] | None = None,
+            capture: Sequence[int] = ()) -> torch.Tensor:
         """x [1, S, d] through layers [first, end); returns a new tensor (x is left as it was).
         The rows go to cache slots start.. as ``Attention.forward`` puts them; a tree (``paths``)
-        attends as it does there, a decode step to slots [0, start + 1)."""
-        return self.run_segments(x, cos, sin, [(cache, start, paths)], first, end)
+        attends as it does there, a decode step to slots [0, start + 1). ``capture``: layers in
+        [first, end), increasing, whose entering residual stream [1, S, d] is appended to ``streams``,
+        from the same call (an EAGLE-3 target's feature rows)."""
+        return self.run_segments(x, cos, sin, [(cache, start, paths)], first, end, streams, capture)
 
     def cache_qualifies(self, cache: KVCache) -> bool:
         """A contiguous one-sequence fp32 or bf16 cache, as the C loop reads it."""
@@ -96,20 +101,52 @@ class NativeLayers:
                 and keys.is_contiguous() and values.is_contiguous())
 
     def run_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     segments: list[tuple[KVCache, int, TreePaths | None]], first: int, end: int) -> torch.Tensor:
+                     segments: list[tuple[KVCache, int, TreePaths | None]], first: int, end: int,
+                     streams: list[torch.Tensor] | None = None, capture: Sequence[int] = ()) -> torch.Tensor:
         """``run`` for several sequences' rows in one call (``cpu_worker.batched``): x [1, S, d]
         holds each segment's rows in order, a segment (cache, start, paths) being one sequence's
         decode step (paths None, one row) or tree; the linear layers take all rows at once, each
         segment attends over its own cache. Every cache has the same dtype and length."""
-        spec = self._model.spec
         rows = x.shape[1]
         if rows > self.max_rows or not 0 <= first <= end <= len(self._layers):
             raise ValueError(f"{rows} rows through layers [{first}, {end}) of {len(self._layers)} "
                              f"(at most {self.max_rows} rows)")
+        if list(capture) != sorted(set(capture)) or any(not first <= layer < end for layer in capture):
+            raise ValueError(f"capture layers {list(capture)} must increase within [{first}, {end})")
         caches = [cache for cache, _, _ in segments]
         max_len, dtype = caches[0].max_len, caches[0].keys.dtype
         if any(cache.max_len != max_len or cache.keys.dtype != dtype for cache in caches):
             raise ValueError("the segments' caches differ in length or dtype")
+        described = self._describe(segments, first, rows)
+        out = x[0].contiguous().clone()
+        if first == end:
+            return out.unsqueeze(0)
+        shape = self._shape(max_len)
+        needed = self.library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        layers = ctypes.byref(self._layers, first * self._layer_size)
+        arguments = (out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
+                     described, len(segments), int(dtype == torch.bfloat16), rows, self._scratch.data_ptr())
+        if capture:
+            captured = torch.empty(len(capture), rows, out.shape[-1])
+            indices = torch.tensor([layer - first for layer in capture], dtype=torch.int64)
+            status = self.library.dovetail_decoder_layers_capturing(
+                *arguments, ctypes.byref(_Capture(len(capture), indices.data_ptr(), captured.data_ptr())),
+                torch.get_num_threads())
+        else:
+            status = self.library.dovetail_decoder_layers(*arguments, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"decoder layers: no memory for {rows} rows' scratch")
+        if capture:
+            assert streams is not None, "captured streams need a list to go to"
+            streams.extend(captured.unsqueeze(1).unbind(0))
+        return out.unsqueeze(0)
+
+    def _describe(self, segments: list[tuple[KVCache, int, TreePaths | None]], first: int,
+                  rows: int) -> ctypes.Array[_Segment]:
+        """The segments as the C loop reads them, their caches from layer ``first`` on."""
         described = (_Segment * len(segments))()
         counted = 0
         for index, (cache, start, paths) in enumerate(segments):
@@ -125,22 +162,13 @@ class NativeLayers:
             counted += length
         if counted != rows:
             raise ValueError(f"{rows} rows for segments of {counted} (a decode step is one row, a tree its nodes)")
-        out = x[0].contiguous().clone()
-        if first == end:
-            return out.unsqueeze(0)
+        return described
+
+    def _shape(self, max_len: int) -> _Shape:
         shape = self._shapes.get(max_len)
         if shape is None:
+            spec = self._model.spec
             shape = self._shapes[max_len] = _Shape(
                 spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
                 max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
-        needed = self.library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
-        if self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        layers = ctypes.byref(self._layers, first * self._layer_size)
-        if self.library.dovetail_decoder_layers(
-                out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
-                described, len(segments), int(dtype == torch.bfloat16), rows, self._scratch.data_ptr(),
-                torch.get_num_threads()) != 0:
-            raise MemoryError(f"decoder layers: no memory for {rows} rows' scratch")
-        return out.unsqueeze(0)
+        return shape

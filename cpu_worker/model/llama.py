@@ -482,7 +482,8 @@ class LayerLoop(Protocol):
                 paths: TreePaths | None) -> bool: ...
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-            paths: TreePaths | None, first: int, end: int) -> torch.Tensor: ...
+            paths: TreePaths | None, first: int, end: int, streams: list[torch.Tensor] | None = None,
+            capture: Sequence[int] = ()) -> torch.Tensor: ...
 
 
 class LlamaDecoder(nn.Module):
@@ -525,14 +526,8 @@ class LlamaDecoder(nn.Module):
         aux = [layer for layer in aux_layers or () if first <= layer < end]
         loop = self.layer_loop
         if loop is not None and loop.applies(x, cache, mask, paths):
-            # The layers between aux layers in one call each (every layer in one without them).
-            for cut in [*aux, end]:
-                if cut > first:
-                    x = loop.run(x, cos, sin, cache, start, paths, first, cut)  # a new tensor each time
-                if cut < end:
-                    streams.append(x)
-                first = cut
-            return x
+            # Every layer in one call, the aux layers' streams copied out of it.
+            return loop.run(x, cos, sin, cache, start, paths, first, end, streams, aux)
         for index in range(first, end):
             if index in aux:
                 streams.append(x)  # layers return new tensors: keeping a reference copies nothing

@@ -16,6 +16,7 @@ int64_t dovetail_abi(dovetail_abi_info *info, int64_t size) {
     info->segment_size = sizeof(dovetail_segment);
     info->eagle3_size = sizeof(dovetail_eagle3);
     info->fusion_size = sizeof(dovetail_fusion);
+    info->capture_size = sizeof(dovetail_capture);
     info->layout_rows = DOVETAIL_LAYOUT_ROWS;
     info->layout_packed = DOVETAIL_LAYOUT_PACKED;
     info->layout_tiles = DOVETAIL_LAYOUT_TILES;

@@ -116,6 +116,45 @@ int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows) {
     return rows * (2 * shape->hidden + qkv + 3 * attention + 3 * shape->intermediate);
 }
 
+/* The layer loop of dovetail_decoder_layers; capture (NULL: none) as dovetail_decoder_layers_capturing. */
+static int run_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
+                      const float *cos, const float *sin, const dovetail_segment *segments, int64_t segment_count,
+                      int bf16, int64_t rows, float *scratch, const dovetail_capture *capture, int threads) {
+    int64_t hidden = shape->hidden, attention = shape->heads * shape->head_dim;
+    int64_t qkv_width = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
+    if (segment_count < 1 || counted_rows(segments, segment_count) != rows) return DOVETAIL_BAD_SHAPE;
+    float *normed = scratch;                                                  /* [rows, hidden] */
+    float *qkv = normed + rows * hidden;                                      /* [rows, (heads + 2 kv) hd] */
+    float *q = qkv + rows * qkv_width;                /* per segment [heads, its rows, hd], in order */
+    float *attended = q + rows * attention;           /* the same */
+    float *merged = attended + rows * attention;                              /* [rows, heads hd] */
+    float *projected = merged + rows * attention;                             /* [rows, hidden] */
+    float *gate_up = projected + rows * hidden;                               /* [rows, 2 intermediate] */
+    float *activated = gate_up + rows * 2 * shape->intermediate;              /* [rows, intermediate] */
+    int64_t captured = 0;
+    for (int64_t l = 0; l < count; l++) {
+        const dovetail_layer *layer = layers + l;
+        if (capture != NULL && captured < capture->count && capture->layers[captured] == l) {
+            memcpy(capture->out + captured * rows * hidden, x, (size_t)(rows * hidden) * sizeof(float));
+            captured++;
+        }
+        if (layer->input_norm != NULL)
+            dovetail_rms_norm(x, layer->input_norm, normed, rows, hidden, shape->eps, threads);
+        else /* a draft head's first layer: attention reads the fused rows as they are */
+            memcpy(normed, x, (size_t)(rows * hidden) * sizeof(float));
+        if (linear(&layer->qkv, normed, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+        if (attend_segments(qkv, cos, sin, segments, segment_count, l, shape, bf16, q, attended, merged,
+                            threads) != 0)
+            return DOVETAIL_NO_MEMORY;
+        if (linear(&layer->o, merged, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
+        if (mlp_residual(x, layer->post_norm, &layer->gate_up, &layer->down, shape, rows, normed, gate_up,
+                         activated, projected, threads) != 0)
+            return DOVETAIL_NO_MEMORY;
+    }
+    return 0;
+}
+
 /* x [rows, hidden]: the residual stream entering layers[0], replaced by the one leaving
  * layers[count - 1]. The rows are segment_count sequences' (segments[s].rows each, in order; one
  * for a decode step or a tree, several when sequences are verified together): every linear layer
@@ -132,34 +171,23 @@ int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows) {
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
                             const float *cos, const float *sin, const dovetail_segment *segments,
                             int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads) {
-    int64_t hidden = shape->hidden, attention = shape->heads * shape->head_dim;
-    int64_t qkv_width = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
-    if (segment_count < 1 || counted_rows(segments, segment_count) != rows) return DOVETAIL_BAD_SHAPE;
-    float *normed = scratch;                                                  /* [rows, hidden] */
-    float *qkv = normed + rows * hidden;                                      /* [rows, (heads + 2 kv) hd] */
-    float *q = qkv + rows * qkv_width;                /* per segment [heads, its rows, hd], in order */
-    float *attended = q + rows * attention;           /* the same */
-    float *merged = attended + rows * attention;                              /* [rows, heads hd] */
-    float *projected = merged + rows * attention;                             /* [rows, hidden] */
-    float *gate_up = projected + rows * hidden;                               /* [rows, 2 intermediate] */
-    float *activated = gate_up + rows * 2 * shape->intermediate;              /* [rows, intermediate] */
-    for (int64_t l = 0; l < count; l++) {
-        const dovetail_layer *layer = layers + l;
-        if (layer->input_norm != NULL)
-            dovetail_rms_norm(x, layer->input_norm, normed, rows, hidden, shape->eps, threads);
-        else /* a draft head's first layer: attention reads the fused rows as they are */
-            memcpy(normed, x, (size_t)(rows * hidden) * sizeof(float));
-        if (linear(&layer->qkv, normed, qkv, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
-        if (attend_segments(qkv, cos, sin, segments, segment_count, l, shape, bf16, q, attended, merged,
-                            threads) != 0)
-            return DOVETAIL_NO_MEMORY;
-        if (linear(&layer->o, merged, projected, rows, threads) != 0) return DOVETAIL_NO_MEMORY;
-        for (int64_t i = 0; i < rows * hidden; i++) x[i] = x[i] + projected[i];
-        if (mlp_residual(x, layer->post_norm, &layer->gate_up, &layer->down, shape, rows, normed, gate_up,
-                         activated, projected, threads) != 0)
-            return DOVETAIL_NO_MEMORY;
+    return run_layers(x, layers, count, shape, cos, sin, segments, segment_count, bf16, rows, scratch, NULL, threads);
+}
+
+/* dovetail_decoder_layers, also copying the residual stream entering each of capture->layers
+ * (indices into layers, increasing, each < count) to capture->out [capture->count, rows, hidden], in
+ * order: an EAGLE-3 target's feature rows in the same call (before, one call per stretch between
+ * them). Returns DOVETAIL_BAD_SHAPE, too, for capture layers that are not increasing and in range. */
+int dovetail_decoder_layers_capturing(float *x, const dovetail_layer *layers, int64_t count,
+                                      const dovetail_shape *shape, const float *cos, const float *sin,
+                                      const dovetail_segment *segments, int64_t segment_count, int bf16, int64_t rows,
+                                      float *scratch, const dovetail_capture *capture, int threads) {
+    for (int64_t c = 0; c < capture->count; c++) {
+        int64_t layer = capture->layers[c];
+        if (layer < 0 || layer >= count || (c > 0 && layer <= capture->layers[c - 1])) return DOVETAIL_BAD_SHAPE;
     }
-    return 0;
+    return run_layers(x, layers, count, shape, cos, sin, segments, segment_count, bf16, rows, scratch, capture,
+                      threads);
 }
 
 /* ---- a draft head's EAGLE-3 layer (gpu_worker/eagle3.py) ---- */

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 12
+#define DOVETAIL_ABI_VERSION 13
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -107,10 +107,18 @@ typedef struct {
     const int64_t *extra, *extra_start;
 } dovetail_segment;
 
+/* The residual streams dovetail_decoder_layers_capturing copies out: those entering layers[layers[c]] for
+ * c < count (increasing), into out [count, rows, hidden]. */
+typedef struct {
+    int64_t count;
+    const int64_t *layers;
+    float *out;
+} dovetail_capture;
+
 /* What dovetail_abi reports: the version, the size of every struct above, and every constant. */
 typedef struct {
     int64_t version;
-    int64_t linear_size, layer_size, shape_size, segment_size, eagle3_size, fusion_size;
+    int64_t linear_size, layer_size, shape_size, segment_size, eagle3_size, fusion_size, capture_size;
     int64_t layout_rows, layout_packed, layout_tiles;
     int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block, linear_bf16;
     int64_t dtype_fp32, dtype_fp16, dtype_bf16;
@@ -197,6 +205,10 @@ int64_t dovetail_decoder_scratch(const dovetail_shape *shape, int64_t rows);
 int dovetail_decoder_layers(float *x, const dovetail_layer *layers, int64_t count, const dovetail_shape *shape,
                             const float *cos, const float *sin, const dovetail_segment *segments,
                             int64_t segment_count, int bf16, int64_t rows, float *scratch, int threads);
+int dovetail_decoder_layers_capturing(float *x, const dovetail_layer *layers, int64_t count,
+                                      const dovetail_shape *shape, const float *cos, const float *sin,
+                                      const dovetail_segment *segments, int64_t segment_count, int bf16, int64_t rows,
+                                      float *scratch, const dovetail_capture *capture, int threads);
 int64_t dovetail_eagle3_scratch(const dovetail_shape *shape, int64_t rows);
 int dovetail_eagle3_layer(float *x, const float *embedded, const dovetail_eagle3 *layer, const dovetail_shape *shape,
                           const float *cos, const float *sin, const dovetail_segment *segments,

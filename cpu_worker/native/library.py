@@ -43,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 12
+ABI_VERSION = 13
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 # a Linear's kind
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5
@@ -95,6 +95,12 @@ class Fusion(ctypes.Structure):
                 ("wz", Linear), ("fc", Linear)]
 
 
+class Capture(ctypes.Structure):
+    """dovetail_capture: the residual streams dovetail_decoder_layers_capturing copies out."""
+
+    _fields_ = [("count", ctypes.c_int64), ("layers", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+
+
 class Shape(ctypes.Structure):
     """dovetail_shape: a model's sizes as dovetail_decoder_layers reads them."""
 
@@ -112,7 +118,7 @@ class Segment(ctypes.Structure):
 
 
 _ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "eagle3_size", "fusion_size",
-               "layout_rows", "layout_packed", "layout_tiles",
+               "capture_size", "layout_rows", "layout_packed", "layout_tiles",
                "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block", "linear_bf16",
                "dtype_fp32", "dtype_fp16",
                "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
@@ -129,7 +135,8 @@ def expected_abi() -> dict[str, int]:
     """What dovetail_abi must report for this module's mirror (read at each check: tests swap a mirror)."""
     return {"version": ABI_VERSION, "linear_size": ctypes.sizeof(Linear), "layer_size": ctypes.sizeof(Layer),
             "shape_size": ctypes.sizeof(Shape), "segment_size": ctypes.sizeof(Segment),
-            "eagle3_size": ctypes.sizeof(Eagle3), "fusion_size": ctypes.sizeof(Fusion), "layout_rows": LAYOUT_ROWS,
+            "eagle3_size": ctypes.sizeof(Eagle3), "fusion_size": ctypes.sizeof(Fusion),
+            "capture_size": ctypes.sizeof(Capture), "layout_rows": LAYOUT_ROWS,
             "layout_packed": LAYOUT_PACKED,
             "layout_tiles": LAYOUT_TILES, "linear_int8": LINEAR_INT8, "linear_fp32": LINEAR_FP32,
             "linear_int8_packed": LINEAR_INT8_PACKED, "linear_int8_tiles": LINEAR_INT8_TILES,
@@ -174,6 +181,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_dequantize_rows": ([_P, _INT, _I64, _P, _I64, _P], _INT),
     "dovetail_decoder_scratch": ([_P, _I64], _I64),
     "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
+    "dovetail_decoder_layers_capturing": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _P, _INT], _INT),
     "dovetail_eagle3_scratch": ([_P, _I64], _I64),
     "dovetail_eagle3_layer": ([_P, _P, _P, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
     "dovetail_fusion_scratch": ([_I64, _I64], _I64),

@@ -1,9 +1,11 @@
 """The target's decoder layers in one foreign call (cpu_worker/native_layers.py, decoder_layers.c):
-the same bits as the Python layers for decode steps, trees and EAGLE-3 feature rows, at int8
-(fp32 and bf16 caches) and fp32; the Python layers wherever the call or the model does not
-qualify; SiLU close to torch's and row-invariant."""
+the same bits as the Python layers for decode steps, trees and EAGLE-3 feature rows (copied out of
+the same call), at int8 (fp32 and bf16 caches) and fp32; the Python layers wherever the call or the
+model does not qualify; SiLU close to torch's and row-invariant."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 
 from cpu_worker.engine import TargetEngine
 from cpu_worker.kernels import block_quant, int8_kernel, layer_ops
+from cpu_worker.native import library as native_library
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.server import build_engine
 from cpu_worker.target_loading import load_target_model
@@ -46,9 +49,8 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
                 engine.cache.values[:, :, :, :engine.committed].float()]
     if native and loop is not None:
         del loop.run  # the class's method again
-        # One call per segment between aux layers (an aux layer 0 starts the first: no empty call).
-        calls_per_forward = 1 + len([layer for layer in engine.aux_layers or () if layer > 0])
-        assert len(calls) == 6 * calls_per_forward  # 3 decodes, the tree, its verification, 1 decode
+        # One call a forward, aux layers' streams and all.
+        assert len(calls) == 6  # 3 decodes, the tree, its verification, 1 decode
     return outputs
 
 
@@ -121,6 +123,36 @@ def test_eagle3_feature_rows_through_the_c_loop_equal_the_python_layers(demo_tar
     assert native[2].shape[-1] == 3 * model.spec.hidden_size
     for a, b in zip(native, python, strict=True):
         assert torch.equal(a, b)
+
+
+def test_captured_streams_are_checked_on_both_sides(demo_target):
+    engine, _ = build_engine(str(demo_target), "int8", 64)
+    loop = engine.model.layer_loop
+    assert isinstance(loop, NativeLayers)
+    engine.prefill(PROMPT[:8])
+    layers = engine.spec.num_layers
+    x = engine.model.embed_tokens(torch.tensor([3])).unsqueeze(0)
+    cos, sin = engine.rotary.lookup(torch.tensor([engine.committed]))
+    for capture in ([1, 1], [2, 1], [layers], [-1]):
+        with pytest.raises(ValueError, match="capture layers"):
+            loop.run(x, cos, sin, engine.cache, engine.committed, None, 0, layers, [], capture)
+    streams: list[torch.Tensor] = []
+    out = loop.run(x, cos, sin, engine.cache, engine.committed, None, 0, layers, streams, [0, layers - 1])
+    assert [stream.shape for stream in streams] == [x.shape, x.shape] and torch.equal(streams[0], x)
+    # Layer by layer through the same loop: the stream entering the last layer, and the same output.
+    before_last = loop.run(x, cos, sin, engine.cache, engine.committed, None, 0, layers - 1)
+    assert torch.equal(streams[1], before_last)
+    assert torch.equal(loop.run(before_last, cos, sin, engine.cache, engine.committed, None, layers - 1, layers), out)
+    # The C side refuses what the Python side would (a caller that skipped its check): no stream written.
+    shape = loop._shape(engine.cache.max_len)
+    captured = torch.full((1, 1, engine.spec.hidden_size), 7.0)
+    bad = torch.tensor([layers], dtype=torch.int64)
+    status = loop.library.dovetail_decoder_layers_capturing(
+        x[0].clone().data_ptr(), loop._layers, layers, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
+        loop._describe([(engine.cache, engine.committed, None)], 0, 1), 1, 0, 1,
+        torch.empty(loop.library.dovetail_decoder_scratch(ctypes.byref(shape), 1)).data_ptr(),
+        ctypes.byref(native_library.Capture(1, bad.data_ptr(), captured.data_ptr())), 1)
+    assert status == native_library.BAD_SHAPE and torch.equal(captured, torch.full_like(captured, 7.0))
 
 
 def test_models_or_switches_the_loop_cannot_run_keep_the_python_layers(demo_target, monkeypatch):
