@@ -130,7 +130,7 @@ class NativeLayers:
         arguments = (out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
                      described, len(segments), int(dtype == torch.bfloat16), rows, self._scratch.data_ptr())
         if capture:
-            captured = torch.empty(len(capture), rows, out.shape[-1])
+            captured = torch.empty(len(capture), rows, out.shape[-1], dtype=torch.float32)
             indices = torch.tensor([layer - first for layer in capture], dtype=torch.int64)
             status = self.library.dovetail_decoder_layers_capturing(
                 *arguments, ctypes.byref(_Capture(len(capture), indices.data_ptr(), captured.data_ptr())),

@@ -1,20 +1,24 @@
-"""A CPU draft head's EAGLE-3 layer in one foreign call (``dovetail_eagle3_layer``, decoder_layers.c),
-and any plain layers after it on the target's layer loop (``dovetail_decoder_layers``).
+"""A CPU draft head's layers in native calls (``decoder_layers.c``): an EAGLE-3 head's layer in one
+(``dovetail_eagle3_layer``) and any plain layers after it on the target's layer loop; a DGF or
+EAGLE-1/2 head's fusion in one (``dovetail_draft_fusion``) and its layers on the loop.
 
 Why: a small head's step on the CPU is torch dispatch, not arithmetic. The real pair's head
 (SmolLM2-135M, one layer, q4_0 projections) spent ~1 ms extending by two tokens and as much again
 per tree level, of which its eight projections took ~0.2 ms: the rest was ~90 tensor allocations,
-views, concatenations and a masked SDPA per step. Here the layer is the same kernels the target's
-loop calls (block, int8 or row-invariant fp32 linears, RMSNorm, rotary and cache write, exact
-attention over paths, SiLU) in one call.
+views, concatenations and a masked SDPA per step. Here the layers are the kernels the target's loop
+calls (block, int8 or row-invariant fp32 linears, RMSNorm, rotary and cache write, exact attention
+over paths, SiLU).
 
-The draft only proposes, and the target verifies every token, so this path is not held to the
-Python layer's bits (its sigmoid and SiLU are the library's, its attention exact where torch's SDPA
-is not); it is held to the Python layer's values within float tolerance, and each row's result still
-depends on that row alone. It takes an EAGLE-3 head whose projections are all on our kernels
-(``gpu_worker.head_formats``: int8 or q4_0) with fp32 activations on the CPU; a float head, a CUDA
-head and training keep the torch layers. ``DOVETAIL_NATIVE_HEAD=python`` forces those (for comparisons;
-``DOVETAIL_NATIVE_LAYERS=python`` forces the target's and the head's).
+The draft only proposes, and the target verifies every token, so this path is not held to the torch
+layers' bits: its sigmoid and SiLU are the library's, its attention sums in another order. The two
+differ by float rounding (~1e-7 of the largest value) until an activation lands on the other side of
+an int8 or block quantization step in one of them; then that row's later values differ by up to about
+1% of the largest (neither is more exact: the same arithmetic in another order). Each row's result
+depends on that row alone, so a batch drafts each sequence's solo tree. It takes a head whose
+projections are all on our kernels (``gpu_worker.head_formats``: int8 or q4_0), fp32 rows over fp32
+caches on the CPU; a float head, a CUDA head and training keep the torch layers.
+``DOVETAIL_NATIVE_HEAD=python`` forces those (for comparisons; ``DOVETAIL_NATIVE_LAYERS=python`` forces
+the target's and the head's).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -47,8 +51,9 @@ FORCE_VARIABLE = "DOVETAIL_NATIVE_HEAD"
 
 # The sources whose changes change what a CPU draft step costs (the draft cost cache's key reads them).
 SOURCES = ("model/native_head.py", "model/native_views.py", "native/decoder_layers.c", "native/layer_ops.c",
-           "native/attention.c", "native/block_gemv.c", "native/int8_gemv.c", "native/fp32_rows.c", "native/dovetail.h",
-           "kernels/block_quant.py", "kernels/int8.py", "kernels/layer_ops.py")
+           "native/attention.c", "native/block_gemv.c", "native/int8_gemv.c", "native/fp32_rows.c",
+           "native/block_rows.c", "native/dovetail.h", "native/library.py", "kernels/block_quant.py",
+           "kernels/int8.py", "kernels/layer_ops.py")
 
 
 def kernel_digest() -> str:
@@ -78,17 +83,41 @@ def attention_span(segment: CacheSegment) -> tuple[int, torch.Tensor, torch.Tens
     row may attend (shared) and each row's other allowed slots."""
     count = segment.end - segment.begin
     if segment.paths is not None:
+        if segment.paths.size != count:
+            raise ValueError(f"paths of {segment.paths.size} rows for a segment of {count}")
         return segment.start, segment.paths.flat, segment.paths.offsets
     if segment.mask is None:
         return (segment.start, *causal_paths(count))
     mask = segment.mask
-    if tuple(mask.shape) != (count, segment.start + count):
-        raise ValueError(f"a mask of shape {tuple(mask.shape)} for {count} rows at slot {segment.start}")
+    if tuple(mask.shape) != (count, segment.start + count) or mask.dtype != torch.bool:
+        raise ValueError(f"a {mask.dtype} mask of shape {tuple(mask.shape)} for {count} rows at slot "
+                         f"{segment.start} (a bool one of [{count}, {segment.start + count}])")
     shared = int(mask.all(0).to(torch.int8).cumprod(0).sum())
     tail = mask[:, shared:]
     offsets = torch.zeros(count + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(tail.sum(1), 0)
     return shared, tail.nonzero()[:, 1].contiguous(), offsets
+
+
+def holders(modules: Iterable[nn.Module]) -> list[object]:
+    """What descriptors of ``modules`` point into: each module and submodule, their parameters and
+    buffers, and the objects holding weights outside those (a block layer's ``weights``, an int8
+    layer's ``_int8``), so they outlive a module that lets go of them."""
+    kept: list[object] = []
+    for module in modules:
+        for part in module.modules():
+            kept += [part, *part.parameters(recurse=False), *part.buffers(recurse=False)]
+            kept += [value for name in ("weights", "_int8") if (value := getattr(part, name, None)) is not None]
+    return kept
+
+
+def check_status(status: int, rows: int) -> None:
+    """A C call's status as an exception: MemoryError when its scratch could not be allocated, ValueError
+    for anything it refused (which the checks before it should have caught)."""
+    if status == native.NO_MEMORY:
+        raise MemoryError(f"draft head layers: no memory for {rows} rows' scratch")
+    if status != 0:
+        raise ValueError(f"draft head layers refused the call (status {status}): its rows or segments do not fit")
 
 
 def gate_shapes(hidden: int) -> list[tuple[int, int]]:
@@ -120,10 +149,12 @@ class _Call:
 
 class _HeadLayers:
     """What both kinds of head share: the checks, the shapes by cache length, a scratch buffer that grows
-    to the largest call, and the segments as the C calls read them. The descriptors are built once (the
-    weights never move); ``weights`` keeps the tensors they point into alive."""
+    to the largest call, and the segments as the C calls read them. The descriptors are built once and
+    point into the head's tensors: ``weights`` holds the norms and the modules (and their weight
+    holders) they point into, so those stay alive as long as this; a head whose weights are replaced
+    (a reload) is a new head, or a new projection format, and gets new descriptors."""
 
-    def __init__(self, spec: LlamaSpec, weights: list[torch.Tensor], library: ctypes.CDLL):
+    def __init__(self, spec: LlamaSpec, weights: list[object], library: ctypes.CDLL):
         self.spec = spec
         self._weights = weights
         self.library = library
@@ -142,16 +173,17 @@ class _HeadLayers:
 
     def applies(self, x: torch.Tensor, segments: Sequence[CacheSegment]) -> bool:
         """Whether these rows can take the C calls: at most ``MAX_ROWS`` fp32 CPU rows without
-        autograd, each segment's cache one sequence's, contiguous, fp32 or bf16, all alike."""
+        autograd, each segment's cache one sequence's, contiguous fp32 (a drafter's cache has its rows'
+        dtype: torch's layers would attend over a bf16 one in bf16, these in fp32), all of one length."""
         if not segments or x.shape[0] > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
             return False
         if torch.is_grad_enabled() and x.requires_grad:
             return False
         first = segments[0].cache
-        return all(segment.cache.max_len == first.max_len and segment.cache.keys.dtype == first.keys.dtype
-                   and segment.cache.keys.dtype in layer_ops.CACHE_DTYPES and segment.cache.keys.shape[1] == 1
+        return all(segment.cache.max_len == first.max_len and segment.cache.keys.dtype == torch.float32
+                   and segment.cache.values.dtype == torch.float32 and segment.cache.keys.shape[1] == 1
                    and segment.cache.keys.is_contiguous() and segment.cache.values.is_contiguous()
-                   and segment.cache.values.dtype == first.keys.dtype for segment in segments)
+                   for segment in segments)
 
     def _shape(self, max_len: int) -> _Shape:
         shape = self._shapes.get(max_len)
@@ -177,13 +209,14 @@ class _HeadLayers:
             raise ValueError(f"segments must cover the {rows} rows in order")
         cache = segments[0].cache
         return _Call(rows, x.to(torch.float32).contiguous().clone(), embedded.to(torch.float32).contiguous(),
-                     cos.contiguous(), sin.contiguous(), [attention_span(segment) for segment in segments],
-                     self._shape(cache.max_len), int(cache.keys.dtype == torch.bfloat16), torch.get_num_threads())
+                     cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous(),
+                     [attention_span(segment) for segment in segments], self._shape(cache.max_len),
+                     int(cache.keys.dtype == torch.bfloat16), torch.get_num_threads())
 
     def scratch(self, floats: int) -> int:
         """The address of at least ``floats`` floats of scratch."""
         if self._scratch.numel() < floats:
-            self._scratch = torch.empty(floats)
+            self._scratch = torch.empty(floats, dtype=torch.float32)
         return self._scratch.data_ptr()
 
     def layers(self, call: _Call, layers: ctypes.Array[_Layer], segments: Sequence[CacheSegment],
@@ -214,7 +247,7 @@ class NativeEagle3Layer(_HeadLayers):
     """An EAGLE-3 head's layers (``gpu_worker.eagle3``) on the C kernels."""
 
     def __init__(self, spec: LlamaSpec, layer: _Eagle3, post: ctypes.Array[_Layer] | None,
-                 weights: list[torch.Tensor], library: ctypes.CDLL):
+                 weights: list[object], library: ctypes.CDLL):
         super().__init__(spec, weights, library)
         self._layer = layer
         self._post = post
@@ -243,7 +276,7 @@ class NativeEagle3Layer(_HeadLayers):
         layer = _Eagle3(*(weight.data_ptr() for weight in weights if weight is not None), *views,
                         int(gate is not None), *(gates if gate is not None else [unused] * 3))
         post_array = (_Layer * len(post))(*(item[0] for item in post if item is not None)) if post else None
-        return cls(spec, layer, post_array, [weight for weight in weights if weight is not None], library)
+        return cls(spec, layer, post_array, holders([*norms, *linears, *(gate or ()), *post_layers]), library)
 
     def run(self, g: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             segments: Sequence[CacheSegment]) -> torch.Tensor:
@@ -259,15 +292,14 @@ class NativeEagle3Layer(_HeadLayers):
             call.rows, scratch, call.threads)
         if status == 0 and self._post is not None:
             status = self.layers(call, self._post, segments, 1)
-        if status != 0:
-            raise MemoryError(f"draft head layers: no memory for {call.rows} rows' scratch")
+        check_status(status, call.rows)
         return call.out
 
 
 class NativeDraftLayers(_HeadLayers):
     """A DGF or EAGLE-1/2 head's fusion and decoder layers (``gpu_worker.head``) on the C kernels."""
 
-    def __init__(self, spec: LlamaSpec, fusion: _Fusion, layers: ctypes.Array[_Layer], weights: list[torch.Tensor],
+    def __init__(self, spec: LlamaSpec, fusion: _Fusion, layers: ctypes.Array[_Layer], weights: list[object],
                  library: ctypes.CDLL):
         super().__init__(spec, weights, library)
         self._fusion = fusion
@@ -296,7 +328,8 @@ class NativeDraftLayers(_HeadLayers):
             return None
         described_fusion = _Fusion(kind, None if norm is None else norm.data_ptr(), *views)
         array = (_Layer * len(described))(*(item[0] for item in described if item is not None))
-        return cls(spec, described_fusion, array, [] if norm is None else [norm], library)
+        modules = [*fusion, *layers] if input_norm is None else [input_norm, *fusion, *layers]
+        return cls(spec, described_fusion, array, holders(modules), library)
 
     def run(self, features: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             segments: Sequence[CacheSegment]) -> torch.Tensor:
@@ -311,6 +344,5 @@ class NativeDraftLayers(_HeadLayers):
         if status == 0:
             call.out = fused
             status = self.layers(call, self._layers, segments, 0)
-        if status != 0:
-            raise MemoryError(f"draft head layers: no memory for {call.rows} rows' scratch")
+        check_status(status, call.rows)
         return call.out

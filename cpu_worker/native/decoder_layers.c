@@ -1,6 +1,8 @@
 /* A target's decoder layers in one foreign call: a decode step's or a tree's rows through every
  * layer (or a run of them) with the library's own kernels, in the order the Python layers call
- * them. And a CPU draft head's EAGLE-3 layer in one call (dovetail_eagle3_layer, at the end).
+ * them. And a CPU draft head's layers (at the end): an EAGLE-3 head's layer in one call
+ * (dovetail_eagle3_layer), a DGF or EAGLE-1/2 head's fusion in one (dovetail_draft_fusion), whose
+ * layers then take the target's loop (a first layer without an input norm).
  *
  * Why: at a decode step the work between the linear layers is small, but each layer made about a
  * dozen torch ops and half a dozen foreign calls around it (views, slices, the residual adds, the
@@ -196,7 +198,8 @@ int dovetail_decoder_layers_capturing(float *x, const dovetail_layer *layers, in
 int64_t dovetail_eagle3_scratch(const dovetail_shape *shape, int64_t rows) {
     int64_t attention = shape->heads * shape->head_dim;
     int64_t qkv = (shape->heads + 2 * shape->kv_heads) * shape->head_dim;
-    return rows * (8 * shape->hidden + qkv + 3 * attention + 3 * shape->intermediate);
+    /* b, a, the 2 hidden join, projected and the gate's 2 hidden spare: 7 hidden a row */
+    return rows * (7 * shape->hidden + qkv + 3 * attention + 3 * shape->intermediate);
 }
 
 /* sigmoid(v) from e = exp(-|v|), which never overflows; e: [n] scratch. */
@@ -290,14 +293,14 @@ int64_t dovetail_fusion_scratch(int64_t hidden, int64_t rows) { return rows * 5 
 /* x [rows, hidden] = the fusion of features [rows, hidden] (the target's) and embedded [rows, hidden]
  * (the tokens'): DGF's gate z * h1 + (1 - z) * h2 over features and input_norm(embedded)
  * (DOVETAIL_FUSION_DGF), or fc([embedded; features]) (DOVETAIL_FUSION_FC, EAGLE-1/2). scratch:
- * dovetail_fusion_scratch floats. Returns 0, -1 for an unknown kind, or DOVETAIL_NO_MEMORY. */
+ * dovetail_fusion_scratch floats. Returns 0, DOVETAIL_BAD_SHAPE for an unknown kind, or DOVETAIL_NO_MEMORY. */
 int dovetail_draft_fusion(float *x, const float *features, const float *embedded, const dovetail_fusion *fusion,
                           int64_t hidden, float eps, int64_t rows, float *scratch, int threads) {
     if (fusion->kind == DOVETAIL_FUSION_FC) {
         join_rows(embedded, features, scratch, hidden, rows);
         return linear(&fusion->fc, scratch, x, rows, threads) == 0 ? 0 : DOVETAIL_NO_MEMORY;
     }
-    if (fusion->kind != DOVETAIL_FUSION_DGF) return -1;
+    if (fusion->kind != DOVETAIL_FUSION_DGF) return DOVETAIL_BAD_SHAPE;
     float *b = scratch, *h = b + rows * hidden, *z = h + rows * 2 * hidden, *e = z + rows * hidden;
     dovetail_rms_norm(embedded, fusion->input_norm, b, rows, hidden, eps, threads);
     memset(x, 0, (size_t)(rows * hidden) * sizeof(float)); /* 0 + z * h1 is z * h1 exactly */

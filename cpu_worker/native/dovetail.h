@@ -50,10 +50,10 @@
 #define DOVETAIL_FUSION_DGF 0 /* DGF's gate over the features and the normed embedding */
 #define DOVETAIL_FUSION_FC 1  /* EAGLE-1/2's fc over [embedding; features] */
 
-/* Statuses of dovetail_int8_forward, dovetail_attention, dovetail_decoder_layers and
- * dovetail_quantize_weight_rows / _blocks (0: done). */
+/* Statuses of dovetail_int8_forward, dovetail_attention, dovetail_decoder_layers(_capturing),
+ * dovetail_eagle3_layer, dovetail_draft_fusion and dovetail_quantize_weight_rows / _blocks (0: done). */
 #define DOVETAIL_NO_MEMORY (-1) /* scratch memory could not be allocated */
-#define DOVETAIL_BAD_SHAPE (-2) /* dovetail_int8_forward: a shape the layout cannot hold; nothing written */
+#define DOVETAIL_BAD_SHAPE (-2) /* a shape, segment count, capture list or fusion kind the call cannot take */
 
 /* ---- structs passed by pointer ---- */
 

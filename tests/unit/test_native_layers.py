@@ -147,10 +147,11 @@ def test_captured_streams_are_checked_on_both_sides(demo_target):
     shape = loop._shape(engine.cache.max_len)
     captured = torch.full((1, 1, engine.spec.hidden_size), 7.0)
     bad = torch.tensor([layers], dtype=torch.int64)
+    rows = x[0].clone()
+    scratch = torch.empty(loop.library.dovetail_decoder_scratch(ctypes.byref(shape), 1), dtype=torch.float32)
     status = loop.library.dovetail_decoder_layers_capturing(
-        x[0].clone().data_ptr(), loop._layers, layers, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
-        loop._describe([(engine.cache, engine.committed, None)], 0, 1), 1, 0, 1,
-        torch.empty(loop.library.dovetail_decoder_scratch(ctypes.byref(shape), 1)).data_ptr(),
+        rows.data_ptr(), loop._layers, layers, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
+        loop._describe([(engine.cache, engine.committed, None)], 0, 1), 1, 0, 1, scratch.data_ptr(),
         ctypes.byref(native_library.Capture(1, bad.data_ptr(), captured.data_ptr())), 1)
     assert status == native_library.BAD_SHAPE and torch.equal(captured, torch.full_like(captured, 7.0))
 
