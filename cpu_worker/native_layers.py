@@ -137,6 +137,8 @@ class NativeLayers:
                 torch.get_num_threads())
         else:
             status = self.library.dovetail_decoder_layers(*arguments, torch.get_num_threads())
+        if status == native.BAD_SHAPE:  # the checks above make this a bug, said as one
+            raise ValueError(f"decoder layers refused {rows} rows in {len(segments)} segments, capture {list(capture)}")
         if status != 0:
             raise MemoryError(f"decoder layers: no memory for {rows} rows' scratch")
         if capture:

@@ -10,6 +10,7 @@ verifies every drafted token.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +29,7 @@ FUSION_WEIGHTS = ("W_1", "W_2", "W_z")  # DGF's, used as x @ W ([in, out])
 Head = TypeVar("Head", "DraftHead", "Eagle3Head")
 LinearMaker = Callable[[torch.Tensor, "torch.Tensor | None", str], nn.Module]
 Native = TypeVar("Native")
+log = logging.getLogger(__name__)
 
 # Each head's layers on the native kernels (or None), with the projection format they were built for. Kept
 # beside the head, not in it: a module holding the library cannot be deep-copied (the trainer copies heads).
@@ -41,6 +43,9 @@ def native_layers_of(head: DraftHead | Eagle3Head, build: Callable[[], Native | 
     if entry is None or entry[0] != head.projection_format:
         entry = (head.projection_format, build() if head.projection_format is not None else None)
         _NATIVE[head] = entry
+        if entry[1] is not None:
+            log.info("draft head: %s projections, its layers in native calls (DOVETAIL_NATIVE_HEAD=python: torch's)",
+                     head.projection_format)
     return entry[1]
 
 
