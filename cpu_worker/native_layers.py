@@ -19,7 +19,6 @@ Python layers.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 from collections.abc import Sequence
 
@@ -29,7 +28,7 @@ from cpu_worker.kernels import exact_attention, layer_ops
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
 from cpu_worker.model.llama import KVCache, LlamaDecoder
-from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer
+from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, loop_shape
 from cpu_worker.native import library as native
 from cpu_worker.native.library import Capture as _Capture
 from cpu_worker.native.library import Layer as _Layer
@@ -169,8 +168,5 @@ class NativeLayers:
     def _shape(self, max_len: int) -> _Shape:
         shape = self._shapes.get(max_len)
         if shape is None:
-            spec = self._model.spec
-            shape = self._shapes[max_len] = _Shape(
-                spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
-                max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
+            shape = self._shapes[max_len] = loop_shape(self._model.spec, max_len)
         return shape

@@ -72,8 +72,11 @@ def loop_problem(library: ctypes.CDLL) -> str | None:
         return info
     if not hasattr(library, "dovetail_decoder_layers"):
         return "it has no dovetail_decoder_layers"
+    missing = [name for name in LOOP_ABI_FIELDS if name not in info]
+    if missing:
+        return f"it reports no {', '.join(missing)}"
     expected = native.expected_abi()
-    changed = [name for name in LOOP_ABI_FIELDS if getattr(info, name) != expected[name]]
+    changed = [name for name in LOOP_ABI_FIELDS if info[name] != expected[name]]
     return f"{', '.join(changed)} differ from this checkout's" if changed else None
 
 

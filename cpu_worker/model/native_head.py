@@ -24,7 +24,6 @@ the target's and the head's).
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from torch import nn
 
 from cpu_worker.kernels import exact_attention, layer_ops
 from cpu_worker.model.llama import CacheSegment, LlamaSpec
-from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, describe_linear, norm_weight
+from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, describe_linear, loop_shape, norm_weight
 from cpu_worker.native import library as native
 from cpu_worker.native.library import FUSION_DGF, FUSION_FC
 from cpu_worker.native.library import Eagle3 as _Eagle3
@@ -188,10 +187,7 @@ class _HeadLayers:
     def _shape(self, max_len: int) -> _Shape:
         shape = self._shapes.get(max_len)
         if shape is None:
-            spec = self.spec
-            shape = self._shapes[max_len] = _Shape(
-                spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
-                max_len, spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
+            shape = self._shapes[max_len] = loop_shape(self.spec, max_len)
         return shape
 
     def prepare(self, x: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

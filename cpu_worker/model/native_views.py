@@ -5,16 +5,19 @@ weight, a fused decoder layer, as the native layer loops read them (``dovetail_l
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cpu_worker.kernels.bf16_rows import RowInvariantBf16Linear
 from cpu_worker.kernels.block_quant import ACTIVATION_PLANES, TYPES, BlockQuantLinear
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, RowInvariantFp32Linear
 from cpu_worker.kernels.int8 import RowwiseInt8Linear
-from cpu_worker.model.llama import DecoderLayer, RMSNorm
+from cpu_worker.model.llama import DecoderLayer, LlamaSpec, RMSNorm
 from cpu_worker.native import library as native
 from cpu_worker.native.library import Layer as _Layer
 from cpu_worker.native.library import Linear as _Linear
+from cpu_worker.native.library import Shape as _Shape
 
 # DOVETAIL_NATIVE_LAYERS=python keeps every layer, the target's and a CPU draft head's, on torch (comparisons).
 LAYERS_VARIABLE = "DOVETAIL_NATIVE_LAYERS"
@@ -75,3 +78,9 @@ def describe_layer(layer: torch.nn.Module, first_of_head: bool = False) -> tuple
     limit = min(limit for _, limit in views)
     return _Layer(None if input_norm is None else input_norm.data_ptr(), post_norm.data_ptr(),
                   *(view for view, _ in views)), limit
+
+
+def loop_shape(spec: LlamaSpec, max_len: int) -> _Shape:
+    """A model's sizes as the C layer loops read them (``dovetail_shape``), over caches of ``max_len`` slots."""
+    return _Shape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, max_len,
+                  spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 13
+#define DOVETAIL_ABI_VERSION 14
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -115,17 +115,19 @@ typedef struct {
     float *out;
 } dovetail_capture;
 
-/* What dovetail_abi reports: the version, the size of every struct above, and every constant. */
+/* What dovetail_abi reports: the version, the size of every struct above, and every constant. New
+ * fields go at the end, so an older build's report is a prefix of this one (tools.bench_library_ab
+ * reads an older build's layer-loop fields so). */
 typedef struct {
     int64_t version;
-    int64_t linear_size, layer_size, shape_size, segment_size, eagle3_size, fusion_size, capture_size;
+    int64_t linear_size, layer_size, shape_size, segment_size;
     int64_t layout_rows, layout_packed, layout_tiles;
     int64_t linear_int8, linear_fp32, linear_int8_packed, linear_int8_tiles, linear_block, linear_bf16;
     int64_t dtype_fp32, dtype_fp16, dtype_bf16;
     int64_t simd_plain, simd_avx2, simd_avx512;
     int64_t no_memory, bad_shape;
     int64_t block_q8_0, block_q4_0, block_q4_1;
-    int64_t fusion_dgf, fusion_fc;
+    int64_t eagle3_size, fusion_size, capture_size, fusion_dgf, fusion_fc; /* since ABI 11-13 */
 } dovetail_abi_info;
 
 /* ---- abi.c ---- */

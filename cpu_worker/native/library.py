@@ -43,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 13
+ABI_VERSION = 14
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 # a Linear's kind
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5
@@ -117,12 +117,13 @@ class Segment(ctypes.Structure):
                 ("extra_start", ctypes.c_void_p)]
 
 
-_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "eagle3_size", "fusion_size",
-               "capture_size", "layout_rows", "layout_packed", "layout_tiles",
+# In dovetail_abi_info's order; new fields go at the end (an older build reports a prefix).
+_ABI_FIELDS = ("version", "linear_size", "layer_size", "shape_size", "segment_size", "layout_rows", "layout_packed",
+               "layout_tiles",
                "linear_int8", "linear_fp32", "linear_int8_packed", "linear_int8_tiles", "linear_block", "linear_bf16",
                "dtype_fp32", "dtype_fp16",
                "dtype_bf16", "simd_plain", "simd_avx2", "simd_avx512", "no_memory", "bad_shape", "block_q8_0",
-               "block_q4_0", "block_q4_1", "fusion_dgf", "fusion_fc")
+               "block_q4_0", "block_q4_1", "eagle3_size", "fusion_size", "capture_size", "fusion_dgf", "fusion_fc")
 
 
 class AbiInfo(ctypes.Structure):
@@ -234,8 +235,10 @@ def target_path(compiler: str, flags: Sequence[str], directory: Path) -> Path:
     return directory / f"dovetail-kernels-{hashlib.sha256(b''.join(parts)).hexdigest()[:16]}.so"
 
 
-def read_abi(library: ctypes.CDLL) -> AbiInfo | str:
-    """What ``library``'s dovetail_abi reports, or why it cannot say (a few words)."""
+def read_abi(library: ctypes.CDLL) -> dict[str, int] | str:
+    """What ``library``'s dovetail_abi reports, by field: every field of this module's mirror for a build
+    of these sources, the first ones for an older build (its shorter report is a prefix); or why it
+    cannot say (a few words)."""
     try:
         report = library.dovetail_abi
     except AttributeError:
@@ -243,9 +246,11 @@ def read_abi(library: ctypes.CDLL) -> AbiInfo | str:
     report.argtypes, report.restype = SIGNATURES["dovetail_abi"]
     info = AbiInfo()
     size = report(ctypes.byref(info), ctypes.sizeof(info))
-    if size != ctypes.sizeof(info):
+    if 0 < size < ctypes.sizeof(info) and size % 8 == 0:  # an older build: it fills its own size, no more
+        size = report(ctypes.byref(info), size)
+    if not 0 < size <= ctypes.sizeof(info) or size % 8 != 0:
         return f"dovetail_abi_info is {size} bytes in the library, {ctypes.sizeof(info)} in library.py"
-    return info
+    return {name: getattr(info, name) for name in _ABI_FIELDS[:size // 8]}
 
 
 def abi_problem(library: ctypes.CDLL) -> str | None:
@@ -255,8 +260,10 @@ def abi_problem(library: ctypes.CDLL) -> str | None:
     if isinstance(info, str):
         return info
     for name, expected in expected_abi().items():
-        if getattr(info, name) != expected:
-            return f"{name} is {getattr(info, name)} in the library, {expected} in library.py"
+        if name not in info:
+            return f"it reports no {name} (an older dovetail_abi_info)"
+        if info[name] != expected:
+            return f"{name} is {info[name]} in the library, {expected} in library.py"
     missing = [name for name in SIGNATURES if not hasattr(library, name)]
     return f"it lacks {', '.join(missing)}" if missing else None
 

@@ -84,6 +84,32 @@ def test_a_fresh_build_passes_the_abi_check(tmp_path, memo_cc):
     assert library.dovetail_abi(ctypes.byref(info), ctypes.sizeof(info) - 8) == ctypes.sizeof(info)  # refused
 
 
+def test_an_older_build_s_shorter_report_is_read_as_a_prefix():
+    """An older build's dovetail_abi fills its own, shorter dovetail_abi_info (fields are only ever added at
+    the end): its fields are read, the loader refuses it, and a longer or odd report is one line."""
+    full = native_library.AbiInfo(**native_library.expected_abi())
+
+    class OlderBuild:
+        def __init__(self, fields: int):
+            self.fields = fields
+
+            def dovetail_abi(info, size):  # as abi.c: fills *info only when size is its own sizeof
+                if size == 8 * self.fields:
+                    ctypes.memmove(info, ctypes.byref(full), size)
+                return 8 * self.fields
+            self.dovetail_abi = dovetail_abi
+
+    fields = native_library._ABI_FIELDS
+    older = native_library.read_abi(OlderBuild(25))  # type: ignore[arg-type]
+    assert isinstance(older, dict) and list(older) == list(fields[:25])
+    assert older == {name: native_library.expected_abi()[name] for name in fields[:25]}
+    assert native_library.abi_problem(OlderBuild(25)) == f"it reports no {fields[25]} (an older dovetail_abi_info)"  # type: ignore[arg-type]
+    assert native_library.read_abi(OlderBuild(len(fields))) == native_library.expected_abi()  # type: ignore[arg-type]
+    for fields_reported in (len(fields) + 1, 0):
+        problem = native_library.read_abi(OlderBuild(fields_reported))  # type: ignore[arg-type]
+        assert isinstance(problem, str) and "bytes in the library" in problem
+
+
 def test_a_library_of_another_abi_version_is_one_clear_line(tmp_path, memo_cc):
     flags = [*native_library.FLAGS, "-DDOVETAIL_ABI_VERSION=99"]
     with pytest.raises(AbiMismatch) as raised:
