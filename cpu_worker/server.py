@@ -26,6 +26,7 @@ from cpu_worker.kernels.fp32_packed import pack_fp32_linears
 from cpu_worker.kernels.fp32_rows import use_fp32_row_kernel
 from cpu_worker.logprobs import path_logprobs, token_logprob
 from cpu_worker.precision import activation_dtype, block_type, kv_cache_dtype
+from cpu_worker.repeat_watch import RepeatWatch
 from cpu_worker.sampling import Sampler
 from cpu_worker.target_loading import fuse_layers, load_target_model, weight_bytes
 from cpu_worker.verify_cost import OnlineCurve, VerifyCostCache, cache_key, measure_verify_ms
@@ -53,6 +54,8 @@ class _Sequence:
     # While its prompt arrives in chunks: each chunk's (start, feature rows) no answer has carried
     # since the draft last read (``PrefillRequest.features_from``).
     unread: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Its tokens so far (the prompt's, then each one picked): where a run stops for prompt lookup.
+    watch: RepeatWatch = field(default_factory=RepeatWatch)
 
 
 class TargetService:
@@ -145,6 +148,7 @@ class TargetService:
             assert pending is not None
             return m.PrefillPending(seq_id=request.seq_id, layers_done=pending.layers_done,
                                     layers=sequence.engine.spec.num_layers, compute_ms=compute_ms)
+        sequence.watch.add(request.token_ids)  # a whole chunk, once (a chunk in parts: at its end)
         ring_ref = None
         if sequence.return_features:
             kept.append((request.offset, step.features))
@@ -158,6 +162,7 @@ class TargetService:
         # The new token's position is the prompt's length.
         prompt_length = request.offset + len(request.token_ids)
         token = sequence.sampler.pick(step.logits, prompt_length)
+        sequence.watch.add([token])
         return m.PrefillResult(seq_id=request.seq_id, token=token, features=ring_ref, compute_ms=compute_ms,
                                logprob=_logprob(sequence, step.logits, token))
 
@@ -191,6 +196,7 @@ class TargetService:
 
     def _verify_result(self, request: m.VerifyRequest, sequence: _Sequence, outcome: VerifyOutcome,
                        compute_ms: float) -> m.VerifyResult:
+        sequence.watch.add(outcome.tokens)
         features = self.cycle_ring.write(outcome.features)
         # Accepted token i was picked from the logits of the i-th node on the path (root first).
         logprobs = ([] if sequence.logprobs is None else
@@ -210,9 +216,37 @@ class TargetService:
             self.curve.observe(1, compute_ms)  # a decode step is the one-node tree
         return self._decode_result(request, sequence, step, compute_ms)
 
+    def decode_run(self, request: m.DecodeRun) -> m.DecodeRunResult:
+        """Up to ``steps`` decode steps, each exactly a DecodeRequest's; ends after a stop id, or with
+        ``stop_at_repeat`` after a token that repeats an earlier pair (``repeat_watch``). A run
+        that could not fit the context is refused before any step (nothing changes)."""
+        sequence = self._sequence(request.seq_id)
+        engine = sequence.engine
+        if engine.committed + request.steps > engine.max_len:
+            raise SequenceError(f"a run of {request.steps} steps from {engine.committed} cached tokens exceeds "
+                                f"the context of {engine.max_len} tokens")
+        stop_ids = frozenset(request.stop_ids)
+        token, tokens, logprobs, total_ms = request.token, [], [], 0.0
+        for _ in range(request.steps):
+            started = time.perf_counter()
+            step = engine.decode(token)
+            compute_ms = (time.perf_counter() - started) * 1e3
+            total_ms += compute_ms
+            if self.curve is not None:
+                self.curve.observe(1, compute_ms)
+            token = sequence.sampler.pick(step.logits, engine.committed)
+            tokens.append(token)
+            if (logprob := _logprob(sequence, step.logits, token)) is not None:
+                logprobs.append(logprob)
+            repeated = sequence.watch.add([token])
+            if token in stop_ids or (repeated and request.stop_at_repeat):
+                break
+        return m.DecodeRunResult(seq_id=request.seq_id, tokens=tokens, compute_ms=total_ms, logprobs=logprobs)
+
     def _decode_result(self, request: m.DecodeRequest, sequence: _Sequence, step: StepOutput,
                        compute_ms: float) -> m.DecodeResult:
         token = sequence.sampler.pick(step.logits, sequence.engine.committed)
+        sequence.watch.add([token])
         return m.DecodeResult(seq_id=request.seq_id, token=token, compute_ms=compute_ms,
                               logprob=_logprob(sequence, step.logits, token))
 
@@ -304,8 +338,8 @@ class TargetService:
         return m.VerifyCost(tree_sizes=request.tree_sizes, ms=ms, cache_path=str(cache.path))
 
     def handlers(self) -> Handlers:
-        return {m.PrefillRequest: self.prefill, m.VerifyRequest: self.verify,
-                m.DecodeRequest: self.decode, m.StepBatch: self.step_batch, m.ReleaseSequence: self.release,
+        return {m.PrefillRequest: self.prefill, m.VerifyRequest: self.verify, m.DecodeRequest: self.decode,
+                m.DecodeRun: self.decode_run, m.StepBatch: self.step_batch, m.ReleaseSequence: self.release,
                 m.MeasureVerifyCost: self.measure_verify_cost}
 
 

@@ -129,7 +129,12 @@ class Batcher:
         prefills = sorted((stream for stream, call in waiting if isinstance(call.message, m.PrefillRequest)),
                           key=lambda stream: stream.call.prompt_left if stream.call is not None else 0)
         steps = [stream for stream, call in waiting
-                 if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest)]
+                 if call.worker == "cpu" and not isinstance(call.message, m.PrefillRequest | m.DecodeRun)]
+        # A lone sequence's run of plain steps (``plain_runs``) goes as itself, first: a StepBatch holds
+        # single steps. (Its loop asked for it alone; whoever joined since waits out one run.)
+        runs = [stream for stream, call in waiting if isinstance(call.message, m.DecodeRun)]
+        for stream in runs:
+            self._call(self.cpu, stream)
         # One prompt chunk a round, in the running steps' forward (the cpu_worker runs it apart where
         # that would change its bits: cpu_worker.batched); none in a round the chunks' sizer wants
         # free of prompt work, to measure the running streams' cycle (join_sizing).
@@ -138,7 +143,7 @@ class Batcher:
         chunk = prefills[0].call.message if prefills and prefills[0].call is not None else None
         if steps or prefills:
             self._dispatch(self.cpu, steps + prefills[:1], m.StepBatch, m.StepBatchResult)
-        if self.join is not None:
+        if self.join is not None and not runs:  # a run's round is no cycle of the running streams
             # A chunk that may go in parts of its layers (a target whose prompt bits depend on the cuts)
             # tells a cycle apart from prompt work, not a row's cost.
             parted = isinstance(chunk, m.PrefillRequest) and (chunk.budget_ms > 0 or chunk.resume)

@@ -36,6 +36,7 @@ from ipc.tree import MAX_TREE_TOKENS, TreeShape
 
 from .lookup import PromptLookup, graft
 from .lookup_policy import BranchPolicy
+from .plain_runs import RunSizer
 from .tree_planner import FixedTree, ShapePlanner, draft_path
 
 
@@ -327,7 +328,7 @@ def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1, lookup_
         result = prefilled[0]
         if not budget.push([result.token], [result.logprob] if result.logprob else []):
             yield from plain_steps(seq_id, result.token, len(job.prompt_ids) + 1, context, budget, stats,
-                                   lookup=lookup, on_step=on_step)
+                                   lookup=lookup, on_step=on_step, runs=RunSizer(lambda: batch() == 1))
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
     return budget.finish_reason or "stop", stats
@@ -335,13 +336,15 @@ def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1, lookup_
 
 def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
                 until: Callable[[], bool] | None = None, lookup: Lookup | None = None,
-                on_step: Callable[[int], None] | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
+                on_step: Callable[[int], None] | None = None,
+                runs: RunSizer | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
     """Plain decode steps from ``token`` (emitted, not cached yet; the sequence ``length`` tokens
     long) until the budget or the context ends (None): ar's loop, and dovetail's under sustained
-    load. ``until``: asked before each step but the first (whoever calls has just decided on a plain
+    load. ``until``: asked before each call but the first (whoever calls has just decided on a plain
     step); when it says so the steps stop there and return the pending token and the length, to go on
     another way. ``lookup``: a dovetail request's prompt lookup (``lookup_step``); ``on_step``: told
-    each step's emitted tokens."""
+    each step's emitted tokens; ``runs``: how many steps one call may take where lookup offers no
+    branch (``plain_runs``; one without; with lookup a run ends where it may offer one)."""
     first = True
     while True:
         if context.room(length) < 1:
@@ -352,20 +355,45 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
         first = False
         if lookup is not None and (branch := lookup(branch_room(context, length, 1))):
             step = yield from lookup_step(seq_id, token, branch, stats)
-            emitted, logprobs = step.accepted_tokens, step.logprobs
+            emitted, logprobs, sizes = step.accepted_tokens, step.logprobs, [len(step.accepted_tokens)]
         else:
-            decoded = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
-                             m.DecodeResult)
-            stats.verify_ms += decoded.compute_ms
-            stats.cycles += 1
-            stats.cycle_tokens += 1
-            emitted, logprobs = [decoded.token], [decoded.logprob] if decoded.logprob else []
+            count = runs.steps(min(budget.left, context.room(length))) if runs is not None else 1
+            emitted, logprobs = yield from decode_steps(seq_id, token, count, budget.eos, stats, runs,
+                                                        stop_at_repeat=lookup is not None)
+            sizes = [1] * len(emitted)
         if on_step is not None:
-            on_step(len(emitted))
+            for size in sizes:
+                on_step(size)
         token = emitted[-1]
         length += len(emitted)
         if budget.push(emitted, logprobs):
             return None
+
+
+def decode_steps(seq_id: int, token: int, steps: int, stop_ids: frozenset[int], stats: Stats,
+                 runs: RunSizer | None, stop_at_repeat: bool = False,
+                 ) -> Generator[Call, m.Message, tuple[list[int], list[m.TokenLogprob]]]:
+    """``steps`` plain steps from ``token``: a DecodeRequest for one, a DecodeRun for more (it ends
+    early after an id of ``stop_ids``, and with ``stop_at_repeat`` where prompt lookup may have a
+    branch: ``cpu_worker.repeat_watch``). Returns the picked tokens and their logprobs (when asked);
+    the stats and ``runs`` are told what the steps cost."""
+    if steps == 1:
+        decoded = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
+                         m.DecodeResult)
+        tokens, logprobs, compute_ms = [decoded.token], [decoded.logprob] if decoded.logprob else [], decoded.compute_ms
+    else:
+        request = m.DecodeRun(seq_id=seq_id, token=token, steps=steps, stop_ids=sorted(stop_ids),
+                              stop_at_repeat=stop_at_repeat)
+        ran = _reply((yield Call("cpu", request, m.DecodeRunResult)), m.DecodeRunResult)
+        if len(ran.tokens) > steps:  # the worker cached more than the loop can account for
+            raise RuntimeError(f"a run of {steps} steps answered {len(ran.tokens)} tokens")
+        tokens, logprobs, compute_ms = ran.tokens, ran.logprobs, ran.compute_ms
+    stats.verify_ms += compute_ms
+    stats.cycles += len(tokens)
+    stats.cycle_tokens += len(tokens)
+    if runs is not None:
+        runs.observe(len(tokens), compute_ms)
+    return tokens, logprobs
 
 
 # A dovetail request's prompt lookup: the branch to graft after its emitted tokens, at most this long.
@@ -397,15 +425,15 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's; ``batch()``: how
     many sequences' cycles are verified together now (the planner sizes trees by it); ``lookup_tokens``: the
     longest branch copied from earlier in the sequence onto each tree (``lookup``), and onto its plain steps
-    (where no tree pays) as much of it as pays at ``verify_ms`` (as lookup decoding's, ``lookup_decoding``)."""
+    (where no tree pays) as much of it as pays at ``verify_ms`` (as lookup decoding's, ``lookup_decoding``);
+    its plain steps several a call (``plain_runs``) only once no tree is tried again (no probe to time)."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
-    # A grafted branch hangs from the root: its path can run deeper than the draft's trees.
-    stats = Stats(accept_per_depth=[0] * (max(planner.envelope.depth, lookup_tokens) + 1))
+    stats = Stats(accept_per_depth=[0] * (max(planner.envelope.depth, lookup_tokens) + 1))  # branches run deeper
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     lookup = prompt_lookup(prompt_ids, budget, lookup_tokens) if lookup_tokens else None
     plain_lookup, on_plain_step = cut_by_policy(alone(lookup, batch), stats, verify_ms)
-    started = time.perf_counter()
+    runs, started = RunSizer(lambda: batch() == 1 and planner.plain_for_good()), time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
         prefilled = yield from prefill_steps(job, stats, emit, True, batch, planner.trees_may_pay)
@@ -433,7 +461,8 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 if feed.prompt and not feed.kept:
                     yield from defer_prompt(seq_id, feed)
                 resumed = yield from plain_until_tree(seq_id, feed.tokens[-1], length, context, budget, stats,
-                                                      lambda: planner.shape(batch()), plain_lookup, on_plain_step)
+                                                      lambda: planner.shape(batch()), plain_lookup, on_plain_step,
+                                                      runs)
                 if resumed is None:
                     break
                 verified, length, planned = resumed
@@ -554,12 +583,14 @@ Resumed = tuple[m.VerifyResult, int, TreeShape]
 
 def plain_until_tree(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
                      next_shape: Callable[[], TreeShape], lookup: Lookup | None,
-                     on_step: Callable[[int], None]) -> Generator[Call, m.Message, Resumed | None]:
+                     on_step: Callable[[int], None], runs: RunSizer | None = None,
+                     ) -> Generator[Call, m.Message, Resumed | None]:
     """A dovetail request's plain steps (the tokens stay ar's; with ``lookup``'s branch where it has
     one) while ``next_shape()`` (asked before each) says one node, then one more step as a tree
     without draft nodes: the same tokens, plus the feature rows the draft goes on from. Returns that
     verify's result, the sequence's length after it and the tree to draft next, or None when the
-    answer ended first. ``on_step``: told each step's emitted tokens (``cut_by_policy``)."""
+    answer ended first. ``on_step``: told each step's emitted tokens (``cut_by_policy``); ``runs``: steps a
+    call (``plain_steps``)."""
     planned: list[TreeShape] = []
 
     def tree_fits() -> bool:
@@ -567,7 +598,7 @@ def plain_until_tree(seq_id: int, token: int, length: int, context: Context, bud
         return planned[0].tree_tokens > 1
 
     pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits, lookup=lookup,
-                                     on_step=on_step)
+                                     on_step=on_step, runs=runs)
     if pending is None:
         return None
     token, length = pending

@@ -121,6 +121,10 @@ class ShapePlanner(Protocol):
         would decode plainly from its first cycle (so its draft need not read its prompt yet)."""
         ...
 
+    def plain_for_good(self) -> bool:
+        """Whether a sequence alone decodes plainly from now on, no tree tried again (no probe)."""
+        ...
+
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
                 drafted: int | None = None) -> None: ...
@@ -137,6 +141,9 @@ class FixedTree:
 
     def trees_may_pay(self, batch: int) -> bool:
         return self.envelope.tree_tokens > 1
+
+    def plain_for_good(self) -> bool:
+        return self.envelope.tree_tokens == 1
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
@@ -332,6 +339,10 @@ class TreePlanner:
             cell = self.probe() if self.cycles % self.explore_every == 0 else self.best
         self.chosen[cell] += 1
         return TreeShape.clamped(*cell)
+
+    def plain_for_good(self) -> bool:
+        """Alone, plain steps from now on: the costs left no tree a chance (``trees_futile``)."""
+        return self.fallback.settled
 
     def trees_hopeless(self, plain_ms: float) -> bool:
         """Whether every tree shape needs at least ``HOPELESS_SHARE`` of its most tokens (depth + 1) to

@@ -351,6 +351,33 @@ class DecodeResult(Message):
     logprob: TokenLogprob | None = None  # when the sequence asked for logprobs
 
 
+MAX_RUN_STEPS = 64  # plain steps in one DecodeRun
+
+
+class DecodeRun(Message):
+    """Up to ``steps`` plain steps in one call, for a sequence that runs alone: feed ``token`` (not
+    cached yet), pick the next, feed that, and so on; the run ends early after a token in
+    ``stop_ids`` (the end of the sequence), and with ``stop_at_repeat`` after a token that, with the
+    one before it, repeats an earlier pair of the sequence (where prompt lookup has a branch to offer).
+    The same tokens as ``steps`` DecodeRequests, without a round trip between them (~0.5-1 ms each at
+    a 135M target's 4 ms step, on two cores)."""
+
+    seq_id: SeqId
+    token: TokenId
+    steps: Annotated[int, Meta(ge=1, le=MAX_RUN_STEPS)]
+    stop_ids: Annotated[list[TokenId], Meta(max_length=1024)] = []
+    stop_at_repeat: bool = False
+
+
+class DecodeRunResult(Message):
+    """The run's picked tokens in order (the last one not cached yet); ``compute_ms``: all its steps."""
+
+    seq_id: SeqId
+    tokens: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_RUN_STEPS)]
+    compute_ms: Millis = 0.0
+    logprobs: Annotated[list[TokenLogprob], Meta(max_length=MAX_RUN_STEPS)] = []  # one per token, when asked
+
+
 class ReleaseSequence(Message):
     """Forget sequence ``seq_id`` (its KV cache); sent to both workers."""
 
@@ -586,10 +613,10 @@ class Shutdown(Message):
 
 CLIENT_TO_COORDINATOR: tuple[type[Message], ...] = (GenerateRequest, Cancel, Ping, MetricsRequest)
 COORDINATOR_TO_CLIENT: tuple[type[Message], ...] = (TokenChunk, GenerateDone, ErrorReply, Pong, MetricsReply)
-TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, StepBatch, ReleaseSequence,
-                                            MeasureVerifyCost, Shutdown, Ping)
+TO_CPU_WORKER: tuple[type[Message], ...] = (PrefillRequest, VerifyRequest, DecodeRequest, DecodeRun, StepBatch,
+                                            ReleaseSequence, MeasureVerifyCost, Shutdown, Ping)
 FROM_CPU_WORKER: tuple[type[Message], ...] = (PrefillResult, PrefillPartial, PrefillPending, VerifyResult, DecodeResult,
-                                              StepBatchResult, VerifyCost, Ready, WorkerError, Pong)
+                                              DecodeRunResult, StepBatchResult, VerifyCost, Ready, WorkerError, Pong)
 TO_GPU_WORKER: tuple[type[Message], ...] = (DraftRequest, DraftExtend, DraftBatch, ReleaseSequence, MeasureDraftCost,
                                             Shutdown, Ping)
 FROM_GPU_WORKER: tuple[type[Message], ...] = (DraftResult, DraftExtended, DraftBatchResult, DraftCost, Ready,

@@ -51,9 +51,12 @@ class Recorder:
         return self.stop_after is not None and len(self.tokens) >= self.stop_after
 
 
-def steps_for(index: int, recorder: Recorder):
+def steps_for(index: int, recorder: Recorder, batcher: Batcher | None = None):
+    """Request ``index``'s loop; with ``batcher``, told how many streams it runs beside (as the coordinator
+    does: alone, a plain stretch asks for several steps a call)."""
     request, dovetail = job(index)
-    return dovetail_steps(request, SHAPE, recorder) if dovetail else ar_steps(request, recorder)
+    batch = (lambda: max(1, len(batcher.streams))) if batcher is not None else (lambda: 1)
+    return dovetail_steps(request, SHAPE, recorder, batch) if dovetail else ar_steps(request, recorder, batch)
 
 
 class Counting(LocalWorker):
@@ -80,7 +83,7 @@ def run_batched(engine, drafter, indices: list[int], recorders: dict[int, Record
         while pending or batcher.streams:
             if pending:  # one joins per round: new requests arrive while others run
                 index = pending.pop(0)
-                streams[index] = batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]),
+                streams[index] = batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index], batcher),
                                              uses_gpu=job(index)[1])
             batcher.round()
     return streams, cpu.counts, gpu.counts
@@ -123,7 +126,7 @@ def test_a_failing_or_stopping_stream_changes_nobody_else(demo_pair):
                        eos_token_ids=frozenset(), max_len=256)
         refused = batcher.add(7, ar_steps(too_long, Recorder()), uses_gpu=False)
         assert refused.done and isinstance(refused.outcome, ValueError)  # PromptTooLong, before any call
-        streams = {index: batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]), job(index)[1])
+        streams = {index: batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index], batcher), job(index)[1])
                    for index in (0, 1, 2)}
         stopping = batcher.add(job(3)[0].seq_id, dovetail_steps(job(3)[0], SHAPE, stopper), uses_gpu=True)
         batcher.round()
@@ -149,14 +152,14 @@ def test_abort_ends_every_stream_and_frees_its_sequence_where_the_worker_lives_o
     engine, drafter = demo_pair
     with local_workers(engine, drafter, SHAPE, max_sequences=2) as (cpu, gpu):
         batcher = Batcher(cpu, gpu)
-        first = batcher.add(job(0)[0].seq_id, steps_for(0, Recorder()), True)
-        second = batcher.add(job(1)[0].seq_id, steps_for(1, Recorder()), False)
+        first = batcher.add(job(0)[0].seq_id, steps_for(0, Recorder(), batcher), True)
+        second = batcher.add(job(1)[0].seq_id, steps_for(1, Recorder(), batcher), False)
         batcher.round()
         error = RuntimeError("the gpu_worker died")
         assert batcher.abort(error) == [first, second] and batcher.streams == []
         assert first.outcome is error and second.outcome is error
         recorders = {index: Recorder() for index in (2, 4)}
-        later = [batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]), job(index)[1])
+        later = [batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index], batcher), job(index)[1])
                  for index in (2, 4)]
         while batcher.streams:
             batcher.round()
@@ -188,7 +191,7 @@ def test_a_dead_gpu_worker_ends_the_drafting_streams_and_the_ar_ones_run_on(demo
         gpu = Dying(gpu)
         batcher = Batcher(cpu, gpu)
         recorders = {index: Recorder() for index in (0, 1, 2)}
-        streams = {index: batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index]), job(index)[1])
+        streams = {index: batcher.add(job(index)[0].seq_id, steps_for(index, recorders[index], batcher), job(index)[1])
                    for index in (0, 1, 2)}
         for _ in range(3):
             batcher.round()
@@ -222,7 +225,7 @@ def test_the_batcher_counts_each_workers_time_once_a_pass(demo_pair):
     with local_workers(engine, drafter, SHAPE, max_sequences=4) as (cpu, gpu):
         cpu, gpu = Timing(cpu), Timing(gpu)
         batcher = Batcher(cpu, gpu)
-        streams = [batcher.add(job(index)[0].seq_id, steps_for(index, Recorder()), job(index)[1])
+        streams = [batcher.add(job(index)[0].seq_id, steps_for(index, Recorder(), batcher), job(index)[1])
                    for index in range(4)]
         while batcher.streams:
             batcher.round()
@@ -355,7 +358,7 @@ def test_a_request_decoding_plainly_drafts_again_once_the_load_drops(demo_pair):
 
         planner = BusyPlanner(SHAPE)
         stream = batcher.add(long_job.seq_id, dovetail_steps(long_job, planner, together, busy), True)
-        batcher.add(short_job.seq_id, ar_steps(short_job, short), uses_gpu=False)
+        batcher.add(short_job.seq_id, ar_steps(short_job, short, busy), uses_gpu=False)
         while batcher.streams:
             batcher.round()
     assert together.tokens == solo.tokens and len(solo.tokens) == 60

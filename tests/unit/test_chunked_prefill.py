@@ -162,7 +162,7 @@ def test_a_chunked_stream_gets_its_solo_tokens_and_the_running_one_steps_between
 
     def steps(job: Job, tokens: list[int]):
         return (dovetail_steps(job, SHAPE, collect(tokens), together) if dovetail
-                else ar_steps(job, collect(tokens)))
+                else ar_steps(job, collect(tokens), together))
 
     alone: list[int] = []
     with local_workers(engine, drafter, SHAPE) as (cpu, gpu):

@@ -98,6 +98,8 @@ SAMPLES = [
     M.PrefillPartial(seq_id=9, compute_ms=3.5, features=RING),
     M.PrefillRequest(seq_id=9, token_ids=[5, 6, 7], offset=256, more=True, budget_ms=12.5, resume=True),  # in parts
     M.PrefillPending(seq_id=9, layers_done=3, layers=30, compute_ms=11.0),
+    M.DecodeRun(seq_id=9, token=17, steps=5, stop_ids=[2, 0]),
+    M.DecodeRunResult(seq_id=9, tokens=[18, 19, 2], compute_ms=12.5),
 ]
 
 
@@ -239,6 +241,8 @@ VREQ = M.VerifyRequest(seq_id=1, tokens=[1], parents=[-1])
 VRES = M.VerifyResult(seq_id=1, accepted_tokens=[1], features=RING)
 DREQ = M.DraftRequest(seq_id=1, tokens=[1], features=RING, shape=TreeShape())
 PING = M.Ping(nonce=1)
+RUN = M.DecodeRun(seq_id=1, token=5, steps=4)
+RUNRES = M.DecodeRunResult(seq_id=1, tokens=[5])
 DELETE = object()
 
 
@@ -319,6 +323,10 @@ BAD_VALUES = [
     (VRES, "features.seq", 0, r"Expected `int` >= 1 - at `\$\.features\.seq`"),
     (VRES, "features.dtype", "int8", r"Invalid enum value 'int8' - at `\$\.features\.dtype`"),
     (DREQ, "shape.top_k", 0, r"Expected `int` >= 1 - at `\$\.shape\.top_k`"),
+    (RUN, "steps", 0, r"Expected `int` >= 1 - at `\$\.steps`"),
+    (RUN, "steps", M.MAX_RUN_STEPS + 1, rf"Expected `int` <= {M.MAX_RUN_STEPS} - at `\$\.steps`"),
+    (RUN, "stop_ids", [-1], r"Expected `int` >= 0 - at `\$\.stop_ids\[0\]`"),
+    (RUNRES, "tokens", [], r"Expected `array` of length >= 1 - at `\$\.tokens`"),
     (DREQ, "shape.tree_tokens", MAX_TREE_TOKENS + 1,
      rf"Expected `int` <= {MAX_TREE_TOKENS} - at `\$\.shape\.tree_tokens`"),
     # too-long strings and lists

@@ -230,9 +230,18 @@ def test_where_no_tree_could_pay_a_dovetail_request_never_drafts_and_gets_ar_tok
             return handle(message, expect)
 
         gpu.request = counted  # type: ignore[method-assign]
+        target_calls: list[str] = []
+        target_handle = cpu.request
+
+        def target_counted(message, expect):
+            target_calls.append(type(message).__name__)
+            return target_handle(message, expect)
+
+        cpu.request = target_counted  # type: ignore[method-assign]
         steps = dovetail_steps(job, planner, lambda tokens, _lp: emitted.extend(tokens) or False, lookup_tokens=4,
                                verify_ms={1: 5.9, 2: 9.0, 3: 12.4, 4: 16.0, 5: 19.1})
         _, stats = run_alone(steps, cpu, gpu)
     assert emitted == ar_tokens
     assert sent == ["DraftExtend"]  # the prompt's rows handed over, kept unread: no draft step ever ran
     assert stats.message().lookup_tokens > 0  # its plain steps still copy from the prompt
+    assert "DecodeRun" in target_calls  # plain for good: several steps a call (plain_runs)
