@@ -137,8 +137,8 @@ class Batcher:
             self._call(self.cpu, stream)
         # One prompt chunk a round, in the running steps' forward (the cpu_worker runs it apart where
         # that would change its bits: cpu_worker.batched); none in a round the chunks' sizer wants
-        # free of prompt work, to measure the running streams' cycle (join_sizing).
-        if self.join is not None and running and self.join.wants_clean_round(running):
+        # free of prompt work, to measure the running streams' cycle (join_sizing; a run's round measures none).
+        if self.join is not None and running and not runs and self.join.wants_clean_round(running):
             prefills = []
         chunk = prefills[0].call.message if prefills and prefills[0].call is not None else None
         if steps or prefills:

@@ -360,14 +360,21 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
             count = runs.steps(min(budget.left, context.room(length))) if runs is not None else 1
             emitted, logprobs = yield from decode_steps(seq_id, token, count, budget.eos, stats, runs,
                                                         stop_at_repeat=lookup is not None)
-            sizes = [1] * len(emitted)
+            sizes = []
+        before = len(budget.kept)
+        stopped = budget.push(emitted, logprobs)
+        if not sizes:  # plain steps: as many as one a call would have taken (a stop string cuts a run)
+            steps = max(len(budget.kept) - before, 1) if stopped else len(emitted)
+            stats.cycles += steps
+            stats.cycle_tokens += steps
+            sizes = [1] * steps
         if on_step is not None:
             for size in sizes:
                 on_step(size)
+        if stopped:
+            return None
         token = emitted[-1]
         length += len(emitted)
-        if budget.push(emitted, logprobs):
-            return None
 
 
 def decode_steps(seq_id: int, token: int, steps: int, stop_ids: frozenset[int], stats: Stats,
@@ -376,21 +383,22 @@ def decode_steps(seq_id: int, token: int, steps: int, stop_ids: frozenset[int], 
     """``steps`` plain steps from ``token``: a DecodeRequest for one, a DecodeRun for more (it ends
     early after an id of ``stop_ids``, and with ``stop_at_repeat`` where prompt lookup may have a
     branch: ``cpu_worker.repeat_watch``). Returns the picked tokens and their logprobs (when asked);
-    the stats and ``runs`` are told what the steps cost."""
+    the stats (``verify_ms``; the caller counts the steps the answer keeps) and ``runs`` are told what
+    the steps cost."""
     if steps == 1:
         decoded = _reply((yield Call("cpu", m.DecodeRequest(seq_id=seq_id, token=token), m.DecodeResult)),
                          m.DecodeResult)
         tokens, logprobs, compute_ms = [decoded.token], [decoded.logprob] if decoded.logprob else [], decoded.compute_ms
     else:
-        request = m.DecodeRun(seq_id=seq_id, token=token, steps=steps, stop_ids=sorted(stop_ids),
+        # (More end ids than a message holds: the rest end the answer in Budget, after a longer run.)
+        request = m.DecodeRun(seq_id=seq_id, token=token, steps=steps, stop_ids=sorted(stop_ids)[:m.MAX_STOP_IDS],
                               stop_at_repeat=stop_at_repeat)
         ran = _reply((yield Call("cpu", request, m.DecodeRunResult)), m.DecodeRunResult)
-        if len(ran.tokens) > steps:  # the worker cached more than the loop can account for
-            raise RuntimeError(f"a run of {steps} steps answered {len(ran.tokens)} tokens")
+        if len(ran.tokens) > steps or len(ran.logprobs) not in (0, len(ran.tokens)):
+            raise RuntimeError(f"a run of {steps} steps answered {len(ran.tokens)} tokens, "
+                               f"{len(ran.logprobs)} logprobs")
         tokens, logprobs, compute_ms = ran.tokens, ran.logprobs, ran.compute_ms
     stats.verify_ms += compute_ms
-    stats.cycles += len(tokens)
-    stats.cycle_tokens += len(tokens)
     if runs is not None:
         runs.observe(len(tokens), compute_ms)
     return tokens, logprobs

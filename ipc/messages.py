@@ -352,6 +352,7 @@ class DecodeResult(Message):
 
 
 MAX_RUN_STEPS = 64  # plain steps in one DecodeRun
+MAX_STOP_IDS = 1024  # end-of-sequence ids one DecodeRun names
 
 
 class DecodeRun(Message):
@@ -365,7 +366,7 @@ class DecodeRun(Message):
     seq_id: SeqId
     token: TokenId
     steps: Annotated[int, Meta(ge=1, le=MAX_RUN_STEPS)]
-    stop_ids: Annotated[list[TokenId], Meta(max_length=1024)] = []
+    stop_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_IDS)] = []
     stop_at_repeat: bool = False
 
 

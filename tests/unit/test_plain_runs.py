@@ -98,6 +98,25 @@ def test_a_run_ends_after_a_stop_id_or_a_repeated_pair_and_refuses_to_overrun_th
         assert cpu.request(m.DecodeRun(seq_id=1, token=token, steps=3), m.DecodeRunResult).tokens == after
 
 
+def test_the_repeat_watch_holds_the_prompt_however_it_came(engine):
+    """A prompt whole, in chunks, or as a batch item: the same pairs, so the same stop."""
+    repeat = m.DecodeRun(seq_id=0, token=0, steps=40, stop_at_repeat=True)
+    stops = []
+    with local_workers(engine, max_sequences=3) as (cpu, _):
+        first = start(cpu, 1)
+        stops.append(cpu.request(replace(repeat, seq_id=1, token=first), m.DecodeRunResult).tokens)
+        cpu.request(m.PrefillRequest(seq_id=2, token_ids=PROMPT[:3], more=True, return_features=False),
+                    m.PrefillPartial)
+        chunked = cpu.request(m.PrefillRequest(seq_id=2, token_ids=PROMPT[3:], offset=3, return_features=False),
+                              m.PrefillResult)
+        stops.append(cpu.request(replace(repeat, seq_id=2, token=chunked.token), m.DecodeRunResult).tokens)
+        batched = cpu.request(m.StepBatch(items=[m.PrefillRequest(seq_id=3, token_ids=PROMPT, return_features=False)]),
+                              m.StepBatchResult).items[0]
+        assert isinstance(batched, m.PrefillResult)
+        stops.append(cpu.request(replace(repeat, seq_id=3, token=batched.token), m.DecodeRunResult).tokens)
+    assert stops[0] == stops[1] == stops[2] and len(stops[0]) < 40
+
+
 def test_the_repeat_watch_says_where_the_newest_pair_occurred_before():
     watch = RepeatWatch()
     assert not watch.add([5, 6, 7])
@@ -175,6 +194,7 @@ def test_a_lone_request_runs_its_steps_and_ends_as_single_steps_do(engine, monke
     runs = decode(engine, job, "1000", monkeypatch, stop_at)
     assert runs[:3] == single[:3]  # tokens, logprobs, finish reason
     assert runs[3].new_tokens == single[3].new_tokens == len(single[0]) > 0
+    assert runs[3].cycles == single[3].cycles and runs[3].trees == single[3].trees  # steps, not tokens computed
     assert "DecodeRun" not in single[4]
     assert runs[4].count("DecodeRun") >= 1 and runs[4].count("DecodeRequest") == 1  # timed once, then runs
     assert len(runs[4]) < len(single[4])
@@ -189,6 +209,7 @@ def test_with_prompt_lookup_a_run_hands_back_where_a_branch_may_start(engine, mo
     runs = decode(engine, job, "1000", monkeypatch, lookup_tokens=8)
     assert runs[0] == single[0]
     assert runs[3].lookup_tokens == single[3].lookup_tokens > 0
+    assert runs[3].lookup_nodes == single[3].lookup_nodes and runs[3].cycles == single[3].cycles
     assert "DecodeRun" in runs[4]
 
 
