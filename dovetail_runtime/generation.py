@@ -36,7 +36,7 @@ from ipc.tree import MAX_TREE_TOKENS, TreeShape
 
 from .lookup import PromptLookup, graft
 from .lookup_policy import BranchPolicy
-from .plain_runs import RunSizer
+from .plain_runs import MAX_RUN_STEPS, RunSizer
 from .tree_planner import FixedTree, ShapePlanner, draft_path
 
 
@@ -328,31 +328,31 @@ def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1, lookup_
         result = prefilled[0]
         if not budget.push([result.token], [result.logprob] if result.logprob else []):
             yield from plain_steps(seq_id, result.token, len(job.prompt_ids) + 1, context, budget, stats,
-                                   lookup=lookup, on_step=on_step, runs=RunSizer(lambda: batch() == 1))
+                                   lookup=lookup, on_step=on_step, runs=RunSizer(lambda: alone_cap(batch)))
     finally:
         stats.wall_ms = (time.perf_counter() - started) * 1e3
     return budget.finish_reason or "stop", stats
 
 
 def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                until: Callable[[], bool] | None = None, lookup: Lookup | None = None,
+                until: Callable[[int], bool] | None = None, lookup: Lookup | None = None,
                 on_step: Callable[[int], None] | None = None,
                 runs: RunSizer | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
     """Plain decode steps from ``token`` (emitted, not cached yet; the sequence ``length`` tokens
     long) until the budget or the context ends (None): ar's loop, and dovetail's under sustained
     load. ``until``: asked before each call but the first (whoever calls has just decided on a plain
-    step); when it says so the steps stop there and return the pending token and the length, to go on
-    another way. ``lookup``: a dovetail request's prompt lookup (``lookup_step``); ``on_step``: told
-    each step's emitted tokens; ``runs``: how many steps one call may take where lookup offers no
-    branch (``plain_runs``; one without; with lookup a run ends where it may offer one)."""
-    first = True
+    step), with the plain steps the call before took; when it says so the steps stop there and return
+    the pending token and the length, to go on another way. ``lookup``: a dovetail request's prompt
+    lookup (``lookup_step``); ``on_step``: told each step's emitted tokens; ``runs``: how many steps
+    one call may take where lookup offers no branch (``plain_runs``; one without; with lookup a run
+    ends where it may offer one)."""
+    taken = 0  # plain steps the last call took (0: none yet)
     while True:
         if context.room(length) < 1:
             budget.finish_reason = "length"
             return None
-        if until is not None and not first and until():
+        if until is not None and taken and until(taken):
             return token, length
-        first = False
         if lookup is not None and (branch := lookup(branch_room(context, length, 1))):
             step = yield from lookup_step(seq_id, token, branch, stats)
             emitted, logprobs, sizes = step.accepted_tokens, step.logprobs, [len(step.accepted_tokens)]
@@ -368,6 +368,7 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
             stats.cycles += steps
             stats.cycle_tokens += steps
             sizes = [1] * steps
+        taken = len(sizes)  # a lookup step is one
         if on_step is not None:
             for size in sizes:
                 on_step(size)
@@ -375,6 +376,11 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
             return None
         token = emitted[-1]
         length += len(emitted)
+
+
+def alone_cap(batch: Callable[[], int]) -> int:
+    """A plain call's most steps for a sequence that decodes plainly for good: any alone, one in a batch."""
+    return MAX_RUN_STEPS if batch() == 1 else 1
 
 
 def decode_steps(seq_id: int, token: int, steps: int, stop_ids: frozenset[int], stats: Stats,
@@ -434,14 +440,14 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     many sequences' cycles are verified together now (the planner sizes trees by it); ``lookup_tokens``: the
     longest branch copied from earlier in the sequence onto each tree (``lookup``), and onto its plain steps
     (where no tree pays) as much of it as pays at ``verify_ms`` (as lookup decoding's, ``lookup_decoding``);
-    its plain steps several a call (``plain_runs``) only once no tree is tried again (no probe to time)."""
+    its plain steps several a call while alone (``plain_runs``), up to the fallback's next probe."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
     stats = Stats(accept_per_depth=[0] * (max(planner.envelope.depth, lookup_tokens) + 1))  # branches run deeper
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     lookup = prompt_lookup(prompt_ids, budget, lookup_tokens) if lookup_tokens else None
     plain_lookup, on_plain_step = cut_by_policy(alone(lookup, batch), stats, verify_ms)
-    runs, started = RunSizer(lambda: batch() == 1 and planner.plain_for_good()), time.perf_counter()
+    runs, started = RunSizer(lambda: planner.plain_run_cap() if batch() == 1 else 1), time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
         prefilled = yield from prefill_steps(job, stats, emit, True, batch, planner.trees_may_pay)
@@ -469,8 +475,8 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 if feed.prompt and not feed.kept:
                     yield from defer_prompt(seq_id, feed)
                 resumed = yield from plain_until_tree(seq_id, feed.tokens[-1], length, context, budget, stats,
-                                                      lambda: planner.shape(batch()), plain_lookup, on_plain_step,
-                                                      runs)
+                                                      lambda steps: planner.shape(batch(), steps), plain_lookup,
+                                                      on_plain_step, runs)
                 if resumed is None:
                     break
                 verified, length, planned = resumed
@@ -590,19 +596,20 @@ Resumed = tuple[m.VerifyResult, int, TreeShape]
 
 
 def plain_until_tree(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                     next_shape: Callable[[], TreeShape], lookup: Lookup | None,
+                     next_shape: Callable[[int], TreeShape], lookup: Lookup | None,
                      on_step: Callable[[int], None], runs: RunSizer | None = None,
                      ) -> Generator[Call, m.Message, Resumed | None]:
     """A dovetail request's plain steps (the tokens stay ar's; with ``lookup``'s branch where it has
-    one) while ``next_shape()`` (asked before each) says one node, then one more step as a tree
+    one) while ``next_shape(steps)`` (asked before each call, told the plain steps the call before
+    took) says one node, then one more step as a tree
     without draft nodes: the same tokens, plus the feature rows the draft goes on from. Returns that
     verify's result, the sequence's length after it and the tree to draft next, or None when the
     answer ended first. ``on_step``: told each step's emitted tokens (``cut_by_policy``); ``runs``: steps a
     call (``plain_steps``)."""
     planned: list[TreeShape] = []
 
-    def tree_fits() -> bool:
-        planned[:] = [next_shape()]
+    def tree_fits(steps: int) -> bool:
+        planned[:] = [next_shape(steps)]
         return planned[0].tree_tokens > 1
 
     pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits, lookup=lookup,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from .plain_runs import MAX_RUN_STEPS
+
 PLAIN_EVIDENCE = 12  # solo tree cycles the verdict needs (since the start or the last plain stretch)
 # Plain only where the trees are clearly slower: their recent rate, over ~10 cycles of 1-4 tokens,
 # moves by ~5% with the luck of the draws alone.
@@ -45,30 +47,37 @@ class PlainFallback:
         self._tokens = 0.0  # decayed sums over recent solo tree cycles
         self._ms = 0.0
         self._cycles = 0  # tree cycles since the start or since the last plain stretch ended
-        self._steps = 0  # plain steps in the current stretch
+        self._steps = 0  # plain steps in the current stretch, the one being asked for included
+        self._probe_at = PROBE_EVERY  # the step of the stretch that is a probe tree instead
         self._probed = False  # the trees now running came back on a probe
         self._step_ms: float | None = None  # what the plain steps took, wall time (decaying mean)
         self._last_step: float | None = None  # when the last plain step was asked for
         self._estimate: float | None = None  # the planner's latest estimate of a plain step
 
-    def step_plain(self) -> bool:
-        """Asked before each step while plain: True for a plain step, False where a probe tree is due.
-        The time between two plain steps' asks is a plain step's whole cost: the one thing the
-        verdict must not guess (the planner's estimate ran 25% over at the demo's 4.3 ms a step)."""
-        if self.settled:  # plain for good: no verdict to feed (and several steps may pass between asks)
-            self._steps += 1
-            return True
+    def step_plain(self, steps: int = 1) -> bool:
+        """Asked before each call while plain; ``steps``: the plain steps the call before took (a lone
+        sequence takes several a call, ``plain_runs``). True for plain steps (at most ``run_cap()`` in
+        the next call), False where a probe tree is due. The time between two asks, a step's share of
+        it, is a plain step's whole cost: the one thing the verdict must not guess (the planner's
+        estimate ran 25% over at the demo's 4.3 ms a step)."""
         now = self.clock()
         reference = self._step_ms or self._estimate
         if self._last_step is not None:
-            took = (now - self._last_step) * 1e3
+            took = (now - self._last_step) * 1e3 / max(steps, 1)
             # Far longer than a step: a gap (the request ended, the next one's prompt ran), not a step.
             if reference is None or took <= GAP * reference:
                 self._step_ms = took if self._step_ms is None else self._step_ms + 0.2 * (took - self._step_ms)
-        self._steps += 1
-        plain = self.settled or self._steps % self.probe_every != 0
+        self._steps += steps
+        plain = self.settled or self._steps < self._probe_at
+        if not plain:
+            self._probe_at += self.probe_every
         self._last_step = now if plain else None
         return plain
+
+    def run_cap(self) -> int:
+        """The most plain steps the call just allowed may take: those before the next probe is due
+        (any number once settled)."""
+        return MAX_RUN_STEPS if self.settled else max(1, self._probe_at - self._steps)
 
     def settle_plain(self) -> None:
         """Plain from now on, without probes: the costs leave no tree a chance
@@ -108,7 +117,7 @@ class PlainFallback:
                 # half as often this time; trees that held for longer: as often as at first.
                 quick = self._cycles < 2 * PLAIN_EVIDENCE
                 self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX) if quick else PROBE_EVERY
-            self.plain, self._steps = True, 0
+            self.plain, self._steps, self._probe_at = True, 0, self.probe_every
 
     def describe(self) -> str:
         state = ("plain (no tree can pay here)" if self.settled

@@ -43,11 +43,11 @@ def configured_run_ms() -> float:
 
 class RunSizer:
     """A run's length: the steps of a sequence's plain stretch that fit in ``run_ms`` at the cost of a
-    step as timed so far (a decaying mean of the worker's compute time), while ``allowed()`` says the
-    sequence decodes alone and plainly for now; one step before any step is timed."""
+    step as timed so far (a decaying mean of the worker's compute time), at most ``cap()`` (1 where the
+    sequence is not alone, or a tree is due: no run); one step before any step is timed."""
 
-    def __init__(self, allowed: Callable[[], bool], run_ms: float | None = None):
-        self.allowed = allowed
+    def __init__(self, cap: Callable[[], int], run_ms: float | None = None):
+        self.cap = cap
         self.run_ms = configured_run_ms() if run_ms is None else run_ms
         self.step_ms: float | None = None
 
@@ -61,6 +61,6 @@ class RunSizer:
 
     def steps(self, limit: int) -> int:
         """The next call's steps, at most ``limit`` (the tokens the answer and the context have left)."""
-        if limit < 2 or self.step_ms is None or self.run_ms <= 0.0 or not self.allowed():
+        if limit < 2 or self.step_ms is None or self.run_ms <= 0.0:
             return 1
-        return max(1, min(limit, MAX_RUN_STEPS, int(self.run_ms / self.step_ms)))
+        return max(1, min(limit, self.cap(), MAX_RUN_STEPS, int(self.run_ms / self.step_ms)))

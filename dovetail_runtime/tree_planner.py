@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from ipc.tree import TreeShape, children_by_token, tree_depths
 
 from .plain_fallback import PlainFallback
+from .plain_runs import MAX_RUN_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,9 @@ class ShapePlanner(Protocol):
     @property
     def envelope(self) -> TreeShape: ...
 
-    def shape(self, batch: int = 1) -> TreeShape:
-        """The next tree of a sequence whose cycle is verified with ``batch - 1`` others."""
+    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
+        """The next tree of a sequence whose cycle is verified with ``batch - 1`` others; ``plain_steps``:
+        the plain steps its last call took, where that was plain steps."""
         ...
 
     def trees_may_pay(self, batch: int) -> bool:
@@ -121,8 +123,8 @@ class ShapePlanner(Protocol):
         would decode plainly from its first cycle (so its draft need not read its prompt yet)."""
         ...
 
-    def plain_for_good(self) -> bool:
-        """Whether a sequence alone decodes plainly from now on, no tree tried again (no probe)."""
+    def plain_run_cap(self) -> int:
+        """The most plain steps a lone sequence's next call may take (``plain_runs``): 1 while trees run."""
         ...
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
@@ -136,14 +138,14 @@ class FixedTree:
     def __init__(self, shape: TreeShape):
         self.envelope = shape
 
-    def shape(self, batch: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
         return self.envelope
 
     def trees_may_pay(self, batch: int) -> bool:
         return self.envelope.tree_tokens > 1
 
-    def plain_for_good(self) -> bool:
-        return self.envelope.tree_tokens == 1
+    def plain_run_cap(self) -> int:
+        return MAX_RUN_STEPS if self.envelope.tree_tokens == 1 else 1
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
@@ -322,9 +324,10 @@ class TreePlanner:
 
     # --- choosing ------------------------------------------------------------------------
 
-    def shape(self, batch: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
         """The next tree; one node (decode plainly) alone where trees do not pay now
-        (``plain_fallback``), in a batch where the load says so (``batch_shape``)."""
+        (``plain_fallback``; ``plain_steps``: what the sequence's last plain call took), in a batch where
+        the load says so (``batch_shape``)."""
         self.cycles += 1
         if batch > 1:
             self.fallback.interrupt()
@@ -332,7 +335,7 @@ class TreePlanner:
         if not self.fallback.settled and self.trees_futile():
             self.fallback.settle_plain()
         if self.fallback.plain:
-            if self.fallback.step_plain():
+            if self.fallback.step_plain(plain_steps):
                 return TreeShape.clamped(1, 1, self.bounds.top_k)
             cell = self.plain_probe()
         else:
@@ -340,9 +343,9 @@ class TreePlanner:
         self.chosen[cell] += 1
         return TreeShape.clamped(*cell)
 
-    def plain_for_good(self) -> bool:
-        """Alone, plain steps from now on: the costs left no tree a chance (``trees_futile``)."""
-        return self.fallback.settled
+    def plain_run_cap(self) -> int:
+        """While plain alone, the steps before the next probe tree (``PlainFallback.run_cap``); else 1."""
+        return self.fallback.run_cap() if self.fallback.plain else 1
 
     def trees_hopeless(self, plain_ms: float) -> bool:
         """Whether every tree shape needs at least ``HOPELESS_SHARE`` of its most tokens (depth + 1) to

@@ -274,7 +274,7 @@ class BusyPlanner(FixedTree):
 
     observed = 0
 
-    def shape(self, batch: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
         return self.envelope if batch == 1 else TreeShape.clamped(1, 1, 1)
 
     def trees_may_pay(self, batch: int) -> bool:
@@ -380,9 +380,12 @@ class PlainForAWhile(FixedTree):
 
     asked = 0
 
-    def shape(self, batch: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
         self.asked += 1
         return TreeShape.clamped(1, 1, 1) if 3 < self.asked <= 23 else self.envelope
+
+    def plain_run_cap(self) -> int:
+        return 1  # one step an ask, as it counts asks
 
 
 def test_a_request_alone_decodes_plainly_where_its_planner_says_so_then_drafts_again(demo_pair):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dovetail_runtime.plain_fallback import PLAIN_EVIDENCE, PROBE_EVERY, PROBE_EVERY_MAX, PlainFallback
+from dovetail_runtime.plain_runs import MAX_RUN_STEPS
 from dovetail_runtime.tree_planner import AutoTree, TreePlanner
 
 STEP_MS = 10.0  # a plain decode step
@@ -158,6 +159,31 @@ def test_timed_plain_steps_replace_the_planners_estimate():
     now[0] += 0.2
     fallback.step_plain()
     assert fallback.plain_step_ms(STEP_MS) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("run", [1, 3, 7, 100])
+def test_plain_calls_of_several_steps_probe_after_as_many_steps_as_single_ones(run):
+    """A lone sequence takes its plain steps several a call (``plain_runs``): each call at most the
+    fallback's ``run_cap``, so the probe comes after the same PROBE_EVERY - 1 plain steps, and each
+    call's time counts as its steps' (4 ms each here)."""
+    now = [0.0]
+    fallback = PlainFallback(lambda: now[0])
+    poor_cycles(fallback, PLAIN_EVIDENCE)
+    assert fallback.plain
+    stretches = []
+    for _ in range(3):
+        steps, last = 0, 1
+        while fallback.step_plain(last):
+            last = min(run, fallback.run_cap())
+            steps += last
+            now[0] += 0.004 * last
+        stretches.append(steps)
+        now[0] += 0.5  # the probe tree (it does not pay): plain again
+        fallback.interrupt()
+    assert stretches == [PROBE_EVERY - 1] * 3
+    assert fallback.plain_step_ms(STEP_MS) == pytest.approx(4.0)
+    fallback.settle_plain()
+    assert fallback.run_cap() == MAX_RUN_STEPS and fallback.step_plain(100)  # no probe to wait for
 
 
 def test_tokens_only_prompt_lookup_offered_do_not_keep_the_trees():

@@ -33,17 +33,20 @@ def engine():
 
 
 class Counting(LocalWorker):
-    """Counts what it is sent by type; a StepBatch's items as ``StepBatch/<type>``."""
+    """Records what it is sent by type (a StepBatch's items after it, as ``StepBatch/<type>``)."""
 
     def __init__(self, inner: LocalWorker):
         super().__init__(inner.name, inner.handlers)
         self.sent: list[str] = []
+        self.steps: list[int] = []  # per call: the tokens a run picked, else 1
 
     def request(self, message, expect):
         self.sent.append(type(message).__name__)
         if isinstance(message, m.StepBatch):
             self.sent.extend(f"StepBatch/{type(item).__name__}" for item in message.items)
-        return super().request(message, expect)
+        reply = super().request(message, expect)
+        self.steps.append(len(reply.tokens) if isinstance(reply, m.DecodeRunResult) else 1)
+        return reply
 
 
 def start(cpu, seq_id: int, sampling: m.Sampling = GREEDY, logprobs: int | None = None) -> int:
@@ -125,33 +128,35 @@ def test_the_repeat_watch_says_where_the_newest_pair_occurred_before():
     assert not watch.add([8]) and watch.add([]) is False
 
 
-def test_the_sizer_fits_a_run_in_its_time_only_while_allowed(monkeypatch):
-    allowed = [True]
-    sizer = RunSizer(lambda: allowed[0], run_ms=20.0)
+def test_the_sizer_fits_a_run_in_its_time_within_its_cap(monkeypatch):
+    cap = [100]
+    sizer = RunSizer(lambda: cap[0], run_ms=20.0)
     assert sizer.steps(100) == 1  # nothing timed yet
     sizer.observe(1, 0.0)  # a fake worker's zero teaches nothing
     assert sizer.steps(100) == 1
     sizer.observe(2, 8.0)  # 4 ms a step
     assert sizer.steps(100) == 5 and sizer.steps(3) == 3 and sizer.steps(1) == 1
-    sizer.observe(1, 0.0 + 0.1)  # a decaying mean: 4 + 0.2 (0.1 - 4) = 3.22 ms
+    sizer.observe(1, 0.1)  # a decaying mean: 4 + 0.2 (0.1 - 4) = 3.22 ms
     assert sizer.steps(100) == 6
-    fast = RunSizer(lambda: True, run_ms=20.0)
+    cap[0] = 4  # a probe tree due after 4 more steps
+    assert sizer.steps(100) == 4
+    cap[0] = 1  # in a batch, or while trees run
+    assert sizer.steps(100) == 1
+    fast = RunSizer(lambda: 100, run_ms=20.0)
     fast.observe(1, 0.1)
     assert fast.steps(100) == plain_runs.MAX_RUN_STEPS
-    allowed[0] = False
-    assert sizer.steps(100) == 1
-    never = RunSizer(lambda: True, run_ms=0.0)
+    never = RunSizer(lambda: 100, run_ms=0.0)
     never.observe(1, 4.0)
     assert never.steps(100) == 1
     monkeypatch.setenv(plain_runs.RUN_MS_VARIABLE, "0")
-    off = RunSizer(lambda: True)
+    off = RunSizer(lambda: 100)
     off.observe(1, 4.0)
     assert off.steps(100) == 1
     for bad in ("fast", "-3", "nan", "inf"):
         monkeypatch.setenv(plain_runs.RUN_MS_VARIABLE, bad)
-        assert RunSizer(lambda: True).run_ms == plain_runs.RUN_MS
+        assert RunSizer(lambda: 100).run_ms == plain_runs.RUN_MS
     monkeypatch.setenv(plain_runs.RUN_MS_VARIABLE, "40")
-    assert RunSizer(lambda: True).run_ms == 40.0
+    assert RunSizer(lambda: 100).run_ms == 40.0
 
 
 def decode(engine, job: Job, run_ms: str, monkeypatch, stop_at: int | None = None, lookup_tokens: int = 0):
@@ -234,3 +239,35 @@ def test_a_run_never_goes_into_a_step_batch_and_a_joining_request_gets_its_solo_
             batcher.round()
     assert outputs == solo
     assert "StepBatch/DecodeRun" not in counted.sent and "StepBatch/DecodeRequest" in counted.sent
+
+
+def test_a_dovetail_request_between_probe_trees_runs_its_plain_steps_and_still_probes(engine, monkeypatch):
+    """The planner's fallback plain (trees did not pay lately, yet could): the plain steps go several a
+    call, up to the next probe tree, which comes after as many plain steps as one a call takes; the
+    tokens stay ar's."""
+    from dovetail_runtime.generation import dovetail_steps
+    from dovetail_runtime.tree_planner import AutoTree, TreePlanner
+    from gpu_worker.drafter import Drafter
+
+    job = Job(1, PROMPT, 40, m.Sampling(), frozenset(), 128)
+    expected = decode(engine, job, "0", monkeypatch)[0]
+    drafter = Drafter.from_pretrained(DEMO / "draft-dgf", DEMO / "target-code-9m", max_len=128, device="cpu")
+    first_stretch = {}
+    for run_ms in ("0", "1000"):
+        monkeypatch.setenv(plain_runs.RUN_MS_VARIABLE, run_ms)
+        planner = TreePlanner(AutoTree(max_tree_tokens=4, max_depth=2, top_k=4), {1: 5.0, 2: 5.5, 4: 6.0},
+                              {1: 1.0, 2: 2.0})
+        planner.fallback.plain = True  # as after a dozen poor cycles
+        tokens: list[int] = []
+        with local_workers(engine, drafter, planner.envelope) as (cpu, gpu):
+            counted = Counting(cpu)
+            steps = dovetail_steps(job, planner, lambda new, _lp, into=tokens: into.extend(new) or False)
+            run_alone(steps, counted, gpu)
+        assert tokens == expected
+        # The prompt's one-node cycle, plain steps, then the stretch's root-only verify before the probe.
+        sent = counted.sent
+        assert sent[:3] == ["PrefillRequest", "VerifyRequest", "DecodeRequest"]
+        stretch = sent[2:sent.index("VerifyRequest", 2)]
+        first_stretch[run_ms] = sum(counted.steps[index] for index in range(2, 2 + len(stretch)))
+        assert ("DecodeRun" in stretch) == (run_ms != "0")
+    assert first_stretch["0"] == first_stretch["1000"] > 4
