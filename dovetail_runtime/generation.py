@@ -335,24 +335,24 @@ def ar_steps(job: Job, emit: Emit, batch: Callable[[], int] = lambda: 1, lookup_
 
 
 def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                until: Callable[[int], bool] | None = None, lookup: Lookup | None = None,
+                until: Callable[[], bool] | None = None, lookup: Lookup | None = None,
                 on_step: Callable[[int], None] | None = None,
                 runs: RunSizer | None = None) -> Generator[Call, m.Message, tuple[int, int] | None]:
     """Plain decode steps from ``token`` (emitted, not cached yet; the sequence ``length`` tokens
     long) until the budget or the context ends (None): ar's loop, and dovetail's under sustained
     load. ``until``: asked before each call but the first (whoever calls has just decided on a plain
-    step), with the plain steps the call before took; when it says so the steps stop there and return
-    the pending token and the length, to go on another way. ``lookup``: a dovetail request's prompt
-    lookup (``lookup_step``); ``on_step``: told each step's emitted tokens; ``runs``: how many steps
-    one call may take where lookup offers no branch (``plain_runs``; one without; with lookup a run
-    ends where it may offer one)."""
-    taken = 0  # plain steps the last call took (0: none yet)
+    step); when it says so the steps stop there and return the pending token and the length, to go on
+    another way. ``lookup``: a dovetail request's prompt lookup (``lookup_step``); ``on_step``: told
+    each step's emitted tokens; ``runs``: how many steps one call may take where lookup offers no
+    branch (``plain_runs``; one without; with lookup a run ends where it may offer one)."""
+    first = True
     while True:
         if context.room(length) < 1:
             budget.finish_reason = "length"
             return None
-        if until is not None and taken and until(taken):
+        if until is not None and not first and until():
             return token, length
+        first = False
         if lookup is not None and (branch := lookup(branch_room(context, length, 1))):
             step = yield from lookup_step(seq_id, token, branch, stats)
             emitted, logprobs, sizes = step.accepted_tokens, step.logprobs, [len(step.accepted_tokens)]
@@ -368,7 +368,6 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
             stats.cycles += steps
             stats.cycle_tokens += steps
             sizes = [1] * steps
-        taken = len(sizes)  # a lookup step is one
         if on_step is not None:
             for size in sizes:
                 on_step(size)
@@ -376,6 +375,19 @@ def plain_steps(seq_id: int, token: int, length: int, context: Context, budget: 
             return None
         token = emitted[-1]
         length += len(emitted)
+
+
+def told_planner(on_step: Callable[[int], None], planner: ShapePlanner,
+                 batch: Callable[[], int]) -> Callable[[int], None]:
+    """``on_step``, and the planner told of each plain step a lone sequence takes: its fallback's probe
+    trees come after so many, however many a call takes (``plain_runs``) and wherever a stretch ends."""
+
+    def stepped(emitted: int) -> None:
+        on_step(emitted)
+        if batch() == 1:
+            planner.plain_stepped()
+
+    return stepped
 
 
 def alone_cap(batch: Callable[[], int]) -> int:
@@ -475,8 +487,8 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 if feed.prompt and not feed.kept:
                     yield from defer_prompt(seq_id, feed)
                 resumed = yield from plain_until_tree(seq_id, feed.tokens[-1], length, context, budget, stats,
-                                                      lambda steps: planner.shape(batch(), steps), plain_lookup,
-                                                      on_plain_step, runs)
+                                                      lambda: planner.shape(batch()), plain_lookup,
+                                                      told_planner(on_plain_step, planner, batch), runs)
                 if resumed is None:
                     break
                 verified, length, planned = resumed
@@ -596,20 +608,19 @@ Resumed = tuple[m.VerifyResult, int, TreeShape]
 
 
 def plain_until_tree(seq_id: int, token: int, length: int, context: Context, budget: Budget, stats: Stats,
-                     next_shape: Callable[[int], TreeShape], lookup: Lookup | None,
+                     next_shape: Callable[[], TreeShape], lookup: Lookup | None,
                      on_step: Callable[[int], None], runs: RunSizer | None = None,
                      ) -> Generator[Call, m.Message, Resumed | None]:
     """A dovetail request's plain steps (the tokens stay ar's; with ``lookup``'s branch where it has
-    one) while ``next_shape(steps)`` (asked before each call, told the plain steps the call before
-    took) says one node, then one more step as a tree
+    one) while ``next_shape()`` (asked before each call) says one node, then one more step as a tree
     without draft nodes: the same tokens, plus the feature rows the draft goes on from. Returns that
     verify's result, the sequence's length after it and the tree to draft next, or None when the
     answer ended first. ``on_step``: told each step's emitted tokens (``cut_by_policy``); ``runs``: steps a
     call (``plain_steps``)."""
     planned: list[TreeShape] = []
 
-    def tree_fits(steps: int) -> bool:
-        planned[:] = [next_shape(steps)]
+    def tree_fits() -> bool:
+        planned[:] = [next_shape()]
         return planned[0].tree_tokens > 1
 
     pending = yield from plain_steps(seq_id, token, length, context, budget, stats, until=tree_fits, lookup=lookup,

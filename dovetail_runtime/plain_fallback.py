@@ -34,6 +34,7 @@ RECENT_DECAY = 0.9  # per cycle: the verdict reads about the last ten cycles
 PROBE_EVERY = 16  # plain steps between two probe trees, at first
 PROBE_EVERY_MAX = 256
 GAP = 3.0  # the time between two plain steps' asks counts as a step only up to this many steps' worth
+SMOOTHING = 0.2  # one step's weight in the decaying mean of a plain step's time
 
 
 class PlainFallback:
@@ -47,37 +48,44 @@ class PlainFallback:
         self._tokens = 0.0  # decayed sums over recent solo tree cycles
         self._ms = 0.0
         self._cycles = 0  # tree cycles since the start or since the last plain stretch ended
-        self._steps = 0  # plain steps in the current stretch, the one being asked for included
-        self._probe_at = PROBE_EVERY  # the step of the stretch that is a probe tree instead
+        self._taken = 0  # plain steps taken alone in the current stretch (``stepped``)
+        self._taken_at_ask = 0  # ... when ``step_plain`` was last asked
+        self._probe_at = PROBE_EVERY - 1  # a probe tree once this many are taken, then every PROBE_EVERY
         self._probed = False  # the trees now running came back on a probe
         self._step_ms: float | None = None  # what the plain steps took, wall time (decaying mean)
         self._last_step: float | None = None  # when the last plain step was asked for
         self._estimate: float | None = None  # the planner's latest estimate of a plain step
 
-    def step_plain(self, steps: int = 1) -> bool:
-        """Asked before each call while plain; ``steps``: the plain steps the call before took (a lone
-        sequence takes several a call, ``plain_runs``). True for plain steps (at most ``run_cap()`` in
-        the next call), False where a probe tree is due. The time between two asks, a step's share of
-        it, is a plain step's whole cost: the one thing the verdict must not guess (the planner's
-        estimate ran 25% over at the demo's 4.3 ms a step)."""
+    def step_plain(self) -> bool:
+        """Asked before each call while plain: True for plain steps (at most ``run_cap()`` in the call;
+        each one taken is told to ``stepped``), False where a probe tree is due. The time between two
+        asks, a step's share of it, is a plain step's whole cost: the one thing the verdict must not
+        guess (the planner's estimate ran 25% over at the demo's 4.3 ms a step)."""
         now = self.clock()
         reference = self._step_ms or self._estimate
-        if self._last_step is not None:
-            took = (now - self._last_step) * 1e3 / max(steps, 1)
+        steps = self._taken - self._taken_at_ask
+        if self._last_step is not None and steps > 0:
+            took = (now - self._last_step) * 1e3 / steps
             # Far longer than a step: a gap (the request ended, the next one's prompt ran), not a step.
             if reference is None or took <= GAP * reference:
-                self._step_ms = took if self._step_ms is None else self._step_ms + 0.2 * (took - self._step_ms)
-        self._steps += steps
-        plain = self.settled or self._steps < self._probe_at
+                weight = 1.0 - (1.0 - SMOOTHING) ** steps  # a run weighs as its steps one a call would
+                self._step_ms = took if self._step_ms is None else self._step_ms + weight * (took - self._step_ms)
+        plain = self.settled or self._taken < self._probe_at
         if not plain:
             self._probe_at += self.probe_every
         self._last_step = now if plain else None
+        self._taken_at_ask = self._taken
         return plain
+
+    def stepped(self, steps: int = 1) -> None:
+        """A lone sequence took ``steps`` plain steps (counted toward the next probe, wherever the
+        stretch goes: a batch forming, the request ending)."""
+        self._taken += steps
 
     def run_cap(self) -> int:
         """The most plain steps the call just allowed may take: those before the next probe is due
         (any number once settled)."""
-        return MAX_RUN_STEPS if self.settled else max(1, self._probe_at - self._steps)
+        return MAX_RUN_STEPS if self.settled else max(1, self._probe_at - self._taken)
 
     def settle_plain(self) -> None:
         """Plain from now on, without probes: the costs leave no tree a chance
@@ -117,7 +125,7 @@ class PlainFallback:
                 # half as often this time; trees that held for longer: as often as at first.
                 quick = self._cycles < 2 * PLAIN_EVIDENCE
                 self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX) if quick else PROBE_EVERY
-            self.plain, self._steps, self._probe_at = True, 0, self.probe_every
+            self.plain, self._taken, self._taken_at_ask, self._probe_at = True, 0, 0, self.probe_every - 1
 
     def describe(self) -> str:
         state = ("plain (no tree can pay here)" if self.settled

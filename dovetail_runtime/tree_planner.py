@@ -113,9 +113,8 @@ class ShapePlanner(Protocol):
     @property
     def envelope(self) -> TreeShape: ...
 
-    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
-        """The next tree of a sequence whose cycle is verified with ``batch - 1`` others; ``plain_steps``:
-        the plain steps its last call took, where that was plain steps."""
+    def shape(self, batch: int = 1) -> TreeShape:
+        """The next tree of a sequence whose cycle is verified with ``batch - 1`` others."""
         ...
 
     def trees_may_pay(self, batch: int) -> bool:
@@ -125,6 +124,10 @@ class ShapePlanner(Protocol):
 
     def plain_run_cap(self) -> int:
         """The most plain steps a lone sequence's next call may take (``plain_runs``): 1 while trees run."""
+        ...
+
+    def plain_stepped(self) -> None:
+        """A lone sequence took a plain step (each step of a run, a lookup step)."""
         ...
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
@@ -138,7 +141,7 @@ class FixedTree:
     def __init__(self, shape: TreeShape):
         self.envelope = shape
 
-    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1) -> TreeShape:
         return self.envelope
 
     def trees_may_pay(self, batch: int) -> bool:
@@ -146,6 +149,9 @@ class FixedTree:
 
     def plain_run_cap(self) -> int:
         return MAX_RUN_STEPS if self.envelope.tree_tokens == 1 else 1
+
+    def plain_stepped(self) -> None:
+        pass
 
     def observe(self, shape: TreeShape, tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int],
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
@@ -324,10 +330,10 @@ class TreePlanner:
 
     # --- choosing ------------------------------------------------------------------------
 
-    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1) -> TreeShape:
         """The next tree; one node (decode plainly) alone where trees do not pay now
-        (``plain_fallback``; ``plain_steps``: what the sequence's last plain call took), in a batch where
-        the load says so (``batch_shape``)."""
+        (``plain_fallback``; each plain step taken is told to ``plain_stepped``), in a batch where the
+        load says so (``batch_shape``)."""
         self.cycles += 1
         if batch > 1:
             self.fallback.interrupt()
@@ -335,7 +341,7 @@ class TreePlanner:
         if not self.fallback.settled and self.trees_futile():
             self.fallback.settle_plain()
         if self.fallback.plain:
-            if self.fallback.step_plain(plain_steps):
+            if self.fallback.step_plain():
                 return TreeShape.clamped(1, 1, self.bounds.top_k)
             cell = self.plain_probe()
         else:
@@ -346,6 +352,11 @@ class TreePlanner:
     def plain_run_cap(self) -> int:
         """While plain alone, the steps before the next probe tree (``PlainFallback.run_cap``); else 1."""
         return self.fallback.run_cap() if self.fallback.plain else 1
+
+    def plain_stepped(self) -> None:
+        """Counted toward the fallback's next probe while it is plain (``PlainFallback.stepped``)."""
+        if self.fallback.plain:
+            self.fallback.stepped()
 
     def trees_hopeless(self, plain_ms: float) -> bool:
         """Whether every tree shape needs at least ``HOPELESS_SHARE`` of its most tokens (depth + 1) to

@@ -205,6 +205,8 @@ def cycle(planner: TreePlanner | None, shape: TreeShape, answer: dict[str, Any],
         # As generation.tree_cycle: a sequence's first draft step also reads the prompt, so its times mislead.
         planner.observe(shape, tokens, parents, emitted, draft_ms, verify_ms, cycle_ms, timed=position > 1,
                         drafted=drafted)
+    elif planner is not None:
+        planner.plain_stepped()  # as generation.told_planner: a plain step counts toward the next probe
     return emitted
 
 

@@ -274,7 +274,7 @@ class BusyPlanner(FixedTree):
 
     observed = 0
 
-    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1) -> TreeShape:
         return self.envelope if batch == 1 else TreeShape.clamped(1, 1, 1)
 
     def trees_may_pay(self, batch: int) -> bool:
@@ -380,7 +380,7 @@ class PlainForAWhile(FixedTree):
 
     asked = 0
 
-    def shape(self, batch: int = 1, plain_steps: int = 1) -> TreeShape:
+    def shape(self, batch: int = 1) -> TreeShape:
         self.asked += 1
         return TreeShape.clamped(1, 1, 1) if 3 < self.asked <= 23 else self.envelope
 

@@ -20,10 +20,24 @@ def poor_cycles(fallback: PlainFallback, count: int) -> None:
 
 
 def steps_until_probe(fallback: PlainFallback) -> int:
+    """Asks, each plain one followed by its step, until the probe's (counted); then, as the runtime
+    does (``generation.plain_until_tree``), the stretch's last step: a root-only verify."""
     steps = 1
     while fallback.step_plain():
+        fallback.stepped()
         steps += 1
+    fallback.stepped()
     return steps
+
+
+def plain_shapes(planner: TreePlanner, count: int) -> list:
+    """``count`` of the planner's shapes, each one-node shape taken as a plain step, and each probe tree
+    preceded by the stretch's root-only verify (``generation.plain_until_tree``), a step too."""
+    shapes = []
+    for _ in range(count):
+        shapes.append(planner.shape())
+        planner.plain_stepped()
+    return shapes
 
 
 class FakeClock:
@@ -104,6 +118,7 @@ def run_poor_trees(planner: TreePlanner, verify, draft, cycles: int = 100) -> in
     for trees in range(cycles):
         shape = planner.shape()
         if shape.tree_tokens == 1:
+            planner.plain_stepped()  # taken
             return trees
         tokens, parents = list(range(shape.tree_tokens)), [-1] + [0] * (shape.tree_tokens - 1)
         took_draft, took_verify = draft(shape.depth), verify(shape.tree_tokens)
@@ -120,7 +135,7 @@ def test_the_planner_alone_says_plain_steps_with_its_smallest_tree_as_the_probe(
     trees = run_poor_trees(planner, verify, draft)
     # The verdict counts the cycles of the best tree, not the probes of larger ones.
     assert planner.fallback.plain and PLAIN_EVIDENCE <= trees < 2 * PLAIN_EVIDENCE
-    shapes = [planner.shape() for _ in range(3 * PROBE_EVERY - 1)]
+    shapes = plain_shapes(planner, 3 * PROBE_EVERY - 1)
     probes = [index for index, planned in enumerate(shapes) if planned.tree_tokens > 1]
     assert len(probes) == 3 and probes[1] - probes[0] == PROBE_EVERY
     # The probe: the smallest tree of the widest beam, the cheapest way to ask whether drafting pays.
@@ -145,6 +160,7 @@ def test_timed_plain_steps_replace_the_planners_estimate():
     poor_cycles(fallback, PLAIN_EVIDENCE)
     for _ in range(PROBE_EVERY - 1):
         assert fallback.step_plain()
+        fallback.stepped()
         now[0] += 0.004
     assert not fallback.step_plain()  # the probe
     now[0] += 0.5  # a probe tree, then a long pause (a batch): neither is a plain step
@@ -164,26 +180,30 @@ def test_timed_plain_steps_replace_the_planners_estimate():
 @pytest.mark.parametrize("run", [1, 3, 7, 100])
 def test_plain_calls_of_several_steps_probe_after_as_many_steps_as_single_ones(run):
     """A lone sequence takes its plain steps several a call (``plain_runs``): each call at most the
-    fallback's ``run_cap``, so the probe comes after the same PROBE_EVERY - 1 plain steps, and each
-    call's time counts as its steps' (4 ms each here)."""
+    fallback's ``run_cap``, so the probe comes after the same PROBE_EVERY - 1 plain steps, in as few
+    calls as the cap allows, and each call's time counts as its steps' (4 ms each here)."""
     now = [0.0]
     fallback = PlainFallback(lambda: now[0])
     poor_cycles(fallback, PLAIN_EVIDENCE)
     assert fallback.plain
-    stretches = []
+    stretches, calls = [], []
     for _ in range(3):
-        steps, last = 0, 1
-        while fallback.step_plain(last):
-            last = min(run, fallback.run_cap())
-            steps += last
-            now[0] += 0.004 * last
+        steps = made = 0
+        while fallback.step_plain():
+            taken = min(run, fallback.run_cap())
+            fallback.stepped(taken)
+            steps, made = steps + taken, made + 1
+            now[0] += 0.004 * taken
         stretches.append(steps)
+        calls.append(made)
+        fallback.stepped()  # the stretch's last step, a root-only verify, before the probe tree
         now[0] += 0.5  # the probe tree (it does not pay): plain again
         fallback.interrupt()
     assert stretches == [PROBE_EVERY - 1] * 3
+    assert calls == [-(-(PROBE_EVERY - 1) // run)] * 3
     assert fallback.plain_step_ms(STEP_MS) == pytest.approx(4.0)
     fallback.settle_plain()
-    assert fallback.run_cap() == MAX_RUN_STEPS and fallback.step_plain(100)  # no probe to wait for
+    assert fallback.run_cap() == MAX_RUN_STEPS and fallback.step_plain()  # no probe to wait for
 
 
 def test_tokens_only_prompt_lookup_offered_do_not_keep_the_trees():

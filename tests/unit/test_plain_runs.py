@@ -270,4 +270,6 @@ def test_a_dovetail_request_between_probe_trees_runs_its_plain_steps_and_still_p
         stretch = sent[2:sent.index("VerifyRequest", 2)]
         first_stretch[run_ms] = sum(counted.steps[index] for index in range(2, 2 + len(stretch)))
         assert ("DecodeRun" in stretch) == (run_ms != "0")
+        if run_ms != "0":  # a timed step, then one run up to the probe
+            assert stretch == ["DecodeRequest", "DecodeRun"]
     assert first_stretch["0"] == first_stretch["1000"] > 4

@@ -143,6 +143,7 @@ class World:
             if shape.tree_tokens == 1:
                 self.now += self.verify(1)
                 self.plain_steps += 1
+                planner.plain_stepped()
                 continue
             tokens, parents = self.tree(shape)
             draft, verify = self.draft(shape.depth), self.verify(len(tokens))
