@@ -6,8 +6,8 @@ one another; on two shared cores it costs ~0.5-1 ms beside a 135M target's ~4 ms
 between branches, a dovetail request where no tree can pay) asks for as many steps as fit in
 ``RUN_MS`` of the target's time (``m.DecodeRun``): the same tokens, one round trip. With prompt
 lookup a run also ends where lookup may have a branch to offer (``cpu_worker.repeat_watch``). A
-request that joins, or a cancel, waits at most about that long. A 7B target's step (~150 ms) is a run of one:
-nothing changes there.
+request that joins, or a cancel, waits at most about that long. A 7B target's step (~150 ms) is a
+run of one: nothing changes there.
 
 No torch here: the coordinator runs this.
 """
