@@ -36,7 +36,7 @@ from ipc.tree import MAX_TREE_TOKENS, TreeShape
 
 from .lookup import PromptLookup, graft
 from .lookup_policy import BranchPolicy
-from .plain_runs import MAX_RUN_STEPS, RunSizer
+from .plain_runs import LONGEST_RUN, RunSizer
 from .tree_planner import FixedTree, ShapePlanner, draft_path
 
 
@@ -390,9 +390,9 @@ def told_planner(on_step: Callable[[int], None], planner: ShapePlanner,
     return stepped
 
 
-def alone_cap(batch: Callable[[], int]) -> int:
-    """A plain call's most steps for a sequence that decodes plainly for good: any alone, one in a batch."""
-    return MAX_RUN_STEPS if batch() == 1 else 1
+def alone_cap(batch: Callable[[], int], cap: Callable[[], int] = lambda: LONGEST_RUN) -> int:
+    """A plain call's most steps: ``cap()`` while the sequence runs alone, one in a batch."""
+    return cap() if batch() == 1 else 1
 
 
 def decode_steps(seq_id: int, token: int, steps: int, stop_ids: frozenset[int], stats: Stats,
@@ -459,7 +459,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     lookup = prompt_lookup(prompt_ids, budget, lookup_tokens) if lookup_tokens else None
     plain_lookup, on_plain_step = cut_by_policy(alone(lookup, batch), stats, verify_ms)
-    runs, started = RunSizer(lambda: planner.plain_run_cap() if batch() == 1 else 1), time.perf_counter()
+    runs, started = RunSizer(lambda: alone_cap(batch, planner.plain_run_cap)), time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
         prefilled = yield from prefill_steps(job, stats, emit, True, batch, planner.trees_may_pay)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .plain_runs import MAX_RUN_STEPS
+from .plain_runs import LONGEST_RUN
 
 PLAIN_EVIDENCE = 12  # solo tree cycles the verdict needs (since the start or the last plain stretch)
 # Plain only where the trees are clearly slower: their recent rate, over ~10 cycles of 1-4 tokens,
@@ -85,7 +85,7 @@ class PlainFallback:
     def run_cap(self) -> int:
         """The most plain steps the call just allowed may take: those before the next probe is due
         (any number once settled)."""
-        return MAX_RUN_STEPS if self.settled else max(1, self._probe_at - self._taken)
+        return LONGEST_RUN if self.settled else max(1, self._probe_at - self._taken)
 
     def settle_plain(self) -> None:
         """Plain from now on, without probes: the costs leave no tree a chance

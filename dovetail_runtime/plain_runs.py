@@ -21,7 +21,9 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 RUN_MS = 20.0  # the target's time one run may take
-MAX_RUN_STEPS = 16  # a run's steps at most (a tiny target's steps are well under a millisecond)
+# A run's steps at most (a tiny target's steps are well under a millisecond); the protocol allows
+# m.MAX_RUN_STEPS.
+LONGEST_RUN = 16
 RUN_MS_VARIABLE = "DOVETAIL_RUN_MS"  # another run length in ms, for comparisons (0: a call per step)
 SMOOTHING = 0.2  # each step's weight in the running estimate of a step's cost
 
@@ -63,4 +65,4 @@ class RunSizer:
         """The next call's steps, at most ``limit`` (the tokens the answer and the context have left)."""
         if limit < 2 or self.step_ms is None or self.run_ms <= 0.0:
             return 1
-        return max(1, min(limit, self.cap(), MAX_RUN_STEPS, int(self.run_ms / self.step_ms)))
+        return max(1, min(limit, self.cap(), LONGEST_RUN, int(self.run_ms / self.step_ms)))

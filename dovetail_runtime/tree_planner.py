@@ -50,7 +50,7 @@ from typing import Any, Protocol
 from ipc.tree import TreeShape, children_by_token, tree_depths
 
 from .plain_fallback import PlainFallback
-from .plain_runs import MAX_RUN_STEPS
+from .plain_runs import LONGEST_RUN
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class FixedTree:
         return self.envelope.tree_tokens > 1
 
     def plain_run_cap(self) -> int:
-        return MAX_RUN_STEPS if self.envelope.tree_tokens == 1 else 1
+        return LONGEST_RUN if self.envelope.tree_tokens == 1 else 1
 
     def plain_stepped(self) -> None:
         pass

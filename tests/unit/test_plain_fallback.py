@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dovetail_runtime.plain_fallback import PLAIN_EVIDENCE, PROBE_EVERY, PROBE_EVERY_MAX, PlainFallback
-from dovetail_runtime.plain_runs import MAX_RUN_STEPS
+from dovetail_runtime.plain_runs import LONGEST_RUN
 from dovetail_runtime.tree_planner import AutoTree, TreePlanner
 
 STEP_MS = 10.0  # a plain decode step
@@ -203,7 +203,7 @@ def test_plain_calls_of_several_steps_probe_after_as_many_steps_as_single_ones(r
     assert calls == [-(-(PROBE_EVERY - 1) // run)] * 3
     assert fallback.plain_step_ms(STEP_MS) == pytest.approx(4.0)
     fallback.settle_plain()
-    assert fallback.run_cap() == MAX_RUN_STEPS and fallback.step_plain()  # no probe to wait for
+    assert fallback.run_cap() == LONGEST_RUN and fallback.step_plain()  # no probe to wait for
 
 
 def test_tokens_only_prompt_lookup_offered_do_not_keep_the_trees():

@@ -144,7 +144,7 @@ def test_the_sizer_fits_a_run_in_its_time_within_its_cap(monkeypatch):
     assert sizer.steps(100) == 1
     fast = RunSizer(lambda: 100, run_ms=20.0)
     fast.observe(1, 0.1)
-    assert fast.steps(100) == plain_runs.MAX_RUN_STEPS
+    assert fast.steps(100) == plain_runs.LONGEST_RUN
     never = RunSizer(lambda: 100, run_ms=0.0)
     never.observe(1, 4.0)
     assert never.steps(100) == 1
