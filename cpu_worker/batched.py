@@ -18,15 +18,14 @@ and only its last row is scored; a chunk whose own prefill takes a GEMM of its o
 
 The batched pass takes the engine's native layer loop (``native_layers``: every layer in one foreign
 call, each sequence's rows attending over its own cache there) where the model has one, and the
-Python layers otherwise; both give the same bits. A prompt chunk rides in the loop as a chain
-(``chain_paths``) where its engine is chunk-invariant, and sends the pass to the Python layers
+Python layers otherwise; both give the same bits. A prompt chunk rides in the loop, attending
+causally (``native_layers.Causal``) where its engine is chunk-invariant, and sends the pass to the Python layers
 elsewhere (there its prefill attends with torch's kernel): at a 135M target, a round of two decode
 steps took 5 ms, 13 ms with a one-row chunk on the Python layers, 7 ms in the loop.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ from cpu_worker.engine import StepOutput, TargetEngine, VerifyOutcome, tree_path
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
 from cpu_worker.model.llama import CacheSegment, DecoderLayer, LlamaDecoder
-from cpu_worker.native_layers import NativeLayers
+from cpu_worker.native_layers import Causal, NativeLayers
 from cpu_worker.sampling import Sampler
 
 
@@ -163,14 +162,14 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
     x = model.embed_tokens(tokens).unsqueeze(0)
     streams: list[torch.Tensor] = []
     loop = model.layer_loop
-    # The C loop takes decode steps and trees, and a prompt chunk of a chunk-invariant engine as a
-    # chain (``chain_paths``); any other chunk attends causally on the Python layers, as its own
-    # prefill does (the two paths give decode and tree rows the same bits).
+    # The C loop takes decode steps, trees and a chunk-invariant engine's prompt chunk (attending
+    # causally, as its own prefill does there); any other chunk attends on the Python layers, as its
+    # own prefill does (the two paths give decode and tree rows the same bits).
     with_prompt = any(step.prompt for step in steps)
     chained = all(step.engine.chunk_invariant for step in steps if step.prompt)
     if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps) and chained:
         # As LlamaDecoder.forward: every layer in one foreign call, the aux layers' streams copied out.
-        segments = [(step.engine.cache, step.engine.committed, chain_paths(len(step.tokens)) if step.prompt else paths)
+        segments = [(step.engine.cache, step.engine.committed, Causal(len(step.tokens)) if step.prompt else paths)
                     for step, paths in zip(steps, trees, strict=True)]
         x = loop.run_segments(x, cos, sin, segments, 0, len(model.layers), streams, aux_layers)
     else:
@@ -193,15 +192,6 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
     if aux_layers:
         features = torch.cat(streams, dim=-1)[0]
     return features, logits.float()
-
-
-@functools.lru_cache(maxsize=16)  # joining chunks repeat their sizes; 1024 rows take ~40 ms to build
-def chain_paths(rows: int) -> TreePaths:
-    """A prompt chunk as the C loop's tree attention reads it: row r's path is rows 0..r (cache slots
-    start..start + r, where the chunk's rows are written). The kernel then sums row r's keys over
-    slots [0, start + r] in order, as the decode of that position and the causal kernel of a
-    chunk-invariant engine's prefill do (``exact_attention``), so the chunk keeps its prefill's bits."""
-    return TreePaths.from_paths([range(row + 1) for row in range(rows)])
 
 
 def _loop_applies(loop: NativeLayers, x: torch.Tensor, steps: Sequence[SequenceStep]) -> bool:

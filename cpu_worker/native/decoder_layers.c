@@ -78,10 +78,14 @@ static int attend_segments(const float *qkv, const float *cos, const float *sin,
         dovetail_rope_qkv(qkv + first * qkv_width, cos + first * head_dim, sin + first * head_dim, segment_q,
                           layer_keys, layer_values, bf16, n, heads, kv_heads, head_dim, shape->max_len,
                           segment->start, threads);
-        if (dovetail_attention(segment_q, layer_keys, layer_values, bf16, shape->max_len, segment->shared,
-                               segment->extra, segment->extra_start, segment_attended, n, heads, kv_heads,
-                               head_dim, shape->scale, threads) != 0)
-            return DOVETAIL_NO_MEMORY;
+        int status = segment->extra == NULL /* a prompt chunk: row r attends to slots [0, start + r] */
+                         ? dovetail_attention_causal(segment_q, layer_keys, layer_values, bf16, shape->max_len,
+                                                     segment->start, segment_attended, n, heads, kv_heads, head_dim,
+                                                     shape->scale, threads)
+                         : dovetail_attention(segment_q, layer_keys, layer_values, bf16, shape->max_len,
+                                              segment->shared, segment->extra, segment->extra_start,
+                                              segment_attended, n, heads, kv_heads, head_dim, shape->scale, threads);
+        if (status != 0) return DOVETAIL_NO_MEMORY;
         for (int64_t h = 0; h < heads; h++) /* [heads, n, hd] -> [n, heads * hd], as o_proj reads it */
             for (int64_t r = 0; r < n; r++)
                 memcpy(merged + (first + r) * attention + h * head_dim, segment_attended + (h * n + r) * head_dim,
@@ -164,7 +168,8 @@ static int run_layers(float *x, const dovetail_layer *layers, int64_t count, con
  * rotates, writes and attends over its own cache. A segment's rows sit at its cache slots start..
  * (rotated by their rows of cos/sin [rows, head_dim]); its row r attends to slots [0, shared) then
  * shared + extra[e] for e in extra_start[r] .. extra_start[r + 1] - 1 (dovetail_attention: a decode
- * has shared = start + 1 and no extra slots, a tree shared = start and each node's path).
+ * has shared = start + 1 and no extra slots, a tree shared = start and each node's path), or, where
+ * extra is NULL (a prompt chunk), to slots [0, start + r] (dovetail_attention_causal; shared unused).
  * keys/values: the segment's cache at the first of these layers [kv_heads, max_len, head_dim]
  * (fp32, or bf16 when bf16 != 0), the next layers' following contiguously. scratch:
  * dovetail_decoder_scratch floats. A layer whose input_norm is NULL (a draft head's first) attends over

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 14
+#define DOVETAIL_ABI_VERSION 15
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -99,7 +99,8 @@ typedef struct {
 } dovetail_fusion;
 
 /* One sequence's rows in a call of dovetail_decoder_layers: its next `rows` rows (after the
- * previous segment's), its cache and how each row attends (see dovetail_decoder_layers). */
+ * previous segment's), its cache and how each row attends (see dovetail_decoder_layers; extra NULL:
+ * a prompt chunk, attending causally, since ABI 15). */
 typedef struct {
     int64_t rows;
     void *keys, *values; /* this sequence's cache at the first layer run [kv_heads, max_len, head_dim] */

@@ -43,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 14
+ABI_VERSION = 15
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 # a Linear's kind
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5

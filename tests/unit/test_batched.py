@@ -106,7 +106,7 @@ def test_a_prompt_chunk_shares_the_steps_forward_and_keeps_its_solo_prefill_bits
     """Each chunk of a long prompt beside another sequence's decode step and a third's tree: every
     one gets its solo bits, and the chunk's rows ride in the same forward unless its own prefill
     takes a GEMM of its own (fp32 from 64 rows), where it runs apart. A chunk-invariant engine's
-    forwards take the native layer loop (the chunk as a chain), the others' the Python layers."""
+    forwards take the native layer loop (the chunk attending causally there), the others' the Python layers."""
     import cpu_worker.batched as batched
 
     engine, _ = build_engine(str(demo_target), precision, 256, kv_dtype)
@@ -144,8 +144,8 @@ def test_a_prompt_chunk_shares_the_steps_forward_and_keeps_its_solo_prefill_bits
         token = int(decoded.logits.argmax())
     apart = precision == "fp32"  # 80 rows: its own prefill's GEMM
     assert rows == [1 + 16 + 7, 1 + 1 + 7, 1 + (0 if apart else 80) + 7, 1 + 3 + 7]
-    # The batched forwards through the C loop (one call each, no aux layers): with their chunk as a
-    # chain where the engine is chunk-invariant; at fp32 only the round whose chunk ran apart.
+    # The batched forwards through the C loop (one call each, no aux layers): with their chunk where
+    # the engine is chunk-invariant; at fp32 only the round whose chunk ran apart.
     assert [count for count in native_rows if count in rows] == (rows if engine.chunk_invariant else [1 + 7])
     assert engine.chunk_invariant == (precision != "fp32")
     # The chunks' cache rows: a decode after the whole prompt reads them all.

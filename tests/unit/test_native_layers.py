@@ -49,8 +49,9 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
                 engine.cache.values[:, :, :, :engine.committed].float()]
     if native and loop is not None:
         del loop.run  # the class's method again
-        # One call a forward, aux layers' streams and all.
-        assert len(calls) == 6  # 3 decodes, the tree, its verification, 1 decode
+        # One call a forward, aux layers' streams and all: 3 decodes, the tree, its verification, 1
+        # decode, and the prompt (as a chain) where its bits do not depend on its chunks.
+        assert len(calls) == 6 + engine.chunk_invariant
     return outputs
 
 
@@ -97,20 +98,34 @@ def test_the_c_loop_gives_the_python_layers_bits_on_other_families(tiny_models, 
         assert torch.equal(a, b)
 
 
-def test_the_c_loop_takes_decode_steps_and_trees_only(demo_target):
+def test_the_c_loop_takes_decode_steps_trees_and_chunk_invariant_prompts(demo_target, monkeypatch):
     engine, _ = build_engine(str(demo_target), "int8-row", 128)
     loop = engine.model.layer_loop
-    assert loop is not None
+    assert loop is not None and engine.chunk_invariant
     calls = []
     original = loop.run
-    loop.run = lambda *args: calls.append(args[0].shape[1]) or original(*args)  # type: ignore[method-assign]
+    monkeypatch.setattr(loop, "run", lambda *args: calls.append(args[0].shape[1]) or original(*args))
     engine.prefill(PROMPT)
-    assert calls == []  # a prefill runs the Python layers (SDPA's causal attention)
+    assert calls == [len(PROMPT)]  # the prompt as a chain
     engine.decode(3)
     engine.tree_logits(TREE_TOKENS, TREE_PARENTS)
-    assert calls == [1, len(TREE_TOKENS)]
-    engine.extend([4, 5])  # several new tokens with a causal mask: Python
-    assert calls == [1, len(TREE_TOKENS)]
+    engine.extend([4, 5])  # several new tokens: a chain too
+    assert calls == [len(PROMPT), 1, len(TREE_TOKENS), 2]
+    monkeypatch.setattr(loop, "max_rows", len(PROMPT) - 1)
+    engine.prefill(PROMPT)  # more rows than the loop takes: the Python layers
+    assert calls == [len(PROMPT), 1, len(TREE_TOKENS), 2]
+
+
+def test_a_prompt_whose_bits_follow_its_chunks_runs_the_python_layers(demo_target, monkeypatch):
+    engine, _ = build_engine(str(demo_target), "fp32", 128)  # fp32's prompt GEMM
+    loop = engine.model.layer_loop
+    assert loop is not None and not engine.chunk_invariant
+    calls = []
+    original = loop.run
+    monkeypatch.setattr(loop, "run", lambda *args: calls.append(args[0].shape[1]) or original(*args))
+    engine.prefill(PROMPT)
+    engine.decode(3)
+    assert calls == [1]
 
 
 def test_eagle3_feature_rows_through_the_c_loop_equal_the_python_layers(demo_target):
@@ -169,7 +184,9 @@ def test_models_or_switches_the_loop_cannot_run_keep_the_python_layers(demo_targ
     x = torch.zeros(1, 1, engine.spec.hidden_size)
     assert loop.applies(x, engine.cache, None, None)
     assert not loop.applies(x.double(), engine.cache, None, None)
-    assert not loop.applies(torch.zeros(1, 3, engine.spec.hidden_size), engine.cache, None, None)  # a prefill
+    prompt = torch.zeros(1, 3, engine.spec.hidden_size)
+    assert loop.applies(prompt, engine.cache, None, None)  # a prompt chunk, causal in the loop
+    assert not loop.applies(prompt, engine.cache, torch.ones(3, 3, dtype=torch.bool), None)  # a mask
     cos = sin = torch.zeros(1, engine.spec.head_dim)
     with pytest.raises(ValueError, match=r"slots \[64, 65\) outside a 64-slot cache"):
         loop.run(x, cos, sin, engine.cache, 64, None, 0, 1)
