@@ -166,8 +166,7 @@ def _forward(steps: Sequence[SequenceStep], positions: Sequence[torch.Tensor]) -
     # causally, as its own prefill does there); any other chunk attends on the Python layers, as its
     # own prefill does (the two paths give decode and tree rows the same bits).
     with_prompt = any(step.prompt for step in steps)
-    chained = all(step.engine.chunk_invariant for step in steps if step.prompt)
-    if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps) and chained:
+    if isinstance(loop, NativeLayers) and _loop_applies(loop, x, steps) and (not with_prompt or loop.causal_prompts()):
         # As LlamaDecoder.forward: every layer in one foreign call, the aux layers' streams copied out.
         segments = [(step.engine.cache, step.engine.committed, Causal(len(step.tokens)) if step.prompt else paths)
                     for step, paths in zip(steps, trees, strict=True)]

@@ -155,7 +155,8 @@ class TargetEngine:
         """Choose the model's kernels for this engine (``choose_kernels``; done when it is built, and
         again only by whoever changed what they depend on: a bench forcing another attention)."""
         self.kernels = choose_kernels(self.model, self.kv_dtype)
-        # Decode steps and trees through every layer in one foreign call, where the layers allow it.
+        # Decode steps, trees and (chunk-invariant) prompt chunks through every layer in one foreign call,
+        # where the layers allow it.
         self.model.layer_loop = NativeLayers.build(self.model)
         # Prompt chunks of this many rows or more may not share a batch's forward (``cpu_worker.batched``):
         # fp32's exact kernels keep a row's bits among others only below it.

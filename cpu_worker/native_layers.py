@@ -40,6 +40,9 @@ from cpu_worker.native.library import Segment as _Segment
 from cpu_worker.native.library import Shape as _Shape
 
 FORCE_VARIABLE = LAYERS_VARIABLE
+# Scratch up to this size stays for the next call (a step's or a tree's: a few MB); a long prompt chunk's
+# (270 MB for 1024 rows of a 7B) is freed after its call, not held for the server's life.
+KEPT_SCRATCH_FLOATS = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ Segment = tuple[KVCache, int, TreePaths | Causal | None]  # (cache, start, how i
 
 class NativeLayers:
     """The C descriptors of a model's decoder layers, built once (the weights never move), and
-    a scratch buffer that grows to the largest call."""
+    a scratch buffer that grows to the largest call up to ``KEPT_SCRATCH_FLOATS``."""
 
     def __init__(self, model: LlamaDecoder, layers: ctypes.Array[_Layer], max_rows: int,
                  library: ctypes.CDLL):
@@ -145,12 +148,15 @@ class NativeLayers:
             return out.unsqueeze(0)
         shape = self._shape(max_len)
         needed = self.library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
-        if self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed)
+        scratch = self._scratch
+        if scratch.numel() < needed:
+            scratch = torch.empty(needed)
+            if needed <= KEPT_SCRATCH_FLOATS:
+                self._scratch = scratch
         cos, sin = cos.contiguous(), sin.contiguous()
         layers = ctypes.byref(self._layers, first * self._layer_size)
         arguments = (out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),
-                     described, len(segments), int(dtype == torch.bfloat16), rows, self._scratch.data_ptr())
+                     described, len(segments), int(dtype == torch.bfloat16), rows, scratch.data_ptr())
         if capture:
             captured = torch.empty(len(capture), rows, out.shape[-1], dtype=torch.float32)
             indices = torch.tensor([layer - first for layer in capture], dtype=torch.int64)

@@ -157,6 +157,8 @@ def main(target: str, precision: str, old_rev: str | None, old_library_path: str
         raise click.ClickException(f"--rows at most {min(loop.max_rows, engine.max_len - len(PROMPT))} here")
     with tempfile.TemporaryDirectory(prefix="dovetail-ab-") as folder:
         libraries = {"old": old_library(old_rev, old_library_path, Path(folder)), "new": loop.library}
+        # On this checkout's build, before any swap: a prompt chunk's causal segment (extra NULL, ABI 15)
+        # would crash a build before it; the swapped builds only run trees.
         engine.prefill(PROMPT)
         print(f"{target}: {chosen} ({kernel}), {torch.get_num_threads()} threads; old: {old_rev or old_library_path}")
         print(markdown_header(["rows", "old ms", "new ms", "new / old"]))

@@ -478,8 +478,6 @@ class LayerLoop(Protocol):
     """Runs the decoder layers of some forwards elsewhere, with the layers' bits
     (``native_layers.NativeLayers``: one foreign call)."""
 
-    max_rows: int  # the most rows a call takes
-
     def applies(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                 paths: TreePaths | None) -> bool: ...
 

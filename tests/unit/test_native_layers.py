@@ -1,7 +1,8 @@
 """The target's decoder layers in one foreign call (cpu_worker/native_layers.py, decoder_layers.c):
-the same bits as the Python layers for decode steps, trees and EAGLE-3 feature rows (copied out of
-the same call), at int8 (fp32 and bf16 caches) and fp32; the Python layers wherever the call or the
-model does not qualify; SiLU close to torch's and row-invariant."""
+the same bits as the Python layers for decode steps, trees, prompt chunks (attending causally) and
+EAGLE-3 feature rows (copied out of the same call), at int8 (fp32 and bf16 caches) and fp32; the
+Python layers wherever the call or the model does not qualify; SiLU close to torch's, row-invariant
+and rounding as its formula."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cpu_worker import native_layers
 from cpu_worker.engine import TargetEngine
-from cpu_worker.kernels import block_quant, int8_kernel, layer_ops
+from cpu_worker.kernels import attention, block_quant, int8_kernel, layer_ops
 from cpu_worker.native import library as native_library
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.server import build_engine
@@ -26,7 +28,7 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 5]
 
 
 def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> list[torch.Tensor]:
-    """Every output of a prefill, decode steps, a tree, its verification and a decode after it,
+    """Every output of a prefill in two chunks, decode steps, a tree, its verification and a decode after it,
     with the C loop on or off (on: each decode and tree must reach it, or the comparison says nothing)."""
     calls = []
     if native and loop is not None:
@@ -36,7 +38,10 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
     vocab = engine.spec.vocab_size
     tree = [token % vocab for token in TREE_TOKENS]
     outputs = []
-    step = engine.prefill([token % vocab for token in PROMPT])
+    prompt = [token % vocab for token in PROMPT]
+    step = engine.prefill(prompt[:5])  # two chunks: the second attends from slot 5 on
+    outputs += [step.features, step.logits]
+    step = engine.prefill(prompt[5:], 5)
     outputs += [step.features, step.logits]
     for token in (3, 99, 250):
         step = engine.decode(token % vocab)
@@ -50,8 +55,8 @@ def session(engine: TargetEngine, native: bool, loop: NativeLayers | None) -> li
     if native and loop is not None:
         del loop.run  # the class's method again
         # One call a forward, aux layers' streams and all: 3 decodes, the tree, its verification, 1
-        # decode, and the prompt (as a chain) where its bits do not depend on its chunks.
-        assert len(calls) == 6 + engine.chunk_invariant
+        # decode, and the prompt's two chunks where its bits do not depend on its chunks.
+        assert len(calls) == 6 + 2 * engine.chunk_invariant
     return outputs
 
 
@@ -106,14 +111,31 @@ def test_the_c_loop_takes_decode_steps_trees_and_chunk_invariant_prompts(demo_ta
     original = loop.run
     monkeypatch.setattr(loop, "run", lambda *args: calls.append(args[0].shape[1]) or original(*args))
     engine.prefill(PROMPT)
-    assert calls == [len(PROMPT)]  # the prompt as a chain
+    assert calls == [len(PROMPT)]  # the prompt, attending causally
     engine.decode(3)
     engine.tree_logits(TREE_TOKENS, TREE_PARENTS)
-    engine.extend([4, 5])  # several new tokens: a chain too
+    engine.extend([4, 5])  # several new tokens: causal too
     assert calls == [len(PROMPT), 1, len(TREE_TOKENS), 2]
     monkeypatch.setattr(loop, "max_rows", len(PROMPT) - 1)
     engine.prefill(PROMPT)  # more rows than the loop takes: the Python layers
     assert calls == [len(PROMPT), 1, len(TREE_TOKENS), 2]
+
+
+def test_a_long_prompt_chunk_s_scratch_is_not_kept(demo_target, monkeypatch):
+    engine, _ = build_engine(str(demo_target), "int8", 128)
+    loop = engine.model.layer_loop
+    assert isinstance(loop, NativeLayers)
+    shape = loop._shape(engine.cache.max_len)
+    step_floats = loop.library.dovetail_decoder_scratch(ctypes.byref(shape), 1)
+    monkeypatch.setattr(native_layers, "KEPT_SCRATCH_FLOATS", 4 * step_floats)
+    first = engine.prefill(PROMPT)  # 12 rows: more scratch than is kept
+    assert loop._scratch.numel() == 0
+    engine.decode(3)
+    assert loop._scratch.numel() == step_floats  # a step's is kept
+    monkeypatch.setattr(native_layers, "KEPT_SCRATCH_FLOATS", 1 << 30)
+    again = engine.prefill(PROMPT)
+    assert loop._scratch.numel() >= 12 * step_floats
+    assert torch.equal(first.logits, again.logits) and torch.equal(first.features, again.features)
 
 
 def test_a_prompt_whose_bits_follow_its_chunks_runs_the_python_layers(demo_target, monkeypatch):
@@ -187,11 +209,27 @@ def test_models_or_switches_the_loop_cannot_run_keep_the_python_layers(demo_targ
     prompt = torch.zeros(1, 3, engine.spec.hidden_size)
     assert loop.applies(prompt, engine.cache, None, None)  # a prompt chunk, causal in the loop
     assert not loop.applies(prompt, engine.cache, torch.ones(3, 3, dtype=torch.bool), None)  # a mask
+    monkeypatch.setattr(engine.model.layers[1].self_attn, "kernel", attention.TORCH)  # one layer's prompts on torch
+    assert not loop.applies(prompt, engine.cache, None, None)
     cos = sin = torch.zeros(1, engine.spec.head_dim)
     with pytest.raises(ValueError, match=r"slots \[64, 65\) outside a 64-slot cache"):
         loop.run(x, cos, sin, engine.cache, 64, None, 0, 1)
     with pytest.raises(ValueError, match="rows through layers"):
         loop.run(x, cos, sin, engine.cache, 0, None, 0, engine.spec.num_layers + 1)
+
+
+@pytest.mark.parametrize("width", [7, 256, 2051])
+def test_silu_mul_rounds_as_its_formula(width):
+    """silu(g) u = (g * s) * u with s = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|) from the
+    library's one exponential: each IEEE operation once, so a vectorized loop must keep these bits."""
+    gate = torch.randn(3, width, generator=torch.Generator().manual_seed(width + 1)) * 8
+    gate[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
+    up = torch.randn(3, width, generator=torch.Generator().manual_seed(width + 2))
+    library = native_library.load()
+    e = (-gate.abs()).contiguous()
+    library.dovetail_exp_nonpositive(e.data_ptr(), e.numel())
+    sigmoid = torch.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    assert torch.equal(layer_ops.silu_mul(gate, up), (gate * sigmoid) * up)
 
 
 @pytest.mark.parametrize("width", [7, 256, 2051])  # 7 and 2051: tails past the last 8 lanes

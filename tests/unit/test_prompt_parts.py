@@ -43,10 +43,11 @@ def in_parts(engine, tokens: list[int], offset: int) -> tuple[object, int]:
 
 
 @pytest.mark.parametrize(("precision", "aux_layers"), [("fp32", None), ("fp32", [0, 2, 5]), ("int8", None),
-                                                       ("bf16", None)])
+                                                       ("int8", [0, 2, 5]), ("bf16", None)])
 def test_a_chunk_in_parts_computes_its_whole_prefill_bit_for_bit(precision, aux_layers):
     """fp32's 64-row chunk takes its GEMM (bits that depend on the rows), int8's the native layer
-    loop, an EAGLE-3 engine's rows are streams entering layers that different parts run."""
+    loop (its parts too, attending causally there), an EAGLE-3 engine's rows are streams entering
+    layers that different parts run."""
     engine, _ = build_engine(TARGET, precision, 256, aux_layers=aux_layers)
     first = engine.prefill(LONG[:64])
     second = engine.prefill(LONG[64:], 64)

@@ -242,7 +242,7 @@ def streamed_and_converted(path: Path, precision: str) -> tuple[nn.Module, torch
 def test_a_bias_stored_after_its_weight_is_kept(tmp_path, precision):
     """A pytorch_model.bin stores a layer's weight before its bias, and our layers keep the bias where
     their kernels read it: the streamed model's unfused o_proj and down_proj keep theirs, as
-    converting the whole fp32 model does (prefill on the Python layers, decode on the C loop)."""
+    converting the whole fp32 model does (on the C loop where a call takes it, else the Python layers)."""
     path = save_tiny_model(tmp_path / "bin", "llama", weight_format="bin", attention_bias=True, mlp_bias=True)
     streamed, streamed_logits, converted_logits = streamed_and_converted(path, precision)
     assert streamed.layers[0].self_attn.o_proj.bias is not None
