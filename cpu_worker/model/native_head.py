@@ -7,7 +7,7 @@ Why: a small head's step on the CPU is torch dispatch, not arithmetic. The real 
 per tree level, of which its eight projections took ~0.2 ms: the rest was ~90 tensor allocations,
 views, concatenations and a masked SDPA per step. Here the layers are the kernels the target's loop
 calls (block, int8 or row-invariant fp32 linears, RMSNorm, rotary and cache write, exact attention
-over paths, SiLU).
+over paths or, for a prompt read at once, causal, SiLU).
 
 The draft only proposes, and the target verifies every token, so this path is not held to the torch
 layers' bits: its sigmoid and SiLU are the library's, its attention sums in another order. The two
@@ -27,13 +27,13 @@ import ctypes
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from cpu_worker.kernels import exact_attention, layer_ops
+from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
 from cpu_worker.model.llama import CacheSegment, LlamaSpec
 from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, describe_linear, loop_shape, norm_weight
 from cpu_worker.native import library as native
@@ -60,25 +60,19 @@ def kernel_digest() -> str:
     return sources_digest(Path(__file__).parents[1], SOURCES)
 
 
-# Most rows in one call: a tree level or a few accepted tokens are far fewer; a prompt read at once
-# (hundreds of rows, whose causal paths would grow as rows squared) takes the torch layers.
-MAX_ROWS = 64
+# Most rows in one call (a prompt read at once: its causal rows carry no paths); more take the torch layers.
+MAX_ROWS = MAX_KERNEL_ROWS
+# Scratch up to this size stays for the next call; a long prompt's is freed after its call.
+KEPT_SCRATCH_FLOATS = 4 << 20
+
+Span = tuple[int, torch.Tensor | None, torch.Tensor | None]  # (shared, extra, extra_start)
 
 
-@cache
-def causal_paths(count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(extra, extra_start) for ``count`` rows that each attend to the rows before them and themselves,
-    relative to their first slot (dovetail_attention's paths)."""
-    flat = torch.cat([torch.arange(row + 1, dtype=torch.int64) for row in range(count)])
-    offsets = torch.zeros(count + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.arange(1, count + 1, dtype=torch.int64), 0)
-    return flat, offsets
-
-
-def attention_span(segment: CacheSegment) -> tuple[int, torch.Tensor, torch.Tensor]:
+def attention_span(segment: CacheSegment) -> Span:
     """(shared, extra, extra_start) of a segment's rows as dovetail_attention reads them: row r attends
     to slots [0, shared) and shared + extra[extra_start[r]:extra_start[r + 1]]. A segment without a
-    mask is a causal continuation; a mask [rows, start + rows] becomes its leading columns that every
+    mask is a causal continuation: no extra slots (None), row r attending to slots [0, start + r]
+    (the C loop's causal kernel); a mask [rows, start + rows] becomes its leading columns that every
     row may attend (shared) and each row's other allowed slots."""
     count = segment.end - segment.begin
     if segment.paths is not None:
@@ -86,7 +80,7 @@ def attention_span(segment: CacheSegment) -> tuple[int, torch.Tensor, torch.Tens
             raise ValueError(f"paths of {segment.paths.size} rows for a segment of {count}")
         return segment.start, segment.paths.flat, segment.paths.offsets
     if segment.mask is None:
-        return (segment.start, *causal_paths(count))
+        return segment.start, None, None
     mask = segment.mask
     if tuple(mask.shape) != (count, segment.start + count) or mask.dtype != torch.bool:
         raise ValueError(f"a {mask.dtype} mask of shape {tuple(mask.shape)} for {count} rows at slot "
@@ -140,7 +134,7 @@ class _Call:
     embedded: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    spans: list[tuple[int, torch.Tensor, torch.Tensor]]  # held until the calls return
+    spans: list[Span]  # held until the calls return
     shape: _Shape
     bf16: int
     threads: int
@@ -148,10 +142,11 @@ class _Call:
 
 class _HeadLayers:
     """What both kinds of head share: the checks, the shapes by cache length, a scratch buffer that grows
-    to the largest call, and the segments as the C calls read them. The descriptors are built once and
-    point into the head's tensors: ``weights`` holds the norms and the modules (and their weight
-    holders) they point into, so those stay alive as long as this; a head whose weights are replaced
-    (a reload) is a new head, or a new projection format, and gets new descriptors."""
+    to the largest call (up to ``KEPT_SCRATCH_FLOATS``), and the segments as the C calls read them. The
+    descriptors are built once and point into the head's tensors: ``weights`` holds the norms and the
+    modules (and their weight holders) they point into, so those stay alive as long as this; a head
+    whose weights are replaced (a reload) is a new head, or a new projection format, and gets new
+    descriptors."""
 
     def __init__(self, spec: LlamaSpec, weights: list[object], library: ctypes.CDLL):
         self.spec = spec
@@ -209,11 +204,14 @@ class _HeadLayers:
                      [attention_span(segment) for segment in segments], self._shape(cache.max_len),
                      int(cache.keys.dtype == torch.bfloat16), torch.get_num_threads())
 
-    def scratch(self, floats: int) -> int:
-        """The address of at least ``floats`` floats of scratch."""
-        if self._scratch.numel() < floats:
-            self._scratch = torch.empty(floats, dtype=torch.float32)
-        return self._scratch.data_ptr()
+    def scratch(self, floats: int) -> torch.Tensor:
+        """At least ``floats`` floats of scratch (kept for later calls up to ``KEPT_SCRATCH_FLOATS``)."""
+        if self._scratch.numel() >= floats:
+            return self._scratch
+        scratch = torch.empty(floats, dtype=torch.float32)
+        if floats <= KEPT_SCRATCH_FLOATS:
+            self._scratch = scratch
+        return scratch
 
     def layers(self, call: _Call, layers: ctypes.Array[_Layer], segments: Sequence[CacheSegment],
                first: int) -> int:
@@ -222,11 +220,10 @@ class _HeadLayers:
         return self.library.dovetail_decoder_layers(
             call.out.data_ptr(), layers, len(layers), ctypes.byref(call.shape), call.cos.data_ptr(),
             call.sin.data_ptr(), self.segments(segments, call.spans, first), len(segments), call.bf16, call.rows,
-            scratch, call.threads)
+            scratch.data_ptr(), call.threads)
 
     @staticmethod
-    def segments(segments: Sequence[CacheSegment], spans: list[tuple[int, torch.Tensor, torch.Tensor]],
-                 layer: int) -> ctypes.Array[_Segment]:
+    def segments(segments: Sequence[CacheSegment], spans: list[Span], layer: int) -> ctypes.Array[_Segment]:
         """The segments as the C call reads them, their caches from ``layer`` on."""
         described = (_Segment * len(segments))()
         for index, (segment, (shared, extra, offsets)) in enumerate(zip(segments, spans, strict=True)):
@@ -234,8 +231,9 @@ class _HeadLayers:
             if segment.start < 0 or segment.start + segment.end - segment.begin > cache.max_len:
                 raise ValueError(f"slots from {segment.start} outside a {cache.max_len}-slot cache")
             described[index] = _Segment(segment.end - segment.begin, cache.keys[layer].data_ptr(),
-                                        cache.values[layer].data_ptr(), segment.start, shared, extra.data_ptr(),
-                                        offsets.data_ptr())
+                                        cache.values[layer].data_ptr(), segment.start, shared,
+                                        None if extra is None else extra.data_ptr(),
+                                        None if offsets is None else offsets.data_ptr())
         return described
 
 
@@ -285,7 +283,7 @@ class NativeEagle3Layer(_HeadLayers):
         status = self.library.dovetail_eagle3_layer(
             call.out.data_ptr(), call.embedded.data_ptr(), ctypes.byref(self._layer), ctypes.byref(call.shape),
             call.cos.data_ptr(), call.sin.data_ptr(), self.segments(segments, call.spans, 0), len(segments), call.bf16,
-            call.rows, scratch, call.threads)
+            call.rows, scratch.data_ptr(), call.threads)
         if status == 0 and self._post is not None:
             status = self.layers(call, self._post, segments, 1)
         check_status(status, call.rows)
@@ -336,7 +334,7 @@ class NativeDraftLayers(_HeadLayers):
         scratch = self.scratch(self.library.dovetail_fusion_scratch(self.spec.hidden_size, call.rows))
         status = self.library.dovetail_draft_fusion(
             fused.data_ptr(), call.out.data_ptr(), call.embedded.data_ptr(), ctypes.byref(self._fusion),
-            self.spec.hidden_size, self.spec.rms_norm_eps, call.rows, scratch, call.threads)
+            self.spec.hidden_size, self.spec.rms_norm_eps, call.rows, scratch.data_ptr(), call.threads)
         if status == 0:
             call.out = fused
             status = self.layers(call, self._layers, segments, 0)

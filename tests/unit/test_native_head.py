@@ -16,7 +16,7 @@ from cpu_worker.kernels.fp32_rows import RowInvariantFp32Linear, use_fp32_row_ke
 from cpu_worker.model import native_head
 from cpu_worker.model.fusion import fuse_projections
 from cpu_worker.model.llama import CacheSegment, KVCache, LlamaSpec, RotaryTable
-from cpu_worker.model.native_head import MAX_ROWS, NativeEagle3Layer, attention_span, causal_paths
+from cpu_worker.model.native_head import MAX_ROWS, NativeEagle3Layer, attention_span
 from cpu_worker.native import library as native
 from gpu_worker.eagle3 import Eagle3Head
 from gpu_worker.head import DraftHead
@@ -205,9 +205,8 @@ def test_attention_spans_of_a_mask_paths_and_causal_rows():
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
     shared, extra, offsets = attention_span(CacheSegment(cache, 4, 0, 2, mask=mask))
     assert shared == 3 and extra.tolist() == [0, 1, 2] and offsets.tolist() == [0, 1, 3]
-    shared, extra, offsets = attention_span(CacheSegment(cache, 7, 2, 5))  # causal rows
-    assert shared == 7 and extra.tolist() == [0, 0, 1, 0, 1, 2] and offsets.tolist() == [0, 1, 3, 6]
-    assert (extra, offsets) == causal_paths(3)
+    # Causal rows: no extra slots (the C loop attends causally from start)
+    assert attention_span(CacheSegment(cache, 7, 2, 5)) == (7, None, None)
     paths = TreePaths.from_paths([[0], [0, 1]])
     shared, extra, offsets = attention_span(CacheSegment(cache, 5, 0, 2, paths=paths))
     assert shared == 5 and extra is paths.flat and offsets is paths.offsets
