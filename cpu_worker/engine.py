@@ -25,7 +25,7 @@ from cpu_worker.model.embedding import output_dtype
 from cpu_worker.model.llama import Attention, KVCache, LlamaDecoder, RotaryTable
 from cpu_worker.native_layers import NativeLayers
 from cpu_worker.prompt_parts import PendingChunk
-from cpu_worker.sampling import Sampler
+from cpu_worker.sampling import Sampler, top_token, top_tokens
 from ipc.tree import tree_depths, validate_parents
 
 
@@ -302,7 +302,7 @@ class TargetEngine:
         ``logits``, in the scratch slots) and keep the accepted path."""
         prefix = self.committed
         if sampler is None or sampler.params.greedy:
-            choices = logits.argmax(dim=-1).tolist()
+            choices = top_tokens(logits)
             nodes, bonus = accept_path(tokens, parents, choices.__getitem__)
         else:
             depths = tree_depths(parents)
@@ -321,7 +321,7 @@ def greedy_decode(engine: TargetEngine, prompt_ids: Sequence[int], max_new_token
     step = engine.prefill(prompt_ids)
     generated: list[int] = []
     while True:
-        token = int(step.logits.argmax())
+        token = top_token(step.logits)
         generated.append(token)
         if len(generated) >= max_new_tokens or token == eos_token_id:
             return generated

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cpu_worker.acceptance import accept_path, children_lists
-from cpu_worker.sampling import Sampler, position_seed, processed_probs
+from cpu_worker.sampling import Sampler, position_seed, processed_probs, top_token, top_tokens
 from ipc import messages as m
 from ipc.codec import ProtocolError, decode, encode
 from ipc.messages import MIN_TEMPERATURE, Sampling
@@ -249,6 +249,23 @@ def test_sampled_first_token_chi_square(rule):
         assert statistic < CHI2_4DF_999, statistic
     else:
         assert statistic > 5 * CHI2_4DF_999, statistic
+
+
+def test_top_tokens_are_torch_s_argmax_ties_and_nans_included():
+    """numpy's argmax in place of torch's: the same index on random rows, on ties (the first), with
+    infinities and with NaNs (the first NaN), for one row, several, fp32 and other dtypes."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 49152, generator=generator)
+    rows[1, [7, 900, 40000]] = 50.0  # a three-way tie
+    rows[2, :] = 0.0  # all equal
+    rows[3, [5, 17]] = float("inf")
+    rows[4, [300, 20]] = float("nan")
+    rows[5, :] = float("-inf")
+    for chosen in (rows, rows.double(), rows[:, ::3], rows.bfloat16()):
+        assert top_tokens(chosen) == chosen.argmax(dim=-1).tolist()
+        assert [top_token(row) for row in chosen] == [int(row.argmax()) for row in chosen]
+    assert top_tokens(rows)[1:5] == [7, 0, 5, 20]
+    assert top_token(rows[1:2]) == int(rows[1:2].argmax())  # a [1, V] row, flat as argmax
 
 
 def test_sampler_is_keyed_by_seed_and_position_and_filters_hold():
