@@ -106,9 +106,8 @@ class NativeLayers:
         """x [1, S, d] through layers [first, end); returns a new tensor (x is left as it was).
         The rows go to cache slots start.. as ``Attention.forward`` puts them; a tree (``paths``)
         attends as it does there, a decode step to slots [0, start + 1), a prompt chunk (several rows,
-        no paths) causally. ``capture``: layers in
-        [first, end), increasing, whose entering residual stream [1, S, d] is appended to ``streams``,
-        from the same call (an EAGLE-3 target's feature rows)."""
+        no paths) causally. ``capture``: layers in [first, end), increasing, whose entering residual
+        stream [1, S, d] is appended to ``streams``, from the same call (an EAGLE-3 target's feature rows)."""
         rows = x.shape[1]
         how = paths if paths is not None or rows == 1 else Causal(rows)
         return self.run_segments(x, cos, sin, [(cache, start, how)], first, end, streams, capture)
