@@ -30,12 +30,13 @@ import torch
 from cpu_worker.kernels import exact_attention, layer_ops
 from cpu_worker.kernels.attention import EXACT
 from cpu_worker.kernels.exact_attention import TreePaths
-from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
+from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, PROMPT_GEMM_ROWS
 from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaDecoder
-from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, loop_shape
+from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, describe_linear, loop_shape, norm_weight
 from cpu_worker.native import library as native
 from cpu_worker.native.library import Capture as _Capture
 from cpu_worker.native.library import Layer as _Layer
+from cpu_worker.native.library import Linear as _Linear
 from cpu_worker.native.library import Segment as _Segment
 from cpu_worker.native.library import Shape as _Shape
 
@@ -60,7 +61,7 @@ class NativeLayers:
     a scratch buffer that grows to the largest call up to ``KEPT_SCRATCH_FLOATS``."""
 
     def __init__(self, model: LlamaDecoder, layers: ctypes.Array[_Layer], max_rows: int,
-                 library: ctypes.CDLL):
+                 library: ctypes.CDLL, head: tuple[_Linear, int] | None = None):
         self._model = model  # the descriptors point into its tensors: keep them alive
         self._layers = layers
         self._layer_size = ctypes.sizeof(_Layer)
@@ -69,6 +70,11 @@ class NativeLayers:
         self._scratch = torch.empty(0)
         self._shapes: dict[int, _Shape] = {}  # by cache length: built once, not per forward
         self._no_extra = torch.zeros(max_rows + 1, dtype=torch.int64)
+        # The final norm and the lm_head as the C call reads them, and the most logit rows a call of the
+        # head keeps its Python bits for (``finish``); None where either is not on our kernels.
+        norm = norm_weight(model.norm)
+        self._head = None if head is None or norm is None or head[0].k != model.spec.hidden_size else head
+        self._final_norm = norm
 
     @classmethod
     def build(cls, model: LlamaDecoder) -> NativeLayers | None:
@@ -88,7 +94,7 @@ class NativeLayers:
             max_rows = min(max_rows, view[1])
         if not described or max_rows < 1:
             return None
-        return cls(model, (_Layer * len(described))(*described), max_rows, library)
+        return cls(model, (_Layer * len(described))(*described), max_rows, library, describe_linear(model.lm_head))
 
     def applies(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, paths: TreePaths | None) -> bool:
         """Whether this forward can take the C loop: a decode step (one row, no mask), a tree
@@ -111,6 +117,34 @@ class NativeLayers:
         rows = x.shape[1]
         how = paths if paths is not None or rows == 1 else Causal(rows)
         return self.run_segments(x, cos, sin, [(cache, start, how)], first, end, streams, capture)
+
+    def finish(self, x: torch.Tensor,
+               logits_rows: slice | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``LlamaDecoder.finish``'s features (the final norm of x [1, S, d]'s rows) and logits (the lm_head
+        of the rows ``logits_rows`` picks, all by default) in one foreign call, or None where this call
+        cannot take it (a head or norm off our kernels, more logit rows than the head's kernel keeps its
+        bits for, or than a prompt's GEMM leaves to it)."""
+        rows = x.shape[1]
+        if self._head is None or self._final_norm is None or x.shape[0] != 1 or x.dtype != torch.float32 \
+                or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        picked = torch.arange(rows)[logits_rows if logits_rows is not None else slice(None)].reshape(-1)
+        count = picked.numel()
+        head, head_rows = self._head
+        if not 0 < count <= min(head_rows, PROMPT_GEMM_ROWS - 1):
+            return None
+        rows_in = x[0].contiguous()
+        features = torch.empty_like(rows_in)
+        logits = torch.empty(count, head.n_out)
+        status = self.library.dovetail_decoder_finish(
+            rows_in.data_ptr(), self._final_norm.data_ptr(), self._model.norm.eps, ctypes.byref(head), rows,
+            rows_in.shape[-1], picked.to(torch.int64).contiguous().data_ptr(), count, features.data_ptr(),
+            logits.data_ptr(), torch.get_num_threads())
+        if status == native.BAD_SHAPE:  # the checks above make this a bug, said as one
+            raise ValueError(f"the final norm and head refused {count} of {rows} rows")
+        if status != 0:
+            raise MemoryError(f"the lm_head: no memory for {count} rows")
+        return features, logits
 
     def causal_prompts(self) -> bool:
         """Whether the model's layers attend to a prompt chunk on the exact causal kernel, which the C

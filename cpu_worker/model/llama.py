@@ -481,6 +481,9 @@ class LayerLoop(Protocol):
     def applies(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                 paths: TreePaths | None) -> bool: ...
 
+    def finish(self, x: torch.Tensor,
+               logits_rows: slice | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
             paths: TreePaths | None, first: int, end: int, streams: list[torch.Tensor] | None = None,
             capture: Sequence[int] = ()) -> torch.Tensor: ...
@@ -538,9 +541,13 @@ class LlamaDecoder(nn.Module):
                aux_layers: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s features and logits from the last layer's output ``x`` and the aux streams."""
         # Logits exactly as without aux rows, so --mode ar on the same worker rounds alike.
-        features = self.norm(x)[0]
-        head_input = features if logits_rows is None else features[logits_rows]
-        logits = self.lm_head(head_input)
+        done = self.layer_loop.finish(x, logits_rows) if self.layer_loop is not None else None
+        if done is not None:  # the same kernels in one call
+            features, logits = done
+        else:
+            features = self.norm(x)[0]
+            head_input = features if logits_rows is None else features[logits_rows]
+            logits = self.lm_head(head_input)
         if aux_layers:
             # aux_layers is increasing (checked by the engine), so streams are in its order.
             features = torch.cat(streams, dim=-1)[0]

@@ -197,6 +197,32 @@ int dovetail_decoder_layers_capturing(float *x, const dovetail_layer *layers, in
                       threads);
 }
 
+/* A model's steps after its layers, in the same call as far as Python is concerned: features [rows, hidden] =
+ * RMSNorm(x) (norm_weight, eps: the final norm, every row), then logits [count, head->n_out] = head(features[
+ * picked[i]]) for the count rows picked. The same kernels the Python modules call, so the same bits; what
+ * it spares is their Python, which a step runs with caches the weights just swept (~0.2 ms a step on the
+ * 135M target). Returns 0, DOVETAIL_BAD_SHAPE (a picked row outside [0, rows), a head not reading hidden
+ * values) or DOVETAIL_NO_MEMORY. */
+int dovetail_decoder_finish(const float *x, const float *norm_weight, float eps, const dovetail_linear *head,
+                            int64_t rows, int64_t hidden, const int64_t *picked, int64_t count, float *features,
+                            float *logits, int threads) {
+    if (head->k != hidden || count < 1) return DOVETAIL_BAD_SHAPE;
+    int contiguous = 1; /* the picked rows are rows[first .. first + count): no copy */
+    for (int64_t i = 0; i < count; i++) {
+        if (picked[i] < 0 || picked[i] >= rows) return DOVETAIL_BAD_SHAPE;
+        contiguous = contiguous && picked[i] == picked[0] + i;
+    }
+    dovetail_rms_norm(x, norm_weight, features, rows, hidden, eps, threads);
+    if (contiguous) return linear(head, features + picked[0] * hidden, logits, count, threads);
+    float *gathered = (float *)malloc((size_t)(count * hidden) * sizeof(float));
+    if (gathered == NULL) return DOVETAIL_NO_MEMORY;
+    for (int64_t i = 0; i < count; i++)
+        memcpy(gathered + i * hidden, features + picked[i] * hidden, (size_t)hidden * sizeof(float));
+    int status = linear(head, gathered, logits, count, threads);
+    free(gathered);
+    return status;
+}
+
 /* ---- a draft head's EAGLE-3 layer (gpu_worker/eagle3.py) ---- */
 
 /* Floats of scratch `dovetail_eagle3_layer` needs for `rows` rows. */

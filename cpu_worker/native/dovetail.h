@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #ifndef DOVETAIL_ABI_VERSION /* a build flag only for tests (a deliberately mismatched library) */
-#define DOVETAIL_ABI_VERSION 15
+#define DOVETAIL_ABI_VERSION 16
 #endif
 
 /* ---- constants shared with Python ---- */
@@ -212,6 +212,9 @@ int dovetail_decoder_layers_capturing(float *x, const dovetail_layer *layers, in
                                       const dovetail_shape *shape, const float *cos, const float *sin,
                                       const dovetail_segment *segments, int64_t segment_count, int bf16, int64_t rows,
                                       float *scratch, const dovetail_capture *capture, int threads);
+int dovetail_decoder_finish(const float *x, const float *norm_weight, float eps, const dovetail_linear *head,
+                            int64_t rows, int64_t hidden, const int64_t *picked, int64_t count, float *features,
+                            float *logits, int threads); /* since ABI 16 */
 int64_t dovetail_eagle3_scratch(const dovetail_shape *shape, int64_t rows);
 int dovetail_eagle3_layer(float *x, const float *embedded, const dovetail_eagle3 *layer, const dovetail_shape *shape,
                           const float *cos, const float *sin, const dovetail_segment *segments,

@@ -43,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 KERNEL_DIR_VARIABLE = "DOVETAIL_KERNEL_DIR"  # where built libraries are cached (default: cache_dir())
 
 # dovetail.h's constants, mirrored (dovetail_abi reports the library's; check() compares).
-ABI_VERSION = 15
+ABI_VERSION = 16
 LAYOUT_ROWS, LAYOUT_PACKED, LAYOUT_TILES = 0, 1, 2  # an int8 weight's layout
 # a Linear's kind
 LINEAR_INT8, LINEAR_FP32, LINEAR_INT8_PACKED, LINEAR_INT8_TILES, LINEAR_BLOCK, LINEAR_BF16 = 0, 1, 2, 3, 4, 5
@@ -181,6 +181,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "dovetail_block_linear": ([_P, _P, _P, _I64, _INT, _P, _P, _P, _INT, _P, _P, _I64, _I64, _INT], _INT),
     "dovetail_dequantize_rows": ([_P, _INT, _I64, _P, _I64, _P], _INT),
     "dovetail_decoder_scratch": ([_P, _I64], _I64),
+    "dovetail_decoder_finish": ([_P, _P, _FLOAT, _P, _I64, _I64, _P, _I64, _P, _P, _INT], _INT),
     "dovetail_decoder_layers": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _INT], _INT),
     "dovetail_decoder_layers_capturing": ([_P, _P, _I64, _P, _P, _P, _P, _I64, _INT, _I64, _P, _P, _INT], _INT),
     "dovetail_eagle3_scratch": ([_P, _I64], _I64),

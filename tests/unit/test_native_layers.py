@@ -121,6 +121,25 @@ def test_the_c_loop_takes_decode_steps_trees_and_chunk_invariant_prompts(demo_ta
     assert calls == [len(PROMPT), 1, len(TREE_TOKENS), 2]
 
 
+@pytest.mark.parametrize("precision", ["int8", "q4_1-a16", "int8-row", "fp32"])
+def test_the_loop_s_final_norm_and_head_give_the_modules_bits(demo_target, precision):
+    """``NativeLayers.finish`` (one foreign call) against the final norm and lm_head modules: every row's
+    features, and logits of the rows picked as a slice, as scattered rows, or all; None for more logit
+    rows than it takes (the modules then run)."""
+    engine, _ = build_engine(str(demo_target), precision, 128)
+    model, loop = engine.model, engine.model.layer_loop
+    assert isinstance(loop, NativeLayers)
+    x = torch.randn(1, 9, engine.spec.hidden_size, generator=torch.Generator().manual_seed(4)) * 3
+    features = model.norm(x)[0]
+    for rows in (slice(8, 9), slice(2, 5), torch.tensor([6, 1, 1]), None):
+        done = loop.finish(x, rows)
+        assert done is not None
+        assert torch.equal(done[0], features)
+        assert torch.equal(done[1], model.lm_head(features if rows is None else features[rows]))
+    wide = torch.randn(1, 70, engine.spec.hidden_size)
+    assert loop.finish(wide, None) is None and loop.finish(wide, slice(69, 70)) is not None
+
+
 def test_a_long_prompt_chunk_s_scratch_is_not_kept(demo_target, monkeypatch):
     engine, _ = build_engine(str(demo_target), "int8", 128)
     loop = engine.model.layer_loop
