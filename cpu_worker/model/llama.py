@@ -152,6 +152,11 @@ class RotaryTable:
         self.sin = angles.sin().to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # A decode step: a view of one row, no gather (CPU positions: reading a CUDA one would wait for it).
+        if positions.dim() == 1 and positions.numel() == 1 and positions.device.type == "cpu":
+            position = int(positions)
+            if 0 <= position < self.cos.shape[0]:
+                return self.cos[position:position + 1], self.sin[position:position + 1]
         return self.cos[positions], self.sin[positions]
 
 

@@ -120,6 +120,11 @@ def test_a_block_table_refuses_ids_outside_the_vocabulary(folders, tmp_path):
     for bad in (-1, embedding.num_embeddings):
         with pytest.raises(IndexError, match="token ids must be in"):
             embedding(torch.tensor([0, bad]))
+        with pytest.raises(IndexError, match="token ids must be in"):  # one id: a decode step's check
+            embedding(torch.tensor([bad]))
+    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, embedding.hidden_size)
+    last = embedding.num_embeddings - 1
+    assert torch.equal(embedding(torch.tensor([last])), embedding(torch.tensor([0, last]))[1:])
 
 
 @pytest.mark.parametrize("projections", ["int8", "q4_0"])

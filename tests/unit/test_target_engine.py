@@ -182,3 +182,20 @@ def test_sliding_window_bounds_the_context(tmp_path):
     assert TargetEngine(model).max_len == 32
     with pytest.raises(ValueError, match="1..32"):
         TargetEngine(model, max_len=64)
+
+
+def test_a_decode_step_s_rotary_rows_are_the_table_s(demo_target):
+    """One position's cos/sin come out as a view of the table's row (no gather), equal to the gathered
+    rows; a position past the table is an IndexError as the gather's is."""
+    engine = TargetEngine(load_target_model(str(demo_target)), max_len=16)
+    table = engine.rotary
+    for position in (0, 7, 15):
+        cos, sin = table.lookup(torch.tensor([position]))
+        gathered_cos, gathered_sin = table.cos[torch.tensor([position])], table.sin[torch.tensor([position])]
+        assert torch.equal(cos, gathered_cos) and torch.equal(sin, gathered_sin)
+        assert cos.shape == (1, table.cos.shape[1])
+        assert cos.data_ptr() == table.cos[position].data_ptr()
+    with pytest.raises(IndexError):
+        table.lookup(torch.tensor([16]))
+    cos, _ = table.lookup(torch.tensor([3, 5, 4]))  # a tree's positions: gathered
+    assert torch.equal(cos, table.cos[[3, 5, 4]])
