@@ -14,7 +14,8 @@ bf16 cache; a prompt chunk only where the layers attend to prompts on the exact 
 (``attention.EXACT``: not fp32's or bf16's, whose prompts take a GEMM and torch's attention). Anything
 else (masks, autograd, fbgemm or MKL linears, torch's attention forced, more rows than ``max_rows``)
 runs the Python layers. A 40-token prompt of the 135M GGUF took ~15% less time in the loop than on
-the Python layers' ~250 calls.
+the Python layers' ~250 calls. After the layers, ``finish`` runs the final norm and the lm_head in one
+more call (the modules' kernels, so their bits) for up to 63 logit rows.
 ``DOVETAIL_NATIVE_LAYERS=python`` forces them (for comparisons).
 """
 
@@ -125,10 +126,13 @@ class NativeLayers:
         cannot take it (a head or norm off our kernels, more logit rows than the head's kernel keeps its
         bits for, or than a prompt's GEMM leaves to it)."""
         rows = x.shape[1]
-        if self._head is None or self._final_norm is None or x.shape[0] != 1 or x.dtype != torch.float32 \
-                or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+        if self._head is None or self._final_norm is None or x.shape[0] != 1 or x.device.type != "cpu" \
+                or not layer_ops.applies(x, self._final_norm):  # the norm module's own test for its kernel
             return None
-        picked = torch.arange(rows)[logits_rows if logits_rows is not None else slice(None)].reshape(-1)
+        if not (logits_rows is None or isinstance(logits_rows, slice) or logits_rows.dim() == 1):
+            return None  # the modules keep an index tensor's shape
+        # Held in a local for the call (a strided slice's picks are a fresh copy).
+        picked = torch.arange(rows)[logits_rows if logits_rows is not None else slice(None)].contiguous()
         count = picked.numel()
         head, head_rows = self._head
         if not 0 < count <= min(head_rows, PROMPT_GEMM_ROWS - 1):
@@ -138,7 +142,7 @@ class NativeLayers:
         logits = torch.empty(count, head.n_out)
         status = self.library.dovetail_decoder_finish(
             rows_in.data_ptr(), self._final_norm.data_ptr(), self._model.norm.eps, ctypes.byref(head), rows,
-            rows_in.shape[-1], picked.to(torch.int64).contiguous().data_ptr(), count, features.data_ptr(),
+            rows_in.shape[-1], picked.data_ptr(), count, features.data_ptr(),
             logits.data_ptr(), torch.get_num_threads())
         if status == native.BAD_SHAPE:  # the checks above make this a bug, said as one
             raise ValueError(f"the final norm and head refused {count} of {rows} rows")

@@ -480,8 +480,8 @@ class DecoderLayer(nn.Module):
 
 
 class LayerLoop(Protocol):
-    """Runs the decoder layers of some forwards elsewhere, with the layers' bits
-    (``native_layers.NativeLayers``: one foreign call)."""
+    """Runs the decoder layers of some forwards elsewhere, and their final norm and lm_head where it can
+    (``finish``: None where not), with the modules' bits (``native_layers.NativeLayers``: foreign calls)."""
 
     def applies(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                 paths: TreePaths | None) -> bool: ...

@@ -148,6 +148,25 @@ def test_an_eagle3_head_s_native_call_gives_the_torch_layers_values(fusion, laye
     compare_paths(head, 3 * TARGET_H, tight)
 
 
+def test_a_long_prompt_read_takes_the_native_call_and_gives_the_torch_layers_values():
+    """A prompt of 70 rows (past the causal kernel's 32-row tiles and the old 64-row limit) on the
+    native call attends causally as the torch layers do."""
+    head = row_kernel_projections(head_of("eagle3", 2, None))
+    layer = head.native_layer()
+    assert layer is not None
+    length = 80
+    rotary = RotaryTable(head.spec, length, torch.float32)
+    native_cache, torch_cache = (zeroed(head.new_cache(length, torch.float32)) for _ in range(2))
+    features, tokens = rows(70, 3 * TARGET_H, seed=7)
+    assert layer.applies(features, [CacheSegment(native_cache, 0, 0, 70)])
+    cos, sin = rotary.cos[:70], rotary.sin[:70]
+    got = head.forward_segments(features, tokens, cos, sin, [CacheSegment(native_cache, 0, 0, 70)])
+    want = torch_layers(head)(features, tokens, cos, sin, [CacheSegment(torch_cache, 0, 0, 70)])
+    tight(got, want)
+    tight(native_cache.keys, torch_cache.keys)
+    tight(native_cache.values, torch_cache.values)
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("fusion", ["dgf", "fc"])
 def test_a_dgf_or_eagle_head_s_native_calls_give_the_torch_layers_values(fusion, layers):

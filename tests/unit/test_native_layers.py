@@ -131,13 +131,22 @@ def test_the_loop_s_final_norm_and_head_give_the_modules_bits(demo_target, preci
     assert isinstance(loop, NativeLayers)
     x = torch.randn(1, 9, engine.spec.hidden_size, generator=torch.Generator().manual_seed(4)) * 3
     features = model.norm(x)[0]
-    for rows in (slice(8, 9), slice(2, 5), torch.tensor([6, 1, 1]), None):
+    for rows in (slice(8, 9), slice(2, 5), slice(0, 9, 2), torch.tensor([6, 1, 1]), None):
         done = loop.finish(x, rows)
         assert done is not None
         assert torch.equal(done[0], features)
         assert torch.equal(done[1], model.lm_head(features if rows is None else features[rows]))
     wide = torch.randn(1, 70, engine.spec.hidden_size)
     assert loop.finish(wide, None) is None and loop.finish(wide, slice(69, 70)) is not None
+    assert loop.finish(x, torch.tensor(3)) is None  # a 0-d index: the modules keep its shape
+    calls = []
+    original = loop.finish
+    loop.finish = lambda *args: calls.append(1) or original(*args)  # type: ignore[method-assign]
+    try:
+        engine.decode(5)  # LlamaDecoder.finish takes it
+    finally:
+        del loop.finish
+    assert calls == [1]
 
 
 def test_a_long_prompt_chunk_s_scratch_is_not_kept(demo_target, monkeypatch):
