@@ -67,7 +67,8 @@ class NativeLayers:
         self._layers = layers
         self._layer_size = ctypes.sizeof(_Layer)
         self.max_rows = max_rows
-        self.library = library  # where its calls go (tools.bench_library_ab swaps in another build)
+        self.library = library  # where the layers' calls go (tools.bench_library_ab swaps in another build)
+        self._finish_library = library  # the final norm and head's: this build's, whichever runs the layers
         self._scratch = torch.empty(0)
         self._shapes: dict[int, _Shape] = {}  # by cache length: built once, not per forward
         self._no_extra = torch.zeros(max_rows + 1, dtype=torch.int64)
@@ -140,7 +141,7 @@ class NativeLayers:
         rows_in = x[0].contiguous()
         features = torch.empty_like(rows_in)
         logits = torch.empty(count, head.n_out)
-        status = self.library.dovetail_decoder_finish(
+        status = self._finish_library.dovetail_decoder_finish(
             rows_in.data_ptr(), self._final_norm.data_ptr(), self._model.norm.eps, ctypes.byref(head), rows,
             rows_in.shape[-1], picked.data_ptr(), count, features.data_ptr(),
             logits.data_ptr(), torch.get_num_threads())
