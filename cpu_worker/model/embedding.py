@@ -78,9 +78,10 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.detach().cpu().reshape(-1).numpy()
-        # One id (a decode step's) checked as a Python int: numpy's min and max cost more than the row.
-        low, high = (int(ids[0]), int(ids[0])) if ids.size == 1 else (int(ids.min()), int(ids.max())) if ids.size \
-            else (0, 0)
+        if ids.size == 1:  # a decode step's one id, checked as a Python int: numpy's min and max cost more
+            low = high = int(ids[0])
+        else:
+            low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
         if low < 0 or high >= self.num_embeddings:
             raise IndexError(f"token ids must be in 0..{self.num_embeddings - 1}")
         library = native.load() if self._native_type is not None else None
