@@ -33,7 +33,14 @@ from cpu_worker.kernels.attention import EXACT
 from cpu_worker.kernels.exact_attention import TreePaths
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS, PROMPT_GEMM_ROWS
 from cpu_worker.model.llama import DecoderLayer, KVCache, LlamaDecoder
-from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, describe_linear, loop_shape, norm_weight
+from cpu_worker.model.native_views import (
+    LAYERS_VARIABLE,
+    Scratch,
+    describe_layer,
+    describe_linear,
+    loop_shape,
+    norm_weight,
+)
 from cpu_worker.native import library as native
 from cpu_worker.native.library import Capture as _Capture
 from cpu_worker.native.library import Layer as _Layer
@@ -42,8 +49,7 @@ from cpu_worker.native.library import Segment as _Segment
 from cpu_worker.native.library import Shape as _Shape
 
 FORCE_VARIABLE = LAYERS_VARIABLE
-# Scratch up to this size stays for the next call (a step's or a tree's: a few MB); a long prompt chunk's
-# (270 MB for 1024 rows of a 7B) is freed after its call, not held for the server's life.
+# Scratch kept between calls (a step's or a tree's: a few MB; a 1024-row chunk of a 7B takes 270 MB).
 KEPT_SCRATCH_FLOATS = 16 << 20
 
 
@@ -59,7 +65,7 @@ Segment = tuple[KVCache, int, TreePaths | Causal | None]  # (cache, start, how i
 
 class NativeLayers:
     """The C descriptors of a model's decoder layers, built once (the weights never move), and
-    a scratch buffer that grows to the largest call up to ``KEPT_SCRATCH_FLOATS``."""
+    their scratch (``Scratch``: kept up to ``KEPT_SCRATCH_FLOATS``)."""
 
     def __init__(self, model: LlamaDecoder, layers: ctypes.Array[_Layer], max_rows: int,
                  library: ctypes.CDLL, head: tuple[_Linear, int] | None = None):
@@ -69,7 +75,7 @@ class NativeLayers:
         self.max_rows = max_rows
         self.library = library  # where the layers' calls go (tools.bench_library_ab swaps in another build)
         self._finish_library = library  # the final norm and head's: this build's, whichever runs the layers
-        self._scratch = torch.empty(0)
+        self.scratch = Scratch(KEPT_SCRATCH_FLOATS)
         self._shapes: dict[int, _Shape] = {}  # by cache length: built once, not per forward
         self._no_extra = torch.zeros(max_rows + 1, dtype=torch.int64)
         # The final norm and the lm_head as the C call reads them, and the most logit rows a call of the
@@ -185,12 +191,7 @@ class NativeLayers:
         if first == end:
             return out.unsqueeze(0)
         shape = self._shape(max_len)
-        needed = self.library.dovetail_decoder_scratch(ctypes.byref(shape), rows)
-        scratch = self._scratch
-        if scratch.numel() < needed:
-            scratch = torch.empty(needed)
-            if needed <= KEPT_SCRATCH_FLOATS:
-                self._scratch = scratch
+        scratch = self.scratch.at_least(self.library.dovetail_decoder_scratch(ctypes.byref(shape), rows))
         cos, sin = cos.contiguous(), sin.contiguous()
         layers = ctypes.byref(self._layers, first * self._layer_size)
         arguments = (out.data_ptr(), layers, end - first, ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(),

@@ -35,7 +35,14 @@ from torch import nn
 from cpu_worker.kernels import exact_attention, layer_ops
 from cpu_worker.kernels.fp32_rows import MAX_KERNEL_ROWS
 from cpu_worker.model.llama import CacheSegment, LlamaSpec
-from cpu_worker.model.native_views import LAYERS_VARIABLE, describe_layer, describe_linear, loop_shape, norm_weight
+from cpu_worker.model.native_views import (
+    LAYERS_VARIABLE,
+    Scratch,
+    describe_layer,
+    describe_linear,
+    loop_shape,
+    norm_weight,
+)
 from cpu_worker.native import library as native
 from cpu_worker.native.library import FUSION_DGF, FUSION_FC
 from cpu_worker.native.library import Eagle3 as _Eagle3
@@ -62,8 +69,7 @@ def kernel_digest() -> str:
 
 # Most rows in one call (a prompt read at once: its causal rows carry no paths); more take the torch layers.
 MAX_ROWS = MAX_KERNEL_ROWS
-# Scratch up to this size stays for the next call; a long prompt's is freed after its call.
-KEPT_SCRATCH_FLOATS = 4 << 20
+KEPT_SCRATCH_FLOATS = 4 << 20  # scratch kept between calls (``Scratch``)
 
 Span = tuple[int, torch.Tensor | None, torch.Tensor | None]  # (shared, extra, extra_start)
 
@@ -152,7 +158,7 @@ class _HeadLayers:
         self.spec = spec
         self._weights = weights
         self.library = library
-        self._scratch = torch.empty(0)
+        self._scratch = Scratch(KEPT_SCRATCH_FLOATS)
         self._shapes: dict[int, _Shape] = {}
 
     @staticmethod
@@ -205,13 +211,8 @@ class _HeadLayers:
                      int(cache.keys.dtype == torch.bfloat16), torch.get_num_threads())
 
     def scratch(self, floats: int) -> torch.Tensor:
-        """At least ``floats`` floats of scratch (kept for later calls up to ``KEPT_SCRATCH_FLOATS``)."""
-        if self._scratch.numel() >= floats:
-            return self._scratch
-        scratch = torch.empty(floats, dtype=torch.float32)
-        if floats <= KEPT_SCRATCH_FLOATS:
-            self._scratch = scratch
-        return scratch
+        """At least ``floats`` floats of scratch (``Scratch``), held by the caller for its call."""
+        return self._scratch.at_least(floats)
 
     def layers(self, call: _Call, layers: ctypes.Array[_Layer], segments: Sequence[CacheSegment],
                first: int) -> int:

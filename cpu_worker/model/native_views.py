@@ -84,3 +84,26 @@ def loop_shape(spec: LlamaSpec, max_len: int) -> _Shape:
     """A model's sizes as the C layer loops read them (``dovetail_shape``), over caches of ``max_len`` slots."""
     return _Shape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, max_len,
                   spec.rms_norm_eps, 1.0 / math.sqrt(spec.head_dim))
+
+
+class Scratch:
+    """fp32 scratch for the native calls: as large as each call asks, kept for the next call only up to
+    ``keep`` floats (a step's or a tree's stays; a long prompt chunk's is freed after its call, not held
+    for the server's life)."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._kept = torch.empty(0)
+
+    def at_least(self, floats: int) -> torch.Tensor:
+        """At least ``floats`` floats; hold the tensor until the call that reads it returns."""
+        if self._kept.numel() >= floats:
+            return self._kept
+        scratch = torch.empty(floats, dtype=torch.float32)
+        if floats <= self.keep:
+            self._kept = scratch
+        return scratch
+
+    @property
+    def kept_floats(self) -> int:
+        return self._kept.numel()

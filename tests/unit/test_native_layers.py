@@ -155,14 +155,15 @@ def test_a_long_prompt_chunk_s_scratch_is_not_kept(demo_target, monkeypatch):
     assert isinstance(loop, NativeLayers)
     shape = loop._shape(engine.cache.max_len)
     step_floats = loop.library.dovetail_decoder_scratch(ctypes.byref(shape), 1)
-    monkeypatch.setattr(native_layers, "KEPT_SCRATCH_FLOATS", 4 * step_floats)
+    assert loop.scratch.keep == native_layers.KEPT_SCRATCH_FLOATS
+    monkeypatch.setattr(loop.scratch, "keep", 4 * step_floats)
     first = engine.prefill(PROMPT)  # 12 rows: more scratch than is kept
-    assert loop._scratch.numel() == 0
+    assert loop.scratch.kept_floats == 0
     engine.decode(3)
-    assert loop._scratch.numel() == step_floats  # a step's is kept
-    monkeypatch.setattr(native_layers, "KEPT_SCRATCH_FLOATS", 1 << 30)
+    assert loop.scratch.kept_floats == step_floats  # a step's is kept
+    monkeypatch.setattr(loop.scratch, "keep", 1 << 30)
     again = engine.prefill(PROMPT)
-    assert loop._scratch.numel() >= 12 * step_floats
+    assert loop.scratch.kept_floats >= 12 * step_floats
     assert torch.equal(first.logits, again.logits) and torch.equal(first.features, again.features)
 
 
