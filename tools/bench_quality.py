@@ -5,7 +5,9 @@ Three figures per precision, each against our fp32 engine on the same weights:
   ``pydoc_data`` topics) and of code (standard-library modules), the share of positions whose
   argmax equals fp32's;
 - mean KL divergence KL(fp32 || precision) over the same positions, in nats (llama.cpp's
-  ``llama-perplexity --kl-divergence`` reports the same two figures as "Mean KLD" and "Same top p");
+  ``llama-perplexity --kl-divergence`` reports the same two figures as "Mean KLD" and "Same top p",
+  over the second half of each window only: ``--scored second-half`` scores those positions, for
+  figures to set beside it; a window's first positions see little context and diverge more);
 - greedy common prefix on chat prompts (the model's chat template): how many of ``--new-tokens``
   greedy tokens equal fp32's before the first difference, and how many continuations fall into a
   loop (a short cycle repeated to the end).
@@ -148,9 +150,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return count
 
 
+SCORED = {"all": 0.0, "second-half": 0.5}  # --scored: the share of each window's first positions left out
+
+
+def window_figures(log_probs: torch.Tensor, base: torch.Tensor, first: int) -> tuple[float, float]:
+    """Top-1 agreement and mean KL(base || log_probs) of a window's positions from ``first`` on
+    (both [positions, vocab] log-probabilities)."""
+    log_probs, base = log_probs[first:], base[first:]
+    agreement = (log_probs.argmax(-1) == base.argmax(-1)).float().mean().item()
+    divergence = (base.exp() * (base - log_probs)).sum(-1)
+    return agreement, divergence.mean().item()
+
+
 def measure(name: str, engine: TargetEngine, texts: Texts, reference: Reference | None,
-            new_tokens: int) -> tuple[Row, Reference]:
-    """One row (None reference: this engine is the reference) and what it produced."""
+            new_tokens: int, scored: str = "all") -> tuple[Row, Reference]:
+    """One row (None reference: this engine is the reference) and what it produced; ``scored``: the
+    positions of each window the figures average (``SCORED``)."""
     row, started = Row(name), time.perf_counter()
     produced = Reference([], [])
     agree: dict[str, list[float]] = {}
@@ -159,11 +174,10 @@ def measure(name: str, engine: TargetEngine, texts: Texts, reference: Reference 
         log_probs = window_log_probs(engine, ids)
         produced.logits.append(log_probs)
         if reference is not None:
-            base = reference.logits[index]
             kind = texts.kinds[index]
-            agree.setdefault(kind, []).append((log_probs.argmax(-1) == base.argmax(-1)).float().mean().item())
-            divergence = (base.exp() * (base - log_probs)).sum(-1)
-            kl.setdefault(kind, []).append(divergence.mean().item())
+            agreement, divergence = window_figures(log_probs, reference.logits[index], int(SCORED[scored] * len(ids)))
+            agree.setdefault(kind, []).append(agreement)
+            kl.setdefault(kind, []).append(divergence)
     for index, prompt in enumerate(tqdm(texts.chats, desc=f"{name}: chats", leave=False)):
         tokens = greedy_decode(engine, prompt, new_tokens)
         produced.greedy.append(tokens)
@@ -186,7 +200,7 @@ def format_engine(target: Path, format_name: str, max_len: int) -> TargetEngine:
 
 
 def gguf_rows(gguf: Path, precisions: list[str], max_len: int, texts: Texts, reference: Reference,
-              new_tokens: int) -> list[Row]:
+              new_tokens: int, scored: str = "all") -> list[Row]:
     """Rows for a GGUF file at each precision ("auto": the file's own), loaded as the cpu_worker loads it."""
     from dovetail_runtime.coordinator import target_precision
 
@@ -197,7 +211,7 @@ def gguf_rows(gguf: Path, precisions: list[str], max_len: int, texts: Texts, ref
         engine, kernel = build_engine(str(gguf), precision, max_len)
         loaded = time.perf_counter() - started
         row = measure(f"gguf {precision} ({kernel}, loaded in {loaded:.1f} s)", engine, texts, reference,
-                      new_tokens)[0]
+                      new_tokens, scored)[0]
         rows.append(row)
     return rows
 
@@ -245,11 +259,14 @@ def parse_precisions(_context: click.Context, parameter: click.Parameter, text: 
 @click.option("--gguf-precisions", default="auto", show_default=True, callback=parse_precisions,
               help="The GGUF's precisions (comma list; auto: as dovetail-run's default, the file's blocks x 16-bit "
                    "activations).")
+@click.option("--scored", type=click.Choice(list(SCORED)), default="all", show_default=True,
+              help="The positions of each window the top-1 and KL figures average: all, or the second half "
+                   "(what llama-perplexity --kl-divergence scores, for figures to set beside it).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write every figure to this file.")
 @load_errors_in_one_line
 def main(target: Path, precisions: list[str], formats: str, windows: int, window_tokens: int, prompts: int,
-         new_tokens: int, threads: int | None, gguf: Path | None, gguf_precisions: list[str],
+         new_tokens: int, threads: int | None, gguf: Path | None, gguf_precisions: list[str], scored: str,
          json_path: Path | None) -> None:
     unknown = [name for name in formats.split(",") if name and name not in quant_reference.FORMATS]
     if unknown:
@@ -264,14 +281,15 @@ def main(target: Path, precisions: list[str], formats: str, windows: int, window
     for precision in precisions:
         engine, kernel = build_engine(str(target), precision, max_len)
         rows.append(measure(f"ours {precision}" + (f" ({kernel})" if kernel else ""), engine, texts, reference,
-                            new_tokens)[0])
+                            new_tokens, scored)[0])
     for name in filter(None, formats.split(",")):
-        rows.append(measure(f"ref {name}", format_engine(target, name, max_len), texts, reference, new_tokens)[0])
+        rows.append(measure(f"ref {name}", format_engine(target, name, max_len), texts, reference, new_tokens,
+                            scored)[0])
     if gguf is not None:
-        rows += gguf_rows(gguf, gguf_precisions, max_len, texts, reference, new_tokens)
+        rows += gguf_rows(gguf, gguf_precisions, max_len, texts, reference, new_tokens, scored)
     print(f"\n{target.name}: {len(texts.windows)} windows of {window_tokens} tokens "
-          f"({texts.kinds.count('prose')} prose, {texts.kinds.count('code')} code), {len(texts.chats)} chat prompts "
-          f"x {new_tokens} greedy tokens, against fp32\n")
+          f"({texts.kinds.count('prose')} prose, {texts.kinds.count('code')} code; positions scored: {scored}), "
+          f"{len(texts.chats)} chat prompts x {new_tokens} greedy tokens, against fp32\n")
     print_table(rows, new_tokens)
     if json_path is not None:
         json_path.write_text(json.dumps([asdict(row) for row in rows], indent=1))

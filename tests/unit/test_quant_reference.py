@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from tools import quant_reference
-from tools.bench_quality import common_prefix, ends_in_loop
+from tools.bench_quality import SCORED, common_prefix, ends_in_loop, window_figures
 
 
 def awkward_rows(seed: int = 0) -> np.ndarray:
@@ -64,3 +64,18 @@ def test_loops_and_prefixes():
     assert not ends_in_loop([1, 2, 1, 2, 7])
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([], [1]) == 0
+
+
+def test_window_figures_score_only_the_positions_asked_for():
+    """--scored second-half averages what llama-perplexity scores: a window whose first half alone
+    differs from the reference scores as a perfect match there, and half right over every position."""
+    torch.manual_seed(0)
+    base = torch.log_softmax(torch.randn(8, 50), dim=-1)
+    other = base.clone()
+    other[:4] = torch.log_softmax(torch.randn(4, 50) * 4, dim=-1)  # the first half: another distribution
+    other[:4, base[:4].argmax(-1)] = -1e4  # whose top token is never the reference's
+    agreement, divergence = window_figures(other, base, int(SCORED["second-half"] * 8))
+    assert agreement == 1.0 and abs(divergence) < 1e-6
+    agreement, divergence = window_figures(other, base, int(SCORED["all"] * 8))
+    first_half_kl = (base[:4].exp() * (base[:4] - other[:4])).sum(-1).mean().item()
+    assert agreement == 0.5 and divergence == pytest.approx(first_half_kl / 2, rel=1e-5) and divergence > 0.1
