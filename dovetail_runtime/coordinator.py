@@ -100,8 +100,15 @@ OnText = Callable[[list[int], str, list[m.TokenLogprob]], bool]
 #   draft cost 18-20% of a verify pass, 15-16% at 30,000 target spins (~1 ms), 14-15% with both counts
 #   below; 3,000 (~0.1 ms) decodes the 7B as fast as the default;
 # - at the demo's size (4/3/4 trees) a passive draft beside a target at 30,000 spent 40% longer on its
-#   steps than one spinning 10,000 times (~0.3 ms) beside a target at 3,000; verify passes kept their speed.
+#   steps than one spinning 10,000 times (~0.3 ms) beside a target at 3,000; verify passes kept their speed;
+# - on a busy 2-core Zen 3 (AVX2) the 7B chat stand-in at q4_0 decoded 1.26-1.37x faster, ar and dovetail
+#   alike, with its target at 30,000 than at 3,000 (its threads slept inside a step's regions: a quiet
+#   host's 0.1 ms of imbalance is a busy one's more), and its draft's steps took no longer.
+# So a target of LARGE_TARGET_PROJECTIONS weights or more (a step of tens of ms and up, where ~1 ms of spin
+# after it is little of the draft's step) spins ~1 ms, a smaller one ~0.1 ms.
 TARGET_SPIN_COUNT = "3000"
+LARGE_TARGET_SPIN_COUNT = "30000"
+LARGE_TARGET_PROJECTIONS = 1_000_000_000  # its decoder layers' linear weights (memory_fit.TargetSize)
 DRAFT_SPIN_COUNT = "10000"
 
 
@@ -110,12 +117,13 @@ def _user_chose_waits(environ: Mapping[str, str]) -> bool:
     return "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ
 
 
-def target_worker_env(with_draft: bool, environ: Mapping[str, str]) -> dict[str, str]:
+def target_worker_env(with_draft: bool, environ: Mapping[str, str], projections: int = 0) -> dict[str, str]:
     """The target worker's environment beyond ``environ``: a short OpenMP spin where a draft worker
-    runs beside it (alone, --mode ar, libgomp's default), unless the user chose the waits."""
+    runs beside it (alone, --mode ar, libgomp's default), longer for a target of ``projections``
+    decoder weights from ``LARGE_TARGET_PROJECTIONS`` on, unless the user chose the waits."""
     if not with_draft or _user_chose_waits(environ):
         return {}
-    return {"GOMP_SPINCOUNT": TARGET_SPIN_COUNT}
+    return {"GOMP_SPINCOUNT": LARGE_TARGET_SPIN_COUNT if projections >= LARGE_TARGET_PROJECTIONS else TARGET_SPIN_COUNT}
 
 
 def draft_worker_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -282,7 +290,7 @@ class Coordinator:
                                      cycle_slots(settings.max_batch)),
                       ShmRing.create(slot_bytes_for(self.max_len, layout.row_width, FEATURE_DTYPE), 1)]
         self.runtime_dir = RuntimeDir()
-        self.cpu = self._target_worker(target_dir, layout, with_draft=draft_dir is not None)
+        self.cpu = self._target_worker(target_dir, layout, draft_dir is not None, TargetSize.from_config(config))
         if draft_dir is not None:
             self.gpu = self._draft_worker(draft_dir, target_dir, layout, envelope)
         for worker in self.workers():
@@ -357,7 +365,8 @@ class Coordinator:
     def _rings(self) -> m.RingNames:
         return m.RingNames(cycle=self.rings[0].name, prefill=self.rings[1].name)
 
-    def _target_worker(self, target_dir: Path, layout: FeatureLayout, with_draft: bool) -> WorkerHandle[m.TargetInfo]:
+    def _target_worker(self, target_dir: Path, layout: FeatureLayout, with_draft: bool,
+                       size: TargetSize) -> WorkerHandle[m.TargetInfo]:
         settings = self.settings
         worker_settings = m.TargetSettings(
             log_level=settings.log_level, max_len=self.max_len, rings=self._rings(), target=str(target_dir),
@@ -365,7 +374,7 @@ class Coordinator:
             aux_layers=list(layout.aux_layers or []), kv_dtype=settings.kv_dtype, max_sequences=settings.max_batch)
         assert self.runtime_dir is not None
         return WorkerHandle("cpu_worker", "cpu_worker.server", worker_settings, self.runtime_dir, m.FROM_CPU_WORKER,
-                            m.TargetInfo, env=target_worker_env(with_draft, os.environ),
+                            m.TargetInfo, env=target_worker_env(with_draft, os.environ, size.projections),
                             reply_timeout_s=self._initial_worker_timeout(), on_wait=self._waiting)
 
     def _draft_worker(self, draft_dir: Path, target_dir: Path, layout: FeatureLayout,

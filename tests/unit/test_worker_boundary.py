@@ -170,6 +170,32 @@ def test_the_target_spins_briefly_only_beside_a_draft_and_only_where_the_user_ch
     assert target_worker_env(True, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
 
 
+def test_a_large_target_spins_longer_beside_a_draft():
+    """~1 ms where a step takes tens of ms and up (a 1B model's layers and larger), ~0.1 ms below."""
+    from dovetail_runtime.coordinator import (
+        LARGE_TARGET_PROJECTIONS,
+        LARGE_TARGET_SPIN_COUNT,
+        TARGET_SPIN_COUNT,
+        target_worker_env,
+    )
+    from dovetail_runtime.memory_fit import TargetSize
+
+    def projections(config: dict) -> int:
+        return TargetSize.from_config(config).projections
+
+    demo = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "intermediate_size": 1536}  # SmolLM2-135M
+    llama2_7b = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "intermediate_size": 11008}
+    assert projections(demo) < LARGE_TARGET_PROJECTIONS <= projections(llama2_7b)
+    assert int(TARGET_SPIN_COUNT) < int(LARGE_TARGET_SPIN_COUNT) <= 30_000  # libgomp's default: 300,000
+    environ = {"PATH": "/bin"}
+    assert target_worker_env(True, environ, projections(demo)) == {"GOMP_SPINCOUNT": TARGET_SPIN_COUNT}
+    assert target_worker_env(True, environ, projections(llama2_7b)) == {"GOMP_SPINCOUNT": LARGE_TARGET_SPIN_COUNT}
+    assert target_worker_env(False, environ, projections(llama2_7b)) == {}  # no draft: libgomp's default
+    assert target_worker_env(True, {"GOMP_SPINCOUNT": "5"}, projections(llama2_7b)) == {}  # the user's choice
+
+
 def test_the_draft_sleeps_after_a_short_spin_unless_the_user_chose_a_policy():
     from dovetail_runtime.coordinator import DRAFT_SPIN_COUNT, TARGET_SPIN_COUNT, draft_worker_env
 
