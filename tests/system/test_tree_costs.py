@@ -16,6 +16,7 @@ from cpu_worker.target_loading import load_target_model
 from cpu_worker.verify_cost import VerifyCostCache, cache_key, measure_verify_ms
 from gpu_worker.draft_cost import DraftCostCache, beam_key, draft_cost_key, measure_draft_ms
 from gpu_worker.drafter import DraftContextError, Drafter
+from ipc.cost_cache import TRUST_LOADED
 
 from runtime_harness import BIN
 
@@ -123,7 +124,9 @@ def test_draft_cost_is_cached_per_beam_and_follows_the_draft_steps(tmp_path, mon
 def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo_target, demo_draft):
     env = {**os.environ, "DOVETAIL_CACHE_DIR": str(tmp_path / "cache")}
     logs = []
-    for _ in range(2):
+    # A measurement taken while other processes used the cores is rightly taken again at the next start
+    # (ipc.cost_cache: up to TRUST_LOADED in a row, the last one kept), so starts go on until one reads the cache.
+    for _ in range(TRUST_LOADED + 1):
         done = subprocess.run([str(BIN / "dovetail-run"), "--target", str(demo_target), "--draft", str(demo_draft),
                                "--draft-device", "cpu", "--prompt", "def add(a, b):\n", "--max-new-tokens", "16",
                                # A fixed draft precision: auto picks int8 or fp32 by a timing taken at
@@ -134,11 +137,15 @@ def test_a_server_measures_verification_once_then_reads_the_cache(tmp_path, demo
         assert done.returncode == 0, done.stderr[-3000:]
         logs.append(done.stderr)
         assert sum(json.loads(done.stdout)["stats"]["trees"].values()) >= 1
-    assert "measured now, cached in" in logs[0] and "cached in" in logs[1] and "measured now" not in logs[1]
+        if "measured now" not in done.stderr:
+            break
+    assert "measured now, cached in" in logs[0] and "cached in" in logs[-1] and "measured now" not in logs[-1]
+    for before, after in zip(logs, logs[1:]):  # a start measured again only after one measured under load
+        assert "measured now" not in after or "other processes used" in before, before[-3000:]
     assert (tmp_path / "cache" / "verify_cost.json").is_file()
-    # The draft cost too: the second start reads both curves instead of measuring them.
+    # The draft cost too: the start after a quiet one reads both curves instead of measuring them.
     assert f"(measured now, cached in {tmp_path / 'cache' / 'draft_cost.json'})" in logs[0]
-    assert f"(cached in {tmp_path / 'cache' / 'draft_cost.json'})" in logs[1]
+    assert f"(cached in {tmp_path / 'cache' / 'draft_cost.json'})" in logs[-1]
     # (Whether it says "drafting cannot pay" depends on timings, so tests/unit/test_tree_planner.py
     # checks that verdict on fixed costs.)
     # Drafting is measured for both beam widths the planner tries (--tree-top-k 8 and 4).
