@@ -470,7 +470,8 @@ def make_tree(tree_tokens: int | tuple[str, int], depth: int | None, tree_top_k:
               help="Prompt lookup: the longest branch of tokens copied onto each draft tree from what followed "
                    "the last 2-4 tokens' latest earlier occurrence in the prompt or the answer (free to draft; "
                    "verified like the draft's own nodes, so the output never changes), and with --mode lookup "
-                   "(or a lookup request) onto each plain step. 0: off (--mode lookup needs at least 1).")
+                   "(or a lookup request) onto each plain step; with --tree-tokens auto only as many of its "
+                   "rows as pay at the measured costs. 0: off (--mode lookup needs at least 1).")
 @click.option("--top-k", expose_value=False, hidden=True, callback=refuse_ambiguous_top_k,
               help="Refused: say --tree-top-k or --sample-top-k.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, help="New tokens per one-shot prompt.")

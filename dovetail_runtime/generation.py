@@ -34,7 +34,7 @@ import msgspec
 from ipc import messages as m
 from ipc.tree import MAX_TREE_TOKENS, TreeShape
 
-from .lookup import PromptLookup, graft
+from .lookup import PromptLookup, copied, graft, shared_prefix
 from .lookup_policy import BranchPolicy
 from .plain_runs import LONGEST_RUN, RunSizer
 from .tree_planner import FixedTree, ShapePlanner, draft_path
@@ -450,15 +450,15 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                    verify_ms: Mapping[int, float] | None = None) -> Steps:
     """Speculative decoding; ``tree``: a fixed shape, or a planner that picks each cycle's; ``batch()``: how
     many sequences' cycles are verified together now (the planner sizes trees by it); ``lookup_tokens``: the
-    longest branch copied from earlier in the sequence onto each tree (``lookup``), and onto its plain steps
-    (where no tree pays) as much of it as pays at ``verify_ms`` (as lookup decoding's, ``lookup_decoding``);
-    its plain steps several a call while alone (``plain_runs``), up to the fallback's next probe."""
+    longest branch copied from earlier in the sequence onto each tree (``lookup``) and its plain steps, as much
+    as pays at ``verify_ms`` (``branch_sources``); its plain steps several a call while alone (``plain_runs``),
+    up to the fallback's next probe."""
     planner = FixedTree(tree) if isinstance(tree, TreeShape) else tree
     seq_id, prompt_ids, context = job.seq_id, job.prompt_ids, Context(job.max_len)
     stats = Stats(accept_per_depth=[0] * (max(planner.envelope.depth, lookup_tokens) + 1))  # branches run deeper
     budget = Budget(job.max_new_tokens, job.eos_token_ids, emit, stats)
     lookup = prompt_lookup(prompt_ids, budget, lookup_tokens) if lookup_tokens else None
-    plain_lookup, on_plain_step = cut_by_policy(alone(lookup, batch), stats, verify_ms)
+    policy, plain_lookup, on_plain_step = branch_sources(lookup, batch, stats, verify_ms)
     runs, started = RunSizer(lambda: alone_cap(batch, planner.plain_run_cap)), time.perf_counter()
     try:
         context.check_prompt(prompt_ids)
@@ -497,7 +497,7 @@ def dovetail_steps(job: Job, tree: TreeShape | ShapePlanner, emit: Emit,
                 feed.tokens, feed.features = verified.accepted_tokens, verified.features
                 continue
             branch = [] if lookup is None else lookup(branch_room(context, length, shape.tree_tokens))
-            verified = yield from tree_cycle(seq_id, feed, shape, planner, together, stats, branch)
+            verified = yield from tree_cycle(seq_id, feed, shape, planner, together, stats, branch, policy)
             length += len(verified.accepted_tokens)
             feed = DraftFeed(verified.accepted_tokens, verified.features, fresh=False, prompt=False)
             if budget.push(verified.accepted_tokens, verified.logprobs):
@@ -531,17 +531,26 @@ def lookup_decoding(job: Job, budget: Budget, stats: Stats, batch: Callable[[], 
     prompt lookup while the sequence runs alone, cut by a ``BranchPolicy`` where costs are known."""
     if not lookup_tokens:
         return None, None
-    return cut_by_policy(alone(prompt_lookup(job.prompt_ids, budget, lookup_tokens), batch), stats, verify_ms)
+    return cut_by_policy(alone(prompt_lookup(job.prompt_ids, budget, lookup_tokens), batch), stats,
+                         BranchPolicy(verify_ms) if verify_ms else None)
 
 
-def cut_by_policy(branches: Lookup | None, stats: Stats, verify_ms: Mapping[int, float] | None,
+def branch_sources(lookup: Lookup | None, batch: Callable[[], int], stats: Stats,
+                   verify_ms: Mapping[int, float] | None,
+                   ) -> tuple[BranchPolicy | None, Lookup | None, Callable[[int], None]]:
+    """A dovetail request's one estimate of how far copies hold (a ``BranchPolicy`` at the costs
+    ``verify_ms``; none without costs or lookup: whole branches), which cuts its trees' branches
+    (``tree_cycle``) and its plain steps' (``cut_by_policy``, those only while it runs alone)."""
+    policy = BranchPolicy(verify_ms) if lookup is not None and verify_ms else None
+    return policy, *cut_by_policy(alone(lookup, batch), stats, policy)
+
+
+def cut_by_policy(branches: Lookup | None, stats: Stats, policy: BranchPolicy | None,
                   ) -> tuple[Lookup | None, Callable[[int], None]]:
-    """Plain steps' prompt lookup cut by a ``BranchPolicy`` at the costs ``verify_ms`` (whole
-    branches without them), and what each plain step's emitted tokens are told to: the stats, and
-    the policy's acceptance."""
-    if branches is None or not verify_ms:
+    """Plain steps' prompt lookup cut by ``policy`` (whole branches without one: no costs known),
+    and what each plain step's emitted tokens are told to: the stats, and the policy's acceptance."""
+    if branches is None or policy is None:
         return branches, stats.record_plain_step
-    policy = BranchPolicy(verify_ms)
 
     def stepped(emitted: int) -> None:
         stats.record_plain_step(emitted)
@@ -572,19 +581,26 @@ class DraftFeed:
 
 
 def tree_cycle(seq_id: int, feed: DraftFeed, shape: TreeShape, planner: ShapePlanner, together: int,
-               stats: Stats, branch: Sequence[int] = ()) -> Generator[Call, m.Message, m.VerifyResult]:
+               stats: Stats, branch: Sequence[int] = (), policy: BranchPolicy | None = None,
+               ) -> Generator[Call, m.Message, m.VerifyResult]:
     """One speculative cycle: the draft reads ``feed`` and proposes a tree of ``shape``, ``branch``
-    (prompt lookup's guess) is grafted onto it, the target verifies it (beside ``together - 1``
-    other sequences); the planner and the stats are told."""
+    (prompt lookup's guess) is grafted onto it, as much of it as ``policy`` finds pays beside the
+    tree (all of it without a policy, or where the planner knows no costs), the target verifies it
+    (beside ``together - 1`` other sequences); the planner, the policy and the stats are told."""
     cycle_started = time.perf_counter()
     request = m.DraftRequest(seq_id=seq_id, tokens=feed.tokens, features=feed.features, shape=shape,
                              reset=feed.fresh)
     draft = _reply((yield Call("gpu", request, m.DraftResult, feed.prompt)), m.DraftResult)
+    if branch and policy is not None and (terms := planner.branch_terms(shape, together)) is not None:
+        branch = policy.choose_grafted(branch, shared_prefix(draft.tokens, draft.parents, branch), terms.tree_tokens,
+                                       terms.tree_ms, terms.extra_ms)
     tokens, parents = graft(draft.tokens, draft.parents, branch) if branch else (draft.tokens, draft.parents)
     stats.lookup_nodes += len(tokens) - len(draft.tokens)
     verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=tokens, parents=parents),
                                   m.VerifyResult)), m.VerifyResult)
     accepted = verified.accepted_tokens
+    if policy is not None:
+        policy.observe(copied(branch, accepted))
     # A draft step that read (the last chunk of) the prompt too: its times mislead the planner.
     planner.observe(shape, tokens, parents, accepted, draft.compute_ms, verified.compute_ms,
                     (time.perf_counter() - cycle_started) * 1e3, together, timed=not feed.prompt,
@@ -661,11 +677,13 @@ def generate_ar(cpu: Worker, job: Job, emit: Emit, lookup_tokens: int = 0,
 
 
 def generate_dovetail(cpu: Worker, gpu: Worker, job: Job, tree: TreeShape | ShapePlanner,
-                      emit: Emit, lookup_tokens: int = 0) -> tuple[FinishReason, Stats]:
+                      emit: Emit, lookup_tokens: int = 0,
+                      verify_ms: Mapping[int, float] | None = None) -> tuple[FinishReason, Stats]:
     """Speculative decoding, one request alone; ``tree``: a fixed shape, or a planner that picks each
-    cycle's; ``lookup_tokens``: prompt lookup's longest branch (``dovetail_steps``)."""
+    cycle's; ``lookup_tokens``: prompt lookup's longest branch, cut to what pays at the costs
+    ``verify_ms`` (``dovetail_steps``)."""
     try:
-        return run_alone(dovetail_steps(job, tree, emit, lookup_tokens=lookup_tokens), cpu, gpu)
+        return run_alone(dovetail_steps(job, tree, emit, lookup_tokens=lookup_tokens, verify_ms=verify_ms), cpu, gpu)
     finally:
         cpu.send(m.ReleaseSequence(seq_id=job.seq_id))
         gpu.send(m.ReleaseSequence(seq_id=job.seq_id))

@@ -86,6 +86,31 @@ def graft(tokens: Sequence[int], parents: Sequence[int], branch: Sequence[int]) 
     return tokens, parents
 
 
+def shared_prefix(tokens: Sequence[int], parents: Sequence[int], branch: Sequence[int]) -> int:
+    """How many of ``branch``'s first tokens lie on the tree's own nodes, from its root: ``graft``
+    adds rows only for the ones after them."""
+    children = children_by_token(tokens, parents)
+    node, count = 0, 0
+    for token in branch:
+        child = children.get(node, {}).get(int(token))
+        if child is None:
+            break
+        node, count = child, count + 1
+    return count
+
+
+def copied(branch: Sequence[int], accepted: Sequence[int]) -> int:
+    """How many of ``branch``'s tokens the target accepted (``accepted``: a verification's tokens,
+    its bonus token last): their common prefix. A bonus token equal to the branch's next one is
+    never counted where that token was verified (it would have been accepted as a node)."""
+    count = 0
+    for mine, theirs in zip(branch, accepted):
+        if int(mine) != int(theirs):
+            break
+        count += 1
+    return count
+
+
 def accepted_rows(tree_depth: int, lookup_tokens: int) -> int:
     """Feature rows a verification returns at most (a ring slot's rows): the root's and one per
     accepted node, on a path as deep as the deepest tree or a grafted branch."""

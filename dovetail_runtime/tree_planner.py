@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -134,6 +134,20 @@ class ShapePlanner(Protocol):
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
                 drafted: int | None = None) -> None: ...
 
+    def branch_terms(self, shape: TreeShape, batch: int = 1) -> BranchTerms | None:
+        """What a lookup branch grafted onto this tree is weighed against; None: graft it whole."""
+        ...
+
+
+@dataclass(frozen=True)
+class BranchTerms:
+    """A cycle's tree as a grafted branch must beat it (``BranchPolicy.choose_grafted``): the tokens
+    it is expected to emit, its cycle's ms, and the verify pass's extra ms for so many more rows."""
+
+    tree_tokens: float
+    tree_ms: float
+    extra_ms: Callable[[int], float]
+
 
 class FixedTree:
     """A fixed ``--tree-tokens N``: the same shape every cycle."""
@@ -157,6 +171,9 @@ class FixedTree:
                 draft_ms: float, verify_ms: float, cycle_ms: float, batch: int = 1, timed: bool = True,
                 drafted: int | None = None) -> None:
         pass
+
+    def branch_terms(self, shape: TreeShape, batch: int = 1) -> BranchTerms | None:
+        return None  # no costs known: a fixed tree takes the whole branch
 
 
 def accepted_path(tokens: Sequence[int], parents: Sequence[int], accepted: Sequence[int]) -> list[int]:
@@ -321,6 +338,22 @@ class TreePlanner:
         """Expected tokens per second."""
         tokens = self.expected_tokens(cell)
         return None if tokens is None else tokens / self.cycle_ms(cell) * 1e3
+
+    def branch_terms(self, shape: TreeShape, batch: int = 1) -> BranchTerms:
+        """A grafted branch's bar (``BranchTerms``): the tree's rated tokens, else as many as break even
+        with plain steps (its rows must then pay at least as those do), its cycle at the costs as
+        rated now, alone or in a batch of ``batch`` (its extra rows join the batch's one pass)."""
+        size, depth, top_k = cell = (shape.tree_tokens, shape.depth, shape.top_k)
+        tokens = self.expected_tokens(cell) if cell in self.weight else None  # a shape cut to the context: unrated
+        if batch > 1:
+            rows = batch * size
+            ms = self.batch_cycle_ms(batch, cell)
+            return BranchTerms(tokens or ms * self.plain_rate(batch), ms,
+                               lambda extra: self.batch_verify_ms(rows + extra) - self.batch_verify_ms(rows))
+        costs = self.costs()
+        ms = costs.draft[top_k][depth] + interpolate(costs.verify, size) + self.ipc_ms
+        return BranchTerms(tokens or ms / self.plain_step_ms(), ms,
+                           lambda extra: interpolate(costs.verify, size + extra) - interpolate(costs.verify, size))
 
     def plain_step_ms(self) -> float:
         """What a plain decode step should cost, until plain steps are timed (``plain_fallback``):

@@ -13,8 +13,10 @@ minutes). Here every planner meets the same acceptance and the same (seeded) noi
   (The runtime's features come from its verify passes: where rounding flips a close pick, its tree
   can differ from the recorded one.)
 - ``run`` walks each answer cycle by cycle as the runtime does, prompt lookup's branch grafted as
-  ``--lookup-tokens`` says: the planner (``TreePlanner``, built as the coordinator builds it) or a
-  fixed shape picks the tree; the accepted path is where the answer's tokens lead through it; the
+  ``--lookup-tokens`` says (with the planner, as much of it as ``BranchPolicy`` finds pays, on trees
+  and plain steps alike; ``auto-whole``: the planner with whole branches on its trees, as before
+  that policy; a fixed tree, whole branches): the planner (``TreePlanner``, built as the coordinator
+  builds it) or a fixed shape picks the tree; the accepted path is where the answer's tokens lead through it; the
   cycle costs the draft's time at its depth plus the verify time of all its rows plus the rest of a
   cycle, times the host's level (regimes that switch now and then, and per-cycle jitter). The planner
   is told the times as the workers would report them, and starts from startup curves with some
@@ -46,7 +48,8 @@ from typing import Any
 import click
 
 from dovetail_runtime.demo_models import SMOLLM2_DIR, SMOLLM2_DRAFT
-from dovetail_runtime.lookup import PromptLookup, graft
+from dovetail_runtime.lookup import PromptLookup, copied, graft, shared_prefix
+from dovetail_runtime.lookup_policy import BranchPolicy
 from dovetail_runtime.tree_planner import AutoTree, TreePlanner, interpolate
 from ipc.tree import TreeShape, children_by_token, tree_depths
 from tools.options import load_errors_in_one_line
@@ -59,6 +62,9 @@ STANDIN_VERIFY_MS = {1: 111.3, 2: 118.6, 3: 125.4, 4: 142.0, 5: 153.7, 6: 175.7,
 STANDIN_DRAFT_MS = (13.0, 6.5)  # the first level, each further one
 STANDIN_REST_MS = 2.0  # a cycle's round trips and the coordinator's work
 ENVELOPE = AutoTree()  # what dovetail-run's --tree-tokens auto plans within by default
+AUTO_WHOLE = "auto-whole"  # the planner, whole lookup branches grafted onto its trees
+PLAIN = "plain"  # no draft: plain steps with lookup's branches as they pay (--mode lookup)
+Policy = TreeShape | str | None  # a fixed tree, AUTO_WHOLE, PLAIN, or None: the planner as the runtime runs it
 
 
 # --- the recorded trees ----------------------------------------------------------------------
@@ -159,27 +165,59 @@ class Run:
         return self.tokens / self.cycles
 
 
-def simulate(answers: Sequence[dict[str, Any]], shape: TreeShape | None, costs: CycleCosts, seed: int,
+def simulate(answers: Sequence[dict[str, Any]], shape: Policy, costs: CycleCosts, seed: int,
              lookup_tokens: int, quiet: bool = False) -> Run:
-    """Every answer decoded in cycles with ``shape`` (None: the planner, one for the whole run, as a
-    server keeps one); the same seed gives every policy the same host."""
+    """Every answer decoded in cycles with ``shape`` (None or AUTO_WHOLE: the planner, one for the whole
+    run, as a server keeps one); the same seed gives every policy the same host."""
     host, run = Host(seed, quiet), Run()
-    planner = auto_planner(costs, host, lambda: run.ms / 1e3) if shape is None else None
+    fixed = TreeShape.clamped(1, 1, ENVELOPE.top_k) if shape == PLAIN else shape
+    fixed = fixed if isinstance(fixed, TreeShape) else None
+    planner = auto_planner(costs, host, lambda: run.ms / 1e3) if fixed is None else None
     for answer in answers:
         truth: list[int] = answer["answer"]
         lookup = PromptLookup([*answer["prompt"], truth[0]], lookup_tokens)
+        # Per request, as the runtime's (generation.dovetail_steps), on the planner's startup curve;
+        # plain steps alone on the quiet curve (--mode lookup measures its own at start).
+        policy = (BranchPolicy(planner.verify_ms) if planner is not None
+                  else BranchPolicy(costs.verify_ms) if shape == PLAIN else None)
         position = 1
         while position < len(truth):
-            planned = planner.shape() if planner is not None else shape
+            planned = planner.shape() if planner is not None else fixed
             assert planned is not None
-            emitted = cycle(planner, planned, answer, position, lookup, costs, host, run)
+            emitted = cycle(planner, planned, answer, position, lookup, costs, host, run,
+                            Branches(policy, whole_on_trees=shape == AUTO_WHOLE))
             lookup.extend(emitted)
             position += len(emitted)
     return run
 
 
+@dataclass(frozen=True)
+class Branches:
+    """How much of lookup's branch a cycle grafts: all of it without a policy, else what the policy
+    finds pays (on plain steps always; on trees unless ``whole_on_trees``)."""
+
+    policy: BranchPolicy | None = None
+    whole_on_trees: bool = False
+
+    def cut(self, branch: list[int], planner: TreePlanner | None, shape: TreeShape, tokens: Sequence[int],
+            parents: Sequence[int]) -> list[int]:
+        if self.policy is None or not branch:
+            return branch
+        if shape.tree_tokens == 1:
+            return self.policy.choose(branch)
+        if planner is None or self.whole_on_trees:
+            return branch
+        terms = planner.branch_terms(shape)
+        return self.policy.choose_grafted(branch, shared_prefix(tokens, parents, branch), terms.tree_tokens,
+                                          terms.tree_ms, terms.extra_ms)
+
+    def observe(self, branch: Sequence[int], emitted: Sequence[int]) -> None:
+        if self.policy is not None:
+            self.policy.observe(copied(branch, emitted))
+
+
 def cycle(planner: TreePlanner | None, shape: TreeShape, answer: dict[str, Any], position: int,
-          lookup: PromptLookup, costs: CycleCosts, host: Host, run: Run) -> list[int]:
+          lookup: PromptLookup, costs: CycleCosts, host: Host, run: Run, branches: Branches = Branches()) -> list[int]:
     """One cycle at ``position`` (the tree's root is the answer's token before it): the tokens it emits."""
     truth: list[int] = answer["answer"]
     size, depth, top_k = shape.tree_tokens, shape.depth, shape.top_k
@@ -190,9 +228,11 @@ def cycle(planner: TreePlanner | None, shape: TreeShape, answer: dict[str, Any],
     else:
         tokens, parents = [truth[position - 1]], [-1]
     drafted = len(tokens)
-    tokens, parents = graft(tokens, parents, lookup.continuation(room))
+    branch = branches.cut(lookup.continuation(room), planner, shape, tokens, parents)
+    tokens, parents = graft(tokens, parents, branch)
     accepted = followed(tokens, parents, truth[position:])[:room]
     emitted = [*accepted, truth[position + len(accepted)]]
+    branches.observe(branch, emitted)
     factor = host.factor()
     draft_ms = costs.draft(depth) * factor if size > 1 else 0.0
     verify_ms = costs.verify(len(tokens)) * factor
@@ -210,17 +250,18 @@ def cycle(planner: TreePlanner | None, shape: TreeShape, answer: dict[str, Any],
     return emitted
 
 
-def parse_shapes(text: str) -> list[TreeShape | None]:
-    """``auto,3/2/4,...``: None for the planner, T/depth/top_k for a fixed tree."""
-    shapes: list[TreeShape | None] = []
+def parse_shapes(text: str) -> list[Policy]:
+    """``auto,auto-whole,3/2/4,...``: None for the planner, AUTO_WHOLE, T/depth/top_k for a fixed tree."""
+    shapes: list[Policy] = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        if item == "auto":
-            shapes.append(None)
+        if item in ("auto", AUTO_WHOLE, PLAIN):
+            shapes.append(None if item == "auto" else item)
             continue
         try:
             size, depth, top_k = (int(value) for value in item.split("/"))
         except ValueError:
-            raise click.BadParameter(f"{item!r}: expected auto or T/depth/top_k, e.g. 3/2/4") from None
+            raise click.BadParameter(f"{item!r}: expected auto, {AUTO_WHOLE}, {PLAIN} or T/depth/top_k, e.g. 3/2/4",
+                                     ) from None
         if not (2 <= size <= ENVELOPE.max_tree_tokens and 1 <= depth <= min(size - 1, ENVELOPE.max_depth)
                 and top_k in ENVELOPE.top_ks):
             beams = " or ".join(map(str, ENVELOPE.top_ks))
@@ -232,19 +273,23 @@ def parse_shapes(text: str) -> list[TreeShape | None]:
     return shapes
 
 
-def shape_label(shape: TreeShape | None) -> str:
-    return "auto" if shape is None else f"{shape.tree_tokens}/{shape.depth}/{shape.top_k}"
+def shape_label(shape: Policy) -> str:
+    if isinstance(shape, TreeShape):
+        return f"{shape.tree_tokens}/{shape.depth}/{shape.top_k}"
+    return "auto" if shape is None else shape
 
 
-def compare(answers: Sequence[dict[str, Any]], shapes: Sequence[TreeShape | None], costs: CycleCosts,
+def compare(answers: Sequence[dict[str, Any]], shapes: Sequence[Policy], costs: CycleCosts,
             seeds: int, lookup_tokens: int, quiet: bool) -> str:
-    """A markdown table: each policy's tokens/s and tau over the seeds, and against the best fixed tree
-    in the same seed (same host)."""
+    """A markdown table: each policy's tokens/s and tau over the seeds, and against plain steps (where
+    ``PLAIN`` is among the policies) or else the best fixed tree, in the same seed (same host)."""
     runs = {shape_label(shape): [simulate(answers, shape, costs, seed, lookup_tokens, quiet) for seed in range(seeds)]
             for shape in shapes}
-    fixed = [label for label in runs if label != "auto"]
+    fixed = [label for label in runs if label not in ("auto", AUTO_WHOLE, PLAIN)]
     best = max(fixed, key=lambda label: statistics.mean(run.tokens_per_s for run in runs[label])) if fixed else None
-    lines = [markdown_header(["policy", "tok/s (mean of seeds)", "tau", f"/ best fixed ({best}): mean",
+    reference = f"/ {PLAIN}" if PLAIN in runs else f"/ best fixed ({best})"
+    best = PLAIN if PLAIN in runs else best
+    lines = [markdown_header(["policy", "tok/s (mean of seeds)", "tau", f"{reference}: mean",
                               "min", "max", "trees verified (first seed, most used)"])]
     for label, results in runs.items():
         ratios = ([run.tokens_per_s / other.tokens_per_s for run, other in zip(results, runs[best])]
@@ -358,7 +403,9 @@ def read_json(path: Path, option: str) -> dict[str, Any]:
 @click.option("--trees", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="A file written by `dump`.")
 @click.option("--shapes", default="auto,3/2/4,4/3/4,3/2/8,2/1/8", show_default=True,
-              help="Policies: auto (the planner) and fixed T/depth/top_k trees.")
+              help=f"Policies: auto (the planner), {AUTO_WHOLE} (the planner, whole lookup branches on its "
+                   f"trees), {PLAIN} (no draft: plain steps, lookup's branches as they pay) and fixed T/depth/top_k "
+                   "trees.")
 @click.option("--seeds", type=click.IntRange(1), default=8, show_default=True, help="Hosts (noise) per policy.")
 @click.option("--lookup-tokens", type=click.IntRange(0, 16), default=4, show_default=True)
 @click.option("--verify-curve", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,

@@ -8,9 +8,9 @@ import random
 import msgspec
 import pytest
 
-from dovetail_runtime.lookup import PromptLookup, graft
+from dovetail_runtime.lookup import PromptLookup, copied, graft, shared_prefix
 from dovetail_runtime.metrics import spec_tokens
-from dovetail_runtime.tree_planner import AutoTree, TreePlanner
+from dovetail_runtime.tree_planner import AutoTree, BranchTerms, FixedTree, TreePlanner
 from ipc.messages import Sampling
 from ipc.tree import TreeShape, validate_parents
 
@@ -101,6 +101,21 @@ def test_a_branch_the_tree_lacks_hangs_from_the_root():
 
 def test_a_branch_inside_the_tree_adds_nothing():
     assert graft(TOKENS, PARENTS, [11, 13]) == (TOKENS, PARENTS)
+
+
+def test_the_shared_prefix_is_what_the_branch_finds_on_the_trees_own_nodes():
+    assert shared_prefix(TOKENS, PARENTS, [11, 13, 14, 15]) == 2  # graft adds rows for 14 and 15 only
+    assert shared_prefix(TOKENS, PARENTS, [13, 11]) == 0
+    assert shared_prefix(TOKENS, PARENTS, [11, 13]) == 2 and shared_prefix(TOKENS, PARENTS, []) == 0
+    for branch in ([11, 13, 14, 15], [13, 11], [12, 5], [11]):
+        tokens, _ = graft(TOKENS, PARENTS, branch)
+        assert len(tokens) - len(TOKENS) == len(branch) - shared_prefix(TOKENS, PARENTS, branch)
+
+
+def test_copied_counts_the_branch_tokens_the_target_accepted():
+    assert copied([11, 13, 14], [11, 13, 9]) == 2  # 9: the bonus token, where the branch said 14
+    assert copied([11, 13], [11, 13, 14]) == 2  # a branch accepted whole, then the bonus
+    assert copied([11, 13], [12, 5]) == 0 and copied([], [12]) == 0
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -225,6 +240,49 @@ def test_seeded_sampling_with_lookup_equals_seeded_ar(tiny_pair, seed):
     params = msgspec.structs.replace(Sampling(temperature=1.0), seed=seed)
     ar, _ = run(engine, None, [1, 5, 2, 7], 24, params, 0)
     assert run(engine, drafter, [1, 5, 2, 7], 24, params, 4)[0] == ar
+
+
+class PricedTree(FixedTree):
+    """A fixed tree whose grafted branches are weighed at given costs: a 2-token, 10 ms cycle and
+    ``row_ms`` a branch row."""
+
+    def __init__(self, shape: TreeShape, row_ms: float):
+        super().__init__(shape)
+        self.row_ms = row_ms
+
+    def branch_terms(self, shape: TreeShape, batch: int = 1) -> BranchTerms:
+        return BranchTerms(2.0, 10.0, lambda rows: self.row_ms * rows)
+
+
+@pytest.mark.parametrize("row_ms", [0.01, 100.0])
+def test_trees_graft_as_much_of_the_branch_as_pays_and_emit_ars_tokens(tiny_pair, row_ms):
+    """Dear rows: the branch keeps only its tokens on the tree's own nodes, and a new row now and
+    then (the policy's probes); nearly free rows: it is grafted as it comes. ar's tokens either way."""
+    from dovetail_runtime.generation import Job, generate_dovetail
+    from dovetail_runtime.local_workers import local_workers
+    from dovetail_runtime.lookup_policy import PROBE_EVERY
+
+    engine, drafter = tiny_pair
+    prompt, shape = [1, 5, 2, 7, 1, 5, 2], TreeShape.clamped(3, 2, 1)
+    ar, _ = run(engine, None, prompt, 48, Sampling(), 0)
+    _, whole = run(engine, drafter, prompt, 48, Sampling(), 4, shape)
+    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=48, sampling=Sampling(), eos_token_ids=frozenset(),
+              max_len=engine.max_len)
+    emitted: list[int] = []
+
+    def emit(tokens: list[int], _logprobs) -> bool:
+        emitted.extend(tokens)
+        return False
+
+    with local_workers(engine, drafter, shape, lookup_tokens=4) as (cpu, gpu):
+        _, stats = generate_dovetail(cpu, gpu, job, PricedTree(shape, row_ms), emit, lookup_tokens=4,
+                                     verify_ms={1: 10.0, 2: 20.0, 8: 80.0})
+    assert emitted == ar
+    assert whole.lookup_nodes > whole.cycles  # whole branches: more than a node a cycle on this repeating text
+    if row_ms > 1:
+        assert stats.lookup_nodes <= stats.cycles // PROBE_EVERY + 1  # probes only
+    else:
+        assert stats.lookup_nodes >= whole.lookup_nodes // 2 and stats.lookup_tokens > 0
 
 
 def test_plain_steps_in_a_busy_batch_take_no_branch(tiny_pair):

@@ -61,3 +61,33 @@ def test_a_planners_curve_is_interpolated_and_made_non_decreasing():
     for _ in range(10):
         policy.observe(len(policy.choose(BRANCH)))  # all accepted: the branch grows past the gaps
     assert policy.choose(BRANCH) == BRANCH[:7]
+
+
+# --- a branch grafted onto a draft tree: its free tokens kept, new rows only where they pay ------------
+
+TREE_TOKENS, TREE_MS = 2.0, 100.0  # a tree emitting 2 tokens a 100 ms cycle: 0.02 tokens a ms to beat
+
+
+def test_a_grafted_branch_keeps_the_tokens_the_tree_has_and_adds_dear_rows_only_as_probes():
+    policy = BranchPolicy(DEAR)
+    dear = lambda rows: 60.0 * rows  # noqa: E731 - a row at 0.6 of the cycle: at the prior it never pays
+    offers = [policy.choose_grafted(BRANCH, 2, TREE_TOKENS, TREE_MS, dear) for _ in range(2 * PROBE_EVERY)]
+    assert offers.count(BRANCH[:2]) == 2 * PROBE_EVERY - 2  # the two tokens on the tree's nodes cost nothing
+    assert offers.count(BRANCH[:3]) == 2  # one new row every PROBE_EVERY branches that would add none
+    assert policy.choose_grafted(BRANCH[:2], 2, TREE_TOKENS, TREE_MS, dear) == BRANCH[:2]  # nothing to add: no probe
+
+
+def test_a_grafted_branch_takes_cheap_rows_and_grows_while_its_copies_are_accepted():
+    policy = BranchPolicy(DEAR)  # the plain steps' curve plays no part on a tree
+    assert len(policy.choose_grafted(BRANCH, 0, TREE_TOKENS, TREE_MS, lambda rows: 0.5 * rows)) >= 4  # nearly free
+    policy = BranchPolicy(DEAR)
+    fair = lambda rows: 30.0 * rows  # noqa: E731 - pays once copies are right more often than not
+    lengths = []
+    for _ in range(40):
+        offered = policy.choose_grafted(BRANCH, 0, TREE_TOKENS, TREE_MS, fair)
+        lengths.append(len(offered))
+        policy.observe(len(offered))  # every copied token accepted
+    assert lengths[0] == 0 and lengths[-1] >= 4
+    for _ in range(12):
+        policy.observe(0) if policy.choose_grafted(BRANCH, 0, TREE_TOKENS, TREE_MS, fair) else None
+    assert policy.choose_grafted(BRANCH, 0, TREE_TOKENS, TREE_MS, fair) in ([], BRANCH[:1])  # none, or a probe

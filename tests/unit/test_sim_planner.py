@@ -67,6 +67,29 @@ def test_a_wrong_draft_emits_one_token_a_cycle_and_lookup_copies_a_loop():
     assert looped.tokens == plain.tokens and looped.tau > 3.5  # 4 copied tokens + the bonus once the loop shows
 
 
+def test_with_dear_rows_the_planner_grafts_only_the_branch_rows_that_pay():
+    """Text whose 2-grams recur with new continuations (7 8 x, 7 8 y, ...): lookup's branch is always wrong
+    at its first token; a draft right at its first node, so 2-node trees pay. On AVX2-like costs (a row
+    ~0.45 of a step) whole branches grafted onto every tree cost rows that bring nothing; cut, no more
+    than the probes. ``plain`` (no draft, the branch cut as --mode lookup cuts it) stays a plain step."""
+    truth = [token for index in range(100) for token in (7, 8, 200 + index)]
+
+    def first_right(position: int) -> list[list[int]]:
+        tokens, parents = chain_tree(truth, position, wrong=1000)
+        tokens[1] = truth[position]
+        return [tokens, parents]
+
+    recorded = [first_right(position) for position in range(1, len(truth))]
+    answers = [{"prompt": [1000, 1001], "answer": truth, "trees": {"4": recorded, "8": recorded}}]
+    dear = CycleCosts({size: 200.0 + 90.0 * (size - 1) for size in range(1, 65)}, 25.0, 26.0, 3.0)
+    cut = simulate(answers, None, dear, 0, 4, **QUIET)
+    whole = simulate(answers, sim_planner.AUTO_WHOLE, dear, 0, 4, **QUIET)
+    plain = simulate(answers, sim_planner.PLAIN, dear, 0, 4, **QUIET)
+    assert cut.tokens == whole.tokens == plain.tokens
+    assert cut.tokens_per_s > 1.1 * whole.tokens_per_s, (cut, whole)
+    assert set(plain.chosen) == {(1, 0, 8)} and plain.tau < 1.1
+
+
 def test_the_planner_climbs_from_its_first_shape_when_every_draft_token_is_right():
     """If the planner were not told each cycle (or told the wrong path) it would stay at its first shape
     (4/3/8 at these costs: the deepest within 1.3x the cheapest cycle). It climbs slowly: a deeper cell
@@ -89,11 +112,12 @@ def test_every_policy_meets_the_same_host_for_a_seed():
 def test_run_prints_a_row_per_policy_and_refuses_shapes_it_has_no_trees_for(tmp_path):
     path = tmp_path / "trees.json"
     path.write_text(json.dumps({"answers": answers_with(chain_tree)}))
-    done = CliRunner().invoke(sim_planner.main, ["run", "--trees", str(path), "--shapes", "auto,3/2/4,2/1/8",
-                                                 "--seeds", "2"])
+    done = CliRunner().invoke(sim_planner.main, ["run", "--trees", str(path), "--shapes",
+                                                 "auto,auto-whole,plain,3/2/4,2/1/8", "--seeds", "2"])
     assert done.exit_code == 0, done.output
+    assert "/ plain: mean" in done.output  # the reference, when plain is among the policies
     rows = [line for line in done.output.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [row.split("|")[1].strip() for row in rows] == ["auto", "3/2/4", "2/1/8"]
+    assert [row.split("|")[1].strip() for row in rows] == ["auto", "auto-whole", "plain", "3/2/4", "2/1/8"]
     for bad in ("3/2/5", "2/2/4", "x", "65/3/8"):
         refused = CliRunner().invoke(sim_planner.main, ["run", "--trees", str(path), "--shapes", bad])
         assert refused.exit_code == 2 and ("expected" in refused.output or "recorded trees" in refused.output), \

@@ -341,6 +341,26 @@ def test_drafting_cannot_pay_is_said_only_when_even_perfect_acceptance_loses():
                                bounds) is None
 
 
+def test_a_grafted_branch_is_weighed_against_the_trees_rated_cycle_and_its_extra_rows():
+    bounds = AutoTree(max_tree_tokens=16, max_depth=4, top_k=2)
+    verify = {1: 100.0, 2: 110.0, 3: 120.0, 4: 130.0, 6: 150.0, 8: 170.0, 12: 210.0, 16: 250.0}
+    planner = TreePlanner(bounds, verify, dict.fromkeys(range(1, 5), 10.0))
+    shape = TreeShape.clamped(4, 2, 2)
+    unrated = planner.branch_terms(shape)
+    assert unrated.tree_ms == pytest.approx(10.0 + 130.0)
+    # Before the tree is rated: as many tokens as break even with plain steps (t_verify(1) each).
+    assert unrated.tree_tokens == pytest.approx(140.0 / 100.0)
+    assert unrated.extra_ms(2) == pytest.approx(150.0 - 130.0) and unrated.extra_ms(0) == 0.0
+    world = World(0.9, verify=lambda size: verify.get(size, 90.0 + 10.0 * size), draft=lambda depth: 10.0)
+    world.run(planner, 60)
+    rated = planner.branch_terms(shape)
+    assert rated.tree_tokens == pytest.approx(planner.expected_tokens((4, 2, 2)))
+    assert rated.tree_tokens > unrated.tree_tokens  # a draft right 90% of the time beats break-even
+    # In a batch of 3 the branch's rows join the batch's pass.
+    batched = planner.branch_terms(shape, 3)
+    assert batched.extra_ms(4) == pytest.approx(planner.batch_verify_ms(16) - planner.batch_verify_ms(12))
+
+
 def batch_planner(verify) -> TreePlanner:
     """A planner that has seen 300 solo cycles of a good draft (World 0.8) on these verify costs."""
     bounds = AutoTree(max_tree_tokens=32, max_depth=6, top_k=3)
