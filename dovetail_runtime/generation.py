@@ -591,9 +591,8 @@ def tree_cycle(seq_id: int, feed: DraftFeed, shape: TreeShape, planner: ShapePla
     request = m.DraftRequest(seq_id=seq_id, tokens=feed.tokens, features=feed.features, shape=shape,
                              reset=feed.fresh)
     draft = _reply((yield Call("gpu", request, m.DraftResult, feed.prompt)), m.DraftResult)
-    if branch and policy is not None and (terms := planner.branch_terms(shape, together)) is not None:
-        branch = policy.choose_grafted(branch, shared_prefix(draft.tokens, draft.parents, branch), terms.tree_tokens,
-                                       terms.tree_ms, terms.extra_ms)
+    if branch and policy is not None:
+        branch = cut_branch(branch, policy, planner, shape, together, draft)
     tokens, parents = graft(draft.tokens, draft.parents, branch) if branch else (draft.tokens, draft.parents)
     stats.lookup_nodes += len(tokens) - len(draft.tokens)
     verified = _reply((yield Call("cpu", m.VerifyRequest(seq_id=seq_id, tokens=tokens, parents=parents),
@@ -608,6 +607,20 @@ def tree_cycle(seq_id: int, feed: DraftFeed, shape: TreeShape, planner: ShapePla
     grafted = len(accepted) - 1 - len(draft_path(tokens, parents, accepted, len(draft.tokens))) if branch else 0
     stats.record_cycle(shape, draft.compute_ms, verified.compute_ms, len(accepted), grafted)
     return verified
+
+
+def cut_branch(branch: Sequence[int], policy: BranchPolicy, planner: ShapePlanner, shape: TreeShape, together: int,
+               draft: m.DraftResult) -> Sequence[int]:
+    """As much of lookup's ``branch`` as ``policy`` finds pays on this cycle's tree: a one-node tree (a
+    first cycle whose draft reads the prompt, no tree paying) as a plain step's; a tree as its planner
+    weighs it; whole where the planner knows no costs (a fixed tree)."""
+    if shape.tree_tokens == 1:
+        return policy.choose(branch)
+    terms = planner.branch_terms(shape, together)
+    if terms is None:
+        return branch
+    shared = shared_prefix(draft.tokens, draft.parents, branch)
+    return policy.choose_grafted(branch, shared, terms.tree_tokens, terms.tree_ms, terms.extra_ms)
 
 
 def defer_prompt(seq_id: int, feed: DraftFeed) -> Generator[Call, m.Message, None]:

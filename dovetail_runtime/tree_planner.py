@@ -205,6 +205,13 @@ def interpolate(points: Mapping[int, float], x: int) -> float:
     return points[xs[-1]]
 
 
+def extrapolate(points: Mapping[int, float], x: int) -> float:
+    """``interpolate`` within the measured sizes, continued in proportion past the largest (a verify
+    pass's rows' arithmetic dominates there): a row beyond the curve is never free."""
+    largest = max(points)
+    return interpolate(points, x) if x <= largest else points[largest] * x / largest
+
+
 def cheapest_from_here(costs: Mapping[int, float]) -> dict[int, float]:
     """Each size's cost as the least of its own and every larger size's: non-decreasing, as a
     tree's cost is, and robust to the error a shared host makes (a timing taken during a busy
@@ -340,20 +347,21 @@ class TreePlanner:
         return None if tokens is None else tokens / self.cycle_ms(cell) * 1e3
 
     def branch_terms(self, shape: TreeShape, batch: int = 1) -> BranchTerms:
-        """A grafted branch's bar (``BranchTerms``): the tree's rated tokens, else as many as break even
-        with plain steps (its rows must then pay at least as those do), its cycle at the costs as
-        rated now, alone or in a batch of ``batch`` (its extra rows join the batch's one pass)."""
+        """A grafted branch's bar (``BranchTerms``) for a tree of two nodes or more: the tree's rated
+        tokens, else as many as break even with plain steps (its rows must then pay at least as those
+        do), its cycle at the costs as rated now; in a batch of ``batch`` the batch's cycle and tokens
+        (its extra rows lengthen the one pass every sequence waits on)."""
         size, depth, top_k = cell = (shape.tree_tokens, shape.depth, shape.top_k)
         tokens = self.expected_tokens(cell) if cell in self.weight else None  # a shape cut to the context: unrated
         if batch > 1:
             rows = batch * size
             ms = self.batch_cycle_ms(batch, cell)
-            return BranchTerms(tokens or ms * self.plain_rate(batch), ms,
+            return BranchTerms(batch * (tokens or ms * self.plain_rate(batch)), ms,
                                lambda extra: self.batch_verify_ms(rows + extra) - self.batch_verify_ms(rows))
         costs = self.costs()
-        ms = costs.draft[top_k][depth] + interpolate(costs.verify, size) + self.ipc_ms
+        ms = costs.draft[top_k][depth] + extrapolate(costs.verify, size) + self.ipc_ms
         return BranchTerms(tokens or ms / self.plain_step_ms(), ms,
-                           lambda extra: interpolate(costs.verify, size + extra) - interpolate(costs.verify, size))
+                           lambda extra: extrapolate(costs.verify, size + extra) - extrapolate(costs.verify, size))
 
     def plain_step_ms(self) -> float:
         """What a plain decode step should cost, until plain steps are timed (``plain_fallback``):
@@ -483,10 +491,7 @@ class TreePlanner:
     def batch_verify_ms(self, rows: int) -> float:
         """t_verify of ``rows`` rows in one pass: the measured curve, continued in proportion past its
         largest size (the rows' arithmetic dominates there)."""
-        largest = max(self.verify_ms)
-        measured = (interpolate(self.verify_ms, rows) if rows <= largest
-                    else self.verify_ms[largest] * rows / largest)
-        return self.verify_scale * measured
+        return self.verify_scale * extrapolate(self.verify_ms, rows)
 
     def probe(self) -> Cell:
         """Larger than the best: alternately one tree size up and one level deeper, and two and

@@ -50,7 +50,7 @@ import click
 from dovetail_runtime.demo_models import SMOLLM2_DIR, SMOLLM2_DRAFT
 from dovetail_runtime.lookup import PromptLookup, copied, graft, shared_prefix
 from dovetail_runtime.lookup_policy import BranchPolicy
-from dovetail_runtime.tree_planner import AutoTree, TreePlanner, interpolate
+from dovetail_runtime.tree_planner import AutoTree, TreePlanner, extrapolate
 from ipc.tree import TreeShape, children_by_token, tree_depths
 from tools.options import load_errors_in_one_line
 from tools.tables import markdown_header, markdown_row
@@ -105,7 +105,7 @@ class CycleCosts:
     rest_ms: float = STANDIN_REST_MS
 
     def verify(self, rows: int) -> float:
-        return interpolate(self.verify_ms, rows)
+        return extrapolate(self.verify_ms, rows)  # rows past the curve (a branch on the largest tree) cost
 
     def draft(self, depth: int) -> float:
         return self.draft_first_ms + self.draft_level_ms * (depth - 1)

@@ -285,6 +285,30 @@ def test_trees_graft_as_much_of_the_branch_as_pays_and_emit_ars_tokens(tiny_pair
         assert stats.lookup_nodes >= whole.lookup_nodes // 2 and stats.lookup_tokens > 0
 
 
+def test_a_first_cycle_of_one_node_weighs_its_branch_as_a_plain_step(tiny_pair):
+    """A request that starts while the server's planner decodes plainly drafts a one-node tree first
+    (its draft reads the prompt); a repeating prompt gives it a branch, weighed as a plain step's (a
+    one-node tree has no draft levels to price it by). ar's tokens."""
+    from dovetail_runtime.generation import Job, generate_dovetail
+    from dovetail_runtime.local_workers import local_workers
+
+    engine, drafter = tiny_pair
+    prompt = [1, 5, 2, 7, 1, 5, 2, 7, 1, 5]  # ends in a 2-gram seen before: a branch from the first cycle
+    ar, _ = run(engine, None, prompt, 24, Sampling(), 0)
+    bounds = AutoTree(max_tree_tokens=8, max_depth=3, top_k=2)
+    verify_ms = {1: 10.0, 2: 12.0, 3: 14.0, 4: 16.0, 6: 20.0, 8: 24.0}
+    planner = TreePlanner(bounds, verify_ms, draft_ms={1: 1.0, 2: 2.0, 3: 3.0})
+    planner.fallback.plain = True  # as a previous request left it
+    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=24, sampling=Sampling(), eos_token_ids=frozenset(),
+              max_len=engine.max_len)
+    emitted: list[int] = []
+    with local_workers(engine, drafter, bounds.envelope, lookup_tokens=4) as (cpu, gpu):
+        _, stats = generate_dovetail(cpu, gpu, job, planner, lambda tokens, _: emitted.extend(tokens) or False,
+                                     lookup_tokens=4, verify_ms=verify_ms)
+    assert emitted == ar
+    assert stats.trees["1/0/2"] >= 1 and stats.lookup_nodes > 0
+
+
 def test_plain_steps_in_a_busy_batch_take_no_branch(tiny_pair):
     """Where the batch's load leaves no tree room the floor is plain batched decoding: no lookup rows."""
     from dovetail_runtime.generation import Job, dovetail_steps, run_alone

@@ -71,7 +71,7 @@ def test_with_dear_rows_the_planner_grafts_only_the_branch_rows_that_pay():
     """Text whose 2-grams recur with new continuations (7 8 x, 7 8 y, ...): lookup's branch is always wrong
     at its first token; a draft right at its first node, so 2-node trees pay. On AVX2-like costs (a row
     ~0.45 of a step) whole branches grafted onto every tree cost rows that bring nothing; cut, no more
-    than the probes. ``plain`` (no draft, the branch cut as --mode lookup cuts it) stays a plain step."""
+    than the probes."""
     truth = [token for index in range(100) for token in (7, 8, 200 + index)]
 
     def first_right(position: int) -> list[list[int]]:
@@ -84,10 +84,10 @@ def test_with_dear_rows_the_planner_grafts_only_the_branch_rows_that_pay():
     dear = CycleCosts({size: 200.0 + 90.0 * (size - 1) for size in range(1, 65)}, 25.0, 26.0, 3.0)
     cut = simulate(answers, None, dear, 0, 4, **QUIET)
     whole = simulate(answers, sim_planner.AUTO_WHOLE, dear, 0, 4, **QUIET)
-    plain = simulate(answers, sim_planner.PLAIN, dear, 0, 4, **QUIET)
-    assert cut.tokens == whole.tokens == plain.tokens
     assert cut.tokens_per_s > 1.1 * whole.tokens_per_s, (cut, whole)
-    assert set(plain.chosen) == {(1, 0, 8)} and plain.tau < 1.1
+    # Cut, the 2-node trees keep paying (~2 tokens a cycle); whole, their wasted rows made them look poor
+    # and plain steps took over for much of the text.
+    assert cut.tau > 1.9 > whole.tau
 
 
 def test_the_planner_climbs_from_its_first_shape_when_every_draft_token_is_right():

@@ -350,15 +350,20 @@ def test_a_grafted_branch_is_weighed_against_the_trees_rated_cycle_and_its_extra
     assert unrated.tree_ms == pytest.approx(10.0 + 130.0)
     # Before the tree is rated: as many tokens as break even with plain steps (t_verify(1) each).
     assert unrated.tree_tokens == pytest.approx(140.0 / 100.0)
-    assert unrated.extra_ms(2) == pytest.approx(150.0 - 130.0) and unrated.extra_ms(0) == 0.0
+    assert unrated.extra_ms(2) == pytest.approx(150.0 - 130.0)
+    # Past the measured curve rows still cost, in proportion (a branch on the largest tree is not free).
+    largest = planner.branch_terms(TreeShape.clamped(16, 4, 2))
+    assert largest.extra_ms(4) == pytest.approx(250.0 * 20 / 16 - 250.0)
     world = World(0.9, verify=lambda size: verify.get(size, 90.0 + 10.0 * size), draft=lambda depth: 10.0)
     world.run(planner, 60)
     rated = planner.branch_terms(shape)
     assert rated.tree_tokens == pytest.approx(planner.expected_tokens((4, 2, 2)))
     assert rated.tree_tokens > unrated.tree_tokens  # a draft right 90% of the time beats break-even
-    # In a batch of 3 the branch's rows join the batch's pass.
+    # In a batch of 3 the branch's rows lengthen the pass all three wait on: weighed against the batch's
+    # tokens, so a row that would pay for one sequence's own rate alone does not pay for the batch's.
     batched = planner.branch_terms(shape, 3)
-    assert batched.extra_ms(4) == pytest.approx(planner.batch_verify_ms(16) - planner.batch_verify_ms(12))
+    assert batched.tree_tokens == pytest.approx(3 * rated.tree_tokens)
+    assert batched.extra_ms(4) > 0
 
 
 def batch_planner(verify) -> TreePlanner:
