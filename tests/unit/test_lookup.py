@@ -183,6 +183,21 @@ def tiny_pair(tmp_path_factory):
     return sharp_tiny_pair(tmp_path_factory.mktemp("tiny-lookup"), 96)
 
 
+def greedy_job(engine, prompt: list[int], count: int):
+    """A greedy request for ``count`` tokens, the list its emitted tokens go to, and its emit callback."""
+    from dovetail_runtime.generation import Job
+
+    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=Sampling(), eos_token_ids=frozenset(),
+              max_len=engine.max_len)
+    emitted: list[int] = []
+
+    def emit(tokens: list[int], _logprobs) -> bool:
+        emitted.extend(tokens)
+        return False
+
+    return job, emitted, emit
+
+
 def run(engine, drafter, prompt: list[int], count: int, params: Sampling, lookup_tokens: int,
         shape: TreeShape = TreeShape.clamped(3, 2, 1)):
     from dovetail_runtime.generation import Job, generate_ar, generate_dovetail
@@ -258,7 +273,7 @@ class PricedTree(FixedTree):
 def test_trees_graft_as_much_of_the_branch_as_pays_and_emit_ars_tokens(tiny_pair, row_ms):
     """Dear rows: the branch keeps only its tokens on the tree's own nodes, and a new row now and
     then (the policy's probes); nearly free rows: it is grafted as it comes. ar's tokens either way."""
-    from dovetail_runtime.generation import Job, generate_dovetail
+    from dovetail_runtime.generation import generate_dovetail
     from dovetail_runtime.local_workers import local_workers
     from dovetail_runtime.lookup_policy import PROBE_EVERY
 
@@ -266,14 +281,7 @@ def test_trees_graft_as_much_of_the_branch_as_pays_and_emit_ars_tokens(tiny_pair
     prompt, shape = [1, 5, 2, 7, 1, 5, 2], TreeShape.clamped(3, 2, 1)
     ar, _ = run(engine, None, prompt, 48, Sampling(), 0)
     _, whole = run(engine, drafter, prompt, 48, Sampling(), 4, shape)
-    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=48, sampling=Sampling(), eos_token_ids=frozenset(),
-              max_len=engine.max_len)
-    emitted: list[int] = []
-
-    def emit(tokens: list[int], _logprobs) -> bool:
-        emitted.extend(tokens)
-        return False
-
+    job, emitted, emit = greedy_job(engine, prompt, 48)
     with local_workers(engine, drafter, shape, lookup_tokens=4) as (cpu, gpu):
         _, stats = generate_dovetail(cpu, gpu, job, PricedTree(shape, row_ms), emit, lookup_tokens=4,
                                      verify_ms={1: 10.0, 2: 20.0, 8: 80.0})
@@ -289,7 +297,7 @@ def test_a_first_cycle_of_one_node_weighs_its_branch_as_a_plain_step(tiny_pair):
     """A request that starts while the server's planner decodes plainly drafts a one-node tree first
     (its draft reads the prompt); a repeating prompt gives it a branch, weighed as a plain step's (a
     one-node tree has no draft levels to price it by). ar's tokens."""
-    from dovetail_runtime.generation import Job, generate_dovetail
+    from dovetail_runtime.generation import generate_dovetail
     from dovetail_runtime.local_workers import local_workers
 
     engine, drafter = tiny_pair
@@ -299,32 +307,22 @@ def test_a_first_cycle_of_one_node_weighs_its_branch_as_a_plain_step(tiny_pair):
     verify_ms = {1: 10.0, 2: 12.0, 3: 14.0, 4: 16.0, 6: 20.0, 8: 24.0}
     planner = TreePlanner(bounds, verify_ms, draft_ms={1: 1.0, 2: 2.0, 3: 3.0})
     planner.fallback.plain = True  # as a previous request left it
-    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=24, sampling=Sampling(), eos_token_ids=frozenset(),
-              max_len=engine.max_len)
-    emitted: list[int] = []
+    job, emitted, emit = greedy_job(engine, prompt, 24)
     with local_workers(engine, drafter, bounds.envelope, lookup_tokens=4) as (cpu, gpu):
-        _, stats = generate_dovetail(cpu, gpu, job, planner, lambda tokens, _: emitted.extend(tokens) or False,
-                                     lookup_tokens=4, verify_ms=verify_ms)
+        _, stats = generate_dovetail(cpu, gpu, job, planner, emit, lookup_tokens=4, verify_ms=verify_ms)
     assert emitted == ar
     assert stats.trees["1/0/2"] >= 1 and stats.lookup_nodes > 0
 
 
 def test_plain_steps_in_a_busy_batch_take_no_branch(tiny_pair):
     """Where the batch's load leaves no tree room the floor is plain batched decoding: no lookup rows."""
-    from dovetail_runtime.generation import Job, dovetail_steps, run_alone
+    from dovetail_runtime.generation import dovetail_steps, run_alone
     from dovetail_runtime.local_workers import local_workers
 
     engine, drafter = tiny_pair
     prompt, plain = [1, 5, 2, 7, 1, 5, 2], TreeShape.clamped(1, 1, 1)
     ar, _ = run(engine, None, prompt, 48, Sampling(), 0)
-    job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=48, sampling=Sampling(), eos_token_ids=frozenset(),
-              max_len=engine.max_len)
-    emitted: list[int] = []
-
-    def emit(tokens: list[int], _logprobs) -> bool:
-        emitted.extend(tokens)
-        return False
-
+    job, emitted, emit = greedy_job(engine, prompt, 48)
     with local_workers(engine, drafter, plain, lookup_tokens=4) as (cpu, gpu):
         _, stats = run_alone(dovetail_steps(job, plain, emit, batch=lambda: 2, lookup_tokens=4), cpu, gpu)
     assert emitted == ar
