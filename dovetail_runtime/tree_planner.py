@@ -307,7 +307,9 @@ class TreePlanner:
         """What a cycle of this shape costs (``costs``)."""
         size, depth, top_k = cell
         costs = self.costs()
-        return costs.draft[top_k][depth] + costs.verify[size] + self.ipc_ms
+        verify = costs.verify.get(size)  # a planner's size; else one cut to the context, or a tree and a branch
+        return costs.draft[top_k][depth] + (verify if verify is not None else extrapolate(costs.verify, size)) \
+            + self.ipc_ms
 
     def costs(self) -> Costs:
         """t_verify per tree size and t_draft per beam width and depth: what such cycles took, where
@@ -351,17 +353,18 @@ class TreePlanner:
         tokens, else as many as break even with plain steps (its rows must then pay at least as those
         do), its cycle at the costs as rated now; in a batch of ``batch`` the batch's cycle and tokens
         (its extra rows lengthen the one pass every sequence waits on)."""
-        size, depth, top_k = cell = (shape.tree_tokens, shape.depth, shape.top_k)
+        size = shape.tree_tokens
+        cell = (size, shape.depth, shape.top_k)
         tokens = self.expected_tokens(cell) if cell in self.weight else None  # a shape cut to the context: unrated
         if batch > 1:
-            rows = batch * size
-            ms = self.batch_cycle_ms(batch, cell)
+            rows, ms = batch * size, self.batch_cycle_ms(batch, cell)
+            base = self.batch_verify_ms(rows)
             return BranchTerms(batch * (tokens or ms * self.plain_rate(batch)), ms,
-                               lambda extra: self.batch_verify_ms(rows + extra) - self.batch_verify_ms(rows))
-        costs = self.costs()
-        ms = costs.draft[top_k][depth] + extrapolate(costs.verify, size) + self.ipc_ms
+                               lambda extra: self.batch_verify_ms(rows + extra) - base)
+        ms, verify = self.cycle_ms(cell), self.costs().verify
+        base = extrapolate(verify, size)
         return BranchTerms(tokens or ms / self.plain_step_ms(), ms,
-                           lambda extra: extrapolate(costs.verify, size + extra) - extrapolate(costs.verify, size))
+                           lambda extra: extrapolate(verify, size + extra) - base)
 
     def plain_step_ms(self) -> float:
         """What a plain decode step should cost, until plain steps are timed (``plain_fallback``):
