@@ -6,4 +6,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/fetch_fixture.sh" >/dev/null
 cd "$repo"
-exec .venv/bin/python -m pytest "$@"
+# One pytest worker per core (at most 4), each taking whole files (a module's servers start once);
+# `-n 0` among the arguments runs in this process.
+workers="$(nproc)"
+exec .venv/bin/python -m pytest -n "$(( workers < 4 ? workers : 4 ))" --dist loadfile "$@"
