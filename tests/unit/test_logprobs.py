@@ -56,26 +56,13 @@ def demo_pair():
 def run(engine, drafter, prompt: list[int], sampling: m.Sampling, logprobs: int | None):
     """(tokens, logprobs) of the coordinator's own cycle over in-process workers: dovetail with a
     drafter, ar without."""
-    from dovetail_runtime.generation import Job, generate_ar, generate_dovetail
-    from dovetail_runtime.local_workers import local_workers
+    from dovetail_runtime.generation import Job
 
-    shape = TreeShape.clamped(8, 4, 4)
+    from test_sampling import run_job
+
     job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=24, sampling=sampling, eos_token_ids=frozenset(),
               max_len=engine.max_len, logprobs=logprobs)
-    tokens: list[int] = []
-    entries: list[m.TokenLogprob] = []
-
-    def emit(new: list[int], new_logprobs: list[m.TokenLogprob]) -> bool:
-        tokens.extend(new)
-        entries.extend(new_logprobs)
-        return False
-
-    with local_workers(engine, drafter, shape) as (cpu, gpu):
-        if gpu is None:
-            generate_ar(cpu, job, emit)
-        else:
-            generate_dovetail(cpu, gpu, job, shape, emit)
-    return tokens, entries
+    return run_job(engine, drafter, job, TreeShape.clamped(8, 4, 4))
 
 
 @pytest.mark.parametrize("sampling", [m.Sampling(), m.Sampling(temperature=0.8, top_k=20, seed=5)])

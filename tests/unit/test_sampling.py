@@ -399,15 +399,26 @@ def run_cycle(engine, drafter, prompt: list[int], count: int, params: Sampling, 
     """``count`` tokens from the coordinator's own cycle (generation.py) over in-process
     workers (messages through the codec, features through shared-memory rings): dovetail
     mode with a drafter, ar mode without."""
-    from dovetail_runtime.generation import Job, generate_ar, generate_dovetail
-    from dovetail_runtime.local_workers import local_workers
+    from dovetail_runtime.generation import Job
 
     job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=msgspec.structs.replace(params, seed=seed),
               eos_token_ids=frozenset(), max_len=engine.max_len)
-    emitted: list[int] = []
+    tokens, _ = run_job(engine, drafter, job, shape)
+    return tuple(tokens)
 
-    def emit(tokens: list[int], _logprobs) -> bool:
-        emitted.extend(tokens)
+
+def run_job(engine, drafter, job, shape: TreeShape) -> tuple[list[int], list[m.TokenLogprob]]:
+    """(tokens, logprob entries) of ``job`` run alone by the coordinator's cycle over in-process
+    workers: dovetail with a drafter, ar without."""
+    from dovetail_runtime.generation import generate_ar, generate_dovetail
+    from dovetail_runtime.local_workers import local_workers
+
+    tokens: list[int] = []
+    entries: list[m.TokenLogprob] = []
+
+    def emit(new: list[int], new_logprobs: list[m.TokenLogprob]) -> bool:
+        tokens.extend(new)
+        entries.extend(new_logprobs)
         return False
 
     with local_workers(engine, drafter, shape) as (cpu, gpu):
@@ -415,7 +426,7 @@ def run_cycle(engine, drafter, prompt: list[int], count: int, params: Sampling, 
             generate_ar(cpu, job, emit)
         else:
             generate_dovetail(cpu, gpu, job, shape, emit)
-    return tuple(emitted)
+    return tokens, entries
 
 
 def sample_dovetail(engine, drafter, prompt, count, params, seed):
