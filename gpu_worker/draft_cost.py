@@ -24,6 +24,11 @@ from ipc.tree import TreeShape
 from .drafter import Drafter
 
 ACCEPTED_PAIRS = 3  # a typical cycle's accepted tokens + bonus
+# In a cycle the draft waits out the target's verify pass before each step, and a step after such a wait
+# costs more than one right after another (its threads asleep, OpenMP's waits being passive or short): the
+# real pair's head at depth 1 (2 cores, Zen 3) took 1.2-2.0 ms back to back, 2.4-3.0 ms (best) after 8 ms
+# idle, 3.3-3.7 ms in the runtime's cycles. Each timed step comes after this long idle.
+IDLE_MS = 10.0
 # The drafter's sources whose changes change what a draft step costs (this file: how it is measured).
 DRAFT_SOURCES = ("drafter.py", "head.py", "eagle3.py", "tree.py", "head_placer.py", "draft_cost.py")
 
@@ -59,9 +64,11 @@ def measuring_prefix(drafter: Drafter) -> int:
 
 
 @torch.inference_mode()
-def measure_draft_ms(drafter: Drafter, depths: Sequence[int], top_k: int, repeats: int = 2) -> list[float]:
+def measure_draft_ms(drafter: Drafter, depths: Sequence[int], top_k: int, repeats: int = 2,
+                     idle_ms: float = IDLE_MS) -> list[float]:
     """Milliseconds per draft step (the best of ``repeats``) for each depth, with beam
-    ``top_k``. Leaves the drafter empty (any sequence it held is gone)."""
+    ``top_k``, each step after ``idle_ms`` idle (as in a cycle). Leaves the drafter empty (any
+    sequence it held is gone)."""
     spec = drafter.head.spec
     generator = torch.Generator().manual_seed(0)
     prefix = measuring_prefix(drafter)
@@ -86,6 +93,7 @@ def measure_draft_ms(drafter: Drafter, depths: Sequence[int], top_k: int, repeat
             if drafter.length + ACCEPTED_PAIRS > drafter.max_len:
                 start()
             features, tokens = pairs(ACCEPTED_PAIRS)
+            time.sleep(idle_ms / 1e3)
             began = time.perf_counter()
             drafter.extend(features, tokens)
             drafter.propose(shape)  # ends with a copy to the CPU: synchronised on CUDA too
