@@ -27,7 +27,8 @@ ACCEPTED_PAIRS = 3  # a typical cycle's accepted tokens + bonus
 # In a cycle the draft waits out the target's verify pass before each step, and a step after such a wait
 # costs more than one right after another (its threads asleep, OpenMP's waits being passive or short): the
 # real pair's head at depth 1 (2 cores, Zen 3) took 1.2-2.0 ms back to back, 2.4-3.0 ms (best) after 8 ms
-# idle, 3.3-3.7 ms in the runtime's cycles. Each timed step comes after this long idle.
+# idle, and in the runtime's cycles 2.5 ms (the online curve's lower quartile) to 3.7 ms. Each timed step
+# comes after this long idle.
 IDLE_MS = 10.0
 # The drafter's sources whose changes change what a draft step costs (this file: how it is measured).
 DRAFT_SOURCES = ("drafter.py", "head.py", "eagle3.py", "tree.py", "head_placer.py", "draft_cost.py")
