@@ -62,7 +62,8 @@ def run(engine, drafter, prompt: list[int], sampling: m.Sampling, logprobs: int 
 
     job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=24, sampling=sampling, eos_token_ids=frozenset(),
               max_len=engine.max_len, logprobs=logprobs)
-    return run_job(engine, drafter, job, TreeShape.clamped(8, 4, 4))
+    tokens, entries, _ = run_job(engine, drafter, job, TreeShape.clamped(8, 4, 4))
+    return tokens, entries
 
 
 @pytest.mark.parametrize("sampling", [m.Sampling(), m.Sampling(temperature=0.8, top_k=20, seed=5)])

@@ -200,23 +200,15 @@ def greedy_job(engine, prompt: list[int], count: int):
 
 def run(engine, drafter, prompt: list[int], count: int, params: Sampling, lookup_tokens: int,
         shape: TreeShape = TreeShape.clamped(3, 2, 1)):
-    from dovetail_runtime.generation import Job, generate_ar, generate_dovetail
-    from dovetail_runtime.local_workers import local_workers
+    """(tokens, stats) with prompt lookup's ``lookup_tokens``: dovetail with a drafter, ar (lookup decoding) without."""
+    from dovetail_runtime.generation import Job
+
+    from test_sampling import run_job
 
     job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=params, eos_token_ids=frozenset(),
               max_len=engine.max_len)
-    emitted: list[int] = []
-
-    def emit(tokens: list[int], _logprobs) -> bool:
-        emitted.extend(tokens)
-        return False
-
-    with local_workers(engine, drafter, shape, lookup_tokens=lookup_tokens) as (cpu, gpu):
-        if gpu is None:
-            _, stats = generate_ar(cpu, job, emit)
-        else:
-            _, stats = generate_dovetail(cpu, gpu, job, shape, emit, lookup_tokens=lookup_tokens)
-    return emitted, stats
+    tokens, _, stats = run_job(engine, drafter, job, shape, lookup_tokens)
+    return tokens, stats
 
 
 def test_greedy_with_lookup_emits_ars_tokens_and_lookup_adds_some(tiny_pair):

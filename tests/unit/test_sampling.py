@@ -403,13 +403,13 @@ def run_cycle(engine, drafter, prompt: list[int], count: int, params: Sampling, 
 
     job = Job(seq_id=1, prompt_ids=prompt, max_new_tokens=count, sampling=msgspec.structs.replace(params, seed=seed),
               eos_token_ids=frozenset(), max_len=engine.max_len)
-    tokens, _ = run_job(engine, drafter, job, shape)
+    tokens, _, _ = run_job(engine, drafter, job, shape)
     return tuple(tokens)
 
 
-def run_job(engine, drafter, job, shape: TreeShape) -> tuple[list[int], list[m.TokenLogprob]]:
-    """(tokens, logprob entries) of ``job`` run alone by the coordinator's cycle over in-process
-    workers: dovetail with a drafter, ar without."""
+def run_job(engine, drafter, job, shape: TreeShape, lookup_tokens: int = 0):
+    """(tokens, logprob entries, stats) of ``job`` run alone by the coordinator's cycle over in-process
+    workers: dovetail with a drafter, ar without (each with prompt lookup's ``lookup_tokens``)."""
     from dovetail_runtime.generation import generate_ar, generate_dovetail
     from dovetail_runtime.local_workers import local_workers
 
@@ -421,12 +421,12 @@ def run_job(engine, drafter, job, shape: TreeShape) -> tuple[list[int], list[m.T
         entries.extend(new_logprobs)
         return False
 
-    with local_workers(engine, drafter, shape) as (cpu, gpu):
+    with local_workers(engine, drafter, shape, lookup_tokens=lookup_tokens) as (cpu, gpu):
         if gpu is None:
-            generate_ar(cpu, job, emit)
+            _, stats = generate_ar(cpu, job, emit, lookup_tokens=lookup_tokens)
         else:
-            generate_dovetail(cpu, gpu, job, shape, emit)
-    return tokens, entries
+            _, stats = generate_dovetail(cpu, gpu, job, shape, emit, lookup_tokens=lookup_tokens)
+    return tokens, entries, stats
 
 
 def sample_dovetail(engine, drafter, prompt, count, params, seed):
